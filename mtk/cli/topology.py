@@ -1,0 +1,37 @@
+"""``mtk topology``: print the Megatron rank layout for a world size, TP and PP degree (no processes)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from mtk.parallel.layout import Layout
+
+_TITLES = {"tp": "tensor-parallel", "dp": "data-parallel", "pp": "pipeline-parallel", "mp": "model-parallel (TP x PP)",
+           "embedding": "embedding (first + last stage)"}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "topology",
+        help="print the TP/DP/PP/model-parallel/embedding groups of a layout",
+        description="Print which global ranks form each process group (TP fastest, then DP, then PP).",
+    )
+    parser.add_argument("--world", type=int, required=True, help="total number of processes")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
+    parser.add_argument("--json", action="store_true", help="print the groups as JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    layout = Layout(world_size=args.world, tp_size=args.tp, pp_size=args.pp)
+    groups = {kind: layout.groups(kind) for kind in _TITLES}
+    if args.json:
+        print(json.dumps({"world": layout.world_size, "tp": layout.tp_size, "pp": layout.pp_size,
+                          "dp": layout.dp_size, "groups": groups}))
+        return 0
+    print(f"world {layout.world_size} = tp {layout.tp_size} x dp {layout.dp_size} x pp {layout.pp_size}")
+    for kind, title in _TITLES.items():
+        print(f"{title} groups ({len(groups[kind])}): " + " ".join(str(g) for g in groups[kind]))
+    return 0

@@ -1,0 +1,230 @@
+"""The topology of a running job: the rank layout, this rank's coordinates and its process groups.
+
+One :class:`ParallelState` is built per process and passed explicitly to whatever needs a group
+(layers take their group in the constructor; nothing looks groups up from module globals). It also
+implements the Megatron ``mpu`` protocol DeepSpeed expects, so ``deepspeed.initialize(mpu=state)``
+makes ZeRO partition over the data-parallel group only.
+
+Backends are never hard-coded: the default process group is created with torch's per-device default
+(gloo for CPU tensors, NCCL for CUDA tensors), and sub-groups inherit it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from mtk.config import ParallelConfig
+from mtk.parallel.layout import Layout, LayoutError
+
+__all__ = ["ParallelState", "default_device", "init_distributed"]
+
+_KINDS = ("tp", "dp", "pp", "mp", "embedding")
+
+
+def default_device(local_rank: int = 0) -> torch.device:
+    """This process's accelerator (``cuda:<local_rank>``, ...) when one exists, else the CPU."""
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, local_rank % max(torch.accelerator.device_count(), 1))
+
+
+def init_distributed(env: Mapping[str, str] | None = None) -> None:
+    """Create the default process group from the launcher's environment (torchrun, accelerate, deepspeed).
+
+    Does nothing when a group already exists or when the job is a single process without launcher
+    variables. The backend is left to torch's per-device default so the same call works on CPU
+    (gloo) and CUDA (NCCL).
+    """
+    env = os.environ if env is None else env
+    if dist.is_initialized():
+        return
+    world_size = int(env.get("WORLD_SIZE", "1"))
+    if world_size == 1 and "MASTER_ADDR" not in env:
+        return
+    device = default_device(int(env.get("LOCAL_RANK", "0")))
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
+    dist.init_process_group()
+
+
+class ParallelState:
+    """Rank layout + process groups of one process. Build it with :meth:`build` or :meth:`from_env`.
+
+    Vocabulary, used everywhere in mtk: ``tp_rank``/``tp_size``/``tp_group`` and the same for ``dp``
+    and ``pp``; ``mp`` is the model-parallel (TP x PP) group; the embedding group joins the first
+    and last pipeline stages (``None`` on ranks outside it).
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        rank: int,
+        groups: Mapping[str, dist.ProcessGroup | None],
+        device: torch.device,
+        config: ParallelConfig | None = None,
+    ) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.device = device
+        self.config = config or ParallelConfig(tp_size=layout.tp_size, pp_size=layout.pp_size)
+        coords = layout.coords(rank)
+        self.tp_rank, self.dp_rank, self.pp_rank = coords.tp_rank, coords.dp_rank, coords.pp_rank
+        self.tp_ranks = layout.group_of("tp", rank)
+        self.dp_ranks = layout.group_of("dp", rank)
+        self.pp_ranks = layout.group_of("pp", rank)
+        self.mp_ranks = layout.group_of("mp", rank)
+        self.embedding_ranks = layout.group_of("embedding", rank)
+        self.tp_group = groups.get("tp")
+        self.dp_group = groups.get("dp")
+        self.pp_group = groups.get("pp")
+        self.mp_group = groups.get("mp")
+        self.embedding_group = groups.get("embedding")
+
+    # ----------------------------------------------------------------------------------- building
+    @classmethod
+    def build(
+        cls,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        *,
+        config: ParallelConfig | None = None,
+        device: torch.device | None = None,
+    ) -> ParallelState:
+        """Create every TP/DP/PP/MP/embedding group. Collective: all ranks must call it together.
+
+        Without an initialized process group the job must be a single process; the groups are then
+        ``None`` and every collective in mtk is skipped.
+        """
+        if config is not None:
+            tp_size, pp_size = config.tp_size, config.pp_size
+        if dist.is_initialized():
+            world_size, rank = dist.get_world_size(), dist.get_rank()
+        else:
+            world_size, rank = 1, 0
+        layout = Layout(world_size=world_size, tp_size=tp_size, pp_size=pp_size)
+        if device is None:
+            device = default_device(int(os.environ.get("LOCAL_RANK", "0")))
+        groups: dict[str, dist.ProcessGroup | None] = dict.fromkeys(_KINDS)
+        if dist.is_initialized():
+            # dist.new_group is collective over the whole world: every rank creates every group, in
+            # the same order, and keeps the one it belongs to.
+            for kind in _KINDS:
+                for ranks in layout.groups(kind):
+                    group = dist.new_group(ranks=ranks)
+                    if rank in ranks:
+                        groups[kind] = group
+        return cls(layout, rank, groups, device, config)
+
+    @classmethod
+    def from_env(cls, config: ParallelConfig | None = None, env: Mapping[str, str] | None = None) -> ParallelState:
+        """Initialize torch.distributed from the launcher's variables and build the groups.
+
+        TP/PP sizes come from ``config`` or, by default, from the ``MEGATRON_LM_*`` variables that
+        ``accelerate launch`` exports for a ``megatron_lm_config`` block.
+        """
+        init_distributed(env)
+        return cls.build(config=config or ParallelConfig.from_env(env))
+
+    def destroy(self) -> None:
+        """Release the sub-groups this state created (the default group is left to its owner)."""
+        if not dist.is_initialized():
+            return
+        for group in {id(g): g for g in (self.tp_group, self.dp_group, self.pp_group, self.mp_group) if g}.values():
+            dist.destroy_process_group(group)
+
+    # ---------------------------------------------------------------------------------- shortcuts
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp_size
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def validate_divisible(self, what: str, value: int) -> None:
+        """Raise a one-line error when ``value`` (heads, vocab, ...) cannot be split ``tp_size`` ways."""
+        if value % self.tp_size:
+            valid = [n for n in range(1, value + 1) if value % n == 0]
+            raise LayoutError(
+                f"{what} = {value} is not divisible by tp = {self.tp_size}; valid tp sizes for this model: {valid}"
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"ParallelState(rank={self.rank}, world={self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
+            f"dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size}, device={self.device})"
+        )
+
+    # ------------------------------------------------- Megatron ``mpu`` protocol, used by DeepSpeed
+    def get_tensor_model_parallel_group(self) -> dist.ProcessGroup | None:
+        return self.tp_group
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.tp_rank
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.tp_size
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        """Global rank of TP rank 0 in this rank's TP group (the source of TP broadcasts)."""
+        return self.tp_ranks[0]
+
+    def get_pipeline_model_parallel_group(self) -> dist.ProcessGroup | None:
+        return self.pp_group
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.pp_rank
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.pp_size
+
+    # DeepSpeed's pipeline grid spells these "pipe".
+    get_pipe_parallel_group = get_pipeline_model_parallel_group
+    get_pipe_parallel_rank = get_pipeline_model_parallel_rank
+    get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup | None:
+        return self.dp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_size
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self.dp_ranks)
+
+    def get_model_parallel_group(self) -> dist.ProcessGroup | None:
+        """TP x PP group: DeepSpeed reduces overflow flags and grad norms of sharded params over it."""
+        return self.mp_group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.mp_ranks.index(self.rank)
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def get_embedding_group(self) -> dist.ProcessGroup | None:
+        return self.embedding_group

@@ -1,0 +1,31 @@
+"""The ``mtk`` console script, run as a user types it."""
+
+import json
+import subprocess
+import sys
+
+
+def _mtk(*args):
+    return subprocess.run([sys.executable, "-m", "mtk.cli.main", *args], capture_output=True, text=True)
+
+
+def test_help_lists_subcommands():
+    out = _mtk("--help")
+    assert out.returncode == 0
+    assert "topology" in out.stdout
+
+
+def test_topology_json_matches_layout():
+    out = _mtk("topology", "--world", "16", "--tp", "2", "--pp", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["dp"] == 2
+    assert data["groups"]["pp"][0] == [0, 4, 8, 12]
+
+
+def test_topology_bad_input_is_one_line_and_nonzero():
+    out = _mtk("topology", "--world", "6", "--tp", "4")
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0
+    assert "not divisible by tp*pp" in out.stderr
+    assert "Traceback" not in out.stderr
