@@ -7,8 +7,13 @@ import json
 
 from mtk.parallel.layout import Layout
 
-_TITLES = {"tp": "tensor-parallel", "dp": "data-parallel", "pp": "pipeline-parallel", "mp": "model-parallel (TP x PP)",
-           "embedding": "embedding (first + last stage)"}
+_TITLES = {
+    "tp": "tensor-parallel",
+    "dp": "data-parallel",
+    "pp": "pipeline-parallel",
+    "mp": "model-parallel (TP x PP)",
+    "embedding": "embedding (first + last stage)",
+}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,8 +33,17 @@ def run(args: argparse.Namespace) -> int:
     layout = Layout(world_size=args.world, tp_size=args.tp, pp_size=args.pp)
     groups = {kind: layout.groups(kind) for kind in _TITLES}
     if args.json:
-        print(json.dumps({"world": layout.world_size, "tp": layout.tp_size, "pp": layout.pp_size,
-                          "dp": layout.dp_size, "groups": groups}))
+        print(
+            json.dumps(
+                {
+                    "world": layout.world_size,
+                    "tp": layout.tp_size,
+                    "pp": layout.pp_size,
+                    "dp": layout.dp_size,
+                    "groups": groups,
+                }
+            )
+        )
         return 0
     print(f"world {layout.world_size} = tp {layout.tp_size} x dp {layout.dp_size} x pp {layout.pp_size}")
     for kind, title in _TITLES.items():

@@ -194,9 +194,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         self.sequence_dim = sequence_dim
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features // self.tp_size, device=device, dtype=dtype)
-        )
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp_size, device=device, dtype=dtype))
         mark_tensor_parallel(self.weight, partition_dim=1)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
@@ -240,7 +238,8 @@ class RowParallelLinear(nn.Module):
         return (
             f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
             f"bias={self.bias is not None}, tp_rank={self.tp_rank}/{self.tp_size}, "
-            f"input_is_parallel={self.input_is_parallel}" + (", sequence_parallel=True" if self.sequence_parallel else "")
+            f"input_is_parallel={self.input_is_parallel}"
+            + (", sequence_parallel=True" if self.sequence_parallel else "")
         )
 
 
@@ -308,7 +307,9 @@ class VocabParallelEmbedding(nn.Module):
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor) -> None:
         if weight.shape[0] != self.num_embeddings:
-            raise ValueError(f"embedding has {weight.shape[0]} rows, expected the vocabulary size {self.num_embeddings}")
+            raise ValueError(
+                f"embedding has {weight.shape[0]} rows, expected the vocabulary size {self.num_embeddings}"
+            )
         self.weight.copy_(self.shard(weight))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -92,7 +92,9 @@ def vocab_parallel_cross_entropy(
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if logits.shape[:-1] != target.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree before the vocab dim")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree before the vocab dim"
+        )
     if vocab_start is None:
         vocab_start = group_rank(tp_group) * logits.shape[-1]
     if vocab_size is None:
