@@ -9,20 +9,25 @@ from mtk.parallel.comm import (
     scatter_to_sequence,
     scatter_to_tp,
 )
-from mtk.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from mtk.parallel.embedding import VocabParallelEmbedding, padded_vocab_size
+from mtk.parallel.grads import share_params_across_tp, sync_sequence_parallel_grads
+from mtk.parallel.layers import ColumnParallelLinear, KVReplicatedColumnLinear, RowParallelLinear
 from mtk.parallel.layout import Layout, LayoutError
 from mtk.parallel.loss import vocab_parallel_cross_entropy
 from mtk.parallel.random import TP_STREAM, RNGStreams, seed_everything_parallel
+from mtk.parallel.sharding import ShardSpec
 from mtk.parallel.state import ParallelState, default_device, init_distributed
 from mtk.parallel.trace import count_collectives
 
 __all__ = [
     "ColumnParallelLinear",
+    "KVReplicatedColumnLinear",
     "Layout",
     "LayoutError",
     "ParallelState",
     "RNGStreams",
     "RowParallelLinear",
+    "ShardSpec",
     "TP_STREAM",
     "VocabParallelEmbedding",
     "copy_to_tp",
@@ -31,10 +36,13 @@ __all__ = [
     "gather_from_sequence",
     "gather_from_tp",
     "init_distributed",
+    "padded_vocab_size",
     "reduce_from_tp",
     "reduce_scatter_to_sequence",
     "scatter_to_sequence",
     "scatter_to_tp",
     "seed_everything_parallel",
+    "share_params_across_tp",
+    "sync_sequence_parallel_grads",
     "vocab_parallel_cross_entropy",
 ]

@@ -1,11 +1,14 @@
-"""Tensor-parallel Linear and Embedding layers (Megatron-LM, Shoeybi et al., 2019, section 3).
+"""Tensor-parallel linear layers (Megatron-LM, Shoeybi et al., 2019, section 3).
 
 Every layer receives its TP group in the constructor and keeps only this rank's shard of the
-weights. Parameters carry Megatron's attributes (``tensor_model_parallel``, ``partition_dim``) so
-DeepSpeed and mtk's gradient clipping count a sharded parameter's norm once across TP ranks.
+weights, described by a :class:`~mtk.parallel.sharding.ShardSpec` per parameter (the same spec cuts
+a shard from a full tensor, reads it lazily from safetensors, and puts shards back together for
+export). Parameters carry Megatron's attributes (``tensor_model_parallel``, ``partition_dim``) so
+DeepSpeed and mtk's gradient clipping know a sharded parameter's norm is split across TP ranks.
 
-Weights are stored as ``nn.Linear`` does, ``[out_features, in_features]``, so a column split is a
-split of dim 0 and a row split a split of dim 1.
+Weights are stored as ``nn.Linear`` does, ``[out, in]``, or with ``transposed=True`` as HF's
+``Conv1D`` does, ``[in, out]`` (GPT-2): the layout of the HF checkpoint is kept, so state-dict names
+and orientations stay HF's.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from torch import nn
 
 from mtk.parallel.comm import (
     Group,
-    all_reduce,
     copy_to_tp,
     gather_from_sequence,
     gather_from_tp,
@@ -29,14 +31,14 @@ from mtk.parallel.comm import (
     reduce_scatter_to_sequence,
     scatter_to_tp,
 )
+from mtk.parallel.sharding import REPLICATED, ShardSpec, take_shard
 
 __all__ = [
     "ColumnParallelLinear",
+    "KVReplicatedColumnLinear",
     "RowParallelLinear",
-    "VocabParallelEmbedding",
+    "ShardedModule",
     "mark_tensor_parallel",
-    "shard_rows_by_parts",
-    "sync_sequence_parallel_grads",
 ]
 
 
@@ -47,33 +49,33 @@ def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:
     param.partition_stride = 1
 
 
-def shard_rows_by_parts(full: torch.Tensor, parts: Sequence[int], tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This rank's rows of a dim-0-fused tensor: each part is split ``tp_size`` ways on its own.
+class ShardedModule(nn.Module):
+    """A module whose parameters are shards of full tensors described by :meth:`shard_spec`."""
 
-    A fused projection such as ``[q; k; v]`` must not be cut into thirds of the fused matrix: rank r
-    needs its slice of q, its slice of k and its slice of v, concatenated in that order.
-    """
-    if sum(parts) != full.shape[0]:
-        raise ValueError(f"parts {list(parts)} do not add up to the {full.shape[0]} rows of the fused tensor")
-    pieces = []
-    for part in full.split(list(parts), dim=0):
-        pieces.append(part.chunk(tp_size, dim=0)[tp_rank])  # [part/tp, ...]
-    return torch.cat(pieces, dim=0)
+    def shard_spec(self, name: str) -> ShardSpec:
+        raise NotImplementedError
 
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
 
-def _split_sizes(total: int, parts: Sequence[int] | None, tp_size: int, what: str) -> list[int]:
-    parts = list(parts) if parts else [total]
-    if sum(parts) != total:
-        raise ValueError(f"{what}: output_sizes {parts} must add up to out_features = {total}")
-    for size in parts:
-        if size % tp_size:
+    def shard(self, full: torch.Tensor, name: str = "weight") -> torch.Tensor:
+        """This rank's piece of the full tensor ``name`` (padding added where the spec asks)."""
+        if tuple(full.shape) != self.full_shape(name):
             raise ValueError(
-                f"{what}: output size {size} is not divisible by tp = {tp_size}; pick a tp size that divides it"
+                f"{type(self).__name__}.{name}: full tensor has shape {tuple(full.shape)}, "
+                f"expected {self.full_shape(name)}"
             )
-    return parts
+        return take_shard(self.shard_spec(name), tuple(full.shape), full.__getitem__)
+
+    @torch.no_grad()
+    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's slice of full (unsharded) tensors in."""
+        self.weight.copy_(self.shard(weight, "weight"))
+        if bias is not None:
+            self.bias.copy_(self.shard(bias, "bias"))
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(ShardedModule):
     """``Y = X A^T + b`` with ``A [out, in]`` split along its output rows (the columns of ``A^T``).
 
     Rank r computes ``Y_r = X A_r^T + b_r``, an exact slice of the output: no reduction is needed in
@@ -82,7 +84,8 @@ class ColumnParallelLinear(nn.Module):
     sequence and is all-gathered instead (its backward is a reduce-scatter).
 
     ``output_sizes`` describes a fused projection (``[q, k, v]``, ``[gate, up]``): each part is split
-    on its own so the local output is ``[q_r, k_r, v_r]``.
+    on its own so the local output is ``[q_r, k_r, v_r]``. ``pad_to_multiple_of`` pads the output
+    dimension (a vocabulary head) to a multiple of ``tp * pad_to_multiple_of`` with zero rows.
     """
 
     def __init__(
@@ -94,6 +97,8 @@ class ColumnParallelLinear(nn.Module):
         tp_group: Group,
         gather_output: bool = False,
         output_sizes: Sequence[int] | None = None,
+        pad_to_multiple_of: int | None = None,
+        transposed: bool = False,
         sequence_parallel: bool = False,
         sequence_dim: int = 1,
         device: torch.device | str | None = None,
@@ -103,41 +108,71 @@ class ColumnParallelLinear(nn.Module):
         self.tp_group = tp_group
         self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
         self.in_features, self.out_features = in_features, out_features
-        self.output_sizes = _split_sizes(out_features, output_sizes, self.tp_size, type(self).__name__)
-        self.gather_output = gather_output
+        self.output_sizes = list(output_sizes) if output_sizes else [out_features]
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.gather_output, self.transposed = gather_output, transposed
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         self.sequence_dim = sequence_dim
-        out_local = out_features // self.tp_size
-        self.weight = nn.Parameter(torch.empty(out_local, in_features, device=device, dtype=dtype))
-        mark_tensor_parallel(self.weight, partition_dim=0)
+        self._ranges, self.out_local = self._local_rows()
+        shape = (in_features, self.out_local) if transposed else (self.out_local, in_features)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        mark_tensor_parallel(self.weight, partition_dim=1 if transposed else 0)
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_local, device=device, dtype=dtype))
+            self.bias = nn.Parameter(torch.empty(self.out_local, device=device, dtype=dtype))
             mark_tensor_parallel(self.bias, partition_dim=0)
         else:
             self.register_parameter("bias", None)
         if self.weight.device.type != "meta":
             self.reset_parameters()
 
-    def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of a full ``[out, in]`` weight or ``[out]`` bias."""
-        return shard_rows_by_parts(full, self.output_sizes, self.tp_rank, self.tp_size)
+    def _local_rows(self) -> tuple[tuple[tuple[int, int], ...], int]:
+        """Ranges of the full output rows this rank computes, and the local (padded) row count."""
+        name = type(self).__name__
+        if sum(self.output_sizes) != self.out_features:
+            raise ValueError(f"{name}: output_sizes {self.output_sizes} must add up to {self.out_features}")
+        if self.pad_to_multiple_of:
+            if len(self.output_sizes) > 1:
+                raise ValueError(f"{name}: padding applies to a single (vocabulary) output, not fused parts")
+            multiple = self.tp_size * self.pad_to_multiple_of
+            per_rank = -(-self.out_features // multiple) * multiple // self.tp_size
+            start = self.tp_rank * per_rank
+            stop = min(start + per_rank, self.out_features)
+            return ((start, max(start, stop)),), per_rank
+        ranges, offset = [], 0
+        for size in self.output_sizes:
+            if size % self.tp_size:
+                raise ValueError(f"{name}: output size {size} is not divisible by tp = {self.tp_size}")
+            per_rank = size // self.tp_size
+            ranges.append((offset + self.tp_rank * per_rank, offset + (self.tp_rank + 1) * per_rank))
+            offset += size
+        return tuple(ranges), sum(stop - start for start, stop in ranges)
+
+    @property
+    def out_features_padded(self) -> int:
+        return self.out_local * self.tp_size
+
+    def shard_spec(self, name: str) -> ShardSpec:
+        dim = 1 if (name == "weight" and self.transposed) else 0
+        return ShardSpec(dim=dim, ranges=self._ranges, local_size=self.out_local)
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        if name == "bias":
+            return (self.out_features,)
+        return (self.in_features, self.out_features) if self.transposed else (self.out_features, self.in_features)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """nn.Linear's init of the *full* matrix, then sliced: same model at every tp size for one seed."""
         full = torch.empty(self.out_features, self.in_features, dtype=self.weight.dtype, device=self.weight.device)
         nn.init.kaiming_uniform_(full, a=math.sqrt(5))
-        self.weight.copy_(self.shard(full))
+        self.weight.copy_(self.shard(full.t() if self.transposed else full, "weight"))
         if self.bias is not None:
             bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
-            self.bias.copy_(self.shard(torch.empty(self.out_features, device=full.device).uniform_(-bound, bound)))
+            full_bias = torch.empty(self.out_features, device=full.device).uniform_(-bound, bound)
+            self.bias.copy_(self.shard(full_bias, "bias"))
 
-    @torch.no_grad()
-    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Copy this rank's slice of full (unsharded) weights in."""
-        self.weight.copy_(self.shard(weight))
-        if bias is not None:
-            self.bias.copy_(self.shard(bias))
+    def _weight_for_forward(self) -> torch.Tensor:
+        return self.weight.t() if self.transposed else self.weight  # [out/tp, in]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [b, s, in] (or [b, s/tp, in] with sequence parallelism)
@@ -145,21 +180,76 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence(x, self.tp_group, self.sequence_dim)  # [b, s, in]
         else:
             x = copy_to_tp(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)  # [b, s, out/tp]
+        y = F.linear(x, self._weight_for_forward(), self.bias)  # [b, s, out/tp]
         if self.gather_output:
             y = gather_from_tp(y, self.tp_group)  # [b, s, out] (per-part order when fused)
         return y
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features}, out_features={self.out_features} (local {self.weight.shape[0]}), "
+            f"in_features={self.in_features}, out_features={self.out_features} (local {self.out_local}), "
             f"bias={self.bias is not None}, tp_rank={self.tp_rank}/{self.tp_size}, gather_output={self.gather_output}"
             + (f", output_sizes={self.output_sizes}" if len(self.output_sizes) > 1 else "")
+            + (", transposed=True" if self.transposed else "")
             + (", sequence_parallel=True" if self.sequence_parallel else "")
         )
 
 
-class RowParallelLinear(nn.Module):
+class KVReplicatedColumnLinear(ColumnParallelLinear):
+    """A k or v projection when tp exceeds the number of kv heads (tp a multiple of them).
+
+    Each rank's query heads attend to one kv head: rank r holds kv head ``r // (tp / n_kv)`` whole,
+    so ``tp / n_kv`` ranks (a *kv group*) hold copies of each head. Forward is exact by construction.
+    Each copy receives only the gradient of its own query heads, and the true gradient is their sum,
+    so the weight passes through ``copy_to_tp`` over the kv group: identity forward, all-reduce of
+    the weight gradient backward. After backward every copy holds the full, identical gradient.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        num_kv_heads: int,
+        head_dim: int,
+        bias: bool = True,
+        *,
+        tp_group: Group,
+        kv_group: Group,
+        transposed: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.num_kv_heads, self.head_dim, self.kv_group = num_kv_heads, head_dim, kv_group
+        super().__init__(
+            in_features,
+            num_kv_heads * head_dim,
+            bias,
+            tp_group=tp_group,
+            transposed=transposed,
+            device=device,
+            dtype=dtype,
+        )
+        self.weight.tp_replicas = self.copies
+        if self.bias is not None:
+            self.bias.tp_replicas = self.copies
+
+    def _local_rows(self) -> tuple[tuple[tuple[int, int], ...], int]:
+        if self.tp_size % self.num_kv_heads:
+            raise ValueError(f"tp = {self.tp_size} is not a multiple of num_key_value_heads = {self.num_kv_heads}")
+        self.copies = self.tp_size // self.num_kv_heads
+        head = self.tp_rank // self.copies
+        return ((head * self.head_dim, (head + 1) * self.head_dim),), self.head_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.tp_group)  # [b, s, in]
+        weight = copy_to_tp(self._weight_for_forward(), self.kv_group)  # [head_dim, in]
+        bias = None if self.bias is None else copy_to_tp(self.bias, self.kv_group)
+        return F.linear(x, weight, bias)  # [b, s, head_dim]
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", kv_head={self.tp_rank // self.copies} (x{self.copies} copies)"
+
+
+class RowParallelLinear(ShardedModule):
     """``Y = X A^T + b`` with ``A [out, in]`` split along its input columns (the rows of ``A^T``).
 
     With X split the same way along its last dim, ``X A^T = sum_r X_r A_r^T``: each rank computes a
@@ -178,6 +268,7 @@ class RowParallelLinear(nn.Module):
         *,
         tp_group: Group,
         input_is_parallel: bool = True,
+        transposed: bool = False,
         sequence_parallel: bool = False,
         sequence_dim: int = 1,
         device: torch.device | str | None = None,
@@ -191,11 +282,13 @@ class RowParallelLinear(nn.Module):
                 f"{type(self).__name__}: in_features {in_features} is not divisible by tp = {self.tp_size}"
             )
         self.in_features, self.out_features = in_features, out_features
-        self.input_is_parallel = input_is_parallel
+        self.in_local = in_features // self.tp_size
+        self.input_is_parallel, self.transposed = input_is_parallel, transposed
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         self.sequence_dim = sequence_dim
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp_size, device=device, dtype=dtype))
-        mark_tensor_parallel(self.weight, partition_dim=1)
+        shape = (self.in_local, out_features) if transposed else (out_features, self.in_local)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        mark_tensor_parallel(self.weight, partition_dim=0 if transposed else 1)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
             self.bias.sequence_parallel = self.sequence_parallel
@@ -204,30 +297,32 @@ class RowParallelLinear(nn.Module):
         if self.weight.device.type != "meta":
             self.reset_parameters()
 
-    def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's columns of a full ``[out, in]`` weight."""
-        return full.chunk(self.tp_size, dim=1)[self.tp_rank]
+    def shard_spec(self, name: str) -> ShardSpec:
+        if name == "bias":
+            return REPLICATED
+        start = self.tp_rank * self.in_local
+        return ShardSpec(dim=0 if self.transposed else 1, ranges=((start, start + self.in_local),))
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        if name == "bias":
+            return (self.out_features,)
+        return (self.in_features, self.out_features) if self.transposed else (self.out_features, self.in_features)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         full = torch.empty(self.out_features, self.in_features, dtype=self.weight.dtype, device=self.weight.device)
         nn.init.kaiming_uniform_(full, a=math.sqrt(5))
-        self.weight.copy_(self.shard(full))
+        self.weight.copy_(self.shard(full.t() if self.transposed else full, "weight"))
         if self.bias is not None:
             bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
             self.bias.uniform_(-bound, bound)
-
-    @torch.no_grad()
-    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight.copy_(self.shard(weight))
-        if bias is not None:
-            self.bias.copy_(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [b, s, in/tp] (or [b, s, in] when not input_is_parallel)
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)  # [b, s, in/tp]
-        partial = F.linear(x, self.weight)  # [b, s, out], this rank's share of the sum
+        weight = self.weight.t() if self.transposed else self.weight  # [out, in/tp]
+        partial = F.linear(x, weight)  # [b, s, out], this rank's share of the sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(partial, self.tp_group, self.sequence_dim)  # [b, s/tp, out]
         else:
@@ -236,115 +331,9 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+            f"in_features={self.in_features} (local {self.in_local}), out_features={self.out_features}, "
             f"bias={self.bias is not None}, tp_rank={self.tp_rank}/{self.tp_size}, "
             f"input_is_parallel={self.input_is_parallel}"
+            + (", transposed=True" if self.transposed else "")
             + (", sequence_parallel=True" if self.sequence_parallel else "")
         )
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Embedding table ``E [V, h]`` split along the vocabulary: rank r owns rows ``[start_r, end_r)``.
-
-    Each rank looks up the tokens it owns, writes zeros for the others, and one all-reduce sums the
-    per-rank results: exactly one rank contributes a non-zero row per token, so the sum is the full
-    lookup. ``V`` is padded up to a multiple of ``tp * pad_to_multiple_of``; padded rows are zero, are
-    never looked up by a real token id, and never leave the layer (``num_embeddings`` stays the real
-    vocabulary size).
-    """
-
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        padding_idx: int | None = None,
-        *,
-        tp_group: Group,
-        pad_to_multiple_of: int = 1,
-        sequence_parallel: bool = False,
-        sequence_dim: int = 1,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.tp_group = tp_group
-        self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        multiple = self.tp_size * max(pad_to_multiple_of, 1)
-        self.num_embeddings_padded = -(-num_embeddings // multiple) * multiple
-        self.vocab_per_rank = self.num_embeddings_padded // self.tp_size
-        self.vocab_start = self.tp_rank * self.vocab_per_rank
-        self.vocab_end = self.vocab_start + self.vocab_per_rank
-        self.padding_idx = padding_idx
-        in_range = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
-        self.local_padding_idx = padding_idx - self.vocab_start if in_range else None
-        self.sequence_parallel = sequence_parallel and self.tp_size > 1
-        self.sequence_dim = sequence_dim
-        self.weight = nn.Parameter(torch.empty(self.vocab_per_rank, embedding_dim, device=device, dtype=dtype))
-        mark_tensor_parallel(self.weight, partition_dim=0)
-        if self.weight.device.type != "meta":
-            self.reset_parameters()
-
-    def pad(self, full: torch.Tensor) -> torch.Tensor:
-        """Append zero rows to a ``[V, ...]`` tensor up to the padded vocabulary size."""
-        extra = self.num_embeddings_padded - full.shape[0]
-        if extra == 0:
-            return full
-        return torch.cat([full, full.new_zeros(extra, *full.shape[1:])], dim=0)
-
-    def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a full ``[V, h]`` table (padding added first)."""
-        return self.pad(full)[self.vocab_start : self.vocab_end]
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        full = torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.weight.dtype, device=self.weight.device)
-        nn.init.normal_(full)
-        if self.padding_idx is not None:
-            full[self.padding_idx].zero_()
-        self.weight.copy_(self.shard(full))
-
-    @torch.no_grad()
-    def load_full(self, weight: torch.Tensor) -> None:
-        if weight.shape[0] != self.num_embeddings:
-            raise ValueError(
-                f"embedding has {weight.shape[0]} rows, expected the vocabulary size {self.num_embeddings}"
-            )
-        self.weight.copy_(self.shard(weight))
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # input_ids: [b, s] global token ids
-        if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight, self.padding_idx)  # [b, s, h]
-        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)  # [b, s]
-        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)  # [b, s]
-        out = F.embedding(local_ids, self.weight, self.local_padding_idx)  # [b, s, h]
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # zero rows this rank does not own
-        if self.sequence_parallel:
-            return reduce_scatter_to_sequence(out, self.tp_group, self.sequence_dim)  # [b, s/tp, h]
-        return reduce_from_tp(out, self.tp_group)  # [b, s, h]
-
-    def extra_repr(self) -> str:
-        return (
-            f"{self.num_embeddings} (padded {self.num_embeddings_padded}, local [{self.vocab_start}, "
-            f"{self.vocab_end})), {self.embedding_dim}, tp_rank={self.tp_rank}/{self.tp_size}"
-            + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
-        )
-
-
-def sync_sequence_parallel_grads(module: nn.Module, tp_group: Group) -> None:
-    """Sum, over the TP group, the grads of replicated params that only saw a slice of the sequence.
-
-    With sequence parallelism a replicated parameter applied to sequence-split activations (norm
-    weights, a row-parallel bias) receives on each rank the gradient of its own positions only; the
-    true gradient is the sum. Call after backward, before clipping and the optimizer step.
-    """
-    if group_size(tp_group) == 1:
-        return
-    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all of them
-    all_reduce(flat, tp_group)
-    for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
-        grad.copy_(chunk.view_as(grad))

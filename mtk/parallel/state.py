@@ -130,6 +130,27 @@ class ParallelState:
         init_distributed(env)
         return cls.build(config=config or ParallelConfig.from_env(env))
 
+    def tp_subgroup(self, size: int) -> dist.ProcessGroup | None:
+        """This rank's block of ``size`` consecutive ranks inside its TP group (created once, cached).
+
+        Used for kv heads replicated over ``tp / n_kv`` ranks. Collective on first use: every rank
+        creates the blocks of every TP group, in the same order.
+        """
+        if size < 1 or self.tp_size % size:
+            raise LayoutError(f"a TP sub-group of {size} ranks does not divide tp = {self.tp_size}")
+        cache = self.__dict__.setdefault("_tp_subgroups", {})
+        if size not in cache:
+            mine = None
+            if dist.is_initialized() and size > 1:
+                for tp_ranks in self.layout.tp_groups():
+                    for start in range(0, self.tp_size, size):
+                        block = tp_ranks[start : start + size]
+                        group = dist.new_group(ranks=block)
+                        if self.rank in block:
+                            mine = group
+            cache[size] = mine
+        return cache[size]
+
     def destroy(self) -> None:
         """Release the sub-groups this state created (the default group is left to its owner)."""
         if not dist.is_initialized():

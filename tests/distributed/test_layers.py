@@ -8,9 +8,16 @@ import pytest
 import torch
 from torch import nn
 
-from mtk.parallel import ColumnParallelLinear, ParallelState, RowParallelLinear, VocabParallelEmbedding
+from mtk.parallel import (
+    ColumnParallelLinear,
+    KVReplicatedColumnLinear,
+    ParallelState,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    share_params_across_tp,
+)
 from mtk.parallel.comm import split
-from mtk.parallel.layers import shard_rows_by_parts, sync_sequence_parallel_grads
+from mtk.parallel.grads import sync_sequence_parallel_grads
 from mtk.parallel.trace import count_collectives
 from mtk.testing import assert_close_rel, run_distributed
 
@@ -27,7 +34,7 @@ def _reference_run(module: nn.Module, x_full: torch.Tensor, grad_out_seed: int =
 
 
 def _column_checks(state: ParallelState) -> None:
-    group, rank, size = state.tp_group, state.tp_rank, state.tp_size
+    group, size = state.tp_group, state.tp_size
     torch.manual_seed(0)
     ref = nn.Linear(HIDDEN, FFN)
     x_full = torch.randn(BATCH, SEQ, HIDDEN)
@@ -42,7 +49,7 @@ def _column_checks(state: ParallelState) -> None:
     assert_close_rel(y, y_ref, "column gathered output")
     assert_close_rel(x.grad, gx_ref, "column input grad")
     assert_close_rel(col.weight.grad, col.shard(ref.weight.grad), "column weight grad")
-    assert_close_rel(col.bias.grad, col.shard(ref.bias.grad), "column bias grad")
+    assert_close_rel(col.bias.grad, col.shard(ref.bias.grad, "bias"), "column bias grad")
 
     # gather_output=False: this rank's slice of the output columns.
     col = ColumnParallelLinear(HIDDEN, FFN, tp_group=group)
@@ -58,7 +65,7 @@ def _column_checks(state: ParallelState) -> None:
     fused = ColumnParallelLinear(HIDDEN, FFN, tp_group=group, output_sizes=parts)
     fused.load_full(ref.weight, ref.bias)
     y = fused(x_full)
-    expected = shard_rows_by_parts(y_ref.movedim(-1, 0), parts, rank, size).movedim(0, -1)
+    expected = torch.cat([split(part, group, dim=-1) for part in y_ref.split(parts, dim=-1)], dim=-1)
     assert_close_rel(y, expected, "fused column output")
     q_cols = y[..., : 8 // size]
     assert_close_rel(q_cols, split(y_ref[..., :8], group, dim=-1), "fused column q part")
@@ -165,15 +172,99 @@ def _embedding_checks(state: ParallelState) -> dict:
     return {"forward": dict(fwd.counts()), "backward": dict(bwd.counts()), "padded": emb.num_embeddings_padded}
 
 
+def _conv1d_checks(state: ParallelState) -> None:
+    """HF's Conv1D (GPT-2) stores weights [in, out]: transposed=True keeps that layout, same math."""
+    from transformers.pytorch_utils import Conv1D
+
+    group = state.tp_group
+    torch.manual_seed(5)
+    up, down = Conv1D(FFN, HIDDEN), Conv1D(HIDDEN, FFN)  # Conv1D(nf=out, nx=in)
+    nn.init.normal_(up.bias)
+    nn.init.normal_(down.bias)
+    x_full = torch.randn(BATCH, SEQ, HIDDEN)
+    y_ref, gx_ref, upstream = _reference_run(nn.Sequential(up, nn.GELU(), down), x_full)
+    fused = ColumnParallelLinear(HIDDEN, FFN, tp_group=group, transposed=True, output_sizes=[8, 16])
+    assert fused.weight.shape == (HIDDEN, FFN // state.tp_size)
+    fused.load_full(up.weight, up.bias)
+    full_out = up(x_full)  # [b, s, FFN]
+    expected = torch.cat([split(part, group, dim=-1) for part in full_out.split([8, 16], dim=-1)], dim=-1)
+    assert_close_rel(fused(x_full), expected, "fused conv1d column output")
+
+    col = ColumnParallelLinear(HIDDEN, FFN, tp_group=group, transposed=True)
+    row = RowParallelLinear(FFN, HIDDEN, tp_group=group, transposed=True)
+    assert row.weight.shape == (FFN // state.tp_size, HIDDEN)
+    col.load_full(up.weight, up.bias)
+    row.load_full(down.weight, down.bias)
+    x = x_full.clone().requires_grad_()
+    y = row(nn.functional.gelu(col(x)))
+    (y * upstream).sum().backward()
+    assert_close_rel(y, y_ref, "conv1d MLP output")
+    assert_close_rel(x.grad, gx_ref, "conv1d MLP input grad")
+    assert_close_rel(col.weight.grad, col.shard(up.weight.grad), "conv1d column weight grad")
+    assert_close_rel(col.bias.grad, col.shard(up.bias.grad, "bias"), "conv1d column bias grad")
+    assert_close_rel(row.weight.grad, row.shard(down.weight.grad), "conv1d row weight grad")
+
+
+def _kv_replicated_checks(state: ParallelState) -> dict:
+    """tp > kv heads: each rank holds its kv head whole; weight grads are summed over its copies."""
+    group, r, tp = state.tp_group, state.tp_rank, state.tp_size
+    n_kv, head_dim = tp // 2, 4  # two copies of every kv head
+    kv_group = state.tp_subgroup(2)
+    torch.manual_seed(6)
+    ref = nn.Linear(HIDDEN, n_kv * head_dim)
+    x_full = torch.randn(BATCH, SEQ, HIDDEN)
+    ups = [torch.randn(BATCH, SEQ, head_dim, generator=torch.Generator().manual_seed(k)) for k in range(tp)]
+    layer = KVReplicatedColumnLinear(HIDDEN, n_kv, head_dim, tp_group=group, kv_group=kv_group)
+    layer.load_full(ref.weight, ref.bias)
+    x = x_full.clone().requires_grad_()
+    with count_collectives() as bwd_log:
+        y = layer(x)
+        (y * ups[r]).sum().backward()
+    head = r // 2
+    rows = slice(head * head_dim, (head + 1) * head_dim)
+    assert_close_rel(y, nn.functional.linear(x_full, ref.weight[rows], ref.bias[rows]), "kv output")
+    sharers = [k for k in range(tp) if k // 2 == head]
+    grad_w = sum(ups[k].reshape(-1, head_dim).t() @ x_full.reshape(-1, HIDDEN) for k in sharers)
+    assert_close_rel(layer.weight.grad, grad_w, "kv weight grad summed over copies")
+    assert_close_rel(layer.bias.grad, sum(ups[k].sum((0, 1)) for k in sharers), "kv bias grad")
+    w = ref.weight.detach()
+    grad_x = sum(ups[k] @ w[(k // 2) * head_dim : (k // 2 + 1) * head_dim] for k in range(tp))
+    assert_close_rel(x.grad, grad_x, "kv input grad")
+    return dict(bwd_log.counts())
+
+
+def _shared_param_checks(state: ParallelState) -> None:
+    """A replicated per-head norm applied to split heads: its grad is the sum over TP ranks."""
+    group = state.tp_group
+    torch.manual_seed(7)
+    heads, head_dim = 4, 6
+    norm_ref = nn.LayerNorm(head_dim)
+    nn.init.normal_(norm_ref.weight)
+    x_full = torch.randn(BATCH, SEQ, heads, head_dim)
+    upstream = torch.randn(BATCH, SEQ, heads, head_dim)
+    (norm_ref(x_full) * upstream).sum().backward()
+    norm = nn.LayerNorm(head_dim)
+    norm.load_state_dict(norm_ref.state_dict())
+    share_params_across_tp(norm, ["weight", "bias"], group)
+    local = lambda t: split(t, group, dim=2)  # noqa: E731  this rank's heads
+    (norm(local(x_full)) * local(upstream)).sum().backward()
+    assert list(norm.state_dict()) == ["weight", "bias"], "state-dict names unchanged"
+    assert_close_rel(norm.weight.grad, norm_ref.weight.grad, "shared norm weight grad")
+    assert_close_rel(norm.bias.grad, norm_ref.bias.grad, "shared norm bias grad")
+
+
 def _all_layer_checks(rank: int, world_size: int) -> dict:
     state = ParallelState.build(tp_size=world_size)
     assert state.tp_size == world_size
     _column_checks(state)
     _row_checks(state)
+    _conv1d_checks(state)
+    _shared_param_checks(state)
     return {
         "pair": _column_row_pair_checks(state),
         "sp": _sequence_parallel_checks(state),
         "embedding": _embedding_checks(state),
+        "kv_backward": _kv_replicated_checks(state),
     }
 
 
@@ -190,4 +281,6 @@ def test_parallel_layers_match_reference(tp):
         assert result["sp"]["backward"] == {"all_gather": 1, "reduce_scatter": 1}
         assert result["embedding"]["forward"] == {"all_reduce": 1}
         assert result["embedding"]["backward"] == {}
+        # input-grad all-reduce over TP + one weight and one bias grad all-reduce over the kv copies
+        assert result["kv_backward"] == {"all_reduce": 3}
         assert result["embedding"]["padded"] == -(-37 // (2 * tp)) * 2 * tp  # next multiple of tp*pad

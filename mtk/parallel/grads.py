@@ -1,0 +1,66 @@
+"""Gradients of replicated parameters that only saw part of the data inside a TP region.
+
+Two cases need the TP ranks' gradients summed:
+
+- sequence parallelism: norm weights and row-parallel biases applied to a slice of the sequence;
+  Megatron sums them after backward (:func:`sync_sequence_parallel_grads`);
+- a replicated parameter applied to split heads (Qwen3's per-head q/k norms): each rank only holds
+  some heads. :func:`share_params_across_tp` routes the parameters through ``copy_to_tp`` in forward,
+  so backward all-reduces their gradients automatically and ``loss.backward()`` alone is exact,
+  without renaming the parameters in the state dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from mtk.parallel.comm import Group, all_reduce, copy_to_tp, group_size
+
+__all__ = ["share_params_across_tp", "sync_sequence_parallel_grads"]
+
+
+def sync_sequence_parallel_grads(module: nn.Module, tp_group: Group) -> None:
+    """Sum, over the TP group, the grads of parameters marked ``sequence_parallel``.
+
+    Call after backward, before clipping and the optimizer step.
+    """
+    if group_size(tp_group) == 1:
+        return
+    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all of them
+    all_reduce(flat, tp_group)
+    for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(chunk.view_as(grad))
+
+
+class _SharedParamsForward:
+    """Instance ``forward`` that substitutes ``copy_to_tp(param)`` for the named parameters."""
+
+    def __init__(self, module: nn.Module, names: Sequence[str], tp_group: Group) -> None:
+        self.module, self.names, self.tp_group = module, tuple(names), tp_group
+        self.class_forward = type(module).forward
+        self.inside = False
+
+    def __call__(self, *args, **kwargs):
+        if self.inside:  # re-entered from functional_call: run the class's own forward
+            return self.class_forward(self.module, *args, **kwargs)
+        params = {name: copy_to_tp(getattr(self.module, name), self.tp_group) for name in self.names}
+        self.inside = True
+        try:
+            return torch.func.functional_call(self.module, params, args, kwargs)
+        finally:
+            self.inside = False
+
+
+def share_params_across_tp(module: nn.Module, names: Sequence[str], tp_group: Group) -> None:
+    """Make backward sum the gradients of ``module``'s parameters ``names`` over the TP group."""
+    if group_size(tp_group) == 1:
+        return
+    for name in names:
+        getattr(module, name).tp_shared = True
+    module.forward = _SharedParamsForward(module, names, tp_group)
