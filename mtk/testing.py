@@ -33,21 +33,26 @@ class DistributedTestError(AssertionError):
     """One or more workers failed or timed out; the message holds their tracebacks."""
 
 
-def max_rel_error(actual, expected) -> float:
-    """``max|actual - expected| / max|expected|``: one number per tensor, robust to tiny entries."""
+def max_rel_error(actual, expected, scale_floor: float = 0.0) -> float:
+    """``max|actual - expected| / max(max|expected|, scale_floor)``: one number per tensor.
+
+    ``scale_floor`` is for tensors whose exact value is (near) zero, e.g. the gradient of an attention
+    key bias, which softmax makes exactly zero: their entries are rounding noise, so they are measured
+    against the scale of the quantity they belong to (the model's largest gradient) instead.
+    """
     import torch
 
     actual, expected = torch.as_tensor(actual).double(), torch.as_tensor(expected).double()
     if actual.shape != expected.shape:
         raise AssertionError(f"shape mismatch: {tuple(actual.shape)} vs expected {tuple(expected.shape)}")
-    scale = expected.abs().max().item()
+    scale = max(expected.abs().max().item() if expected.numel() else 0.0, scale_floor)
     diff = (actual - expected).abs().max().item() if expected.numel() else 0.0
     return diff / scale if scale > 0 else diff
 
 
-def assert_close_rel(actual, expected, what: str = "tensor", tol: float = RTOL) -> float:
-    """Fail unless ``max_rel_error(actual, expected) <= tol``; returns the error for reporting."""
-    err = max_rel_error(actual, expected)
+def assert_close_rel(actual, expected, what: str = "tensor", tol: float = RTOL, scale_floor: float = 0.0) -> float:
+    """Fail unless ``max_rel_error(actual, expected, scale_floor) <= tol``; returns the error."""
+    err = max_rel_error(actual, expected, scale_floor)
     if not err <= tol:
         raise AssertionError(f"{what}: max relative error {err:.3e} > {tol:.0e}")
     return err

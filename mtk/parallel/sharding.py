@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ShardSpec", "REPLICATED", "take_shard"]
+__all__ = ["REPLICATED", "ShardSpec", "merge_shards", "take_shard"]
 
 
 @dataclass(frozen=True)
@@ -68,3 +68,28 @@ def take_shard(
         pad_shape[dim] = spec.local_size - local.shape[dim]
         local = torch.cat([local, local.new_zeros(pad_shape)], dim=dim)
     return local
+
+
+def merge_shards(pieces: list[tuple[torch.Tensor, ShardSpec]], full_shape: tuple[int, ...]) -> torch.Tensor:
+    """Rebuild a full tensor from every rank's ``(local tensor, spec)``; the inverse of :func:`take_shard`.
+
+    Padding is dropped. Ranges held by several ranks (replicated kv heads) must agree; the first is
+    kept. Raises when some part of the full tensor is held by nobody.
+    """
+    first_local, first_spec = pieces[0]
+    if first_spec.is_replicated:
+        return first_local.clone()
+    dim = first_spec.dim % len(full_shape)
+    full = first_local.new_empty(full_shape)
+    covered = torch.zeros(full_shape[dim], dtype=torch.bool)
+    for local, spec in pieces:
+        offset = 0
+        for start, stop in spec.ranges:
+            if stop > start and not bool(covered[start:stop].all()):
+                full.narrow(dim, start, stop - start).copy_(local.narrow(dim, offset, stop - start))
+                covered[start:stop] = True
+            offset += stop - start
+    if not bool(covered.all()):
+        missing = int((~covered).sum())
+        raise ValueError(f"shards cover {full_shape[dim] - missing} of {full_shape[dim]} entries along dim {dim}")
+    return full

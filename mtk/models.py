@@ -1,0 +1,118 @@
+"""Built-in model configs by name, and building a model from a name or a local HF directory.
+
+There is no model hub here: tests, ``mtk verify`` and the examples build small models from these
+configs with random weights (seeded, so every rank builds the same model), or load a local directory.
+The tiny configs use a 259-token vocabulary (256 bytes + 3 specials, matching mtk's byte tokenizer):
+an odd size, so vocabulary padding is exercised at every TP degree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    BertConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+__all__ = ["BUILTIN", "ModelSpecError", "auto_class_for", "builtin_config", "build_model", "resolve_config"]
+
+VOCAB = 259
+SPECIAL_TOKENS = dict(bos_token_id=256, eos_token_id=257, pad_token_id=258)
+
+
+class ModelSpecError(ValueError):
+    """``--model`` names neither a built-in config nor a usable local directory."""
+
+
+def _decoder(cls, **overrides) -> Callable[[], PretrainedConfig]:
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        **SPECIAL_TOKENS,
+    )
+    return lambda: cls(**{**base, **overrides})
+
+
+BUILTIN: dict[str, Callable[[], PretrainedConfig]] = {
+    "tiny-llama": _decoder(LlamaConfig),
+    "tiny-mistral": _decoder(MistralConfig, sliding_window=None),
+    "tiny-qwen2": _decoder(Qwen2Config, tie_word_embeddings=True),
+    "tiny-qwen3": _decoder(Qwen3Config, head_dim=16),
+    "tiny-gpt2": lambda: GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, **SPECIAL_TOKENS
+    ),
+    "tiny-bert": lambda: BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=256,
+        num_labels=2,
+        **SPECIAL_TOKENS,
+    ),
+    # ~216M parameters: large enough to show that a TP load reads only this rank's slices.
+    "llama-200m": _decoder(
+        LlamaConfig,
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_position_embeddings=2048,
+    ),
+}
+
+
+def builtin_config(name: str) -> PretrainedConfig:
+    if name not in BUILTIN:
+        raise ModelSpecError(f"unknown built-in model {name!r}; built-in names: {', '.join(BUILTIN)}")
+    return BUILTIN[name]()
+
+
+def resolve_config(spec: str | PretrainedConfig) -> PretrainedConfig:
+    """A config from a built-in name or a local HF directory (config.json only; no remote code)."""
+    if isinstance(spec, PretrainedConfig):
+        return spec
+    if spec in BUILTIN:
+        return builtin_config(spec)
+    path = Path(spec)
+    if not (path / "config.json").is_file():
+        raise ModelSpecError(
+            f"--model {spec!r} is neither a built-in config ({', '.join(BUILTIN)}) nor a local directory "
+            f"with a config.json"
+        )
+    return AutoConfig.from_pretrained(path, trust_remote_code=False)
+
+
+def auto_class_for(config: PretrainedConfig):
+    """Sequence classification for encoders with labels (BERT), causal LM otherwise."""
+    if getattr(config, "model_type", None) == "bert":
+        return AutoModelForSequenceClassification
+    return AutoModelForCausalLM
+
+
+def build_model(spec: str | PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A randomly initialized model from a built-in name or config, identical on every rank for ``seed``."""
+    config = resolve_config(spec)
+    config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    torch.manual_seed(seed)
+    return auto_class_for(config).from_config(config, dtype=dtype)

@@ -1,0 +1,247 @@
+"""Apply a :class:`~mtk.plans.base.Plan` to an HF model: the one generic conversion function.
+
+``parallelize(model, state)`` replaces the modules the rules name by parallel layers holding this
+rank's shard, fixes per-rank attributes, keeps tied embeddings tied, and installs the vocab-parallel
+loss. A model on the meta device is converted without allocating anything (its shards are then
+filled by :mod:`mtk.plans.loading`); a materialized model has each shard copied from its full weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mtk.parallel.embedding import VocabParallelEmbedding
+from mtk.parallel.grads import share_params_across_tp
+from mtk.parallel.layers import ColumnParallelLinear, KVReplicatedColumnLinear, RowParallelLinear, ShardedModule
+from mtk.parallel.state import ParallelState
+from mtk.plans.base import (
+    COLUMN,
+    KV_COLUMN,
+    LM_HEAD,
+    ROW,
+    TP_SHARED,
+    VOCAB,
+    HeadCounts,
+    Plan,
+    Rule,
+    UnsupportedModelError,
+    compile_pattern,
+)
+from mtk.plans.lm_head import LogitsGatherHook, VocabParallelCausalLMLoss
+
+__all__ = ["PlanContext", "materialize_", "parallelize_with"]
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """Per-rank sizes the rules and attribute fix-ups are written in."""
+
+    config: object
+    tp_size: int
+    counts: HeadCounts
+
+    @property
+    def heads_local(self) -> int:
+        return self.counts.num_heads // self.tp_size
+
+    @property
+    def kv_copies(self) -> int:
+        """Ranks holding each kv head: 1 when kv heads are split, tp / n_kv when replicated."""
+        kv = self.counts.num_kv_heads
+        return 1 if kv % self.tp_size == 0 else self.tp_size // kv
+
+    @property
+    def kv_local(self) -> int:
+        return max(self.counts.num_kv_heads // self.tp_size, 1)
+
+    @property
+    def head_dim(self) -> int:
+        return self.counts.head_dim
+
+    @property
+    def hidden_local(self) -> int:
+        return self.heads_local * self.counts.head_dim
+
+
+def materialize_(module: nn.Module, device: torch.device | str) -> None:
+    """Give every meta parameter real (uninitialized) storage on ``device``, keeping its attributes."""
+    for sub in module.modules():
+        for name, param in list(sub.named_parameters(recurse=False)):
+            if param.device.type == "meta":
+                real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                real.__dict__.update(param.__dict__)
+                setattr(sub, name, real)
+
+
+def _linear_dims(module: nn.Module, name: str) -> tuple[int, int, bool, bool]:
+    """(in_features, out_features, has_bias, transposed) of an nn.Linear or HF Conv1D."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, module.bias is not None, False
+    if type(module).__name__ == "Conv1D":  # transformers.pytorch_utils.Conv1D: weight [in, out]
+        n_in, n_out = module.weight.shape
+        return n_in, n_out, module.bias is not None, True
+    raise UnsupportedModelError(f"{name} is a {type(module).__name__}; a linear rule needs nn.Linear or Conv1D")
+
+
+def _build(rule: Rule, module: nn.Module, name: str, ctx: PlanContext, state: ParallelState, pad: int) -> nn.Module:
+    """The parallel replacement for ``module`` (on the meta device: shards are filled afterwards)."""
+    group, meta = state.tp_group, {"device": "meta", "dtype": None}
+    if rule.style == VOCAB:
+        if not isinstance(module, nn.Embedding):
+            raise UnsupportedModelError(f"{name} is a {type(module).__name__}; the vocab rule needs nn.Embedding")
+        meta["dtype"] = module.weight.dtype
+        return VocabParallelEmbedding(
+            module.num_embeddings,
+            module.embedding_dim,
+            module.padding_idx,
+            tp_group=group,
+            pad_to_multiple_of=pad,
+            **meta,
+        )
+    n_in, n_out, bias, transposed = _linear_dims(module, name)
+    meta["dtype"] = module.weight.dtype
+    if rule.style == COLUMN:
+        parts = rule.parts(ctx.config) if rule.parts else None
+        return ColumnParallelLinear(
+            n_in,
+            n_out,
+            bias,
+            tp_group=group,
+            output_sizes=parts,
+            transposed=transposed,
+            gather_output=rule.gather_output,
+            **meta,
+        )
+    if rule.style == KV_COLUMN:
+        if ctx.kv_copies == 1:
+            return ColumnParallelLinear(n_in, n_out, bias, tp_group=group, transposed=transposed, **meta)
+        kv_group = state.tp_subgroup(ctx.kv_copies)
+        return KVReplicatedColumnLinear(
+            n_in,
+            ctx.counts.num_kv_heads,
+            ctx.head_dim,
+            bias,
+            tp_group=group,
+            kv_group=kv_group,
+            transposed=transposed,
+            **meta,
+        )
+    if rule.style == ROW:
+        return RowParallelLinear(n_in, n_out, bias, tp_group=group, transposed=transposed, **meta)
+    if rule.style == LM_HEAD:
+        return ColumnParallelLinear(
+            n_in,
+            n_out,
+            bias,
+            tp_group=group,
+            pad_to_multiple_of=pad,
+            transposed=transposed,
+            gather_output=rule.gather_output,
+            **meta,
+        )
+    raise AssertionError(f"unhandled style {rule.style}")
+
+
+def _copy_shards(new: ShardedModule, old: nn.Module) -> None:
+    """Materialize ``new`` where ``old`` lives and copy this rank's slice of ``old``'s weights."""
+    device = old.weight.device
+    if device.type == "meta":
+        return
+    materialize_(new, device)
+    with torch.no_grad():
+        for name, param in new.named_parameters(recurse=False):
+            param.copy_(new.shard(getattr(old, name).detach(), name))
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def parallelize_with(
+    model: nn.Module,
+    state: ParallelState,
+    plan: Plan,
+    *,
+    logits: str = "auto",
+    pad_vocab_to_multiple_of: int = 1,
+) -> nn.Module:
+    """Convert ``model`` in place with an explicit ``plan`` (no plan lookup, no parity check)."""
+    config = model.config
+    counts = plan.head_counts(config)
+    problem = counts.problem(state.tp_size)
+    if problem:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: {problem}; valid tp sizes for this model: {counts.valid_tp_sizes(limit=64)}"
+        )
+    ctx = PlanContext(config=config, tp_size=state.tp_size, counts=counts)
+    embed_pattern = compile_pattern(plan.embedding) if plan.embedding else None
+    modules = dict(model.named_modules())
+    old_embedding = next((m.weight for n, m in modules.items() if embed_pattern and embed_pattern.match(n)), None)
+    tied_heads = [
+        n
+        for n, m in modules.items()
+        if old_embedding is not None and getattr(m, "weight", None) is old_embedding and not embed_pattern.match(n)
+    ]
+
+    matched: set[str] = set()
+    converted: dict[str, nn.Module] = {}
+    for name, module in modules.items():
+        rule = plan.rule_for(name) if name else None
+        if rule is None:
+            continue
+        matched.add(rule.pattern)
+        if rule.style == TP_SHARED:
+            share_params_across_tp(module, [n for n, _ in module.named_parameters(recurse=False)], state.tp_group)
+            continue
+        new = _build(rule, module, name, ctx, state, pad_vocab_to_multiple_of)
+        _copy_shards(new, module)
+        new.mtk_style = rule.style
+        _set_submodule(model, name, new)
+        converted[name] = new
+    missing = [r.pattern for r in plan.rules if not r.optional and r.pattern not in matched]
+    if missing:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: the {plan.name} rules {missing} match no module; this model needs its own rule "
+            f"file under mtk/plans/ (see README, 'Adding an architecture')"
+        )
+    untied = [n for n in tied_heads if n not in converted]
+    if untied:
+        raise UnsupportedModelError(f"{untied} are tied to the input embedding but no rule splits them")
+    _retie_embeddings(model, converted, old_embedding, tied_heads)
+    for name, module in model.named_modules():
+        for fix in plan.attr_fixes:
+            if fix.matches(name) and hasattr(module, fix.attr):
+                setattr(module, fix.attr, fix.value(ctx))
+    head = next((m for m in converted.values() if m.mtk_style == LM_HEAD and not m.gather_output), None)
+    if head is not None:
+        model.loss_function = VocabParallelCausalLMLoss(head)
+        model.register_forward_hook(LogitsGatherHook(head, logits), with_kwargs=True)
+    model.mtk_plan = plan.name
+    model.mtk_tp_size = state.tp_size
+    return model
+
+
+def _retie_embeddings(model: nn.Module, converted: dict, old_embedding, tied_heads: list[str]) -> None:
+    """Output embeddings that shared the input embedding's weight share its shard after conversion.
+
+    Ties are found by parameter identity before conversion (what HF's ``tie_weights`` produced), so
+    an untied model stays untied whatever its config says.
+    """
+    if old_embedding is None:
+        return
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param is old_embedding:
+            raise UnsupportedModelError(
+                f"{name} is tied to the input embedding but no rule splits it; add an lm_head rule for it"
+            )
+    embedding = next((m for m in converted.values() if m.mtk_style == VOCAB), None)
+    for name in tied_heads:
+        head = converted[name]
+        if embedding is None or head.weight.shape != embedding.weight.shape:
+            raise UnsupportedModelError(f"{name} cannot stay tied to the vocab-parallel embedding: shards differ")
+        head.weight = embedding.weight
+        head.mtk_tied = True

@@ -1,0 +1,149 @@
+"""Layer-replacement rules as data: module-name patterns mapped to a parallel style.
+
+A :class:`Plan` is a small value: which modules of an HF architecture become which parallel layer,
+which attributes of HF's own modules change (heads per rank), and how to read head counts from the
+config for validation. One generic function (:func:`mtk.plans.apply.parallelize`) applies any plan,
+and HF's forward code (rotary, sdpa/eager attention, masks) keeps running on the converted modules.
+
+Patterns name modules by their dotted path: ``*`` matches one path component, a leading ``**.``
+matches any prefix (so one rule covers ``LlamaModel`` and ``LlamaForCausalLM``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+__all__ = [
+    "COLUMN",
+    "KV_COLUMN",
+    "LM_HEAD",
+    "ROW",
+    "TP_SHARED",
+    "VOCAB",
+    "AttrFix",
+    "HeadCounts",
+    "Plan",
+    "Rule",
+    "UnsupportedModelError",
+    "compile_pattern",
+]
+
+# Parallel styles a rule can ask for.
+COLUMN = "column"  # split output features (q/k/v, gate/up, fused parts with ``parts``)
+KV_COLUMN = "kv_column"  # k/v projection: split by kv heads, or one kv head per rank when tp > n_kv
+ROW = "row"  # split input features (o_proj, down_proj); all-reduce after
+VOCAB = "vocab"  # vocabulary-parallel input embedding
+LM_HEAD = "lm_head"  # vocabulary-parallel output projection (tied to VOCAB when the model ties them)
+TP_SHARED = "tp_shared"  # replicated params applied to split heads (per-head q/k norms): grads summed over TP
+STYLES = (COLUMN, KV_COLUMN, ROW, VOCAB, LM_HEAD, TP_SHARED)
+
+
+class UnsupportedModelError(ValueError):
+    """The model (or this TP size) cannot be converted by any rule set."""
+
+
+@cache
+def compile_pattern(pattern: str) -> re.Pattern:
+    """``**.layers.*.mlp.up_proj`` -> regex matching ``model.layers.3.mlp.up_proj`` and ``layers.0.mlp.up_proj``."""
+    prefix = ""
+    if pattern.startswith("**."):
+        prefix, pattern = r"(?:.*\.)?", pattern[3:]
+    parts = [r"[^.]+" if p == "*" else re.escape(p) for p in pattern.split(".")]
+    return re.compile(prefix + r"\.".join(parts) + "$")
+
+
+@dataclass(frozen=True)
+class HeadCounts:
+    """The sizes a TP degree must divide (or, for kv heads, be a multiple of)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int | None = None
+
+    def valid_tp_sizes(self, limit: int = 64) -> list[int]:
+        return [tp for tp in range(1, limit + 1) if not self.problem(tp)]
+
+    def problem(self, tp: int) -> str | None:
+        """Why ``tp`` cannot split this model, or ``None`` when it can."""
+        if self.num_heads % tp:
+            return f"num_attention_heads = {self.num_heads} is not divisible by tp = {tp}"
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            return (
+                f"num_key_value_heads = {self.num_kv_heads} neither divides nor is divided by tp = {tp} "
+                f"(kv heads are split when tp divides them, replicated when tp is a multiple of them)"
+            )
+        if self.intermediate_size is not None and self.intermediate_size % tp:
+            return f"intermediate_size = {self.intermediate_size} is not divisible by tp = {tp}"
+        return None
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Modules whose dotted name matches ``pattern`` become ``style``.
+
+    Attributes:
+        pattern: module path pattern (``*`` one component, leading ``**.`` any prefix).
+        style: one of the STYLES.
+        parts: for a fused column: the sizes of its parts, from the config (e.g. ``[E, E, E]`` for
+            GPT-2's ``c_attn``), so each part is split on its own.
+        gather_output: gather the column's output (a head whose HF loss needs full logits).
+        optional: the rule may match nothing (e.g. Qwen3's q/k norms in a Qwen2 model).
+    """
+
+    pattern: str
+    style: str
+    parts: Callable[[Any], list[int]] | None = None
+    gather_output: bool = False
+    optional: bool = False
+
+    def __post_init__(self) -> None:
+        if self.style not in STYLES:
+            raise ValueError(f"unknown style {self.style!r}; expected one of {STYLES}")
+
+    def matches(self, name: str) -> bool:
+        return compile_pattern(self.pattern).match(name) is not None
+
+
+@dataclass(frozen=True)
+class AttrFix:
+    """Set ``attr`` on modules matching ``pattern`` to ``value(ctx)`` (e.g. heads per rank)."""
+
+    pattern: str
+    attr: str
+    value: Callable[[Any], Any]
+
+    def matches(self, name: str) -> bool:
+        return compile_pattern(self.pattern).match(name) is not None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything mtk needs to know to make one architecture family tensor-parallel.
+
+    Attributes:
+        name: family name shown in messages.
+        model_types: HF ``config.model_type`` values this plan serves.
+        rules: module-name rules, first match wins.
+        attr_fixes: attribute fix-ups on HF's own modules after conversion.
+        head_counts: reads the sizes TP must divide from the config.
+        embedding: pattern of the input embedding (for tying with the LM head).
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    rules: tuple[Rule, ...]
+    head_counts: Callable[[Any], HeadCounts]
+    attr_fixes: tuple[AttrFix, ...] = ()
+    embedding: str | None = None
+    notes: str = field(default="", compare=False)
+
+    def rule_for(self, name: str) -> Rule | None:
+        for rule in self.rules:
+            if rule.matches(name):
+                return rule
+        return None

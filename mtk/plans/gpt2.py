@@ -1,0 +1,35 @@
+"""GPT-2: Conv1D weights ([in, out], kept as HF stores them), a fused ``c_attn`` and a tied lm_head.
+
+``c_attn`` computes ``[q; k; v]`` in one matrix: it is split per part (each of q, k and v by heads),
+not into thirds of the fused matrix. GPT-2's attention splits the fused output with ``split_size``,
+so that attribute (and the head count) become per-rank values. Learned positions stay replicated.
+"""
+
+from mtk.plans.base import COLUMN, LM_HEAD, ROW, VOCAB, AttrFix, HeadCounts, Plan, Rule
+
+
+def gpt2_head_counts(config) -> HeadCounts:
+    return HeadCounts(
+        config.n_head, config.n_head, config.n_embd // config.n_head, config.n_inner or 4 * config.n_embd
+    )
+
+
+GPT2 = Plan(
+    name="gpt2",
+    model_types=("gpt2",),
+    rules=(
+        Rule("**.h.*.attn.c_attn", COLUMN, parts=lambda config: [config.n_embd] * 3),
+        Rule("**.h.*.attn.c_proj", ROW),
+        Rule("**.h.*.mlp.c_fc", COLUMN),
+        Rule("**.h.*.mlp.c_proj", ROW),
+        Rule("**.wte", VOCAB),
+        Rule("lm_head", LM_HEAD, optional=True),
+    ),
+    head_counts=gpt2_head_counts,
+    attr_fixes=(
+        AttrFix("**.h.*.attn", "split_size", lambda ctx: ctx.hidden_local),
+        AttrFix("**.h.*.attn", "num_heads", lambda ctx: ctx.heads_local),
+        AttrFix("**.h.*.attn", "embed_dim", lambda ctx: ctx.hidden_local),
+    ),
+    embedding="**.wte",
+)

@@ -1,0 +1,108 @@
+"""Which plan serves a model, and the public ``parallelize`` entry point.
+
+Registered family plans are chosen by ``config.model_type``. A model no family names is tried with
+the generic rules, but only after they pass a parity check: a one-layer random copy of the model is
+converted and its logits compared with the unconverted copy on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mtk.parallel.comm import all_reduce
+from mtk.parallel.state import ParallelState
+from mtk.plans.apply import parallelize_with
+from mtk.plans.base import Plan, UnsupportedModelError
+from mtk.plans.bert import BERT
+from mtk.plans.generic import GENERIC
+from mtk.plans.gpt2 import GPT2
+from mtk.plans.llama import LLAMA
+
+__all__ = ["PLANS", "find_plan", "parallelize", "register_plan"]
+
+PLANS: list[Plan] = [LLAMA, GPT2, BERT]
+PARITY_TOLERANCE = 1e-4  # one layer in fp32 on random weights; real mismatches are O(1)
+
+_HOW_TO_ADD = "add a rule file under mtk/plans/ and register it (README: 'Adding an architecture')"
+
+
+def register_plan(plan: Plan) -> None:
+    """Make ``plan`` serve its ``model_types`` (a later registration wins)."""
+    PLANS.insert(0, plan)
+
+
+def find_plan(config) -> Plan | None:
+    """The registered plan for ``config.model_type``, or ``None``."""
+    for plan in PLANS:
+        if config.model_type in plan.model_types:
+            return plan
+    return None
+
+
+def _one_layer_config(config):
+    small = copy.deepcopy(config)
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if hasattr(small, key):
+            setattr(small, key, 1)
+    return small
+
+
+def _check_generic_parity(model_class: type, config, state: ParallelState) -> None:
+    """Convert a one-layer random copy with the generic rules; raise unless its logits match."""
+    small = _one_layer_config(config)
+    small._attn_implementation = "eager"
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(0)  # identical copy and batch on every rank
+    try:
+        reference = model_class._from_config(small, torch_dtype=torch.float32).eval()
+        input_ids = torch.randint(0, small.vocab_size, (2, 8))
+    finally:
+        torch.random.set_rng_state(generator_state)
+    converted = copy.deepcopy(reference)
+    try:
+        parallelize_with(converted, state, GENERIC)
+    except UnsupportedModelError as err:
+        raise UnsupportedModelError(f"no rules for model_type {config.model_type!r} ({err}); {_HOW_TO_ADD}") from None
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+        actual = converted(input_ids).logits
+    error = torch.tensor([(actual - expected).abs().max().item() / expected.abs().max().item()])
+    if dist.is_initialized():
+        all_reduce(error, state.tp_group, op=dist.ReduceOp.MAX)  # every rank decides the same way
+    if not error.item() <= PARITY_TOLERANCE:
+        raise UnsupportedModelError(
+            f"no rules for model_type {config.model_type!r}: the generic q_proj/k_proj/v_proj/o_proj rules convert "
+            f"{model_class.__name__} but its logits differ from the original (relative error {error.item():.1e}); "
+            f"{_HOW_TO_ADD}"
+        )
+
+
+def parallelize(
+    model: nn.Module,
+    state: ParallelState,
+    *,
+    plan: Plan | None = None,
+    logits: str = "auto",
+    pad_vocab_to_multiple_of: int = 1,
+) -> nn.Module:
+    """Make an HF model tensor-parallel over ``state.tp_group``, in place; returns it.
+
+    Args:
+        model: an HF ``PreTrainedModel``, materialized (its shards are copied) or on the meta device
+            (shards are read afterwards by :func:`mtk.plans.loading.load_sharded`).
+        state: this process's topology.
+        plan: rules to use; default: the registered plan for the model type, else the generic rules
+            once they pass a parity check.
+        logits: ``auto`` (full logits when no labels are passed), ``full`` or ``shard``.
+        pad_vocab_to_multiple_of: pad the vocabulary to a multiple of ``tp * this`` (never visible).
+    """
+    if plan is None:
+        plan = find_plan(model.config)
+    if plan is None:
+        _check_generic_parity(type(model), model.config, state)
+        plan = GENERIC
+    return parallelize_with(model, state, plan, logits=logits, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of)
