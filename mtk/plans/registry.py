@@ -69,8 +69,15 @@ def _check_generic_parity(model_class: type, config, state: ParallelState) -> No
         raise UnsupportedModelError(f"no rules for model_type {config.model_type!r} ({err}); {_HOW_TO_ADD}") from None
     with torch.no_grad():
         expected = reference(input_ids).logits
-        actual = converted(input_ids).logits
-    error = torch.tensor([(actual - expected).abs().max().item() / expected.abs().max().item()])
+        try:
+            actual = converted(input_ids).logits
+            error = torch.tensor([(actual - expected).abs().max().item() / expected.abs().max().item()])
+        except RuntimeError as err:  # e.g. a norm over all heads fed one rank's heads: shapes disagree
+            first_line = str(err).strip().splitlines()[0]
+            raise UnsupportedModelError(
+                f"no rules for model_type {config.model_type!r}: the generic rules convert {model_class.__name__} "
+                f"but its forward then fails ({first_line}); {_HOW_TO_ADD}"
+            ) from None
     if dist.is_initialized():
         all_reduce(error, state.tp_group, op=dist.ReduceOp.MAX)  # every rank decides the same way
     if not error.item() <= PARITY_TOLERANCE:
@@ -103,6 +110,8 @@ def parallelize(
     if plan is None:
         plan = find_plan(model.config)
     if plan is None:
-        _check_generic_parity(type(model), model.config, state)
+        problem = GENERIC.head_counts(model.config).problem(state.tp_size)
+        if problem is None:  # sizes first: a clear size error beats a parity run that cannot pass
+            _check_generic_parity(type(model), model.config, state)
         plan = GENERIC
     return parallelize_with(model, state, plan, logits=logits, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of)

@@ -21,18 +21,19 @@ from mtk.testing import assert_close_rel, run_distributed
 BATCH, SEQ = 2, 12
 
 
-def _inputs(name: str):
+def _inputs(name):
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (BATCH, SEQ), generator=generator)
     mask = torch.ones(BATCH, SEQ, dtype=torch.long)
     mask[1, -3:] = 0  # right padding on one row: masks go through HF's own code
-    if name == "tiny-bert":
+    if getattr(name, "model_type", name) in ("tiny-bert", "bert"):
         return dict(input_ids=ids, attention_mask=mask, labels=torch.tensor([0, 1]))
     labels = ids.masked_fill(mask == 0, -100)
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
 
-def _architecture_checks(rank: int, world_size: int, name: str) -> dict:
+def _architecture_checks(rank: int, world_size: int, name) -> dict:
+    """``name``: a built-in model name or a config object."""
     state = ParallelState.build(tp_size=world_size)
     reference = build_model(name, seed=0).eval()  # eval: no dropout, gradients still computed
     model = parallelize(copy.deepcopy(reference), state).eval()

@@ -1,0 +1,131 @@
+"""Build a tensor-parallel model from a local HF directory without materializing the full model.
+
+The model skeleton is created with parameters on the meta device (buffers such as rotary
+frequencies stay real), converted by the rules, and then each parameter is filled with exactly
+this rank's slice, read with ``safe_open(...).get_slice`` so that only those bytes leave the disk.
+Weights load only from safetensors: a directory with only pickled ``.bin`` weights is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from safetensors import safe_open
+from torch import nn
+
+from mtk.models import ModelSpecError, auto_class_for, resolve_config
+from mtk.parallel.gather import full_shape_and_spec
+from mtk.parallel.sharding import take_shard
+from mtk.parallel.state import ParallelState
+from mtk.plans import parallelize
+
+__all__ = ["CheckpointError", "load_pretrained_tp", "safetensors_index"]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is missing, incomplete, corrupt or in a refused format."""
+
+
+def safetensors_index(directory: str | Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file holding it (single file or sharded with an index)."""
+    directory = Path(directory)
+    if (directory / INDEX_FILE).is_file():
+        try:
+            weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as err:
+            raise CheckpointError(f"{directory / INDEX_FILE} is not a valid safetensors index ({err})") from None
+        index = {name: directory / file for name, file in weight_map.items()}
+        for path in set(index.values()):
+            if not path.is_file():
+                raise CheckpointError(f"{path} is listed in {INDEX_FILE} but does not exist")
+        return index
+    if (directory / SINGLE_FILE).is_file():
+        with _open(directory / SINGLE_FILE) as handle:
+            return {name: directory / SINGLE_FILE for name in handle.keys()}
+    if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
+        raise CheckpointError(
+            f"{directory} has only pickled weights (.bin/.pt); mtk loads safetensors only: re-save the model with "
+            f"save_pretrained(..., safe_serialization=True)"
+        )
+    raise CheckpointError(f"{directory} has no {SINGLE_FILE} or {INDEX_FILE}")
+
+
+@contextmanager
+def _open(path: Path) -> Iterator:
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except Exception as err:  # safetensors raises its own error types for truncated/corrupt headers
+        raise CheckpointError(f"{path} is not a readable safetensors file ({err})") from None
+    with handle:
+        yield handle
+
+
+def _checkpoint_key(name: str, index: dict[str, Path], prefix: str) -> str:
+    """The checkpoint's name for parameter ``name`` (a base model saved without its task head's prefix)."""
+    candidates = [name]
+    if prefix and name.startswith(prefix + "."):
+        candidates.append(name[len(prefix) + 1 :])
+    elif prefix:
+        candidates.append(f"{prefix}.{name}")
+    for key in candidates:
+        if key in index:
+            return key
+    raise CheckpointError(f"the checkpoint has no tensor for parameter {name!r} (looked for {candidates})")
+
+
+def load_pretrained_tp(
+    directory: str | Path,
+    state: ParallelState,
+    *,
+    dtype: torch.dtype | None = None,
+    logits: str = "auto",
+    pad_vocab_to_multiple_of: int = 1,
+) -> nn.Module:
+    """A tensor-parallel HF model whose every parameter holds only this rank's slice of the checkpoint."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ModelSpecError(f"model directory {directory} does not exist")
+    config = resolve_config(str(directory))
+    index = safetensors_index(directory)
+    with init_empty_weights(include_buffers=False):
+        model = auto_class_for(config).from_config(config, dtype=dtype or getattr(config, "dtype", None))
+    model.tie_weights()  # init_empty_weights re-creates each registered parameter, which unties shared ones
+    parallelize(model, state, logits=logits, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of)
+    _fill_from_checkpoint(model, index, state.device, dtype)
+    model.eval()  # as HF's from_pretrained
+    return model
+
+
+def _fill_from_checkpoint(model: nn.Module, index: dict[str, Path], device, dtype: torch.dtype | None) -> None:
+    prefix = getattr(model, "base_model_prefix", "")
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}  # tied parameters have several owners
+    for module in model.modules():
+        for attr, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((module, attr))
+    with ExitStack() as stack:
+        handles = {path: stack.enter_context(_open(path)) for path in sorted(set(index.values()))}
+        for name, param in list(model.named_parameters()):  # one name per tied group
+            key = _checkpoint_key(name, index, prefix)
+            tensor_slice = handles[index[key]].get_slice(key)
+            full_shape, spec = full_shape_and_spec(model, name)
+            if tuple(tensor_slice.get_shape()) != tuple(full_shape):
+                raise CheckpointError(
+                    f"{key} in {index[key].name} has shape {tuple(tensor_slice.get_shape())}, the model expects "
+                    f"{tuple(full_shape)} (config and weights disagree)"
+                )
+            local = take_shard(spec, full_shape, tensor_slice.__getitem__)
+            real = nn.Parameter(local.to(device=device, dtype=dtype or param.dtype), requires_grad=param.requires_grad)
+            real.__dict__.update(param.__dict__)
+            for module, attr in owners[id(param)]:
+                setattr(module, attr, real)
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if still_meta:
+        raise CheckpointError(f"tensors not filled from the checkpoint: {still_meta[:5]}")

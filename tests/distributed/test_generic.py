@@ -1,0 +1,78 @@
+"""Architectures without a rule file: the generic rules are used only when they reproduce the model,
+and every model or TP size that cannot be converted gets one clear error."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Olmo2Config, OlmoConfig, Phi3Config
+
+from mtk.models import build_model
+from mtk.parallel import Layout, ParallelState
+from mtk.plans import UnsupportedModelError, parallelize
+from mtk.testing import run_distributed
+from tests.distributed.test_architectures import _architecture_checks
+
+SMALL = dict(
+    vocab_size=259,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=258,
+)
+
+
+def test_generic_rules_convert_olmo_exactly():
+    """OLMo has no rule file; the generic q/k/v/o + gate/up/down rules pass the parity check."""
+    result = run_distributed(_architecture_checks, world_size=2, args=(OlmoConfig(**SMALL),))[0]
+    assert result["params"] > 0
+
+
+def _convert_or_error(rank: int, world_size: int, config) -> str:
+    state = ParallelState.build(tp_size=world_size)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    try:
+        parallelize(model, state)
+    except UnsupportedModelError as err:
+        return str(err)
+    return "converted"
+
+
+@pytest.mark.parametrize(
+    "config,expected",
+    [
+        # OLMo2 normalizes q and k over *all* heads: splitting heads changes the math.
+        (Olmo2Config(**SMALL), "the generic rules convert Olmo2ForCausalLM but its forward then fails"),
+        # Phi-3 fuses qkv_proj and gate_up_proj: no generic rule matches them.
+        (Phi3Config(**SMALL), "match no module"),
+    ],
+)
+def test_unfit_architectures_get_a_clear_error(config, expected):
+    for message in run_distributed(_convert_or_error, world_size=2, args=(config,)):
+        assert expected in message
+        assert "mtk/plans/" in message and "\n" not in message
+
+
+def _fake_state(tp: int) -> ParallelState:
+    """Size checks happen before any group is used, so no processes are needed to test them."""
+    return ParallelState(Layout(world_size=tp, tp_size=tp), rank=0, groups={}, device=torch.device("cpu"))
+
+
+def test_heads_not_divisible_lists_valid_tp_sizes():
+    model = build_model("tiny-llama")  # 4 heads, 2 kv heads, intermediate 128
+    with pytest.raises(UnsupportedModelError) as err:
+        parallelize(model, _fake_state(3))
+    message = str(err.value)
+    assert "num_attention_heads = 4 is not divisible by tp = 3" in message
+    assert "valid tp sizes for this model: [1, 2, 4]" in message
+
+
+def test_kv_heads_neither_dividing_nor_multiple():
+    config = OlmoConfig(**{**SMALL, "num_attention_heads": 6, "num_key_value_heads": 4, "hidden_size": 48})
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(
+        UnsupportedModelError, match="num_key_value_heads = 4 neither divides nor is divided by tp = 3"
+    ):
+        parallelize(model, _fake_state(3))

@@ -1,0 +1,138 @@
+"""Loading a local HF directory at TP > 1 reads only this rank's slices, and gives HF's model."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import mtk.checkpoint.hf_load as hf_load
+from mtk.checkpoint import CheckpointError, load_pretrained_tp
+from mtk.models import build_model
+from mtk.parallel import ParallelState
+from mtk.testing import assert_close_rel, run_distributed
+
+
+class _RecordingSlice:
+    def __init__(self, inner, key, log):
+        self.inner, self.key, self.log = inner, key, log
+
+    def get_shape(self):
+        return self.inner.get_shape()
+
+    def __getitem__(self, index):
+        tensor = self.inner[index]
+        self.log[self.key] = self.log.get(self.key, 0) + tensor.numel()
+        return tensor
+
+
+class _RecordingHandle:
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+
+    def __enter__(self):
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+    def keys(self):
+        return self.inner.keys()
+
+    def get_slice(self, key):
+        return _RecordingSlice(self.inner.get_slice(key), key, self.log)
+
+    def get_tensor(self, key):  # reading a whole tensor would defeat the purpose: record it loudly
+        self.log["FULL:" + key] = 1
+        return self.inner.get_tensor(key)
+
+
+def _load_and_compare(rank: int, world_size: int, directory: str) -> dict:
+    state = ParallelState.build(tp_size=world_size)
+    read: dict[str, int] = {}
+    original = hf_load.safe_open
+    hf_load.safe_open = lambda *a, **k: _RecordingHandle(original(*a, **k), read)
+    try:
+        model = load_pretrained_tp(directory, state)
+    finally:
+        hf_load.safe_open = original
+    reference = AutoModelForCausalLM.from_pretrained(directory).eval()
+    ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_close_rel(model(ids).logits, reference(ids).logits, "logits of the TP-loaded model")
+    full = {name: p.numel() for name, p in reference.named_parameters()}
+    return {"read": read, "full": full}
+
+
+def test_tp_load_reads_only_this_ranks_slices(tmp_path):
+    build_model("tiny-llama", seed=3).save_pretrained(tmp_path, max_shard_size="60KB")  # several shard files
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    results = run_distributed(_load_and_compare, world_size=2, args=(str(tmp_path),))
+    for result in results:
+        read, full = result["read"], result["full"]
+        assert not [k for k in read if k.startswith("FULL:")], "no full-tensor reads"
+        assert set(read) == set(full), "every tensor read, no other"
+        for key, numel in full.items():
+            replicated = key.endswith("norm.weight")
+            expected = numel if replicated else numel // 2
+            if key in ("model.embed_tokens.weight", "lm_head.weight"):  # 259 rows: 130 + 129 real rows
+                expected = None
+                assert read[key] in (130 * 64, 129 * 64), key
+            if expected is not None:
+                assert read[key] == expected, key
+        split = sum(n for k, n in full.items() if not k.endswith("norm.weight"))
+        assert sum(read.values()) < 0.51 * split + sum(n for k, n in full.items() if k.endswith("norm.weight"))
+    total_read = sum(sum(r["read"].values()) for r in results)
+    assert math.isclose(
+        total_read,
+        sum(results[0]["full"].values()) + sum(n for k, n in results[0]["full"].items() if k.endswith("norm.weight")),
+    )
+
+
+def _load_error(rank: int, world_size: int, directory: str) -> str:
+    state = ParallelState.build(tp_size=world_size)
+    try:
+        load_pretrained_tp(directory, state)
+    except (CheckpointError, ValueError) as err:
+        return str(err)
+    return "loaded"
+
+
+def test_bad_directories_get_clear_errors(tmp_path):
+    good = tmp_path / "good"
+    build_model("tiny-llama").save_pretrained(good, max_shard_size="60KB")
+    corrupt = tmp_path / "corrupt"
+    build_model("tiny-llama").save_pretrained(corrupt, max_shard_size="60KB")
+    victim = sorted(corrupt.glob("model-*.safetensors"))[0]
+    victim.write_bytes(victim.read_bytes()[:100])  # truncated mid-header
+    pickled = tmp_path / "pickled"  # an old-style directory: config.json + pytorch_model.bin only
+    pickled_model = build_model("tiny-llama")
+    pickled_model.config.save_pretrained(pickled)
+    torch.save(pickled_model.state_dict(), pickled / "pytorch_model.bin")
+    missing_shard = tmp_path / "missing"
+    build_model("tiny-llama").save_pretrained(missing_shard, max_shard_size="60KB")
+    lost = sorted(missing_shard.glob("model-*.safetensors"))[-1]
+    lost.unlink()
+
+    cases = {
+        str(tmp_path / "nowhere"): "does not exist",
+        str(corrupt): f"{victim.name} is not a readable safetensors file",
+        str(pickled): "mtk loads safetensors only",
+        str(missing_shard): f"{lost.name} is listed in model.safetensors.index.json but does not exist",
+    }
+    messages = run_distributed(_load_error_many, world_size=2, args=(list(cases),))[0]
+    for (directory, expected), message in zip(cases.items(), messages):
+        assert expected in message, (directory, message)
+        assert "\n" not in message
+    assert run_distributed(_load_error, world_size=1, args=(str(good),)) == ["loaded"]
+
+
+def _load_error_many(rank: int, world_size: int, directories: list[str]) -> list[str]:
+    return [_load_error(rank, world_size, d) for d in directories]
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-gpt2", "tiny-qwen3"])
+def test_tied_and_conv1d_checkpoints_load(tmp_path, name):
+    build_model(name, seed=4).save_pretrained(tmp_path)
+    run_distributed(_load_and_compare, world_size=2, args=(str(tmp_path),))
