@@ -7,13 +7,10 @@ import sys
 from collections.abc import Sequence
 
 from mtk import __version__
-from mtk.cli import topology
+from mtk.cli import topology, verify
+from mtk.cli.errors import UserError
 
-SUBCOMMANDS = (topology,)
-
-
-class UserError(Exception):
-    """Bad input from the user: printed as one line, exit status 2."""
+SUBCOMMANDS = (topology, verify)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         return args.run(args) or 0
-    except (UserError, ValueError) as err:
+    except (UserError, ValueError) as err:  # the package's input errors are ValueErrors with one-line messages
         print(f"mtk {args.command}: error: {err}", file=sys.stderr)
         return 2
 

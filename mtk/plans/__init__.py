@@ -2,7 +2,7 @@
 
 from mtk.plans.apply import PlanContext, materialize_, parallelize_with
 from mtk.plans.base import AttrFix, HeadCounts, Plan, Rule, UnsupportedModelError
-from mtk.plans.registry import PLANS, find_plan, parallelize, register_plan
+from mtk.plans.registry import PLANS, check_tp_size, find_plan, parallelize, register_plan
 
 __all__ = [
     "PLANS",
@@ -12,6 +12,7 @@ __all__ = [
     "PlanContext",
     "Rule",
     "UnsupportedModelError",
+    "check_tp_size",
     "find_plan",
     "materialize_",
     "parallelize",

@@ -22,7 +22,7 @@ from mtk.plans.generic import GENERIC
 from mtk.plans.gpt2 import GPT2
 from mtk.plans.llama import LLAMA
 
-__all__ = ["PLANS", "find_plan", "parallelize", "register_plan"]
+__all__ = ["PLANS", "check_tp_size", "find_plan", "parallelize", "register_plan"]
 
 PLANS: list[Plan] = [LLAMA, GPT2, BERT]
 PARITY_TOLERANCE = 1e-4  # one layer in fp32 on random weights; real mismatches are O(1)
@@ -41,6 +41,19 @@ def find_plan(config) -> Plan | None:
         if config.model_type in plan.model_types:
             return plan
     return None
+
+
+def check_tp_size(config, tp_size: int) -> None:
+    """Raise a one-line :class:`UnsupportedModelError` when ``tp_size`` cannot split this model.
+
+    Cheap (config only): call it before launching processes or building groups.
+    """
+    counts = (find_plan(config) or GENERIC).head_counts(config)
+    problem = counts.problem(tp_size)
+    if problem:
+        raise UnsupportedModelError(
+            f"{config.model_type}: {problem}; valid tp sizes for this model: {counts.valid_tp_sizes(limit=64)}"
+        )
 
 
 def _one_layer_config(config):

@@ -1,0 +1,65 @@
+"""``mtk verify``: convert a model at TP=N in N local processes and compare it with the original."""
+
+from __future__ import annotations
+
+import argparse
+
+from mtk.cli.errors import UserError
+from mtk.models import resolve_config
+from mtk.plans import check_tp_size
+from mtk.spawn import run_distributed
+from mtk.verify import DTYPES, verify_worker
+
+DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "verify",
+        help="check a tensor-parallel conversion against the unconverted model",
+        description=(
+            "Spawn N CPU processes (gloo), convert the model to TP=N, run one forward and backward on a "
+            "random batch and print the max relative error of the logits, the loss and the gradients. "
+            "Exit 0 only if all are within the tolerance."
+        ),
+    )
+    parser.add_argument("--model", required=True, help="built-in config name (e.g. tiny-llama) or local HF directory")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree = number of processes (default 2)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="compute dtype (default fp32)")
+    parser.add_argument("--tolerance", type=float, help="max relative error (default 1e-5 for fp32, 2e-2 for bf16)")
+    parser.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
+    parser.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights (built-in configs) and the batch")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds before the processes are stopped")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tp < 1:
+        raise UserError(f"--tp must be at least 1, got {args.tp}")
+    # Fail fast, in one line, before any process starts: unknown name, missing directory, bad tp.
+    check_tp_size(resolve_config(args.model), args.tp)
+    tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
+    print(f"mtk verify: {args.model} at tp={args.tp}, {args.dtype}, batch {args.batch} x seq {args.seq}", flush=True)
+    results = run_distributed(
+        verify_worker,
+        world_size=args.tp,
+        args=(args.model, args.dtype, args.batch, args.seq, args.seed),
+        timeout=args.timeout,
+    )
+    errors = {r.error for r in results if r.error}
+    if errors:
+        raise UserError(errors.pop())
+    worst = max(results, key=lambda r: r.grads)
+    rows = [
+        ("logits", max(r.logits for r in results), ""),
+        ("loss", max(r.loss for r in results), ""),
+        ("gradients", worst.grads, f"({worst.num_params} parameters; worst: {worst.worst_param})"),
+    ]
+    print(f"  model {worst.model_class}, rules: {worst.plan}")
+    for name, error, note in rows:
+        verdict = "ok" if error <= tolerance else "FAIL"
+        print(f"  {name:<10} max rel error {error:.2e}  {verdict}  {note}".rstrip())
+    passed = all(error <= tolerance for _, error, _ in rows)
+    print(f"{'PASS' if passed else 'FAIL'} (tolerance {tolerance:.0e})")
+    return 0 if passed else 1

@@ -1,0 +1,123 @@
+"""Run a function in N local processes joined by a process group (gloo on CPU).
+
+Used by the tests (through :mod:`mtk.testing`) and by commands that check a model in several
+processes on one machine (``mtk verify``). Each worker gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``/``MASTER_PORT`` on a free port and ``OMP_NUM_THREADS=1`` (several processes share
+few cores). A worker's exception is re-raised in the caller with that worker's traceback; a worker
+that hangs (a collective nobody else joined) is killed after ``timeout`` seconds.
+
+The function must be importable by the workers (defined at module level), and a script calling
+``run_distributed`` needs the usual ``if __name__ == "__main__":`` guard (processes are spawned).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["DistributedTestError", "free_port", "run_distributed"]
+
+
+class DistributedTestError(AssertionError):
+    """One or more workers failed or timed out; the message holds their tracebacks."""
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], backend: str, queue) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # report everything, including assertion errors, to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout: float = 180.0,
+    backend: str = "gloo",
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; return each rank's result.
+
+    Raises :class:`DistributedTestError` with every failing worker's traceback, or naming the ranks
+    still running when ``timeout`` expires (they are killed).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, fn, tuple(args), backend, queue), daemon=False)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(failures) < world_size:
+            if not queue.empty():
+                rank, ok, payload = queue.get()
+                (results if ok else failures)[rank] = payload
+                if failures:
+                    time.sleep(1.0)  # let the other ranks report their own error before we stop them
+                    while not queue.empty():
+                        rank, ok, payload = queue.get()
+                        (results if ok else failures)[rank] = payload
+                    break
+                continue
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+            if dead and queue.empty():
+                time.sleep(0.5)
+                if queue.empty():
+                    for i in dead:
+                        failures[i] = f"worker exited with code {procs[i].exitcode} before reporting a result"
+                    break
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(results) - set(failures))
+                raise DistributedTestError(
+                    f"{fn.__name__}: ranks {missing} still running after {timeout:.0f}s (a collective not "
+                    f"joined by every rank?); finished: {sorted(results)}"
+                )
+            time.sleep(0.01)
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if not failures else 0.1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    if failures:
+        report = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items()))
+        raise DistributedTestError(f"{fn.__name__} failed on ranks {sorted(failures)}:\n{report}")
+    return [results[rank] for rank in range(world_size)]

@@ -1,0 +1,44 @@
+"""``mtk verify`` as a user runs it: the installed console script, real processes."""
+
+import shutil
+import subprocess
+
+import pytest
+
+from mtk.models import build_model
+
+
+def _mtk(*args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("mtk")
+    assert exe, "the mtk console script is installed by the README's install command"
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("model,tp", [("tiny-llama", 2), ("tiny-bert", 2)])
+def test_verify_passes_for_builtin_models(model, tp):
+    out = _mtk("verify", "--model", model, "--tp", str(tp))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PASS (tolerance 1e-05)" in out.stdout
+    for quantity in ("logits", "loss", "gradients"):
+        assert f"  {quantity}" in out.stdout
+
+
+def test_verify_local_directory_and_failing_tolerance(tmp_path):
+    build_model("tiny-qwen2", seed=5).save_pretrained(tmp_path)
+    out = _mtk("verify", "--model", str(tmp_path), "--tp", "2", "--tolerance", "1e-30")
+    assert out.returncode == 1, out.stdout + out.stderr  # nothing is that exact: the check can fail
+    assert "FAIL (tolerance 1e-30)" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("--model", "tiny-llama", "--tp", "3"), "num_attention_heads = 4 is not divisible by tp = 3"),
+        (("--model", "no-such-model"), "is neither a built-in config"),
+    ],
+)
+def test_verify_bad_input_is_one_line(args, message):
+    out = _mtk("verify", *args)
+    assert out.returncode == 2
+    assert message in out.stderr and out.stderr.strip().count("\n") == 0
+    assert "Traceback" not in out.stderr
