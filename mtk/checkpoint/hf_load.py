@@ -2,7 +2,8 @@
 
 The model skeleton is created with parameters on the meta device (buffers such as rotary
 frequencies stay real), converted by the rules, and then each parameter is filled with exactly
-this rank's slice, read with ``safe_open(...).get_slice`` so that only those bytes leave the disk.
+this rank's slice, read with positioned reads (:mod:`mtk.checkpoint.safetensors_slices`) so that
+only those bytes leave the disk and nothing else is ever resident.
 Weights load only from safetensors: a directory with only pickled ``.bin`` weights is refused.
 """
 
@@ -15,9 +16,9 @@ from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from safetensors import safe_open
 from torch import nn
 
+from mtk.checkpoint.safetensors_slices import SafetensorsError, SafetensorsFile
 from mtk.models import ModelSpecError, auto_class_for, resolve_config
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.sharding import take_shard
@@ -59,13 +60,16 @@ def safetensors_index(directory: str | Path) -> dict[str, Path]:
 
 
 @contextmanager
-def _open(path: Path) -> Iterator:
+def _open(path: Path) -> Iterator[SafetensorsFile]:
     try:
-        handle = safe_open(str(path), framework="pt", device="cpu")
-    except Exception as err:  # safetensors raises its own error types for truncated/corrupt headers
-        raise CheckpointError(f"{path} is not a readable safetensors file ({err})") from None
+        handle = SafetensorsFile(path)
+    except SafetensorsError as err:
+        raise CheckpointError(f"{path.name} is not a readable safetensors file: {err}") from None
     with handle:
-        yield handle
+        try:
+            yield handle
+        except SafetensorsError as err:
+            raise CheckpointError(str(err)) from None
 
 
 def _checkpoint_key(name: str, index: dict[str, Path], prefix: str) -> str:
@@ -121,7 +125,7 @@ def _fill_from_checkpoint(model: nn.Module, index: dict[str, Path], device, dtyp
                     f"{key} in {index[key].name} has shape {tuple(tensor_slice.get_shape())}, the model expects "
                     f"{tuple(full_shape)} (config and weights disagree)"
                 )
-            local = take_shard(spec, full_shape, tensor_slice.__getitem__)
+            local = take_shard(spec, full_shape, tensor_slice.__getitem__)  # owned, contiguous: this rank's bytes
             real = nn.Parameter(local.to(device=device, dtype=dtype or param.dtype), requires_grad=param.requires_grad)
             real.__dict__.update(param.__dict__)
             for module, attr in owners[id(param)]:

@@ -1,0 +1,152 @@
+"""Read one slice of a tensor from a safetensors file with positioned reads, nothing else.
+
+The safetensors format (an 8-byte little-endian header length, a JSON header giving each tensor's
+dtype, shape and byte range, then the raw bytes) makes any slice along one dimension a set of
+contiguous byte runs: one run per range for dim 0, one per outer index for an inner dim. Reading
+those runs with ``os.pread`` straight into the destination tensor means a rank's memory holds its
+slice only. (``safe_open`` memory-maps the file instead: pages touched by a strided column slice
+stay resident while the file is open, so a rank's peak would include whole tensors.)
+
+Only the documented format is parsed: JSON and raw numbers, no code, no pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+__all__ = ["SafetensorsError", "SafetensorsFile", "TensorSlicer"]
+
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+_MAX_HEADER = 100 * 2**20
+
+
+class SafetensorsError(ValueError):
+    """A file that is not a valid safetensors file (truncated, bad header, offsets out of range)."""
+
+
+class TensorSlicer:
+    """``full[index]`` for one tensor of an open file, where ``index`` slices at most one dimension."""
+
+    def __init__(self, fd: int, path: Path, name: str, dtype: torch.dtype, shape: tuple[int, ...], offset: int):
+        self.fd, self.path, self.name = fd, path, name
+        self.dtype, self.shape, self.offset = dtype, shape, offset
+        self.bytes_read = 0
+
+    def get_shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        if len(index) != len(self.shape):
+            raise IndexError(f"{self.name}: index has {len(index)} dims, tensor has {len(self.shape)}")
+        sliced = [d for d, s in enumerate(index) if s != slice(None)]
+        if len(sliced) > 1:
+            raise IndexError(f"{self.name}: only one dimension may be sliced, got {sliced}")
+        shape = self.shape or (1,)  # a scalar reads as one element
+        dim = sliced[0] if sliced else 0
+        start, stop, step = index[dim].indices(shape[dim]) if self.shape else (0, 1, 1)
+        if step != 1:
+            raise IndexError(f"{self.name}: strided slices are not supported")
+        out_shape = list(shape)
+        out_shape[dim] = max(stop - start, 0)
+        out = torch.empty(out_shape, dtype=self.dtype)
+        if out.numel() > 0:
+            item = out.element_size()
+            outer = math.prod(shape[:dim])
+            inner = math.prod(shape[dim + 1 :]) * item  # bytes per index of ``dim``
+            run = (stop - start) * inner  # contiguous bytes per outer index
+            buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())  # [outer * run] bytes
+            for o in range(outer):  # dim 0: one read; an inner dim: one read per outer row
+                position = self.offset + (o * shape[dim] + start) * inner
+                self._read_exact(buffer[o * run : (o + 1) * run], position)
+        return out if self.shape else out.reshape(())
+
+    def _read_exact(self, target: memoryview, position: int) -> None:
+        done = 0
+        while done < len(target):
+            chunk = os.preadv(self.fd, [target[done:]], position + done)
+            if chunk <= 0:
+                raise SafetensorsError(f"{self.path}: unexpected end of file while reading {self.name}")
+            done += chunk
+        self.bytes_read += len(target)
+
+
+class SafetensorsFile:
+    """An open safetensors file: its tensor names and a :class:`TensorSlicer` per tensor."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY)
+        except OSError as err:
+            raise SafetensorsError(f"{self.path}: cannot open ({err.strerror})") from None
+        try:
+            self._entries, self._data_start = self._parse_header()
+        except Exception:
+            os.close(self.fd)
+            raise
+
+    def _parse_header(self) -> tuple[dict, int]:
+        size = os.fstat(self.fd).st_size
+        raw = os.pread(self.fd, 8, 0)
+        if len(raw) < 8:
+            raise SafetensorsError(f"{self.path} is not a safetensors file (shorter than its 8-byte header length)")
+        (header_len,) = struct.unpack("<Q", raw)
+        if header_len > min(_MAX_HEADER, size - 8):
+            raise SafetensorsError(f"{self.path} is not a safetensors file (header length {header_len} is invalid)")
+        try:
+            header = json.loads(os.pread(self.fd, header_len, 8))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise SafetensorsError(f"{self.path} is not a safetensors file (its header is not JSON)") from None
+        header.pop("__metadata__", None)
+        data_start, data_size = 8 + header_len, size - 8 - header_len
+        entries = {}
+        for name, info in header.items():
+            try:
+                dtype, shape, (begin, end) = DTYPES[info["dtype"]], tuple(info["shape"]), info["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise SafetensorsError(f"{self.path}: tensor {name!r} has an invalid header entry") from None
+            expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if end - begin != expected or not 0 <= begin <= end <= data_size:
+                raise SafetensorsError(
+                    f"{self.path}: tensor {name!r} needs bytes [{begin}, {end}) but the file holds {data_size} "
+                    f"data bytes (truncated or corrupt)"
+                )
+            entries[name] = (dtype, shape, data_start + begin)
+        return entries, data_start
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def get_slice(self, name: str) -> TensorSlicer:
+        dtype, shape, offset = self._entries[name]
+        return TensorSlicer(self.fd, self.path, name, dtype, shape, offset)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
