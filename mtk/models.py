@@ -21,6 +21,7 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
@@ -55,6 +56,7 @@ BUILTIN: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-mistral": _decoder(MistralConfig, sliding_window=None),
     "tiny-qwen2": _decoder(Qwen2Config, tie_word_embeddings=True),
     "tiny-qwen3": _decoder(Qwen3Config, head_dim=16),
+    "tiny-phi3": _decoder(Phi3Config, num_key_value_heads=4),
     "tiny-gpt2": lambda: GPT2Config(
         vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, **SPECIAL_TOKENS
     ),

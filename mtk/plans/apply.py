@@ -8,6 +8,7 @@ filled by :mod:`mtk.plans.loading`); a materialized model has each shard copied 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,13 @@ class PlanContext:
     @property
     def hidden_local(self) -> int:
         return self.heads_local * self.counts.head_dim
+
+    def local_config(self):
+        """A shallow copy of the config with per-rank head counts, for modules that read heads from it."""
+        local = copy.copy(self.config)
+        local.num_attention_heads = self.heads_local
+        local.num_key_value_heads = self.kv_local
+        return local
 
 
 def materialize_(module: nn.Module, device: torch.device | str) -> None:

@@ -64,6 +64,7 @@ class HeadCounts:
     num_kv_heads: int
     head_dim: int
     intermediate_size: int | None = None
+    allow_kv_replication: bool = True  # False when k/v live in a fused projection with q
 
     def valid_tp_sizes(self, limit: int = 64) -> list[int]:
         return [tp for tp in range(1, limit + 1) if not self.problem(tp)]
@@ -72,6 +73,8 @@ class HeadCounts:
         """Why ``tp`` cannot split this model, or ``None`` when it can."""
         if self.num_heads % tp:
             return f"num_attention_heads = {self.num_heads} is not divisible by tp = {tp}"
+        if self.num_kv_heads % tp and not self.allow_kv_replication:
+            return f"num_key_value_heads = {self.num_kv_heads} is not divisible by tp = {tp} (fused qkv projection)"
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
             return (
                 f"num_key_value_heads = {self.num_kv_heads} neither divides nor is divided by tp = {tp} "

@@ -21,10 +21,11 @@ from mtk.plans.bert import BERT
 from mtk.plans.generic import GENERIC
 from mtk.plans.gpt2 import GPT2
 from mtk.plans.llama import LLAMA
+from mtk.plans.phi3 import PHI3
 
 __all__ = ["PLANS", "check_tp_size", "find_plan", "parallelize", "register_plan"]
 
-PLANS: list[Plan] = [LLAMA, GPT2, BERT]
+PLANS: list[Plan] = [LLAMA, GPT2, BERT, PHI3]
 PARITY_TOLERANCE = 1e-4  # one layer in fp32 on random weights; real mismatches are O(1)
 
 _HOW_TO_ADD = "add a rule file under mtk/plans/ and register it (README: 'Adding an architecture')"

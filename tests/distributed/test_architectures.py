@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from mtk.models import build_model
+from mtk.models import build_model, resolve_config
 from mtk.parallel import ParallelState
 from mtk.parallel.gather import iter_full_tensors
 from mtk.parallel.layers import KVReplicatedColumnLinear
@@ -63,7 +63,7 @@ def _architecture_checks(rank: int, world_size: int, name) -> dict:
     return {"collectives": dict(log.counts()), "kv_replicated": kv_replicated, "params": compared}
 
 
-ARCHITECTURES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gpt2", "tiny-bert"]
+ARCHITECTURES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-phi3", "tiny-gpt2", "tiny-bert"]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -76,8 +76,8 @@ def test_converted_model_equals_hf(name, tp):
         # Forward of a causal LM: embedding 1 + 2 per layer (attention, MLP) + 2 for the loss
         # (max, then [sum_exp, target logit]); the lm head's column needs nothing forward.
         assert result["collectives"] == {"all_reduce": 1 + 2 * layers + 2}
-    # tiny decoders have 2 kv heads: split at tp=2, one per rank (replicated twice) at tp=4.
-    assert result["kv_replicated"] == (tp == 4 and name != "tiny-gpt2" and name != "tiny-bert")
+    # tiny Llama-family decoders have 2 kv heads: split at tp=2, one per rank (2 copies) at tp=4.
+    assert result["kv_replicated"] == (tp == 4 and name in ("tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"))
 
 
 def _training_losses(rank: int, world_size: int, steps: int, lr: float) -> list[tuple[float, float]]:
@@ -114,3 +114,11 @@ def test_ten_adamw_steps_tp2_equal_tp1():
         assert tp1[-1] < tp1[0], "the model learns"
         for step, (a, b) in enumerate(rank_losses):
             assert_close_rel(a, b, f"loss after step {step + 1}")
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
+def test_eager_attention_path(name):
+    """HF's eager attention reads the fixed-up head attributes directly (repeat_kv, split_size)."""
+    config = resolve_config(name)
+    config._attn_implementation = "eager"
+    run_distributed(_architecture_checks, world_size=4, args=(config,))

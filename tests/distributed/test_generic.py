@@ -3,7 +3,7 @@ and every model or TP size that cannot be converted gets one clear error."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Olmo2Config, OlmoConfig, Phi3Config
+from transformers import AutoModelForCausalLM, GPTNeoXConfig, Olmo2Config, OlmoConfig
 
 from mtk.models import build_model
 from mtk.parallel import Layout, ParallelState
@@ -45,8 +45,8 @@ def _convert_or_error(rank: int, world_size: int, config) -> str:
     [
         # OLMo2 normalizes q and k over *all* heads: splitting heads changes the math.
         (Olmo2Config(**SMALL), "the generic rules convert Olmo2ForCausalLM but its forward then fails"),
-        # Phi-3 fuses qkv_proj and gate_up_proj: no generic rule matches them.
-        (Phi3Config(**SMALL), "match no module"),
+        # GPT-NeoX fuses query_key_value and names its MLP dense_h_to_4h: no generic rule matches.
+        (GPTNeoXConfig(**SMALL), "match no module"),
     ],
 )
 def test_unfit_architectures_get_a_clear_error(config, expected):
