@@ -13,7 +13,19 @@ from mtk.parallel import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # The Accelerator pulls in accelerate and transformers: import it on first use, so `import mtk`
+    # and `mtk --help` stay fast.
+    if name == "Accelerator":
+        from mtk.integrations.accelerate import Accelerator
+
+        return Accelerator
+    raise AttributeError(f"module 'mtk' has no attribute {name!r}")
+
+
 __all__ = [
+    "Accelerator",
     "ColumnParallelLinear",
     "ConfigError",
     "Layout",

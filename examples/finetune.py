@@ -1,0 +1,146 @@
+"""Causal-LM fine-tuning with tensor/data parallelism through Accelerate.
+
+    accelerate launch --config_file accelerate_configs/tp2.yaml examples/finetune.py
+    accelerate launch --config_file accelerate_configs/tp2.yaml examples/finetune.py --resume ckpts/step_20
+
+Defaults: the built-in ``tiny-llama`` config (random weights) on the bundled examples/data/sample.jsonl;
+its loss falls from ~5.6 to ~2 within a minute on 2 CPU cores. ``--model`` also takes a local HF
+directory (loaded slice by slice, its tokenizer if it has one). It is a plain accelerate loop:
+only the Accelerator comes from mtk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from mtk import Accelerator
+from mtk.checkpoint import load_pretrained_tp
+from mtk.data import causal_lm_blocks, load_text_files, tokenizer_for
+from mtk.models import build_model, resolve_config
+from mtk.plans import check_tp_size
+
+HERE = Path(__file__).resolve().parent
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny-llama", help="built-in config name or local HF directory")
+    parser.add_argument("--data", default=str(HERE / "data" / "sample.jsonl"), help="local .jsonl/.txt/.csv file")
+    parser.add_argument("--max_steps", type=int, default=60, help="optimizer steps to run (default 60)")
+    parser.add_argument("--save_every", type=int, default=0, help="save_state every N steps (0: only at the end)")
+    parser.add_argument("--output_dir", default="ckpts", help="checkpoints and tensorboard runs/ (default ckpts)")
+    parser.add_argument("--resume", help="checkpoint to resume from, e.g. ckpts/step_20")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup_steps", type=int, default=5)
+    parser.add_argument("--batch_size", type=int, default=8, help="micro-batch per data-parallel replica")
+    parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--seq_len", type=int, default=64)
+    parser.add_argument("--max_grad_norm", type=float, help="default: megatron_lm_gradient_clipping, else 1.0")
+    parser.add_argument("--save_model", help="write the trained model here with save_pretrained at the end")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.grad_accum, log_with="tensorboard", project_dir=args.output_dir
+    )
+    state = accelerator.parallel
+    config = resolve_config(args.model)
+    check_tp_size(config, state.tp_size)  # one clear line before anything is built
+    set_seed(args.seed)
+    if Path(args.model).is_dir():
+        model = load_pretrained_tp(args.model, state)  # only this rank's slices are read
+        model.train()
+    else:
+        model = build_model(args.model, seed=args.seed)  # same weights on every rank and layout
+    tokenizer = tokenizer_for(args.model)
+    dataset = causal_lm_blocks(load_text_files(args.data), tokenizer, args.seq_len)
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    # accelerate steps a prepared scheduler once per data-parallel replica per optimizer step
+    # (its convention for schedules written in single-process steps): count in those units.
+    warmup, total = max(args.warmup_steps, 1) * state.dp_size, max(args.max_steps, 1) * state.dp_size
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.0, 1 - s / total)
+    )
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    accelerator.init_trackers("runs", config={k: v for k, v in vars(args).items() if v is not None})
+    max_grad_norm = args.max_grad_norm or state.config.gradient_clipping or 1.0
+
+    step = 0
+    if args.resume:
+        accelerator.load_state(args.resume)  # weights, optimizer, scheduler, RNG, data position
+        step = accelerator.step // args.grad_accum
+    global_batch = args.batch_size * state.dp_size * args.grad_accum
+    accelerator.print(
+        f"mtk: {config.model_type} tp={state.tp_size} dp={state.dp_size} world={state.world_size}, "
+        f"{len(dataset)} blocks of {args.seq_len} tokens, global batch {global_batch}, steps {step}->{args.max_steps}"
+    )
+    progress = tqdm(total=args.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
+    micro_batches_per_epoch = len(loader)
+    loss_sum, tic = torch.zeros((), device=accelerator.device), time.perf_counter()
+    while step < args.max_steps:
+        epoch, skip = divmod(accelerator.step, micro_batches_per_epoch)
+        loader.set_epoch(epoch)
+        batches = accelerator.skip_first_batches(loader, skip) if skip else loader
+        for batch in batches:
+            with accelerator.accumulate(model):
+                loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+                accelerator.backward(loss)
+                loss_sum += loss.detach().float()
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            mean_loss = accelerator.reduce(loss_sum / args.grad_accum, "mean").item()  # over micro-batches and DP
+            elapsed, tic = time.perf_counter() - tic, time.perf_counter()
+            accelerator.log(
+                {
+                    "train/loss": mean_loss,
+                    "train/lr": scheduler.get_last_lr()[0],
+                    "train/grad_norm": grad_norm.item(),
+                    "train/tokens_per_s": global_batch * args.seq_len / elapsed,
+                },
+                step=step,
+            )
+            accelerator.print(f"step {step} loss {mean_loss!r}")
+            progress.update(1)
+            progress.set_postfix(loss=f"{mean_loss:.3f}")
+            loss_sum.zero_()
+            if args.save_every and step % args.save_every == 0:
+                accelerator.save_state(f"{args.output_dir}/step_{step}")
+            if step >= args.max_steps:
+                break
+    progress.close()
+    if not args.save_every or step % args.save_every:
+        accelerator.save_state(f"{args.output_dir}/step_{step}")
+    if args.save_model:
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.save_pretrained(
+            args.save_model,
+            is_main_process=accelerator.is_main_process,
+            state_dict=accelerator.get_state_dict(model),
+            save_function=accelerator.save,
+        )
+    accelerator.end_training()
+    if not math.isfinite(mean_loss):
+        sys.exit(f"training diverged: loss {mean_loss}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Engines mtk plugs into: accelerate (here) and DeepSpeed."""

@@ -1,0 +1,286 @@
+"""``mtk.Accelerator``: accelerate's Accelerator, made aware of tensor and pipeline parallelism.
+
+A plain accelerate script keeps working after two changes (the import, and nothing else if the model
+is an HF model): ``prepare`` converts the model with the rules, and everything that depends on which
+processes hold what follows the Megatron layout instead of treating every process as a replica:
+
+- data: each *data-parallel* rank gets its share of every batch; all TP (and PP) ranks of one DP slot
+  see the same batch. DDP, when DP > 1, averages gradients over the DP group only.
+- ``clip_grad_norm_`` clips by the true global norm (sharded parameters summed over the
+  model-parallel group, replicated ones counted once).
+- ``reduce`` / ``gather`` / ``gather_for_metrics`` work over the DP group (TP ranks hold copies).
+- ``save_state`` / ``load_state`` write and read ``step_N/`` with one shard per (tp, pp) rank
+  (:mod:`mtk.checkpoint.sharded`), atomically.
+- ``get_state_dict`` gathers full, unpadded tensors one at a time, for ``save_pretrained``.
+
+TP/PP sizes come from the ``megatron_lm_config`` block of the accelerate YAML (exported by
+``accelerate launch`` as ``MEGATRON_LM_*``), or from ``parallel_config``. Accelerate's own Megatron
+plugin (NVIDIA's Megatron-LM package) is not used.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator as _AccelerateAccelerator
+from accelerate.data_loader import prepare_data_loader
+from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import DataLoaderConfiguration, extract_model_from_parallel, recursively_apply
+from torch import nn
+
+from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
+from mtk.config import ConfigError, ParallelConfig
+from mtk.parallel.comm import all_reduce, group_size
+from mtk.parallel.gather import full_shape_and_spec, gather_full_tensor
+from mtk.parallel.grad_norm import clip_grad_norm_tp_
+from mtk.parallel.grads import sync_sequence_parallel_grads
+from mtk.parallel.state import ParallelState, default_device
+from mtk.plans import check_tp_size, parallelize
+
+__all__ = ["Accelerator", "DataParallelScheduler"]
+
+
+class DataParallelScheduler(AcceleratedScheduler):
+    """accelerate steps the LR scheduler once per *process* per optimizer step (each process is a
+    replica that multiplied the batch); under TP/PP only the data-parallel replicas do."""
+
+    def __init__(self, *args, dp_size: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.dp_size = dp_size
+
+    def step(self, *args, **kwargs) -> None:
+        if not self.step_with_optimizer or self.split_batches or not self.gradient_state.sync_gradients:
+            return super().step(*args, **kwargs)
+        if any(opt.step_was_skipped for opt in self.optimizers):
+            return None
+        for _ in range(self.dp_size):
+            total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR must not run past its end
+            if total is None or self.scheduler._step_count <= total:
+                self.scheduler.step(*args, **kwargs)
+        return None
+
+
+class Accelerator(_AccelerateAccelerator):
+    """accelerate's Accelerator with Megatron TP/DP (see the module docstring for what changes).
+
+    Args:
+        parallel_config: TP/PP sizes etc.; default: read from the ``MEGATRON_LM_*`` variables.
+        *args, **kwargs: as ``accelerate.Accelerator``. ``cpu`` defaults to True on machines without an
+            accelerator, which is what makes accelerate join the processes with gloo.
+    """
+
+    def __init__(self, *args, parallel_config: ParallelConfig | None = None, **kwargs) -> None:
+        config = parallel_config or ParallelConfig.from_env()
+        # The megatron_lm_config block is mtk's to interpret; accelerate would require NVIDIA's package.
+        os.environ["ACCELERATE_USE_MEGATRON_LM"] = "false"
+        on_cpu = default_device().type == "cpu"
+        kwargs.setdefault("cpu", on_cpu)
+        mixed = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        if str(mixed) == "fp16" and (on_cpu or kwargs["cpu"]):
+            raise ConfigError("fp16 mixed precision needs a GPU (accelerate refuses it on CPU); use bf16 on CPU")
+        kwargs.setdefault("dataloader_config", DataLoaderConfiguration(use_seedable_sampler=True))
+        super().__init__(*args, **kwargs)
+        self.parallel = ParallelState.build(config=config, device=self.device)
+        if self.scaler is not None:  # fp16: every model-parallel rank must agree on skipping a step
+            from mtk.parallel.amp import TPGradScaler
+
+            self.scaler = TPGradScaler.from_scaler(self.scaler, self.parallel)
+
+    # ------------------------------------------------------------------------------------ prepare
+    def _convert(self, model: nn.Module) -> dict[int, nn.Parameter]:
+        """Make ``model`` tensor-parallel; map id(old parameter) -> its replacement (by HF name)."""
+        if getattr(model, "mtk_tp_size", None) is not None or not hasattr(model, "config"):
+            return {}
+        before = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+        check_tp_size(model.config, self.parallel.tp_size)
+        parallelize(model, self.parallel)
+        after = dict(model.named_parameters(remove_duplicate=False))
+        return {old: after[name] for old, name in before.items() if after[name] is not None}
+
+    def prepare(self, *args, device_placement=None):
+        """As accelerate's, after converting HF models: optimizers built on the unconverted model's
+        parameters (the usual order in accelerate scripts) are re-pointed at the shards."""
+        replaced: dict[int, nn.Parameter] = {}
+        for obj in args:
+            if isinstance(obj, nn.Module):
+                replaced.update(self._convert(obj))
+        for obj in args:
+            if isinstance(obj, torch.optim.Optimizer) and replaced:
+                if obj.state:
+                    raise ValueError("the optimizer already has state; create it before its first step, then prepare")
+                for group in obj.param_groups:
+                    group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+        return super().prepare(*args, device_placement=device_placement)
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
+        if getattr(model, "_is_accelerate_prepared", False):
+            return super().prepare_model(model, device_placement, evaluation_mode)
+        self._convert(model)
+        # accelerate's own preparation (mixed-precision forward, device placement), but not its DDP,
+        # which would span every process: replicas are only the data-parallel group.
+        model = super().prepare_model(model, device_placement, evaluation_mode=True)
+        if not evaluation_mode and self.parallel.dp_size > 1 and any(p.requires_grad for p in model.parameters()):
+            kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
+            device_ids = None if self.device.type == "cpu" else [self.device.index]
+            model = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=device_ids, process_group=self.parallel.dp_group, **kwargs
+            )
+            self._models[-1] = model
+        return model
+
+    def prepare_scheduler(self, scheduler):
+        if getattr(scheduler, "_is_accelerate_prepared", False):
+            return super().prepare_scheduler(scheduler)
+        optimizer = next((o for o in self._optimizers if getattr(scheduler, "optimizer", None) is o.optimizer), None)
+        prepared = DataParallelScheduler(
+            scheduler,
+            optimizer or self._optimizers,
+            step_with_optimizer=self.step_scheduler_with_optimizer,
+            split_batches=self.split_batches,
+            dp_size=self.parallel.dp_size,
+        )
+        self._schedulers.append(prepared)
+        return prepared
+
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        prepared = prepare_data_loader(
+            data_loader,
+            self.device,
+            num_processes=self.parallel.dp_size,  # shard over data-parallel replicas, not processes
+            process_index=self.parallel.dp_rank,
+            split_batches=self.split_batches,
+            put_on_device=self.device_placement if device_placement is None else device_placement,
+            rng_types=self.rng_types.copy(),
+            dispatch_batches=self.dispatch_batches,
+            even_batches=self.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch,
+            use_seedable_sampler=self.use_seedable_sampler,
+            data_seed=self.dataloader_config.data_seed,
+            non_blocking=self.non_blocking,
+            use_stateful_dataloader=self.use_stateful_dataloader,
+        )
+        self._dataloaders.append(prepared)
+        return prepared
+
+    # ----------------------------------------------------------------------------------- training
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        super().backward(loss, **kwargs)
+        if self.sync_gradients and self.parallel.config.sequence_parallel:
+            for model in self._models:
+                sync_sequence_parallel_grads(model, self.parallel.tp_group)
+
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm of the whole (unsplit) model's gradient; returns that norm."""
+        self.unscale_gradients()
+        return clip_grad_norm_tp_(list(parameters), max_norm, self.parallel, norm_type)
+
+    # ------------------------------------------------------------------------------------ metrics
+    def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
+        """Reduce over the data-parallel group (TP/PP ranks of one replica hold the same values)."""
+        dp_size, group = self.parallel.dp_size, self.parallel.dp_group
+
+        def _reduce(t: torch.Tensor) -> torch.Tensor:
+            out = all_reduce(t.clone(), group) if dp_size > 1 else t.clone()
+            out = out * scale
+            return out / dp_size if reduction == "mean" else out
+
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+        return recursively_apply(_reduce, tensor)
+
+    def gather(self, tensor):
+        """Concatenate along dim 0 over the data-parallel group (same shapes on every replica)."""
+        group = self.parallel.dp_group
+
+        def _gather(t: torch.Tensor) -> torch.Tensor:
+            if group_size(group) == 1:
+                return t
+            t = t.contiguous() if t.dim() else t.reshape(1)
+            pieces = [torch.empty_like(t) for _ in range(group_size(group))]
+            dist.all_gather(pieces, t, group=group)
+            return torch.cat(pieces, dim=0)
+
+        return recursively_apply(_gather, tensor, error_on_other_type=True)
+
+    def gather_for_metrics(self, input_data, use_gather_object: bool = False):
+        """``gather`` over DP, dropping the samples the last batch repeated to even out replicas."""
+        if use_gather_object:
+            raise ValueError("mtk.Accelerator.gather_for_metrics gathers tensors; use_gather_object is not supported")
+        data = self.gather(input_data)
+        remainder = self.gradient_state.remainder
+        if self.gradient_state.end_of_dataloader and remainder > 0:
+            data = recursively_apply(lambda t: t[:remainder] if t.dim() else t, data)
+        return data
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def _checkpoint_parts(self):
+        if len(self._models) != 1:
+            raise ValueError(f"save_state/load_state support one prepared model, found {len(self._models)}")
+        model = extract_model_from_parallel(self._models[0])
+        optimizers = [getattr(o, "optimizer", o) for o in self._optimizers]
+        schedulers = [getattr(s, "scheduler", s) for s in self._schedulers]
+        return model, optimizers, schedulers
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs) -> str:
+        """Write ``output_dir`` (default ``<project_dir>/checkpoints/step_<step>``) atomically."""
+        if output_dir is None:
+            output_dir = os.path.join(self.project_dir or ".", "checkpoints", f"step_{self.step}")
+        model, optimizers, schedulers = self._checkpoint_parts()
+        iterations = [getattr(dl, "iteration", 0) for dl in self._dataloaders]
+        save_checkpoint(
+            output_dir,
+            self.parallel,
+            model,
+            optimizers,
+            schedulers,
+            step=self.step,
+            extra_rng={"scaler": self.scaler.state_dict()} if self.scaler is not None else None,
+            extra_meta={"data": {"micro_batches": self.step, "dataloader_iterations": iterations}},
+        )
+        for i, obj in enumerate(self._custom_objects):
+            if self.is_main_process:
+                torch.save(obj.state_dict(), Path(output_dir) / f"custom_checkpoint_{i}.pt")
+        self.wait_for_everyone()
+        return str(output_dir)
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs) -> None:
+        """Restore a checkpoint written by :meth:`save_state` (same layout); sets ``self.step``."""
+        if input_dir is None:
+            raise ValueError("load_state needs the checkpoint directory, e.g. ckpts/step_150")
+        model, optimizers, schedulers = self._checkpoint_parts()
+        meta = load_checkpoint(input_dir, self.parallel, model, optimizers, schedulers)
+        self.step = meta["step"]
+        if self.scaler is not None and "scaler" in meta["rng"]:
+            self.scaler.load_state_dict(meta["rng"]["scaler"])
+        for dataloader, iteration in zip(self._dataloaders, meta.get("data", {}).get("dataloader_iterations", [])):
+            if hasattr(dataloader, "set_epoch"):
+                dataloader.set_epoch(iteration)
+        for i, obj in enumerate(self._custom_objects):
+            obj.load_state_dict(torch.load(Path(input_dir) / f"custom_checkpoint_{i}.pt", weights_only=True))
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """Full, unpadded tensors under HF names, on the main process (others get ``{}``).
+
+        Gathered over TP one tensor at a time, so no rank ever holds a second copy of the model.
+        Collective: every rank must call it.
+        """
+        model = extract_model_from_parallel(model) if unwrap else model
+        full: dict[str, torch.Tensor] = {}
+        seen: dict[int, str] = {}  # tied tensors are gathered once and shared, as in the HF model
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if id(tensor) in seen:
+                if self.is_main_process:
+                    full[name] = full[seen[id(tensor)]]
+                continue
+            seen[id(tensor)] = name
+            shape, spec = full_shape_and_spec(model, name)
+            gathered = gather_full_tensor(tensor.detach(), spec, shape, self.parallel.tp_group)
+            if self.is_main_process:
+                full[name] = gathered.cpu()
+        return full

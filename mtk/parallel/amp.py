@@ -1,0 +1,44 @@
+"""fp16 loss scaling under tensor parallelism.
+
+``GradScaler`` skips a step when a gradient overflowed. With the model split over ranks, each rank
+sees only its shards: one rank may find an inf its peers do not, and if it alone skipped the step the
+replicated weights would diverge. :class:`TPGradScaler` takes the max of the overflow flags over the
+model-parallel group after unscaling, so every rank makes the same decision (as Megatron does).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mtk.parallel.comm import all_reduce
+from mtk.parallel.state import ParallelState
+
+__all__ = ["TPGradScaler"]
+
+
+class TPGradScaler(torch.amp.GradScaler):
+    """A ``torch.amp.GradScaler`` whose overflow check spans the model-parallel group."""
+
+    def __init__(self, device: str = "cuda", *, state: ParallelState, **kwargs) -> None:
+        super().__init__(device, **kwargs)
+        self.parallel = state
+
+    @classmethod
+    def from_scaler(cls, scaler: torch.amp.GradScaler, state: ParallelState) -> TPGradScaler:
+        """Same settings as ``scaler`` (which accelerate built from the user's GradScalerKwargs)."""
+        return cls(
+            scaler._device,
+            state=state,
+            init_scale=scaler._init_scale,
+            growth_factor=scaler._growth_factor,
+            backoff_factor=scaler._backoff_factor,
+            growth_interval=scaler._growth_interval,
+            enabled=scaler._enabled,
+        )
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        for flag in found.values():
+            all_reduce(flag.view(1), self.parallel.mp_group, op=dist.ReduceOp.MAX)

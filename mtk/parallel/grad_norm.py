@@ -1,0 +1,59 @@
+"""The true global gradient norm of a model split over TP (and PP) ranks, and clipping by it.
+
+Each model-parallel rank holds a disjoint piece of every sharded parameter, so the squared norms of
+sharded gradients are summed over the model-parallel group. A replicated parameter has the same
+gradient on every TP rank and is counted on TP rank 0 only. A kv head replicated over ``c`` ranks
+(``tp_replicas``) is counted with weight ``1/c``. Data-parallel replicas hold the same, already
+averaged, gradients: nothing is summed over DP. The result is the norm of the unsplit model's
+gradient, what ``torch.nn.utils.clip_grad_norm_`` would return on one process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from mtk.parallel.comm import all_reduce
+from mtk.parallel.state import ParallelState
+
+__all__ = ["clip_grad_norm_tp_", "grad_norm_tp"]
+
+
+def _weight(param: torch.Tensor, state: ParallelState) -> float:
+    if getattr(param, "tensor_model_parallel", False):
+        return 1.0 / getattr(param, "tp_replicas", 1)
+    return 1.0 if state.tp_rank == 0 else 0.0
+
+
+def grad_norm_tp(parameters: Iterable[torch.Tensor], state: ParallelState, norm_type: float = 2.0) -> torch.Tensor:
+    """Global ``norm_type`` norm (2 or inf) of the gradients of ``parameters`` (collective over TP x PP)."""
+    grads = [(p.grad, _weight(p, state)) for p in parameters if p.grad is not None]
+    device = grads[0][0].device if grads else state.device
+    if norm_type == math.inf:
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for grad, _ in grads:
+            total = torch.maximum(total, grad.detach().abs().max().float())
+        return all_reduce(total.reshape(1), state.mp_group, op=dist.ReduceOp.MAX)[0]
+    if norm_type != 2.0:
+        raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
+    total = torch.zeros(1, dtype=torch.float32, device=device)
+    for grad, weight in grads:
+        if weight:
+            total += weight * grad.detach().float().pow(2).sum()
+    return all_reduce(total, state.mp_group)[0].sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_tp_(
+    parameters: Iterable[torch.Tensor], max_norm: float, state: ParallelState, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping."""
+    parameters = [p for p in parameters if p.grad is not None]
+    norm = grad_norm_tp(parameters, state, norm_type)
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for param in parameters:
+        param.grad.mul_(coef.to(param.grad.device))
+    return norm
