@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from tqdm.auto import tqdm
 from mtk import Accelerator
 from mtk.checkpoint import load_pretrained_tp
 from mtk.data import causal_lm_blocks, load_text_files, tokenizer_for
+from mtk.errors import MtkError
 from mtk.models import build_model, resolve_config
 from mtk.plans import check_tp_size
 
@@ -68,12 +70,15 @@ def main(argv=None) -> None:
     dataset = causal_lm_blocks(load_text_files(args.data), tokenizer, args.seq_len)
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    # accelerate steps a prepared scheduler once per data-parallel replica per optimizer step
-    # (its convention for schedules written in single-process steps): count in those units.
-    warmup, total = max(args.warmup_steps, 1) * state.dp_size, max(args.max_steps, 1) * state.dp_size
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.0, 1 - s / total)
-    )
+    # accelerate steps a prepared scheduler dp_size times per optimizer step (its convention for
+    # schedules written in single-process steps); this one is written in optimizer steps: s // dp.
+    warmup, total = max(args.warmup_steps, 1), max(args.max_steps, 1)
+
+    def lr_factor(scheduler_step: int) -> float:
+        step = scheduler_step // state.dp_size
+        return min(1.0, (step + 1) / warmup) * max(0.0, 1 - step / total)
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     accelerator.init_trackers("runs", config={k: v for k, v in vars(args).items() if v is not None})
     max_grad_norm = args.max_grad_norm or state.config.gradient_clipping or 1.0
@@ -118,7 +123,8 @@ def main(argv=None) -> None:
                 },
                 step=step,
             )
-            accelerator.print(f"step {step} loss {mean_loss!r}")
+            if accelerator.is_main_process:
+                progress.write(f"step {step} loss {mean_loss!r}")  # full precision: runs are compared exactly
             progress.update(1)
             progress.set_postfix(loss=f"{mean_loss:.3f}")
             loss_sum.zero_()
@@ -143,4 +149,9 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except MtkError as err:  # bad input: one line (from the first rank), no traceback
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"finetune.py: error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -11,10 +11,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from mtk.errors import MtkError
+
 __all__ = ["ConfigError", "ParallelConfig"]
 
 
-class ConfigError(ValueError):
+class ConfigError(MtkError):
     """A parallelism setting with an invalid value."""
 
 

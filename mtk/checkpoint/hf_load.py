@@ -19,6 +19,7 @@ from accelerate import init_empty_weights
 from torch import nn
 
 from mtk.checkpoint.safetensors_slices import SafetensorsError, SafetensorsFile
+from mtk.errors import MtkError
 from mtk.models import ModelSpecError, auto_class_for, resolve_config
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.sharding import take_shard
@@ -31,7 +32,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(MtkError):
     """A checkpoint directory that is missing, incomplete, corrupt or in a refused format."""
 
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from mtk import __version__
 from mtk.cli import topology, verify
 from mtk.cli.errors import UserError
+from mtk.errors import MtkError
 
 SUBCOMMANDS = (topology, verify)
 
@@ -33,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         return args.run(args) or 0
-    except (UserError, ValueError) as err:  # the package's input errors are ValueErrors with one-line messages
+    except (UserError, MtkError) as err:  # bad input: one line, no traceback
         print(f"mtk {args.command}: error: {err}", file=sys.stderr)
         return 2
 

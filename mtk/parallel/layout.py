@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mtk.errors import MtkError
+
 __all__ = ["LayoutError", "Coords", "Layout"]
 
 
-class LayoutError(ValueError):
+class LayoutError(MtkError):
     """A (world, tp, pp) combination that cannot form a Megatron grid."""
 
 

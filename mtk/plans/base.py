@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
+from mtk.errors import MtkError
+
 __all__ = [
     "COLUMN",
     "KV_COLUMN",
@@ -42,7 +44,7 @@ TP_SHARED = "tp_shared"  # replicated params applied to split heads (per-head q/
 STYLES = (COLUMN, KV_COLUMN, ROW, VOCAB, LM_HEAD, TP_SHARED)
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(MtkError):
     """The model (or this TP size) cannot be converted by any rule set."""
 
 
