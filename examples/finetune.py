@@ -68,7 +68,9 @@ def main(argv=None) -> None:
         model = build_model(args.model, seed=args.seed)  # same weights on every rank and layout
     tokenizer = tokenizer_for(args.model)
     dataset = causal_lm_blocks(load_text_files(args.data), tokenizer, args.seq_len)
-    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    # Its own generator: starting an epoch never moves the global RNG (dropout), so resume is exact.
+    loader_rng = torch.Generator().manual_seed(args.seed)
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=loader_rng)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     # accelerate steps a prepared scheduler dp_size times per optimizer step (its convention for
     # schedules written in single-process steps); this one is written in optimizer steps: s // dp.
@@ -86,7 +88,7 @@ def main(argv=None) -> None:
     step = 0
     if args.resume:
         accelerator.load_state(args.resume)  # weights, optimizer, scheduler, RNG, data position
-        step = accelerator.step // args.grad_accum
+        step = accelerator.completed_steps
     global_batch = args.batch_size * state.dp_size * args.grad_accum
     accelerator.print(
         f"mtk: {config.model_type} tp={state.tp_size} dp={state.dp_size} world={state.world_size}, "
@@ -96,7 +98,7 @@ def main(argv=None) -> None:
     micro_batches_per_epoch = len(loader)
     loss_sum, tic = torch.zeros((), device=accelerator.device), time.perf_counter()
     while step < args.max_steps:
-        epoch, skip = divmod(accelerator.step, micro_batches_per_epoch)
+        epoch, skip = divmod(accelerator.micro_batches_seen, micro_batches_per_epoch)
         loader.set_epoch(epoch)
         batches = accelerator.skip_first_batches(loader, skip) if skip else loader
         for batch in batches:

@@ -21,6 +21,7 @@ plugin (NVIDIA's Megatron-LM package) is not used.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,9 @@ class Accelerator(_AccelerateAccelerator):
         kwargs.setdefault("dataloader_config", DataLoaderConfiguration(use_seedable_sampler=True))
         super().__init__(*args, **kwargs)
         self.parallel = ParallelState.build(config=config, device=self.device)
+        # The data position, across epochs (accelerate's ``step`` restarts at every epoch end).
+        self.micro_batches_seen = 0  # micro-batches each replica has consumed
+        self.completed_steps = 0  # optimizer steps
         if self.scaler is not None:  # fp16: every model-parallel rank must agree on skipping a step
             from mtk.parallel.amp import TPGradScaler
 
@@ -169,6 +173,15 @@ class Accelerator(_AccelerateAccelerator):
         return prepared
 
     # ----------------------------------------------------------------------------------- training
+    @contextmanager
+    def accumulate(self, *models):
+        """accelerate's ``accumulate``, also counting the data position that checkpoints record."""
+        with super().accumulate(*models):
+            yield
+        self.micro_batches_seen += 1
+        if self.sync_gradients:
+            self.completed_steps += 1
+
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         super().backward(loss, **kwargs)
         if self.sync_gradients and self.parallel.config.sequence_parallel:
@@ -228,9 +241,9 @@ class Accelerator(_AccelerateAccelerator):
         return model, optimizers, schedulers
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs) -> str:
-        """Write ``output_dir`` (default ``<project_dir>/checkpoints/step_<step>``) atomically."""
+        """Write ``output_dir`` (default ``<project_dir>/checkpoints/step_<completed_steps>``) atomically."""
         if output_dir is None:
-            output_dir = os.path.join(self.project_dir or ".", "checkpoints", f"step_{self.step}")
+            output_dir = os.path.join(self.project_dir or ".", "checkpoints", f"step_{self.completed_steps}")
         model, optimizers, schedulers = self._checkpoint_parts()
         iterations = [getattr(dl, "iteration", 0) for dl in self._dataloaders]
         save_checkpoint(
@@ -239,9 +252,15 @@ class Accelerator(_AccelerateAccelerator):
             model,
             optimizers,
             schedulers,
-            step=self.step,
+            step=self.completed_steps,
             extra_rng={"scaler": self.scaler.state_dict()} if self.scaler is not None else None,
-            extra_meta={"data": {"micro_batches": self.step, "dataloader_iterations": iterations}},
+            extra_meta={
+                "data": {
+                    "micro_batches": self.micro_batches_seen,
+                    "accelerate_step": self.step,
+                    "dataloader_iterations": iterations,
+                }
+            },
         )
         for i, obj in enumerate(self._custom_objects):
             if self.is_main_process:
@@ -250,15 +269,19 @@ class Accelerator(_AccelerateAccelerator):
         return str(output_dir)
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs) -> None:
-        """Restore a checkpoint written by :meth:`save_state` (same layout); sets ``self.step``."""
+        """Restore a checkpoint written by :meth:`save_state` (same layout) and the data position:
+        ``completed_steps``, ``micro_batches_seen`` (resume with ``skip_first_batches``) and ``step``."""
         if input_dir is None:
             raise ValueError("load_state needs the checkpoint directory, e.g. ckpts/step_150")
         model, optimizers, schedulers = self._checkpoint_parts()
         meta = load_checkpoint(input_dir, self.parallel, model, optimizers, schedulers)
-        self.step = meta["step"]
+        data = meta.get("data", {})
+        self.completed_steps = meta["step"]
+        self.micro_batches_seen = data.get("micro_batches", 0)
+        self.step = data.get("accelerate_step", 0)
         if self.scaler is not None and "scaler" in meta["rng"]:
             self.scaler.load_state_dict(meta["rng"]["scaler"])
-        for dataloader, iteration in zip(self._dataloaders, meta.get("data", {}).get("dataloader_iterations", [])):
+        for dataloader, iteration in zip(self._dataloaders, data.get("dataloader_iterations", [])):
             if hasattr(dataloader, "set_epoch"):
                 dataloader.set_epoch(iteration)
         for i, obj in enumerate(self._custom_objects):

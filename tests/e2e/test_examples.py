@@ -17,3 +17,55 @@ def test_load_memory_example_runs_on_a_tiny_model():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "full HF load" in out.stdout and "mtk tp=2 load, rank 1" in out.stdout
+
+
+def _classify(out_dir, *extra):
+    from mtk.spawn import free_port
+
+    out = subprocess.run(
+        [
+            "accelerate",
+            "launch",
+            "--config_file",
+            "accelerate_configs/tp2.yaml",
+            "--main_process_port",
+            str(free_port()),
+            "examples/classify.py",
+            "--max_steps",
+            "60",
+            "--save_every",
+            "30",
+            "--output_dir",
+            str(out_dir),
+            *extra,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout + out.stderr
+
+
+def test_bert_classification_example_trains_resumes_and_saves(tmp_path):
+    import re
+
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from mtk.testing import assert_close_rel
+
+    full = _classify(tmp_path / "full")
+    accuracy = float(re.search(r"eval accuracy (\S+)", full).group(1))
+    assert accuracy > 0.8, full[-2000:]
+    resumed = _classify(tmp_path / "resumed", "--resume", str(tmp_path / "full" / "step_30"))
+    full_losses = dict(re.findall(r"step (\d+) loss (\S+)", full))
+    resumed_losses = dict(re.findall(r"step (\d+) loss (\S+)", resumed))
+    assert sorted(resumed_losses) == ["40", "50", "60"]
+    for step, loss in resumed_losses.items():
+        assert_close_rel(float(loss), float(full_losses[step]), f"loss at step {step} after resume")
+
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "full" / "model")
+    assert model.bert.embeddings.word_embeddings.weight.shape == (259, 64), "no vocabulary padding saved"
+    assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 2)

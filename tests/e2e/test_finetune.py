@@ -1,0 +1,169 @@
+"""``accelerate launch --config_file accelerate_configs/<layout>.yaml examples/finetune.py`` as users type it.
+
+Losses are printed at full precision and compared across layouts: the same seed gives the same
+model and the same global batches, so TP=2, TP=2 x DP=2, gradient accumulation and a resumed run
+must reproduce the single-process losses (fp32, relative error <= 1e-5).
+"""
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from mtk.spawn import free_port
+from mtk.testing import assert_close_rel
+
+ROOT = Path(__file__).resolve().parents[2]
+STEP_LINE = re.compile(r"step (\d+) loss (\S+)")
+
+
+def launch(config: str, *args: str, processes_ok: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
+    config_path = config if config.endswith(".yaml") and "/" in config else f"accelerate_configs/{config}.yaml"
+    command = [
+        "accelerate",
+        "launch",
+        "--config_file",
+        config_path,
+        "--main_process_port",
+        str(free_port()),
+        "examples/finetune.py",
+        *args,
+    ]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if processes_ok:
+        assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def losses(out: subprocess.CompletedProcess) -> dict[int, float]:
+    return {int(step): float(loss) for step, loss in STEP_LINE.findall(out.stdout + out.stderr)}
+
+
+def assert_same_losses(actual: dict[int, float], expected: dict[int, float], steps) -> None:
+    for step in steps:
+        assert_close_rel(actual[step], expected[step], f"loss at step {step}")
+
+
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory):
+    """The reference TP=2 run: 6 steps, checkpoints at 3 and 6."""
+    out_dir = tmp_path_factory.mktemp("tp2")
+    out = launch("tp2", "--max_steps", "6", "--save_every", "3", "--output_dir", str(out_dir))
+    return out_dir, losses(out)
+
+
+def test_tp2_trains_logs_and_checkpoints(tp2_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out_dir, run = tp2_run
+    assert sorted(run) == [1, 2, 3, 4, 5, 6]
+    assert run[6] < run[1], "the loss falls"
+    events = EventAccumulator(str(out_dir / "runs"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s"):
+        assert tag in tags, tags
+    logged = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert_same_losses(logged, run, range(1, 7))
+    step3 = out_dir / "step_3"
+    assert sorted(p.name for p in (step3 / "model").iterdir()) == ["tp00-pp00.safetensors", "tp01-pp00.safetensors"]
+    assert (step3 / "optimizer" / "tp01-pp00.safetensors").exists() and (step3 / "scheduler.pt").exists()
+    assert sorted(p.name for p in (step3 / "rng").iterdir()) == ["rank00000.pt", "rank00001.pt"]
+    meta = json.loads((step3 / "metadata.json").read_text())
+    assert meta["topology"] == {"world": 2, "tp": 2, "pp": 1, "dp": 1}
+    assert meta["step"] == 3 and set(meta["versions"]) >= {"mtk", "torch", "transformers", "accelerate"}
+    assert not list(out_dir.glob("*.incomplete")), "no half-written checkpoint left behind"
+
+
+def test_tp1_and_tp2_log_the_same_losses(tp2_run, tmp_path):
+    _, tp2 = tp2_run
+    tp1 = losses(launch("tp1", "--max_steps", "6", "--output_dir", str(tmp_path)))
+    assert_same_losses(tp2, tp1, range(1, 7))
+
+
+def test_resume_from_step_3_continues_exactly(tp2_run, tmp_path):
+    out_dir, uninterrupted = tp2_run
+    resumed = losses(
+        launch("tp2", "--max_steps", "6", "--output_dir", str(tmp_path), "--resume", str(out_dir / "step_3"))
+    )
+    assert sorted(resumed) == [4, 5, 6]
+    assert_same_losses(resumed, uninterrupted, [4, 5, 6])
+
+
+def test_tp2_dp2_equals_tp1_at_the_same_global_batch(tmp_path):
+    tp1 = losses(launch("tp1", "--max_steps", "4", "--batch_size", "8", "--output_dir", str(tmp_path / "a")))
+    tp2_dp2 = losses(launch("tp2_dp2", "--max_steps", "4", "--batch_size", "4", "--output_dir", str(tmp_path / "b")))
+    assert_same_losses(tp2_dp2, tp1, range(1, 5))
+
+
+def test_gradient_accumulation_equals_the_larger_batch(tp2_run, tmp_path):
+    _, batch8 = tp2_run
+    accumulated = losses(
+        launch("tp2", "--batch_size", "4", "--grad_accum", "2", "--max_steps", "6", "--output_dir", str(tmp_path))
+    )
+    assert_same_losses(accumulated, batch8, range(1, 7))
+
+
+def test_bf16_trains(tmp_path):
+    out = subprocess.run(
+        [
+            "accelerate",
+            "launch",
+            "--config_file",
+            "accelerate_configs/tp2.yaml",
+            "--mixed_precision",
+            "bf16",
+            "--main_process_port",
+            str(free_port()),
+            "examples/finetune.py",
+            "--max_steps",
+            "15",
+            "--output_dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = losses(out)
+    assert run[15] < run[1] - 0.3, run
+
+
+def _one_line_error(out: subprocess.CompletedProcess, message: str) -> None:
+    assert out.returncode != 0
+    ours = [line for line in out.stderr.splitlines() if line.startswith("finetune.py: error:")]
+    assert len(ours) == 1 and message in ours[0], out.stderr[-2000:]
+
+
+def _yaml(tmp_path: Path, processes: int, tp: int) -> str:
+    path = tmp_path / f"p{processes}_tp{tp}.yaml"
+    path.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: MEGATRON_LM\nnum_machines: 1\n"
+        f"num_processes: {processes}\nmachine_rank: 0\nmixed_precision: 'no'\nmegatron_lm_config:\n"
+        f"  megatron_lm_tp_degree: {tp}\nrdzv_backend: static\nsame_network: true\nuse_cpu: false\n"
+    )
+    return str(path)
+
+
+def test_bad_input_is_one_clear_line(tmp_path):
+    out = launch(_yaml(tmp_path, 3, 3), "--max_steps", "1", "--output_dir", str(tmp_path), processes_ok=False)
+    _one_line_error(
+        out, "num_attention_heads = 4 is not divisible by tp = 3; valid tp sizes for this model: [1, 2, 4]"
+    )
+    out = launch(_yaml(tmp_path, 3, 2), "--max_steps", "1", "--output_dir", str(tmp_path), processes_ok=False)
+    _one_line_error(out, "world size 3 is not divisible by tp*pp = 2*1 = 2")
+    out = launch(
+        "tp2",
+        "--max_steps",
+        "1",
+        "--output_dir",
+        str(tmp_path),
+        "--resume",
+        str(tmp_path / "step_150"),
+        processes_ok=False,
+    )
+    _one_line_error(out, f"checkpoint directory {tmp_path / 'step_150'} does not exist")

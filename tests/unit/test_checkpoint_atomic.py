@@ -1,0 +1,69 @@
+"""A crash during a save never leaves a directory that looks like a checkpoint."""
+
+import json
+
+import pytest
+import torch
+
+import mtk.checkpoint.sharded as sharded
+from mtk.checkpoint import CheckpointError
+from mtk.checkpoint.sharded import load_checkpoint, read_metadata, save_checkpoint
+from mtk.models import build_model
+from mtk.parallel import ParallelState
+from mtk.plans import parallelize
+
+
+def _setup():
+    state = ParallelState.build()
+    model = parallelize(build_model("tiny-llama"), state)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    optimizer.step()
+    return state, model, optimizer
+
+
+def test_interrupted_save_is_not_a_checkpoint(tmp_path, monkeypatch):
+    state, model, optimizer = _setup()
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(sharded, "_save_optimizer", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path / "step_5", state, model, [optimizer], [], step=5)
+    assert not (tmp_path / "step_5").exists()
+    assert (tmp_path / "step_5.incomplete" / "model").is_dir()  # the partial write is visibly incomplete
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_metadata(tmp_path / "step_5")
+    with pytest.raises(CheckpointError, match="not a complete mtk checkpoint"):
+        read_metadata(tmp_path / "step_5.incomplete")
+
+
+def test_round_trip_and_overwrite(tmp_path):
+    state, model, optimizer = _setup()
+    save_checkpoint(tmp_path / "step_1", state, model, [optimizer], [], step=1)
+    save_checkpoint(tmp_path / "step_1", state, model, [optimizer], [], step=1)  # replaces it whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+    fresh_state, fresh, fresh_opt = _setup()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    meta = load_checkpoint(tmp_path / "step_1", fresh_state, fresh, [fresh_opt], [])
+    assert meta["step"] == 1 and json.loads((tmp_path / "step_1" / "metadata.json").read_text())["format"]
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), name
+    fresh_params = dict(fresh.named_parameters())
+    for name, param in model.named_parameters():
+        a, b = optimizer.state[param], fresh_opt.state[fresh_params[name]]
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"]), name
+
+
+def test_layout_mismatch_is_a_clear_error(tmp_path):
+    state, model, optimizer = _setup()
+    save_checkpoint(tmp_path / "c", state, model, [optimizer], [], step=1)
+    meta_path = tmp_path / "c" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["topology"].update(tp=2, world=2)
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="written at tp=2 pp=1 world=2, this run is tp=1 pp=1 world=1"):
+        load_checkpoint(tmp_path / "c", state, model, [optimizer], [])
