@@ -82,14 +82,17 @@ def main(argv=None) -> None:
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    accelerator.init_trackers("runs", config={k: v for k, v in vars(args).items() if v is not None})
+    global_batch = args.batch_size * state.dp_size * args.grad_accum  # sequences per optimizer step
+    hparams = {k: v for k, v in vars(args).items() if v is not None}
+    accelerator.init_trackers(
+        "runs", config={**hparams, "global_batch_size": global_batch, "tp": state.tp_size, "dp": state.dp_size}
+    )
     max_grad_norm = args.max_grad_norm or state.config.gradient_clipping or 1.0
 
     step = 0
     if args.resume:
         accelerator.load_state(args.resume)  # weights, optimizer, scheduler, RNG, data position
         step = accelerator.completed_steps
-    global_batch = args.batch_size * state.dp_size * args.grad_accum
     accelerator.print(
         f"mtk: {config.model_type} tp={state.tp_size} dp={state.dp_size} world={state.world_size}, "
         f"{len(dataset)} blocks of {args.seq_len} tokens, global batch {global_batch}, steps {step}->{args.max_steps}"

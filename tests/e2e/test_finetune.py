@@ -167,3 +167,23 @@ def test_bad_input_is_one_clear_line(tmp_path):
         processes_ok=False,
     )
     _one_line_error(out, f"checkpoint directory {tmp_path / 'step_150'} does not exist")
+    out = subprocess.run(
+        [
+            "accelerate",
+            "launch",
+            "--config_file",
+            "accelerate_configs/tp2.yaml",
+            "--mixed_precision",
+            "fp16",
+            "--main_process_port",
+            str(free_port()),
+            "examples/finetune.py",
+            "--max_steps",
+            "1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    _one_line_error(out, "fp16 mixed precision needs a GPU (accelerate refuses it on CPU); use bf16 on CPU")
