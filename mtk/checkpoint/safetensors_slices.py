@@ -116,7 +116,7 @@ class SafetensorsFile:
             header = json.loads(os.pread(self.fd, header_len, 8))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise SafetensorsError(f"{self.path} is not a safetensors file (its header is not JSON)") from None
-        header.pop("__metadata__", None)
+        self.metadata = header.pop("__metadata__", None) or {}
         data_start, data_size = 8 + header_len, size - 8 - header_len
         entries = {}
         for name, info in header.items():

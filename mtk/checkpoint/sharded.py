@@ -32,7 +32,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from mtk.checkpoint.hf_load import CheckpointError
+from mtk.checkpoint.reshard import ShardedCheckpointReader
 from mtk.parallel.gather import full_shape_and_spec
+from mtk.parallel.sharding import take_shard
 from mtk.parallel.state import ParallelState
 
 __all__ = ["FORMAT", "load_checkpoint", "read_metadata", "save_checkpoint"]
@@ -245,6 +247,39 @@ def save_checkpoint(
     return final
 
 
+def _reshard_weights(model: nn.Module, reader) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            shape, spec = full_shape_and_spec(model, name)
+            full = reader.full(name)
+            if tuple(full.shape) != tuple(shape):
+                raise CheckpointError(f"{name}: checkpoint has shape {tuple(full.shape)}, this model {tuple(shape)}")
+            param.copy_(take_shard(spec, shape, full.__getitem__))
+
+
+def _reshard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, reader, groups_path: Path) -> None:
+    """Moments are cut exactly like their parameters (same spec); scalars (``step``) are copied."""
+    index = {name: i for i, name in enumerate(_param_names(model, optimizer))}
+    state: dict[int, dict[str, Any]] = {}
+    for key in reader.optimizer_keys():
+        name, _, field = key.rpartition("::")
+        if name not in index:
+            continue  # another pipeline stage's parameter
+        full = reader.full_optimizer_state(key)
+        if full.dim() == 0:
+            value = full
+        else:
+            shape, spec = full_shape_and_spec(model, name)
+            value = take_shard(spec, shape, full.__getitem__)
+        state.setdefault(index[name], {})[field] = value
+    meta = json.loads(groups_path.read_text())
+    for name, fields in meta["state"].items():
+        if name in index:
+            state.setdefault(index[name], {}).update(fields)
+    groups = [{**g, "params": [index[n] for n in g["params"] if n in index]} for g in meta["param_groups"]]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
 def load_checkpoint(
     directory: str | Path,
     state: ParallelState,
@@ -252,23 +287,32 @@ def load_checkpoint(
     optimizers: list[torch.optim.Optimizer],
     schedulers: list,
 ) -> dict[str, Any]:
-    """Restore weights, optimizer, scheduler and RNG from ``directory``; returns its metadata."""
+    """Restore weights, optimizer, scheduler and RNG from ``directory``; returns its metadata.
+
+    A checkpoint written at another TP/PP layout is resharded: each tensor (and optimizer moment) is
+    merged from the old shards and this rank's new shard cut from it. A changed DP size needs no
+    resharding (weights are replicated over DP); RNG states are then taken from rank 0.
+    """
     directory = Path(directory)
     meta = read_metadata(directory)
     saved = meta["topology"]
-    if (saved["tp"], saved["pp"], saved["world"]) != (state.tp_size, state.pp_size, state.world_size):
-        raise CheckpointError(
-            f"{directory} was written at tp={saved['tp']} pp={saved['pp']} world={saved['world']}, this run is "
-            f"tp={state.tp_size} pp={state.pp_size} world={state.world_size}; resume with the same layout"
-        )
-    shard = _shard_name(state)
-    _load_weights(model, directory / "model" / f"{shard}.safetensors")
-    for i, optimizer in enumerate(optimizers):
-        _load_optimizer(model, optimizer, directory / "optimizer" / (shard if i == 0 else f"{shard}-{i}"))
+    if (saved["tp"], saved["pp"]) == (state.tp_size, state.pp_size):
+        shard = _shard_name(state)
+        _load_weights(model, directory / "model" / f"{shard}.safetensors")
+        for i, optimizer in enumerate(optimizers):
+            _load_optimizer(model, optimizer, directory / "optimizer" / (shard if i == 0 else f"{shard}-{i}"))
+    else:
+        if len(optimizers) > 1:
+            raise CheckpointError("resharding a checkpoint supports one optimizer")
+        with ShardedCheckpointReader(directory, saved) as reader:
+            _reshard_weights(model, reader)
+            for optimizer in optimizers:
+                _reshard_optimizer(model, optimizer, reader, directory / "optimizer" / "tp00-pp00.json")
     for i, scheduler in enumerate(schedulers):
         path = directory / ("scheduler.pt" if i == 0 else f"scheduler_{i}.pt")
         scheduler.load_state_dict(torch.load(path, weights_only=True))
-    rng = torch.load(directory / "rng" / f"rank{state.rank:05d}.pt", weights_only=True)
+    same_world = saved["world"] == state.world_size
+    rng = torch.load(directory / "rng" / f"rank{state.rank if same_world else 0:05d}.pt", weights_only=True)
     _set_rng_state(rng)
     meta["rng"] = rng
     return meta

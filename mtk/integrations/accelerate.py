@@ -33,6 +33,7 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DataLoaderConfiguration, extract_model_from_parallel, recursively_apply
 from torch import nn
 
+from mtk.checkpoint.hf_load import CheckpointError
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.config import ConfigError, ParallelConfig
 from mtk.parallel.comm import all_reduce, group_size
@@ -257,6 +258,7 @@ class Accelerator(_AccelerateAccelerator):
             extra_meta={
                 "data": {
                     "micro_batches": self.micro_batches_seen,
+                    "samples_per_micro_batch": self._samples_per_micro_batch(),
                     "accelerate_step": self.step,
                     "dataloader_iterations": iterations,
                 }
@@ -268,6 +270,24 @@ class Accelerator(_AccelerateAccelerator):
         self.wait_for_everyone()
         return str(output_dir)
 
+    def _samples_per_micro_batch(self) -> int | None:
+        """Samples one micro-batch step consumes over all DP replicas (the first prepared loader's)."""
+        return getattr(self._dataloaders[0], "total_batch_size", None) if self._dataloaders else None
+
+    def _rescaled_position(self, data: dict) -> int:
+        """Micro-batches already consumed, in this run's units (the DP size or batch may have changed)."""
+        seen, per_batch, now = data.get("micro_batches", 0), data.get("samples_per_micro_batch"), None
+        now = self._samples_per_micro_batch()
+        if not per_batch or not now or per_batch == now:
+            return seen
+        samples = seen * per_batch
+        if samples % now:
+            raise CheckpointError(
+                f"the checkpoint consumed {samples} samples, not a whole number of this run's {now}-sample steps "
+                f"(batch size x data-parallel size); resume with a global batch that divides {samples}"
+            )
+        return samples // now
+
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs) -> None:
         """Restore a checkpoint written by :meth:`save_state` (same layout) and the data position:
         ``completed_steps``, ``micro_batches_seen`` (resume with ``skip_first_batches``) and ``step``."""
@@ -277,8 +297,9 @@ class Accelerator(_AccelerateAccelerator):
         meta = load_checkpoint(input_dir, self.parallel, model, optimizers, schedulers)
         data = meta.get("data", {})
         self.completed_steps = meta["step"]
-        self.micro_batches_seen = data.get("micro_batches", 0)
+        self.micro_batches_seen = self._rescaled_position(data)
         self.step = data.get("accelerate_step", 0)
+        self._rescale_schedulers(meta["topology"]["dp"])
         if self.scaler is not None and "scaler" in meta["rng"]:
             self.scaler.load_state_dict(meta["rng"]["scaler"])
         for dataloader, iteration in zip(self._dataloaders, data.get("dataloader_iterations", [])):
@@ -286,6 +307,17 @@ class Accelerator(_AccelerateAccelerator):
                 dataloader.set_epoch(iteration)
         for i, obj in enumerate(self._custom_objects):
             obj.load_state_dict(torch.load(Path(input_dir) / f"custom_checkpoint_{i}.pt", weights_only=True))
+
+    def _rescale_schedulers(self, saved_dp: int) -> None:
+        """Prepared schedulers step once per DP replica per optimizer step: after a DP change their
+        position is converted to this run's units (the learning rate itself is restored exactly)."""
+        if saved_dp == self.parallel.dp_size:
+            return
+        for prepared in self._schedulers:
+            if prepared.step_with_optimizer and not prepared.split_batches:
+                inner = prepared.scheduler
+                inner.last_epoch = inner.last_epoch * self.parallel.dp_size // saved_dp
+                inner._step_count = inner.last_epoch + 1
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """Full, unpadded tensors under HF names, on the main process (others get ``{}``).
