@@ -1,0 +1,142 @@
+"""Export a training checkpoint (any TP/PP/DP layout) to a normal HF model directory, offline.
+
+Each tensor is merged from the per-rank shards (:class:`ShardedCheckpointReader`), vocabulary
+padding dropped, and written with HF's names and layout into ``model.safetensors`` (or shards of at
+most ``max_shard_size`` plus ``model.safetensors.index.json``) next to ``config.json`` (and the
+tokenizer files when the run saved them). The result loads with ``AutoModel*.from_pretrained``.
+Everything is written into ``<out>.incomplete`` and renamed when complete (and verified).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from mtk.checkpoint.hf_load import INDEX_FILE, SINGLE_FILE, CheckpointError
+from mtk.checkpoint.reshard import ShardedCheckpointReader
+from mtk.checkpoint.sharded import read_metadata
+
+__all__ = ["DTYPES", "export_checkpoint", "parse_size"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"``, ``"500MB"``, ``"64KiB"`` or a number of bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?I?B?)\s*", text.upper())
+    if not match or match.group(2) not in _UNITS:
+        raise CheckpointError(f"--max-shard-size {text!r} is not a size; use e.g. 5GB, 500MB or a number of bytes")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def _model_class(meta: dict):
+    name = meta["model"]["class"]
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise CheckpointError(
+            f"the checkpoint's model class {name!r} is not in transformers {transformers.__version__}"
+        )
+    return cls
+
+
+def _write_weights(reader: ShardedCheckpointReader, out: Path, dtype, limit: int, progress: bool) -> None:
+    """Merged tensors into safetensors files of at most ``limit`` bytes (+ an index when several)."""
+    files: list[list[str]] = []
+    current: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        save_file(current, str(out / f"part-{len(files)}.safetensors"), metadata={"format": "pt"})
+        files.append(list(current))
+        current.clear()
+
+    for name in tqdm(reader.names(), desc="export", disable=not progress, unit="tensor"):
+        tensor = reader.full(name)
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        if current and size + tensor.nbytes > limit:
+            flush()
+            size = 0
+        current[name] = tensor.contiguous()
+        size += tensor.nbytes
+    flush()
+    if len(files) == 1:
+        (out / "part-0.safetensors").rename(out / SINGLE_FILE)
+        return
+    weight_map = {}
+    for i, names in enumerate(files):
+        final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        (out / f"part-{i}.safetensors").rename(out / final)
+        weight_map.update(dict.fromkeys(names, final))
+    total_size = sum((out / f).stat().st_size for f in set(weight_map.values()))
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+def _verify(out: Path, meta: dict, reader: ShardedCheckpointReader, dtype) -> None:
+    """Reload with HF's own from_pretrained and compare every exported tensor, bit for bit."""
+    model = _model_class(meta).from_pretrained(out, dtype=dtype or "auto")
+    state = model.state_dict()
+    for name in reader.names():
+        expected = reader.full(name)
+        if dtype is not None and expected.is_floating_point():
+            expected = expected.to(dtype)
+        if name not in state or not torch.equal(state[name], expected):
+            raise CheckpointError(f"verification failed: {name} reloaded from {out} differs from the checkpoint")
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str | None = None,
+    max_shard_size: str | int = "5GB",
+    verify: bool = True,
+    progress: bool = True,
+) -> Path:
+    """Merge ``checkpoint`` into an HF directory at ``out_dir``; returns it. Nothing is left on failure."""
+    meta = read_metadata(checkpoint)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} already exists and is not empty; export into a new directory")
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    torch_dtype = DTYPES.get(dtype) if dtype else None
+    limit = parse_size(max_shard_size)
+    config_dict = meta["model"].get("config")
+    if not config_dict:
+        raise CheckpointError(f"{checkpoint} records no model config; it cannot be exported as an HF directory")
+    tmp = out.with_name(out.name + ".incomplete")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        with ShardedCheckpointReader(checkpoint, meta["topology"]) as reader:
+            _write_weights(reader, tmp, torch_dtype, limit, progress)
+            config = transformers.AutoConfig.for_model(**config_dict)
+            config.architectures = [meta["model"]["class"]]
+            if torch_dtype is not None:
+                config.dtype = torch_dtype
+            config.save_pretrained(tmp)
+            tokenizer_dir = Path(checkpoint) / "tokenizer"
+            if tokenizer_dir.is_dir():
+                for file in tokenizer_dir.iterdir():
+                    shutil.copy2(file, tmp / file.name)
+            if verify:
+                _verify(tmp, meta, reader, torch_dtype)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+    return out

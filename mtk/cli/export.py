@@ -1,0 +1,34 @@
+"""``mtk export CHECKPOINT OUT``: merge a training checkpoint into an HF model directory (offline)."""
+
+from __future__ import annotations
+
+import argparse
+
+from mtk.checkpoint.export import DTYPES, export_checkpoint
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "export",
+        help="merge a checkpoint (any TP/PP/DP layout) into a HF directory that from_pretrained loads",
+        description=(
+            "Merge the per-rank shards of CHECKPOINT (e.g. ckpts/step_150) into OUT: config.json, "
+            "model.safetensors (or shards + index) with HF's names, no vocabulary padding, and the "
+            "tokenizer files if the run saved them. No process group is needed. The result is reloaded "
+            "with from_pretrained and compared tensor by tensor unless --no-verify."
+        ),
+    )
+    parser.add_argument("checkpoint", help="checkpoint directory written by save_state, e.g. ckpts/step_150")
+    parser.add_argument("out", help="new directory for the HF model")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point weights (default: as trained)")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    parser.add_argument("--no-verify", action="store_true", help="skip reloading and comparing the result")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = export_checkpoint(
+        args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, verify=not args.no_verify
+    )
+    print(f"mtk export: wrote {out}" + ("" if args.no_verify else " (reloaded with from_pretrained and verified)"))
+    return 0

@@ -1,0 +1,109 @@
+"""Export and resharded resume, as users run them: accelerate launch ... and mtk export."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from mtk.spawn import free_port
+from mtk.testing import assert_close_rel
+
+ROOT = Path(__file__).resolve().parents[2]
+STEP_LINE = re.compile(r"step (\d+) loss (\S+)")
+
+
+def finetune(config: str, out_dir: Path, *args: str) -> dict[int, float]:
+    command = [
+        "accelerate",
+        "launch",
+        "--config_file",
+        f"accelerate_configs/{config}.yaml",
+        "--main_process_port",
+        str(free_port()),
+        "examples/finetune.py",
+        "--output_dir",
+        str(out_dir),
+        *args,
+    ]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {int(s): float(v) for s, v in STEP_LINE.findall(out.stdout + out.stderr)}
+
+
+def mtk_export(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["mtk", "export", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """TP=2 and TP=1 runs of the same seed: 6 steps, checkpoints at 3 and 6."""
+    root = tmp_path_factory.mktemp("runs")
+    tp2 = finetune("tp2", root / "tp2", "--max_steps", "6", "--save_every", "3")
+    tp1 = finetune("tp1", root / "tp1", "--max_steps", "6", "--save_every", "3")
+    return root, tp2, tp1
+
+
+def test_exported_tp2_run_equals_exported_tp1_run(runs, tmp_path):
+    root, _, _ = runs
+    for name in ("tp2", "tp1"):
+        out = mtk_export(str(root / name / "step_6"), str(tmp_path / name), "--max-shard-size", "100KB")
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "verified" in out.stdout
+    assert (tmp_path / "tp2" / "model.safetensors.index.json").exists(), "sharded by --max-shard-size"
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "tp2")
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "tp1")
+    assert a.model.embed_tokens.weight.shape == (259, 64), "no vocabulary padding in the export"
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_close_rel(a(ids).logits, b(ids).logits, "logits of the exported TP=2 and TP=1 runs")
+
+
+@pytest.mark.parametrize("config,batch", [("tp1", "8"), ("tp4", "8"), ("tp2_dp2", "4")])
+def test_resume_tp2_checkpoint_at_another_layout(runs, tmp_path, config, batch):
+    """TP 2->1, 2->4 (kv heads then replicated) and DP 1->2: same global batch, same losses."""
+    root, tp2, _ = runs
+    resumed = finetune(
+        config, tmp_path, "--max_steps", "6", "--batch_size", batch, "--resume", str(root / "tp2" / "step_3")
+    )
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert_close_rel(resumed[step], tp2[step], f"loss at step {step} after resuming at {config}")
+
+
+def test_resume_tp1_checkpoint_at_tp2(runs, tmp_path):
+    root, _, tp1 = runs
+    resumed = finetune("tp2", tmp_path, "--max_steps", "6", "--resume", str(root / "tp1" / "step_3"))
+    for step in (4, 5, 6):
+        assert_close_rel(resumed[step], tp1[step], f"loss at step {step} after TP 1->2")
+
+
+def test_damaged_checkpoints_are_named_and_nothing_is_written(runs, tmp_path):
+    root, _, _ = runs
+    damaged = tmp_path / "damaged"
+    shutil.copytree(root / "tp2" / "step_6", damaged)
+    victim = damaged / "model" / "tp01-pp00.safetensors"
+    victim.write_bytes(victim.read_bytes()[:200])
+    out = mtk_export(str(damaged), str(tmp_path / "out"))
+    assert out.returncode == 2 and "tp01-pp00.safetensors is not a readable safetensors file" in out.stderr
+    victim.unlink()
+    out = mtk_export(str(damaged), str(tmp_path / "out"))
+    assert out.returncode == 2 and f"checkpoint file {victim} is missing" in out.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.incomplete").exists()
+    assert out.stderr.strip().count("\n") == 0
+
+
+def test_save_pretrained_idiom_keeps_gpt2_layout_and_ties(tmp_path):
+    """examples/finetune.py --save_model: unwrap_model(model).save_pretrained(state_dict=get_state_dict(model))."""
+    finetune("tp2", tmp_path / "run", "--model", "tiny-gpt2", "--max_steps", "3", "--save_model", str(tmp_path / "hf"))
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert saved.transformer.h[0].attn.c_attn.weight.shape == (64, 192), "Conv1D [in, out] layout"
+    assert saved.lm_head.weight is saved.transformer.wte.weight, "tied as HF ties"
+    out = mtk_export(str(tmp_path / "run" / "step_3"), str(tmp_path / "exported"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    for (name, a), b in zip(saved.state_dict().items(), exported.state_dict().values()):
+        assert torch.equal(a, b), name
