@@ -67,6 +67,8 @@ def main(argv=None) -> None:
     else:
         model = build_model(args.model, seed=args.seed)  # same weights on every rank and layout
     tokenizer = tokenizer_for(args.model)
+    if hasattr(tokenizer, "save_pretrained") and Path(args.model).is_dir():
+        accelerator.checkpoint_tokenizer = tokenizer  # checkpoints (and `mtk export`) carry it
     dataset = causal_lm_blocks(load_text_files(args.data), tokenizer, args.seq_len)
     # Its own generator: starting an epoch never moves the global RNG (dropout), so resume is exact.
     loader_rng = torch.Generator().manual_seed(args.seed)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -202,8 +203,12 @@ def save_checkpoint(
     step: int,
     extra_rng: dict[str, Any] | None = None,
     extra_meta: dict[str, Any] | None = None,
+    writers: list[Callable[[Path], None]] = (),
 ) -> Path:
-    """Write a checkpoint at ``directory`` atomically. Collective: every rank calls it."""
+    """Write a checkpoint at ``directory`` atomically. Collective: every rank calls it.
+
+    ``writers`` run on rank 0 with the (still incomplete) directory, e.g. to save a tokenizer.
+    """
     final = Path(directory)
     tmp = final.with_name(final.name + ".incomplete")
     if state.rank == 0:
@@ -218,6 +223,8 @@ def save_checkpoint(
             _save_optimizer(model, optimizer, tmp / "optimizer" / (shard if i == 0 else f"{shard}-{i}"))
     torch.save(_rng_state(extra_rng or {}), tmp / "rng" / f"rank{state.rank:05d}.pt")
     if state.rank == 0:
+        for write in writers:
+            write(tmp)
         for i, scheduler in enumerate(schedulers):
             torch.save(scheduler.state_dict(), tmp / ("scheduler.pt" if i == 0 else f"scheduler_{i}.pt"))
     _barrier()

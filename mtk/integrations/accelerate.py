@@ -90,6 +90,7 @@ class Accelerator(_AccelerateAccelerator):
         # The data position, across epochs (accelerate's ``step`` restarts at every epoch end).
         self.micro_batches_seen = 0  # micro-batches each replica has consumed
         self.completed_steps = 0  # optimizer steps
+        self.checkpoint_tokenizer = None  # saved into <checkpoint>/tokenizer, so `mtk export` ships it
         if self.scaler is not None:  # fp16: every model-parallel rank must agree on skipping a step
             from mtk.parallel.amp import TPGradScaler
 
@@ -255,6 +256,7 @@ class Accelerator(_AccelerateAccelerator):
             schedulers,
             step=self.completed_steps,
             extra_rng={"scaler": self.scaler.state_dict()} if self.scaler is not None else None,
+            writers=[self._write_tokenizer] if self.checkpoint_tokenizer is not None else [],
             extra_meta={
                 "data": {
                     "micro_batches": self.micro_batches_seen,
@@ -269,6 +271,9 @@ class Accelerator(_AccelerateAccelerator):
                 torch.save(obj.state_dict(), Path(output_dir) / f"custom_checkpoint_{i}.pt")
         self.wait_for_everyone()
         return str(output_dir)
+
+    def _write_tokenizer(self, directory: Path) -> None:
+        self.checkpoint_tokenizer.save_pretrained(str(Path(directory) / "tokenizer"))
 
     def _samples_per_micro_batch(self) -> int | None:
         """Samples one micro-batch step consumes over all DP replicas (the first prepared loader's)."""

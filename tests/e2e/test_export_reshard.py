@@ -107,3 +107,42 @@ def test_save_pretrained_idiom_keeps_gpt2_layout_and_ties(tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
     for (name, a), b in zip(saved.state_dict().items(), exported.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def _local_model_with_tokenizer(directory: Path) -> None:
+    """A local HF directory as users have them: weights, config and a tokenizer (built offline)."""
+    import json as _json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from mtk.models import build_model, resolve_config
+
+    words = set()
+    for line in (ROOT / "examples" / "data" / "sample.jsonl").read_text().splitlines():
+        words.update(_json.loads(line)["text"].replace(".", " .").split())
+    vocab = {tok: i for i, tok in enumerate(["[UNK]", "[EOS]", "[PAD]", *sorted(words)])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", eos_token="[EOS]", pad_token="[PAD]")
+    config = resolve_config("tiny-llama")
+    config.vocab_size, config.eos_token_id, config.pad_token_id, config.bos_token_id = len(vocab), 1, 2, None
+    build_model(config, seed=3).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def test_local_directory_with_tokenizer_through_training_and_export(tmp_path):
+    _local_model_with_tokenizer(tmp_path / "local")
+    losses = finetune(
+        "tp2", tmp_path / "run", "--model", str(tmp_path / "local"), "--max_steps", "8", "--seq_len", "32"
+    )
+    assert losses[8] < losses[1]
+    assert (tmp_path / "run" / "step_8" / "tokenizer" / "tokenizer.json").exists()
+    out = mtk_export(str(tmp_path / "run" / "step_8"), str(tmp_path / "hf"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = tokenizer("the cat walks to the river .", return_tensors="pt").input_ids
+    assert model(ids).logits.shape[-1] == tokenizer.vocab_size
