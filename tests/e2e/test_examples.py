@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.e2e.launch import accelerate_launch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -20,31 +22,9 @@ def test_load_memory_example_runs_on_a_tiny_model():
 
 
 def _classify(out_dir, *extra):
-    from mtk.spawn import free_port
-
-    out = subprocess.run(
-        [
-            "accelerate",
-            "launch",
-            "--config_file",
-            "accelerate_configs/tp2.yaml",
-            "--main_process_port",
-            str(free_port()),
-            "examples/classify.py",
-            "--max_steps",
-            "60",
-            "--save_every",
-            "30",
-            "--output_dir",
-            str(out_dir),
-            *extra,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = accelerate_launch(
+        "classify.py", "tp2", "--max_steps", "60", "--save_every", "30", "--output_dir", str(out_dir), *extra
     )
-    assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout + out.stderr
 
 

@@ -1,6 +1,5 @@
 """Export and resharded resume, as users run them: accelerate launch ... and mtk export."""
 
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -9,29 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mtk.spawn import free_port
 from mtk.testing import assert_close_rel
-
-ROOT = Path(__file__).resolve().parents[2]
-STEP_LINE = re.compile(r"step (\d+) loss (\S+)")
+from tests.e2e.launch import ROOT, accelerate_launch, step_losses
 
 
 def finetune(config: str, out_dir: Path, *args: str) -> dict[int, float]:
-    command = [
-        "accelerate",
-        "launch",
-        "--config_file",
-        f"accelerate_configs/{config}.yaml",
-        "--main_process_port",
-        str(free_port()),
-        "examples/finetune.py",
-        "--output_dir",
-        str(out_dir),
-        *args,
-    ]
-    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return {int(s): float(v) for s, v in STEP_LINE.findall(out.stdout + out.stderr)}
+    return step_losses(accelerate_launch("finetune.py", config, "--output_dir", str(out_dir), *args))
 
 
 def mtk_export(*args: str) -> subprocess.CompletedProcess:

@@ -6,39 +6,19 @@ must reproduce the single-process losses (fp32, relative error <= 1e-5).
 """
 
 import json
-import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from mtk.spawn import free_port
 from mtk.testing import assert_close_rel
-
-ROOT = Path(__file__).resolve().parents[2]
-STEP_LINE = re.compile(r"step (\d+) loss (\S+)")
+from tests.e2e.launch import accelerate_launch, step_losses
 
 
-def launch(config: str, *args: str, processes_ok: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
-    config_path = config if config.endswith(".yaml") and "/" in config else f"accelerate_configs/{config}.yaml"
-    command = [
-        "accelerate",
-        "launch",
-        "--config_file",
-        config_path,
-        "--main_process_port",
-        str(free_port()),
-        "examples/finetune.py",
-        *args,
-    ]
-    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if processes_ok:
-        assert out.returncode == 0, out.stderr[-3000:]
-    return out
+def launch(config: str, *args: str, processes_ok: bool = True, launcher_args: tuple = ()):
+    return accelerate_launch("finetune.py", config, *args, launcher_args=launcher_args, check=processes_ok)
 
 
-def losses(out: subprocess.CompletedProcess) -> dict[int, float]:
-    return {int(step): float(loss) for step, loss in STEP_LINE.findall(out.stdout + out.stderr)}
+losses = step_losses
 
 
 def assert_same_losses(actual: dict[int, float], expected: dict[int, float], steps) -> None:
@@ -107,33 +87,14 @@ def test_gradient_accumulation_equals_the_larger_batch(tp2_run, tmp_path):
 
 
 def test_bf16_trains(tmp_path):
-    out = subprocess.run(
-        [
-            "accelerate",
-            "launch",
-            "--config_file",
-            "accelerate_configs/tp2.yaml",
-            "--mixed_precision",
-            "bf16",
-            "--main_process_port",
-            str(free_port()),
-            "examples/finetune.py",
-            "--max_steps",
-            "15",
-            "--output_dir",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = launch(
+        "tp2", "--max_steps", "15", "--output_dir", str(tmp_path), launcher_args=("--mixed_precision", "bf16")
     )
-    assert out.returncode == 0, out.stderr[-3000:]
     run = losses(out)
     assert run[15] < run[1] - 0.3, run
 
 
-def _one_line_error(out: subprocess.CompletedProcess, message: str) -> None:
+def _one_line_error(out, message: str) -> None:
     assert out.returncode != 0
     ours = [line for line in out.stderr.splitlines() if line.startswith("finetune.py: error:")]
     assert len(ours) == 1 and message in ours[0], out.stderr[-2000:]
@@ -167,23 +128,5 @@ def test_bad_input_is_one_clear_line(tmp_path):
         processes_ok=False,
     )
     _one_line_error(out, f"checkpoint directory {tmp_path / 'step_150'} does not exist")
-    out = subprocess.run(
-        [
-            "accelerate",
-            "launch",
-            "--config_file",
-            "accelerate_configs/tp2.yaml",
-            "--mixed_precision",
-            "fp16",
-            "--main_process_port",
-            str(free_port()),
-            "examples/finetune.py",
-            "--max_steps",
-            "1",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = launch("tp2", "--max_steps", "1", processes_ok=False, launcher_args=("--mixed_precision", "fp16"))
     _one_line_error(out, "fp16 mixed precision needs a GPU (accelerate refuses it on CPU); use bf16 on CPU")

@@ -1,0 +1,40 @@
+"""Run the used-by commands exactly as users type them (``accelerate launch ...``), on a free port."""
+
+import re
+import subprocess
+from pathlib import Path
+
+from mtk.spawn import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+STEP_LINE = re.compile(r"step (\d+) loss (\S+)")
+
+
+def accelerate_launch(
+    script: str, config: str, *args: str, launcher_args: tuple = (), check: bool = True, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file <config> [launcher_args] examples/<script> [args]`` from the repo root.
+
+    ``config`` is a name in accelerate_configs/ or a path to a YAML file.
+    """
+    config_path = config if config.endswith(".yaml") else f"accelerate_configs/{config}.yaml"
+    command = [
+        "accelerate",
+        "launch",
+        "--config_file",
+        config_path,
+        "--main_process_port",
+        str(free_port()),
+        *launcher_args,
+        f"examples/{script}",
+        *args,
+    ]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def step_losses(out: subprocess.CompletedProcess) -> dict[int, float]:
+    """``step N loss X`` lines (printed at full precision by the examples)."""
+    return {int(step): float(loss) for step, loss in STEP_LINE.findall(out.stdout + out.stderr)}
