@@ -204,10 +204,12 @@ def save_checkpoint(
     extra_rng: dict[str, Any] | None = None,
     extra_meta: dict[str, Any] | None = None,
     writers: list[Callable[[Path], None]] = (),
+    collective_writers: list[Callable[[Path], None]] = (),
 ) -> Path:
     """Write a checkpoint at ``directory`` atomically. Collective: every rank calls it.
 
-    ``writers`` run on rank 0 with the (still incomplete) directory, e.g. to save a tokenizer.
+    ``writers`` run on rank 0 with the (still incomplete) directory, e.g. to save a tokenizer;
+    ``collective_writers`` run on every rank (e.g. DeepSpeed's own, collective, save_checkpoint).
     """
     final = Path(directory)
     tmp = final.with_name(final.name + ".incomplete")
@@ -221,6 +223,8 @@ def save_checkpoint(
         _save_weights(model, tmp / "model" / f"{shard}.safetensors")
         for i, optimizer in enumerate(optimizers):
             _save_optimizer(model, optimizer, tmp / "optimizer" / (shard if i == 0 else f"{shard}-{i}"))
+    for write in collective_writers:
+        write(tmp)
     torch.save(_rng_state(extra_rng or {}), tmp / "rng" / f"rank{state.rank:05d}.pt")
     if state.rank == 0:
         for write in writers:
@@ -293,8 +297,12 @@ def load_checkpoint(
     model: nn.Module,
     optimizers: list[torch.optim.Optimizer],
     schedulers: list,
+    *,
+    load_weights: bool = True,
 ) -> dict[str, Any]:
     """Restore weights, optimizer, scheduler and RNG from ``directory``; returns its metadata.
+
+    ``load_weights=False`` (DeepSpeed restores the module and optimizer itself) restores RNG only.
 
     A checkpoint written at another TP/PP layout is resharded: each tensor (and optimizer moment) is
     merged from the old shards and this rank's new shard cut from it. A changed DP size needs no
@@ -303,7 +311,9 @@ def load_checkpoint(
     directory = Path(directory)
     meta = read_metadata(directory)
     saved = meta["topology"]
-    if (saved["tp"], saved["pp"]) == (state.tp_size, state.pp_size):
+    if not load_weights:
+        pass
+    elif (saved["tp"], saved["pp"]) == (state.tp_size, state.pp_size):
         shard = _shard_name(state)
         _load_weights(model, directory / "model" / f"{shard}.safetensors")
         for i, optimizer in enumerate(optimizers):

@@ -1,0 +1,156 @@
+"""Causal-LM fine-tuning with Megatron tensor parallelism next to DeepSpeed ZeRO (over DP only).
+
+    deepspeed --num_gpus 4 examples/run.py --deepspeed --deepspeed_config ds_configs/zero2.json --tp 2
+    deepspeed --hostfile hostfile examples/run.py --deepspeed --deepspeed_config ds_configs/zero2.json --tp 2
+    deepspeed --num_gpus 4 examples/run.py --deepspeed --deepspeed_config ds_configs/zero2.json --tp 2 \\
+        --resume ckpts/step_20
+
+DeepSpeed's launcher and argument conventions (``--deepspeed``, ``--deepspeed_config``,
+``--local_rank``); the training options are those of examples/finetune.py. The TP size comes from
+``--tp`` (default: ``MEGATRON_LM_TP_DEGREE``, else 1); the data-parallel size is world / tp, and ZeRO
+partitions over it. Micro-batch and accumulation come from the JSON unless --batch_size/--grad_accum
+are given. Tensorboard scalars go to ``<output_dir>/runs`` as in finetune.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.tensorboard import SummaryWriter
+
+from mtk.checkpoint import load_pretrained_tp
+from mtk.config import ParallelConfig
+from mtk.data import causal_lm_blocks, load_text_files, tokenizer_for
+from mtk.errors import MtkError
+from mtk.integrations.deepspeed import deepspeed_config, load_deepspeed_checkpoint, save_deepspeed_checkpoint
+from mtk.models import build_model, resolve_config
+from mtk.parallel.comm import all_reduce
+from mtk.parallel.state import ParallelState
+from mtk.plans import check_tp_size, parallelize
+
+HERE = Path(__file__).resolve().parent
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny-llama", help="built-in config name or local HF directory")
+    parser.add_argument("--data", default=str(HERE / "data" / "sample.jsonl"), help="local .jsonl/.txt/.csv file")
+    parser.add_argument("--max_steps", type=int, default=60)
+    parser.add_argument("--save_every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    parser.add_argument("--output_dir", default="ckpts")
+    parser.add_argument("--resume", help="checkpoint to resume from, e.g. ckpts/step_20")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup_steps", type=int, default=5)
+    parser.add_argument("--batch_size", type=int, help="micro-batch per DP replica (default: from the JSON)")
+    parser.add_argument("--grad_accum", type=int, help="micro-batches per step (default: from the JSON)")
+    parser.add_argument("--seq_len", type=int, default=64)
+    parser.add_argument("--tp", type=int, default=int(os.environ.get("MEGATRON_LM_TP_DEGREE", "1")))
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    parser = deepspeed.add_config_arguments(parser)
+    args = parser.parse_args(argv)
+    if not args.deepspeed_config:
+        parser.error("--deepspeed_config is required (e.g. ds_configs/zero2.json)")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    state = ParallelState.from_env(ParallelConfig(tp_size=args.tp))  # torch.distributed from the launcher
+    config = resolve_config(args.model)
+    check_tp_size(config, state.tp_size)
+    ds_config = deepspeed_config(args.deepspeed_config, micro_batch=args.batch_size, grad_accum=args.grad_accum)
+    ds_config.setdefault("optimizer", {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}})
+    ds_config["optimizer"].setdefault("params", {}).setdefault("torch_adam", True)
+    set_seed(args.seed)
+    if Path(args.model).is_dir():
+        model = load_pretrained_tp(args.model, state)
+        model.train()
+    else:
+        model = parallelize(build_model(args.model, seed=args.seed), state)  # same weights at any layout
+    warmup, total = max(args.warmup_steps, 1), max(args.max_steps, 1)
+
+    def lr_schedule(optimizer):  # DeepSpeed steps it once per optimizer step
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.0, 1 - s / total)
+        )
+
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), lr_scheduler=lr_schedule, config=ds_config, mpu=state
+    )
+    micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    dataset = causal_lm_blocks(load_text_files(args.data), tokenizer_for(args.model), args.seq_len)
+    # Each DP replica reads its share; all TP ranks of one replica read the same samples.
+    sampler = DistributedSampler(
+        dataset, num_replicas=state.dp_size, rank=state.dp_rank, shuffle=True, seed=args.seed, drop_last=True
+    )
+    loader = DataLoader(dataset, batch_size=micro, sampler=sampler, drop_last=True)
+
+    step, micro_batches = 0, 0
+    if args.resume:
+        meta = load_deepspeed_checkpoint(args.resume, engine, state)
+        step, micro_batches = meta["step"], meta["data"]["micro_batches"]
+    writer = SummaryWriter(str(Path(args.output_dir) / "runs")) if state.rank == 0 else None
+    global_batch = micro * accum * state.dp_size
+    if state.rank == 0:
+        print(
+            f"mtk+deepspeed: zero stage {engine.zero_optimization_stage()}, tp={state.tp_size} dp={state.dp_size}, "
+            f"global batch {global_batch}, steps {step}->{args.max_steps}",
+            flush=True,
+        )
+    loss_sum, tic = torch.zeros(1), time.perf_counter()
+    while step < args.max_steps:
+        epoch, skip = divmod(micro_batches, len(loader))
+        sampler.set_epoch(epoch)
+        for index, batch in enumerate(loader):
+            if index < skip:
+                continue
+            ids = batch["input_ids"].to(engine.device)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.step()
+            micro_batches += 1
+            loss_sum += loss.detach().float().cpu()
+            if not boundary:
+                continue
+            step += 1
+            mean = all_reduce(loss_sum / accum, state.dp_group) / state.dp_size  # over micro-batches and DP
+            elapsed, tic = time.perf_counter() - tic, time.perf_counter()
+            if writer is not None:
+                grad_norm = engine.get_global_grad_norm()
+                writer.add_scalar("train/loss", mean.item(), step)
+                writer.add_scalar("train/lr", scheduler.get_last_lr()[0], step)
+                writer.add_scalar("train/grad_norm", float(grad_norm) if grad_norm is not None else 0.0, step)
+                writer.add_scalar("train/tokens_per_s", global_batch * args.seq_len / elapsed, step)
+                print(f"step {step} loss {mean.item()!r}", flush=True)
+            loss_sum.zero_()
+            if args.save_every and step % args.save_every == 0:
+                save_deepspeed_checkpoint(
+                    f"{args.output_dir}/step_{step}", engine, state, {"micro_batches": micro_batches}
+                )
+            if step >= args.max_steps:
+                break
+    if not args.save_every or step % args.save_every:
+        save_deepspeed_checkpoint(f"{args.output_dir}/step_{step}", engine, state, {"micro_batches": micro_batches})
+    if writer is not None:
+        writer.close()
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except MtkError as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"run.py: error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,111 @@
+"""DeepSpeed next to Megatron tensor parallelism: ZeRO over the data-parallel group only.
+
+The model is converted by the rules first; ``deepspeed.initialize(..., mpu=state)`` then receives the
+:class:`ParallelState`, whose Megatron ``mpu`` methods tell ZeRO to partition optimizer state,
+gradients (and, at stage 3, parameters) over the DP group, and tell DeepSpeed's gradient clipping
+which parameters are TP shards (``tensor_model_parallel``) so the global norm is right.
+
+Checkpoints use mtk's ``step_N/`` layout (one safetensors weights file per (tp, pp) rank, RNG, data
+position, metadata), so ``mtk export`` works on them; DeepSpeed's own state (ZeRO-partitioned
+optimizer, scheduler, module) sits inside, in ``step_N/deepspeed/``, and is restored by DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from mtk.checkpoint.hf_load import CheckpointError
+from mtk.checkpoint.sharded import load_checkpoint, read_metadata, save_checkpoint
+from mtk.config import ConfigError
+from mtk.parallel.state import ParallelState
+
+__all__ = ["deepspeed_config", "load_deepspeed_checkpoint", "save_deepspeed_checkpoint"]
+
+_DS_TAG = "state"
+
+
+def deepspeed_config(
+    path: str | Path,
+    *,
+    micro_batch: int | None = None,
+    grad_accum: int | None = None,
+    gradient_clipping: float | None = None,
+) -> dict[str, Any]:
+    """The user's DeepSpeed JSON, with command-line overrides; ``train_batch_size`` is left to DeepSpeed.
+
+    DeepSpeed derives the global batch as micro-batch x accumulation x *data-parallel* size (from
+    the mpu), so TP ranks are not counted as replicas.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--deepspeed_config {path} does not exist")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"--deepspeed_config {path} is not valid JSON ({err})") from None
+    if micro_batch is not None:
+        config["train_micro_batch_size_per_gpu"] = micro_batch
+    if grad_accum is not None:
+        config["gradient_accumulation_steps"] = grad_accum
+    if gradient_clipping is not None:
+        config["gradient_clipping"] = gradient_clipping
+    config.pop("train_batch_size", None)
+    if "tensor_parallel" in config:
+        raise ConfigError(
+            f"{path}: 'tensor_parallel' turns on DeepSpeed's own AutoTP; mtk does tensor parallelism: remove it "
+            f"and pass --tp N"
+        )
+    return config
+
+
+def _zero3_gathered(engine) -> Any:
+    """Context in which ZeRO-3's partitioned parameters are whole again on each rank (else a no-op)."""
+    import contextlib
+
+    import deepspeed
+
+    if engine.zero_optimization_stage() == 3:
+        return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+    return contextlib.nullcontext()
+
+
+def save_deepspeed_checkpoint(directory: str | Path, engine, state: ParallelState, data: dict[str, Any]) -> Path:
+    """``directory`` in mtk's layout + DeepSpeed's own state in ``directory/deepspeed``. Collective."""
+    model: nn.Module = engine.module
+
+    def deepspeed_state(tmp: Path) -> None:
+        engine.save_checkpoint(str(tmp / "deepspeed"), tag=_DS_TAG)
+
+    with _zero3_gathered(engine):
+        return save_checkpoint(
+            directory,
+            state,
+            model,
+            [],
+            [],
+            step=engine.global_steps,
+            collective_writers=[deepspeed_state],
+            extra_meta={"data": data, "engine": "deepspeed", "zero_stage": engine.zero_optimization_stage()},
+        )
+
+
+def load_deepspeed_checkpoint(directory: str | Path, engine, state: ParallelState) -> dict[str, Any]:
+    """Restore DeepSpeed's state (same layout only) and mtk's RNG; returns the checkpoint metadata."""
+    meta = read_metadata(directory)
+    saved = meta["topology"]
+    if meta.get("engine") != "deepspeed":
+        raise CheckpointError(f"{directory} was not written by the DeepSpeed engine; resume it with the same engine")
+    if (saved["tp"], saved["pp"], saved["dp"]) != (state.tp_size, state.pp_size, state.dp_size):
+        raise CheckpointError(
+            f"{directory} was written at tp={saved['tp']} pp={saved['pp']} dp={saved['dp']}, this run is "
+            f"tp={state.tp_size} pp={state.pp_size} dp={state.dp_size}; a DeepSpeed checkpoint resumes at the same "
+            f"layout (export it with `mtk export` to change layouts)"
+        )
+    path, _ = engine.load_checkpoint(str(Path(directory) / "deepspeed"), tag=_DS_TAG)
+    if path is None:
+        raise CheckpointError(f"{directory}/deepspeed holds no DeepSpeed checkpoint")
+    return load_checkpoint(directory, state, engine.module, [], [], load_weights=False)  # RNG, data position
