@@ -1,0 +1,134 @@
+"""``deepspeed ... examples/run.py --deepspeed --deepspeed_config ds_configs/zeroN.json`` as users type it.
+
+ZeRO partitions over the data-parallel group only (the topology is DeepSpeed's ``mpu``), so ZeRO-1/2
+at TP=2 x DP=2 and ZeRO-3 at TP=1 x DP=2 reproduce the non-ZeRO losses of the same seed and global
+batch (fp32, <= 1e-5). The first DeepSpeed run on a machine compiles a CPU comm op (~1 minute).
+"""
+
+import subprocess
+
+import pytest
+
+from mtk.spawn import free_port
+from mtk.testing import assert_close_rel
+from tests.e2e.launch import ROOT, accelerate_launch, step_losses
+
+
+def deepspeed_run(processes: int, config: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    command = [
+        "deepspeed",
+        "--num_gpus",
+        str(processes),
+        "--master_port",
+        str(free_port()),
+        "examples/run.py",
+        "--deepspeed",
+        "--deepspeed_config",
+        f"ds_configs/{config}.json",
+        *args,
+    ]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if check:
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Non-ZeRO losses of the same seed, global batch 8 and schedule (6 steps): the Accelerate path at TP=1."""
+    out = accelerate_launch(
+        "finetune.py", "tp1", "--max_steps", "6", "--output_dir", str(tmp_path_factory.mktemp("r"))
+    )
+    return step_losses(out)
+
+
+@pytest.fixture(scope="module")
+def zero2_run(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("zero2")
+    out = deepspeed_run(
+        4,
+        "zero2",
+        "--tp",
+        "2",
+        "--batch_size",
+        "4",
+        "--max_steps",
+        "6",
+        "--save_every",
+        "3",
+        "--output_dir",
+        str(out_dir),
+    )
+    return out_dir, step_losses(out)
+
+
+def test_zero2_tp2_dp2_equals_non_zero(reference, zero2_run):
+    out_dir, losses = zero2_run
+    for step in range(1, 7):
+        assert_close_rel(losses[step], reference[step], f"ZeRO-2 TP2xDP2 loss at step {step}")
+    assert (out_dir / "runs").is_dir() and (out_dir / "step_3" / "deepspeed").is_dir()
+
+
+def test_zero1_tp2_dp2_equals_non_zero(reference, tmp_path):
+    losses = step_losses(
+        deepspeed_run(4, "zero1", "--tp", "2", "--batch_size", "4", "--max_steps", "6", "--output_dir", str(tmp_path))
+    )
+    for step in range(1, 7):
+        assert_close_rel(losses[step], reference[step], f"ZeRO-1 TP2xDP2 loss at step {step}")
+
+
+def test_zero3_tp1_dp2_equals_non_zero(reference, tmp_path):
+    losses = step_losses(
+        deepspeed_run(2, "zero3", "--tp", "1", "--batch_size", "4", "--max_steps", "6", "--output_dir", str(tmp_path))
+    )
+    for step in range(1, 7):
+        assert_close_rel(losses[step], reference[step], f"ZeRO-3 TP1xDP2 loss at step {step}")
+    out = subprocess.run(
+        ["mtk", "export", str(tmp_path / "step_6"), str(tmp_path / "hf")], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-2000:]  # ZeRO-3 parameters gathered into the mtk shards
+
+
+def test_resume_and_export_a_deepspeed_checkpoint(zero2_run, tmp_path):
+    out_dir, uninterrupted = zero2_run
+    resumed = step_losses(
+        deepspeed_run(
+            4,
+            "zero2",
+            "--tp",
+            "2",
+            "--batch_size",
+            "4",
+            "--max_steps",
+            "6",
+            "--output_dir",
+            str(tmp_path / "resumed"),
+            "--resume",
+            str(out_dir / "step_3"),
+        )
+    )
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert_close_rel(resumed[step], uninterrupted[step], f"loss at step {step} after resume")
+    out = subprocess.run(
+        ["mtk", "export", str(out_dir / "step_6"), str(tmp_path / "hf")], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0 and "verified" in out.stdout, out.stderr[-2000:]
+
+
+def test_bad_deepspeed_input_is_one_line(tmp_path):
+    out = deepspeed_run(
+        2,
+        "zero2",
+        "--tp",
+        "2",
+        "--max_steps",
+        "1",
+        "--output_dir",
+        str(tmp_path),
+        "--resume",
+        str(tmp_path / "nowhere"),
+        check=False,
+    )
+    assert out.returncode != 0
+    assert f"run.py: error: checkpoint directory {tmp_path / 'nowhere'} does not exist" in out.stderr
