@@ -38,7 +38,7 @@ from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.sharding import take_shard
 from mtk.parallel.state import ParallelState
 
-__all__ = ["FORMAT", "load_checkpoint", "read_metadata", "save_checkpoint"]
+__all__ = ["FORMAT", "load_checkpoint", "read_metadata", "restore_rng", "save_checkpoint"]
 
 FORMAT = "mtk-checkpoint/1"
 
@@ -297,12 +297,8 @@ def load_checkpoint(
     model: nn.Module,
     optimizers: list[torch.optim.Optimizer],
     schedulers: list,
-    *,
-    load_weights: bool = True,
 ) -> dict[str, Any]:
     """Restore weights, optimizer, scheduler and RNG from ``directory``; returns its metadata.
-
-    ``load_weights=False`` (DeepSpeed restores the module and optimizer itself) restores RNG only.
 
     A checkpoint written at another TP/PP layout is resharded: each tensor (and optimizer moment) is
     merged from the old shards and this rank's new shard cut from it. A changed DP size needs no
@@ -311,9 +307,7 @@ def load_checkpoint(
     directory = Path(directory)
     meta = read_metadata(directory)
     saved = meta["topology"]
-    if not load_weights:
-        pass
-    elif (saved["tp"], saved["pp"]) == (state.tp_size, state.pp_size):
+    if (saved["tp"], saved["pp"]) == (state.tp_size, state.pp_size):
         shard = _shard_name(state)
         _load_weights(model, directory / "model" / f"{shard}.safetensors")
         for i, optimizer in enumerate(optimizers):
@@ -328,8 +322,13 @@ def load_checkpoint(
     for i, scheduler in enumerate(schedulers):
         path = directory / ("scheduler.pt" if i == 0 else f"scheduler_{i}.pt")
         scheduler.load_state_dict(torch.load(path, weights_only=True))
-    same_world = saved["world"] == state.world_size
-    rng = torch.load(directory / "rng" / f"rank{state.rank if same_world else 0:05d}.pt", weights_only=True)
-    _set_rng_state(rng)
-    meta["rng"] = rng
+    meta["rng"] = restore_rng(directory, meta, state)
     return meta
+
+
+def restore_rng(directory: str | Path, meta: dict[str, Any], state: ParallelState) -> dict[str, Any]:
+    """Set this rank's RNG states from the checkpoint (rank 0's when the world size changed)."""
+    same_world = meta["topology"]["world"] == state.world_size
+    rng = torch.load(Path(directory) / "rng" / f"rank{state.rank if same_world else 0:05d}.pt", weights_only=True)
+    _set_rng_state(rng)
+    return rng

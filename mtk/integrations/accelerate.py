@@ -84,6 +84,13 @@ class Accelerator(_AccelerateAccelerator):
         mixed = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
         if str(mixed) == "fp16" and (on_cpu or kwargs["cpu"]):
             raise ConfigError("fp16 mixed precision needs a GPU (accelerate refuses it on CPU); use bf16 on CPU")
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or kwargs.get("deepspeed_plugin"):
+            # accelerate would call deepspeed.initialize without mtk's mpu (ZeRO over every process) and,
+            # on CPU, would drop DeepSpeed altogether; the DeepSpeed launcher path does it right.
+            raise ConfigError(
+                "DeepSpeed through accelerate is not supported by mtk yet; run ZeRO next to TP with "
+                "`deepspeed --num_gpus N examples/run.py --deepspeed --deepspeed_config ds_configs/zero2.json --tp T`"
+            )
         kwargs.setdefault("dataloader_config", DataLoaderConfiguration(use_seedable_sampler=True))
         super().__init__(*args, **kwargs)
         self.parallel = ParallelState.build(config=config, device=self.device)
@@ -105,7 +112,7 @@ class Accelerator(_AccelerateAccelerator):
         check_tp_size(model.config, self.parallel.tp_size)
         parallelize(model, self.parallel)
         after = dict(model.named_parameters(remove_duplicate=False))
-        return {old: after[name] for old, name in before.items() if after[name] is not None}
+        return {old: after[name] for old, name in before.items()}
 
     def prepare(self, *args, device_placement=None):
         """As accelerate's, after converting HF models: optimizers built on the unconverted model's
@@ -117,7 +124,7 @@ class Accelerator(_AccelerateAccelerator):
         for obj in args:
             if isinstance(obj, torch.optim.Optimizer) and replaced:
                 if obj.state:
-                    raise ValueError("the optimizer already has state; create it before its first step, then prepare")
+                    raise ConfigError("the optimizer already has state; prepare it before its first step")
                 for group in obj.param_groups:
                     group["params"] = [replaced.get(id(p), p) for p in group["params"]]
         return super().prepare(*args, device_placement=device_placement)

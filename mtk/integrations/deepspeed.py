@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from mtk.checkpoint.hf_load import CheckpointError
-from mtk.checkpoint.sharded import load_checkpoint, read_metadata, save_checkpoint
+from mtk.checkpoint.sharded import read_metadata, restore_rng, save_checkpoint
 from mtk.config import ConfigError
 from mtk.parallel.state import ParallelState
 
@@ -108,4 +108,5 @@ def load_deepspeed_checkpoint(directory: str | Path, engine, state: ParallelStat
     path, _ = engine.load_checkpoint(str(Path(directory) / "deepspeed"), tag=_DS_TAG)
     if path is None:
         raise CheckpointError(f"{directory}/deepspeed holds no DeepSpeed checkpoint")
-    return load_checkpoint(directory, state, engine.module, [], [], load_weights=False)  # RNG, data position
+    meta["rng"] = restore_rng(directory, meta, state)
+    return meta
