@@ -132,3 +132,33 @@ def test_bad_deepspeed_input_is_one_line(tmp_path):
     )
     assert out.returncode != 0
     assert f"run.py: error: checkpoint directory {tmp_path / 'nowhere'} does not exist" in out.stderr
+
+
+def test_deepspeed_gradient_accumulation_equals_the_larger_batch(reference, tmp_path):
+    losses = step_losses(
+        deepspeed_run(
+            4,
+            "zero2",
+            "--tp",
+            "2",
+            "--batch_size",
+            "2",
+            "--grad_accum",
+            "2",
+            "--max_steps",
+            "6",
+            "--output_dir",
+            str(tmp_path),
+        )
+    )
+    for step in range(1, 7):
+        assert_close_rel(losses[step], reference[step], f"ZeRO-2 2x2 accumulation loss at step {step}")
+
+
+def test_deepspeed_bf16_trains(tmp_path):
+    losses = step_losses(
+        deepspeed_run(
+            4, "zero2_bf16", "--tp", "2", "--batch_size", "4", "--max_steps", "15", "--output_dir", str(tmp_path)
+        )
+    )
+    assert losses[15] < losses[1] - 1.0, losses
