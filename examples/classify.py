@@ -12,8 +12,6 @@ Default: ``tiny-bert`` on the bundled examples/data/sentiment.csv.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from pathlib import Path
 
 import torch
@@ -23,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from mtk import Accelerator
 from mtk.data import ByteTokenizer
-from mtk.errors import MtkError
+from mtk.errors import run_main
 from mtk.models import build_model
 
 HERE = Path(__file__).resolve().parent
@@ -62,27 +60,13 @@ def main(argv=None) -> None:
     set_seed(args.seed)
     tokenizer = ByteTokenizer()
     raw = load_dataset("csv", data_files=args.data, split="train").train_test_split(test_size=0.2, seed=args.seed)
-    columns = raw["train"].column_names
-    train = (
-        raw["train"]
-        .map(
-            encode,
-            batched=True,
-            remove_columns=columns,
-            fn_kwargs=dict(tokenizer=tokenizer, max_length=args.max_length),
-        )
-        .with_format("torch")
-    )
-    test = (
-        raw["test"]
-        .map(
-            encode,
-            batched=True,
-            remove_columns=columns,
-            fn_kwargs=dict(tokenizer=tokenizer, max_length=args.max_length),
-        )
-        .with_format("torch")
-    )
+    encoded = raw.map(
+        encode,
+        batched=True,
+        remove_columns=raw["train"].column_names,
+        fn_kwargs=dict(tokenizer=tokenizer, max_length=args.max_length),
+    ).with_format("torch")
+    train, test = encoded["train"], encoded["test"]
     model = build_model(args.model, seed=args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     # The loader draws its seeds from its own generator, so starting an epoch never moves the global RNG
@@ -141,9 +125,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except MtkError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"classify.py: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_main(main, "classify.py")

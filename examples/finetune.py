@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from tqdm.auto import tqdm
 from mtk import Accelerator
 from mtk.checkpoint import load_pretrained_tp
 from mtk.data import causal_lm_blocks, load_text_files, tokenizer_for
-from mtk.errors import MtkError
+from mtk.errors import run_main
 from mtk.models import build_model, resolve_config
 from mtk.plans import check_tp_size
 
@@ -156,9 +155,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except MtkError as err:  # bad input: one line (from the first rank), no traceback
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"finetune.py: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_main(main, "finetune.py")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from torch.utils.tensorboard import SummaryWriter
 from mtk.checkpoint import load_pretrained_tp
 from mtk.config import ParallelConfig
 from mtk.data import causal_lm_blocks, load_text_files, tokenizer_for
-from mtk.errors import MtkError
+from mtk.errors import run_main
 from mtk.integrations.deepspeed import deepspeed_config, load_deepspeed_checkpoint, save_deepspeed_checkpoint
 from mtk.models import build_model, resolve_config
 from mtk.parallel.comm import all_reduce
@@ -148,9 +147,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except MtkError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"run.py: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_main(main, "run.py")
