@@ -13,6 +13,7 @@ and orientations stay HF's.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Sequence
 
@@ -49,14 +50,16 @@ def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:
     param.partition_stride = 1
 
 
-class ShardedModule(nn.Module):
+class ShardedModule(nn.Module, abc.ABC):
     """A module whose parameters are shards of full tensors described by :meth:`shard_spec`."""
 
+    @abc.abstractmethod
     def shard_spec(self, name: str) -> ShardSpec:
-        raise NotImplementedError
+        """This rank's piece of the full tensor behind parameter ``name``."""
 
+    @abc.abstractmethod
     def full_shape(self, name: str) -> tuple[int, ...]:
-        raise NotImplementedError
+        """Shape of the full (unsharded, unpadded) tensor behind parameter ``name``."""
 
     def shard(self, full: torch.Tensor, name: str = "weight") -> torch.Tensor:
         """This rank's piece of the full tensor ``name`` (padding added where the spec asks)."""
