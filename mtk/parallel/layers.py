@@ -150,10 +150,6 @@ class ColumnParallelLinear(ShardedModule):
             offset += size
         return tuple(ranges), sum(stop - start for start, stop in ranges)
 
-    @property
-    def out_features_padded(self) -> int:
-        return self.out_local * self.tp_size
-
     def shard_spec(self, name: str) -> ShardSpec:
         dim = 1 if (name == "weight" and self.transposed) else 0
         return ShardSpec(dim=dim, ranges=self._ranges, local_size=self.out_local)

@@ -252,4 +252,3 @@ def _retie_embeddings(model: nn.Module, converted: dict, old_embedding, tied_hea
         if embedding is None or head.weight.shape != embedding.weight.shape:
             raise UnsupportedModelError(f"{name} cannot stay tied to the vocab-parallel embedding: shards differ")
         head.weight = embedding.weight
-        head.mtk_tied = True
