@@ -12,6 +12,9 @@ processes hold what follows the Megatron layout instead of treating every proces
 - ``save_state`` / ``load_state`` write and read ``step_N/`` with one shard per (tp, pp) rank
   (:mod:`mtk.checkpoint.sharded`), atomically.
 - ``get_state_dict`` gathers full, unpadded tensors one at a time, for ``save_pretrained``.
+- pipeline parallelism (pp > 1): ``prepare`` cuts the model to this rank's stage and returns a
+  :class:`~mtk.pipeline.engine.PipelineModel`, whose forward runs the micro-batch schedule (forward
+  and backward, as accelerate's Megatron-LM integration does); ``backward`` then only syncs gradients.
 
 TP/PP sizes come from the ``megatron_lm_config`` block of the accelerate YAML (exported by
 ``accelerate launch`` as ``MEGATRON_LM_*``), or from ``parallel_config``. Accelerate's own Megatron
@@ -30,18 +33,21 @@ import torch.distributed as dist
 from accelerate import Accelerator as _AccelerateAccelerator
 from accelerate.data_loader import prepare_data_loader
 from accelerate.scheduler import AcceleratedScheduler
-from accelerate.utils import DataLoaderConfiguration, extract_model_from_parallel, recursively_apply
+from accelerate.utils import DataLoaderConfiguration, recursively_apply
 from torch import nn
 
 from mtk.checkpoint.hf_load import CheckpointError
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.config import ConfigError, ParallelConfig
 from mtk.parallel.comm import all_reduce, group_size
-from mtk.parallel.gather import full_shape_and_spec, gather_full_tensor
+from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sync_sequence_parallel_grads
 from mtk.parallel.state import ParallelState, default_device
-from mtk.plans import check_tp_size, parallelize
+from mtk.pipeline.engine import PipelineModel
+from mtk.pipeline.stages import split_stages
+from mtk.plans import check_tp_size, find_plan, parallelize
+from mtk.plans.generic import GENERIC
 
 __all__ = ["Accelerator", "DataParallelScheduler"]
 
@@ -104,38 +110,59 @@ class Accelerator(_AccelerateAccelerator):
             self.scaler = TPGradScaler.from_scaler(self.scaler, self.parallel)
 
     # ------------------------------------------------------------------------------------ prepare
-    def _convert(self, model: nn.Module) -> dict[int, nn.Parameter]:
-        """Make ``model`` tensor-parallel; map id(old parameter) -> its replacement (by HF name)."""
-        if getattr(model, "mtk_tp_size", None) is not None or not hasattr(model, "config"):
-            return {}
+    def _convert(self, model: nn.Module) -> tuple[nn.Module, dict[int, nn.Parameter | None]]:
+        """Make ``model`` tensor-parallel (and cut to this rank's pipeline stage when pp > 1).
+
+        Returns the model to train (a :class:`PipelineModel` when pp > 1) and a map from id(old
+        parameter) to its replacement by HF name (``None`` when another stage owns it).
+        """
+        if isinstance(model, PipelineModel) or getattr(model, "mtk_tp_size", None) is not None:
+            return model, {}
+        if not hasattr(model, "config"):
+            if self.parallel.pp_size > 1:
+                raise ConfigError("pipeline parallelism (pp > 1) needs an HF model with a config")
+            return model, {}
         before = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
         check_tp_size(model.config, self.parallel.tp_size)
         parallelize(model, self.parallel)
+        config = self.parallel.config
+        if self.parallel.pp_size > 1:
+            split_stages(model, self.parallel, find_plan(model.config) or GENERIC, config.pipeline_layers)
         after = dict(model.named_parameters(remove_duplicate=False))
-        return {old: after[name] for old, name in before.items()}
+        replaced = {old: after.get(name) for old, name in before.items()}
+        if self.parallel.pp_size > 1:
+            model = PipelineModel(model, self.parallel, config.num_micro_batches, config.pipeline_schedule)
+        return model, replaced
 
     def prepare(self, *args, device_placement=None):
         """As accelerate's, after converting HF models: optimizers built on the unconverted model's
-        parameters (the usual order in accelerate scripts) are re-pointed at the shards."""
-        replaced: dict[int, nn.Parameter] = {}
-        for obj in args:
+        parameters (the usual order in accelerate scripts) are re-pointed at the shards, and with
+        pp > 1 hold only this stage's parameters."""
+        replaced: dict[int, nn.Parameter | None] = {}
+        args = list(args)
+        for i, obj in enumerate(args):
             if isinstance(obj, nn.Module):
-                replaced.update(self._convert(obj))
+                args[i], mapping = self._convert(obj)
+                replaced.update(mapping)
         for obj in args:
             if isinstance(obj, torch.optim.Optimizer) and replaced:
                 if obj.state:
                     raise ConfigError("the optimizer already has state; prepare it before its first step")
                 for group in obj.param_groups:
-                    group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+                    params = [replaced.get(id(p), p) for p in group["params"]]
+                    group["params"] = [p for p in params if p is not None]
         return super().prepare(*args, device_placement=device_placement)
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         if getattr(model, "_is_accelerate_prepared", False):
             return super().prepare_model(model, device_placement, evaluation_mode)
-        self._convert(model)
+        model, _ = self._convert(model)
         # accelerate's own preparation (mixed-precision forward, device placement), but not its DDP,
         # which would span every process: replicas are only the data-parallel group.
         model = super().prepare_model(model, device_placement, evaluation_mode=True)
+        if isinstance(model, PipelineModel):  # the schedule backpropagates; gradients sync in backward()
+            model.scale_loss = self._scale_pipeline_loss
+            return model
         if not evaluation_mode and self.parallel.dp_size > 1 and any(p.requires_grad for p in model.parameters()):
             kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
             device_ids = None if self.device.type == "cpu" else [self.device.index]
@@ -144,6 +171,11 @@ class Accelerator(_AccelerateAccelerator):
             )
             self._models[-1] = model
         return model
+
+    def _scale_pipeline_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """What ``backward`` would backpropagate: averaged over accumulation steps, fp16-scaled."""
+        loss = loss / self.gradient_accumulation_steps
+        return self.scaler.scale(loss) if self.scaler is not None else loss
 
     def prepare_scheduler(self, scheduler):
         if getattr(scheduler, "_is_accelerate_prepared", False):
@@ -192,8 +224,21 @@ class Accelerator(_AccelerateAccelerator):
             self.completed_steps += 1
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        super().backward(loss, **kwargs)
-        if self.sync_gradients and self.parallel.config.sequence_parallel:
+        """``loss.backward()`` as accelerate does it; for a pipelined model the schedule already ran
+        the backward passes, and only the gradient sync (tied embeddings, data parallel) is left."""
+        pipelines = [m for m in self._models if isinstance(m, PipelineModel)]
+        if not pipelines:
+            super().backward(loss, **kwargs)
+        elif loss.requires_grad:
+            raise ConfigError(
+                "with pp > 1 the model's forward runs forward and backward; pass its detached outputs.loss "
+                "to accelerator.backward (or skip the call), not a loss computed outside the model"
+            )
+        if not self.sync_gradients:
+            return
+        for model in pipelines:
+            model.finalize_grads()
+        if self.parallel.config.sequence_parallel:
             for model in self._models:
                 sync_sequence_parallel_grads(model, self.parallel.tp_group)
 
@@ -244,7 +289,7 @@ class Accelerator(_AccelerateAccelerator):
     def _checkpoint_parts(self):
         if len(self._models) != 1:
             raise ValueError(f"save_state/load_state support one prepared model, found {len(self._models)}")
-        model = extract_model_from_parallel(self._models[0])
+        model = self.unwrap_model(self._models[0])
         optimizers = [getattr(o, "optimizer", o) for o in self._optimizers]
         schedulers = [getattr(s, "scheduler", s) for s in self._schedulers]
         return model, optimizers, schedulers
@@ -334,20 +379,13 @@ class Accelerator(_AccelerateAccelerator):
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """Full, unpadded tensors under HF names, on the main process (others get ``{}``).
 
-        Gathered over TP one tensor at a time, so no rank ever holds a second copy of the model.
-        Collective: every rank must call it.
+        Gathered over TP (and from every pipeline stage) one tensor at a time, so no rank ever holds
+        a second copy of its shard. Collective: every rank must call it.
         """
-        model = extract_model_from_parallel(model) if unwrap else model
-        full: dict[str, torch.Tensor] = {}
-        seen: dict[int, str] = {}  # tied tensors are gathered once and shared, as in the HF model
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            if id(tensor) in seen:
-                if self.is_main_process:
-                    full[name] = full[seen[id(tensor)]]
-                continue
-            seen[id(tensor)] = name
-            shape, spec = full_shape_and_spec(model, name)
-            gathered = gather_full_tensor(tensor.detach(), spec, shape, self.parallel.tp_group)
-            if self.is_main_process:
-                full[name] = gathered.cpu()
-        return full
+        model = self.unwrap_model(model) if unwrap else model
+        return gather_state_dict(model, self.parallel)
+
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        """accelerate's unwrapping, then the pipeline wrapper: the (stage of the) HF model."""
+        model = super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+        return model.module if isinstance(model, PipelineModel) else model

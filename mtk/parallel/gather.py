@@ -16,8 +16,9 @@ from torch import nn
 from mtk.parallel.comm import Group, group_size
 from mtk.parallel.layers import ShardedModule
 from mtk.parallel.sharding import REPLICATED, ShardSpec, merge_shards
+from mtk.parallel.state import ParallelState
 
-__all__ = ["full_shape_and_spec", "gather_full_tensor", "iter_full_tensors"]
+__all__ = ["full_shape_and_spec", "gather_full_tensor", "gather_state_dict", "iter_full_tensors"]
 
 
 def full_shape_and_spec(model: nn.Module, name: str) -> tuple[tuple[int, ...], ShardSpec]:
@@ -58,3 +59,55 @@ def iter_full_tensors(model: nn.Module, tp_group: Group, grads: bool = False) ->
             raise ValueError(f"{name} has no gradient to gather; run backward first")
         shape, spec = full_shape_and_spec(model, name)
         yield name, gather_full_tensor(tensor, spec, shape, tp_group)
+
+
+def gather_state_dict(model: nn.Module, state: ParallelState) -> dict[str, torch.Tensor]:
+    """The whole model's state dict, full tensors under HF names, on global rank 0 (``{}`` elsewhere).
+
+    Each stage gathers its tensors over TP one at a time; later pipeline stages then send theirs to
+    rank 0 one at a time. Tied tensors stay shared, as in the HF model (a pipeline's last-stage copy
+    of a tied embedding is not sent). Collective: every rank must call it.
+    """
+    main = state.rank == 0
+    sender = state.tp_rank == 0 and state.dp_rank == 0  # one copy of each stage goes to rank 0
+    full: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}  # name -> the name whose tensor it shares
+    seen: dict[int, str] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen or getattr(tensor, "mtk_pipeline_duplicate", False):
+            aliases[name] = seen.get(id(tensor)) or tensor.mtk_tied_to
+            continue
+        seen[id(tensor)] = name
+        shape, spec = full_shape_and_spec(model, name)
+        gathered = gather_full_tensor(tensor.detach(), spec, shape, state.tp_group)
+        if sender:
+            full[name] = gathered.cpu()
+    if state.pp_size > 1 and sender:
+        full, aliases = _collect_stages(full, aliases, state)
+    if not main:
+        return {}
+    for name, target in aliases.items():
+        full[name] = full[target]
+    return full
+
+
+def _collect_stages(full: dict, aliases: dict, state: ParallelState) -> tuple[dict, dict]:
+    """Stages 1.. send their (name, tensor) pairs to stage 0 of the same pipeline, in stage order."""
+    group, first = state.pp_group, state.pp_ranks[0]
+    for stage in range(1, state.pp_size):
+        src = state.pp_ranks[stage]
+        if state.rank == src:
+            header = [[(n, tuple(t.shape), t.dtype) for n, t in full.items()], aliases]
+            dist.send_object_list(header, dst=first, group=group)
+            for tensor in full.values():
+                dist.send(tensor.to(state.device).contiguous(), dst=first, group=group)
+        elif state.rank == first:
+            header = [None, None]
+            dist.recv_object_list(header, src=src, group=group)
+            received = {}
+            for name, shape, dtype in header[0]:
+                buffer = torch.empty(shape, dtype=dtype, device=state.device)
+                dist.recv(buffer, src=src, group=group)
+                received[name] = buffer.cpu()
+            full, aliases = {**full, **received}, {**aliases, **header[1]}
+    return full, aliases

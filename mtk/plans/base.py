@@ -28,6 +28,7 @@ __all__ = [
     "VOCAB",
     "AttrFix",
     "HeadCounts",
+    "PipelineSpec",
     "Plan",
     "Rule",
     "UnsupportedModelError",
@@ -42,6 +43,12 @@ VOCAB = "vocab"  # vocabulary-parallel input embedding
 LM_HEAD = "lm_head"  # vocabulary-parallel output projection (tied to VOCAB when the model ties them)
 TP_SHARED = "tp_shared"  # replicated params applied to split heads (per-head q/k norms): grads summed over TP
 STYLES = (COLUMN, KV_COLUMN, ROW, VOCAB, LM_HEAD, TP_SHARED)
+
+# What a module that belongs to another pipeline stage becomes on this one.
+REMOVE = "remove"  # dropped: the input embedding (later stages pass ``inputs_embeds``) or the LM head
+IDENTITY = "identity"  # returns its input: the final norm before the last stage, embedding dropout after the first
+ZEROS = "zeros"  # returns zeros shaped like its output: learned positions added to the embeddings
+STAGE_REPLACEMENTS = (REMOVE, IDENTITY, ZEROS)
 
 
 class UnsupportedModelError(MtkError):
@@ -127,6 +134,30 @@ class AttrFix:
 
 
 @dataclass(frozen=True)
+class PipelineSpec:
+    """How a decoder's HF forward is cut into pipeline stages without rewriting it.
+
+    Every stage runs the HF model's own forward (positions, rotary embeddings and masks are computed
+    by HF's code on every stage); the decoder blocks of other stages become pass-throughs, and the
+    modules named here are replaced on the stages that do not own them.
+
+    Attributes:
+        layers: pattern of the ``nn.ModuleList`` of decoder blocks, cut into contiguous stages.
+        first_stage: ``{pattern: replacement}`` for modules only the first stage runs (embeddings).
+        last_stage: ``{pattern: replacement}`` for modules only the last stage runs (final norm, head).
+    """
+
+    layers: str
+    first_stage: tuple[tuple[str, str], ...]
+    last_stage: tuple[tuple[str, str], ...]
+
+    def __post_init__(self) -> None:
+        for pattern, replacement in self.first_stage + self.last_stage:
+            if replacement not in STAGE_REPLACEMENTS:
+                raise ValueError(f"{pattern}: unknown stage replacement {replacement!r}; use {STAGE_REPLACEMENTS}")
+
+
+@dataclass(frozen=True)
 class Plan:
     """Everything mtk needs to know to make one architecture family tensor-parallel.
 
@@ -137,6 +168,7 @@ class Plan:
         attr_fixes: attribute fix-ups on HF's own modules after conversion.
         head_counts: reads the sizes TP must divide from the config.
         embedding: pattern of the input embedding (for tying with the LM head).
+        pipeline: how to cut the model into pipeline stages (``None``: pipeline parallelism unsupported).
     """
 
     name: str
@@ -145,6 +177,7 @@ class Plan:
     head_counts: Callable[[Any], HeadCounts]
     attr_fixes: tuple[AttrFix, ...] = ()
     embedding: str | None = None
+    pipeline: PipelineSpec | None = None
     notes: str = field(default="", compare=False)
 
     def rule_for(self, name: str) -> Rule | None:

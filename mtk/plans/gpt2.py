@@ -3,9 +3,24 @@
 ``c_attn`` computes ``[q; k; v]`` in one matrix: it is split per part (each of q, k and v by heads),
 not into thirds of the fused matrix. GPT-2's attention splits the fused output with ``split_size``,
 so that attribute (and the head count) become per-rank values. Learned positions stay replicated.
+Pipeline stages after the first see ``wpe`` as zeros and ``drop`` as identity: the first stage
+already added positions and applied dropout to the activations it sends.
 """
 
-from mtk.plans.base import COLUMN, LM_HEAD, ROW, VOCAB, AttrFix, HeadCounts, Plan, Rule
+from mtk.plans.base import (
+    COLUMN,
+    IDENTITY,
+    LM_HEAD,
+    REMOVE,
+    ROW,
+    VOCAB,
+    ZEROS,
+    AttrFix,
+    HeadCounts,
+    PipelineSpec,
+    Plan,
+    Rule,
+)
 
 
 def gpt2_head_counts(config) -> HeadCounts:
@@ -32,4 +47,9 @@ GPT2 = Plan(
         AttrFix("**.h.*.attn", "embed_dim", lambda ctx: ctx.hidden_local),
     ),
     embedding="**.wte",
+    pipeline=PipelineSpec(
+        layers="**.h",
+        first_stage=(("**.wte", REMOVE), ("**.wpe", ZEROS), ("**.drop", IDENTITY)),
+        last_stage=(("**.ln_f", IDENTITY), ("lm_head", REMOVE)),
+    ),
 )

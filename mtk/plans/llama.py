@@ -6,7 +6,21 @@ local head count from the projection's width (``view(..., -1, head_dim)``); only
 ``num_key_value_groups`` needs a per-rank value.
 """
 
-from mtk.plans.base import COLUMN, KV_COLUMN, LM_HEAD, ROW, TP_SHARED, VOCAB, AttrFix, HeadCounts, Plan, Rule
+from mtk.plans.base import (
+    COLUMN,
+    IDENTITY,
+    KV_COLUMN,
+    LM_HEAD,
+    REMOVE,
+    ROW,
+    TP_SHARED,
+    VOCAB,
+    AttrFix,
+    HeadCounts,
+    PipelineSpec,
+    Plan,
+    Rule,
+)
 
 
 def llama_head_counts(config) -> HeadCounts:
@@ -15,6 +29,14 @@ def llama_head_counts(config) -> HeadCounts:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return HeadCounts(heads, kv_heads, head_dim, config.intermediate_size)
 
+
+# Stages: the first embeds, the last runs the final norm and the head; HF's forward does the rest
+# (positions, rotary embeddings, masks) on every stage.
+LLAMA_PIPELINE = PipelineSpec(
+    layers="**.layers",
+    first_stage=(("**.embed_tokens", REMOVE),),
+    last_stage=(("**.norm", IDENTITY), ("lm_head", REMOVE)),
+)
 
 LLAMA = Plan(
     name="llama",
@@ -37,4 +59,5 @@ LLAMA = Plan(
         AttrFix("**.layers.*.self_attn", "num_key_value_groups", lambda ctx: ctx.heads_local // ctx.kv_local),
     ),
     embedding="**.embed_tokens",
+    pipeline=LLAMA_PIPELINE,
 )

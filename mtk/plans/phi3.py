@@ -6,7 +6,7 @@ shallow config copy with the per-rank counts (the model's own config stays whole
 """
 
 from mtk.plans.base import COLUMN, LM_HEAD, ROW, VOCAB, AttrFix, HeadCounts, Plan, Rule
-from mtk.plans.llama import llama_head_counts
+from mtk.plans.llama import LLAMA_PIPELINE, llama_head_counts
 
 
 def phi3_head_counts(config) -> HeadCounts:
@@ -37,4 +37,5 @@ PHI3 = Plan(
         AttrFix("**.layers.*.self_attn", "num_key_value_groups", lambda ctx: ctx.heads_local // ctx.kv_local),
     ),
     embedding="**.embed_tokens",
+    pipeline=LLAMA_PIPELINE,
 )

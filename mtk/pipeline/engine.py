@@ -1,0 +1,204 @@
+"""Run one stage of a pipelined HF causal LM: micro-batches, schedule, P2P, loss and gradient sync.
+
+:class:`PipelineModel` wraps this rank's stage (an HF model cut by :func:`~mtk.pipeline.stages.split_stages`).
+As in accelerate's Megatron-LM integration, calling it with labels while gradients are enabled runs
+the whole forward *and* backward schedule over the micro-batches and returns the loss (already
+backpropagated; ``accelerator.backward`` then only finalizes gradients). Without gradients it runs
+the forwards only. Every rank returns the same loss: the last stage's mean over micro-batches,
+broadcast over the PP group, so logging on the main process (first stage) shows the real value.
+
+After the last micro-batch of an optimizer step, :meth:`PipelineModel.finalize_grads` sums the
+gradients of tied embedding copies over the embedding group and averages all gradients over the
+data-parallel group (no DDP: a stage runs several forwards before its backwards).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from mtk.config import ConfigError
+from mtk.parallel.grads import all_reduce_coalesced
+from mtk.parallel.state import ParallelState
+from mtk.pipeline.p2p import StageLink
+from mtk.pipeline.schedules import schedule_order
+from mtk.pipeline.stages import StageInfo
+
+__all__ = ["PipelineModel", "PipelineStats", "split_micro_batches"]
+
+
+@dataclass
+class PipelineStats:
+    """What the last schedule did on this rank (for tests, benchmarks and the bubble measurement).
+
+    Attributes:
+        max_in_flight: most micro-batches whose activations were held at once (forwarded, not yet backwarded).
+        wait_s: seconds blocked receiving from a neighbour stage; total_s: the whole schedule.
+    """
+
+    schedule: str = ""
+    micro_batches: int = 0
+    max_in_flight: int = 0
+    wait_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def idle_fraction(self) -> float:
+        return self.wait_s / self.total_s if self.total_s else 0.0
+
+
+def split_micro_batches(batch: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
+    """Cut every tensor of ``batch`` into ``count`` equal chunks along the batch dimension."""
+    sizes = {t.shape[0] for t in batch.values()}
+    if len(sizes) != 1:
+        raise ConfigError(f"pipeline inputs disagree on the batch size: { {k: t.shape[0] for k, t in batch.items()} }")
+    size = sizes.pop()
+    if size % count:
+        raise ConfigError(
+            f"a batch of {size} sequences does not split into megatron_lm_num_micro_batches = {count}; "
+            f"use a batch size that is a multiple of {count}"
+        )
+    chunks = {k: t.chunk(count) for k, t in batch.items()}
+    return [{k: c[i] for k, c in chunks.items()} for i in range(count)]
+
+
+class PipelineModel(nn.Module):
+    """One pipeline stage of an HF causal LM, with the schedule that drives it.
+
+    Args:
+        module: this rank's stage (HF model after ``split_stages``; tensor-parallel or not).
+        state: the topology (PP group for P2P, embedding and DP groups for gradient sync).
+        num_micro_batches: micro-batches each batch is cut into.
+        schedule: ``1f1b`` or ``afab``.
+    """
+
+    def __init__(self, module: nn.Module, state: ParallelState, num_micro_batches: int, schedule: str = "1f1b") -> None:
+        super().__init__()
+        self.module = module
+        self.state = state
+        self.info: StageInfo = module.mtk_pipeline
+        self.num_micro_batches = num_micro_batches
+        self.schedule = schedule
+        schedule_order(schedule, 1, 0, 1)  # an unknown name fails here, not mid-step
+        self.link = StageLink(state)
+        # Set by the trainer: what to backpropagate for one micro-batch's share of the loss
+        # (accelerate divides by gradient-accumulation steps, fp16 multiplies by the loss scale).
+        self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
+        self.stats = PipelineStats()
+        self._sync_tied_weights()
+
+    @property
+    def config(self):
+        return self.module.config
+
+    # ---------------------------------------------------------------------------------- forward
+    def forward(self, input_ids=None, labels=None, attention_mask=None, position_ids=None, **kwargs):
+        """Run the schedule over this batch; returns ``CausalLMOutputWithPast(loss=...)``.
+
+        With gradients enabled and ``labels`` given, forward and backward both run (gradients
+        accumulate into ``.grad`` as ``loss.backward()`` would have made them).
+        """
+        if kwargs.pop("use_cache", None) or kwargs.pop("past_key_values", None) is not None:
+            raise ConfigError("a pipelined model trains and evaluates without a KV cache (use_cache=False)")
+        batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask, "position_ids": position_ids}
+        batch = {k: v for k, v in {**batch, **kwargs}.items() if v is not None}
+        if "input_ids" not in batch:
+            raise ConfigError("a pipelined model takes input_ids (every stage derives shapes from them)")
+        micro = split_micro_batches(batch, self.num_micro_batches)
+        train = torch.is_grad_enabled() and labels is not None
+        losses = self._run(micro, train)
+        return CausalLMOutputWithPast(loss=self._broadcast_loss(losses))
+
+    def _run(self, micro: list[dict[str, torch.Tensor]], train: bool) -> list[torch.Tensor]:
+        info, link, m = self.info, self.link, len(micro)
+        dtype, device = self.module.dtype, micro[0]["input_ids"].device
+        hidden = self.config.hidden_size
+        held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # micro-batch -> (stage input, output)
+        losses: list[torch.Tensor] = []
+        stats = PipelineStats(self.schedule if train else "forward", m)
+        start, wait_before = time.perf_counter(), link.wait_s
+
+        def forward(i: int) -> None:
+            inputs = dict(micro[i])
+            stage_input = None
+            if not info.is_first:
+                shape = (*inputs["input_ids"].shape, hidden)  # [b, s, h]
+                stage_input = link.recv_forward(shape, dtype, device).requires_grad_(train)
+            output = self._stage_forward(inputs, stage_input)
+            if info.is_last:
+                losses.append(output.detach())
+            else:
+                link.send_forward(output.to(dtype))
+            if train:
+                held[i] = (stage_input, output)
+                stats.max_in_flight = max(stats.max_in_flight, len(held))
+
+        def backward(i: int) -> None:
+            stage_input, output = held.pop(i)
+            if info.is_last:
+                self.scale_loss(output / m).backward()
+            else:
+                grad = link.recv_backward(tuple(output.shape), dtype, device)
+                torch.autograd.backward(output, grad.to(output.dtype))
+            if not info.is_first:
+                link.send_backward(stage_input.grad)
+
+        order = schedule_order(self.schedule, m, info.stage, info.num_stages) if train else [("F", i) for i in range(m)]
+        context = torch.enable_grad() if train else torch.no_grad()
+        with context:
+            for kind, index in order:
+                (forward if kind == "F" else backward)(index)
+        link.flush()
+        stats.total_s, stats.wait_s = time.perf_counter() - start, link.wait_s - wait_before
+        self.stats = stats
+        return losses
+
+    def _stage_forward(self, inputs: dict[str, torch.Tensor], stage_input: torch.Tensor | None) -> torch.Tensor:
+        """HF's own forward on this stage: the loss on the last stage, hidden states elsewhere."""
+        if stage_input is not None:
+            del inputs["input_ids"]
+            inputs["inputs_embeds"] = stage_input
+        if self.info.is_last:
+            loss = self.module(**inputs, use_cache=False).loss
+            if loss is None:
+                raise ConfigError("the last pipeline stage computed no loss; pass labels")
+            return loss
+        inputs.pop("labels", None)
+        return self.module.base_model(**inputs, use_cache=False).last_hidden_state  # [b, s, h]
+
+    def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean micro-batch loss of the last stage, on every stage."""
+        device = self.state.device
+        loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=device)
+        if self.state.pp_size > 1:
+            loss = loss.reshape(1).to(device).contiguous()
+            dist.broadcast(loss, src=self.state.pp_ranks[-1], group=self.state.pp_group)
+            loss = loss[0]
+        return loss
+
+    # ---------------------------------------------------------------------------- gradient sync
+    def _tied_params(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if getattr(p, "mtk_pipeline_tied", False)]
+
+    @torch.no_grad()
+    def _sync_tied_weights(self) -> None:
+        """Start the two copies of a tied embedding equal: the first stage's values win."""
+        tied, group = self._tied_params(), self.state.embedding_group
+        if tied and group is not None:
+            for param in tied:
+                dist.broadcast(param.data, src=self.state.embedding_ranks[0], group=group)
+
+    def finalize_grads(self) -> None:
+        """Once per optimizer step, after the last micro-batch's backward: sum the tied copies'
+        gradients over the embedding group, then average every gradient over data-parallel replicas."""
+        tied = [p.grad for p in self._tied_params() if p.grad is not None]
+        if tied and self.state.embedding_group is not None:
+            all_reduce_coalesced(tied, self.state.embedding_group)
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        all_reduce_coalesced(grads, self.state.dp_group, average=True)

@@ -1,0 +1,65 @@
+"""Point-to-point transfers between adjacent pipeline stages over the PP group.
+
+Sends are non-blocking (``isend``; the tensor is kept alive until :meth:`StageLink.flush`), receives
+block. With that rule any schedule in which every receive is matched by a send issued earlier in the
+sender's own order cannot deadlock, in whichever order the two neighbours reach them. Activations
+flow forward to the next stage, their gradients backward to the previous one; per (sender,
+receiver) pair there is one direction of one kind, so messages need no tags. Every TP rank of a
+stage talks to the same TP rank of its neighbour (activations are replicated over TP).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from mtk.parallel.state import ParallelState
+
+__all__ = ["StageLink"]
+
+
+class StageLink:
+    """This rank's sends and receives to the previous and next pipeline stage.
+
+    Attributes:
+        wait_s: seconds spent blocked in receives (idle: the pipeline bubble, plus transfer time).
+    """
+
+    def __init__(self, state: ParallelState) -> None:
+        self.group = state.pp_group
+        ranks, stage = state.pp_ranks, state.pp_rank
+        self.prev_rank = ranks[stage - 1] if stage > 0 else None
+        self.next_rank = ranks[stage + 1] if stage < len(ranks) - 1 else None
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self.wait_s = 0.0
+
+    def _send(self, tensor: torch.Tensor, dst: int) -> None:
+        tensor = tensor.detach().contiguous()
+        self._pending.append((dist.isend(tensor, dst=dst, group=self.group), tensor))
+
+    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int) -> torch.Tensor:
+        buffer = torch.empty(shape, dtype=dtype, device=device)
+        start = time.perf_counter()
+        dist.irecv(buffer, src=src, group=self.group).wait()
+        self.wait_s += time.perf_counter() - start
+        return buffer
+
+    def send_forward(self, activation: torch.Tensor) -> None:
+        self._send(activation, self.next_rank)
+
+    def recv_forward(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self._recv(shape, dtype, device, self.prev_rank)
+
+    def send_backward(self, grad: torch.Tensor) -> None:
+        self._send(grad, self.prev_rank)
+
+    def recv_backward(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self._recv(shape, dtype, device, self.next_rank)
+
+    def flush(self) -> None:
+        """Wait until every send has left (end of a schedule); frees the kept tensors."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()

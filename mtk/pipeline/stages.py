@@ -1,0 +1,208 @@
+"""Cut an HF decoder into pipeline stages, in place, by the plan's :class:`~mtk.plans.base.PipelineSpec`.
+
+Every stage keeps the HF model object and runs HF's own forward: the decoder blocks of other stages
+become :class:`SkipLayer` pass-throughs (the ``ModuleList`` keeps its length, so per-layer config
+such as sliding-window layer types still lines up), and the modules only the first or last stage
+runs are replaced on the others. Parameters keep their HF names, so checkpoints of different
+stages are disjoint pieces of one state dict.
+
+An input embedding tied to the LM head is split between the first and the last stage: each holds a
+copy, marked ``mtk_pipeline_tied``; the gradients of the two copies are summed over the embedding
+group before the optimizer step (:class:`~mtk.pipeline.engine.PipelineModel`), so they stay equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mtk.parallel.state import ParallelState
+from mtk.plans.base import IDENTITY, REMOVE, ZEROS, Plan, UnsupportedModelError, compile_pattern
+
+__all__ = ["SkipLayer", "StageInfo", "split_stages", "stage_layer_counts"]
+
+
+class SkipLayer(nn.Module):
+    """A decoder block that runs on another stage: hidden states pass through unchanged."""
+
+    def __init__(self, index: int, stage: int) -> None:
+        super().__init__()
+        self.index, self.stage = index, stage
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return hidden_states
+
+    def extra_repr(self) -> str:
+        return f"layer {self.index} runs on pipeline stage {self.stage}"
+
+
+class PassThrough(nn.Module):
+    """The final norm before the last stage, or embedding dropout after the first: returns its input."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return hidden_states
+
+
+class ZeroEmbedding(nn.Module):
+    """Learned positions on stages after the first: the first stage already added them."""
+
+    def __init__(self, embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embedding_dim, self.dtype = embedding_dim, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.embedding_dim, dtype=self.dtype, device=ids.device)  # [*ids, dim]
+
+
+class OnOtherStage(nn.Module):
+    """A module owned by another stage; calling it here is a bug in the stage glue, said plainly."""
+
+    def __init__(self, name: str, stage: str) -> None:
+        super().__init__()
+        self.name, self.stage = name, stage
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"{self.name} runs on the {self.stage} pipeline stage only")
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """What this rank's stage holds.
+
+    Attributes:
+        stage, num_stages: this stage's index and the pipeline depth.
+        layers: indices of the decoder blocks this stage runs.
+        tied: names of this stage's copies of an input embedding tied to the LM head (both ends).
+    """
+
+    stage: int
+    num_stages: int
+    layers: range
+    tied: tuple[str, ...] = ()
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+def stage_layer_counts(num_layers: int, num_stages: int, requested: tuple[int, ...] = ()) -> list[int]:
+    """Decoder blocks per stage: ``requested`` if given, else as even as possible (earlier stages
+    take the remainder: the last stage also runs the head and the loss)."""
+    if requested:
+        if len(requested) != num_stages or sum(requested) != num_layers or min(requested) < 1:
+            raise UnsupportedModelError(
+                f"pipeline layers {list(requested)} must be {num_stages} positive counts summing to the model's "
+                f"{num_layers} layers"
+            )
+        return list(requested)
+    if num_layers < num_stages:
+        raise UnsupportedModelError(
+            f"the model has {num_layers} layers, fewer than pp = {num_stages} stages; use pp <= {num_layers}"
+        )
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if stage < extra else 0) for stage in range(num_stages)]
+
+
+def _find_layers(model: nn.Module, pattern: str) -> tuple[str, nn.ModuleList]:
+    regex = compile_pattern(pattern)
+    found = [(n, m) for n, m in model.named_modules() if n and regex.match(n) and isinstance(m, nn.ModuleList)]
+    if len(found) != 1:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: the pipeline rule {pattern!r} must name one list of decoder blocks, "
+            f"found {[n for n, _ in found]}"
+        )
+    return found[0]
+
+
+def _replacement(kind: str, name: str, module: nn.Module, owner: str) -> nn.Module:
+    if kind == IDENTITY:
+        return PassThrough()
+    if kind == ZEROS:
+        if not isinstance(module, nn.Embedding):
+            raise UnsupportedModelError(f"{name}: a zeros stage replacement needs an nn.Embedding")
+        return ZeroEmbedding(module.embedding_dim, module.weight.dtype)
+    assert kind == REMOVE
+    return OnOtherStage(name, owner)
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def split_stages(
+    model: nn.Module, state: ParallelState, plan: Plan, layers_per_stage: tuple[int, ...] = ()
+) -> StageInfo:
+    """Keep only this rank's pipeline stage of ``model`` (in place); returns what the stage holds.
+
+    Works on a materialized model (other stages' weights are freed) and on one on the meta device
+    (nothing is allocated; the loader then reads only this stage's tensors).
+    """
+    spec = plan.pipeline
+    if spec is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: the {plan.name} rules define no pipeline stages; pipeline parallelism "
+            f"supports decoder LMs (Llama, Mistral, Qwen2/3, Phi-3, GPT-2); use pp = 1"
+        )
+    layers_name, layers = _find_layers(model, spec.layers)
+    counts = stage_layer_counts(len(layers), state.pp_size, layers_per_stage)
+    starts = [sum(counts[:s]) for s in range(state.pp_size)]
+    stage_of = [s for s, count in enumerate(counts) for _ in range(count)]
+    mine = range(starts[state.pp_rank], starts[state.pp_rank] + counts[state.pp_rank])
+
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+
+    replaced: dict[str, str] = {}  # module name -> "first" / "last" for modules another stage owns
+    outside = [(n, m) for n, m in model.named_modules() if n and not (n + ".").startswith(layers_name + ".")]
+    for owner, rules, keep in (
+        ("first", spec.first_stage, state.is_first_stage),
+        ("last", spec.last_stage, state.is_last_stage),
+    ):
+        for pattern, kind in rules:
+            regex = compile_pattern(pattern)
+            for name, module in outside:
+                if regex.match(name) and not any(name.startswith(r + ".") for r in replaced):
+                    replaced[name] = owner
+                    if not keep:
+                        _set_submodule(model, name, _replacement(kind, name, module, owner))
+    for index in range(len(layers)):
+        if index not in mine:
+            layers[index] = SkipLayer(index, stage_of[index])
+
+    tied = _mark_tied_copies(model, names_of, replaced, state) if state.pp_size > 1 else ()
+    info = StageInfo(state.pp_rank, state.pp_size, mine, tied)
+    model.mtk_pipeline = info
+    return info
+
+
+def _mark_tied_copies(
+    model: nn.Module, names_of: dict[int, list[str]], replaced: dict[str, str], state: ParallelState
+) -> tuple[str, ...]:
+    """Mark the first and last stages' copies of a parameter shared by first- and last-stage modules.
+
+    The last stage's copy is a duplicate: gradient norms count it once (on the first stage), and
+    checkpoints know it as the first stage's name (``mtk_tied_to``).
+    """
+    tied = []
+    for name, param in model.named_parameters():
+        owners = {
+            owner
+            for full_name in names_of.get(id(param), [name])
+            for module_name, owner in replaced.items()
+            if full_name.startswith(module_name + ".")
+        }
+        if owners == {"first", "last"}:
+            first_name = next(n for n in names_of[id(param)] if replaced.get(n.rpartition(".")[0]) == "first")
+            param.mtk_pipeline_tied = True
+            param.mtk_tied_to = first_name  # the name it is stored under in a one-stage model
+            param.mtk_pipeline_duplicate = not state.is_first_stage
+            tied.append(name)
+    return tuple(tied)
