@@ -86,7 +86,15 @@ def main(argv=None) -> None:
     global_batch = args.batch_size * state.dp_size * args.grad_accum  # sequences per optimizer step
     hparams = {k: v for k, v in vars(args).items() if v is not None}
     accelerator.init_trackers(
-        "runs", config={**hparams, "global_batch_size": global_batch, "tp": state.tp_size, "dp": state.dp_size}
+        "runs",
+        config={
+            **hparams,
+            "global_batch_size": global_batch,
+            "tp": state.tp_size,
+            "pp": state.pp_size,
+            "dp": state.dp_size,
+            "micro_batches": state.config.num_micro_batches,
+        },
     )
     max_grad_norm = args.max_grad_norm or state.config.gradient_clipping or 1.0
 
@@ -95,7 +103,7 @@ def main(argv=None) -> None:
         accelerator.load_state(args.resume)  # weights, optimizer, scheduler, RNG, data position
         step = accelerator.completed_steps
     accelerator.print(
-        f"mtk: {config.model_type} tp={state.tp_size} dp={state.dp_size} world={state.world_size}, "
+        f"mtk: {config.model_type} tp={state.tp_size} pp={state.pp_size} dp={state.dp_size} world={state.world_size}, "
         f"{len(dataset)} blocks of {args.seq_len} tokens, global batch {global_batch}, steps {step}->{args.max_steps}"
     )
     progress = tqdm(total=args.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
@@ -107,6 +115,8 @@ def main(argv=None) -> None:
         batches = accelerator.skip_first_batches(loader, skip) if skip else loader
         for batch in batches:
             with accelerator.accumulate(model):
+                # With pp > 1 this call runs the pipeline schedule (forward and backward over
+                # micro-batches) and backward() only syncs gradients; the loop is the same.
                 loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
                 accelerator.backward(loss)
                 loss_sum += loss.detach().float()

@@ -24,7 +24,9 @@ from mtk.models import ModelSpecError, auto_class_for, resolve_config
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.sharding import take_shard
 from mtk.parallel.state import ParallelState
-from mtk.plans import parallelize
+from mtk.pipeline.stages import split_stages
+from mtk.plans import find_plan, parallelize
+from mtk.plans.generic import GENERIC
 
 __all__ = ["CheckpointError", "load_pretrained_tp", "safetensors_index"]
 
@@ -73,8 +75,9 @@ def _open(path: Path) -> Iterator[SafetensorsFile]:
             raise CheckpointError(str(err)) from None
 
 
-def _checkpoint_key(name: str, index: dict[str, Path], prefix: str) -> str:
-    """The checkpoint's name for parameter ``name`` (a base model saved without its task head's prefix)."""
+def _checkpoint_key(name: str, index: dict[str, Path], prefix: str, tied_to: str | None = None) -> str:
+    """The checkpoint's name for parameter ``name`` (a base model saved without its task head's prefix;
+    a pipeline's last-stage copy of a tied embedding stored under the embedding's name)."""
     candidates = [name]
     if prefix and name.startswith(prefix + "."):
         candidates.append(name[len(prefix) + 1 :])
@@ -83,6 +86,8 @@ def _checkpoint_key(name: str, index: dict[str, Path], prefix: str) -> str:
     for key in candidates:
         if key in index:
             return key
+    if tied_to is not None:
+        return _checkpoint_key(tied_to, index, prefix)
     raise CheckpointError(f"the checkpoint has no tensor for parameter {name!r} (looked for {candidates})")
 
 
@@ -94,7 +99,12 @@ def load_pretrained_tp(
     logits: str = "auto",
     pad_vocab_to_multiple_of: int = 1,
 ) -> nn.Module:
-    """A tensor-parallel HF model whose every parameter holds only this rank's slice of the checkpoint."""
+    """A tensor-parallel HF model whose every parameter holds only this rank's slice of the checkpoint.
+
+    With ``state.pp_size > 1`` the model is also cut to this rank's pipeline stage before anything is
+    read, so a rank reads only its own stage's layers (wrap it in :class:`~mtk.pipeline.engine.PipelineModel`
+    to run it, or let ``mtk.Accelerator.prepare`` do that).
+    """
     directory = Path(directory)
     if not directory.is_dir():
         raise ModelSpecError(f"model directory {directory} does not exist")
@@ -104,6 +114,8 @@ def load_pretrained_tp(
         model = auto_class_for(config).from_config(config, dtype=dtype or getattr(config, "dtype", None))
     model.tie_weights()  # init_empty_weights re-creates each registered parameter, which unties shared ones
     parallelize(model, state, logits=logits, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of)
+    if state.pp_size > 1:
+        split_stages(model, state, find_plan(config) or GENERIC, state.config.pipeline_layers)
     _fill_from_checkpoint(model, index, state.device, dtype)
     model.eval()  # as HF's from_pretrained
     return model
@@ -118,7 +130,7 @@ def _fill_from_checkpoint(model: nn.Module, index: dict[str, Path], device, dtyp
     with ExitStack() as stack:
         handles = {path: stack.enter_context(_open(path)) for path in sorted(set(index.values()))}
         for name, param in list(model.named_parameters()):  # one name per tied group
-            key = _checkpoint_key(name, index, prefix)
+            key = _checkpoint_key(name, index, prefix, getattr(param, "mtk_tied_to", None))
             tensor_slice = handles[index[key]].get_slice(key)
             full_shape, spec = full_shape_and_spec(model, name)
             if tuple(tensor_slice.get_shape()) != tuple(full_shape):

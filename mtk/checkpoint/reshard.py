@@ -42,6 +42,7 @@ class ShardedCheckpointReader:
         self._handles = [_open(path) for path in self.model_files]
         self.pieces: dict[str, list[tuple[SafetensorsFile, ShardSpec]]] = {}
         self.full_shapes: dict[str, tuple[int, ...]] = {}
+        self.tied: dict[str, str] = {}  # a pipeline's last-stage copy of a tied embedding -> the embedding
         for handle in self._handles:
             try:
                 specs = json.loads(handle.metadata["mtk_specs"])
@@ -53,11 +54,14 @@ class ShardedCheckpointReader:
                 spec = ShardSpec(info["dim"], tuple(tuple(r) for r in info["ranges"]), info["local_size"])
                 self.pieces.setdefault(name, []).append((handle, spec))
                 self.full_shapes[name] = tuple(info["full_shape"])
+                if "tied_to" in info:
+                    self.tied[name] = info["tied_to"]
         self._optimizer_handles: list[SafetensorsFile] | None = None
         self._optimizer_keys: list[set[str]] = []
 
     def names(self) -> list[str]:
-        return list(self.pieces)
+        """Every distinct tensor (a tied embedding's pipeline copy is the embedding: listed once)."""
+        return [name for name in self.pieces if name not in self.tied]
 
     def full(self, name: str) -> torch.Tensor:
         """The full, unpadded tensor ``name`` (merged from every rank that holds a piece)."""

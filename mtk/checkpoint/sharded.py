@@ -78,6 +78,8 @@ def _save_weights(model: nn.Module, path: Path) -> None:
             "ranges": [list(r) for r in spec.ranges],
             "local_size": spec.local_size,
         }
+        if getattr(param, "mtk_pipeline_duplicate", False):  # last stage's copy of a tied embedding
+            specs[name]["tied_to"] = param.mtk_tied_to
     save_file(tensors, str(path), metadata={"mtk_specs": json.dumps(specs)})
 
 
@@ -258,37 +260,70 @@ def save_checkpoint(
     return final
 
 
+def _source_name(model: nn.Module, name: str, available) -> str:
+    """The checkpoint's name for ``name``: itself, or for a pipeline's copy of a tied embedding
+    restored from a checkpoint that stored only the embedding, the embedding's name."""
+    if name in available:
+        return name
+    return getattr(model.get_parameter(name), "mtk_tied_to", name)
+
+
 def _reshard_weights(model: nn.Module, reader) -> None:
+    available = set(reader.pieces)
     with torch.no_grad():
         for name, param in model.named_parameters():
             shape, spec = full_shape_and_spec(model, name)
-            full = reader.full(name)
+            full = reader.full(_source_name(model, name, available))
             if tuple(full.shape) != tuple(shape):
                 raise CheckpointError(f"{name}: checkpoint has shape {tuple(full.shape)}, this model {tuple(shape)}")
             param.copy_(take_shard(spec, shape, full.__getitem__))
 
 
-def _reshard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, reader, groups_path: Path) -> None:
-    """Moments are cut exactly like their parameters (same spec); scalars (``step``) are copied."""
-    index = {name: i for i, name in enumerate(_param_names(model, optimizer))}
-    state: dict[int, dict[str, Any]] = {}
+def _reshard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, reader, saved_groups: dict) -> None:
+    """Moments are cut exactly like their parameters (same spec); scalars (``step``) are copied.
+
+    Param groups keep this optimizer's own grouping; their hyperparameters come from the checkpoint
+    by position (the same script builds the same groups at any layout).
+    """
+    names = _param_names(model, optimizer)
+    fields: dict[str, list[str]] = {}
     for key in reader.optimizer_keys():
         name, _, field = key.rpartition("::")
-        if name not in index:
-            continue  # another pipeline stage's parameter
-        full = reader.full_optimizer_state(key)
-        if full.dim() == 0:
-            value = full
-        else:
-            shape, spec = full_shape_and_spec(model, name)
-            value = take_shard(spec, shape, full.__getitem__)
-        state.setdefault(index[name], {})[field] = value
-    meta = json.loads(groups_path.read_text())
-    for name, fields in meta["state"].items():
-        if name in index:
-            state.setdefault(index[name], {}).update(fields)
-    groups = [{**g, "params": [index[n] for n in g["params"] if n in index]} for g in meta["param_groups"]]
+        fields.setdefault(name, []).append(field)
+    state: dict[int, dict[str, Any]] = {}
+    for i, name in enumerate(names):
+        source = _source_name(model, name, fields)
+        for field in fields.get(source, ()):
+            full = reader.full_optimizer_state(f"{source}::{field}")
+            if full.dim() == 0:
+                value = full
+            else:
+                shape, spec = full_shape_and_spec(model, name)
+                value = take_shard(spec, shape, full.__getitem__)
+            state.setdefault(i, {})[field] = value
+        if source in saved_groups["state"]:  # non-tensor per-parameter state
+            state.setdefault(i, {}).update(saved_groups["state"][source])
+    if len(saved_groups["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(saved_groups['param_groups'])} parameter groups, this one "
+            f"{len(optimizer.param_groups)}"
+        )
+    groups, start = [], 0
+    for saved, current in zip(saved_groups["param_groups"], optimizer.param_groups):
+        count = len(current["params"])
+        groups.append({**saved, "params": list(range(start, start + count))})
+        start += count
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _saved_optimizer_groups(directory: Path, topology: dict) -> dict:
+    """Param groups and non-tensor state of TP rank 0 of every stage, merged."""
+    merged: dict[str, Any] = {"param_groups": None, "state": {}}
+    for stage in range(topology["pp"]):
+        meta = json.loads((directory / "optimizer" / f"tp00-pp{stage:02d}.json").read_text())
+        merged["param_groups"] = merged["param_groups"] or meta["param_groups"]
+        merged["state"].update(meta["state"])
+    return merged
 
 
 def load_checkpoint(
@@ -318,7 +353,7 @@ def load_checkpoint(
         with ShardedCheckpointReader(directory, saved) as reader:
             _reshard_weights(model, reader)
             for optimizer in optimizers:
-                _reshard_optimizer(model, optimizer, reader, directory / "optimizer" / "tp00-pp00.json")
+                _reshard_optimizer(model, optimizer, reader, _saved_optimizer_groups(directory, saved))
     for i, scheduler in enumerate(schedulers):
         path = directory / ("scheduler.pt" if i == 0 else f"scheduler_{i}.pt")
         scheduler.load_state_dict(torch.load(path, weights_only=True))

@@ -116,20 +116,28 @@ class Accelerator(_AccelerateAccelerator):
         Returns the model to train (a :class:`PipelineModel` when pp > 1) and a map from id(old
         parameter) to its replacement by HF name (``None`` when another stage owns it).
         """
-        if isinstance(model, PipelineModel) or getattr(model, "mtk_tp_size", None) is not None:
+        config = self.parallel.config
+        if isinstance(model, PipelineModel):
             return model, {}
+        if getattr(model, "mtk_tp_size", None) is not None:  # converted already (load_pretrained_tp)
+            if self.parallel.pp_size == 1:
+                return model, {}
+            if not hasattr(model, "mtk_pipeline"):
+                raise ConfigError("the model was converted without pipeline stages; build it with the same pp size")
+            return PipelineModel(model, self.parallel, config.num_micro_batches, config.pipeline_schedule), {}
         if not hasattr(model, "config"):
             if self.parallel.pp_size > 1:
                 raise ConfigError("pipeline parallelism (pp > 1) needs an HF model with a config")
             return model, {}
-        before = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+        before: dict[int, list[str]] = {}  # a tied parameter has several names; a stage may keep any one
+        for name, param in model.named_parameters(remove_duplicate=False):
+            before.setdefault(id(param), []).append(name)
         check_tp_size(model.config, self.parallel.tp_size)
         parallelize(model, self.parallel)
-        config = self.parallel.config
         if self.parallel.pp_size > 1:
             split_stages(model, self.parallel, find_plan(model.config) or GENERIC, config.pipeline_layers)
         after = dict(model.named_parameters(remove_duplicate=False))
-        replaced = {old: after.get(name) for old, name in before.items()}
+        replaced = {old: next((after[n] for n in names if n in after), None) for old, names in before.items()}
         if self.parallel.pp_size > 1:
             model = PipelineModel(model, self.parallel, config.num_micro_batches, config.pipeline_schedule)
         return model, replaced

@@ -78,7 +78,9 @@ class PipelineModel(nn.Module):
         schedule: ``1f1b`` or ``afab``.
     """
 
-    def __init__(self, module: nn.Module, state: ParallelState, num_micro_batches: int, schedule: str = "1f1b") -> None:
+    def __init__(
+        self, module: nn.Module, state: ParallelState, num_micro_batches: int, schedule: str = "1f1b"
+    ) -> None:
         super().__init__()
         self.module = module
         self.state = state
@@ -106,7 +108,12 @@ class PipelineModel(nn.Module):
         """
         if kwargs.pop("use_cache", None) or kwargs.pop("past_key_values", None) is not None:
             raise ConfigError("a pipelined model trains and evaluates without a KV cache (use_cache=False)")
-        batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask, "position_ids": position_ids}
+        batch = {
+            "input_ids": input_ids,
+            "labels": labels,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+        }
         batch = {k: v for k, v in {**batch, **kwargs}.items() if v is not None}
         if "input_ids" not in batch:
             raise ConfigError("a pipelined model takes input_ids (every stage derives shapes from them)")
@@ -149,7 +156,9 @@ class PipelineModel(nn.Module):
             if not info.is_first:
                 link.send_backward(stage_input.grad)
 
-        order = schedule_order(self.schedule, m, info.stage, info.num_stages) if train else [("F", i) for i in range(m)]
+        order = (
+            schedule_order(self.schedule, m, info.stage, info.num_stages) if train else [("F", i) for i in range(m)]
+        )
         context = torch.enable_grad() if train else torch.no_grad()
         with context:
             for kind, index in order:

@@ -1,0 +1,101 @@
+"""Pipeline parallelism as users run it: ``accelerate launch --config_file accelerate_configs/tp2_pp2.yaml
+examples/finetune.py``, resume, resharded resume across PP sizes, ``mtk export`` and ``save_pretrained``.
+
+The model is the tied-embedding Qwen2 (the hardest case for stages: the embedding on the first stage
+and the head on the last are one parameter). Every layout must log the single-process losses.
+"""
+
+import json
+import subprocess
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from mtk.testing import assert_close_rel
+from tests.e2e.launch import accelerate_launch, step_losses
+
+MODEL = ("--model", "tiny-qwen2")
+
+
+def finetune(config: str, out_dir, *args: str) -> dict[int, float]:
+    return step_losses(accelerate_launch("finetune.py", config, *MODEL, "--output_dir", str(out_dir), *args))
+
+
+def assert_same_losses(actual: dict[int, float], expected: dict[int, float], steps, what: str) -> None:
+    assert sorted(actual) == list(steps), actual
+    for step in steps:
+        assert_close_rel(actual[step], expected[step], f"{what}: loss at step {step}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Single process and TP2 x PP2 (4 micro-batches, 1F1B): 6 steps, checkpoints at 3 and 6."""
+    root = tmp_path_factory.mktemp("pp")
+    tp1 = finetune("tp1", root / "tp1", "--max_steps", "6", "--save_every", "3")
+    pp = finetune(
+        "tp2_pp2", root / "tp2_pp2", "--max_steps", "6", "--save_every", "3", "--save_model", str(root / "saved")
+    )
+    return root, tp1, pp
+
+
+def test_tp2_pp2_logs_the_single_process_losses(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root, tp1, pp = runs
+    assert_same_losses(pp, tp1, range(1, 7), "tp2_pp2")
+    events = EventAccumulator(str(root / "tp2_pp2" / "runs"))  # written by rank 0: the first stage
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert_same_losses(logged, tp1, range(1, 7), "tensorboard train/loss of tp2_pp2")
+    step3 = root / "tp2_pp2" / "step_3"
+    assert sorted(p.name for p in (step3 / "model").iterdir()) == [
+        f"tp{t:02d}-pp{p:02d}.safetensors" for t in range(2) for p in range(2)
+    ]
+    assert json.loads((step3 / "metadata.json").read_text())["topology"] == {"world": 4, "tp": 2, "pp": 2, "dp": 1}
+
+
+def test_pp2_with_the_afab_schedule(runs, tmp_path, monkeypatch):
+    _, tp1, _ = runs
+    monkeypatch.setenv("MTK_PIPELINE_SCHEDULE", "afab")
+    assert_same_losses(finetune("tp1_pp2", tmp_path, "--max_steps", "6"), tp1, range(1, 7), "tp1_pp2 afab")
+
+
+def test_tp2_pp2_dp2_equals_the_same_global_batch(tmp_path):
+    """8 processes, 4 sequences per replica in 4 micro-batches of 1, against batch 8 on one process."""
+    tp1 = finetune("tp1", tmp_path / "a", "--max_steps", "3")
+    full = finetune("tp2_pp2_dp2", tmp_path / "b", "--max_steps", "3", "--batch_size", "4")
+    assert_same_losses(full, tp1, range(1, 4), "tp2_pp2_dp2")
+
+
+@pytest.mark.parametrize("config", ["tp2_pp2", "tp1", "tp1_pp2"])
+def test_resume_pipeline_checkpoint(runs, tmp_path, config):
+    """Same layout; PP 2->1 with TP 2->1; TP 2->1 keeping PP 2. The tied copies stay tied."""
+    root, _, pp = runs
+    resumed = finetune(config, tmp_path, "--max_steps", "6", "--resume", str(root / "tp2_pp2" / "step_3"))
+    assert_same_losses(resumed, pp, [4, 5, 6], f"resumed at {config}")
+
+
+def test_resume_single_process_checkpoint_with_pipeline(runs, tmp_path):
+    """PP 1->2: the last stage's head is restored from the embedding (one tensor in the checkpoint)."""
+    root, tp1, _ = runs
+    resumed = finetune("tp1_pp2", tmp_path, "--max_steps", "6", "--resume", str(root / "tp1" / "step_3"))
+    assert_same_losses(resumed, tp1, [4, 5, 6], "tp1 checkpoint resumed at tp1_pp2")
+
+
+def test_export_and_save_pretrained_of_a_pipeline_run(runs, tmp_path):
+    root, _, _ = runs
+    for name in ("tp2_pp2", "tp1"):
+        out = subprocess.run(
+            ["mtk", "export", str(root / name / "step_6"), str(tmp_path / name)], capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "tp2_pp2")
+    single = AutoModelForCausalLM.from_pretrained(tmp_path / "tp1")
+    saved = AutoModelForCausalLM.from_pretrained(root / "saved")  # save_pretrained(get_state_dict) on rank 0
+    assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr(), "still tied"
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = single(ids).logits
+        assert_close_rel(exported(ids).logits, expected, "exported tp2_pp2 vs exported tp1")
+        assert_close_rel(saved(ids).logits, expected, "save_pretrained of tp2_pp2 vs exported tp1")
