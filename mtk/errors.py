@@ -8,6 +8,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from tqdm.auto import tqdm
+
 
 class MtkError(ValueError):
     """Bad input, explained in one line."""
@@ -20,5 +22,5 @@ def run_main(main: Callable[[], None], prog: str) -> None:
         main()
     except MtkError as err:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"{prog}: error: {err}", file=sys.stderr)
+            tqdm.write(f"{prog}: error: {err}", file=sys.stderr)  # on its own line, even under a progress bar
         sys.exit(2)

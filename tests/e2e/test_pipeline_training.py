@@ -99,3 +99,18 @@ def test_export_and_save_pretrained_of_a_pipeline_run(runs, tmp_path):
         expected = single(ids).logits
         assert_close_rel(exported(ids).logits, expected, "exported tp2_pp2 vs exported tp1")
         assert_close_rel(saved(ids).logits, expected, "save_pretrained of tp2_pp2 vs exported tp1")
+
+
+def test_bad_pipeline_input_is_one_clear_line(tmp_path, monkeypatch):
+    from tests.e2e.test_finetune import _one_line_error
+
+    out = accelerate_launch("finetune.py", "tp1_pp2", "--batch_size", "6", "--output_dir", str(tmp_path), check=False)
+    _one_line_error(
+        out,
+        "a batch of 6 sequences does not split into megatron_lm_num_micro_batches = 4; "
+        "use a batch size that is a multiple of 4",
+    )
+    monkeypatch.setenv("MTK_PIPELINE_LAYERS", "2,1")
+    out = accelerate_launch("finetune.py", "tp1_pp2", "--output_dir", str(tmp_path), check=False)
+    _one_line_error(out, "pipeline layers [2, 1] must be 2 positive counts summing to the model's 2 layers")
+    assert not list(tmp_path.glob("step_*")), "nothing that looks like a checkpoint"
