@@ -1,0 +1,95 @@
+"""Measure the pipeline bubble: idle share of each stage's step, next to (p - 1) / (m + p - 1).
+
+    python examples/pipeline_bubble.py                       # PP=2, m = 1, 2, 4, 8, both schedules
+    python examples/pipeline_bubble.py --pp 2 --micro 4 8 16 --layers 8 --hidden 256
+
+Each of ``pp`` processes (one thread each) runs one stage of a Llama built from the flags. A step is
+the full schedule (forward and backward of every micro-batch) on a fixed global batch; the bubble is
+the time a stage spends blocked receiving from a neighbour divided by its step time, median over
+steps, averaged over stages. The formula assumes equal forward/backward times on every stage; the
+last stage also runs the head and the loss, so measured values sit a little above it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import LlamaConfig
+
+from mtk.errors import run_main
+from mtk.models import build_model
+from mtk.parallel import ParallelState
+from mtk.pipeline.engine import PipelineModel
+from mtk.pipeline.schedules import bubble_fraction
+from mtk.pipeline.stages import split_stages
+from mtk.plans import find_plan
+from mtk.spawn import run_distributed
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages = processes (default 2)")
+    parser.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8], help="micro-batch counts to try")
+    parser.add_argument("--micro_batch_size", type=int, default=2, help="sequences per micro-batch")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per setting (after one warm-up)")
+    return parser.parse_args(argv)
+
+
+def _config(args) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=1024,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 8 // 3 // 64 * 64 or 64,
+        num_hidden_layers=args.layers,
+        num_attention_heads=max(args.hidden // 64, 1),
+        num_key_value_heads=max(args.hidden // 128, 1),
+        max_position_embeddings=args.seq,
+    )
+
+
+def _measure(rank: int, world_size: int, args, schedule: str, micro: int) -> dict:
+    state = ParallelState.build(pp_size=world_size)
+    model = build_model(_config(args), seed=0)
+    split_stages(model, state, find_plan(model.config))
+    pipe = PipelineModel(model, state, micro, schedule)
+    ids = torch.randint(0, 1024, (micro * args.micro_batch_size, args.seq), generator=torch.Generator().manual_seed(0))
+    idle, steps = [], []
+    for step in range(args.steps + 1):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        pipe(input_ids=ids, labels=ids)
+        elapsed = time.perf_counter() - start
+        model.zero_grad(set_to_none=True)
+        if step:  # the first step warms up allocations
+            idle.append(pipe.stats.idle_fraction)
+            steps.append(elapsed)
+    return {"idle": statistics.median(idle), "step_s": statistics.median(steps)}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    print(
+        f"pipeline bubble: pp={args.pp}, Llama {args.layers} layers x hidden {args.hidden}, seq {args.seq}, "
+        f"micro-batch {args.micro_batch_size}, 1 thread per stage, median of {args.steps} steps"
+    )
+    print(f"{'schedule':>8} {'m':>3} {'step s':>8} {'s/micro':>8} {'bubble':>7} {'formula':>8}  per stage")
+    for micro in args.micro:
+        for schedule in ("afab", "1f1b"):
+            results = run_distributed(_measure, world_size=args.pp, args=(args, schedule, micro), timeout=600)
+            stages = [r["idle"] for r in results]
+            step = max(r["step_s"] for r in results)
+            print(
+                f"{schedule:>8} {micro:>3} {step:>8.3f} {step / micro:>8.3f} {statistics.mean(stages):>7.1%} "
+                f"{bubble_fraction(args.pp, micro):>8.1%}  " + " ".join(f"{s:.1%}" for s in stages),
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    run_main(main, "pipeline_bubble.py")
