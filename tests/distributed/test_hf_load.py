@@ -114,3 +114,39 @@ def _load_error_many(rank: int, world_size: int, directories: list[str]) -> list
 def test_tied_and_conv1d_checkpoints_load(tmp_path, name):
     build_model(name, seed=4).save_pretrained(tmp_path)
     run_distributed(_load_and_compare, world_size=2, args=(str(tmp_path),))
+
+
+def _load_stage(rank: int, world_size: int, directory: str, tp: int) -> dict:
+    from mtk.pipeline.engine import PipelineModel
+
+    state = ParallelState.build(tp_size=tp, pp_size=world_size // tp)
+    _RecordingFile.slicers = []
+    original = hf_load.SafetensorsFile
+    hf_load.SafetensorsFile = _RecordingFile
+    try:
+        model = load_pretrained_tp(directory, state)
+    finally:
+        hf_load.SafetensorsFile = original
+    read = {s.name for s in _RecordingFile.slicers if s.bytes_read}
+    reference = AutoModelForCausalLM.from_pretrained(directory).eval()
+    ids = torch.randint(0, 256, (4, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        loss = PipelineModel(model, state, num_micro_batches=2)(input_ids=ids, labels=ids).loss
+        assert_close_rel(loss, reference(input_ids=ids, labels=ids).loss, "loss of the PP-loaded model")
+    return {"stage": state.pp_rank, "read": sorted(read), "params": sorted(n for n, _ in model.named_parameters())}
+
+
+def test_pp_load_reads_only_this_stages_tensors(tmp_path, tp=2):
+    """Tied GPT-2 at TP=2 x PP=2: stage 0 reads the embeddings and block 0, stage 1 block 1, the final
+    norm and the tied head (stored once, as the embedding)."""
+    build_model("tiny-gpt2", seed=3).save_pretrained(tmp_path)
+    for result in run_distributed(_load_stage, world_size=2 * tp, args=(str(tmp_path), tp)):
+        blocks = {name.split(".")[2] for name in result["read"] if name.startswith("transformer.h.")}
+        if result["stage"] == 0:
+            assert blocks == {"0"} and "transformer.wpe.weight" in result["read"]
+            assert "transformer.ln_f.weight" not in result["read"]
+        else:
+            assert blocks == {"1"} and "transformer.ln_f.weight" in result["read"]
+            assert "transformer.wpe.weight" not in result["read"]
+            assert "lm_head.weight" in result["params"], "the last stage's copy of the tied embedding"
+        assert "transformer.wte.weight" in result["read"], "both ends read the tied embedding"
