@@ -61,11 +61,14 @@ def test_pp2_with_the_afab_schedule(runs, tmp_path, monkeypatch):
     assert_same_losses(finetune("tp1_pp2", tmp_path, "--max_steps", "6"), tp1, range(1, 7), "tp1_pp2 afab")
 
 
-def test_tp2_pp2_dp2_equals_the_same_global_batch(tmp_path):
-    """8 processes, 4 sequences per replica in 4 micro-batches of 1, against batch 8 on one process."""
+def test_dp_and_gradient_accumulation_with_pipeline_equal_the_same_global_batch(tmp_path):
+    """Against batch 8 on one process: 8 processes (TP2 x PP2 x DP2) with 4 sequences per replica in
+    4 micro-batches of 1; PP2 accumulating 2 batches of 4."""
     tp1 = finetune("tp1", tmp_path / "a", "--max_steps", "3")
     full = finetune("tp2_pp2_dp2", tmp_path / "b", "--max_steps", "3", "--batch_size", "4")
     assert_same_losses(full, tp1, range(1, 4), "tp2_pp2_dp2")
+    accumulated = finetune("tp1_pp2", tmp_path / "c", "--max_steps", "3", "--batch_size", "4", "--grad_accum", "2")
+    assert_same_losses(accumulated, tp1, range(1, 4), "tp1_pp2 with 2 accumulation steps")
 
 
 @pytest.mark.parametrize("config", ["tp2_pp2", "tp1", "tp1_pp2"])
