@@ -25,14 +25,20 @@ class _RecordingFile(SafetensorsFile):
         return slicer
 
 
-def _load_and_compare(rank: int, world_size: int, directory: str) -> dict:
-    state = ParallelState.build(tp_size=world_size)
+def _load_recording(directory: str, state: ParallelState):
+    """``load_pretrained_tp`` with the reader swapped for :class:`_RecordingFile` (slicers reset)."""
+    _RecordingFile.slicers = []
     original = hf_load.SafetensorsFile
     hf_load.SafetensorsFile = _RecordingFile
     try:
-        model = load_pretrained_tp(directory, state)
+        return load_pretrained_tp(directory, state)
     finally:
         hf_load.SafetensorsFile = original
+
+
+def _load_and_compare(rank: int, world_size: int, directory: str) -> dict:
+    state = ParallelState.build(tp_size=world_size)
+    model = _load_recording(directory, state)
     read: dict[str, int] = {}
     for slicer in _RecordingFile.slicers:  # elements actually read from disk, per tensor
         read[slicer.name] = read.get(slicer.name, 0) + slicer.bytes_read // slicer.dtype.itemsize
@@ -120,13 +126,7 @@ def _load_stage(rank: int, world_size: int, directory: str, tp: int) -> dict:
     from mtk.pipeline.engine import PipelineModel
 
     state = ParallelState.build(tp_size=tp, pp_size=world_size // tp)
-    _RecordingFile.slicers = []
-    original = hf_load.SafetensorsFile
-    hf_load.SafetensorsFile = _RecordingFile
-    try:
-        model = load_pretrained_tp(directory, state)
-    finally:
-        hf_load.SafetensorsFile = original
+    model = _load_recording(directory, state)
     read = {s.name for s in _RecordingFile.slicers if s.bytes_read}
     reference = AutoModelForCausalLM.from_pretrained(directory).eval()
     ids = torch.randint(0, 256, (4, 10), generator=torch.Generator().manual_seed(0))

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig
 
-from mtk.models import SPECIAL_TOKENS, VOCAB, build_model
+from mtk.models import build_model, builtin_config
 from mtk.parallel import ParallelState
 from mtk.parallel.gather import gather_state_dict, iter_full_tensors
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
@@ -26,16 +26,9 @@ GLOBAL_BATCH, SEQ = 8, 12
 
 
 def four_layer_llama() -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        **SPECIAL_TOKENS,
-    )
+    config = builtin_config("tiny-llama")
+    config.num_hidden_layers = 4
+    return config
 
 
 def _batch() -> dict[str, torch.Tensor]:
