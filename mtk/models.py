@@ -72,6 +72,17 @@ BUILTIN: dict[str, Callable[[], PretrainedConfig]] = {
         num_labels=2,
         **SPECIAL_TOKENS,
     ),
+    # The `mtk bench` reference point (docs/bench.md): large enough that compute, not latency, dominates.
+    "bench-llama": _decoder(
+        LlamaConfig,
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+    ),
     # ~216M parameters: large enough to show that a TP load reads only this rank's slices.
     "llama-200m": _decoder(
         LlamaConfig,

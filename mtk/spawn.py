@@ -66,9 +66,11 @@ def run_distributed(
     args: Sequence[Any] = (),
     *,
     timeout: float = 180.0,
-    backend: str = "gloo",
+    backend: str | None = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; return each rank's result.
+
+    ``backend=None`` lets torch pick per device (gloo for CPU tensors, NCCL for CUDA ones).
 
     Raises :class:`DistributedTestError` with every failing worker's traceback, or naming the ranks
     still running when ``timeout`` expires (they are killed).

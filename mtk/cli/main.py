@@ -7,11 +7,11 @@ import sys
 from collections.abc import Sequence
 
 from mtk import __version__
-from mtk.cli import export, topology, verify
+from mtk.cli import bench, export, topology, verify
 from mtk.cli.errors import UserError
 from mtk.errors import MtkError
 
-SUBCOMMANDS = (export, topology, verify)
+SUBCOMMANDS = (bench, export, topology, verify)
 
 
 def build_parser() -> argparse.ArgumentParser:

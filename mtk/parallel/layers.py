@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import math
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +34,26 @@ from mtk.parallel.comm import (
     scatter_to_tp,
 )
 from mtk.parallel.sharding import REPLICATED, ShardSpec, take_shard
+
+# Column layers of one TP group that read the same input tensor (HF's separate q/k/v, gate/up) share
+# one ``copy_to_tp`` of it: their input gradients are summed locally, then all-reduced once, as a
+# fused QKV projection would be. Keyed by TP group; one slot: siblings are called back to back.
+_SHARED_INPUT: dict[int, tuple[weakref.ref, int, bool, torch.Tensor]] = {}
+
+
+def _copy_input_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """``copy_to_tp(x)``, reused while ``x`` is the same live, unmodified tensor in the same grad mode."""
+    if group_size(group) == 1:
+        return x
+    grad_mode = torch.is_grad_enabled()
+    cached = _SHARED_INPUT.get(id(group))
+    if cached is not None:
+        ref, version, mode, copied = cached
+        if ref() is x and version == x._version and mode == grad_mode:
+            return copied
+    copied = copy_to_tp(x, group)
+    _SHARED_INPUT[id(group)] = (weakref.ref(x), x._version, grad_mode, copied)
+    return copied
 
 __all__ = [
     "ColumnParallelLinear",
@@ -83,7 +104,8 @@ class ColumnParallelLinear(ShardedModule):
 
     Rank r computes ``Y_r = X A_r^T + b_r``, an exact slice of the output: no reduction is needed in
     forward. In backward each rank only sees its slice of dL/dY, so dL/dX is a sum of per-rank
-    partials -> one all-reduce (``copy_to_tp``). With sequence parallelism, X arrives split along the
+    partials -> one all-reduce (``copy_to_tp``; shared by sibling columns that read the same input, so
+    HF's separate q/k/v cost one all-reduce like a fused QKV). With sequence parallelism, X arrives split along the
     sequence and is all-gathered instead (its backward is a reduce-scatter).
 
     ``output_sizes`` describes a fused projection (``[q, k, v]``, ``[gate, up]``): each part is split
@@ -178,7 +200,7 @@ class ColumnParallelLinear(ShardedModule):
         if self.sequence_parallel:
             x = gather_from_sequence(x, self.tp_group, self.sequence_dim)  # [b, s, in]
         else:
-            x = copy_to_tp(x, self.tp_group)
+            x = _copy_input_to_tp(x, self.tp_group)  # one backward all-reduce for q, k and v together
         y = F.linear(x, self._weight_for_forward(), self.bias)  # [b, s, out/tp]
         if self.gather_output:
             y = gather_from_tp(y, self.tp_group)  # [b, s, out] (per-part order when fused)
@@ -239,7 +261,7 @@ class KVReplicatedColumnLinear(ColumnParallelLinear):
         return ((head * self.head_dim, (head + 1) * self.head_dim),), self.head_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.tp_group)  # [b, s, in]
+        x = _copy_input_to_tp(x, self.tp_group)  # [b, s, in]
         weight = copy_to_tp(self._weight_for_forward(), self.kv_group)  # [head_dim, in]
         bias = None if self.bias is None else copy_to_tp(self.bias, self.kv_group)
         return F.linear(x, weight, bias)  # [b, s, head_dim]

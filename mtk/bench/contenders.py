@@ -1,0 +1,206 @@
+"""One training step (forward, backward, AdamW step) of the same model on the same batch, done by
+mtk and by its peers. Each ``run_*`` function runs inside the processes ``mtk.spawn`` starts (one per
+rank, gloo on CPU) and returns what it measured on that rank.
+
+Every contender builds the model from the same seed (same weights), draws the same batch, takes
+``warmup`` untimed steps, then ``steps`` timed ones, each started together on all ranks (barrier)
+and timed on each rank; the step time of a layout is its slowest rank's.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mtk.models import build_model, resolve_config
+from mtk.parallel.trace import count_collectives
+
+__all__ = ["BenchSpec", "RankResult", "CONTENDERS"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """What every contender runs: the model, the layout and the batch."""
+
+    model: str
+    tp: int
+    pp: int
+    batch: int
+    seq: int
+    steps: int
+    warmup: int = 1
+    dtype: str = "fp32"
+    micro_batches: int = 1
+    seed: int = 0
+    threads: int = 1  # threads per process (the plain-HF baseline also runs with all cores)
+    checkpoint_dir: str | None = None  # the same weights as a local HF directory (for from_pretrained)
+
+
+@dataclass
+class RankResult:
+    """One rank's measurements."""
+
+    step_s: list[float]
+    peak_memory: int  # bytes: max RSS on CPU, max allocated on CUDA
+    loss: float
+    collectives: dict[str, dict[str, int]] = field(default_factory=dict)  # kind -> {"count", "bytes"}
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _batch(spec: BenchSpec, vocab: int, device) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(spec.seed + 1)
+    return torch.randint(0, vocab, (spec.batch, spec.seq), generator=generator).to(device)  # [b, s]
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+
+
+def _measure(spec: BenchSpec, step: Callable[[], torch.Tensor], device: torch.device) -> RankResult:
+    """Warm up, count the collectives of one step, then time ``spec.steps`` steps."""
+    for _ in range(spec.warmup):
+        step()
+    with count_collectives() as log:
+        loss = step()
+    _sync(device)
+    times = []
+    for _ in range(spec.steps):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        loss = step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    collectives = {
+        kind: {"count": count, "bytes": log.bytes_by_kind()[kind]}
+        for kind, count in log.counts().items()
+        if kind != "barrier"
+    }
+    return RankResult(times, _peak_memory(device), float(loss), collectives)
+
+
+def _train_step(model, optimizer, input_ids: torch.Tensor, backward: bool = True) -> Callable[[], torch.Tensor]:
+    def step() -> torch.Tensor:
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        if backward:
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _device() -> torch.device:
+    from mtk.parallel.state import default_device
+
+    return default_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """mtk: the HF model converted by the rules (TP), cut into stages (PP)."""
+    from mtk.parallel.state import ParallelState
+    from mtk.pipeline.engine import PipelineModel
+    from mtk.pipeline.stages import split_stages
+    from mtk.plans import find_plan, parallelize
+
+    torch.set_num_threads(spec.threads)
+    device = _device()
+    state = ParallelState.build(tp_size=spec.tp, pp_size=spec.pp, device=device)
+    model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
+    parallelize(model, state)
+    if spec.pp > 1:
+        split_stages(model, state, find_plan(model.config))
+    model.to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if spec.pp > 1:
+        pipe = PipelineModel(model, state, spec.micro_batches)
+
+        def forward(**batch):
+            out = pipe(**batch)
+            pipe.finalize_grads()
+            return out
+
+        step = _train_step(forward, optimizer, _batch(spec, model.config.vocab_size, device), backward=False)
+    else:
+        step = _train_step(model, optimizer, _batch(spec, model.config.vocab_size, device))
+    return _measure(spec, step, device).as_dict()
+
+
+def run_hf(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """Plain transformers on one process, ``spec.threads`` threads."""
+    torch.set_num_threads(spec.threads)
+    device = _device()
+    model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype]).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step = _train_step(model, optimizer, _batch(spec, model.config.vocab_size, device))
+    return _measure(spec, step, device).as_dict()
+
+
+def run_tp_plan(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """transformers' own tensor parallelism: ``from_pretrained(..., tp_plan="auto")`` (DTensor)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(spec.threads)
+    device = _device()
+    model = AutoModelForCausalLM.from_pretrained(
+        spec.checkpoint_dir, tp_plan="auto", dtype=DTYPES[spec.dtype], tp_size=spec.tp
+    ).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step = _train_step(model, optimizer, _batch(spec, model.config.vocab_size, device))
+    return _measure(spec, step, device).as_dict()
+
+
+def run_autotp(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """DeepSpeed AutoTP (``"tensor_parallel": {"autotp_size": N}``) with ZeRO-1, as DeepSpeed documents it."""
+    import deepspeed
+
+    torch.set_num_threads(spec.threads)
+    device = _device()
+    model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
+    config = {
+        "train_micro_batch_size_per_gpu": spec.batch,
+        "gradient_accumulation_steps": 1,
+        "tensor_parallel": {"autotp_size": spec.tp},
+        "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "bf16": {"enabled": spec.dtype == "bf16"},
+        "steps_per_print": 10**9,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    input_ids = _batch(spec, resolve_config(spec.model).vocab_size, engine.device)
+
+    def step() -> torch.Tensor:
+        loss = engine(input_ids=input_ids, labels=input_ids).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    return _measure(spec, step, device).as_dict()
+
+
+# name -> (worker, processes for a spec, threads per process or None for the spec's)
+CONTENDERS: dict[str, tuple[Callable, Callable[[BenchSpec], int], Callable[[BenchSpec], int]]] = {
+    "mtk": (run_mtk, lambda s: s.tp * s.pp, lambda s: 1),
+    "hf-1thread": (run_hf, lambda s: 1, lambda s: 1),
+    "hf-all-threads": (run_hf, lambda s: 1, lambda s: os.cpu_count() or 1),
+    "transformers-tp_plan": (run_tp_plan, lambda s: s.tp, lambda s: 1),
+    "deepspeed-autotp": (run_autotp, lambda s: s.tp, lambda s: 1),
+}

@@ -1,0 +1,69 @@
+"""The collectives one training step must issue on a TP rank, from the math (DESIGN.md).
+
+Per decoder layer the Column->Row pairs of attention and MLP each all-reduce a ``[b, s, h]``
+activation forward (after the row-parallel output) and its gradient backward (before the
+column-parallel input). The vocab-parallel embedding all-reduces its output forward; the LM head's
+input gradient is all-reduced backward; the vocab-parallel loss all-reduces ``[b, s]`` maxima, then
+``[2, b, s]`` (sum of exponentials and target logit). Nothing else: no logits are gathered.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+__all__ = ["Predicted", "predict_collectives"]
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """Collectives per step on one rank: count and bytes per kind."""
+
+    counts: Counter
+    nbytes: Counter
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {kind: {"count": self.counts[kind], "bytes": self.nbytes[kind]} for kind in sorted(self.counts)}
+
+
+def predict_collectives(
+    num_layers: int,
+    hidden: int,
+    batch: int,
+    seq: int,
+    tp: int,
+    *,
+    pp: int = 1,
+    stage: int = 0,
+    micro_batches: int = 1,
+    element_size: int = 4,
+    loss_element_size: int = 4,
+) -> Predicted:
+    """What stage ``stage`` of a TP x PP layout sends per optimizer step (``pp = 1``: the whole model).
+
+    With PP, ``batch`` is the step's batch, cut into ``micro_batches``; this stage's layers are its
+    even share (the remainder on earlier stages), P2P moves one ``[b, s, h]`` tensor per micro-batch
+    and direction at each stage boundary, and the loss is broadcast from the last stage.
+    """
+    counts, nbytes = Counter(), Counter()
+    first, last = stage == 0, stage == pp - 1
+    base, extra = divmod(num_layers, pp)
+    layers = base + (1 if stage < extra else 0)
+    micro = batch // micro_batches
+    activation = micro * seq * hidden * element_size  # one [b, s, h] tensor of a micro-batch
+    if tp > 1:
+        per_micro = 4 * layers + (1 if first else 0) + (1 if last else 0)
+        counts["all_reduce"] += per_micro * micro_batches
+        nbytes["all_reduce"] += per_micro * micro_batches * activation
+        if last:  # vocab-parallel cross-entropy: [b, s] maxima, then [2, b, s]
+            counts["all_reduce"] += 2 * micro_batches
+            nbytes["all_reduce"] += 3 * micro * seq * loss_element_size * micro_batches
+    if pp > 1:
+        sends = (0 if last else micro_batches) + (0 if first else micro_batches)
+        counts["send"] += sends
+        counts["recv"] += sends
+        nbytes["send"] += sends * activation
+        nbytes["recv"] += sends * activation
+        counts["broadcast"] += 1  # the last stage's loss to every stage
+        nbytes["broadcast"] += 4
+    return Predicted(counts, nbytes)

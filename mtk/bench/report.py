@@ -1,0 +1,106 @@
+"""The bench's table and JSON: per contender step times, tokens/s, memory, collectives vs predicted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mtk.bench.contenders import BenchSpec
+from mtk.bench.predict import Predicted
+from mtk.bench.runner import ContenderSummary
+
+__all__ = ["collective_lines", "format_report", "report_dict", "write_json"]
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def collective_lines(measured: dict[str, dict[str, int]], predicted: Predicted) -> list[str]:
+    """``all_reduce  20 calls  8.0 MiB   predicted 20 calls  8.0 MiB  ok`` per kind (either side)."""
+    lines = []
+    for kind in sorted(set(measured) | set(predicted.counts)):
+        got = measured.get(kind, {"count": 0, "bytes": 0})
+        want_count, want_bytes = predicted.counts[kind], predicted.nbytes[kind]
+        verdict = "ok" if (got["count"], got["bytes"]) == (want_count, want_bytes) else "DIFFERS"
+        lines.append(
+            f"  {kind:<14} {got['count']:>4} calls {_mib(got['bytes']):>10}   "
+            f"predicted {want_count:>4} calls {_mib(want_bytes):>10}  {verdict}"
+        )
+    return lines
+
+
+def report_dict(spec: BenchSpec, summaries: list[ContenderSummary], predicted: Predicted, loads: list[float]) -> dict:
+    tokens = spec.batch * spec.seq
+    mtk = next((s for s in summaries if s.name == "mtk"), None)
+    rows = []
+    for s in summaries:
+        row = {
+            "name": s.name,
+            "processes": s.processes,
+            "threads_per_process": s.threads,
+            "error": s.error,
+            "median_s": s.median_s,
+            "min_s": s.min_s,
+            "tokens_per_s": tokens / s.median_s if s.median_s else None,
+            "peak_memory_per_rank": s.peak_memory,
+            "loss": s.loss,
+            "collectives": s.collectives,
+            "steps_timed": len(s.step_s),
+        }
+        if mtk is not None and mtk.median_s and s.median_s and s is not mtk:
+            row["mtk_time_ratio"] = mtk.median_s / s.median_s
+        rows.append(row)
+    return {
+        "spec": {k: v for k, v in vars(spec).items() if k != "checkpoint_dir"},
+        "predicted_collectives": predicted.as_dict(),
+        "load_average_1min": {"min": min(loads, default=0.0), "max": max(loads, default=0.0)},
+        "cpu_count": __import__("os").cpu_count(),
+        "contenders": rows,
+    }
+
+
+def format_report(report: dict) -> str:
+    spec = report["spec"]
+    out = [
+        f"mtk bench: {spec['model']} tp={spec['tp']} pp={spec['pp']} batch {spec['batch']} x seq {spec['seq']}, "
+        f"{spec['dtype']}, {spec['steps']} timed steps per round",
+        f"{'contender':<22} {'procs x thr':>11} {'median s':>9} {'min s':>7} {'tokens/s':>9} "
+        f"{'peak mem/rank':>14} {'mtk time ratio':>15}",
+    ]
+    for row in report["contenders"]:
+        layout = f"{row['processes']} x {row['threads_per_process']}"
+        if row["error"]:
+            out.append(f"{row['name']:<22} {layout:>11}  failed: {row['error']}")
+            continue
+        memory = max(row["peak_memory_per_rank"]) / 2**20
+        ratio = f"{row['mtk_time_ratio']:.2f}x" if "mtk_time_ratio" in row else "-"
+        out.append(
+            f"{row['name']:<22} {layout:>11} {row['median_s']:>9.3f} {row['min_s']:>7.3f} "
+            f"{row['tokens_per_s']:>9.0f} {memory:>10.0f} MiB {ratio:>15}"
+        )
+    mtk = next((r for r in report["contenders"] if r["name"] == "mtk" and not r["error"]), None)
+    if mtk is not None:
+        out.append("collectives per step on rank 0 (mtk), measured vs predicted from the model's shapes:")
+        predicted = Predicted(
+            counts=_counter(report["predicted_collectives"], "count"),
+            nbytes=_counter(report["predicted_collectives"], "bytes"),
+        )
+        out += collective_lines(mtk["collectives"], predicted)
+    load = report["load_average_1min"]
+    out.append(
+        f"machine: {report['cpu_count']} cores, 1-min load average before each launch {load['min']:.2f}-"
+        f"{load['max']:.2f} (above ~0.5 the timings share the machine with something else)"
+    )
+    out.append("mtk time ratio = mtk's median step time / the contender's (below 1: mtk is faster)")
+    return "\n".join(out)
+
+
+def _counter(table: dict, key: str):
+    from collections import Counter
+
+    return Counter({kind: values[key] for kind, values in table.items()})
+
+
+def write_json(report: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(report, indent=1))

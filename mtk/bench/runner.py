@@ -1,0 +1,119 @@
+"""Run the contenders in interleaved rounds and summarize them.
+
+The machine is shared and noisy: contenders take turns (round 1: mtk, HF, ...; round 2 in rotated
+order ...), so a slow minute hurts all of them alike, and each is reported by its median and minimum
+step time over every round. The 1-minute load average before each launch is recorded to say how busy
+the machine was.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from mtk.bench.contenders import CONTENDERS, BenchSpec
+from mtk.bench.predict import Predicted, predict_collectives
+from mtk.models import build_model, resolve_config
+from mtk.spawn import DistributedTestError, run_distributed
+
+__all__ = ["ContenderSummary", "run_bench"]
+
+
+@dataclass
+class ContenderSummary:
+    """One contender over all rounds."""
+
+    name: str
+    processes: int
+    threads: int
+    step_s: list[float] = field(default_factory=list)  # per step: the slowest rank's time
+    peak_memory: list[int] = field(default_factory=list)  # per rank: the largest over rounds
+    loss: float | None = None
+    collectives: dict[str, dict[str, int]] = field(default_factory=dict)  # rank 0, one step
+    error: str | None = None
+
+    @property
+    def median_s(self) -> float | None:
+        return statistics.median(self.step_s) if self.step_s else None
+
+    @property
+    def min_s(self) -> float | None:
+        return min(self.step_s) if self.step_s else None
+
+    def add(self, ranks: list[dict]) -> None:
+        self.step_s += [max(times) for times in zip(*(r["step_s"] for r in ranks))]
+        memory = [r["peak_memory"] for r in ranks]
+        self.peak_memory = [max(a, b) for a, b in zip(self.peak_memory, memory)] if self.peak_memory else memory
+        self.loss = ranks[-1]["loss"]  # the last rank holds the loss under PP
+        self.collectives = self.collectives or ranks[0]["collectives"]
+
+
+def predicted_for(spec: BenchSpec) -> Predicted:
+    config = resolve_config(spec.model)
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    return predict_collectives(
+        layers,
+        config.hidden_size,
+        spec.batch,
+        spec.seq,
+        spec.tp,
+        pp=spec.pp,
+        micro_batches=spec.micro_batches,
+        element_size=2 if spec.dtype == "bf16" else 4,
+    )
+
+
+def run_bench(
+    spec: BenchSpec,
+    contenders: list[str],
+    rounds: int,
+    progress: Callable[[str], None] = print,
+    timeout: float = 600,
+) -> tuple[list[ContenderSummary], list[float]]:
+    """Run ``contenders`` for ``rounds`` interleaved rounds; returns their summaries and the load averages."""
+    summaries = {
+        name: ContenderSummary(name, CONTENDERS[name][1](spec), CONTENDERS[name][2](spec)) for name in contenders
+    }
+    loads: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="mtk-bench-") as tmp:
+        if any(name == "transformers-tp_plan" for name in contenders):  # the same weights, as a local HF dir
+            build_model(spec.model, seed=spec.seed).save_pretrained(tmp)
+            spec = replace(spec, checkpoint_dir=tmp)
+        total, done = rounds * len(contenders), 0
+        for round_index in range(rounds):
+            shift = round_index % len(contenders)
+            for name in contenders[shift:] + contenders[:shift]:
+                summary = summaries[name]
+                done += 1
+                if summary.error:
+                    continue
+                worker, _, _ = CONTENDERS[name]
+                loads.append(os.getloadavg()[0])
+                start = time.perf_counter()
+                try:
+                    ranks = run_distributed(
+                        worker,
+                        world_size=summary.processes,
+                        args=(replace(spec, threads=summary.threads),),
+                        timeout=timeout,
+                        backend=None,  # torch's per-device default: gloo on CPU, NCCL on CUDA
+                    )
+                except DistributedTestError as err:
+                    summary.error = _last_line(str(err))
+                    progress(f"[{done}/{total}] {name}: failed ({summary.error})")
+                    continue
+                summary.add(ranks)
+                progress(
+                    f"[{done}/{total}] round {round_index + 1} {name}: median {summary.median_s:.3f} s/step "
+                    f"({time.perf_counter() - start:.0f} s with start-up)"
+                )
+    return list(summaries.values()), loads
+
+
+def _last_line(message: str) -> str:
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    return lines[-1][:200] if lines else "unknown error"

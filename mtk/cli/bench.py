@@ -1,0 +1,86 @@
+"""``mtk bench``: time a training step of a layout, count its collectives, and compare it with its peers."""
+
+from __future__ import annotations
+
+import argparse
+
+from mtk.bench.contenders import CONTENDERS, DTYPES, BenchSpec
+from mtk.bench.report import format_report, report_dict, write_json
+from mtk.bench.runner import predicted_for, run_bench
+from mtk.cli.errors import UserError
+from mtk.models import resolve_config
+from mtk.parallel.layout import Layout
+from mtk.plans import check_tp_size
+
+PEERS = ["hf-1thread", "hf-all-threads", "transformers-tp_plan", "deepspeed-autotp"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "bench",
+        help="time a training step of a TP/PP layout, next to plain HF, transformers tp_plan and DeepSpeed AutoTP",
+        description=(
+            "Launch the processes of a layout, run forward+backward+AdamW steps on the same model and batch, and "
+            "print the median and min step time, tokens/s, peak memory per rank (RSS on CPU, max allocated on "
+            "CUDA) and the collectives per step next to the count the math predicts. --compare also runs plain "
+            "HF (1 thread and all threads), transformers' tp_plan and DeepSpeed AutoTP at the same TP, "
+            "interleaved, and prints mtk's step time as a ratio to each."
+        ),
+    )
+    parser.add_argument("--model", default="bench-llama", help="built-in config name or local HF directory")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    parser.add_argument("--micro-batches", type=int, help="pipeline micro-batches per step (default: the batch)")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
+    parser.add_argument("--seq", type=int, default=256, help="sequence length (default 256)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per round (default 5)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3 with --compare, else 1)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameter and compute dtype")
+    parser.add_argument("--compare", action="store_true", help="also run plain HF, tp_plan and DeepSpeed AutoTP")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds before one launch is stopped")
+    parser.set_defaults(run=run)
+
+
+def spec_from_args(args: argparse.Namespace) -> BenchSpec:
+    for name in ("tp", "pp", "batch", "seq", "steps"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    config = resolve_config(args.model)  # one clear line for an unknown name or a missing directory
+    check_tp_size(config, args.tp)
+    Layout(world_size=args.tp * args.pp, tp_size=args.tp, pp_size=args.pp)
+    micro = args.micro_batches or (args.batch if args.pp > 1 else 1)
+    if args.batch % micro:
+        raise UserError(f"--batch {args.batch} does not split into --micro-batches {micro}; use a multiple of it")
+    return BenchSpec(
+        model=args.model,
+        tp=args.tp,
+        pp=args.pp,
+        batch=args.batch,
+        seq=args.seq,
+        steps=args.steps,
+        dtype=args.dtype,
+        micro_batches=micro,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args)
+    contenders = ["mtk"] + (PEERS if args.compare else [])
+    if args.compare and spec.pp > 1:
+        contenders = ["mtk", "hf-1thread", "hf-all-threads"]  # the TP peers have no pipeline
+    rounds = args.rounds or (3 if args.compare else 1)
+    assert set(contenders) <= set(CONTENDERS)
+    print(
+        f"mtk bench: {spec.model} tp={spec.tp} pp={spec.pp}, {', '.join(contenders)}, {rounds} round(s)",
+        flush=True,
+    )
+    summaries, loads = run_bench(
+        spec, contenders, rounds, progress=lambda line: print(line, flush=True), timeout=args.timeout
+    )
+    report = report_dict(spec, summaries, predicted_for(spec), loads)
+    print(format_report(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    return 0 if all(s.error is None for s in summaries if s.name == "mtk") else 1
