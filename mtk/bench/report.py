@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from collections import Counter
 from pathlib import Path
 
 from mtk.bench.contenders import BenchSpec
@@ -30,7 +32,7 @@ def collective_lines(measured: dict[str, dict[str, int]], predicted: Predicted) 
     return lines
 
 
-def report_dict(spec: BenchSpec, summaries: list[ContenderSummary], predicted: Predicted, loads: list[float]) -> dict:
+def report_dict(spec: BenchSpec, summaries: list[ContenderSummary], predicted: Predicted, busy: list[float]) -> dict:
     tokens = spec.batch * spec.seq
     mtk = next((s for s in summaries if s.name == "mtk"), None)
     rows = []
@@ -54,8 +56,8 @@ def report_dict(spec: BenchSpec, summaries: list[ContenderSummary], predicted: P
     return {
         "spec": {k: v for k, v in vars(spec).items() if k != "checkpoint_dir"},
         "predicted_collectives": predicted.as_dict(),
-        "load_average_1min": {"min": min(loads, default=0.0), "max": max(loads, default=0.0)},
-        "cpu_count": __import__("os").cpu_count(),
+        "machine_busy_before_launch": {"min": min(busy, default=0.0), "max": max(busy, default=0.0)},
+        "cpu_count": os.cpu_count(),
         "contenders": rows,
     }
 
@@ -87,18 +89,16 @@ def format_report(report: dict) -> str:
             nbytes=_counter(report["predicted_collectives"], "bytes"),
         )
         out += collective_lines(mtk["collectives"], predicted)
-    load = report["load_average_1min"]
+    busy = report["machine_busy_before_launch"]
     out.append(
-        f"machine: {report['cpu_count']} cores, 1-min load average before each launch {load['min']:.2f}-"
-        f"{load['max']:.2f} (above ~0.5 the timings share the machine with something else)"
+        f"machine: {report['cpu_count']} cores, busy {busy['min']:.0%}-{busy['max']:.0%} of the time just before "
+        f"each launch (other work; above a few % the timings shared the machine)"
     )
     out.append("mtk time ratio = mtk's median step time / the contender's (below 1: mtk is faster)")
     return "\n".join(out)
 
 
-def _counter(table: dict, key: str):
-    from collections import Counter
-
+def _counter(table: dict, key: str) -> Counter:
     return Counter({kind: values[key] for kind, values in table.items()})
 
 

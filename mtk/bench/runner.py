@@ -2,8 +2,9 @@
 
 The machine is shared and noisy: contenders take turns (round 1: mtk, HF, ...; round 2 in rotated
 order ...), so a slow minute hurts all of them alike, and each is reported by its median and minimum
-step time over every round. The 1-minute load average before each launch is recorded to say how busy
-the machine was.
+step time over every round. Before each launch, while none of the bench's processes run, the share of
+CPU time the machine spent busy over half a second is sampled (``/proc/stat``): that is what other
+work took from the contenders.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from mtk.bench.predict import Predicted, predict_collectives
 from mtk.models import build_model, resolve_config
 from mtk.spawn import DistributedTestError, run_distributed
 
-__all__ = ["ContenderSummary", "run_bench"]
+__all__ = ["ContenderSummary", "machine_busy_fraction", "run_bench"]
 
 
 @dataclass
@@ -74,7 +75,8 @@ def run_bench(
     progress: Callable[[str], None] = print,
     timeout: float = 600,
 ) -> tuple[list[ContenderSummary], list[float]]:
-    """Run ``contenders`` for ``rounds`` interleaved rounds; returns their summaries and the load averages."""
+    """Run ``contenders`` for ``rounds`` interleaved rounds; returns their summaries and the busy
+    share of the machine sampled before each launch."""
     summaries = {
         name: ContenderSummary(name, CONTENDERS[name][1](spec), CONTENDERS[name][2](spec)) for name in contenders
     }
@@ -92,7 +94,7 @@ def run_bench(
                 if summary.error:
                     continue
                 worker, _, _ = CONTENDERS[name]
-                loads.append(os.getloadavg()[0])
+                loads.append(machine_busy_fraction())
                 start = time.perf_counter()
                 try:
                     ranks = run_distributed(
@@ -112,6 +114,28 @@ def run_bench(
                     f"({time.perf_counter() - start:.0f} s with start-up)"
                 )
     return list(summaries.values()), loads
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields), idle
+
+
+def machine_busy_fraction(interval: float = 0.5) -> float:
+    """Share of all cores' time spent busy during ``interval`` (the 1-minute load average / cores
+    where ``/proc/stat`` is missing)."""
+    before = _cpu_times()
+    if before is None:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    time.sleep(interval)
+    after = _cpu_times()
+    total, idle = after[0] - before[0], after[1] - before[1]
+    return (total - idle) / total if total else 0.0
 
 
 def _last_line(message: str) -> str:

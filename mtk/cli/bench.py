@@ -75,10 +75,10 @@ def run(args: argparse.Namespace) -> int:
         f"mtk bench: {spec.model} tp={spec.tp} pp={spec.pp}, {', '.join(contenders)}, {rounds} round(s)",
         flush=True,
     )
-    summaries, loads = run_bench(
+    summaries, busy = run_bench(
         spec, contenders, rounds, progress=lambda line: print(line, flush=True), timeout=args.timeout
     )
-    report = report_dict(spec, summaries, predicted_for(spec), loads)
+    report = report_dict(spec, summaries, predicted_for(spec), busy)
     print(format_report(report))
     if args.json:
         write_json(report, args.json)

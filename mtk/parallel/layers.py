@@ -55,6 +55,7 @@ def _copy_input_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     _SHARED_INPUT[id(group)] = (weakref.ref(x), x._version, grad_mode, copied)
     return copied
 
+
 __all__ = [
     "ColumnParallelLinear",
     "KVReplicatedColumnLinear",

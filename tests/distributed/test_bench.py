@@ -1,0 +1,28 @@
+"""``mtk bench`` end to end on a tiny model: mtk's measured collectives equal the prediction."""
+
+import json
+
+from mtk.cli.main import main
+
+
+def test_bench_counts_exactly_the_predicted_collectives(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", "tiny-llama", "--tp", "2", "--batch", "2", "--seq", "16", "--steps", "2",
+                 "--json", str(out)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    mtk = report["contenders"][0]
+    assert mtk["name"] == "mtk" and mtk["error"] is None and mtk["steps_timed"] == 2
+    assert mtk["collectives"] == report["predicted_collectives"], "one all-reduce per Column->Row pair each way"
+    assert report["predicted_collectives"]["all_reduce"]["count"] == 4 * 2 + 2 + 2
+    assert "DIFFERS" not in text and "[1/1] round 1 mtk" in text
+
+
+def test_bench_pipeline_layout(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", "tiny-llama", "--tp", "1", "--pp", "2", "--batch", "4", "--seq", "16",
+                 "--steps", "1", "--json", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["contenders"][0]["collectives"] == report["predicted_collectives"]

@@ -1,0 +1,77 @@
+"""``mtk bench``'s collective prediction and report format (not its timings)."""
+
+import json
+
+import pytest
+
+from mtk.bench.contenders import BenchSpec
+from mtk.bench.predict import predict_collectives
+from mtk.bench.report import format_report, report_dict, write_json
+from mtk.bench.runner import ContenderSummary, predicted_for
+from mtk.cli.main import main
+
+
+def test_prediction_follows_the_megatron_math():
+    # bench-llama at TP 2: 4 layers x (2 forward + 2 backward) + embedding + lm-head input grad = 18
+    # all-reduces of [4, 256, 512] fp32 (2 MiB), plus the loss's [4, 256] and [2, 4, 256] fp32.
+    predicted = predict_collectives(4, 512, 4, 256, 2)
+    assert predicted.counts == {"all_reduce": 20}
+    assert predicted.nbytes["all_reduce"] == 18 * 2 * 2**20 + 3 * 4 * 256 * 4
+    assert predict_collectives(4, 512, 4, 256, 1).counts == {}, "TP 1 sends nothing"
+    bf16 = predict_collectives(4, 512, 4, 256, 2, element_size=2)
+    assert bf16.nbytes["all_reduce"] == 18 * 2**20 + 3 * 4 * 256 * 4, "loss statistics stay fp32"
+
+
+def test_pipeline_prediction_per_stage():
+    first = predict_collectives(4, 64, 8, 16, 1, pp=2, stage=0, micro_batches=4)
+    last = predict_collectives(4, 64, 8, 16, 1, pp=2, stage=1, micro_batches=4)
+    activation = 2 * 16 * 64 * 4
+    assert first.counts == {"send": 4, "recv": 4, "broadcast": 1}
+    assert first.nbytes["send"] == 4 * activation
+    assert last.counts == first.counts
+    with_tp = predict_collectives(4, 64, 8, 16, 2, pp=2, stage=1, micro_batches=4)
+    assert with_tp.counts["all_reduce"] == 4 * (4 * 2 + 1) + 2 * 4, "2 layers, head grad, loss, per micro-batch"
+
+
+def _summary(name, times, collectives=None, error=None):
+    summary = ContenderSummary(name, processes=2 if name == "mtk" else 1, threads=1)
+    if error:
+        summary.error = error
+        return summary
+    summary.add(
+        [
+            {"step_s": times, "peak_memory": 300 * 2**20, "loss": 9.0, "collectives": collectives or {}},
+            {"step_s": [t + 0.1 for t in times], "peak_memory": 310 * 2**20, "loss": 9.0, "collectives": {}},
+        ]
+    )
+    return summary
+
+
+def test_report_has_ratios_memory_and_collectives(tmp_path):
+    spec = BenchSpec(model="bench-llama", tp=2, pp=1, batch=4, seq=256, steps=3)
+    predicted = predicted_for(spec)
+    measured = {"all_reduce": {"count": 20, "bytes": predicted.nbytes["all_reduce"]}}
+    summaries = [
+        _summary("mtk", [0.9, 1.0, 1.1], measured),
+        _summary("hf-1thread", [1.9, 2.0, 2.1]),
+        _summary("transformers-tp_plan", [], error="RuntimeError: no tp_plan"),
+    ]
+    report = report_dict(spec, summaries, predicted, busy=[0.02, 0.04])
+    mtk, hf, failed = report["contenders"]
+    assert mtk["median_s"] == pytest.approx(1.1), "a step takes as long as its slowest rank"
+    assert hf["mtk_time_ratio"] == pytest.approx(1.1 / 2.1)
+    assert mtk["tokens_per_s"] == pytest.approx(4 * 256 / 1.1)
+    assert mtk["peak_memory_per_rank"] == [300 * 2**20, 310 * 2**20]
+    text = format_report(report)
+    assert "0.52x" in text and "failed: RuntimeError: no tp_plan" in text
+    assert "all_reduce" in text and "predicted   20 calls" in text and " ok" in text
+    assert "busy 2%-4% of the time just before each launch" in text
+    write_json(report, tmp_path / "bench.json")
+    assert json.loads((tmp_path / "bench.json").read_text())["contenders"][0]["name"] == "mtk"
+
+
+def test_bad_bench_input_is_one_line(capsys):
+    assert main(["bench", "--model", "tiny-llama", "--tp", "3"]) == 2
+    assert "num_attention_heads = 4 is not divisible by tp = 3" in capsys.readouterr().err
+    assert main(["bench", "--model", "tiny-llama", "--pp", "2", "--batch", "3", "--micro-batches", "2"]) == 2
+    assert "--batch 3 does not split into --micro-batches 2" in capsys.readouterr().err
