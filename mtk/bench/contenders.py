@@ -108,6 +108,14 @@ def _train_step(model, optimizer, input_ids: torch.Tensor, backward: bool = True
     return step
 
 
+def _measure_model(spec: BenchSpec, model, device: torch.device) -> dict:
+    """The common case: ``model(input_ids, labels).loss.backward()`` and an AdamW step."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step = _train_step(model, optimizer, _batch(spec, model.config.vocab_size, device))
+    return _measure(spec, step, device).as_dict()
+
+
 def _device() -> torch.device:
     from mtk.parallel.state import default_device
 
@@ -126,21 +134,19 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     state = ParallelState.build(tp_size=spec.tp, pp_size=spec.pp, device=device)
     model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
     parallelize(model, state)
-    if spec.pp > 1:
-        split_stages(model, state, find_plan(model.config))
+    if spec.pp == 1:
+        return _measure_model(spec, model.to(device), device)
+    split_stages(model, state, find_plan(model.config))
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if spec.pp > 1:
-        pipe = PipelineModel(model, state, spec.micro_batches)
+    pipe = PipelineModel(model, state, spec.micro_batches)
 
-        def forward(**batch):
-            out = pipe(**batch)
-            pipe.finalize_grads()
-            return out
+    def forward(**batch):
+        out = pipe(**batch)
+        pipe.finalize_grads()
+        return out
 
-        step = _train_step(forward, optimizer, _batch(spec, model.config.vocab_size, device), backward=False)
-    else:
-        step = _train_step(model, optimizer, _batch(spec, model.config.vocab_size, device))
+    step = _train_step(forward, optimizer, _batch(spec, model.config.vocab_size, device), backward=False)
     return _measure(spec, step, device).as_dict()
 
 
@@ -148,10 +154,8 @@ def run_hf(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """Plain transformers on one process, ``spec.threads`` threads."""
     torch.set_num_threads(spec.threads)
     device = _device()
-    model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype]).to(device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    step = _train_step(model, optimizer, _batch(spec, model.config.vocab_size, device))
-    return _measure(spec, step, device).as_dict()
+    model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype]).to(device)
+    return _measure_model(spec, model, device)
 
 
 def run_tp_plan(rank: int, world_size: int, spec: BenchSpec) -> dict:
@@ -162,10 +166,8 @@ def run_tp_plan(rank: int, world_size: int, spec: BenchSpec) -> dict:
     device = _device()
     model = AutoModelForCausalLM.from_pretrained(
         spec.checkpoint_dir, tp_plan="auto", dtype=DTYPES[spec.dtype], tp_size=spec.tp
-    ).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    step = _train_step(model, optimizer, _batch(spec, model.config.vocab_size, device))
-    return _measure(spec, step, device).as_dict()
+    )
+    return _measure_model(spec, model, device)
 
 
 def run_autotp(rank: int, world_size: int, spec: BenchSpec) -> dict:
