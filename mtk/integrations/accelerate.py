@@ -23,6 +23,7 @@ plugin (NVIDIA's Megatron-LM package) is not used.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,12 +34,18 @@ import torch.distributed as dist
 from accelerate import Accelerator as _AccelerateAccelerator
 from accelerate.data_loader import prepare_data_loader
 from accelerate.scheduler import AcceleratedScheduler
-from accelerate.utils import DataLoaderConfiguration, recursively_apply
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, recursively_apply
 from torch import nn
 
 from mtk.checkpoint.hf_load import CheckpointError
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.config import ConfigError, ParallelConfig
+from mtk.integrations.deepspeed import (
+    load_deepspeed_checkpoint,
+    save_deepspeed_checkpoint,
+    tp_size_from_config,
+    zero3_gathered,
+)
 from mtk.parallel.comm import all_reduce, group_size
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
@@ -86,19 +93,27 @@ class Accelerator(_AccelerateAccelerator):
         # The megatron_lm_config block is mtk's to interpret; accelerate would require NVIDIA's package.
         os.environ["ACCELERATE_USE_MEGATRON_LM"] = "false"
         on_cpu = default_device().type == "cpu"
+        self.uses_deepspeed = (
+            os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or "deepspeed_plugin" in kwargs
+        )
+        if self.uses_deepspeed and on_cpu:
+            # accelerate forms DeepSpeed's process group only when not told cpu=True (which drops the
+            # DeepSpeed plugin) and, without a GPU, only with an explicit backend: gloo.
+            if kwargs.get("cpu"):
+                raise ConfigError("DeepSpeed through accelerate cannot run with cpu=True; leave cpu unset")
+            kwargs["cpu"] = False
+            handlers = list(kwargs.get("kwargs_handlers") or [])
+            if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
+                handlers.append(InitProcessGroupKwargs(backend="gloo"))
+            kwargs["kwargs_handlers"] = handlers
         kwargs.setdefault("cpu", on_cpu)
         mixed = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
         if str(mixed) == "fp16" and (on_cpu or kwargs["cpu"]):
             raise ConfigError("fp16 mixed precision needs a GPU (accelerate refuses it on CPU); use bf16 on CPU")
-        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or kwargs.get("deepspeed_plugin"):
-            # accelerate would call deepspeed.initialize without mtk's mpu (ZeRO over every process) and,
-            # on CPU, would drop DeepSpeed altogether; the DeepSpeed launcher path does it right.
-            raise ConfigError(
-                "DeepSpeed through accelerate is not supported by mtk yet; run ZeRO next to TP with "
-                "`deepspeed --num_gpus N examples/run.py --deepspeed --deepspeed_config ds_configs/zero2.json --tp T`"
-            )
         kwargs.setdefault("dataloader_config", DataLoaderConfiguration(use_seedable_sampler=True))
         super().__init__(*args, **kwargs)
+        if self.uses_deepspeed:
+            config = self._deepspeed_parallel_config(config)
         self.parallel = ParallelState.build(config=config, device=self.device)
         # The data position, across epochs (accelerate's ``step`` restarts at every epoch end).
         self.micro_batches_seen = 0  # micro-batches each replica has consumed
@@ -159,7 +174,69 @@ class Accelerator(_AccelerateAccelerator):
                 for group in obj.param_groups:
                     params = [replaced.get(id(p), p) for p in group["params"]]
                     group["params"] = [p for p in params if p is not None]
-        return super().prepare(*args, device_placement=device_placement)
+        if not self.uses_deepspeed:
+            return super().prepare(*args, device_placement=device_placement)
+        with self._deepspeed_initialize_with_mpu():
+            prepared = super().prepare(*args, device_placement=device_placement)
+        return self._replace_deepspeed_schedulers(prepared)
+
+    # ---------------------------------------------------------------------- DeepSpeed (ZeRO over DP)
+    def _deepspeed_parallel_config(self, config: ParallelConfig) -> ParallelConfig:
+        """TP from the DeepSpeed JSON's ``"mtk": {"tensor_parallel_size": N}`` (else the environment)."""
+        tp = tp_size_from_config(self.state.deepspeed_plugin.deepspeed_config)
+        if config.pp_size > 1:
+            raise ConfigError("pipeline parallelism does not run under DeepSpeed; use a megatron_lm_config YAML")
+        return dataclasses.replace(config, tp_size=tp) if tp else config
+
+    @contextmanager
+    def _deepspeed_initialize_with_mpu(self):
+        """accelerate calls ``deepspeed.initialize`` without an mpu and counts every process as a data
+        replica in ``train_batch_size``; with mtk's topology as the mpu ZeRO shards over the DP group
+        only, and the global batch is micro-batch x accumulation x DP."""
+        import deepspeed
+
+        original = deepspeed.initialize
+        parallel = self.parallel
+
+        def initialize(*args, **kwargs):
+            config = kwargs.get("config_params") or kwargs.get("config")
+            if isinstance(config, dict) and "train_micro_batch_size_per_gpu" in config:
+                micro, accumulation = (
+                    config["train_micro_batch_size_per_gpu"],
+                    config.get("gradient_accumulation_steps", 1),
+                )
+                config["train_batch_size"] = micro * accumulation * parallel.dp_size
+                config.pop("mtk", None)
+            kwargs["mpu"] = parallel
+            return original(*args, **kwargs)
+
+        deepspeed.initialize = initialize
+        try:
+            yield
+        finally:
+            deepspeed.initialize = original
+
+    def _replace_deepspeed_schedulers(self, prepared):
+        """A torch scheduler DeepSpeed does not own is stepped by accelerate once per process; under
+        TP it must step once per DP replica, as everywhere else in mtk."""
+        single = not isinstance(prepared, tuple)
+        items = [prepared] if single else list(prepared)
+        for i, obj in enumerate(items):
+            if type(obj) is AcceleratedScheduler:
+                replacement = DataParallelScheduler(
+                    obj.scheduler,
+                    obj.optimizers,
+                    step_with_optimizer=obj.step_with_optimizer,
+                    split_batches=obj.split_batches,
+                    dp_size=self.parallel.dp_size,
+                )
+                self._schedulers = [replacement if s is obj else s for s in self._schedulers]
+                items[i] = replacement
+        return items[0] if single else tuple(items)
+
+    @property
+    def _deepspeed_engine(self):
+        return self.deepspeed_engine_wrapped.engine if self.deepspeed_engine_wrapped is not None else None
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         if getattr(model, "_is_accelerate_prepared", False):
@@ -252,6 +329,9 @@ class Accelerator(_AccelerateAccelerator):
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm of the whole (unsplit) model's gradient; returns that norm."""
+        if self.uses_deepspeed:  # DeepSpeed clipped (its "gradient_clipping", TP-aware through the mpu) in step
+            norm = self._deepspeed_engine.get_global_grad_norm() if self._deepspeed_engine is not None else None
+            return torch.tensor(float(norm) if norm is not None else float("nan"))
         self.unscale_gradients()
         return clip_grad_norm_tp_(list(parameters), max_norm, self.parallel, norm_type)
 
@@ -307,25 +387,29 @@ class Accelerator(_AccelerateAccelerator):
         if output_dir is None:
             output_dir = os.path.join(self.project_dir or ".", "checkpoints", f"step_{self.completed_steps}")
         model, optimizers, schedulers = self._checkpoint_parts()
-        iterations = [getattr(dl, "iteration", 0) for dl in self._dataloaders]
-        save_checkpoint(
-            output_dir,
-            self.parallel,
-            model,
-            optimizers,
-            schedulers,
-            step=self.completed_steps,
-            extra_rng={"scaler": self.scaler.state_dict()} if self.scaler is not None else None,
-            writers=[self._write_tokenizer] if self.checkpoint_tokenizer is not None else [],
-            extra_meta={
-                "data": {
-                    "micro_batches": self.micro_batches_seen,
-                    "samples_per_micro_batch": self._samples_per_micro_batch(),
-                    "accelerate_step": self.step,
-                    "dataloader_iterations": iterations,
-                }
-            },
-        )
+        data = {
+            "micro_batches": self.micro_batches_seen,
+            "samples_per_micro_batch": self._samples_per_micro_batch(),
+            "accelerate_step": self.step,
+            "dataloader_iterations": [getattr(dl, "iteration", 0) for dl in self._dataloaders],
+        }
+        writers = [self._write_tokenizer] if self.checkpoint_tokenizer is not None else []
+        if self.uses_deepspeed:  # DeepSpeed's (partitioned) state inside, mtk's weights beside it
+            save_deepspeed_checkpoint(
+                output_dir, self._deepspeed_engine, self.parallel, data, schedulers=schedulers, writers=writers
+            )
+        else:
+            save_checkpoint(
+                output_dir,
+                self.parallel,
+                model,
+                optimizers,
+                schedulers,
+                step=self.completed_steps,
+                extra_rng={"scaler": self.scaler.state_dict()} if self.scaler is not None else None,
+                writers=writers,
+                extra_meta={"data": data},
+            )
         for i, obj in enumerate(self._custom_objects):
             if self.is_main_process:
                 torch.save(obj.state_dict(), Path(output_dir) / f"custom_checkpoint_{i}.pt")
@@ -359,7 +443,10 @@ class Accelerator(_AccelerateAccelerator):
         if input_dir is None:
             raise ValueError("load_state needs the checkpoint directory, e.g. ckpts/step_150")
         model, optimizers, schedulers = self._checkpoint_parts()
-        meta = load_checkpoint(input_dir, self.parallel, model, optimizers, schedulers)
+        if self.uses_deepspeed:
+            meta = load_deepspeed_checkpoint(input_dir, self._deepspeed_engine, self.parallel, schedulers=schedulers)
+        else:
+            meta = load_checkpoint(input_dir, self.parallel, model, optimizers, schedulers)
         data = meta.get("data", {})
         self.completed_steps = meta["step"]
         self.micro_batches_seen = self._rescaled_position(data)
@@ -391,6 +478,9 @@ class Accelerator(_AccelerateAccelerator):
         a second copy of its shard. Collective: every rank must call it.
         """
         model = self.unwrap_model(model) if unwrap else model
+        if self.uses_deepspeed and self._deepspeed_engine is not None:
+            with zero3_gathered(self._deepspeed_engine):  # ZeRO-3 partitions parameters over DP
+                return gather_state_dict(model, self.parallel)
         return gather_state_dict(model, self.parallel)
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from mtk.checkpoint.hf_load import CheckpointError
@@ -23,7 +24,13 @@ from mtk.checkpoint.sharded import read_metadata, restore_rng, save_checkpoint
 from mtk.config import ConfigError
 from mtk.parallel.state import ParallelState
 
-__all__ = ["deepspeed_config", "load_deepspeed_checkpoint", "save_deepspeed_checkpoint"]
+__all__ = [
+    "deepspeed_config",
+    "load_deepspeed_checkpoint",
+    "save_deepspeed_checkpoint",
+    "tp_size_from_config",
+    "zero3_gathered",
+]
 
 _DS_TAG = "state"
 
@@ -62,7 +69,23 @@ def deepspeed_config(
     return config
 
 
-def _zero3_gathered(engine) -> Any:
+def tp_size_from_config(config: dict[str, Any]) -> int | None:
+    """The TP size a DeepSpeed JSON asks mtk for: ``"mtk": {"tensor_parallel_size": N}``.
+
+    DeepSpeed has no key for an external tensor-parallel degree (its ``tensor_parallel`` block turns
+    on its own AutoTP), and ignores top-level keys it does not know; ``accelerate launch`` with
+    ``distributed_type: DEEPSPEED`` exports no ``megatron_lm_config``. So the DeepSpeed JSON the
+    accelerate YAML names carries it.
+    """
+    value = config.get("mtk", {}).get("tensor_parallel_size")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f'"mtk": {{"tensor_parallel_size": {value!r}}} must be a positive integer')
+    return value
+
+
+def zero3_gathered(engine) -> Any:
     """Context in which ZeRO-3's partitioned parameters are whole again on each rank (else a no-op)."""
     import contextlib
 
@@ -73,28 +96,43 @@ def _zero3_gathered(engine) -> Any:
     return contextlib.nullcontext()
 
 
-def save_deepspeed_checkpoint(directory: str | Path, engine, state: ParallelState, data: dict[str, Any]) -> Path:
-    """``directory`` in mtk's layout + DeepSpeed's own state in ``directory/deepspeed``. Collective."""
+def save_deepspeed_checkpoint(
+    directory: str | Path,
+    engine,
+    state: ParallelState,
+    data: dict[str, Any],
+    *,
+    schedulers: list = (),
+    writers: list = (),
+) -> Path:
+    """``directory`` in mtk's layout + DeepSpeed's own state in ``directory/deepspeed``. Collective.
+
+    ``schedulers`` DeepSpeed does not own (a torch scheduler stepped by accelerate) are saved beside
+    it; ``writers`` run on rank 0 (e.g. the tokenizer).
+    """
     model: nn.Module = engine.module
 
     def deepspeed_state(tmp: Path) -> None:
         engine.save_checkpoint(str(tmp / "deepspeed"), tag=_DS_TAG)
 
-    with _zero3_gathered(engine):
+    with zero3_gathered(engine):
         return save_checkpoint(
             directory,
             state,
             model,
             [],
-            [],
+            list(schedulers),
             step=engine.global_steps,
+            writers=list(writers),
             collective_writers=[deepspeed_state],
             extra_meta={"data": data, "engine": "deepspeed", "zero_stage": engine.zero_optimization_stage()},
         )
 
 
-def load_deepspeed_checkpoint(directory: str | Path, engine, state: ParallelState) -> dict[str, Any]:
-    """Restore DeepSpeed's state (same layout only) and mtk's RNG; returns the checkpoint metadata."""
+def load_deepspeed_checkpoint(
+    directory: str | Path, engine, state: ParallelState, *, schedulers: list = ()
+) -> dict[str, Any]:
+    """Restore DeepSpeed's state (same layout only), ``schedulers`` and mtk's RNG; returns the metadata."""
     meta = read_metadata(directory)
     saved = meta["topology"]
     if meta.get("engine") != "deepspeed":
@@ -108,5 +146,8 @@ def load_deepspeed_checkpoint(directory: str | Path, engine, state: ParallelStat
     path, _ = engine.load_checkpoint(str(Path(directory) / "deepspeed"), tag=_DS_TAG)
     if path is None:
         raise CheckpointError(f"{directory}/deepspeed holds no DeepSpeed checkpoint")
+    for i, scheduler in enumerate(schedulers):
+        path = Path(directory) / ("scheduler.pt" if i == 0 else f"scheduler_{i}.pt")
+        scheduler.load_state_dict(torch.load(path, weights_only=True))
     meta["rng"] = restore_rng(directory, meta, state)
     return meta

@@ -162,3 +162,37 @@ def test_deepspeed_bf16_trains(tmp_path):
         )
     )
     assert losses[15] < losses[1] - 1.0, losses
+
+
+def test_zero2_cpu_offload_equals_non_zero(reference, tmp_path):
+    """ds_configs/zero2_offload.json: optimizer state and step on the CPU (DeepSpeedCPUAdam, built once)."""
+    losses = step_losses(
+        deepspeed_run(
+            4, "zero2_offload", "--tp", "2", "--batch_size", "4", "--max_steps", "6", "--output_dir", str(tmp_path)
+        )
+    )
+    for step in range(1, 7):
+        assert_close_rel(losses[step], reference[step], f"ZeRO-2 offload TP2xDP2 loss at step {step}")
+
+
+def test_deepspeed_through_accelerate_yaml(reference, tmp_path):
+    """accelerate launch --config_file accelerate_configs/tp2_dp2_zero2.yaml examples/finetune.py: accelerate
+    runs DeepSpeed, mtk gives it the topology as mpu; TP from the DeepSpeed JSON. Exact, and resumes exactly."""
+    first = step_losses(
+        accelerate_launch(
+            "finetune.py", "tp2_dp2_zero2", "--batch_size", "4", "--max_steps", "6", "--save_every", "3",
+            "--output_dir", str(tmp_path / "a"),
+        )
+    )  # fmt: skip
+    for step in range(1, 7):
+        assert_close_rel(first[step], reference[step], f"accelerate + ZeRO-2 TP2xDP2 loss at step {step}")
+    assert (tmp_path / "a" / "step_3" / "deepspeed").is_dir()
+    resumed = step_losses(
+        accelerate_launch(
+            "finetune.py", "tp2_dp2_zero2", "--batch_size", "4", "--max_steps", "6",
+            "--output_dir", str(tmp_path / "b"), "--resume", str(tmp_path / "a" / "step_3"),
+        )
+    )  # fmt: skip
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert_close_rel(resumed[step], first[step], f"accelerate + ZeRO-2 loss at step {step} after resume")
