@@ -30,7 +30,12 @@ from mtk.checkpoint import load_pretrained_tp
 from mtk.config import ParallelConfig
 from mtk.data import causal_lm_blocks, load_text_files, tokenizer_for
 from mtk.errors import run_main
-from mtk.integrations.deepspeed import deepspeed_config, load_deepspeed_checkpoint, save_deepspeed_checkpoint
+from mtk.integrations.deepspeed import (
+    deepspeed_config,
+    load_deepspeed_checkpoint,
+    remove_shm_buffers_at_exit,
+    save_deepspeed_checkpoint,
+)
 from mtk.models import build_model, resolve_config
 from mtk.parallel.comm import all_reduce
 from mtk.parallel.state import ParallelState
@@ -83,6 +88,7 @@ def main(argv=None) -> None:
             optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.0, 1 - s / total)
         )
 
+    remove_shm_buffers_at_exit()  # DeepSpeed's CPU shared-memory buffers outlive the job otherwise
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), lr_scheduler=lr_schedule, config=ds_config, mpu=state
     )

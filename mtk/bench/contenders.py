@@ -174,6 +174,8 @@ def run_autotp(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """DeepSpeed AutoTP (``"tensor_parallel": {"autotp_size": N}``) with ZeRO-1, as DeepSpeed documents it."""
     import deepspeed
 
+    from mtk.integrations.deepspeed import remove_shm_buffers_at_exit
+
     torch.set_num_threads(spec.threads)
     device = _device()
     model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
@@ -186,6 +188,7 @@ def run_autotp(rank: int, world_size: int, spec: BenchSpec) -> dict:
         "bf16": {"enabled": spec.dtype == "bf16"},
         "steps_per_print": 10**9,
     }
+    remove_shm_buffers_at_exit()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     input_ids = _batch(spec, resolve_config(spec.model).vocab_size, engine.device)
 

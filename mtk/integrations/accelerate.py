@@ -42,6 +42,7 @@ from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.config import ConfigError, ParallelConfig
 from mtk.integrations.deepspeed import (
     load_deepspeed_checkpoint,
+    remove_shm_buffers_at_exit,
     save_deepspeed_checkpoint,
     tp_size_from_config,
     zero3_gathered,
@@ -96,6 +97,8 @@ class Accelerator(_AccelerateAccelerator):
         self.uses_deepspeed = (
             os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or "deepspeed_plugin" in kwargs
         )
+        if self.uses_deepspeed:
+            remove_shm_buffers_at_exit()
         if self.uses_deepspeed and on_cpu:
             # accelerate forms DeepSpeed's process group only when not told cpu=True (which drops the
             # DeepSpeed plugin) and, without a GPU, only with an explicit backend: gloo.

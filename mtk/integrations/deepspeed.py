@@ -12,7 +12,9 @@ optimizer, scheduler, module) sits inside, in ``step_N/deepspeed/``, and is rest
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +153,21 @@ def load_deepspeed_checkpoint(
         scheduler.load_state_dict(torch.load(path, weights_only=True))
     meta["rng"] = restore_rng(directory, meta, state)
     return meta
+
+
+def remove_shm_buffers_at_exit() -> None:
+    """Unlink this rank's ``/dev/shm/deepspeed_allreduce_buffer_*`` when the process exits.
+
+    On CPU, DeepSpeed's shared-memory all-reduce op creates one buffer file (tens of MiB, in RAM)
+    per rank and port and never removes it: a machine that runs many jobs fills ``/dev/shm`` until
+    new processes fail to load torch. Unlinking at exit is safe: peers keep their mappings.
+    """
+    port, rank = os.environ.get("MASTER_PORT"), os.environ.get("RANK")
+    if port is None or rank is None or not Path("/dev/shm").is_dir():
+        return
+
+    def remove() -> None:
+        for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_{rank}"):
+            path.unlink(missing_ok=True)
+
+    atexit.register(remove)
