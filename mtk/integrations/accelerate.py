@@ -33,13 +33,13 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator as _AccelerateAccelerator
 from accelerate.data_loader import prepare_data_loader
-from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, recursively_apply
 from torch import nn
 
 from mtk.checkpoint.hf_load import CheckpointError
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.config import ConfigError, ParallelConfig
+from mtk.integrations.accelerate_deepspeed import deepspeed_initialize_with_mpu, replace_accelerated_schedulers
 from mtk.integrations.deepspeed import (
     load_deepspeed_checkpoint,
     remove_shm_buffers_at_exit,
@@ -47,6 +47,7 @@ from mtk.integrations.deepspeed import (
     tp_size_from_config,
     zero3_gathered,
 )
+from mtk.integrations.scheduler import DataParallelScheduler
 from mtk.parallel.comm import all_reduce, group_size
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
@@ -58,26 +59,6 @@ from mtk.plans import check_tp_size, find_plan, parallelize
 from mtk.plans.generic import GENERIC
 
 __all__ = ["Accelerator", "DataParallelScheduler"]
-
-
-class DataParallelScheduler(AcceleratedScheduler):
-    """accelerate steps the LR scheduler once per *process* per optimizer step (each process is a
-    replica that multiplied the batch); under TP/PP only the data-parallel replicas do."""
-
-    def __init__(self, *args, dp_size: int, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.dp_size = dp_size
-
-    def step(self, *args, **kwargs) -> None:
-        if not self.step_with_optimizer or self.split_batches or not self.gradient_state.sync_gradients:
-            return super().step(*args, **kwargs)
-        if any(opt.step_was_skipped for opt in self.optimizers):
-            return None
-        for _ in range(self.dp_size):
-            total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR must not run past its end
-            if total is None or self.scheduler._step_count <= total:
-                self.scheduler.step(*args, **kwargs)
-        return None
 
 
 class Accelerator(_AccelerateAccelerator):
@@ -179,9 +160,9 @@ class Accelerator(_AccelerateAccelerator):
                     group["params"] = [p for p in params if p is not None]
         if not self.uses_deepspeed:
             return super().prepare(*args, device_placement=device_placement)
-        with self._deepspeed_initialize_with_mpu():
+        with deepspeed_initialize_with_mpu(self.parallel):
             prepared = super().prepare(*args, device_placement=device_placement)
-        return self._replace_deepspeed_schedulers(prepared)
+        return replace_accelerated_schedulers(self, prepared)
 
     # ---------------------------------------------------------------------- DeepSpeed (ZeRO over DP)
     def _deepspeed_parallel_config(self, config: ParallelConfig) -> ParallelConfig:
@@ -190,52 +171,6 @@ class Accelerator(_AccelerateAccelerator):
         if config.pp_size > 1:
             raise ConfigError("pipeline parallelism does not run under DeepSpeed; use a megatron_lm_config YAML")
         return dataclasses.replace(config, tp_size=tp) if tp else config
-
-    @contextmanager
-    def _deepspeed_initialize_with_mpu(self):
-        """accelerate calls ``deepspeed.initialize`` without an mpu and counts every process as a data
-        replica in ``train_batch_size``; with mtk's topology as the mpu ZeRO shards over the DP group
-        only, and the global batch is micro-batch x accumulation x DP."""
-        import deepspeed
-
-        original = deepspeed.initialize
-        parallel = self.parallel
-
-        def initialize(*args, **kwargs):
-            config = kwargs.get("config_params") or kwargs.get("config")
-            if isinstance(config, dict) and "train_micro_batch_size_per_gpu" in config:
-                micro, accumulation = (
-                    config["train_micro_batch_size_per_gpu"],
-                    config.get("gradient_accumulation_steps", 1),
-                )
-                config["train_batch_size"] = micro * accumulation * parallel.dp_size
-                config.pop("mtk", None)
-            kwargs["mpu"] = parallel
-            return original(*args, **kwargs)
-
-        deepspeed.initialize = initialize
-        try:
-            yield
-        finally:
-            deepspeed.initialize = original
-
-    def _replace_deepspeed_schedulers(self, prepared):
-        """A torch scheduler DeepSpeed does not own is stepped by accelerate once per process; under
-        TP it must step once per DP replica, as everywhere else in mtk."""
-        single = not isinstance(prepared, tuple)
-        items = [prepared] if single else list(prepared)
-        for i, obj in enumerate(items):
-            if type(obj) is AcceleratedScheduler:
-                replacement = DataParallelScheduler(
-                    obj.scheduler,
-                    obj.optimizers,
-                    step_with_optimizer=obj.step_with_optimizer,
-                    split_batches=obj.split_batches,
-                    dp_size=self.parallel.dp_size,
-                )
-                self._schedulers = [replacement if s is obj else s for s in self._schedulers]
-                items[i] = replacement
-        return items[0] if single else tuple(items)
 
     @property
     def _deepspeed_engine(self):
