@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 from datasets import load_dataset
 from torch.utils.data import DataLoader
 
@@ -55,7 +55,11 @@ def encode(batch, tokenizer: ByteTokenizer, max_length: int) -> dict:
 def main(argv=None) -> None:
     args = parse_args(argv)
     accelerator = Accelerator(
-        gradient_accumulation_steps=args.grad_accum, log_with="tensorboard", project_dir=args.output_dir
+        gradient_accumulation_steps=args.grad_accum,
+        log_with="tensorboard",
+        project_dir=args.output_dir,
+        # shuffle order as a function of (seed, epoch): resume is exact whatever else used the RNGs
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
     set_seed(args.seed)
     tokenizer = ByteTokenizer()

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -54,7 +54,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     accelerator = Accelerator(
-        gradient_accumulation_steps=args.grad_accum, log_with="tensorboard", project_dir=args.output_dir
+        gradient_accumulation_steps=args.grad_accum,
+        log_with="tensorboard",
+        project_dir=args.output_dir,
+        # shuffle order as a function of (seed, epoch): resume is exact whatever else used the RNGs
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
     state = accelerator.parallel
     config = resolve_config(args.model)

@@ -25,15 +25,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator as _AccelerateAccelerator
 from accelerate.data_loader import prepare_data_loader
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, recursively_apply
+from accelerate.state import PartialState
+from accelerate.utils import InitProcessGroupKwargs, recursively_apply
 from torch import nn
 
 from mtk.checkpoint.hf_load import CheckpointError
@@ -48,6 +51,7 @@ from mtk.integrations.deepspeed import (
     zero3_gathered,
 )
 from mtk.integrations.scheduler import DataParallelScheduler
+from mtk.integrations.shuffle import replay_shuffles
 from mtk.parallel.comm import all_reduce, group_size
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
@@ -60,6 +64,10 @@ from mtk.plans.generic import GENERIC
 
 __all__ = ["Accelerator", "DataParallelScheduler"]
 
+# accelerate's splitting logic, which reads only num_processes, process_index and device from its state
+_split_between = contextmanager(PartialState.split_between_processes.__wrapped__)
+ReplacedParams = dict[int, tuple[weakref.ref, "nn.Parameter | None"]]
+
 
 class Accelerator(_AccelerateAccelerator):
     """accelerate's Accelerator with Megatron TP/DP (see the module docstring for what changes).
@@ -71,6 +79,12 @@ class Accelerator(_AccelerateAccelerator):
     """
 
     def __init__(self, *args, parallel_config: ParallelConfig | None = None, **kwargs) -> None:
+        if kwargs.get("parallelism_config") is not None:
+            raise ConfigError(
+                "mtk.Accelerator takes its layout from the megatron_lm_config block or parallel_config=; "
+                "accelerate's parallelism_config would build a second, conflicting one: pass "
+                "parallel_config=mtk.ParallelConfig(tp_size=..., pp_size=...) instead"
+            )
         config = parallel_config or ParallelConfig.from_env()
         # The megatron_lm_config block is mtk's to interpret; accelerate would require NVIDIA's package.
         os.environ["ACCELERATE_USE_MEGATRON_LM"] = "false"
@@ -91,14 +105,17 @@ class Accelerator(_AccelerateAccelerator):
                 handlers.append(InitProcessGroupKwargs(backend="gloo"))
             kwargs["kwargs_handlers"] = handlers
         kwargs.setdefault("cpu", on_cpu)
-        mixed = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-        if str(mixed) == "fp16" and (on_cpu or kwargs["cpu"]):
-            raise ConfigError("fp16 mixed precision needs a GPU (accelerate refuses it on CPU); use bf16 on CPU")
-        kwargs.setdefault("dataloader_config", DataLoaderConfiguration(use_seedable_sampler=True))
         super().__init__(*args, **kwargs)
+        if self.mixed_precision == "fp16" and self.scaler is None and not self.uses_deepspeed:
+            # accelerate accepts fp16 on CPU but runs it as fp32 (no autocast, no loss scaling): say so.
+            self.print(
+                f"mtk: mixed_precision=fp16 on {self.device.type}: accelerate runs no fp16 autocast or loss scaling "
+                "there, so training is fp32"
+            )
         if self.uses_deepspeed:
             config = self._deepspeed_parallel_config(config)
         self.parallel = ParallelState.build(config=config, device=self.device)
+        self._replaced_params: ReplacedParams = {}  # id(unconverted param) -> (weakref to it, its shard)
         # The data position, across epochs (accelerate's ``step`` restarts at every epoch end).
         self.micro_batches_seen = 0  # micro-batches each replica has consumed
         self.completed_steps = 0  # optimizer steps
@@ -108,12 +125,34 @@ class Accelerator(_AccelerateAccelerator):
 
             self.scaler = TPGradScaler.from_scaler(self.scaler, self.parallel)
 
+    # ------------------------------------------------------------------------- layout, as accelerate names it
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """This process's rank in its tensor-parallel group."""
+        return self.parallel.tp_rank
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        """This process's pipeline stage."""
+        return self.parallel.pp_rank
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This process's model replica (its data shard): what accelerate calls the dp_replicate rank."""
+        return self.parallel.dp_rank
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        """0: mtk has no FSDP-style dp_shard axis (ZeRO, when used, shards over the data-parallel group)."""
+        return 0
+
     # ------------------------------------------------------------------------------------ prepare
-    def _convert(self, model: nn.Module) -> tuple[nn.Module, dict[int, nn.Parameter | None]]:
+    def _convert(self, model: nn.Module) -> tuple[nn.Module, ReplacedParams]:
         """Make ``model`` tensor-parallel (and cut to this rank's pipeline stage when pp > 1).
 
         Returns the model to train (a :class:`PipelineModel` when pp > 1) and a map from id(old
-        parameter) to its replacement by HF name (``None`` when another stage owns it).
+        parameter) to (a weak reference to it, its replacement by HF name, ``None`` when another
+        stage owns it).
         """
         config = self.parallel.config
         if isinstance(model, PipelineModel):
@@ -128,15 +167,17 @@ class Accelerator(_AccelerateAccelerator):
             if self.parallel.pp_size > 1:
                 raise ConfigError("pipeline parallelism (pp > 1) needs an HF model with a config")
             return model, {}
-        before: dict[int, list[str]] = {}  # a tied parameter has several names; a stage may keep any one
+        before: dict[int, tuple[weakref.ref, list[str]]] = {}  # a tied parameter has several names
         for name, param in model.named_parameters(remove_duplicate=False):
-            before.setdefault(id(param), []).append(name)
+            before.setdefault(id(param), (weakref.ref(param), []))[1].append(name)
         check_tp_size(model.config, self.parallel.tp_size)
         parallelize(model, self.parallel)
         if self.parallel.pp_size > 1:
             split_stages(model, self.parallel, find_plan(model.config) or GENERIC, config.pipeline_layers)
         after = dict(model.named_parameters(remove_duplicate=False))
-        replaced = {old: next((after[n] for n in names if n in after), None) for old, names in before.items()}
+        replaced = {
+            old: (ref, next((after[n] for n in names if n in after), None)) for old, (ref, names) in before.items()
+        }
         if self.parallel.pp_size > 1:
             model = PipelineModel(model, self.parallel, config.num_micro_batches, config.pipeline_schedule)
         return model, replaced
@@ -144,25 +185,33 @@ class Accelerator(_AccelerateAccelerator):
     def prepare(self, *args, device_placement=None):
         """As accelerate's, after converting HF models: optimizers built on the unconverted model's
         parameters (the usual order in accelerate scripts) are re-pointed at the shards, and with
-        pp > 1 hold only this stage's parameters."""
-        replaced: dict[int, nn.Parameter | None] = {}
-        args = list(args)
-        for i, obj in enumerate(args):
-            if isinstance(obj, nn.Module):
-                args[i], mapping = self._convert(obj)
-                replaced.update(mapping)
-        for obj in args:
-            if isinstance(obj, torch.optim.Optimizer) and replaced:
-                if obj.state:
-                    raise ConfigError("the optimizer already has state; prepare it before its first step")
-                for group in obj.param_groups:
-                    params = [replaced.get(id(p), p) for p in group["params"]]
-                    group["params"] = [p for p in params if p is not None]
+        pp > 1 hold only this stage's parameters (:meth:`prepare_optimizer`)."""
+        args = [self._convert_once(obj) if isinstance(obj, nn.Module) else obj for obj in args]
         if not self.uses_deepspeed:
             return super().prepare(*args, device_placement=device_placement)
         with deepspeed_initialize_with_mpu(self.parallel):
             prepared = super().prepare(*args, device_placement=device_placement)
         return replace_accelerated_schedulers(self, prepared)
+
+    def _convert_once(self, model: nn.Module) -> nn.Module:
+        """:meth:`_convert`, remembering which parameters the conversion replaced (for optimizers)."""
+        model, replaced = self._convert(model)
+        self._replaced_params.update(replaced)
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
+        """accelerate's, once the optimizer points at the converted model's parameters (an optimizer
+        built before ``prepare`` holds the unconverted ones; another stage's parameters are dropped)."""
+        if self._replaced_params and not getattr(optimizer, "_is_accelerate_prepared", False):
+            if optimizer.state:
+                raise ConfigError("the optimizer already has state; prepare it before its first step")
+            for group in optimizer.param_groups:
+                group["params"] = [new for p in group["params"] if (new := self._replacement(p)) is not None]
+        return super().prepare_optimizer(optimizer, device_placement)
+
+    def _replacement(self, param: nn.Parameter) -> nn.Parameter | None:
+        ref, new = self._replaced_params.get(id(param), (None, param))
+        return new if ref is None or ref() is param else param  # an id reused by another tensor is not a match
 
     # ---------------------------------------------------------------------- DeepSpeed (ZeRO over DP)
     def _deepspeed_parallel_config(self, config: ParallelConfig) -> ParallelConfig:
@@ -179,7 +228,7 @@ class Accelerator(_AccelerateAccelerator):
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         if getattr(model, "_is_accelerate_prepared", False):
             return super().prepare_model(model, device_placement, evaluation_mode)
-        model, _ = self._convert(model)
+        model = self._convert_once(model)
         # accelerate's own preparation (mixed-precision forward, device placement), but not its DDP,
         # which would span every process: replicas are only the data-parallel group.
         model = super().prepare_model(model, device_placement, evaluation_mode=True)
@@ -287,6 +336,29 @@ class Accelerator(_AccelerateAccelerator):
             raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
         return recursively_apply(_reduce, tensor)
 
+    def check_trigger(self) -> bool:
+        """accelerate's breakpoint trigger, summed over every process (not only the DP group): a
+        ``set_trigger`` on any rank must stop its TP and PP peers too."""
+        if self.flag_tensor is None:
+            self.flag_tensor = torch.tensor(0, device=self.device)
+        flag = self.flag_tensor.clone()
+        if dist.is_initialized():
+            dist.all_reduce(flag)  # the default group: every process
+        if flag.item() >= 1:
+            self.flag_tensor = torch.tensor(0, device=self.device)
+            return True
+        return False
+
+    @contextmanager
+    def split_between_processes(self, inputs, apply_padding: bool = False):
+        """accelerate's split, over the data-parallel replicas: the TP and PP ranks of one replica get
+        the same piece (a split model must see one input on all its ranks)."""
+        replicas = SimpleNamespace(
+            num_processes=self.parallel.dp_size, process_index=self.parallel.dp_rank, device=self.device
+        )
+        with _split_between(replicas, inputs, apply_padding) as piece:
+            yield piece
+
     def gather(self, tensor):
         """Concatenate along dim 0 over the data-parallel group (same shapes on every replica)."""
         group = self.parallel.dp_group
@@ -325,6 +397,8 @@ class Accelerator(_AccelerateAccelerator):
         if output_dir is None:
             output_dir = os.path.join(self.project_dir or ".", "checkpoints", f"step_{self.completed_steps}")
         model, optimizers, schedulers = self._checkpoint_parts()
+        for hook in self._save_model_state_pre_hook.values():  # accelerate's register_save_state_pre_hook
+            hook(self._models, [], output_dir)  # no full-model weights list: each rank saves its shard
         data = {
             "micro_batches": self.micro_batches_seen,
             "samples_per_micro_batch": self._samples_per_micro_batch(),
@@ -381,6 +455,8 @@ class Accelerator(_AccelerateAccelerator):
         if input_dir is None:
             raise ValueError("load_state needs the checkpoint directory, e.g. ckpts/step_150")
         model, optimizers, schedulers = self._checkpoint_parts()
+        for hook in self._load_model_state_pre_hook.values():  # accelerate's register_load_state_pre_hook
+            hook(self._models, input_dir)
         if self.uses_deepspeed:
             meta = load_deepspeed_checkpoint(input_dir, self._deepspeed_engine, self.parallel, schedulers=schedulers)
         else:
@@ -395,6 +471,7 @@ class Accelerator(_AccelerateAccelerator):
         for dataloader, iteration in zip(self._dataloaders, data.get("dataloader_iterations", [])):
             if hasattr(dataloader, "set_epoch"):
                 dataloader.set_epoch(iteration)
+            replay_shuffles(dataloader, iteration)
         for i, obj in enumerate(self._custom_objects):
             obj.load_state_dict(torch.load(Path(input_dir) / f"custom_checkpoint_{i}.pt", weights_only=True))
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from mtk.config import ParallelConfig
 from mtk.parallel.layout import Layout, LayoutError
@@ -151,6 +152,28 @@ class ParallelState:
             cache[size] = mine
         return cache[size]
 
+    # ---------------------------------------------------------------------------------- pickling
+    def __getstate__(self) -> dict:
+        """Process groups travel by their registered names (``pickle``/``deepcopy`` of an Accelerator).
+
+        A group is a handle into this job's communicator, so the copy resolves the same groups again
+        when it is unpickled inside the same job; anywhere else it fails with one clear line.
+        """
+        state = dict(self.__dict__)
+        for key in [k for k, v in state.items() if isinstance(v, dist.ProcessGroup)]:
+            state[key] = _GroupName(state[key].group_name)
+        if "_tp_subgroups" in state:
+            state["_tp_subgroups"] = {
+                size: _GroupName(g.group_name) if g is not None else None for size, g in state["_tp_subgroups"].items()
+            }
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = {k: _GroupName.resolve(v) for k, v in state.items()}
+        if "_tp_subgroups" in state:
+            state["_tp_subgroups"] = {size: _GroupName.resolve(g) for size, g in state["_tp_subgroups"].items()}
+        self.__dict__.update(state)
+
     def destroy(self) -> None:
         """Release the sub-groups this state created (the default group is left to its owner)."""
         if not dist.is_initialized():
@@ -249,3 +272,19 @@ class ParallelState:
 
     def get_embedding_group(self) -> dist.ProcessGroup | None:
         return self.embedding_group
+
+
+class _GroupName(str):
+    """A pickled reference to a process group of this job, by the name torch registered it under."""
+
+    @staticmethod
+    def resolve(value):
+        if not isinstance(value, _GroupName):
+            return value
+        try:
+            return c10d._resolve_process_group(str(value))
+        except (RuntimeError, ValueError, AttributeError):
+            raise LayoutError(
+                f"process group {str(value)!r} does not exist in this process; a ParallelState (or an Accelerator "
+                "holding one) can only be unpickled inside the job that created it"
+            ) from None

@@ -13,9 +13,10 @@ STEP_LINE = re.compile(r"step (\d+) loss (\S+)")
 def accelerate_launch(
     script: str, config: str, *args: str, launcher_args: tuple = (), check: bool = True, timeout: int = 600
 ) -> subprocess.CompletedProcess:
-    """``accelerate launch --config_file <config> [launcher_args] examples/<script> [args]`` from the repo root.
+    """``accelerate launch --config_file <config> [launcher_args] <script> [args]`` from the repo root.
 
-    ``config`` is a name in accelerate_configs/ or a path to a YAML file.
+    ``config`` is a name in accelerate_configs/ or a path to a YAML file; ``script`` a file in
+    examples/ or a path relative to the repo root.
     """
     config_path = config if config.endswith(".yaml") else f"accelerate_configs/{config}.yaml"
     command = [
@@ -26,7 +27,7 @@ def accelerate_launch(
         "--main_process_port",
         str(free_port()),
         *launcher_args,
-        f"examples/{script}",
+        script if "/" in script else f"examples/{script}",
         *args,
     ]
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)

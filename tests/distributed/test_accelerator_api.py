@@ -1,0 +1,68 @@
+"""accelerate APIs that accelerate's own scripts do not cover, at TP=2 x DP=2 (4 gloo processes).
+
+One launch checks: the parallel-rank properties, ``split_between_processes`` over DP replicas,
+``prepare_model`` then ``prepare_optimizer`` called separately (the optimizer follows the shards),
+``save_model`` writing the full HF state dict, save/load pre-hooks, pickling, and the one-line
+refusal of accelerate's ``parallelism_config``.
+"""
+
+import pickle
+
+import torch
+
+from mtk.testing import run_distributed
+
+
+def _check_api(rank, world_size, out_dir):
+    from accelerate.parallelism_config import ParallelismConfig
+    from safetensors.torch import load_file
+
+    from mtk import Accelerator, ParallelConfig
+    from mtk.config import ConfigError
+    from mtk.models import build_model
+
+    accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=2))
+    state = accelerator.parallel
+    assert (accelerator.tensor_parallel_rank, accelerator.data_parallel_rank) == (state.tp_rank, state.dp_rank)
+    assert accelerator.pipeline_parallel_rank == 0 and accelerator.data_parallel_shard_rank == 0
+
+    with accelerator.split_between_processes(list(range(6))) as piece:
+        assert piece == [[0, 1, 2], [3, 4, 5]][state.dp_rank], piece  # TP peers get the same piece
+
+    copy = pickle.loads(pickle.dumps(accelerator))  # before a model is prepared: torch's DDP over a sub-group
+    assert copy.parallel.tp_group is state.tp_group and copy.parallel.dp_rank == state.dp_rank  # cannot pickle
+
+    model = build_model("tiny-llama", seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model = accelerator.prepare_model(model)
+    optimizer = accelerator.prepare_optimizer(optimizer)
+    model_params = {id(p) for p in model.parameters()}
+    assert all(id(p) in model_params for g in optimizer.param_groups for p in g["params"]), "optimizer not re-pointed"
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(model_params)
+
+    hooks = []
+    accelerator.register_save_state_pre_hook(lambda models, weights, path: hooks.append(("save", path)))
+    accelerator.register_load_state_pre_hook(lambda models, path: hooks.append(("load", path)))
+    accelerator.save_state(f"{out_dir}/state")
+    accelerator.load_state(f"{out_dir}/state")
+    assert hooks == [("save", f"{out_dir}/state"), ("load", f"{out_dir}/state")], hooks
+
+    accelerator.save_model(model, f"{out_dir}/model")
+    accelerator.wait_for_everyone()
+    saved = load_file(f"{out_dir}/model/model.safetensors")
+    reference = build_model("tiny-llama", seed=0).state_dict()
+    assert sorted(saved) == sorted(k for k in reference if k != "lm_head.weight" or k in saved)
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, reference[name]), name
+
+    try:
+        Accelerator(parallelism_config=ParallelismConfig(tp_size=2))
+    except ConfigError as err:
+        assert "accelerate's parallelism_config would build a second, conflicting one" in str(err)
+    else:
+        raise AssertionError("parallelism_config was accepted")
+    return True
+
+
+def test_accelerate_api_at_tp2_dp2(tmp_path):
+    assert run_distributed(_check_api, world_size=4, args=(str(tmp_path),)) == [True] * 4

@@ -1,0 +1,68 @@
+"""Exact resume with accelerate's default DataLoader settings (no seedable sampler), at DP=2.
+
+accelerate does not checkpoint a shuffled ``RandomSampler``'s generator; ``mtk.Accelerator.load_state``
+re-draws the completed epochs' orders (``mtk.integrations.shuffle``), so a run stopped in its third
+epoch continues with the batches the uninterrupted run saw. The pure function is checked too.
+"""
+
+import torch
+from torch.utils.data import DataLoader
+
+from mtk.integrations.shuffle import replay_shuffles
+from mtk.testing import run_distributed
+
+EPOCH_BATCHES, STOP_AT, TOTAL = 6, 15, 18  # micro-batches per epoch (per replica), where to stop, where to end
+
+
+def _train(rank, world_size, checkpoint, mode):
+    """``stop``: train to STOP_AT and save; ``resume``: load and train on to TOTAL; ``full``: TOTAL at once."""
+    from mtk import Accelerator
+
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.arange(24, dtype=torch.float32).unsqueeze(1)  # 12 samples per replica, batches of 2
+    loader = DataLoader(data, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if mode == "resume":
+        accelerator.load_state(checkpoint)
+    end = STOP_AT if mode == "stop" else TOTAL
+    seen = []
+    while accelerator.micro_batches_seen < end:
+        epoch, skip = divmod(accelerator.micro_batches_seen, EPOCH_BATCHES)
+        loader.set_epoch(epoch)
+        for batch in accelerator.skip_first_batches(loader, skip) if skip else loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(batch).pow(2).mean())
+                optimizer.step()
+                optimizer.zero_grad()
+            seen.append(batch.flatten().tolist())
+            if accelerator.micro_batches_seen == end:
+                break
+    if mode == "stop":
+        accelerator.save_state(checkpoint)
+    return seen, accelerator.unwrap_model(model).weight.item()
+
+
+def test_resume_with_accelerate_default_sampler_is_exact(tmp_path):
+    checkpoint = str(tmp_path / "step")
+    stopped = run_distributed(_train, world_size=2, args=(checkpoint, "stop"))
+    resumed = run_distributed(_train, world_size=2, args=(checkpoint, "resume"))
+    full = run_distributed(_train, world_size=2, args=(checkpoint, "full"))
+    for rank in range(2):
+        assert len(full[rank][0]) == TOTAL
+        assert stopped[rank][0] + resumed[rank][0] == full[rank][0], f"rank {rank}: resumed batches differ"
+        assert resumed[rank][1] == full[rank][1], f"rank {rank}: weights differ after resume"
+
+
+def test_replay_shuffles_reaches_the_epoch_start():
+    def loader():
+        return DataLoader(range(10), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(3))
+
+    first = loader()
+    orders = [[b.tolist() for b in first] for _ in range(3)]
+    fresh = loader()
+    assert replay_shuffles(fresh, 2) == 2
+    assert [b.tolist() for b in fresh] == orders[2]
+    assert replay_shuffles(DataLoader(range(10), shuffle=False), 2) == 0
