@@ -27,32 +27,24 @@ import dataclasses
 import os
 import weakref
 from contextlib import contextmanager
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator as _AccelerateAccelerator
 from accelerate.data_loader import prepare_data_loader
-from accelerate.state import PartialState
-from accelerate.utils import InitProcessGroupKwargs, recursively_apply
+from accelerate.utils import InitProcessGroupKwargs
 from torch import nn
 
-from mtk.checkpoint.hf_load import CheckpointError
-from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.config import ConfigError, ParallelConfig
+from mtk.integrations.accelerate_checkpoint import ShardedCheckpointing
+from mtk.integrations.accelerate_collectives import DataParallelCollectives
 from mtk.integrations.accelerate_deepspeed import deepspeed_initialize_with_mpu, replace_accelerated_schedulers
 from mtk.integrations.deepspeed import (
-    load_deepspeed_checkpoint,
     remove_shm_buffers_at_exit,
-    save_deepspeed_checkpoint,
     tp_size_from_config,
     zero3_gathered,
 )
 from mtk.integrations.scheduler import DataParallelScheduler
-from mtk.integrations.shuffle import replay_shuffles
-from mtk.parallel.comm import all_reduce, group_size
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sync_sequence_parallel_grads
@@ -64,12 +56,10 @@ from mtk.plans.generic import GENERIC
 
 __all__ = ["Accelerator", "DataParallelScheduler"]
 
-# accelerate's splitting logic, which reads only num_processes, process_index and device from its state
-_split_between = contextmanager(PartialState.split_between_processes.__wrapped__)
 ReplacedParams = dict[int, tuple[weakref.ref, "nn.Parameter | None"]]
 
 
-class Accelerator(_AccelerateAccelerator):
+class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAccelerator):
     """accelerate's Accelerator with Megatron TP/DP (see the module docstring for what changes).
 
     Args:
@@ -321,170 +311,6 @@ class Accelerator(_AccelerateAccelerator):
             return torch.tensor(float(norm) if norm is not None else float("nan"))
         self.unscale_gradients()
         return clip_grad_norm_tp_(list(parameters), max_norm, self.parallel, norm_type)
-
-    # ------------------------------------------------------------------------------------ metrics
-    def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
-        """Reduce over the data-parallel group (TP/PP ranks of one replica hold the same values)."""
-        dp_size, group = self.parallel.dp_size, self.parallel.dp_group
-
-        def _reduce(t: torch.Tensor) -> torch.Tensor:
-            out = all_reduce(t.clone(), group) if dp_size > 1 else t.clone()
-            out = out * scale
-            return out / dp_size if reduction == "mean" else out
-
-        if reduction not in ("sum", "mean"):
-            raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
-        return recursively_apply(_reduce, tensor)
-
-    def check_trigger(self) -> bool:
-        """accelerate's breakpoint trigger, summed over every process (not only the DP group): a
-        ``set_trigger`` on any rank must stop its TP and PP peers too."""
-        if self.flag_tensor is None:
-            self.flag_tensor = torch.tensor(0, device=self.device)
-        flag = self.flag_tensor.clone()
-        if dist.is_initialized():
-            dist.all_reduce(flag)  # the default group: every process
-        if flag.item() >= 1:
-            self.flag_tensor = torch.tensor(0, device=self.device)
-            return True
-        return False
-
-    @contextmanager
-    def split_between_processes(self, inputs, apply_padding: bool = False):
-        """accelerate's split, over the data-parallel replicas: the TP and PP ranks of one replica get
-        the same piece (a split model must see one input on all its ranks)."""
-        replicas = SimpleNamespace(
-            num_processes=self.parallel.dp_size, process_index=self.parallel.dp_rank, device=self.device
-        )
-        with _split_between(replicas, inputs, apply_padding) as piece:
-            yield piece
-
-    def gather(self, tensor):
-        """Concatenate along dim 0 over the data-parallel group (same shapes on every replica)."""
-        group = self.parallel.dp_group
-
-        def _gather(t: torch.Tensor) -> torch.Tensor:
-            if group_size(group) == 1:
-                return t
-            t = t.contiguous() if t.dim() else t.reshape(1)
-            pieces = [torch.empty_like(t) for _ in range(group_size(group))]
-            dist.all_gather(pieces, t, group=group)
-            return torch.cat(pieces, dim=0)
-
-        return recursively_apply(_gather, tensor, error_on_other_type=True)
-
-    def gather_for_metrics(self, input_data, use_gather_object: bool = False):
-        """``gather`` over DP, dropping the samples the last batch repeated to even out replicas."""
-        if use_gather_object:
-            raise ValueError("mtk.Accelerator.gather_for_metrics gathers tensors; use_gather_object is not supported")
-        data = self.gather(input_data)
-        remainder = self.gradient_state.remainder
-        if self.gradient_state.end_of_dataloader and remainder > 0:
-            data = recursively_apply(lambda t: t[:remainder] if t.dim() else t, data)
-        return data
-
-    # ------------------------------------------------------------------------------ checkpoints
-    def _checkpoint_parts(self):
-        if len(self._models) != 1:
-            raise ValueError(f"save_state/load_state support one prepared model, found {len(self._models)}")
-        model = self.unwrap_model(self._models[0])
-        optimizers = [getattr(o, "optimizer", o) for o in self._optimizers]
-        schedulers = [getattr(s, "scheduler", s) for s in self._schedulers]
-        return model, optimizers, schedulers
-
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs) -> str:
-        """Write ``output_dir`` (default ``<project_dir>/checkpoints/step_<completed_steps>``) atomically."""
-        if output_dir is None:
-            output_dir = os.path.join(self.project_dir or ".", "checkpoints", f"step_{self.completed_steps}")
-        model, optimizers, schedulers = self._checkpoint_parts()
-        for hook in self._save_model_state_pre_hook.values():  # accelerate's register_save_state_pre_hook
-            hook(self._models, [], output_dir)  # no full-model weights list: each rank saves its shard
-        data = {
-            "micro_batches": self.micro_batches_seen,
-            "samples_per_micro_batch": self._samples_per_micro_batch(),
-            "accelerate_step": self.step,
-            "dataloader_iterations": [getattr(dl, "iteration", 0) for dl in self._dataloaders],
-        }
-        writers = [self._write_tokenizer] if self.checkpoint_tokenizer is not None else []
-        if self.uses_deepspeed:  # DeepSpeed's (partitioned) state inside, mtk's weights beside it
-            save_deepspeed_checkpoint(
-                output_dir, self._deepspeed_engine, self.parallel, data, schedulers=schedulers, writers=writers
-            )
-        else:
-            save_checkpoint(
-                output_dir,
-                self.parallel,
-                model,
-                optimizers,
-                schedulers,
-                step=self.completed_steps,
-                extra_rng={"scaler": self.scaler.state_dict()} if self.scaler is not None else None,
-                writers=writers,
-                extra_meta={"data": data},
-            )
-        for i, obj in enumerate(self._custom_objects):
-            if self.is_main_process:
-                torch.save(obj.state_dict(), Path(output_dir) / f"custom_checkpoint_{i}.pt")
-        self.wait_for_everyone()
-        return str(output_dir)
-
-    def _write_tokenizer(self, directory: Path) -> None:
-        self.checkpoint_tokenizer.save_pretrained(str(Path(directory) / "tokenizer"))
-
-    def _samples_per_micro_batch(self) -> int | None:
-        """Samples one micro-batch step consumes over all DP replicas (the first prepared loader's)."""
-        return getattr(self._dataloaders[0], "total_batch_size", None) if self._dataloaders else None
-
-    def _rescaled_position(self, data: dict) -> int:
-        """Micro-batches already consumed, in this run's units (the DP size or batch may have changed)."""
-        seen, per_batch, now = data.get("micro_batches", 0), data.get("samples_per_micro_batch"), None
-        now = self._samples_per_micro_batch()
-        if not per_batch or not now or per_batch == now:
-            return seen
-        samples = seen * per_batch
-        if samples % now:
-            raise CheckpointError(
-                f"the checkpoint consumed {samples} samples, not a whole number of this run's {now}-sample steps "
-                f"(batch size x data-parallel size); resume with a global batch that divides {samples}"
-            )
-        return samples // now
-
-    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs) -> None:
-        """Restore a checkpoint written by :meth:`save_state` (same layout) and the data position:
-        ``completed_steps``, ``micro_batches_seen`` (resume with ``skip_first_batches``) and ``step``."""
-        if input_dir is None:
-            raise ValueError("load_state needs the checkpoint directory, e.g. ckpts/step_150")
-        model, optimizers, schedulers = self._checkpoint_parts()
-        for hook in self._load_model_state_pre_hook.values():  # accelerate's register_load_state_pre_hook
-            hook(self._models, input_dir)
-        if self.uses_deepspeed:
-            meta = load_deepspeed_checkpoint(input_dir, self._deepspeed_engine, self.parallel, schedulers=schedulers)
-        else:
-            meta = load_checkpoint(input_dir, self.parallel, model, optimizers, schedulers)
-        data = meta.get("data", {})
-        self.completed_steps = meta["step"]
-        self.micro_batches_seen = self._rescaled_position(data)
-        self.step = data.get("accelerate_step", 0)
-        self._rescale_schedulers(meta["topology"]["dp"])
-        if self.scaler is not None and "scaler" in meta["rng"]:
-            self.scaler.load_state_dict(meta["rng"]["scaler"])
-        for dataloader, iteration in zip(self._dataloaders, data.get("dataloader_iterations", [])):
-            if hasattr(dataloader, "set_epoch"):
-                dataloader.set_epoch(iteration)
-            replay_shuffles(dataloader, iteration)
-        for i, obj in enumerate(self._custom_objects):
-            obj.load_state_dict(torch.load(Path(input_dir) / f"custom_checkpoint_{i}.pt", weights_only=True))
-
-    def _rescale_schedulers(self, saved_dp: int) -> None:
-        """Prepared schedulers step once per DP replica per optimizer step: after a DP change their
-        position is converted to this run's units (the learning rate itself is restored exactly)."""
-        if saved_dp == self.parallel.dp_size:
-            return
-        for prepared in self._schedulers:
-            if prepared.step_with_optimizer and not prepared.split_batches:
-                inner = prepared.scheduler
-                inner.last_epoch = inner.last_epoch * self.parallel.dp_size // saved_dp
-                inner._step_count = inner.last_epoch + 1
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """Full, unpadded tensors under HF names, on the main process (others get ``{}``).

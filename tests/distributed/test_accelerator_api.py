@@ -2,11 +2,13 @@
 
 One launch checks: the parallel-rank properties, ``split_between_processes`` over DP replicas,
 ``prepare_model`` then ``prepare_optimizer`` called separately (the optimizer follows the shards),
-``save_model`` writing the full HF state dict, save/load pre-hooks, pickling, and the one-line
+``save_model`` writing the full HF state dict, save/load pre-hooks, automatic checkpoint naming with
+``total_limit``, ``gather_for_metrics`` of objects, pickling, and the one-line
 refusal of accelerate's ``parallelism_config``.
 """
 
 import pickle
+from pathlib import Path
 
 import torch
 
@@ -46,6 +48,19 @@ def _check_api(rank, world_size, out_dir):
     accelerator.save_state(f"{out_dir}/state")
     accelerator.load_state(f"{out_dir}/state")
     assert hooks == [("save", f"{out_dir}/state"), ("load", f"{out_dir}/state")], hooks
+
+    gathered = accelerator.gather_for_metrics([f"dp{state.dp_rank}"], use_gather_object=True)
+    assert gathered == ["dp0", "dp1"], gathered
+
+    accelerator.project_configuration.set_directories(f"{out_dir}/project")
+    accelerator.project_configuration.automatic_checkpoint_naming = True
+    accelerator.project_configuration.total_limit = 2
+    for _ in range(3):
+        accelerator.save_state()  # accelerate's checkpoint_<i>, at most total_limit kept
+    kept = sorted(p.name for p in (Path(out_dir) / "project" / "checkpoints").iterdir())
+    assert kept == ["checkpoint_1", "checkpoint_2"], kept
+    accelerator.load_state()  # the latest
+    assert hooks[-1] == ("load", f"{out_dir}/project/checkpoints/checkpoint_2"), hooks[-1]
 
     accelerator.save_model(model, f"{out_dir}/model")
     accelerator.wait_for_everyone()

@@ -1,0 +1,179 @@
+"""``mtk.Accelerator``'s ``save_state``/``load_state``: one shard per (tp, pp) rank, written atomically.
+
+A checkpoint (:mod:`mtk.checkpoint.sharded`, or DeepSpeed's state beside mtk's weights) records the
+data position across epochs, so ``skip_first_batches`` resumes exactly; loading at another TP, PP or
+DP size reshards. accelerate's own conventions are kept: ``automatic_checkpoint_naming`` and
+``total_limit``, ``register_for_checkpointing`` objects, and the save/load pre-hooks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from mtk.checkpoint.hf_load import CheckpointError
+from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
+from mtk.config import ConfigError
+from mtk.integrations.deepspeed import load_deepspeed_checkpoint, save_deepspeed_checkpoint
+from mtk.integrations.shuffle import replay_shuffles
+
+__all__ = ["ShardedCheckpointing"]
+
+_AUTOMATIC_NAME = re.compile(r"checkpoint_(\d+)")
+
+
+def _automatic_checkpoints(root: Path) -> Iterator[tuple[int, Path]]:
+    """(index, folder) of the complete mtk checkpoints accelerate's automatic naming wrote under ``root``."""
+    if not root.is_dir():
+        return
+    for folder in root.iterdir():
+        match = _AUTOMATIC_NAME.fullmatch(folder.name)
+        if match and (folder / "metadata.json").is_file():
+            yield int(match[1]), folder
+
+
+class ShardedCheckpointing:
+    """Mixin for :class:`mtk.Accelerator`: accelerate's checkpoint API over mtk's sharded format."""
+
+    def _checkpoint_parts(self):
+        if len(self._models) != 1:
+            raise ValueError(f"save_state/load_state support one prepared model, found {len(self._models)}")
+        model = self.unwrap_model(self._models[0])
+        optimizers = [getattr(o, "optimizer", o) for o in self._optimizers]
+        schedulers = [getattr(s, "scheduler", s) for s in self._schedulers]
+        return model, optimizers, schedulers
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs) -> str:
+        """Write ``output_dir`` atomically. Without one: ``<project_dir>/checkpoints/checkpoint_<i>`` under
+        accelerate's ``automatic_checkpoint_naming`` (keeping at most ``total_limit``), else
+        ``<project_dir>/checkpoints/step_<completed_steps>``."""
+        if not safe_serialization:
+            raise ConfigError("mtk checkpoints are safetensors only; save_state(safe_serialization=False) is refused")
+        if kwargs:
+            raise ConfigError(f"save_state: {sorted(kwargs)} are accelerate's model-saving options; mtk saves shards")
+        automatic = self.project_configuration.automatic_checkpoint_naming
+        if output_dir is None and automatic:
+            output_dir = self._next_automatic_checkpoint()
+        elif output_dir is None:
+            output_dir = os.path.join(self.project_dir or ".", "checkpoints", f"step_{self.completed_steps}")
+        model, optimizers, schedulers = self._checkpoint_parts()
+        for hook in self._save_model_state_pre_hook.values():  # accelerate's register_save_state_pre_hook
+            hook(self._models, [], output_dir)  # no full-model weights list: each rank saves its shard
+        data = {
+            "micro_batches": self.micro_batches_seen,
+            "samples_per_micro_batch": self._samples_per_micro_batch(),
+            "accelerate_step": self.step,
+            "dataloader_iterations": [getattr(dl, "iteration", 0) for dl in self._dataloaders],
+        }
+        writers = [self._write_tokenizer] if self.checkpoint_tokenizer is not None else []
+        writers.append(self._write_custom_objects)
+        if self.uses_deepspeed:  # DeepSpeed's (partitioned) state inside, mtk's weights beside it
+            save_deepspeed_checkpoint(
+                output_dir, self._deepspeed_engine, self.parallel, data, schedulers=schedulers, writers=writers
+            )
+        else:
+            save_checkpoint(
+                output_dir,
+                self.parallel,
+                model,
+                optimizers,
+                schedulers,
+                step=self.completed_steps,
+                extra_rng={"scaler": self.scaler.state_dict()} if self.scaler is not None else None,
+                writers=writers,
+                extra_meta={"data": data},
+            )
+        if output_dir is not None and automatic:
+            self.project_configuration.iteration += 1
+        self.wait_for_everyone()
+        return str(output_dir)
+
+    def _next_automatic_checkpoint(self) -> str:
+        """accelerate's ``checkpoints/checkpoint_<iteration>``, after removing the oldest complete mtk
+        checkpoints beyond ``total_limit`` (nothing else in the folder is touched)."""
+        root = Path(self.project_dir or ".") / "checkpoints"
+        target = root / f"checkpoint_{self.save_iteration}"
+        if target.exists():
+            raise CheckpointError(
+                f"{target} already exists; set accelerator.project_configuration.iteration to the next free index"
+            )
+        limit = self.project_configuration.total_limit
+        if limit is not None and self.is_main_process:
+            ours = sorted(_automatic_checkpoints(root), key=lambda item: item[0])
+            for _, folder in ours[: max(len(ours) + 1 - limit, 0)]:
+                shutil.rmtree(folder)
+        self.wait_for_everyone()
+        return str(target)
+
+    def _write_custom_objects(self, directory: Path) -> None:
+        for i, obj in enumerate(self._custom_objects):  # accelerate's register_for_checkpointing
+            torch.save(obj.state_dict(), Path(directory) / f"custom_checkpoint_{i}.pt")
+
+    def _write_tokenizer(self, directory: Path) -> None:
+        self.checkpoint_tokenizer.save_pretrained(str(Path(directory) / "tokenizer"))
+
+    def _samples_per_micro_batch(self) -> int | None:
+        """Samples one micro-batch step consumes over all DP replicas (the first prepared loader's)."""
+        return getattr(self._dataloaders[0], "total_batch_size", None) if self._dataloaders else None
+
+    def _rescaled_position(self, data: dict) -> int:
+        """Micro-batches already consumed, in this run's units (the DP size or batch may have changed)."""
+        seen, per_batch, now = data.get("micro_batches", 0), data.get("samples_per_micro_batch"), None
+        now = self._samples_per_micro_batch()
+        if not per_batch or not now or per_batch == now:
+            return seen
+        samples = seen * per_batch
+        if samples % now:
+            raise CheckpointError(
+                f"the checkpoint consumed {samples} samples, not a whole number of this run's {now}-sample steps "
+                f"(batch size x data-parallel size); resume with a global batch that divides {samples}"
+            )
+        return samples // now
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs) -> None:
+        """Restore a checkpoint written by :meth:`save_state` (same layout) and the data position:
+        ``completed_steps``, ``micro_batches_seen`` (resume with ``skip_first_batches``) and ``step``."""
+        if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
+            root = Path(self.project_dir or ".") / "checkpoints"
+            found = sorted(_automatic_checkpoints(root))
+            if not found:
+                raise CheckpointError(f"no complete checkpoint_<i> under {root} to load")
+            input_dir = str(found[-1][1])
+        if input_dir is None:
+            raise ValueError("load_state needs the checkpoint directory, e.g. ckpts/step_150")
+        model, optimizers, schedulers = self._checkpoint_parts()
+        for hook in self._load_model_state_pre_hook.values():  # accelerate's register_load_state_pre_hook
+            hook(self._models, input_dir)
+        if self.uses_deepspeed:
+            meta = load_deepspeed_checkpoint(input_dir, self._deepspeed_engine, self.parallel, schedulers=schedulers)
+        else:
+            meta = load_checkpoint(input_dir, self.parallel, model, optimizers, schedulers)
+        data = meta.get("data", {})
+        self.completed_steps = meta["step"]
+        self.micro_batches_seen = self._rescaled_position(data)
+        self.step = data.get("accelerate_step", 0)
+        self._rescale_schedulers(meta["topology"]["dp"])
+        if self.scaler is not None and "scaler" in meta["rng"]:
+            self.scaler.load_state_dict(meta["rng"]["scaler"])
+        for dataloader, iteration in zip(self._dataloaders, data.get("dataloader_iterations", [])):
+            if hasattr(dataloader, "set_epoch"):
+                dataloader.set_epoch(iteration)
+            replay_shuffles(dataloader, iteration)
+        for i, obj in enumerate(self._custom_objects):
+            obj.load_state_dict(torch.load(Path(input_dir) / f"custom_checkpoint_{i}.pt", weights_only=True))
+
+    def _rescale_schedulers(self, saved_dp: int) -> None:
+        """Prepared schedulers step once per DP replica per optimizer step: after a DP change their
+        position is converted to this run's units (the learning rate itself is restored exactly)."""
+        if saved_dp == self.parallel.dp_size:
+            return
+        for prepared in self._schedulers:
+            if prepared.step_with_optimizer and not prepared.split_batches:
+                inner = prepared.scheduler
+                inner.last_epoch = inner.last_epoch * self.parallel.dp_size // saved_dp
+                inner._step_count = inner.last_epoch + 1
