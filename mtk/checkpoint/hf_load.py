@@ -22,6 +22,7 @@ from mtk.checkpoint.safetensors_slices import SafetensorsError, SafetensorsFile
 from mtk.errors import MtkError
 from mtk.models import ModelSpecError, auto_class_for, resolve_config
 from mtk.parallel.gather import full_shape_and_spec
+from mtk.parallel.parameters import copy_param_info, param_info
 from mtk.parallel.sharding import take_shard
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.stages import split_stages
@@ -130,7 +131,7 @@ def _fill_from_checkpoint(model: nn.Module, index: dict[str, Path], device, dtyp
     with ExitStack() as stack:
         handles = {path: stack.enter_context(_open(path)) for path in sorted(set(index.values()))}
         for name, param in list(model.named_parameters()):  # one name per tied group
-            key = _checkpoint_key(name, index, prefix, getattr(param, "mtk_tied_to", None))
+            key = _checkpoint_key(name, index, prefix, param_info(param).tied_to)
             tensor_slice = handles[index[key]].get_slice(key)
             full_shape, spec = full_shape_and_spec(model, name)
             if tuple(tensor_slice.get_shape()) != tuple(full_shape):
@@ -140,7 +141,7 @@ def _fill_from_checkpoint(model: nn.Module, index: dict[str, Path], device, dtyp
                 )
             local = take_shard(spec, full_shape, tensor_slice.__getitem__)  # owned, contiguous: this rank's bytes
             real = nn.Parameter(local.to(device=device, dtype=dtype or param.dtype), requires_grad=param.requires_grad)
-            real.__dict__.update(param.__dict__)
+            copy_param_info(param, real)
             for module, attr in owners[id(param)]:
                 setattr(module, attr, real)
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]

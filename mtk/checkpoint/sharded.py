@@ -35,6 +35,7 @@ from torch import nn
 from mtk.checkpoint.hf_load import CheckpointError
 from mtk.checkpoint.reshard import ShardedCheckpointReader
 from mtk.parallel.gather import full_shape_and_spec
+from mtk.parallel.parameters import param_info
 from mtk.parallel.sharding import take_shard
 from mtk.parallel.state import ParallelState
 
@@ -78,8 +79,8 @@ def _save_weights(model: nn.Module, path: Path) -> None:
             "ranges": [list(r) for r in spec.ranges],
             "local_size": spec.local_size,
         }
-        if getattr(param, "mtk_pipeline_duplicate", False):  # last stage's copy of a tied embedding
-            specs[name]["tied_to"] = param.mtk_tied_to
+        if param_info(param).pipeline_duplicate:  # last stage's copy of a tied embedding
+            specs[name]["tied_to"] = param_info(param).tied_to
     save_file(tensors, str(path), metadata={"mtk_specs": json.dumps(specs)})
 
 
@@ -265,7 +266,7 @@ def _source_name(model: nn.Module, name: str, available) -> str:
     restored from a checkpoint that stored only the embedding, the embedding's name."""
     if name in available:
         return name
-    return getattr(model.get_parameter(name), "mtk_tied_to", name)
+    return param_info(model.get_parameter(name)).tied_to or name
 
 
 def _reshard_weights(model: nn.Module, reader) -> None:

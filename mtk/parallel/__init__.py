@@ -14,6 +14,7 @@ from mtk.parallel.grads import share_params_across_tp, sync_sequence_parallel_gr
 from mtk.parallel.layers import ColumnParallelLinear, KVReplicatedColumnLinear, RowParallelLinear
 from mtk.parallel.layout import Layout, LayoutError
 from mtk.parallel.loss import vocab_parallel_cross_entropy
+from mtk.parallel.parameters import ParamInfo, param_info, set_param_info
 from mtk.parallel.random import TP_STREAM, RNGStreams, seed_everything_parallel
 from mtk.parallel.sharding import ShardSpec
 from mtk.parallel.state import ParallelState, default_device, init_distributed
@@ -25,6 +26,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "ParallelState",
+    "ParamInfo",
     "RNGStreams",
     "RowParallelLinear",
     "ShardSpec",
@@ -37,11 +39,13 @@ __all__ = [
     "gather_from_tp",
     "init_distributed",
     "padded_vocab_size",
+    "param_info",
     "reduce_from_tp",
     "reduce_scatter_to_sequence",
     "scatter_to_sequence",
     "scatter_to_tp",
     "seed_everything_parallel",
+    "set_param_info",
     "share_params_across_tp",
     "sync_sequence_parallel_grads",
     "vocab_parallel_cross_entropy",

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtk.parallel.comm import Group, group_rank, group_size, reduce_from_tp, reduce_scatter_to_sequence
-from mtk.parallel.layers import ShardedModule, mark_tensor_parallel
+from mtk.parallel.layers import ShardedModule
+from mtk.parallel.parameters import mark_tensor_parallel
 from mtk.parallel.sharding import ShardSpec
 
 __all__ = ["VocabParallelEmbedding", "padded_vocab_size"]

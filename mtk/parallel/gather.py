@@ -15,6 +15,7 @@ from torch import nn
 
 from mtk.parallel.comm import Group, group_size
 from mtk.parallel.layers import ShardedModule
+from mtk.parallel.parameters import param_info
 from mtk.parallel.sharding import REPLICATED, ShardSpec, merge_shards
 from mtk.parallel.state import ParallelState
 
@@ -74,8 +75,8 @@ def gather_state_dict(model: nn.Module, state: ParallelState) -> dict[str, torch
     aliases: dict[str, str] = {}  # name -> the name whose tensor it shares
     seen: dict[int, str] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in seen or getattr(tensor, "mtk_pipeline_duplicate", False):
-            aliases[name] = seen.get(id(tensor)) or tensor.mtk_tied_to
+        if id(tensor) in seen or param_info(tensor).pipeline_duplicate:
+            aliases[name] = seen.get(id(tensor)) or param_info(tensor).tied_to
             continue
         seen[id(tensor)] = name
         shape, spec = full_shape_and_spec(model, name)

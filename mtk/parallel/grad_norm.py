@@ -3,7 +3,7 @@
 Each model-parallel rank holds a disjoint piece of every sharded parameter, so the squared norms of
 sharded gradients are summed over the model-parallel group. A replicated parameter has the same
 gradient on every TP rank and is counted on TP rank 0 only. A kv head replicated over ``c`` ranks
-(``tp_replicas``) is counted with weight ``1/c``. Pipeline stages hold disjoint layers (summed over
+(``ParamInfo.tp_replicas``) is counted with weight ``1/c``. Pipeline stages hold disjoint layers (summed over
 the PP part of the model-parallel group); the last stage's copy of a tied embedding is not counted.
 Data-parallel replicas hold the same, already averaged, gradients: nothing is summed over DP.
 The result is the norm of the unsplit model's gradient, what ``torch.nn.utils.clip_grad_norm_``
@@ -19,16 +19,18 @@ import torch
 import torch.distributed as dist
 
 from mtk.parallel.comm import all_reduce
+from mtk.parallel.parameters import param_info
 from mtk.parallel.state import ParallelState
 
 __all__ = ["clip_grad_norm_tp_", "grad_norm_tp"]
 
 
 def _weight(param: torch.Tensor, state: ParallelState) -> float:
-    if getattr(param, "mtk_pipeline_duplicate", False):  # the last stage's copy of a tied embedding
+    info = param_info(param)
+    if info.pipeline_duplicate:  # the last stage's copy of a tied embedding
         return 0.0
     if getattr(param, "tensor_model_parallel", False):
-        return 1.0 / getattr(param, "tp_replicas", 1)
+        return 1.0 / info.tp_replicas
     return 1.0 if state.tp_rank == 0 else 0.0
 
 

@@ -18,18 +18,19 @@ import torch
 from torch import nn
 
 from mtk.parallel.comm import Group, all_reduce, copy_to_tp, group_size
+from mtk.parallel.parameters import param_info, set_param_info
 
 __all__ = ["all_reduce_coalesced", "share_params_across_tp", "sync_sequence_parallel_grads"]
 
 
 def sync_sequence_parallel_grads(module: nn.Module, tp_group: Group) -> None:
-    """Sum, over the TP group, the grads of parameters marked ``sequence_parallel``.
+    """Sum, over the TP group, the grads of parameters whose :class:`ParamInfo` says ``sequence_parallel``.
 
     Call after backward, before clipping and the optimizer step.
     """
     if group_size(tp_group) == 1:
         return
-    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [p.grad for p in module.parameters() if param_info(p).sequence_parallel and p.grad is not None]
     all_reduce_coalesced(grads, tp_group)
 
 
@@ -79,5 +80,5 @@ def share_params_across_tp(module: nn.Module, names: Sequence[str], tp_group: Gr
     if group_size(tp_group) == 1:
         return
     for name in names:
-        getattr(module, name).tp_shared = True
+        set_param_info(getattr(module, name), tp_shared=True)
     module.forward = _SharedParamsForward(module, names, tp_group)

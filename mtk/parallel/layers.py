@@ -33,6 +33,7 @@ from mtk.parallel.comm import (
     reduce_scatter_to_sequence,
     scatter_to_tp,
 )
+from mtk.parallel.parameters import mark_tensor_parallel, set_param_info
 from mtk.parallel.sharding import REPLICATED, ShardSpec, take_shard
 
 # Column layers of one TP group that read the same input tensor (HF's separate q/k/v, gate/up) share
@@ -61,15 +62,7 @@ __all__ = [
     "KVReplicatedColumnLinear",
     "RowParallelLinear",
     "ShardedModule",
-    "mark_tensor_parallel",
 ]
-
-
-def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:
-    """Tag a sharded parameter the way Megatron and DeepSpeed recognise it."""
-    param.tensor_model_parallel = True
-    param.partition_dim = partition_dim
-    param.partition_stride = 1
 
 
 class ShardedModule(nn.Module, abc.ABC):
@@ -250,9 +243,9 @@ class KVReplicatedColumnLinear(ColumnParallelLinear):
             device=device,
             dtype=dtype,
         )
-        self.weight.tp_replicas = self.copies
+        set_param_info(self.weight, tp_replicas=self.copies)
         if self.bias is not None:
-            self.bias.tp_replicas = self.copies
+            set_param_info(self.bias, tp_replicas=self.copies)
 
     def _local_rows(self) -> tuple[tuple[tuple[int, int], ...], int]:
         if self.tp_size % self.num_kv_heads:
@@ -313,7 +306,7 @@ class RowParallelLinear(ShardedModule):
         mark_tensor_parallel(self.weight, partition_dim=0 if transposed else 1)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
-            self.bias.sequence_parallel = self.sequence_parallel
+            set_param_info(self.bias, sequence_parallel=self.sequence_parallel)
         else:
             self.register_parameter("bias", None)
         if self.weight.device.type != "meta":

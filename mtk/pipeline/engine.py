@@ -25,6 +25,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from mtk.config import ConfigError
 from mtk.parallel.grads import all_reduce_coalesced
+from mtk.parallel.parameters import param_info
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.p2p import StageLink
 from mtk.pipeline.schedules import schedule_order
@@ -193,7 +194,7 @@ class PipelineModel(nn.Module):
 
     # ---------------------------------------------------------------------------- gradient sync
     def _tied_params(self) -> list[nn.Parameter]:
-        return [p for p in self.module.parameters() if getattr(p, "mtk_pipeline_tied", False)]
+        return [p for p in self.module.parameters() if param_info(p).pipeline_tied]
 
     @torch.no_grad()
     def _sync_tied_weights(self) -> None:

@@ -7,8 +7,9 @@ runs are replaced on the others. Parameters keep their HF names, so checkpoints 
 stages are disjoint pieces of one state dict.
 
 An input embedding tied to the LM head is split between the first and the last stage: each holds a
-copy, marked ``mtk_pipeline_tied``; the gradients of the two copies are summed over the embedding
-group before the optimizer step (:class:`~mtk.pipeline.engine.PipelineModel`), so they stay equal.
+copy, marked ``pipeline_tied`` in its :class:`~mtk.parallel.parameters.ParamInfo`; the gradients of
+the two copies are summed over the embedding group before the optimizer step
+(:class:`~mtk.pipeline.engine.PipelineModel`), so they stay equal.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mtk.parallel.parameters import set_param_info
 from mtk.parallel.state import ParallelState
 from mtk.plans.base import IDENTITY, REMOVE, ZEROS, Plan, UnsupportedModelError, compile_pattern
 
@@ -189,7 +191,7 @@ def _mark_tied_copies(
     """Mark the first and last stages' copies of a parameter shared by first- and last-stage modules.
 
     The last stage's copy is a duplicate: gradient norms count it once (on the first stage), and
-    checkpoints know it as the first stage's name (``mtk_tied_to``).
+    checkpoints know it as the first stage's name (``ParamInfo.tied_to``).
     """
     tied = []
     for name, param in model.named_parameters():
@@ -201,8 +203,7 @@ def _mark_tied_copies(
         }
         if owners == {"first", "last"}:
             first_name = next(n for n in names_of[id(param)] if replaced.get(n.rpartition(".")[0]) == "first")
-            param.mtk_pipeline_tied = True
-            param.mtk_tied_to = first_name  # the name it is stored under in a one-stage model
-            param.mtk_pipeline_duplicate = not state.is_first_stage
+            # tied_to: the name it is stored under in a one-stage model
+            set_param_info(param, pipeline_tied=True, tied_to=first_name, pipeline_duplicate=not state.is_first_stage)
             tied.append(name)
     return tuple(tied)

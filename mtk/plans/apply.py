@@ -17,6 +17,7 @@ from torch import nn
 from mtk.parallel.embedding import VocabParallelEmbedding
 from mtk.parallel.grads import share_params_across_tp
 from mtk.parallel.layers import ColumnParallelLinear, KVReplicatedColumnLinear, RowParallelLinear, ShardedModule
+from mtk.parallel.parameters import copy_param_info
 from mtk.parallel.state import ParallelState
 from mtk.plans.base import (
     COLUMN,
@@ -80,7 +81,7 @@ def materialize_(module: nn.Module, device: torch.device | str) -> None:
         for name, param in list(sub.named_parameters(recurse=False)):
             if param.device.type == "meta":
                 real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
-                real.__dict__.update(param.__dict__)
+                copy_param_info(param, real)
                 setattr(sub, name, real)
 
 

@@ -17,6 +17,7 @@ from mtk.models import build_model, builtin_config
 from mtk.parallel import ParallelState
 from mtk.parallel.gather import gather_state_dict, iter_full_tensors
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
+from mtk.parallel.parameters import param_info
 from mtk.pipeline.engine import PipelineModel
 from mtk.pipeline.stages import split_stages
 from mtk.plans import find_plan, parallelize
@@ -64,9 +65,9 @@ def _pipeline_checks(rank, world_size, name, tp, pp, schedule, micro_batches, la
     compared = []
     for param_name, grad in iter_full_tensors(model, state.tp_group, grads=True):
         param = model.get_parameter(param_name)
-        expected = ref_grads[getattr(param, "mtk_tied_to", param_name)].grad
+        expected = ref_grads[param_info(param).tied_to or param_name].grad
         assert_close_rel(grad, expected, f"{name} grad of {param_name}", scale_floor=1e-3 * grad_scale)
-        if not getattr(param, "mtk_pipeline_duplicate", False):
+        if not param_info(param).pipeline_duplicate:
             compared.append(param_name)
 
     norm = clip_grad_norm_tp_(list(model.parameters()), float("inf"), state)
