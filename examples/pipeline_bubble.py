@@ -19,13 +19,12 @@ import time
 import torch
 from transformers import LlamaConfig
 
+from mtk.convert import parallelize
 from mtk.errors import run_main
 from mtk.models import build_model
 from mtk.parallel import ParallelState
 from mtk.pipeline.engine import PipelineModel
 from mtk.pipeline.schedules import bubble_fraction
-from mtk.pipeline.stages import split_stages
-from mtk.plans import find_plan
 from mtk.spawn import run_distributed
 
 
@@ -56,7 +55,7 @@ def _config(args) -> LlamaConfig:
 def _measure(rank: int, world_size: int, args, schedule: str, micro: int) -> dict:
     state = ParallelState.build(pp_size=world_size)
     model = build_model(_config(args), seed=0)
-    split_stages(model, state, find_plan(model.config))
+    parallelize(model, state)
     pipe = PipelineModel(model, state, micro, schedule)
     ids = torch.randint(0, 1024, (micro * args.micro_batch_size, args.seq), generator=torch.Generator().manual_seed(0))
     idle, steps = [], []

@@ -28,6 +28,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from mtk.checkpoint import load_pretrained_tp
 from mtk.config import ParallelConfig
+from mtk.convert import parallelize
 from mtk.data import causal_lm_blocks, load_text_files, tokenizer_for
 from mtk.errors import run_main
 from mtk.integrations.deepspeed import (
@@ -39,7 +40,7 @@ from mtk.integrations.deepspeed import (
 from mtk.models import build_model, resolve_config
 from mtk.parallel.comm import all_reduce
 from mtk.parallel.state import ParallelState
-from mtk.plans import check_tp_size, parallelize
+from mtk.plans import check_tp_size
 
 HERE = Path(__file__).resolve().parent
 

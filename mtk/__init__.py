@@ -21,6 +21,10 @@ def __getattr__(name: str):
         from mtk.integrations.accelerate import Accelerator
 
         return Accelerator
+    if name in ("parallelize", "parallelized"):
+        import mtk.convert as module
+
+        return getattr(module, name)
     raise AttributeError(f"module 'mtk' has no attribute {name!r}")
 
 
@@ -35,5 +39,7 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "__version__",
+    "parallelize",
+    "parallelized",
     "vocab_parallel_cross_entropy",
 ]

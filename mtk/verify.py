@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 
 from mtk.checkpoint.hf_load import CheckpointError, load_pretrained_tp
+from mtk.convert import parallelize, parallelized
 from mtk.models import ModelSpecError, auto_class_for, build_model, resolve_config
 from mtk.parallel.gather import iter_full_tensors
 from mtk.parallel.state import ParallelState
-from mtk.plans import UnsupportedModelError, parallelize
+from mtk.plans import UnsupportedModelError
 from mtk.testing import max_rel_error
 
 __all__ = ["VerifyResult", "verify_worker"]
@@ -81,7 +82,7 @@ def verify_worker(rank: int, world_size: int, spec: str, dtype: str, batch: int,
     grad_scale = max(p.grad.abs().max().item() for p in ref_grads.values() if p.grad is not None)
     result = VerifyResult(
         model_class=type(reference).__name__,
-        plan=getattr(model, "mtk_plan", "?"),
+        plan=parallelized(model).plan.name,
         logits=max_rel_error(logits.float(), ref_logits.float()),
         loss=max_rel_error(out.loss.float(), ref_out.loss.float()),
     )

@@ -124,10 +124,9 @@ def _device() -> torch.device:
 
 def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """mtk: the HF model converted by the rules (TP), cut into stages (PP)."""
+    from mtk.convert import parallelize
     from mtk.parallel.state import ParallelState
     from mtk.pipeline.engine import PipelineModel
-    from mtk.pipeline.stages import split_stages
-    from mtk.plans import find_plan, parallelize
 
     torch.set_num_threads(spec.threads)
     device = _device()
@@ -136,7 +135,6 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     parallelize(model, state)
     if spec.pp == 1:
         return _measure_model(spec, model.to(device), device)
-    split_stages(model, state, find_plan(model.config))
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     pipe = PipelineModel(model, state, spec.micro_batches)

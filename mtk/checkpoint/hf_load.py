@@ -19,15 +19,13 @@ from accelerate import init_empty_weights
 from torch import nn
 
 from mtk.checkpoint.safetensors_slices import SafetensorsError, SafetensorsFile
+from mtk.convert import parallelize
 from mtk.errors import MtkError
 from mtk.models import ModelSpecError, auto_class_for, resolve_config
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.parameters import copy_param_info, param_info
 from mtk.parallel.sharding import take_shard
 from mtk.parallel.state import ParallelState
-from mtk.pipeline.stages import split_stages
-from mtk.plans import find_plan, parallelize
-from mtk.plans.generic import GENERIC
 
 __all__ = ["CheckpointError", "load_pretrained_tp", "safetensors_index"]
 
@@ -115,8 +113,6 @@ def load_pretrained_tp(
         model = auto_class_for(config).from_config(config, dtype=dtype or getattr(config, "dtype", None))
     model.tie_weights()  # init_empty_weights re-creates each registered parameter, which unties shared ones
     parallelize(model, state, logits=logits, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of)
-    if state.pp_size > 1:
-        split_stages(model, state, find_plan(config) or GENERIC, state.config.pipeline_layers)
     _fill_from_checkpoint(model, index, state.device, dtype)
     model.eval()  # as HF's from_pretrained
     return model

@@ -34,6 +34,7 @@ from torch import nn
 
 from mtk.checkpoint.hf_load import CheckpointError
 from mtk.checkpoint.reshard import ShardedCheckpointReader
+from mtk.convert import parallelized
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.parameters import param_info
 from mtk.parallel.sharding import take_shard
@@ -243,7 +244,7 @@ def save_checkpoint(
             "versions": _versions(),
             "model": {
                 "class": type(model).__name__,
-                "plan": getattr(model, "mtk_plan", None),
+                "plan": record.plan.name if (record := parallelized(model)) else None,
                 "config": model.config.to_dict() if hasattr(model, "config") else None,
             },
             **(extra_meta or {}),

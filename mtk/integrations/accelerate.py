@@ -36,6 +36,7 @@ from accelerate.utils import InitProcessGroupKwargs
 from torch import nn
 
 from mtk.config import ConfigError, ParallelConfig
+from mtk.convert import parallelize, parallelized
 from mtk.integrations.accelerate_checkpoint import ShardedCheckpointing
 from mtk.integrations.accelerate_collectives import DataParallelCollectives
 from mtk.integrations.accelerate_deepspeed import deepspeed_initialize_with_mpu, replace_accelerated_schedulers
@@ -50,9 +51,6 @@ from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sync_sequence_parallel_grads
 from mtk.parallel.state import ParallelState, default_device
 from mtk.pipeline.engine import PipelineModel
-from mtk.pipeline.stages import split_stages
-from mtk.plans import check_tp_size, find_plan, parallelize
-from mtk.plans.generic import GENERIC
 
 __all__ = ["Accelerator", "DataParallelScheduler"]
 
@@ -144,15 +142,16 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         parameter) to (a weak reference to it, its replacement by HF name, ``None`` when another
         stage owns it).
         """
-        config = self.parallel.config
         if isinstance(model, PipelineModel):
             return model, {}
-        if getattr(model, "mtk_tp_size", None) is not None:  # converted already (load_pretrained_tp)
-            if self.parallel.pp_size == 1:
-                return model, {}
-            if not hasattr(model, "mtk_pipeline"):
-                raise ConfigError("the model was converted without pipeline stages; build it with the same pp size")
-            return PipelineModel(model, self.parallel, config.num_micro_batches, config.pipeline_schedule), {}
+        record = parallelized(model)
+        if record is not None:  # converted already (load_pretrained_tp)
+            if record.stage.num_stages != self.parallel.pp_size or record.tp_size != self.parallel.tp_size:
+                raise ConfigError(
+                    f"the model was parallelized for tp={record.tp_size}, pp={record.stage.num_stages}; this run "
+                    f"is tp={self.parallel.tp_size}, pp={self.parallel.pp_size}: build it with this run's state"
+                )
+            return self._pipelined(model), {}
         if not hasattr(model, "config"):
             if self.parallel.pp_size > 1:
                 raise ConfigError("pipeline parallelism (pp > 1) needs an HF model with a config")
@@ -160,17 +159,19 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         before: dict[int, tuple[weakref.ref, list[str]]] = {}  # a tied parameter has several names
         for name, param in model.named_parameters(remove_duplicate=False):
             before.setdefault(id(param), (weakref.ref(param), []))[1].append(name)
-        check_tp_size(model.config, self.parallel.tp_size)
         parallelize(model, self.parallel)
-        if self.parallel.pp_size > 1:
-            split_stages(model, self.parallel, find_plan(model.config) or GENERIC, config.pipeline_layers)
         after = dict(model.named_parameters(remove_duplicate=False))
         replaced = {
             old: (ref, next((after[n] for n in names if n in after), None)) for old, (ref, names) in before.items()
         }
-        if self.parallel.pp_size > 1:
-            model = PipelineModel(model, self.parallel, config.num_micro_batches, config.pipeline_schedule)
-        return model, replaced
+        return self._pipelined(model), replaced
+
+    def _pipelined(self, model: nn.Module) -> nn.Module:
+        """With pp > 1, the stage wrapped in the schedule-running :class:`PipelineModel`."""
+        if self.parallel.pp_size == 1:
+            return model
+        config = self.parallel.config
+        return PipelineModel(model, self.parallel, config.num_micro_batches, config.pipeline_schedule)
 
     def prepare(self, *args, device_placement=None):
         """As accelerate's, after converting HF models: optimizers built on the unconverted model's

@@ -1,6 +1,6 @@
 """Run one stage of a pipelined HF causal LM: micro-batches, schedule, P2P, loss and gradient sync.
 
-:class:`PipelineModel` wraps this rank's stage (an HF model cut by :func:`~mtk.pipeline.stages.split_stages`).
+:class:`PipelineModel` wraps this rank's stage (an HF model cut by :func:`~mtk.convert.parallelize`).
 As in accelerate's Megatron-LM integration, calling it with labels while gradients are enabled runs
 the whole forward *and* backward schedule over the micro-batches and returns the loss (already
 backpropagated; ``accelerator.backward`` then only finalizes gradients). Without gradients it runs
@@ -24,6 +24,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from mtk.config import ConfigError
+from mtk.convert import parallelized
 from mtk.parallel.grads import all_reduce_coalesced
 from mtk.parallel.parameters import param_info
 from mtk.parallel.state import ParallelState
@@ -73,7 +74,7 @@ class PipelineModel(nn.Module):
     """One pipeline stage of an HF causal LM, with the schedule that drives it.
 
     Args:
-        module: this rank's stage (HF model after ``split_stages``; tensor-parallel or not).
+        module: this rank's stage (an HF model after :func:`~mtk.convert.parallelize`).
         state: the topology (PP group for P2P, embedding and DP groups for gradient sync).
         num_micro_batches: micro-batches each batch is cut into.
         schedule: ``1f1b`` or ``afab``.
@@ -85,7 +86,10 @@ class PipelineModel(nn.Module):
         super().__init__()
         self.module = module
         self.state = state
-        self.info: StageInfo = module.mtk_pipeline
+        record = parallelized(module)
+        if record is None or record.stage.num_stages != state.pp_size:
+            raise ConfigError(f"PipelineModel needs a model cut by mtk.parallelize for pp = {state.pp_size}")
+        self.info: StageInfo = record.stage
         self.num_micro_batches = num_micro_batches
         self.schedule = schedule
         schedule_order(schedule, 1, 0, 1)  # an unknown name fails here, not mid-step

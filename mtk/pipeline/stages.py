@@ -180,9 +180,7 @@ def split_stages(
             layers[index] = SkipLayer(index, stage_of[index])
 
     tied = _mark_tied_copies(model, names_of, replaced, state) if state.pp_size > 1 else ()
-    info = StageInfo(state.pp_rank, state.pp_size, mine, tied)
-    model.mtk_pipeline = info
-    return info
+    return StageInfo(state.pp_rank, state.pp_size, mine, tied)
 
 
 def _mark_tied_copies(

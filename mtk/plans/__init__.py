@@ -1,8 +1,8 @@
-"""Per-architecture tensor-parallel rules and the function that applies them."""
+"""Per-architecture tensor-parallel rules as data, how a model finds its plan, and the function that applies one."""
 
 from mtk.plans.apply import PlanContext, materialize_, parallelize_with
 from mtk.plans.base import AttrFix, HeadCounts, Plan, Rule, UnsupportedModelError
-from mtk.plans.registry import PLANS, check_tp_size, find_plan, parallelize, register_plan
+from mtk.plans.registry import PLANS, check_tp_size, find_plan, register_plan, resolve_plan
 
 __all__ = [
     "PLANS",
@@ -15,7 +15,7 @@ __all__ = [
     "check_tp_size",
     "find_plan",
     "materialize_",
-    "parallelize",
     "parallelize_with",
     "register_plan",
+    "resolve_plan",
 ]

@@ -1,9 +1,10 @@
 """Apply a :class:`~mtk.plans.base.Plan` to an HF model: the one generic conversion function.
 
-``parallelize(model, state)`` replaces the modules the rules name by parallel layers holding this
+``parallelize_with(model, state, plan)`` replaces the modules the rules name by parallel layers holding this
 rank's shard, fixes per-rank attributes, keeps tied embeddings tied, and installs the vocab-parallel
 loss. A model on the meta device is converted without allocating anything (its shards are then
-filled by :mod:`mtk.plans.loading`); a materialized model has each shard copied from its full weight.
+filled by :func:`mtk.checkpoint.hf_load.load_pretrained_tp`); a materialized model has each shard
+copied from its full weight. :func:`mtk.convert.parallelize` is the entry point that calls it.
 """
 
 from __future__ import annotations
@@ -229,8 +230,6 @@ def parallelize_with(
     if head is not None:
         model.loss_function = VocabParallelCausalLMLoss(head)
         model.register_forward_hook(LogitsGatherHook(head, logits), with_kwargs=True)
-    model.mtk_plan = plan.name
-    model.mtk_tp_size = state.tp_size
     return model
 
 

@@ -1,4 +1,4 @@
-"""Which plan serves a model, and the public ``parallelize`` entry point.
+"""Which plan serves a model (:func:`resolve_plan`); :func:`mtk.convert.parallelize` applies it.
 
 Registered family plans are chosen by ``config.model_type``. A model no family names is tried with
 the generic rules, but only after they pass a parity check: a one-layer random copy of the model is
@@ -23,7 +23,7 @@ from mtk.plans.gpt2 import GPT2
 from mtk.plans.llama import LLAMA
 from mtk.plans.phi3 import PHI3
 
-__all__ = ["PLANS", "check_tp_size", "find_plan", "parallelize", "register_plan"]
+__all__ = ["PLANS", "check_tp_size", "find_plan", "register_plan", "resolve_plan"]
 
 PLANS: list[Plan] = [LLAMA, GPT2, BERT, PHI3]
 PARITY_TOLERANCE = 1e-4  # one layer in fp32 on random weights; real mismatches are O(1)
@@ -102,30 +102,13 @@ def _check_generic_parity(model_class: type, config, state: ParallelState) -> No
         )
 
 
-def parallelize(
-    model: nn.Module,
-    state: ParallelState,
-    *,
-    plan: Plan | None = None,
-    logits: str = "auto",
-    pad_vocab_to_multiple_of: int = 1,
-) -> nn.Module:
-    """Make an HF model tensor-parallel over ``state.tp_group``, in place; returns it.
-
-    Args:
-        model: an HF ``PreTrainedModel``, materialized (its shards are copied) or on the meta device
-            (shards are read afterwards by :func:`mtk.plans.loading.load_sharded`).
-        state: this process's topology.
-        plan: rules to use; default: the registered plan for the model type, else the generic rules
-            once they pass a parity check.
-        logits: ``auto`` (full logits when no labels are passed), ``full`` or ``shard``.
-        pad_vocab_to_multiple_of: pad the vocabulary to a multiple of ``tp * this`` (never visible).
-    """
-    if plan is None:
-        plan = find_plan(model.config)
-    if plan is None:
-        problem = GENERIC.head_counts(model.config).problem(state.tp_size)
-        if problem is None:  # sizes first: a clear size error beats a parity run that cannot pass
-            _check_generic_parity(type(model), model.config, state)
-        plan = GENERIC
-    return parallelize_with(model, state, plan, logits=logits, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of)
+def resolve_plan(model: nn.Module, state: ParallelState) -> Plan:
+    """The plan that converts ``model``: its family's, else the generic rules once they pass a parity
+    check on a one-layer random copy (collective over the TP group)."""
+    plan = find_plan(model.config)
+    if plan is not None:
+        return plan
+    problem = GENERIC.head_counts(model.config).problem(state.tp_size)
+    if problem is None:  # sizes first: a clear size error beats a parity run that cannot pass
+        _check_generic_parity(type(model), model.config, state)
+    return GENERIC

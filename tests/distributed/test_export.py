@@ -6,9 +6,9 @@ from transformers import AutoModelForCausalLM
 
 from mtk.checkpoint.export import export_checkpoint
 from mtk.checkpoint.sharded import save_checkpoint
+from mtk.convert import parallelize
 from mtk.models import build_model
 from mtk.parallel import ParallelState
-from mtk.plans import parallelize
 from mtk.testing import assert_close_rel, run_distributed
 
 IDS = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))

@@ -5,9 +5,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPTNeoXConfig, Olmo2Config, OlmoConfig
 
+from mtk.convert import parallelize
 from mtk.models import build_model
 from mtk.parallel import Layout, ParallelState
-from mtk.plans import UnsupportedModelError, parallelize
+from mtk.plans import UnsupportedModelError
 from mtk.testing import run_distributed
 from tests.distributed.test_architectures import _architecture_checks
 

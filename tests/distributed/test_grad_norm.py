@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
+from mtk.convert import parallelize
 from mtk.models import build_model
 from mtk.parallel import ParallelState
 from mtk.parallel.gather import iter_full_tensors
 from mtk.parallel.grad_norm import clip_grad_norm_tp_, grad_norm_tp
-from mtk.plans import parallelize
 from mtk.testing import assert_close_rel, run_distributed
 
 

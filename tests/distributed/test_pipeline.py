@@ -13,14 +13,13 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig
 
+from mtk.convert import parallelize
 from mtk.models import build_model, builtin_config
 from mtk.parallel import ParallelState
 from mtk.parallel.gather import gather_state_dict, iter_full_tensors
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.parameters import param_info
 from mtk.pipeline.engine import PipelineModel
-from mtk.pipeline.stages import split_stages
-from mtk.plans import find_plan, parallelize
 from mtk.testing import assert_close_rel, run_distributed
 
 GLOBAL_BATCH, SEQ = 8, 12
@@ -47,8 +46,7 @@ def _pipeline_checks(rank, world_size, name, tp, pp, schedule, micro_batches, la
     ref_grads = dict(reference.named_parameters())
     ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"), norm_type=2.0)
 
-    model = parallelize(copy.deepcopy(reference), state)
-    split_stages(model, state, find_plan(model.config), layers)
+    model = parallelize(copy.deepcopy(reference), state, pipeline_layers=layers)
     pipe = PipelineModel(model.eval(), state, micro_batches, schedule)
     share = GLOBAL_BATCH // state.dp_size
     local = {k: v[state.dp_rank * share : (state.dp_rank + 1) * share] for k, v in batch.items()}

@@ -8,9 +8,9 @@ import torch
 import mtk.checkpoint.sharded as sharded
 from mtk.checkpoint import CheckpointError
 from mtk.checkpoint.sharded import load_checkpoint, read_metadata, save_checkpoint
+from mtk.convert import parallelize
 from mtk.models import build_model
 from mtk.parallel import ParallelState
-from mtk.plans import parallelize
 
 
 def _setup():

@@ -1,0 +1,77 @@
+"""The one entry point that makes an HF model parallel: :func:`parallelize`.
+
+Converting by the rules (tensor parallelism) and cutting into pipeline stages happen together, once,
+here; the Accelerator, the HF-directory loader, the bench and the examples all call this function.
+What it did is attached to the model as one record, :class:`Parallelized` (``parallelized(model)``):
+the :class:`~mtk.plans.base.Plan` that converted it and the stage it holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from mtk.parallel.state import ParallelState
+from mtk.pipeline.stages import StageInfo, split_stages
+from mtk.plans import Plan, check_tp_size, parallelize_with, resolve_plan
+
+__all__ = ["Parallelized", "parallelize", "parallelized"]
+
+_ATTRIBUTE = "mtk_parallelized"
+
+
+@dataclass(frozen=True)
+class Parallelized:
+    """What :func:`parallelize` did to a model.
+
+    Attributes:
+        plan: the rules that converted it (a family's, or the parity-checked generic ones).
+        tp_size: the tensor-parallel degree its shards were cut for.
+        stage: the pipeline stage it holds (one stage of one when pp = 1).
+    """
+
+    plan: Plan
+    tp_size: int
+    stage: StageInfo
+
+
+def parallelized(model: nn.Module) -> Parallelized | None:
+    """The record :func:`parallelize` attached to ``model``, or ``None`` for a model it never saw."""
+    return getattr(model, _ATTRIBUTE, None)
+
+
+def parallelize(
+    model: nn.Module,
+    state: ParallelState,
+    *,
+    plan: Plan | None = None,
+    pipeline_layers: tuple[int, ...] | None = None,
+    logits: str = "auto",
+    pad_vocab_to_multiple_of: int = 1,
+) -> nn.Module:
+    """Make an HF model tensor-parallel over ``state.tp_group`` and cut it to this rank's pipeline stage.
+
+    In place; returns the model. Works on a materialized model (shards are copied, other stages'
+    weights freed) and on one on the meta device (nothing is allocated; a loader then reads only this
+    rank's bytes).
+
+    Args:
+        model: an HF ``PreTrainedModel``.
+        state: this process's topology.
+        plan: rules to use; default: the registered plan for the model type, else the generic rules
+            once they pass a parity check on a one-layer copy.
+        pipeline_layers: decoder layers per stage (pp > 1); default ``state.config.pipeline_layers``,
+            else as even as possible.
+        logits: ``auto`` (full logits when no labels are passed), ``full`` or ``shard``.
+        pad_vocab_to_multiple_of: pad the vocabulary to a multiple of ``tp * this`` (never visible).
+    """
+    check_tp_size(model.config, state.tp_size)  # one clear line before any rank builds anything
+    plan = plan or resolve_plan(model, state)
+    parallelize_with(model, state, plan, logits=logits, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of)
+    layers = state.config.pipeline_layers if pipeline_layers is None else pipeline_layers
+    stage = split_stages(model, state, plan, layers) if state.pp_size > 1 else None
+    if stage is None:
+        stage = StageInfo(0, 1, range(0))
+    setattr(model, _ATTRIBUTE, Parallelized(plan=plan, tp_size=state.tp_size, stage=stage))
+    return model
