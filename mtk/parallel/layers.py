@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import abc
 import math
-import weakref
 from collections.abc import Sequence
 
 import torch
@@ -35,27 +34,6 @@ from mtk.parallel.comm import (
 )
 from mtk.parallel.parameters import mark_tensor_parallel, set_param_info
 from mtk.parallel.sharding import REPLICATED, ShardSpec, take_shard
-
-# Column layers of one TP group that read the same input tensor (HF's separate q/k/v, gate/up) share
-# one ``copy_to_tp`` of it: their input gradients are summed locally, then all-reduced once, as a
-# fused QKV projection would be. Keyed by TP group; one slot: siblings are called back to back.
-_SHARED_INPUT: dict[int, tuple[weakref.ref, int, bool, torch.Tensor]] = {}
-
-
-def _copy_input_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """``copy_to_tp(x)``, reused while ``x`` is the same live, unmodified tensor in the same grad mode."""
-    if group_size(group) == 1:
-        return x
-    grad_mode = torch.is_grad_enabled()
-    cached = _SHARED_INPUT.get(id(group))
-    if cached is not None:
-        ref, version, mode, copied = cached
-        if ref() is x and version == x._version and mode == grad_mode:
-            return copied
-    copied = copy_to_tp(x, group)
-    _SHARED_INPUT[id(group)] = (weakref.ref(x), x._version, grad_mode, copied)
-    return copied
-
 
 __all__ = [
     "ColumnParallelLinear",
@@ -98,8 +76,9 @@ class ColumnParallelLinear(ShardedModule):
 
     Rank r computes ``Y_r = X A_r^T + b_r``, an exact slice of the output: no reduction is needed in
     forward. In backward each rank only sees its slice of dL/dY, so dL/dX is a sum of per-rank
-    partials -> one all-reduce (``copy_to_tp``; shared by sibling columns that read the same input, so
-    HF's separate q/k/v cost one all-reduce like a fused QKV). With sequence parallelism, X arrives split along the
+    partials -> one all-reduce (``copy_to_tp``). ``copy_input=False`` when the caller already copied X
+    to the TP region for several columns at once (HF's separate q/k/v: one all-reduce, as a fused QKV;
+    see :class:`~mtk.plans.base.SharedInput`). With sequence parallelism, X arrives split along the
     sequence and is all-gathered instead (its backward is a reduce-scatter).
 
     ``output_sizes`` describes a fused projection (``[q, k, v]``, ``[gate, up]``): each part is split
@@ -120,12 +99,14 @@ class ColumnParallelLinear(ShardedModule):
         transposed: bool = False,
         sequence_parallel: bool = False,
         sequence_dim: int = 1,
+        copy_input: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
+        self.copy_input = copy_input
         self.in_features, self.out_features = in_features, out_features
         self.output_sizes = list(output_sizes) if output_sizes else [out_features]
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -194,7 +175,7 @@ class ColumnParallelLinear(ShardedModule):
         if self.sequence_parallel:
             x = gather_from_sequence(x, self.tp_group, self.sequence_dim)  # [b, s, in]
         else:
-            x = _copy_input_to_tp(x, self.tp_group)  # one backward all-reduce for q, k and v together
+            x = copy_to_tp(x, self.tp_group) if self.copy_input else x  # backward: all-reduce dL/dX
         y = F.linear(x, self._weight_for_forward(), self.bias)  # [b, s, out/tp]
         if self.gather_output:
             y = gather_from_tp(y, self.tp_group)  # [b, s, out] (per-part order when fused)
@@ -230,6 +211,7 @@ class KVReplicatedColumnLinear(ColumnParallelLinear):
         tp_group: Group,
         kv_group: Group,
         transposed: bool = False,
+        copy_input: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -240,6 +222,7 @@ class KVReplicatedColumnLinear(ColumnParallelLinear):
             bias,
             tp_group=tp_group,
             transposed=transposed,
+            copy_input=copy_input,
             device=device,
             dtype=dtype,
         )
@@ -255,7 +238,7 @@ class KVReplicatedColumnLinear(ColumnParallelLinear):
         return ((head * self.head_dim, (head + 1) * self.head_dim),), self.head_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _copy_input_to_tp(x, self.tp_group)  # [b, s, in]
+        x = copy_to_tp(x, self.tp_group) if self.copy_input else x  # [b, s, in]
         weight = copy_to_tp(self._weight_for_forward(), self.kv_group)  # [head_dim, in]
         bias = None if self.bias is None else copy_to_tp(self.bias, self.kv_group)
         return F.linear(x, weight, bias)  # [b, s, head_dim]

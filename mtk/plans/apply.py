@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mtk.parallel.comm import copy_to_tp
 from mtk.parallel.embedding import VocabParallelEmbedding
 from mtk.parallel.grads import share_params_across_tp
 from mtk.parallel.layers import ColumnParallelLinear, KVReplicatedColumnLinear, RowParallelLinear, ShardedModule
@@ -96,7 +97,27 @@ def _linear_dims(module: nn.Module, name: str) -> tuple[int, int, bool, bool]:
     raise UnsupportedModelError(f"{name} is a {type(module).__name__}; a linear rule needs nn.Linear or Conv1D")
 
 
-def _build(rule: Rule, module: nn.Module, name: str, ctx: PlanContext, state: ParallelState, pad: int) -> nn.Module:
+class CopyInputToTP:
+    """Forward pre-hook of a :class:`~mtk.plans.base.SharedInput` module: its input enters the TP
+    region once (``copy_to_tp``: identity forward, one all-reduce of the summed input gradient in
+    backward) for all the column-parallel layers it feeds, which then skip their own copy."""
+
+    def __init__(self, argument: str, tp_group) -> None:
+        self.argument, self.tp_group = argument, tp_group
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (copy_to_tp(args[0], self.tp_group), *args[1:]), kwargs
+        if self.argument not in kwargs:
+            raise UnsupportedModelError(
+                f"{type(module).__name__} was called without {self.argument!r}, the input its shared_inputs rule names"
+            )
+        return args, {**kwargs, self.argument: copy_to_tp(kwargs[self.argument], self.tp_group)}
+
+
+def _build(
+    rule: Rule, module: nn.Module, name: str, ctx: PlanContext, state: ParallelState, pad: int, copy_input: bool
+) -> nn.Module:
     """The parallel replacement for ``module`` (on the meta device: shards are filled afterwards)."""
     group, meta = state.tp_group, {"device": "meta", "dtype": None}
     if rule.style == VOCAB:
@@ -123,11 +144,14 @@ def _build(rule: Rule, module: nn.Module, name: str, ctx: PlanContext, state: Pa
             output_sizes=parts,
             transposed=transposed,
             gather_output=rule.gather_output,
+            copy_input=copy_input,
             **meta,
         )
     if rule.style == KV_COLUMN:
         if ctx.kv_copies == 1:
-            return ColumnParallelLinear(n_in, n_out, bias, tp_group=group, transposed=transposed, **meta)
+            return ColumnParallelLinear(
+                n_in, n_out, bias, tp_group=group, transposed=transposed, copy_input=copy_input, **meta
+            )
         kv_group = state.tp_subgroup(ctx.kv_copies)
         return KVReplicatedColumnLinear(
             n_in,
@@ -137,6 +161,7 @@ def _build(rule: Rule, module: nn.Module, name: str, ctx: PlanContext, state: Pa
             tp_group=group,
             kv_group=kv_group,
             transposed=transposed,
+            copy_input=copy_input,
             **meta,
         )
     if rule.style == ROW:
@@ -197,6 +222,7 @@ def parallelize_with(
         if old_embedding is not None and getattr(m, "weight", None) is old_embedding and not embed_pattern.match(n)
     ]
 
+    shared = {n: s for n in modules for s in plan.shared_inputs if s.matches(n)} if state.tp_size > 1 else {}
     matched: set[str] = set()
     converted: dict[str, nn.Module] = {}
     for name, module in modules.items():
@@ -207,7 +233,8 @@ def parallelize_with(
         if rule.style == TP_SHARED:
             share_params_across_tp(module, [n for n, _ in module.named_parameters(recurse=False)], state.tp_group)
             continue
-        new = _build(rule, module, name, ctx, state, pad_vocab_to_multiple_of)
+        fed_by_shared = rule.style in (COLUMN, KV_COLUMN) and any(name.startswith(p + ".") for p in shared)
+        new = _build(rule, module, name, ctx, state, pad_vocab_to_multiple_of, copy_input=not fed_by_shared)
         _copy_shards(new, module)
         new.mtk_style = rule.style
         _set_submodule(model, name, new)
@@ -221,6 +248,8 @@ def parallelize_with(
     untied = [n for n in tied_heads if n not in converted]
     if untied:
         raise UnsupportedModelError(f"{untied} are tied to the input embedding but no rule splits them")
+    for name, spec in shared.items():
+        modules[name].register_forward_pre_hook(CopyInputToTP(spec.argument, state.tp_group), with_kwargs=True)
     _retie_embeddings(model, converted, old_embedding, tied_heads)
     for name, module in model.named_modules():
         for fix in plan.attr_fixes:

@@ -31,6 +31,7 @@ __all__ = [
     "PipelineSpec",
     "Plan",
     "Rule",
+    "SharedInput",
     "UnsupportedModelError",
     "compile_pattern",
 ]
@@ -122,6 +123,27 @@ class Rule:
 
 
 @dataclass(frozen=True)
+class SharedInput:
+    """A module whose input feeds only column-parallel layers (attention's q/k/v, the MLP's gate/up).
+
+    The input is copied to the TP region once, by a forward pre-hook on the module, instead of once
+    per column: their input gradients are summed locally and all-reduced once, as a fused projection
+    would be. Name a module here only when its input reaches nothing but those columns (a residual
+    inside it would be all-reduced too).
+
+    Attributes:
+        pattern: module path pattern (as in :class:`Rule`).
+        argument: the input's keyword name, used when the module is called without positional arguments.
+    """
+
+    pattern: str
+    argument: str = "hidden_states"
+
+    def matches(self, name: str) -> bool:
+        return compile_pattern(self.pattern).match(name) is not None
+
+
+@dataclass(frozen=True)
 class AttrFix:
     """Set ``attr`` on modules matching ``pattern`` to ``value(ctx)`` (e.g. heads per rank)."""
 
@@ -169,6 +191,7 @@ class Plan:
         head_counts: reads the sizes TP must divide from the config.
         embedding: pattern of the input embedding (for tying with the LM head).
         pipeline: how to cut the model into pipeline stages (``None``: pipeline parallelism unsupported).
+        shared_inputs: modules whose input is copied to the TP region once for all their columns.
     """
 
     name: str
@@ -178,6 +201,7 @@ class Plan:
     attr_fixes: tuple[AttrFix, ...] = ()
     embedding: str | None = None
     pipeline: PipelineSpec | None = None
+    shared_inputs: tuple[SharedInput, ...] = ()
     notes: str = field(default="", compare=False)
 
     def rule_for(self, name: str) -> Rule | None:

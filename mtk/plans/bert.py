@@ -4,7 +4,7 @@ vocabulary. Position and token-type embeddings, LayerNorms, the pooler and task 
 computed by HF as usual.
 """
 
-from mtk.plans.base import COLUMN, ROW, VOCAB, AttrFix, HeadCounts, Plan, Rule
+from mtk.plans.base import COLUMN, ROW, VOCAB, AttrFix, HeadCounts, Plan, Rule, SharedInput
 
 
 def bert_head_counts(config) -> HeadCounts:
@@ -30,4 +30,5 @@ BERT = Plan(
         AttrFix("**.encoder.layer.*.attention.self", "all_head_size", lambda ctx: ctx.heads_local * ctx.head_dim),
     ),
     embedding="**.embeddings.word_embeddings",
+    shared_inputs=(SharedInput("**.encoder.layer.*.attention.self"),),  # self-attention: q/k/v read it only
 )

@@ -20,6 +20,7 @@ from mtk.plans.base import (
     PipelineSpec,
     Plan,
     Rule,
+    SharedInput,
 )
 
 
@@ -60,4 +61,5 @@ LLAMA = Plan(
     ),
     embedding="**.embed_tokens",
     pipeline=LLAMA_PIPELINE,
+    shared_inputs=(SharedInput("**.layers.*.self_attn"), SharedInput("**.layers.*.mlp")),
 )
