@@ -23,6 +23,7 @@ from mtk.convert import parallelize
 from mtk.errors import MtkError
 from mtk.models import ModelSpecError, auto_class_for, resolve_config
 from mtk.parallel.gather import full_shape_and_spec
+from mtk.parallel.grads import sum_grad_over_tp
 from mtk.parallel.parameters import copy_param_info, param_info
 from mtk.parallel.sharding import take_shard
 from mtk.parallel.state import ParallelState
@@ -113,12 +114,14 @@ def load_pretrained_tp(
         model = auto_class_for(config).from_config(config, dtype=dtype or getattr(config, "dtype", None))
     model.tie_weights()  # init_empty_weights re-creates each registered parameter, which unties shared ones
     parallelize(model, state, logits=logits, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of)
-    _fill_from_checkpoint(model, index, state.device, dtype)
+    _fill_from_checkpoint(model, index, state.device, dtype, state.tp_group)
     model.eval()  # as HF's from_pretrained
     return model
 
 
-def _fill_from_checkpoint(model: nn.Module, index: dict[str, Path], device, dtype: torch.dtype | None) -> None:
+def _fill_from_checkpoint(
+    model: nn.Module, index: dict[str, Path], device, dtype: torch.dtype | None, tp_group
+) -> None:
     prefix = getattr(model, "base_model_prefix", "")
     owners: dict[int, list[tuple[nn.Module, str]]] = {}  # tied parameters have several owners
     for module in model.modules():
@@ -138,6 +141,8 @@ def _fill_from_checkpoint(model: nn.Module, index: dict[str, Path], device, dtyp
             local = take_shard(spec, full_shape, tensor_slice.__getitem__)  # owned, contiguous: this rank's bytes
             real = nn.Parameter(local.to(device=device, dtype=dtype or param.dtype), requires_grad=param.requires_grad)
             copy_param_info(param, real)
+            if param_info(real).tp_shared:  # the gradient hook belongs to the tensor: give the new one its own
+                sum_grad_over_tp(real, tp_group)
             for module, attr in owners[id(param)]:
                 setattr(module, attr, real)
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]

@@ -57,6 +57,22 @@ __all__ = ["Accelerator", "DataParallelScheduler"]
 ReplacedParams = dict[int, tuple[weakref.ref, "nn.Parameter | None"]]
 
 
+@contextmanager
+def _megatron_plugin_off():
+    """accelerate builds its Megatron-LM plugin (NVIDIA's package) when ``accelerate launch`` exported
+    ``ACCELERATE_USE_MEGATRON_LM=true``; the megatron_lm_config block is mtk's to interpret, so that
+    variable reads "false" while accelerate's constructor runs and is restored afterwards."""
+    key, saved = "ACCELERATE_USE_MEGATRON_LM", os.environ.get("ACCELERATE_USE_MEGATRON_LM")
+    os.environ[key] = "false"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
+
+
 class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAccelerator):
     """accelerate's Accelerator with Megatron TP/DP (see the module docstring for what changes).
 
@@ -74,8 +90,6 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
                 "parallel_config=mtk.ParallelConfig(tp_size=..., pp_size=...) instead"
             )
         config = parallel_config or ParallelConfig.from_env()
-        # The megatron_lm_config block is mtk's to interpret; accelerate would require NVIDIA's package.
-        os.environ["ACCELERATE_USE_MEGATRON_LM"] = "false"
         on_cpu = default_device().type == "cpu"
         self.uses_deepspeed = (
             os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or "deepspeed_plugin" in kwargs
@@ -93,7 +107,8 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
                 handlers.append(InitProcessGroupKwargs(backend="gloo"))
             kwargs["kwargs_handlers"] = handlers
         kwargs.setdefault("cpu", on_cpu)
-        super().__init__(*args, **kwargs)
+        with _megatron_plugin_off():
+            super().__init__(*args, **kwargs)
         if self.mixed_precision == "fp16" and self.scaler is None and not self.uses_deepspeed:
             # accelerate accepts fp16 on CPU but runs it as fp32 (no autocast, no loss scaling): say so.
             self.print(

@@ -5,9 +5,11 @@ Two cases need the TP ranks' gradients summed:
 - sequence parallelism: norm weights and row-parallel biases applied to a slice of the sequence;
   Megatron sums them after backward (:func:`sync_sequence_parallel_grads`);
 - a replicated parameter applied to split heads (Qwen3's per-head q/k norms): each rank only holds
-  some heads. :func:`share_params_across_tp` routes the parameters through ``copy_to_tp`` in forward,
-  so backward all-reduces their gradients automatically and ``loss.backward()`` alone is exact,
-  without renaming the parameters in the state dict.
+  some heads. :func:`share_params_across_tp` marks them ``tp_shared`` and gives each a gradient hook
+  that sums its gradient over TP as backward produces it (before it accumulates into ``.grad``), so
+  ``loss.backward()`` alone is exact, gradient accumulation and DDP/ZeRO see the summed gradient, and
+  the state dict keeps HF's names. A loader that creates new parameter objects calls
+  :func:`sum_grad_over_tp` on them again (the hook belongs to the tensor).
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mtk.parallel.comm import Group, all_reduce, copy_to_tp, group_size
+from mtk.parallel.comm import Group, all_reduce, group_size
 from mtk.parallel.parameters import param_info, set_param_info
 
-__all__ = ["all_reduce_coalesced", "share_params_across_tp", "sync_sequence_parallel_grads"]
+__all__ = ["all_reduce_coalesced", "share_params_across_tp", "sum_grad_over_tp", "sync_sequence_parallel_grads"]
 
 
 def sync_sequence_parallel_grads(module: nn.Module, tp_group: Group) -> None:
@@ -56,29 +58,28 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: Group, *, avera
             tensor.copy_(chunk.view_as(tensor))
 
 
-class _SharedParamsForward:
-    """Instance ``forward`` that substitutes ``copy_to_tp(param)`` for the named parameters."""
+class _SumOverTP:
+    """Tensor hook: the incoming gradient summed over the TP group (a collective inside backward, in
+    graph order, so every TP rank reaches it at the same point)."""
 
-    def __init__(self, module: nn.Module, names: Sequence[str], tp_group: Group) -> None:
-        self.module, self.names, self.tp_group = module, tuple(names), tp_group
-        self.class_forward = type(module).forward
-        self.inside = False
+    def __init__(self, tp_group: Group) -> None:
+        self.tp_group = tp_group
 
-    def __call__(self, *args, **kwargs):
-        if self.inside:  # re-entered from functional_call: run the class's own forward
-            return self.class_forward(self.module, *args, **kwargs)
-        params = {name: copy_to_tp(getattr(self.module, name), self.tp_group) for name in self.names}
-        self.inside = True
-        try:
-            return torch.func.functional_call(self.module, params, args, kwargs)
-        finally:
-            self.inside = False
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        return all_reduce(grad.detach().clone(), self.tp_group)
+
+
+def sum_grad_over_tp(param: nn.Parameter, tp_group: Group) -> None:
+    """Mark ``param`` ``tp_shared`` and sum each of its gradients over TP before it accumulates.
+
+    Call once per parameter object: a second call would sum twice.
+    """
+    set_param_info(param, tp_shared=True)
+    if group_size(tp_group) > 1 and param.requires_grad:
+        param.register_hook(_SumOverTP(tp_group))
 
 
 def share_params_across_tp(module: nn.Module, names: Sequence[str], tp_group: Group) -> None:
     """Make backward sum the gradients of ``module``'s parameters ``names`` over the TP group."""
-    if group_size(tp_group) == 1:
-        return
     for name in names:
-        set_param_info(getattr(module, name), tp_shared=True)
-    module.forward = _SharedParamsForward(module, names, tp_group)
+        sum_grad_over_tp(getattr(module, name), tp_group)

@@ -122,6 +122,16 @@ def test_tied_and_conv1d_checkpoints_load(tmp_path, name):
     run_distributed(_load_and_compare, world_size=2, args=(str(tmp_path),))
 
 
+def test_loaded_tp_shared_norms_get_exact_gradients(tmp_path):
+    """Qwen3's per-head q/k norms read from an HF dir: the loader's new parameters sum grads over TP."""
+    from mtk.verify import verify_worker
+
+    build_model("tiny-qwen3", seed=4).save_pretrained(tmp_path)
+    for result in run_distributed(verify_worker, world_size=2, args=(str(tmp_path), "fp32", 2, 16, 0)):
+        assert not result.error and result.grads <= 1e-5, (result.grads, result.worst_param, result.error)
+        assert result.num_params > 0
+
+
 def _load_stage(rank: int, world_size: int, directory: str, tp: int) -> dict:
     from mtk.pipeline.engine import PipelineModel
 
