@@ -104,7 +104,7 @@ def main(argv=None) -> None:
     step, micro_batches = 0, 0
     if args.resume:
         meta = load_deepspeed_checkpoint(args.resume, engine, state)
-        step, micro_batches = meta["step"], meta["data"]["micro_batches"]
+        step, micro_batches = meta.step, meta.data["micro_batches"]
     writer = SummaryWriter(str(Path(args.output_dir) / "runs")) if state.rank == 0 else None
     global_batch = micro * accum * state.dp_size
     if state.rank == 0:

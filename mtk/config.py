@@ -13,13 +13,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mtk.errors import MtkError
+from mtk.errors import ConfigError
 
 __all__ = ["ConfigError", "ParallelConfig"]
-
-
-class ConfigError(MtkError):
-    """A parallelism setting with an invalid value."""
 
 
 PIPELINE_SCHEDULES = ("1f1b", "afab")

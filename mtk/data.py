@@ -12,15 +12,11 @@ from pathlib import Path
 import torch
 from datasets import Dataset, load_dataset
 
-from mtk.errors import MtkError
+from mtk.errors import DataError
 
 __all__ = ["ByteTokenizer", "DataError", "causal_lm_blocks", "load_text_files", "tokenizer_for"]
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text", ".csv": "csv"}
-
-
-class DataError(MtkError):
-    """Training data that is missing or in a format the examples do not read."""
 
 
 class ByteTokenizer:

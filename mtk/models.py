@@ -27,16 +27,12 @@ from transformers import (
     Qwen3Config,
 )
 
-from mtk.errors import MtkError
+from mtk.errors import ModelSpecError
 
 __all__ = ["BUILTIN", "ModelSpecError", "auto_class_for", "builtin_config", "build_model", "resolve_config"]
 
 VOCAB = 259
 SPECIAL_TOKENS = dict(bos_token_id=256, eos_token_id=257, pad_token_id=258)
-
-
-class ModelSpecError(MtkError):
-    """``--model`` names neither a built-in config nor a usable local directory."""
 
 
 def _decoder(cls, **overrides) -> Callable[[], PretrainedConfig]:

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from mtk.checkpoint.hf_load import CheckpointError, load_pretrained_tp
+from mtk.checkpoint.hf_load import load_pretrained_tp
 from mtk.convert import parallelize, parallelized
+from mtk.errors import CheckpointError
 from mtk.models import ModelSpecError, auto_class_for, build_model, resolve_config
 from mtk.parallel.gather import iter_full_tensors
 from mtk.parallel.state import ParallelState

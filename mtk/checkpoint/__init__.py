@@ -1,5 +1,21 @@
-"""Checkpoints: loading HF directories shard by shard (and, later, saving, resharding, export)."""
+"""Checkpoints: HF directories read slice by slice, and mtk's sharded training checkpoints.
 
-from mtk.checkpoint.hf_load import CheckpointError, load_pretrained_tp, safetensors_index
+``hf_load`` builds a TP/PP model from a local HF directory; ``sharded`` saves and loads ``step_N/``
+(its parts: ``paths``, ``meta``, ``weights``, ``optimizer``, ``rng``, ``atomic``); ``reader`` merges
+the shards of any layout; ``export`` writes an HF directory from them.
+"""
 
-__all__ = ["CheckpointError", "load_pretrained_tp", "safetensors_index"]
+from mtk.checkpoint.hf_load import load_pretrained_tp, safetensors_index
+from mtk.checkpoint.meta import CheckpointMeta, Topology, read_metadata
+from mtk.checkpoint.paths import CheckpointPaths
+from mtk.errors import CheckpointError
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointMeta",
+    "CheckpointPaths",
+    "Topology",
+    "load_pretrained_tp",
+    "read_metadata",
+    "safetensors_index",
+]

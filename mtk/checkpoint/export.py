@@ -19,9 +19,12 @@ import transformers
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from mtk.checkpoint.hf_load import INDEX_FILE, SINGLE_FILE, CheckpointError
-from mtk.checkpoint.reshard import ShardedCheckpointReader
-from mtk.checkpoint.sharded import read_metadata
+from mtk.checkpoint.atomic import incomplete_path
+from mtk.checkpoint.hf_load import INDEX_FILE, SINGLE_FILE
+from mtk.checkpoint.meta import CheckpointMeta, read_metadata
+from mtk.checkpoint.paths import CheckpointPaths
+from mtk.checkpoint.reader import ShardedCheckpointReader
+from mtk.errors import CheckpointError
 
 __all__ = ["DTYPES", "export_checkpoint", "parse_size"]
 
@@ -39,8 +42,8 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
-def _model_class(meta: dict):
-    name = meta["model"]["class"]
+def _model_class(meta: CheckpointMeta):
+    name = meta.model["class"]
     cls = getattr(transformers, name, None)
     if cls is None:
         raise CheckpointError(
@@ -83,7 +86,7 @@ def _write_weights(reader: ShardedCheckpointReader, out: Path, dtype, limit: int
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
-def _verify(out: Path, meta: dict, reader: ShardedCheckpointReader, dtype) -> None:
+def _verify(out: Path, meta: CheckpointMeta, reader: ShardedCheckpointReader, dtype) -> None:
     """Reload with HF's own from_pretrained and compare every exported tensor, bit for bit."""
     model = _model_class(meta).from_pretrained(out, dtype=dtype or "auto")
     state = model.state_dict()
@@ -113,21 +116,21 @@ def export_checkpoint(
         raise CheckpointError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
     torch_dtype = DTYPES.get(dtype) if dtype else None
     limit = parse_size(max_shard_size)
-    config_dict = meta["model"].get("config")
+    config_dict = meta.model.get("config")
     if not config_dict:
         raise CheckpointError(f"{checkpoint} records no model config; it cannot be exported as an HF directory")
-    tmp = out.with_name(out.name + ".incomplete")
+    tmp = incomplete_path(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        with ShardedCheckpointReader(checkpoint, meta["topology"]) as reader:
+        with ShardedCheckpointReader(checkpoint, meta.topology) as reader:
             _write_weights(reader, tmp, torch_dtype, limit, progress)
             config = transformers.AutoConfig.for_model(**config_dict)
-            config.architectures = [meta["model"]["class"]]
+            config.architectures = [meta.model["class"]]
             if torch_dtype is not None:
                 config.dtype = torch_dtype
             config.save_pretrained(tmp)
-            tokenizer_dir = Path(checkpoint) / "tokenizer"
+            tokenizer_dir = CheckpointPaths(checkpoint).tokenizer
             if tokenizer_dir.is_dir():
                 for file in tokenizer_dir.iterdir():
                     shutil.copy2(file, tmp / file.name)

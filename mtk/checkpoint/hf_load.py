@@ -10,17 +10,16 @@ Weights load only from safetensors: a directory with only pickled ``.bin`` weigh
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
 from torch import nn
 
-from mtk.checkpoint.safetensors_slices import SafetensorsError, SafetensorsFile
+from mtk.checkpoint.safetensors_slices import open_safetensors
 from mtk.convert import parallelize
-from mtk.errors import MtkError
+from mtk.errors import CheckpointError
 from mtk.models import ModelSpecError, auto_class_for, resolve_config
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.grads import sum_grad_over_tp
@@ -32,10 +31,6 @@ __all__ = ["CheckpointError", "load_pretrained_tp", "safetensors_index"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-
-class CheckpointError(MtkError):
-    """A checkpoint directory that is missing, incomplete, corrupt or in a refused format."""
 
 
 def safetensors_index(directory: str | Path) -> dict[str, Path]:
@@ -52,7 +47,7 @@ def safetensors_index(directory: str | Path) -> dict[str, Path]:
                 raise CheckpointError(f"{path} is listed in {INDEX_FILE} but does not exist")
         return index
     if (directory / SINGLE_FILE).is_file():
-        with _open(directory / SINGLE_FILE) as handle:
+        with open_safetensors(directory / SINGLE_FILE) as handle:
             return {name: directory / SINGLE_FILE for name in handle.keys()}
     if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
         raise CheckpointError(
@@ -60,19 +55,6 @@ def safetensors_index(directory: str | Path) -> dict[str, Path]:
             f"save_pretrained(..., safe_serialization=True)"
         )
     raise CheckpointError(f"{directory} has no {SINGLE_FILE} or {INDEX_FILE}")
-
-
-@contextmanager
-def _open(path: Path) -> Iterator[SafetensorsFile]:
-    try:
-        handle = SafetensorsFile(path)
-    except SafetensorsError as err:
-        raise CheckpointError(f"{path.name} is not a readable safetensors file: {err}") from None
-    with handle:
-        try:
-            yield handle
-        except SafetensorsError as err:
-            raise CheckpointError(str(err)) from None
 
 
 def _checkpoint_key(name: str, index: dict[str, Path], prefix: str, tied_to: str | None = None) -> str:
@@ -128,7 +110,7 @@ def _fill_from_checkpoint(
         for attr, param in module.named_parameters(recurse=False):
             owners.setdefault(id(param), []).append((module, attr))
     with ExitStack() as stack:
-        handles = {path: stack.enter_context(_open(path)) for path in sorted(set(index.values()))}
+        handles = {path: stack.enter_context(open_safetensors(path)) for path in sorted(set(index.values()))}
         for name, param in list(model.named_parameters()):  # one name per tied group
             key = _checkpoint_key(name, index, prefix, param_info(param).tied_to)
             tensor_slice = handles[index[key]].get_slice(key)

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SafetensorsError", "SafetensorsFile", "TensorSlicer"]
+from mtk.errors import CheckpointError
+
+__all__ = ["SafetensorsError", "SafetensorsFile", "open_safetensors", "TensorSlicer"]
 
 DTYPES = {
     "F64": torch.float64,
@@ -39,8 +41,19 @@ DTYPES = {
 _MAX_HEADER = 100 * 2**20
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(CheckpointError):
     """A file that is not a valid safetensors file (truncated, bad header, offsets out of range)."""
+
+
+def open_safetensors(path: Path) -> SafetensorsFile:
+    """Open ``path`` for slice reads; a missing or unreadable file is one clear line."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    try:
+        return SafetensorsFile(path)
+    except SafetensorsError as err:
+        raise SafetensorsError(f"{path.name} is not a readable safetensors file: {err}") from None
 
 
 class TensorSlicer:

@@ -7,7 +7,7 @@ import argparse
 from mtk.bench.contenders import CONTENDERS, DTYPES, BenchSpec
 from mtk.bench.report import format_report, report_dict, write_json
 from mtk.bench.runner import predicted_for, run_bench
-from mtk.cli.errors import UserError
+from mtk.errors import MtkError
 from mtk.models import resolve_config
 from mtk.parallel.layout import Layout
 from mtk.plans import check_tp_size
@@ -45,13 +45,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     for name in ("tp", "pp", "batch", "seq", "steps"):
         if getattr(args, name) < 1:
-            raise UserError(f"--{name} must be at least 1, got {getattr(args, name)}")
+            raise MtkError(f"--{name} must be at least 1, got {getattr(args, name)}")
     config = resolve_config(args.model)  # one clear line for an unknown name or a missing directory
     check_tp_size(config, args.tp)
     Layout(world_size=args.tp * args.pp, tp_size=args.tp, pp_size=args.pp)
     micro = args.micro_batches or (args.batch if args.pp > 1 else 1)
     if args.batch % micro:
-        raise UserError(f"--batch {args.batch} does not split into --micro-batches {micro}; use a multiple of it")
+        raise MtkError(f"--batch {args.batch} does not split into --micro-batches {micro}; use a multiple of it")
     return BenchSpec(
         model=args.model,
         tp=args.tp,

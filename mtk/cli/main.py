@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 from mtk import __version__
 from mtk.cli import bench, export, topology, verify
-from mtk.cli.errors import UserError
 from mtk.errors import MtkError
 
 SUBCOMMANDS = (bench, export, topology, verify)
@@ -34,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         return args.run(args) or 0
-    except (UserError, MtkError) as err:  # bad input: one line, no traceback
+    except MtkError as err:  # bad input: one line, no traceback
         print(f"mtk {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mtk.cli.errors import UserError
+from mtk.errors import MtkError
 from mtk.models import resolve_config
 from mtk.plans import check_tp_size
 from mtk.spawn import run_distributed
@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.tp < 1:
-        raise UserError(f"--tp must be at least 1, got {args.tp}")
+        raise MtkError(f"--tp must be at least 1, got {args.tp}")
     # Fail fast, in one line, before any process starts: unknown name, missing directory, bad tp.
     check_tp_size(resolve_config(args.model), args.tp)
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     )
     errors = {r.error for r in results if r.error}
     if errors:
-        raise UserError(errors.pop())
+        raise MtkError(errors.pop())
     worst = max(results, key=lambda r: r.grads)
     rows = [
         ("logits", max(r.logits for r in results), ""),

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from mtk.checkpoint.hf_load import CheckpointError
+from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
-from mtk.config import ConfigError
+from mtk.errors import CheckpointError, ConfigError
 from mtk.integrations.deepspeed import load_deepspeed_checkpoint, save_deepspeed_checkpoint
 from mtk.integrations.shuffle import replay_shuffles
 
@@ -86,7 +86,7 @@ class ShardedCheckpointing:
                 step=self.completed_steps,
                 extra_rng={"scaler": self.scaler.state_dict()} if self.scaler is not None else None,
                 writers=writers,
-                extra_meta={"data": data},
+                data=data,
             )
         if output_dir is not None and automatic:
             self.project_configuration.iteration += 1
@@ -112,10 +112,10 @@ class ShardedCheckpointing:
 
     def _write_custom_objects(self, directory: Path) -> None:
         for i, obj in enumerate(self._custom_objects):  # accelerate's register_for_checkpointing
-            torch.save(obj.state_dict(), Path(directory) / f"custom_checkpoint_{i}.pt")
+            torch.save(obj.state_dict(), CheckpointPaths(directory).custom_object(i))
 
     def _write_tokenizer(self, directory: Path) -> None:
-        self.checkpoint_tokenizer.save_pretrained(str(Path(directory) / "tokenizer"))
+        self.checkpoint_tokenizer.save_pretrained(str(CheckpointPaths(directory).tokenizer))
 
     def _samples_per_micro_batch(self) -> int | None:
         """Samples one micro-batch step consumes over all DP replicas (the first prepared loader's)."""
@@ -153,19 +153,19 @@ class ShardedCheckpointing:
             meta = load_deepspeed_checkpoint(input_dir, self._deepspeed_engine, self.parallel, schedulers=schedulers)
         else:
             meta = load_checkpoint(input_dir, self.parallel, model, optimizers, schedulers)
-        data = meta.get("data", {})
-        self.completed_steps = meta["step"]
+        data = meta.data
+        self.completed_steps = meta.step
         self.micro_batches_seen = self._rescaled_position(data)
         self.step = data.get("accelerate_step", 0)
-        self._rescale_schedulers(meta["topology"]["dp"])
-        if self.scaler is not None and "scaler" in meta["rng"]:
-            self.scaler.load_state_dict(meta["rng"]["scaler"])
+        self._rescale_schedulers(meta.topology.dp)
+        if self.scaler is not None and "scaler" in meta.rng:
+            self.scaler.load_state_dict(meta.rng["scaler"])
         for dataloader, iteration in zip(self._dataloaders, data.get("dataloader_iterations", [])):
             if hasattr(dataloader, "set_epoch"):
                 dataloader.set_epoch(iteration)
             replay_shuffles(dataloader, iteration)
         for i, obj in enumerate(self._custom_objects):
-            obj.load_state_dict(torch.load(Path(input_dir) / f"custom_checkpoint_{i}.pt", weights_only=True))
+            obj.load_state_dict(torch.load(CheckpointPaths(input_dir).custom_object(i), weights_only=True))
 
     def _rescale_schedulers(self, saved_dp: int) -> None:
         """Prepared schedulers step once per DP replica per optimizer step: after a DP change their

@@ -18,12 +18,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from mtk.checkpoint.hf_load import CheckpointError
-from mtk.checkpoint.sharded import read_metadata, restore_rng, save_checkpoint
+from mtk.checkpoint.meta import CheckpointMeta, read_metadata
+from mtk.checkpoint.paths import CheckpointPaths
+from mtk.checkpoint.rng import restore_rng
+from mtk.checkpoint.sharded import load_schedulers, save_checkpoint
 from mtk.config import ConfigError
+from mtk.errors import CheckpointError
 from mtk.parallel.state import ParallelState
 
 __all__ = [
@@ -115,7 +117,7 @@ def save_deepspeed_checkpoint(
     model: nn.Module = engine.module
 
     def deepspeed_state(tmp: Path) -> None:
-        engine.save_checkpoint(str(tmp / "deepspeed"), tag=_DS_TAG)
+        engine.save_checkpoint(str(CheckpointPaths(tmp).deepspeed), tag=_DS_TAG)
 
     with zero3_gathered(engine):
         return save_checkpoint(
@@ -127,31 +129,31 @@ def save_deepspeed_checkpoint(
             step=engine.global_steps,
             writers=list(writers),
             collective_writers=[deepspeed_state],
-            extra_meta={"data": data, "engine": "deepspeed", "zero_stage": engine.zero_optimization_stage()},
+            data=data,
+            engine={"engine": "deepspeed", "zero_stage": engine.zero_optimization_stage()},
         )
 
 
 def load_deepspeed_checkpoint(
     directory: str | Path, engine, state: ParallelState, *, schedulers: list = ()
-) -> dict[str, Any]:
+) -> CheckpointMeta:
     """Restore DeepSpeed's state (same layout only), ``schedulers`` and mtk's RNG; returns the metadata."""
     meta = read_metadata(directory)
-    saved = meta["topology"]
-    if meta.get("engine") != "deepspeed":
+    paths = CheckpointPaths(directory)
+    saved = meta.topology
+    if meta.engine != "deepspeed":
         raise CheckpointError(f"{directory} was not written by the DeepSpeed engine; resume it with the same engine")
-    if (saved["tp"], saved["pp"], saved["dp"]) != (state.tp_size, state.pp_size, state.dp_size):
+    if (saved.tp, saved.pp, saved.dp) != (state.tp_size, state.pp_size, state.dp_size):
         raise CheckpointError(
-            f"{directory} was written at tp={saved['tp']} pp={saved['pp']} dp={saved['dp']}, this run is "
+            f"{directory} was written at tp={saved.tp} pp={saved.pp} dp={saved.dp}, this run is "
             f"tp={state.tp_size} pp={state.pp_size} dp={state.dp_size}; a DeepSpeed checkpoint resumes at the same "
             f"layout (export it with `mtk export` to change layouts)"
         )
-    path, _ = engine.load_checkpoint(str(Path(directory) / "deepspeed"), tag=_DS_TAG)
+    path, _ = engine.load_checkpoint(str(paths.deepspeed), tag=_DS_TAG)
     if path is None:
         raise CheckpointError(f"{directory}/deepspeed holds no DeepSpeed checkpoint")
-    for i, scheduler in enumerate(schedulers):
-        path = Path(directory) / ("scheduler.pt" if i == 0 else f"scheduler_{i}.pt")
-        scheduler.load_state_dict(torch.load(path, weights_only=True))
-    meta["rng"] = restore_rng(directory, meta, state)
+    load_schedulers(paths, list(schedulers))
+    meta.rng = restore_rng(paths, meta, state)
     return meta
 
 

@@ -13,13 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtk.errors import MtkError
+from mtk.errors import LayoutError
 
 __all__ = ["LayoutError", "Coords", "Layout"]
-
-
-class LayoutError(MtkError):
-    """A (world, tp, pp) combination that cannot form a Megatron grid."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from mtk.errors import MtkError
+from mtk.errors import UnsupportedModelError
 
 __all__ = [
     "COLUMN",
@@ -50,10 +50,6 @@ REMOVE = "remove"  # dropped: the input embedding (later stages pass ``inputs_em
 IDENTITY = "identity"  # returns its input: the final norm before the last stage, embedding dropout after the first
 ZEROS = "zeros"  # returns zeros shaped like its output: learned positions added to the embeddings
 STAGE_REPLACEMENTS = (REMOVE, IDENTITY, ZEROS)
-
-
-class UnsupportedModelError(MtkError):
-    """The model (or this TP size) cannot be converted by any rule set."""
 
 
 @cache

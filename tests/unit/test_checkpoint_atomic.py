@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mtk.checkpoint.sharded as sharded
-from mtk.checkpoint import CheckpointError
+from mtk.checkpoint import CheckpointError, CheckpointPaths
 from mtk.checkpoint.sharded import load_checkpoint, read_metadata, save_checkpoint
 from mtk.convert import parallelize
 from mtk.models import build_model
@@ -28,7 +28,7 @@ def test_interrupted_save_is_not_a_checkpoint(tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(sharded, "_save_optimizer", crash)
+    monkeypatch.setattr(sharded, "save_optimizer", crash)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path / "step_5", state, model, [optimizer], [], step=5)
     assert not (tmp_path / "step_5").exists()
@@ -49,7 +49,7 @@ def test_round_trip_and_overwrite(tmp_path):
         for p in fresh.parameters():
             p.zero_()
     meta = load_checkpoint(tmp_path / "step_1", fresh_state, fresh, [fresh_opt], [])
-    assert meta["step"] == 1 and json.loads((tmp_path / "step_1" / "metadata.json").read_text())["format"]
+    assert meta.step == 1 and json.loads((tmp_path / "step_1" / "metadata.json").read_text())["format"]
     for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(a, b), name
     fresh_params = dict(fresh.named_parameters())
@@ -68,3 +68,30 @@ def test_missing_shard_of_another_layout_is_named(tmp_path):
     missing = tmp_path / "c" / "model" / "tp01-pp00.safetensors"
     with pytest.raises(CheckpointError, match=f"checkpoint file {missing} is missing"):
         load_checkpoint(tmp_path / "c", state, model, [optimizer], [])
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{", "is not valid mtk checkpoint metadata"),
+        ("[1, 2]", "is not valid mtk checkpoint metadata"),
+        ('{"format": "mtk-checkpoint/1", "step": 1}', "is not valid mtk checkpoint metadata"),
+        ('{"format": "other/9"}', "has format 'other/9'"),
+    ],
+)
+def test_damaged_metadata_is_one_clear_error(tmp_path, content, message):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "metadata.json").write_text(content)
+    with pytest.raises(CheckpointError, match=message):
+        read_metadata(tmp_path / "c")
+
+
+def test_paths_name_every_file_once():
+    paths = CheckpointPaths("ckpt")
+    assert paths.weights(1, 0).as_posix() == "ckpt/model/tp01-pp00.safetensors"
+    assert paths.optimizer(0, 2, 1).as_posix() == "ckpt/optimizer/tp00-pp02-1"
+    assert (paths.scheduler(0).name, paths.scheduler(2).name, paths.rng(3).name) == (
+        "scheduler.pt",
+        "scheduler_2.pt",
+        "rank00003.pt",
+    )

@@ -4,7 +4,7 @@ Every weights file of a checkpoint carries, per tensor, the full shape and the :
 the rank that wrote it. :class:`ShardedCheckpointReader` finds all the pieces of a tensor (one per TP
 rank of the stage that holds it) and merges them; optimizer moments share their parameter's spec.
 Export merges every tensor; a resume at another layout merges each one and cuts the new rank's shard
-(:func:`reshard_into`). One tensor is in memory at a time.
+(:mod:`mtk.checkpoint.weights`, :mod:`mtk.checkpoint.optimizer`). One tensor is in memory at a time.
 """
 
 from __future__ import annotations
@@ -14,32 +14,24 @@ from pathlib import Path
 
 import torch
 
-from mtk.checkpoint.hf_load import CheckpointError
-from mtk.checkpoint.safetensors_slices import SafetensorsError, SafetensorsFile
+from mtk.checkpoint.meta import Topology
+from mtk.checkpoint.paths import CheckpointPaths
+from mtk.checkpoint.safetensors_slices import SafetensorsFile, open_safetensors
+from mtk.errors import CheckpointError
 from mtk.parallel.sharding import ShardSpec, merge_shards
 
 __all__ = ["ShardedCheckpointReader"]
 
 
-def _open(path: Path) -> SafetensorsFile:
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} is missing")
-    try:
-        return SafetensorsFile(path)
-    except SafetensorsError as err:
-        raise CheckpointError(f"{path.name} is not a readable safetensors file: {err}") from None
-
-
 class ShardedCheckpointReader:
     """Reads full tensors from ``<checkpoint>/model`` (and ``/optimizer``) shard files."""
 
-    def __init__(self, directory: str | Path, topology: dict) -> None:
+    def __init__(self, directory: str | Path, topology: Topology) -> None:
         self.directory = Path(directory)
-        tp, pp = topology["tp"], topology["pp"]
-        self.model_files = [
-            self.directory / "model" / f"tp{t:02d}-pp{p:02d}.safetensors" for p in range(pp) for t in range(tp)
-        ]
-        self._handles = [_open(path) for path in self.model_files]
+        self.paths = CheckpointPaths(self.directory)
+        self.ranks = [(t, p) for p in range(topology.pp) for t in range(topology.tp)]
+        self.model_files = [self.paths.weights(t, p) for t, p in self.ranks]
+        self._handles = [open_safetensors(path) for path in self.model_files]
         self.pieces: dict[str, list[tuple[SafetensorsFile, ShardSpec]]] = {}
         self.full_shapes: dict[str, tuple[int, ...]] = {}
         self.tied: dict[str, str] = {}  # a pipeline's last-stage copy of a tied embedding -> the embedding
@@ -72,7 +64,8 @@ class ShardedCheckpointReader:
     def optimizer_files(self) -> list[SafetensorsFile]:
         """The optimizer shard of each model shard, in the same order (opened on first use)."""
         if self._optimizer_handles is None:
-            self._optimizer_handles = [_open(p.parent.parent / "optimizer" / p.name) for p in self.model_files]
+            stems = [self.paths.optimizer(t, p) for t, p in self.ranks]
+            self._optimizer_handles = [open_safetensors(stem.with_suffix(".safetensors")) for stem in stems]
             self._optimizer_keys = [set(h.keys()) for h in self._optimizer_handles]
         return self._optimizer_handles
 

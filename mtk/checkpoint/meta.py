@@ -1,0 +1,95 @@
+"""A checkpoint's ``metadata.json`` as a typed, versioned record: :class:`CheckpointMeta`.
+
+It records the topology that wrote the checkpoint (so a resume can reshard), the library versions,
+the model (class, plan, config: enough for ``mtk export``), the data position and which engine
+wrote it. It is written last: a directory without it is not a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mtk.checkpoint.paths import CheckpointPaths
+from mtk.errors import CheckpointError
+
+__all__ = ["FORMAT", "CheckpointMeta", "Topology", "read_metadata"]
+
+FORMAT = "mtk-checkpoint/1"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The layout that wrote a checkpoint."""
+
+    world: int
+    tp: int
+    pp: int
+    dp: int
+
+
+@dataclass
+class CheckpointMeta:
+    """Everything ``metadata.json`` holds.
+
+    Attributes:
+        step: optimizer steps completed when it was written.
+        topology: the layout that wrote it.
+        versions: mtk, torch, transformers, accelerate.
+        model: ``{"class", "plan", "config"}`` of the model.
+        data: the data position (micro-batches seen, samples per micro-batch, loader epochs).
+        engine: ``"deepspeed"`` when DeepSpeed's state sits in ``deepspeed/``; else ``None``.
+        zero_stage: DeepSpeed's ZeRO stage, with that engine.
+        format: the format version; readers refuse others.
+        rng: filled on load (this rank's restored RNG states, e.g. the fp16 scaler); never written.
+    """
+
+    step: int
+    topology: Topology
+    versions: dict[str, str] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+    engine: str | None = None
+    zero_stage: int | None = None
+    format: str = FORMAT
+    rng: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def to_json(self) -> str:
+        record = dataclasses.asdict(self)
+        record.pop("rng")
+        return json.dumps(record, indent=1, default=str)
+
+    @classmethod
+    def from_json(cls, text: str, where: Path) -> CheckpointMeta:
+        """Parse ``metadata.json``; one clear line for anything that is not this format's metadata."""
+        try:
+            record = json.loads(text)
+            if not isinstance(record, dict):
+                raise TypeError("not a JSON object")
+            if record.get("format") != FORMAT:
+                raise CheckpointError(f"{where} has format {record.get('format')!r}, expected {FORMAT!r}")
+            known = {f.name for f in dataclasses.fields(cls)} - {"rng"}
+            values = {key: value for key, value in record.items() if key in known}
+            values["topology"] = Topology(**record["topology"])
+            return cls(**values)
+        except CheckpointError:
+            raise
+        except (ValueError, TypeError, KeyError) as err:
+            raise CheckpointError(
+                f"{where} is not valid mtk checkpoint metadata ({err}); the file is damaged"
+            ) from None
+
+
+def read_metadata(directory: str | Path) -> CheckpointMeta:
+    """The metadata of a complete checkpoint; a clear error for anything else."""
+    paths = CheckpointPaths(directory)
+    if not paths.root.is_dir():
+        raise CheckpointError(f"checkpoint directory {paths.root} does not exist")
+    if not paths.metadata.is_file():
+        raise CheckpointError(
+            f"{paths.root} is not a complete mtk checkpoint (no metadata.json; an interrupted save?)"
+        )
+    return CheckpointMeta.from_json(paths.metadata.read_text(), paths.metadata)

@@ -1,0 +1,117 @@
+"""Optimizer state in a checkpoint, keyed by HF parameter name so it can be resharded like the weights.
+
+Tensors (``exp_avg``, ``exp_avg_sq``, ...) go to safetensors as ``"<param name>::<state key>"``; param
+groups and non-tensor state to JSON. Moments are cut with their parameter's ShardSpec.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from mtk.checkpoint.paths import CheckpointPaths
+from mtk.checkpoint.weights import read_safetensors, source_name
+from mtk.errors import CheckpointError
+from mtk.parallel.gather import full_shape_and_spec
+from mtk.parallel.sharding import take_shard
+
+__all__ = ["load_optimizer", "reshard_optimizer", "save_optimizer", "saved_optimizer_groups"]
+
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Names of the optimizer's parameters in its own index order."""
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    names = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in by_id:
+                raise CheckpointError("the optimizer holds a parameter that is not part of the model")
+            names.append(by_id[id(param)])
+    return names
+
+
+def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Path) -> None:
+    names = _param_names(model, optimizer)
+    state_dict = optimizer.state_dict()
+    tensors, other = {}, {}
+    for index, param_state in state_dict["state"].items():
+        for key, value in param_state.items():
+            if torch.is_tensor(value):
+                tensors[f"{names[index]}::{key}"] = value.detach().contiguous().cpu()
+            else:
+                other.setdefault(names[index], {})[key] = value
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
+        for g in state_dict["param_groups"]
+    ]
+    save_file(tensors, str(stem.with_suffix(".safetensors")))
+    stem.with_suffix(".json").write_text(json.dumps({"param_groups": groups, "state": other}))
+
+
+def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Path) -> None:
+    names = _param_names(model, optimizer)
+    tensors = read_safetensors(stem.with_suffix(".safetensors"))
+    meta = json.loads(stem.with_suffix(".json").read_text())
+    index = {name: i for i, name in enumerate(names)}
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        name, _, field = key.rpartition("::")
+        if name not in index:
+            raise CheckpointError(f"{stem}: optimizer state for unknown parameter {name!r}")
+        state.setdefault(index[name], {})[field] = value
+    for name, fields in meta["state"].items():
+        state.setdefault(index[name], {}).update(fields)
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def reshard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, reader, saved_groups: dict) -> None:
+    """Moments are cut exactly like their parameters (same spec); scalars (``step``) are copied.
+
+    Param groups keep this optimizer's own grouping; their hyperparameters come from the checkpoint
+    by position (the same script builds the same groups at any layout).
+    """
+    names = _param_names(model, optimizer)
+    fields: dict[str, list[str]] = {}
+    for key in reader.optimizer_keys():
+        name, _, field = key.rpartition("::")
+        fields.setdefault(name, []).append(field)
+    state: dict[int, dict[str, Any]] = {}
+    for i, name in enumerate(names):
+        source = source_name(model, name, fields)
+        for field in fields.get(source, ()):
+            full = reader.full_optimizer_state(f"{source}::{field}")
+            if full.dim() == 0:
+                value = full
+            else:
+                shape, spec = full_shape_and_spec(model, name)
+                value = take_shard(spec, shape, full.__getitem__)
+            state.setdefault(i, {})[field] = value
+        if source in saved_groups["state"]:  # non-tensor per-parameter state
+            state.setdefault(i, {}).update(saved_groups["state"][source])
+    if len(saved_groups["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(saved_groups['param_groups'])} parameter groups, this one "
+            f"{len(optimizer.param_groups)}"
+        )
+    groups, start = [], 0
+    for saved, current in zip(saved_groups["param_groups"], optimizer.param_groups):
+        count = len(current["params"])
+        groups.append({**saved, "params": list(range(start, start + count))})
+        start += count
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def saved_optimizer_groups(paths: CheckpointPaths, pp_size: int) -> dict:
+    """Param groups and non-tensor state of TP rank 0 of every stage, merged."""
+    merged: dict[str, Any] = {"param_groups": None, "state": {}}
+    for stage in range(pp_size):
+        meta = json.loads(paths.optimizer(0, stage).with_suffix(".json").read_text())
+        merged["param_groups"] = merged["param_groups"] or meta["param_groups"]
+        merged["state"].update(meta["state"])
+    return merged

@@ -1,0 +1,70 @@
+"""Where each part of a training checkpoint lives: every file name in one place.
+
+::
+
+    step_N/
+      metadata.json                   CheckpointMeta: format, step, topology, versions, model, data position
+      model/tp00-pp00.safetensors     one (tp, pp) rank's parameter shards (+ each one's ShardSpec)
+      optimizer/tp00-pp00.safetensors optimizer tensors keyed "<param name>::<state key>"
+      optimizer/tp00-pp00.json        param groups (by parameter name) and non-tensor state
+      scheduler.pt                    LR scheduler state (replicated); scheduler_1.pt, ... for more
+      rng/rank00000.pt                every rank's RNG states (python, numpy, torch, device, fp16 scaler)
+      custom_checkpoint_0.pt          objects registered with accelerate's register_for_checkpointing
+      tokenizer/                      the run's tokenizer, when it has one (shipped by ``mtk export``)
+      deepspeed/                      DeepSpeed's own state, when its engine wrote the checkpoint
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["CheckpointPaths", "shard_name"]
+
+
+def shard_name(tp_rank: int, pp_rank: int) -> str:
+    """``tp01-pp00``: the stem of one (tp, pp) rank's weights and optimizer files."""
+    return f"tp{tp_rank:02d}-pp{pp_rank:02d}"
+
+
+@dataclass(frozen=True)
+class CheckpointPaths:
+    """The files of the checkpoint at ``root`` (which may still be the ``.incomplete`` directory)."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def metadata(self) -> Path:
+        return self.root / "metadata.json"
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.root / "tokenizer"
+
+    @property
+    def deepspeed(self) -> Path:
+        return self.root / "deepspeed"
+
+    def weights(self, tp_rank: int, pp_rank: int) -> Path:
+        return self.root / "model" / f"{shard_name(tp_rank, pp_rank)}.safetensors"
+
+    def optimizer(self, tp_rank: int, pp_rank: int, index: int = 0) -> Path:
+        """The stem (``.safetensors`` for tensors, ``.json`` for groups) of optimizer ``index``'s state."""
+        stem = shard_name(tp_rank, pp_rank)
+        return self.root / "optimizer" / (stem if index == 0 else f"{stem}-{index}")
+
+    def scheduler(self, index: int = 0) -> Path:
+        return self.root / ("scheduler.pt" if index == 0 else f"scheduler_{index}.pt")
+
+    def rng(self, rank: int) -> Path:
+        return self.root / "rng" / f"rank{rank:05d}.pt"
+
+    def custom_object(self, index: int) -> Path:
+        return self.root / f"custom_checkpoint_{index}.pt"
+
+    def make_dirs(self) -> None:
+        for sub in ("model", "optimizer", "rng"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,47 @@
+"""Every rank's random-number generator states in a checkpoint (python, numpy, torch, the device's)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from mtk.checkpoint.meta import CheckpointMeta
+from mtk.checkpoint.paths import CheckpointPaths
+from mtk.parallel.state import ParallelState
+
+__all__ = ["restore_rng", "rng_state"]
+
+
+def rng_state(extra: dict[str, Any]) -> dict[str, Any]:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    states = {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.copy()), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+        **extra,
+    }
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if accelerator is not None:
+        states["device"] = torch.get_device_module(accelerator.type).get_rng_state_all()
+    return states
+
+
+def _set_rng_state(states: dict[str, Any]) -> None:
+    random.setstate(states["python"])
+    kind, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
+    torch.set_rng_state(states["torch"])
+    if "device" in states:
+        accelerator = torch.accelerator.current_accelerator()
+        torch.get_device_module(accelerator.type).set_rng_state_all(states["device"])
+
+
+def restore_rng(paths: CheckpointPaths, meta: CheckpointMeta, state: ParallelState) -> dict[str, Any]:
+    """Set this rank's RNG states from the checkpoint (rank 0's when the world size changed)."""
+    same_world = meta.topology.world == state.world_size
+    rng = torch.load(paths.rng(state.rank if same_world else 0), weights_only=True)
+    _set_rng_state(rng)
+    return rng

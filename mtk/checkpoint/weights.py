@@ -1,0 +1,80 @@
+"""Model weights in a checkpoint: one safetensors file per (tp, pp) rank, each tensor with its ShardSpec.
+
+Saved and loaded as is at the same layout; at another layout every tensor is merged from the old
+shards (:class:`~mtk.checkpoint.reader.ShardedCheckpointReader`) and this rank's shard cut from it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from mtk.errors import CheckpointError
+from mtk.parallel.gather import full_shape_and_spec
+from mtk.parallel.parameters import param_info
+from mtk.parallel.sharding import take_shard
+
+__all__ = ["load_weights", "read_safetensors", "reshard_weights", "save_weights", "source_name"]
+
+
+def save_weights(model: nn.Module, path: Path) -> None:
+    tensors, specs = {}, {}
+    for name, param in model.named_parameters():
+        full_shape, spec = full_shape_and_spec(model, name)
+        tensors[name] = param.detach().contiguous().cpu()
+        specs[name] = {
+            "full_shape": list(full_shape),
+            "dim": spec.dim,
+            "ranges": [list(r) for r in spec.ranges],
+            "local_size": spec.local_size,
+        }
+        if param_info(param).pipeline_duplicate:  # last stage's copy of a tied embedding
+            specs[name]["tied_to"] = param_info(param).tied_to
+    save_file(tensors, str(path), metadata={"mtk_specs": json.dumps(specs)})
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    tensors = read_safetensors(path)
+    params = dict(model.named_parameters())
+    missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+    if missing or unexpected:
+        raise CheckpointError(f"{path} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for name, param in params.items():
+            if tensors[name].shape != param.shape:
+                raise CheckpointError(
+                    f"{path}: {name} has shape {tuple(tensors[name].shape)}, model has {tuple(param.shape)}"
+                )
+            param.copy_(tensors[name])
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    try:
+        return load_file(str(path))
+    except Exception as err:  # safetensors raises its own types for corrupt files
+        raise CheckpointError(f"{path} is not a readable safetensors file ({err})") from None
+
+
+def source_name(model: nn.Module, name: str, available) -> str:
+    """The checkpoint's name for ``name``: itself, or for a pipeline's copy of a tied embedding
+    restored from a checkpoint that stored only the embedding, the embedding's name."""
+    if name in available:
+        return name
+    return param_info(model.get_parameter(name)).tied_to or name
+
+
+def reshard_weights(model: nn.Module, reader) -> None:
+    available = set(reader.pieces)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            shape, spec = full_shape_and_spec(model, name)
+            full = reader.full(source_name(model, name, available))
+            if tuple(full.shape) != tuple(shape):
+                raise CheckpointError(f"{name}: checkpoint has shape {tuple(full.shape)}, this model {tuple(shape)}")
+            param.copy_(take_shard(spec, shape, full.__getitem__))
