@@ -24,12 +24,20 @@ from tqdm.auto import tqdm
 
 from mtk import Accelerator
 from mtk.checkpoint import load_pretrained_tp
+from mtk.config import PIPELINE_SCHEDULES, RunSettings
 from mtk.data import causal_lm_blocks, load_text_files, tokenizer_for
 from mtk.errors import run_main
 from mtk.models import build_model, resolve_config
 from mtk.plans import check_tp_size
 
 HERE = Path(__file__).resolve().parent
+
+
+def layer_counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer counts, e.g. 3,1") from None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,6 +56,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq_len", type=int, default=64)
     parser.add_argument("--max_grad_norm", type=float, help="default: megatron_lm_gradient_clipping, else 1.0")
     parser.add_argument("--save_model", help="write the trained model here with save_pretrained at the end")
+    parser.add_argument(
+        "--pipeline_schedule", choices=PIPELINE_SCHEDULES, help="pp > 1 (default: MTK_PIPELINE_SCHEDULE, else 1f1b)"
+    )
+    parser.add_argument(
+        "--pipeline_layers",
+        type=layer_counts,
+        help="decoder layers per stage, e.g. 3,1 (default: MTK_PIPELINE_LAYERS, else even)",
+    )
     return parser.parse_args(argv)
 
 
@@ -59,13 +75,17 @@ def main(argv=None) -> None:
         project_dir=args.output_dir,
         # shuffle order as a function of (seed, epoch): resume is exact whatever else used the RNGs
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # flags beat the launcher's variables (an override is reported in one line)
+        run_settings=RunSettings.from_env(
+            pipeline_schedule=args.pipeline_schedule, pipeline_layers=args.pipeline_layers
+        ),
     )
-    state = accelerator.parallel
+    state, settings = accelerator.parallel, accelerator.settings
     config = resolve_config(args.model)
     check_tp_size(config, state.tp_size)  # one clear line before anything is built
     set_seed(args.seed)
     if Path(args.model).is_dir():
-        model = load_pretrained_tp(args.model, state)  # only this rank's slices are read
+        model = load_pretrained_tp(args.model, state, pipeline_layers=settings.pipeline_layers)  # this rank's bytes
         model.train()
     else:
         model = build_model(args.model, seed=args.seed)  # same weights on every rank and layout
@@ -97,10 +117,10 @@ def main(argv=None) -> None:
             "tp": state.tp_size,
             "pp": state.pp_size,
             "dp": state.dp_size,
-            "micro_batches": state.config.num_micro_batches,
+            "micro_batches": settings.num_micro_batches,
         },
     )
-    max_grad_norm = args.max_grad_norm or state.config.gradient_clipping or 1.0
+    max_grad_norm = args.max_grad_norm or settings.gradient_clipping or 1.0
 
     step = 0
     if args.resume:

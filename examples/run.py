@@ -15,7 +15,6 @@ are given. Tensorboard scalars go to ``<output_dir>/runs`` as in finetune.py.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 
@@ -27,7 +26,6 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torch.utils.tensorboard import SummaryWriter
 
 from mtk.checkpoint import load_pretrained_tp
-from mtk.config import ParallelConfig
 from mtk.convert import parallelize
 from mtk.data import causal_lm_blocks, load_text_files, tokenizer_for
 from mtk.errors import run_main
@@ -59,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch_size", type=int, help="micro-batch per DP replica (default: from the JSON)")
     parser.add_argument("--grad_accum", type=int, help="micro-batches per step (default: from the JSON)")
     parser.add_argument("--seq_len", type=int, default=64)
-    parser.add_argument("--tp", type=int, default=int(os.environ.get("MEGATRON_LM_TP_DEGREE", "1")))
+    parser.add_argument("--tp", type=int, help="tensor-parallel size (default: MEGATRON_LM_TP_DEGREE, else 1)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args(argv)
@@ -70,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    state = ParallelState.from_env(ParallelConfig(tp_size=args.tp))  # torch.distributed from the launcher
+    state = ParallelState.from_env(tp_size=args.tp)  # torch.distributed from the launcher; --tp beats the env
     config = resolve_config(args.model)
     check_tp_size(config, state.tp_size)
     ds_config = deepspeed_config(args.deepspeed_config, micro_batch=args.batch_size, grad_accum=args.grad_accum)

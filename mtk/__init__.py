@@ -1,6 +1,6 @@
 """mtk: Megatron-style tensor, pipeline and data parallelism for HuggingFace models."""
 
-from mtk.config import ConfigError, ParallelConfig
+from mtk.config import ConfigError, ParallelConfig, RunSettings
 from mtk.parallel import (
     ColumnParallelLinear,
     Layout,
@@ -37,6 +37,7 @@ __all__ = [
     "ParallelConfig",
     "ParallelState",
     "RowParallelLinear",
+    "RunSettings",
     "VocabParallelEmbedding",
     "__version__",
     "parallelize",

@@ -1,62 +1,61 @@
-"""Typed parallelism settings, read from the places users already configure them.
+"""Typed settings, read once: where the TP size (and every other setting) comes from.
 
-``accelerate launch`` with a ``megatron_lm_config:`` block exports ``MEGATRON_LM_TP_DEGREE`` and
-friends to every process (accelerate's own Megatron plugin would then require NVIDIA's Megatron-LM
-package; mtk reads the variables itself instead). The pipeline schedule and per-stage layer counts,
-for which accelerate's schema has no key, come from ``MTK_PIPELINE_SCHEDULE`` and ``MTK_PIPELINE_LAYERS``.
-The same dataclass is built directly from Python.
+Two records, kept apart because they change for different reasons:
+
+- :class:`ParallelConfig` is the topology: how many ranks split one model replica (``tp_size``,
+  ``pp_size``). The process groups are built from it (:class:`~mtk.parallel.state.ParallelState`).
+- :class:`RunSettings` is how a step runs on that topology: micro-batches, pipeline schedule and
+  layer split, sequence parallelism, gradient clipping.
+
+Each is read by ``from_env(env, **explicit)``. Precedence, highest first:
+
+1. an explicit value: an Accelerator argument (``parallel_config=``, ``run_settings=``) or a script
+   flag (``--tp``, ``--pipeline_schedule``, ...), passed as ``explicit``;
+2. the launcher's environment: ``accelerate launch`` exports the ``megatron_lm_config`` block of the
+   YAML as ``MEGATRON_LM_*``; ``MTK_PIPELINE_SCHEDULE`` / ``MTK_PIPELINE_LAYERS`` fill the two
+   settings accelerate's schema has no key for;
+3. the defaults below.
+
+An explicit value that overrides a different environment value is reported in one line (``mtk:
+tp_size=2 (explicit) overrides MEGATRON_LM_TP_DEGREE=4``), never silently dropped. With DeepSpeed
+through accelerate the TP size may also come from the DeepSpeed JSON (``"mtk": {"tensor_parallel_size":
+N}``), which ranks with the environment (:func:`mtk.integrations.deepspeed.tp_size_from_config`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from mtk.errors import ConfigError
 
-__all__ = ["ConfigError", "ParallelConfig"]
+__all__ = ["PIPELINE_SCHEDULES", "ConfigError", "ParallelConfig", "RunSettings", "report_override"]
 
+logger = logging.getLogger("mtk")
 
 PIPELINE_SCHEDULES = ("1f1b", "afab")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-def _env_int(env: Mapping[str, str], key: str, default: int) -> int:
-    raw = env.get(key)
-    if raw is None or raw == "":
-        return default
+def _parse_int(key: str, raw: str) -> int:
     try:
         return int(raw)
     except ValueError:
         raise ConfigError(f"{key}={raw!r} is not an integer; set it to a positive whole number") from None
 
 
-def _env_float(env: Mapping[str, str], key: str, default: float) -> float:
-    raw = env.get(key)
-    if raw is None or raw == "":
-        return default
+def _parse_float(key: str, raw: str) -> float:
     try:
         return float(raw)
     except ValueError:
         raise ConfigError(f"{key}={raw!r} is not a number; set it to a non-negative number") from None
 
 
-def _env_int_list(env: Mapping[str, str], key: str) -> tuple[int, ...]:
-    raw = env.get(key, "").strip()
-    if not raw:
-        return ()
-    try:
-        return tuple(int(part) for part in raw.split(","))
-    except ValueError:
-        raise ConfigError(f"{key}={raw!r} is not a comma-separated list of integers, e.g. 3,1") from None
-
-
-def _env_bool(env: Mapping[str, str], key: str, default: bool) -> bool:
-    raw = env.get(key)
-    if raw is None:
-        return default
+def _parse_bool(key: str, raw: str) -> bool:
     if raw.strip().lower() in _TRUE:
         return True
     if raw.strip().lower() in _FALSE:
@@ -64,57 +63,115 @@ def _env_bool(env: Mapping[str, str], key: str, default: bool) -> bool:
     raise ConfigError(f"{key}={raw!r} is not a boolean; use true or false")
 
 
+def _parse_int_list(key: str, raw: str) -> tuple[int, ...]:
+    if not raw.strip():
+        return ()
+    try:
+        return tuple(int(part) for part in raw.split(","))
+    except ValueError:
+        raise ConfigError(f"{key}={raw!r} is not a comma-separated list of integers, e.g. 3,1") from None
+
+
+def _parse_schedule(key: str, raw: str) -> str:
+    return raw.strip().lower()
+
+
+def report_override(field: str, value: Any, source: str, source_value: Any) -> None:
+    """Say, in one line, that an explicit ``value`` replaced what ``source`` set."""
+    logger.warning("mtk: %s=%s (explicit) overrides %s=%s", field, value, source, source_value)
+
+
+def _resolve(
+    values: dict[str, Any],
+    env: Mapping[str, str],
+    sources: dict[str, tuple[str, Callable[[str, str], Any]]],
+    explicit: dict[str, Any],
+) -> dict[str, Any]:
+    """``{field: value}`` from explicit values, then the environment; overrides are reported."""
+    unknown = sorted(set(explicit) - set(sources))
+    if unknown:
+        raise ConfigError(f"unknown settings {unknown}; known: {sorted(sources)}")
+    for field, (key, parse) in sources.items():
+        raw = env.get(key)
+        from_env = parse(key, raw) if raw not in (None, "") else None
+        given = explicit.get(field)
+        if given is not None:
+            if from_env is not None and from_env != given:
+                report_override(field, given, key, raw)
+            values[field] = given
+        elif from_env is not None:
+            values[field] = from_env
+    return values
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How one model replica is split and how a batch flows through it.
+    """The topology: how one model replica is split (data parallelism takes the remaining ranks).
 
     Attributes:
-        tp_size: tensor-parallel degree; each layer's weights are split over this many ranks.
-        pp_size: pipeline-parallel degree; the stack of layers is cut into this many stages.
-        num_micro_batches: micro-batches per step for the pipeline schedule (1 without PP).
-        sequence_parallel: split norm/dropout activations along the sequence inside TP groups.
-        gradient_clipping: max global grad norm; 0 disables clipping.
-        pipeline_schedule: ``1f1b`` (PipeDream-flush: at most ``pp`` micro-batches of activations held)
-            or ``afab`` (all forwards, then all backwards: ``num_micro_batches`` held).
-        pipeline_layers: decoder layers per stage, e.g. ``(3, 1)``; empty: as even as possible.
+        tp_size: tensor-parallel degree; each layer's weights are split over this many ranks
+            (``MEGATRON_LM_TP_DEGREE``).
+        pp_size: pipeline-parallel degree; the stack of layers is cut into this many stages
+            (``MEGATRON_LM_PP_DEGREE``).
     """
 
     tp_size: int = 1
     pp_size: int = 1
-    num_micro_batches: int = 1
-    sequence_parallel: bool = False
-    gradient_clipping: float = 0.0
-    pipeline_schedule: str = "1f1b"
-    pipeline_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "pp_size", "num_micro_batches"):
+        for name in ("tp_size", "pp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **explicit: Any) -> ParallelConfig:
+        """Explicit ``tp_size``/``pp_size`` (``None`` = not given), else the ``MEGATRON_LM_*`` variables."""
+        sources = {"tp_size": ("MEGATRON_LM_TP_DEGREE", _parse_int), "pp_size": ("MEGATRON_LM_PP_DEGREE", _parse_int)}
+        return cls(**_resolve({}, os.environ if env is None else env, sources, explicit))
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """How a training step runs on the topology.
+
+    Attributes:
+        num_micro_batches: micro-batches per step for the pipeline schedule (``MEGATRON_LM_NUM_MICRO_BATCHES``).
+        pipeline_schedule: ``1f1b`` (PipeDream-flush: at most ``pp`` micro-batches of activations held)
+            or ``afab`` (all forwards, then all backwards) (``MTK_PIPELINE_SCHEDULE``).
+        pipeline_layers: decoder layers per stage, e.g. ``(3, 1)``; empty: as even as possible
+            (``MTK_PIPELINE_LAYERS``; checked against the model when it is cut).
+        sequence_parallel: split norm/dropout activations along the sequence inside TP groups
+            (``MEGATRON_LM_SEQUENCE_PARALLELISM``).
+        gradient_clipping: max global grad norm; 0 disables clipping (``MEGATRON_LM_GRADIENT_CLIPPING``).
+    """
+
+    num_micro_batches: int = 1
+    pipeline_schedule: str = "1f1b"
+    pipeline_layers: tuple[int, ...] = ()
+    sequence_parallel: bool = False
+    gradient_clipping: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1:
+            raise ConfigError(f"num_micro_batches must be a positive integer, got {self.num_micro_batches!r}")
         if self.gradient_clipping < 0:
             raise ConfigError(f"gradient_clipping must be >= 0 (0 disables it), got {self.gradient_clipping}")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise ConfigError(
                 f"pipeline schedule {self.pipeline_schedule!r} is unknown; use one of {PIPELINE_SCHEDULES}"
             )
-        if self.pipeline_layers:
-            if len(self.pipeline_layers) != self.pp_size or min(self.pipeline_layers) < 1:
-                raise ConfigError(
-                    f"pipeline_layers {list(self.pipeline_layers)} must give each of the {self.pp_size} stages "
-                    f"at least one layer (e.g. MTK_PIPELINE_LAYERS=3,1 for pp=2)"
-                )
+        if self.pipeline_layers and min(self.pipeline_layers) < 1:
+            raise ConfigError(f"pipeline_layers {list(self.pipeline_layers)} must give every stage at least one layer")
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> ParallelConfig:
-        """Read the ``MEGATRON_LM_*`` variables ``accelerate launch`` exports; absent ones default."""
-        env = os.environ if env is None else env
-        return cls(
-            tp_size=_env_int(env, "MEGATRON_LM_TP_DEGREE", 1),
-            pp_size=_env_int(env, "MEGATRON_LM_PP_DEGREE", 1),
-            num_micro_batches=_env_int(env, "MEGATRON_LM_NUM_MICRO_BATCHES", 1),
-            sequence_parallel=_env_bool(env, "MEGATRON_LM_SEQUENCE_PARALLELISM", False),
-            gradient_clipping=_env_float(env, "MEGATRON_LM_GRADIENT_CLIPPING", 0.0),
-            pipeline_schedule=env.get("MTK_PIPELINE_SCHEDULE", "1f1b").strip().lower(),
-            pipeline_layers=_env_int_list(env, "MTK_PIPELINE_LAYERS"),
-        )
+    def from_env(cls, env: Mapping[str, str] | None = None, **explicit: Any) -> RunSettings:
+        """Explicit settings (``None`` = not given), else the launcher's variables, else the defaults."""
+        sources = {
+            "num_micro_batches": ("MEGATRON_LM_NUM_MICRO_BATCHES", _parse_int),
+            "pipeline_schedule": ("MTK_PIPELINE_SCHEDULE", _parse_schedule),
+            "pipeline_layers": ("MTK_PIPELINE_LAYERS", _parse_int_list),
+            "sequence_parallel": ("MEGATRON_LM_SEQUENCE_PARALLELISM", _parse_bool),
+            "gradient_clipping": ("MEGATRON_LM_GRADIENT_CLIPPING", _parse_float),
+        }
+        return cls(**_resolve({}, os.environ if env is None else env, sources, explicit))

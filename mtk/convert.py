@@ -46,7 +46,7 @@ def parallelize(
     state: ParallelState,
     *,
     plan: Plan | None = None,
-    pipeline_layers: tuple[int, ...] | None = None,
+    pipeline_layers: tuple[int, ...] = (),
     logits: str = "auto",
     pad_vocab_to_multiple_of: int = 1,
 ) -> nn.Module:
@@ -61,16 +61,15 @@ def parallelize(
         state: this process's topology.
         plan: rules to use; default: the registered plan for the model type, else the generic rules
             once they pass a parity check on a one-layer copy.
-        pipeline_layers: decoder layers per stage (pp > 1); default ``state.config.pipeline_layers``,
-            else as even as possible.
+        pipeline_layers: decoder layers per stage (pp > 1); default: as even as possible
+            (:class:`~mtk.config.RunSettings` ``pipeline_layers`` is what the Accelerator passes).
         logits: ``auto`` (full logits when no labels are passed), ``full`` or ``shard``.
         pad_vocab_to_multiple_of: pad the vocabulary to a multiple of ``tp * this`` (never visible).
     """
     check_tp_size(model.config, state.tp_size)  # one clear line before any rank builds anything
     plan = plan or resolve_plan(model, state)
     parallelize_with(model, state, plan, logits=logits, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of)
-    layers = state.config.pipeline_layers if pipeline_layers is None else pipeline_layers
-    stage = split_stages(model, state, plan, layers) if state.pp_size > 1 else None
+    stage = split_stages(model, state, plan, pipeline_layers) if state.pp_size > 1 else None
     if stage is None:
         stage = StageInfo(0, 1, range(0))
     setattr(model, _ATTRIBUTE, Parallelized(plan=plan, tp_size=state.tp_size, stage=stage))

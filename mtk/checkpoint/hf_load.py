@@ -80,12 +80,14 @@ def load_pretrained_tp(
     dtype: torch.dtype | None = None,
     logits: str = "auto",
     pad_vocab_to_multiple_of: int = 1,
+    pipeline_layers: tuple[int, ...] = (),
 ) -> nn.Module:
     """A tensor-parallel HF model whose every parameter holds only this rank's slice of the checkpoint.
 
-    With ``state.pp_size > 1`` the model is also cut to this rank's pipeline stage before anything is
-    read, so a rank reads only its own stage's layers (wrap it in :class:`~mtk.pipeline.engine.PipelineModel`
-    to run it, or let ``mtk.Accelerator.prepare`` do that).
+    With ``state.pp_size > 1`` the model is also cut to this rank's pipeline stage (``pipeline_layers``
+    per stage, else as even as possible) before anything is read, so a rank reads only its own stage's
+    layers (wrap it in :class:`~mtk.pipeline.engine.PipelineModel` to run it, or let
+    ``mtk.Accelerator.prepare`` do that).
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -95,7 +97,9 @@ def load_pretrained_tp(
     with init_empty_weights(include_buffers=False):
         model = auto_class_for(config).from_config(config, dtype=dtype or getattr(config, "dtype", None))
     model.tie_weights()  # init_empty_weights re-creates each registered parameter, which unties shared ones
-    parallelize(model, state, logits=logits, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of)
+    parallelize(
+        model, state, logits=logits, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of, pipeline_layers=pipeline_layers
+    )
     _fill_from_checkpoint(model, index, state.device, dtype, state.tp_group)
     model.eval()  # as HF's from_pretrained
     return model

@@ -35,8 +35,9 @@ from accelerate.data_loader import prepare_data_loader
 from accelerate.utils import InitProcessGroupKwargs
 from torch import nn
 
-from mtk.config import ConfigError, ParallelConfig
+from mtk.config import ParallelConfig, RunSettings, report_override
 from mtk.convert import parallelize, parallelized
+from mtk.errors import ConfigError
 from mtk.integrations.accelerate_checkpoint import ShardedCheckpointing
 from mtk.integrations.accelerate_collectives import DataParallelCollectives
 from mtk.integrations.accelerate_deepspeed import deepspeed_initialize_with_mpu, replace_accelerated_schedulers
@@ -82,14 +83,20 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
             accelerator, which is what makes accelerate join the processes with gloo.
     """
 
-    def __init__(self, *args, parallel_config: ParallelConfig | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        parallel_config: ParallelConfig | None = None,
+        run_settings: RunSettings | None = None,
+        **kwargs,
+    ) -> None:
         if kwargs.get("parallelism_config") is not None:
             raise ConfigError(
                 "mtk.Accelerator takes its layout from the megatron_lm_config block or parallel_config=; "
                 "accelerate's parallelism_config would build a second, conflicting one: pass "
                 "parallel_config=mtk.ParallelConfig(tp_size=..., pp_size=...) instead"
             )
-        config = parallel_config or ParallelConfig.from_env()
+        self.settings = run_settings or RunSettings.from_env()
         on_cpu = default_device().type == "cpu"
         self.uses_deepspeed = (
             os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or "deepspeed_plugin" in kwargs
@@ -115,9 +122,8 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
                 f"mtk: mixed_precision=fp16 on {self.device.type}: accelerate runs no fp16 autocast or loss scaling "
                 "there, so training is fp32"
             )
-        if self.uses_deepspeed:
-            config = self._deepspeed_parallel_config(config)
-        self.parallel = ParallelState.build(config=config, device=self.device)
+        config = self._parallel_config(parallel_config)
+        self.parallel = ParallelState.build(config.tp_size, config.pp_size, device=self.device)
         self._replaced_params: ReplacedParams = {}  # id(unconverted param) -> (weakref to it, its shard)
         # The data position, across epochs (accelerate's ``step`` restarts at every epoch end).
         self.micro_batches_seen = 0  # micro-batches each replica has consumed
@@ -174,7 +180,7 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         before: dict[int, tuple[weakref.ref, list[str]]] = {}  # a tied parameter has several names
         for name, param in model.named_parameters(remove_duplicate=False):
             before.setdefault(id(param), (weakref.ref(param), []))[1].append(name)
-        parallelize(model, self.parallel)
+        parallelize(model, self.parallel, pipeline_layers=self.settings.pipeline_layers)
         after = dict(model.named_parameters(remove_duplicate=False))
         replaced = {
             old: (ref, next((after[n] for n in names if n in after), None)) for old, (ref, names) in before.items()
@@ -185,14 +191,17 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         """With pp > 1, the stage wrapped in the schedule-running :class:`PipelineModel`."""
         if self.parallel.pp_size == 1:
             return model
-        config = self.parallel.config
-        return PipelineModel(model, self.parallel, config.num_micro_batches, config.pipeline_schedule)
+        return PipelineModel(model, self.parallel, self.settings.num_micro_batches, self.settings.pipeline_schedule)
 
     def prepare(self, *args, device_placement=None):
         """As accelerate's, after converting HF models: optimizers built on the unconverted model's
         parameters (the usual order in accelerate scripts) are re-pointed at the shards, and with
-        pp > 1 hold only this stage's parameters (:meth:`prepare_optimizer`)."""
+        pp > 1 hold only this stage's parameters (accelerate's DeepSpeed path hands optimizers to
+        ``deepspeed.initialize`` without :meth:`prepare_optimizer`, so it is done here too)."""
         args = [self._convert_once(obj) if isinstance(obj, nn.Module) else obj for obj in args]
+        for obj in args:
+            if isinstance(obj, torch.optim.Optimizer):
+                self._repoint(obj)
         if not self.uses_deepspeed:
             return super().prepare(*args, device_placement=device_placement)
         with deepspeed_initialize_with_mpu(self.parallel):
@@ -208,24 +217,44 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
         """accelerate's, once the optimizer points at the converted model's parameters (an optimizer
         built before ``prepare`` holds the unconverted ones; another stage's parameters are dropped)."""
-        if self._replaced_params and not getattr(optimizer, "_is_accelerate_prepared", False):
-            if optimizer.state:
-                raise ConfigError("the optimizer already has state; prepare it before its first step")
-            for group in optimizer.param_groups:
-                group["params"] = [new for p in group["params"] if (new := self._replacement(p)) is not None]
+        if not getattr(optimizer, "_is_accelerate_prepared", False):
+            self._repoint(optimizer)
         return super().prepare_optimizer(optimizer, device_placement)
+
+    def _repoint(self, optimizer: torch.optim.Optimizer) -> None:
+        replaced = [p for g in optimizer.param_groups for p in g["params"] if self._replacement(p) is not p]
+        if not replaced:
+            return
+        if optimizer.state:
+            raise ConfigError("the optimizer already has state; prepare it before its first step")
+        for group in optimizer.param_groups:
+            group["params"] = [new for p in group["params"] if (new := self._replacement(p)) is not None]
 
     def _replacement(self, param: nn.Parameter) -> nn.Parameter | None:
         ref, new = self._replaced_params.get(id(param), (None, param))
         return new if ref is None or ref() is param else param  # an id reused by another tensor is not a match
 
     # ---------------------------------------------------------------------- DeepSpeed (ZeRO over DP)
-    def _deepspeed_parallel_config(self, config: ParallelConfig) -> ParallelConfig:
-        """TP from the DeepSpeed JSON's ``"mtk": {"tensor_parallel_size": N}`` (else the environment)."""
-        tp = tp_size_from_config(self.state.deepspeed_plugin.deepspeed_config)
-        if config.pp_size > 1:
+    def _parallel_config(self, explicit: ParallelConfig | None) -> ParallelConfig:
+        """The topology: ``parallel_config=`` if given (reporting what it overrides), else the DeepSpeed
+        JSON's ``"mtk": {"tensor_parallel_size": N}`` under DeepSpeed, else the ``MEGATRON_LM_*`` variables."""
+        launcher = ParallelConfig.from_env()
+        json_tp = tp_size_from_config(self.state.deepspeed_plugin.deepspeed_config) if self.uses_deepspeed else None
+        if json_tp:
+            launcher = dataclasses.replace(launcher, tp_size=json_tp)
+        config = explicit or launcher
+        if explicit is not None:
+            for field in ("tp_size", "pp_size"):
+                if getattr(explicit, field) != getattr(launcher, field):
+                    source = (
+                        "the DeepSpeed JSON's mtk.tensor_parallel_size"
+                        if field == "tp_size" and json_tp
+                        else "the launcher"
+                    )
+                    report_override(field, getattr(explicit, field), source, getattr(launcher, field))
+        if self.uses_deepspeed and config.pp_size > 1:
             raise ConfigError("pipeline parallelism does not run under DeepSpeed; use a megatron_lm_config YAML")
-        return dataclasses.replace(config, tp_size=tp) if tp else config
+        return config
 
     @property
     def _deepspeed_engine(self):
@@ -316,7 +345,7 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
             return
         for model in pipelines:
             model.finalize_grads()
-        if self.parallel.config.sequence_parallel:
+        if self.settings.sequence_parallel:
             for model in self._models:
                 sync_sequence_parallel_grads(model, self.parallel.tp_group)
 

@@ -67,12 +67,10 @@ class ParallelState:
         rank: int,
         groups: Mapping[str, dist.ProcessGroup | None],
         device: torch.device,
-        config: ParallelConfig | None = None,
     ) -> None:
         self.layout = layout
         self.rank = rank
         self.device = device
-        self.config = config or ParallelConfig(tp_size=layout.tp_size, pp_size=layout.pp_size)
         coords = layout.coords(rank)
         self.tp_rank, self.dp_rank, self.pp_rank = coords.tp_rank, coords.dp_rank, coords.pp_rank
         self.tp_ranks = layout.group_of("tp", rank)
@@ -93,7 +91,6 @@ class ParallelState:
         tp_size: int = 1,
         pp_size: int = 1,
         *,
-        config: ParallelConfig | None = None,
         device: torch.device | None = None,
     ) -> ParallelState:
         """Create every TP/DP/PP/MP/embedding group. Collective: all ranks must call it together.
@@ -101,8 +98,6 @@ class ParallelState:
         Without an initialized process group the job must be a single process; the groups are then
         ``None`` and every collective in mtk is skipped.
         """
-        if config is not None:
-            tp_size, pp_size = config.tp_size, config.pp_size
         if dist.is_initialized():
             world_size, rank = dist.get_world_size(), dist.get_rank()
         else:
@@ -119,17 +114,23 @@ class ParallelState:
                     group = dist.new_group(ranks=ranks)
                     if rank in ranks:
                         groups[kind] = group
-        return cls(layout, rank, groups, device, config)
+        return cls(layout, rank, groups, device)
 
     @classmethod
-    def from_env(cls, config: ParallelConfig | None = None, env: Mapping[str, str] | None = None) -> ParallelState:
+    def from_env(cls, env: Mapping[str, str] | None = None, **explicit) -> ParallelState:
         """Initialize torch.distributed from the launcher's variables and build the groups.
 
-        TP/PP sizes come from ``config`` or, by default, from the ``MEGATRON_LM_*`` variables that
-        ``accelerate launch`` exports for a ``megatron_lm_config`` block.
+        TP/PP sizes: explicit ``tp_size``/``pp_size`` if given, else the ``MEGATRON_LM_*`` variables
+        ``accelerate launch`` exports for a ``megatron_lm_config`` block (:class:`ParallelConfig`).
         """
         init_distributed(env)
-        return cls.build(config=config or ParallelConfig.from_env(env))
+        config = ParallelConfig.from_env(env, **explicit)
+        return cls.build(config.tp_size, config.pp_size)
+
+    @property
+    def config(self) -> ParallelConfig:
+        """The topology this state was built for."""
+        return ParallelConfig(tp_size=self.tp_size, pp_size=self.pp_size)
 
     def tp_subgroup(self, size: int) -> dist.ProcessGroup | None:
         """This rank's block of ``size`` consecutive ranks inside its TP group (created once, cached).

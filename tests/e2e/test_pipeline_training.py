@@ -61,8 +61,11 @@ def test_dp_and_gradient_accumulation_with_pipeline_equal_the_same_global_batch(
     tp1 = finetune("tp1", tmp_path / "a", "--max_steps", "3")
     full = finetune("tp2_pp2_dp2", tmp_path / "b", "--max_steps", "3", "--batch_size", "4")
     assert_same_losses(full, tp1, range(1, 4), "tp2_pp2_dp2")
-    monkeypatch.setenv("MTK_PIPELINE_SCHEDULE", "afab")
-    accumulated = finetune("tp1_pp2", tmp_path / "c", "--max_steps", "3", "--batch_size", "4", "--grad_accum", "2")
+    monkeypatch.setenv("MTK_PIPELINE_SCHEDULE", "1f1b")  # the flag wins over the launcher's variable
+    args = ("--max_steps", "3", "--batch_size", "4", "--grad_accum", "2", "--pipeline_schedule", "afab")
+    out = accelerate_launch("finetune.py", "tp1_pp2", *MODEL, "--output_dir", str(tmp_path / "c"), *args)
+    assert "mtk: pipeline_schedule=afab (explicit) overrides MTK_PIPELINE_SCHEDULE=1f1b" in out.stderr
+    accumulated = step_losses(out)
     assert_same_losses(accumulated, tp1, range(1, 4), "tp1_pp2 (afab) with 2 accumulation steps")
 
 

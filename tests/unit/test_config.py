@@ -1,6 +1,10 @@
+"""Settings: explicit values beat the launcher's environment, overrides are reported, bad values are one line."""
+
+import logging
+
 import pytest
 
-from mtk.config import ConfigError, ParallelConfig
+from mtk.config import ConfigError, ParallelConfig, RunSettings
 
 
 def test_reads_the_variables_accelerate_exports():
@@ -11,19 +15,31 @@ def test_reads_the_variables_accelerate_exports():
         "MEGATRON_LM_SEQUENCE_PARALLELISM": "true",
         "MEGATRON_LM_GRADIENT_CLIPPING": "1.0",
     }
-    assert ParallelConfig.from_env(env) == ParallelConfig(
-        tp_size=2, pp_size=4, num_micro_batches=8, sequence_parallel=True, gradient_clipping=1.0
-    )
+    assert ParallelConfig.from_env(env) == ParallelConfig(tp_size=2, pp_size=4)
+    assert RunSettings.from_env(env) == RunSettings(num_micro_batches=8, sequence_parallel=True, gradient_clipping=1.0)
 
 
 def test_pipeline_schedule_and_layers_come_from_mtk_variables():
     env = {"MEGATRON_LM_PP_DEGREE": "2", "MTK_PIPELINE_SCHEDULE": "AFAB", "MTK_PIPELINE_LAYERS": "3,1"}
-    config = ParallelConfig.from_env(env)
-    assert (config.pipeline_schedule, config.pipeline_layers) == ("afab", (3, 1))
+    settings = RunSettings.from_env(env)
+    assert (settings.pipeline_schedule, settings.pipeline_layers) == ("afab", (3, 1))
 
 
 def test_defaults_without_variables():
     assert ParallelConfig.from_env({}) == ParallelConfig()
+    assert RunSettings.from_env({}) == RunSettings()
+
+
+def test_explicit_beats_environment_and_says_so(caplog):
+    env = {"MEGATRON_LM_TP_DEGREE": "4", "MTK_PIPELINE_SCHEDULE": "afab"}
+    with caplog.at_level(logging.WARNING, logger="mtk"):
+        assert ParallelConfig.from_env(env, tp_size=2, pp_size=None).tp_size == 2
+        assert RunSettings.from_env(env, pipeline_schedule="1f1b").pipeline_schedule == "1f1b"
+        assert ParallelConfig.from_env(env, tp_size=4).tp_size == 4  # same value: nothing to report
+    assert caplog.messages == [
+        "mtk: tp_size=2 (explicit) overrides MEGATRON_LM_TP_DEGREE=4",
+        "mtk: pipeline_schedule=1f1b (explicit) overrides MTK_PIPELINE_SCHEDULE=afab",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -35,9 +51,16 @@ def test_defaults_without_variables():
         ({"MEGATRON_LM_GRADIENT_CLIPPING": "-1"}, "gradient_clipping must be >= 0"),
         ({"MTK_PIPELINE_SCHEDULE": "gpipe"}, "pipeline schedule 'gpipe' is unknown; use one of"),
         ({"MTK_PIPELINE_LAYERS": "3;1"}, "MTK_PIPELINE_LAYERS='3;1' is not a comma-separated list of integers"),
-        ({"MEGATRON_LM_PP_DEGREE": "2", "MTK_PIPELINE_LAYERS": "4"}, "must give each of the 2 stages at least one"),
+        ({"MTK_PIPELINE_LAYERS": "4,0"}, "must give every stage at least one layer"),
+        ({"MEGATRON_LM_NUM_MICRO_BATCHES": "0"}, "num_micro_batches must be a positive integer"),
     ],
 )
 def test_bad_values(env, message):
     with pytest.raises(ConfigError, match=message):
         ParallelConfig.from_env(env)
+        RunSettings.from_env(env)
+
+
+def test_unknown_explicit_setting_is_refused():
+    with pytest.raises(ConfigError, match="unknown settings \\['pipeline_scheduel'\\]"):
+        RunSettings.from_env({}, pipeline_scheduel="afab")
