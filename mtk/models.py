@@ -29,7 +29,10 @@ from transformers import (
 
 from mtk.errors import ModelSpecError
 
-__all__ = ["BUILTIN", "ModelSpecError", "auto_class_for", "builtin_config", "build_model", "resolve_config"]
+__all__ = ["BUILTIN", "DTYPES", "ModelSpecError", "auto_class_for", "builtin_config", "build_model", "resolve_config"]
+
+# The dtype names mtk's options take (--dtype of mtk verify, mtk export, mtk bench).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 VOCAB = 259
 SPECIAL_TOKENS = dict(bos_token_id=256, eos_token_id=257, pad_token_id=258)

@@ -17,15 +17,13 @@ import torch
 from mtk.checkpoint.hf_load import load_pretrained_tp
 from mtk.convert import parallelize, parallelized
 from mtk.errors import CheckpointError
-from mtk.models import ModelSpecError, auto_class_for, build_model, resolve_config
+from mtk.models import DTYPES, ModelSpecError, auto_class_for, build_model, resolve_config
 from mtk.parallel.gather import iter_full_tensors
 from mtk.parallel.state import ParallelState
 from mtk.plans import UnsupportedModelError
 from mtk.testing import max_rel_error
 
 __all__ = ["VerifyResult", "verify_worker"]
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass

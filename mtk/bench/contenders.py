@@ -18,12 +18,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from mtk.models import build_model, resolve_config
+from mtk.models import DTYPES, build_model, resolve_config
 from mtk.parallel.trace import count_collectives
 
 __all__ = ["BenchSpec", "RankResult", "CONTENDERS"]
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The collectives one training step must issue on a TP rank, from the math (DESIGN.md).
+"""The collectives one training step must issue on a TP rank, from the Megatron math (docs/bench.md).
 
 Per decoder layer the Column->Row pairs of attention and MLP each all-reduce a ``[b, s, h]``
 activation forward (after the row-parallel output) and its gradient backward (before the

@@ -34,7 +34,7 @@ def collective_lines(measured: dict[str, dict[str, int]], predicted: Predicted) 
 
 def report_dict(spec: BenchSpec, summaries: list[ContenderSummary], predicted: Predicted, busy: list[float]) -> dict:
     tokens = spec.batch * spec.seq
-    mtk = next((s for s in summaries if s.name == "mtk"), None)
+    ours = next((s for s in summaries if s.name == "mtk"), None)
     rows = []
     for s in summaries:
         row = {
@@ -50,8 +50,8 @@ def report_dict(spec: BenchSpec, summaries: list[ContenderSummary], predicted: P
             "collectives": s.collectives,
             "steps_timed": len(s.step_s),
         }
-        if mtk is not None and mtk.median_s and s.median_s and s is not mtk:
-            row["mtk_time_ratio"] = mtk.median_s / s.median_s
+        if ours is not None and ours.median_s and s.median_s and s is not ours:
+            row["mtk_time_ratio"] = ours.median_s / s.median_s
         rows.append(row)
     return {
         "spec": {k: v for k, v in vars(spec).items() if k != "checkpoint_dir"},
@@ -81,14 +81,14 @@ def format_report(report: dict) -> str:
             f"{row['name']:<22} {layout:>11} {row['median_s']:>9.3f} {row['min_s']:>7.3f} "
             f"{row['tokens_per_s']:>9.0f} {memory:>10.0f} MiB {ratio:>15}"
         )
-    mtk = next((r for r in report["contenders"] if r["name"] == "mtk" and not r["error"]), None)
-    if mtk is not None:
+    ours = next((r for r in report["contenders"] if r["name"] == "mtk" and not r["error"]), None)
+    if ours is not None:
         out.append("collectives per step on rank 0 (mtk), measured vs predicted from the model's shapes:")
         predicted = Predicted(
             counts=_counter(report["predicted_collectives"], "count"),
             nbytes=_counter(report["predicted_collectives"], "bytes"),
         )
-        out += collective_lines(mtk["collectives"], predicted)
+        out += collective_lines(ours["collectives"], predicted)
     busy = report["machine_busy_before_launch"]
     out.append(
         f"machine: {report['cpu_count']} cores, busy {busy['min']:.0%}-{busy['max']:.0%} of the time just before "

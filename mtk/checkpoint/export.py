@@ -25,10 +25,10 @@ from mtk.checkpoint.meta import CheckpointMeta, read_metadata
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.reader import ShardedCheckpointReader
 from mtk.errors import CheckpointError
+from mtk.models import DTYPES
 
 __all__ = ["DTYPES", "export_checkpoint", "parse_size"]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -38,7 +38,7 @@ def parse_size(text: str | int) -> int:
         return text
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?I?B?)\s*", text.upper())
     if not match or match.group(2) not in _UNITS:
-        raise CheckpointError(f"--max-shard-size {text!r} is not a size; use e.g. 5GB, 500MB or a number of bytes")
+        raise CheckpointError(f"--max_shard_size {text!r} is not a size; use e.g. 5GB, 500MB or a number of bytes")
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 

@@ -24,7 +24,7 @@ from mtk.errors import CheckpointError
 
 __all__ = ["SafetensorsError", "SafetensorsFile", "open_safetensors", "TensorSlicer"]
 
-DTYPES = {
+SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -134,7 +134,8 @@ class SafetensorsFile:
         entries = {}
         for name, info in header.items():
             try:
-                dtype, shape, (begin, end) = DTYPES[info["dtype"]], tuple(info["shape"]), info["data_offsets"]
+                dtype, shape = SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"])
+                begin, end = info["data_offsets"]
             except (KeyError, TypeError, ValueError):
                 raise SafetensorsError(f"{self.path}: tensor {name!r} has an invalid header entry") from None
             expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

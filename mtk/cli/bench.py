@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from mtk.bench.contenders import CONTENDERS, DTYPES, BenchSpec
+from mtk.bench.contenders import CONTENDERS, BenchSpec
 from mtk.bench.report import format_report, report_dict, write_json
 from mtk.bench.runner import predicted_for, run_bench
 from mtk.errors import MtkError
-from mtk.models import resolve_config
+from mtk.models import DTYPES, resolve_config
 from mtk.parallel.layout import Layout
 from mtk.plans import check_tp_size
 
@@ -30,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default="bench-llama", help="built-in config name or local HF directory")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
-    parser.add_argument("--micro-batches", type=int, help="pipeline micro-batches per step (default: the batch)")
+    parser.add_argument("--micro_batches", type=int, help="pipeline micro-batches per step (default: the batch)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
     parser.add_argument("--seq", type=int, default=256, help="sequence length (default 256)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round (default 5)")
@@ -51,7 +51,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     Layout(world_size=args.tp * args.pp, tp_size=args.tp, pp_size=args.pp)
     micro = args.micro_batches or (args.batch if args.pp > 1 else 1)
     if args.batch % micro:
-        raise MtkError(f"--batch {args.batch} does not split into --micro-batches {micro}; use a multiple of it")
+        raise MtkError(f"--batch {args.batch} does not split into --micro_batches {micro}; use a multiple of it")
     return BenchSpec(
         model=args.model,
         tp=args.tp,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from mtk.checkpoint.export import DTYPES, export_checkpoint
+from mtk.checkpoint.export import export_checkpoint
+from mtk.models import DTYPES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -15,14 +16,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "Merge the per-rank shards of CHECKPOINT (e.g. ckpts/step_150) into OUT: config.json, "
             "model.safetensors (or shards + index) with HF's names, no vocabulary padding, and the "
             "tokenizer files if the run saved them. No process group is needed. The result is reloaded "
-            "with from_pretrained and compared tensor by tensor unless --no-verify."
+            "with from_pretrained and compared tensor by tensor unless --no_verify."
         ),
     )
     parser.add_argument("checkpoint", help="checkpoint directory written by save_state, e.g. ckpts/step_150")
     parser.add_argument("out", help="new directory for the HF model")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point weights (default: as trained)")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
-    parser.add_argument("--no-verify", action="store_true", help="skip reloading and comparing the result")
+    parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors file (default 5GB)")
+    parser.add_argument("--no_verify", action="store_true", help="skip reloading and comparing the result")
     parser.set_defaults(run=run)
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 
 from mtk.errors import MtkError
-from mtk.models import resolve_config
+from mtk.models import DTYPES, resolve_config
 from mtk.plans import check_tp_size
 from mtk.spawn import run_distributed
-from mtk.verify import DTYPES, verify_worker
+from mtk.verify import verify_worker
 
 DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
 

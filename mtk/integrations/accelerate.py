@@ -246,11 +246,7 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         if explicit is not None:
             for field in ("tp_size", "pp_size"):
                 if getattr(explicit, field) != getattr(launcher, field):
-                    source = (
-                        "the DeepSpeed JSON's mtk.tensor_parallel_size"
-                        if field == "tp_size" and json_tp
-                        else "the launcher"
-                    )
+                    source = "the DeepSpeed JSON's mtk block" if field == "tp_size" and json_tp else "the launcher"
                     report_override(field, getattr(explicit, field), source, getattr(launcher, field))
         if self.uses_deepspeed and config.pp_size > 1:
             raise ConfigError("pipeline parallelism does not run under DeepSpeed; use a megatron_lm_config YAML")

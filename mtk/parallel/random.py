@@ -74,7 +74,8 @@ class RNGStreams:
             _set_state(self.device, saved)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every stream's state, for checkpoints (resume must continue each stream exactly)."""
+        """Every stream's state, for whoever checkpoints these streams (resume must continue each exactly);
+        mtk's own checkpoints store the default generators only (rng/rank*.pt)."""
         return {name: state.clone() for name, state in self._states.items()}
 
     def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:

@@ -243,7 +243,7 @@ def parallelize_with(
     if missing:
         raise UnsupportedModelError(
             f"{type(model).__name__}: the {plan.name} rules {missing} match no module; this model needs its own rule "
-            f"file under mtk/plans/ (see README, 'Adding an architecture')"
+            f"file under mtk/plans/ (docs/architectures.md, 'Adding an architecture')"
         )
     untied = [n for n in tied_heads if n not in converted]
     if untied:

@@ -2,7 +2,7 @@
 
 A :class:`Plan` is a small value: which modules of an HF architecture become which parallel layer,
 which attributes of HF's own modules change (heads per rank), and how to read head counts from the
-config for validation. One generic function (:func:`mtk.plans.apply.parallelize`) applies any plan,
+config for validation. One generic function (:func:`mtk.convert.parallelize`) applies any plan,
 and HF's forward code (rotary, sdpa/eager attention, masks) keeps running on the converted modules.
 
 Patterns name modules by their dotted path: ``*`` matches one path component, a leading ``**.``

@@ -1,6 +1,6 @@
 """Fallback for decoder architectures no family file names, by the module names most HF decoders use.
 
-It is never trusted blindly: :func:`mtk.plans.apply.parallelize` first converts a one-layer random
+It is never trusted blindly: :func:`mtk.convert.parallelize` first converts a one-layer random
 copy of the model with it and compares logits with the unconverted copy; only on a match is it used.
 """
 

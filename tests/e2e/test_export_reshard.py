@@ -32,10 +32,10 @@ def runs(tmp_path_factory):
 def test_exported_tp2_run_equals_exported_tp1_run(runs, tmp_path):
     root, _, _ = runs
     for name in ("tp2", "tp1"):
-        out = mtk_export(str(root / name / "step_6"), str(tmp_path / name), "--max-shard-size", "100KB")
+        out = mtk_export(str(root / name / "step_6"), str(tmp_path / name), "--max_shard_size", "100KB")
         assert out.returncode == 0, out.stderr[-2000:]
         assert "verified" in out.stdout
-    assert (tmp_path / "tp2" / "model.safetensors.index.json").exists(), "sharded by --max-shard-size"
+    assert (tmp_path / "tp2" / "model.safetensors.index.json").exists(), "sharded by --max_shard_size"
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "tp2")
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "tp1")
     assert a.model.embed_tokens.weight.shape == (259, 64), "no vocabulary padding in the export"

@@ -73,5 +73,5 @@ def test_report_has_ratios_memory_and_collectives(tmp_path):
 def test_bad_bench_input_is_one_line(capsys):
     assert main(["bench", "--model", "tiny-llama", "--tp", "3"]) == 2
     assert "num_attention_heads = 4 is not divisible by tp = 3" in capsys.readouterr().err
-    assert main(["bench", "--model", "tiny-llama", "--pp", "2", "--batch", "3", "--micro-batches", "2"]) == 2
-    assert "--batch 3 does not split into --micro-batches 2" in capsys.readouterr().err
+    assert main(["bench", "--model", "tiny-llama", "--pp", "2", "--batch", "3", "--micro_batches", "2"]) == 2
+    assert "--batch 3 does not split into --micro_batches 2" in capsys.readouterr().err
