@@ -28,7 +28,7 @@ __all__ = ["PLANS", "check_tp_size", "find_plan", "register_plan", "resolve_plan
 PLANS: list[Plan] = [LLAMA, GPT2, BERT, PHI3]
 PARITY_TOLERANCE = 1e-4  # one layer in fp32 on random weights; real mismatches are O(1)
 
-_HOW_TO_ADD = "add a plan (a file of rules) under mtk/plans/ and register it (docs/architectures.md, 'Adding an architecture')"
+_HOW_TO_ADD = "add a plan under mtk/plans/ and register it (docs/architectures.md, 'Adding an architecture')"
 
 
 def register_plan(plan: Plan) -> None:
