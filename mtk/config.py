@@ -84,7 +84,7 @@ def report_override(field: str, value: Any, source: str, source_value: Any) -> N
 def _resolve(
     values: dict[str, Any],
     env: Mapping[str, str],
-    sources: dict[str, tuple[str, Callable[[str, str], Any]]],
+    sources: Mapping[str, tuple[str, Callable[[str, str], Any]]],
     explicit: dict[str, Any],
 ) -> dict[str, Any]:
     """``{field: value}`` from explicit values, then the environment; overrides are reported."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,7 +36,8 @@ __all__ = ["BUILTIN", "DTYPES", "ModelSpecError", "auto_class_for", "builtin_con
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 VOCAB = 259
-SPECIAL_TOKENS = dict(bos_token_id=256, eos_token_id=257, pad_token_id=258)
+_LABELS: dict[str, Any] = {"num_labels": 2}  # a PretrainedConfig kwarg BertConfig's signature does not list
+SPECIAL_TOKENS: dict[str, Any] = dict(bos_token_id=256, eos_token_id=257, pad_token_id=258)
 
 
 def _decoder(cls, **overrides) -> Callable[[], PretrainedConfig]:
@@ -68,7 +70,7 @@ BUILTIN: dict[str, Callable[[], PretrainedConfig]] = {
         num_attention_heads=4,
         intermediate_size=128,
         max_position_embeddings=256,
-        num_labels=2,
+        **_LABELS,
         **SPECIAL_TOKENS,
     ),
     # The `mtk bench` reference point (docs/bench.md): large enough that compute, not latency, dominates.

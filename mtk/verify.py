@@ -81,7 +81,7 @@ def verify_worker(rank: int, world_size: int, spec: str, dtype: str, batch: int,
     grad_scale = max(p.grad.abs().max().item() for p in ref_grads.values() if p.grad is not None)
     result = VerifyResult(
         model_class=type(reference).__name__,
-        plan=parallelized(model).plan.name,
+        plan=record.plan.name if (record := parallelized(model)) else "?",
         logits=max_rel_error(logits.float(), ref_logits.float()),
         loss=max_rel_error(out.loss.float(), ref_out.loss.float()),
     )

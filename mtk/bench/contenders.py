@@ -14,6 +14,7 @@ import resource
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -142,7 +143,7 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
         pipe.finalize_grads()
         return out
 
-    step = _train_step(forward, optimizer, _batch(spec, model.config.vocab_size, device), backward=False)
+    step = _train_step(forward, optimizer, _batch(spec, cast(Any, model).config.vocab_size, device), backward=False)
     return _measure(spec, step, device).as_dict()
 
 
@@ -160,6 +161,7 @@ def run_tp_plan(rank: int, world_size: int, spec: BenchSpec) -> dict:
 
     torch.set_num_threads(spec.threads)
     device = _device()
+    assert spec.checkpoint_dir is not None, "the tp_plan contender loads the shared weights from a directory"
     model = AutoModelForCausalLM.from_pretrained(
         spec.checkpoint_dir, tp_plan="auto", dtype=DTYPES[spec.dtype], tp_size=spec.tp
     )

@@ -45,7 +45,8 @@ def predict_collectives(
     even share (the remainder on earlier stages), P2P moves one ``[b, s, h]`` tensor per micro-batch
     and direction at each stage boundary, and the loss is broadcast from the last stage.
     """
-    counts, nbytes = Counter(), Counter()
+    counts: Counter[str] = Counter()
+    nbytes: Counter[str] = Counter()
     first, last = stage == 0, stage == pp - 1
     base, extra = divmod(num_layers, pp)
     layers = base + (1 if stage < extra else 0)

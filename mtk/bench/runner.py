@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 from mtk.bench.contenders import CONTENDERS, BenchSpec
 from mtk.bench.predict import Predicted, predict_collectives
@@ -83,7 +84,7 @@ def run_bench(
     loads: list[float] = []
     with tempfile.TemporaryDirectory(prefix="mtk-bench-") as tmp:
         if any(name == "transformers-tp_plan" for name in contenders):  # the same weights, as a local HF dir
-            build_model(spec.model, seed=spec.seed).save_pretrained(tmp)
+            cast(Any, build_model(spec.model, seed=spec.seed)).save_pretrained(tmp)
             spec = replace(spec, checkpoint_dir=tmp)
         total, done = rounds * len(contenders), 0
         for round_index in range(rounds):
@@ -134,6 +135,8 @@ def machine_busy_fraction(interval: float = 0.5) -> float:
         return os.getloadavg()[0] / (os.cpu_count() or 1)
     time.sleep(interval)
     after = _cpu_times()
+    if before is None or after is None:
+        return 0.0
     total, idle = after[0] - before[0], after[1] - before[1]
     return (total - idle) / total if total else 0.0
 

@@ -85,7 +85,7 @@ class CheckpointMeta:
 
 def read_metadata(directory: str | Path) -> CheckpointMeta:
     """The metadata of a complete checkpoint; a clear error for anything else."""
-    paths = CheckpointPaths(directory)
+    paths = CheckpointPaths(Path(directory))
     if not paths.root.is_dir():
         raise CheckpointError(f"checkpoint directory {paths.root} does not exist")
     if not paths.metadata.is_file():

@@ -38,7 +38,8 @@ def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str
 def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Path) -> None:
     names = _param_names(model, optimizer)
     state_dict = optimizer.state_dict()
-    tensors, other = {}, {}
+    tensors: dict[str, torch.Tensor] = {}
+    other: dict[str, dict[str, Any]] = {}
     for index, param_state in state_dict["state"].items():
         for key, value in param_state.items():
             if torch.is_tensor(value):

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["CheckpointPaths", "shard_name"]
@@ -27,14 +26,11 @@ def shard_name(tp_rank: int, pp_rank: int) -> str:
     return f"tp{tp_rank:02d}-pp{pp_rank:02d}"
 
 
-@dataclass(frozen=True)
 class CheckpointPaths:
     """The files of the checkpoint at ``root`` (which may still be the ``.incomplete`` directory)."""
 
-    root: Path
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "root", Path(self.root))
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
 
     @property
     def metadata(self) -> Path:

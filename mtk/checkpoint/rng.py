@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -16,7 +16,7 @@ __all__ = ["restore_rng", "rng_state"]
 
 
 def rng_state(extra: dict[str, Any]) -> dict[str, Any]:
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    kind, keys, pos, has_gauss, cached = cast(tuple, np.random.get_state(legacy=True))
     states = {
         "python": random.getstate(),
         "numpy": [kind, torch.from_numpy(keys.copy()), pos, has_gauss, cached],
@@ -36,6 +36,7 @@ def _set_rng_state(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["torch"])
     if "device" in states:
         accelerator = torch.accelerator.current_accelerator()
+        assert accelerator is not None, "the checkpoint has device RNG states but this machine has no accelerator"
         torch.get_device_module(accelerator.type).set_rng_state_all(states["device"])
 
 

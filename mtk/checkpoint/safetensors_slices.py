@@ -86,7 +86,7 @@ class TensorSlicer:
             outer = math.prod(shape[:dim])
             inner = math.prod(shape[dim + 1 :]) * item  # bytes per index of ``dim``
             run = (stop - start) * inner  # contiguous bytes per outer index
-            buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())  # [outer * run] bytes
+            buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy().data)  # [outer * run] bytes
             for o in range(outer):  # dim 0: one read; an inner dim: one read per outer row
                 position = self.offset + (o * shape[dim] + start) * inner
                 self._read_exact(buffer[o * run : (o + 1) * run], position)

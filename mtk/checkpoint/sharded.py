@@ -13,9 +13,9 @@ filesystem.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,7 @@ def _model_record(model: nn.Module) -> dict[str, Any]:
     return {
         "class": type(model).__name__,
         "plan": record.plan.name if record else None,
-        "config": model.config.to_dict() if hasattr(model, "config") else None,
+        "config": cast(Any, model).config.to_dict() if hasattr(model, "config") else None,
     }
 
 
@@ -78,8 +78,8 @@ def save_checkpoint(
     extra_rng: dict[str, Any] | None = None,
     data: dict[str, Any] | None = None,
     engine: dict[str, Any] | None = None,
-    writers: list[Callable[[Path], None]] = (),
-    collective_writers: list[Callable[[Path], None]] = (),
+    writers: Sequence[Callable[[Path], None]] = (),
+    collective_writers: Sequence[Callable[[Path], None]] = (),
 ) -> Path:
     """Write a checkpoint at ``directory`` atomically. Collective: every rank calls it.
 

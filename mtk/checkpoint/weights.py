@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -22,7 +23,8 @@ __all__ = ["load_weights", "read_safetensors", "reshard_weights", "save_weights"
 
 
 def save_weights(model: nn.Module, path: Path) -> None:
-    tensors, specs = {}, {}
+    tensors: dict[str, torch.Tensor] = {}
+    specs: dict[str, dict[str, Any]] = {}
     for name, param in model.named_parameters():
         full_shape, spec = full_shape_and_spec(model, name)
         tensors[name] = param.detach().contiguous().cpu()

@@ -83,6 +83,8 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
             accelerator, which is what makes accelerate join the processes with gloo.
     """
 
+    scaler: Any  # accelerate's GradScaler (mtk's TP-aware one under fp16), or None
+
     def __init__(
         self,
         *args,

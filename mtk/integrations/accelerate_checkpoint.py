@@ -13,6 +13,7 @@ import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +22,12 @@ from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.errors import CheckpointError, ConfigError
 from mtk.integrations.deepspeed import load_deepspeed_checkpoint, save_deepspeed_checkpoint
 from mtk.integrations.shuffle import replay_shuffles
+from mtk.parallel.state import ParallelState
+
+if TYPE_CHECKING:  # the mixin is checked as part of accelerate's Accelerator
+    from accelerate import Accelerator as _Host
+else:
+    _Host = object
 
 __all__ = ["ShardedCheckpointing"]
 
@@ -37,8 +44,15 @@ def _automatic_checkpoints(root: Path) -> Iterator[tuple[int, Path]]:
             yield int(match[1]), folder
 
 
-class ShardedCheckpointing:
+class ShardedCheckpointing(_Host):
     """Mixin for :class:`mtk.Accelerator`: accelerate's checkpoint API over mtk's sharded format."""
+
+    parallel: ParallelState
+    uses_deepspeed: bool
+    micro_batches_seen: int
+    completed_steps: int
+    checkpoint_tokenizer: Any
+    _deepspeed_engine: Any
 
     def _checkpoint_parts(self):
         if len(self._models) != 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,12 @@ from accelerate.state import PartialState
 from accelerate.utils import recursively_apply
 
 from mtk.parallel.comm import all_reduce, group_size
+from mtk.parallel.state import ParallelState
+
+if TYPE_CHECKING:  # the mixin is checked as part of accelerate's Accelerator
+    from accelerate import Accelerator as _Host
+else:
+    _Host = object
 
 __all__ = ["DataParallelCollectives"]
 
@@ -23,8 +30,11 @@ __all__ = ["DataParallelCollectives"]
 _split_between = contextmanager(PartialState.split_between_processes.__wrapped__)
 
 
-class DataParallelCollectives:
+class DataParallelCollectives(_Host):
     """Mixin for :class:`mtk.Accelerator`: accelerate's metric collectives over ``self.parallel.dp_group``."""
+
+    parallel: ParallelState
+    flag_tensor: torch.Tensor | None  # accelerate's trigger flag
 
     def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
         """Reduce over the data-parallel group (TP/PP ranks of one replica hold the same values)."""

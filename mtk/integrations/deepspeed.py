@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +107,8 @@ def save_deepspeed_checkpoint(
     state: ParallelState,
     data: dict[str, Any],
     *,
-    schedulers: list = (),
-    writers: list = (),
+    schedulers: Sequence = (),
+    writers: Sequence = (),
 ) -> Path:
     """``directory`` in mtk's layout + DeepSpeed's own state in ``directory/deepspeed``. Collective.
 
@@ -135,7 +136,7 @@ def save_deepspeed_checkpoint(
 
 
 def load_deepspeed_checkpoint(
-    directory: str | Path, engine, state: ParallelState, *, schedulers: list = ()
+    directory: str | Path, engine, state: ParallelState, *, schedulers: Sequence = ()
 ) -> CheckpointMeta:
     """Restore DeepSpeed's state (same layout only), ``schedulers`` and mtk's RNG; returns the metadata."""
     meta = read_metadata(directory)

@@ -30,7 +30,13 @@ def replay_shuffles(dataloader, completed_epochs: int) -> int:
     if sampler.generator is None:
         return 0
     indices = range(len(sampler.data_source))
-    replay = DataLoader(indices, sampler=sampler, batch_size=4096, collate_fn=len, generator=dataloader.generator)
+    replay: DataLoader = DataLoader(
+        indices,  # type: ignore[arg-type]  # a range is a map-style dataset: len and indexing
+        sampler=sampler,
+        batch_size=4096,
+        collate_fn=len,
+        generator=dataloader.generator,
+    )
     for _ in range(completed_epochs):
         for _ in replay:  # draws what one epoch of the real loader drew; loads no data
             pass

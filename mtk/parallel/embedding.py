@@ -53,7 +53,7 @@ class VocabParallelEmbedding(ShardedModule):
         self.vocab_end = self.vocab_start + self.vocab_per_rank
         self.padding_idx = padding_idx
         in_range = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
-        self.local_padding_idx = padding_idx - self.vocab_start if in_range else None
+        self.local_padding_idx = padding_idx - self.vocab_start if in_range and padding_idx is not None else None
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         self.sequence_dim = sequence_dim
         self.weight = nn.Parameter(torch.empty(self.vocab_per_rank, embedding_dim, device=device, dtype=dtype))

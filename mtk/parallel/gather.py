@@ -46,7 +46,7 @@ def gather_full_tensor(
     dist.all_gather(pieces, local, group=tp_group)
     specs: list[ShardSpec | None] = [None] * size
     dist.all_gather_object(specs, spec, group=tp_group)
-    return merge_shards(list(zip(pieces, specs)), full_shape)
+    return merge_shards([(piece, spec) for piece, spec in zip(pieces, specs) if spec is not None], full_shape)
 
 
 def iter_full_tensors(model: nn.Module, tp_group: Group, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -76,7 +76,7 @@ def gather_state_dict(model: nn.Module, state: ParallelState) -> dict[str, torch
     seen: dict[int, str] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) in seen or param_info(tensor).pipeline_duplicate:
-            aliases[name] = seen.get(id(tensor)) or param_info(tensor).tied_to
+            aliases[name] = seen.get(id(tensor)) or str(param_info(tensor).tied_to)
             continue
         seen[id(tensor)] = name
         shape, spec = full_shape_and_spec(model, name)
@@ -98,7 +98,7 @@ def _collect_stages(full: dict, aliases: dict, state: ParallelState) -> tuple[di
     for stage in range(1, state.pp_size):
         src = state.pp_ranks[stage]
         if state.rank == src:
-            header = [[(n, tuple(t.shape), t.dtype) for n, t in full.items()], aliases]
+            header: list = [[(n, tuple(t.shape), t.dtype) for n, t in full.items()], aliases]
             dist.send_object_list(header, dst=first, group=group)
             for tensor in full.values():
                 dist.send(tensor.to(state.device).contiguous(), dst=first, group=group)

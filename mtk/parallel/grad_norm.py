@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -61,5 +62,6 @@ def clip_grad_norm_tp_(
     norm = grad_norm_tp(parameters, state, norm_type)
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for param in parameters:
-        param.grad.mul_(coef.to(param.grad.device))
+        grad = cast(torch.Tensor, param.grad)  # filtered above
+        grad.mul_(coef.to(grad.device))
     return norm

@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -66,9 +67,9 @@ class ShardedModule(nn.Module, abc.ABC):
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Copy this rank's slice of full (unsharded) tensors in."""
-        self.weight.copy_(self.shard(weight, "weight"))
+        cast(torch.Tensor, self.weight).copy_(self.shard(weight, "weight"))
         if bias is not None:
-            self.bias.copy_(self.shard(bias, "bias"))
+            cast(torch.Tensor, self.bias).copy_(self.shard(bias, "bias"))
 
 
 class ColumnParallelLinear(ShardedModule):

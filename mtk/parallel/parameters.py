@@ -74,9 +74,9 @@ def set_param_info(param: torch.Tensor, **changes) -> ParamInfo:
 
 def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:
     """Tag a sharded parameter the way Megatron and DeepSpeed recognise it."""
-    param.tensor_model_parallel = True
-    param.partition_dim = partition_dim
-    param.partition_stride = 1
+    param.tensor_model_parallel = True  # type: ignore[attr-defined]  # DeepSpeed's protocol, not torch's type
+    param.partition_dim = partition_dim  # type: ignore[attr-defined]
+    param.partition_stride = 1  # type: ignore[attr-defined]
 
 
 def copy_param_info(source: torch.Tensor, target: torch.Tensor) -> None:

@@ -57,6 +57,7 @@ def take_shard(
     """
     if spec.is_replicated:
         return read(tuple(slice(None) for _ in full_shape))
+    assert spec.dim is not None  # a split spec names its dimension
     dim = spec.dim % len(full_shape)
     pieces = []
     for start, stop in spec.ranges:
@@ -79,6 +80,7 @@ def merge_shards(pieces: list[tuple[torch.Tensor, ShardSpec]], full_shape: tuple
     first_local, first_spec = pieces[0]
     if first_spec.is_replicated:
         return first_local.clone()
+    assert first_spec.dim is not None
     dim = first_spec.dim % len(full_shape)
     full = first_local.new_empty(full_shape)
     covered = torch.zeros(full_shape[dim], dtype=torch.bool)

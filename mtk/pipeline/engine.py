@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -129,7 +130,7 @@ class PipelineModel(nn.Module):
 
     def _run(self, micro: list[dict[str, torch.Tensor]], train: bool) -> list[torch.Tensor]:
         info, link, m = self.info, self.link, len(micro)
-        dtype, device = self.module.dtype, micro[0]["input_ids"].device
+        dtype, device = cast(torch.dtype, cast(Any, self.module).dtype), micro[0]["input_ids"].device
         hidden = self.config.hidden_size
         held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # micro-batch -> (stage input, output)
         losses: list[torch.Tensor] = []
@@ -159,6 +160,7 @@ class PipelineModel(nn.Module):
                 grad = link.recv_backward(tuple(output.shape), dtype, device)
                 torch.autograd.backward(output, grad.to(output.dtype))
             if not info.is_first:
+                assert stage_input is not None and stage_input.grad is not None
                 link.send_backward(stage_input.grad)
 
         order = (
@@ -184,7 +186,7 @@ class PipelineModel(nn.Module):
                 raise ConfigError("the last pipeline stage computed no loss; pass labels")
             return loss
         inputs.pop("labels", None)
-        return self.module.base_model(**inputs, use_cache=False).last_hidden_state  # [b, s, h]
+        return cast(Any, self.module).base_model(**inputs, use_cache=False).last_hidden_state  # [b, s, h]
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean micro-batch loss of the last stage, on every stage."""

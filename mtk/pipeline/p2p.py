@@ -37,25 +37,33 @@ class StageLink:
 
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
         tensor = tensor.detach().contiguous()
-        self._pending.append((dist.isend(tensor, dst=dst, group=self.group), tensor))
+        work = dist.isend(tensor, dst=dst, group=self.group)
+        assert work is not None  # a member of the group always gets a handle
+        self._pending.append((work, tensor))
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int) -> torch.Tensor:
         buffer = torch.empty(shape, dtype=dtype, device=device)
         start = time.perf_counter()
-        dist.irecv(buffer, src=src, group=self.group).wait()
+        work = dist.irecv(buffer, src=src, group=self.group)
+        assert work is not None
+        work.wait()
         self.wait_s += time.perf_counter() - start
         return buffer
 
     def send_forward(self, activation: torch.Tensor) -> None:
+        assert self.next_rank is not None, "the last stage sends nothing forward"
         self._send(activation, self.next_rank)
 
     def recv_forward(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        assert self.prev_rank is not None, "the first stage receives nothing forward"
         return self._recv(shape, dtype, device, self.prev_rank)
 
     def send_backward(self, grad: torch.Tensor) -> None:
+        assert self.prev_rank is not None, "the first stage sends nothing backward"
         self._send(grad, self.prev_rank)
 
     def recv_backward(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        assert self.next_rank is not None, "the last stage receives nothing backward"
         return self._recv(shape, dtype, device, self.next_rank)
 
     def flush(self) -> None:

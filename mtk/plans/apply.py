@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -92,7 +93,7 @@ def _linear_dims(module: nn.Module, name: str) -> tuple[int, int, bool, bool]:
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features, module.bias is not None, False
     if type(module).__name__ == "Conv1D":  # transformers.pytorch_utils.Conv1D: weight [in, out]
-        n_in, n_out = module.weight.shape
+        n_in, n_out = cast(torch.Tensor, module.weight).shape
         return n_in, n_out, module.bias is not None, True
     raise UnsupportedModelError(f"{name} is a {type(module).__name__}; a linear rule needs nn.Linear or Conv1D")
 
@@ -117,9 +118,10 @@ class CopyInputToTP:
 
 def _build(
     rule: Rule, module: nn.Module, name: str, ctx: PlanContext, state: ParallelState, pad: int, copy_input: bool
-) -> nn.Module:
+) -> ShardedModule:
     """The parallel replacement for ``module`` (on the meta device: shards are filled afterwards)."""
-    group, meta = state.tp_group, {"device": "meta", "dtype": None}
+    group = state.tp_group
+    meta: dict[str, Any] = {"device": "meta", "dtype": None}
     if rule.style == VOCAB:
         if not isinstance(module, nn.Embedding):
             raise UnsupportedModelError(f"{name} is a {type(module).__name__}; the vocab rule needs nn.Embedding")
@@ -182,13 +184,17 @@ def _build(
 
 def _copy_shards(new: ShardedModule, old: nn.Module) -> None:
     """Materialize ``new`` where ``old`` lives and copy this rank's slice of ``old``'s weights."""
-    device = old.weight.device
+    device = cast(torch.Tensor, old.weight).device
     if device.type == "meta":
         return
     materialize_(new, device)
     with torch.no_grad():
         for name, param in new.named_parameters(recurse=False):
             param.copy_(new.shard(getattr(old, name).detach(), name))
+
+
+def _matches(pattern, name: str) -> bool:
+    return pattern is not None and pattern.match(name) is not None
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -219,12 +225,13 @@ def parallelize_with(
     tied_heads = [
         n
         for n, m in modules.items()
-        if old_embedding is not None and getattr(m, "weight", None) is old_embedding and not embed_pattern.match(n)
+        if old_embedding is not None and getattr(m, "weight", None) is old_embedding and not _matches(embed_pattern, n)
     ]
 
     shared = {n: s for n in modules for s in plan.shared_inputs if s.matches(n)} if state.tp_size > 1 else {}
     matched: set[str] = set()
-    converted: dict[str, nn.Module] = {}
+    converted: dict[str, ShardedModule] = {}
+    styles: dict[str, str] = {}  # converted module -> its rule's style
     for name, module in modules.items():
         rule = plan.rule_for(name) if name else None
         if rule is None:
@@ -236,7 +243,7 @@ def parallelize_with(
         fed_by_shared = rule.style in (COLUMN, KV_COLUMN) and any(name.startswith(p + ".") for p in shared)
         new = _build(rule, module, name, ctx, state, pad_vocab_to_multiple_of, copy_input=not fed_by_shared)
         _copy_shards(new, module)
-        new.mtk_style = rule.style
+        styles[name] = rule.style
         _set_submodule(model, name, new)
         converted[name] = new
     missing = [r.pattern for r in plan.rules if not r.optional and r.pattern not in matched]
@@ -250,19 +257,22 @@ def parallelize_with(
         raise UnsupportedModelError(f"{untied} are tied to the input embedding but no rule splits them")
     for name, spec in shared.items():
         modules[name].register_forward_pre_hook(CopyInputToTP(spec.argument, state.tp_group), with_kwargs=True)
-    _retie_embeddings(model, converted, old_embedding, tied_heads)
+    _retie_embeddings(model, converted, styles, old_embedding, tied_heads)
     for name, module in model.named_modules():
         for fix in plan.attr_fixes:
             if fix.matches(name) and hasattr(module, fix.attr):
                 setattr(module, fix.attr, fix.value(ctx))
-    head = next((m for m in converted.values() if m.mtk_style == LM_HEAD and not m.gather_output), None)
+    heads = [cast(ColumnParallelLinear, m) for n, m in converted.items() if styles[n] == LM_HEAD]
+    head = next((m for m in heads if not m.gather_output), None)
     if head is not None:
-        model.loss_function = VocabParallelCausalLMLoss(head)
+        cast(Any, model).loss_function = VocabParallelCausalLMLoss(head)
         model.register_forward_hook(LogitsGatherHook(head, logits), with_kwargs=True)
     return model
 
 
-def _retie_embeddings(model: nn.Module, converted: dict, old_embedding, tied_heads: list[str]) -> None:
+def _retie_embeddings(
+    model: nn.Module, converted: dict, styles: dict[str, str], old_embedding, tied_heads: list[str]
+) -> None:
     """Output embeddings that shared the input embedding's weight share its shard after conversion.
 
     Ties are found by parameter identity before conversion (what HF's ``tie_weights`` produced), so
@@ -275,7 +285,7 @@ def _retie_embeddings(model: nn.Module, converted: dict, old_embedding, tied_hea
             raise UnsupportedModelError(
                 f"{name} is tied to the input embedding but no rule splits it; add an lm_head rule for it"
             )
-    embedding = next((m for m in converted.values() if m.mtk_style == VOCAB), None)
+    embedding = next((m for n, m in converted.items() if styles[n] == VOCAB), None)
     for name in tied_heads:
         head = converted[name]
         if embedding is None or head.weight.shape != embedding.weight.shape:
