@@ -39,3 +39,25 @@ def accelerate_launch(
 def step_losses(out: subprocess.CompletedProcess) -> dict[int, float]:
     """``step N loss X`` lines (printed at full precision by the examples)."""
     return {int(step): float(loss) for step, loss in STEP_LINE.findall(out.stdout + out.stderr)}
+
+
+def finetune(config: str, out_dir, *args: str) -> dict[int, float]:
+    """``examples/finetune.py`` at ``config``, writing to ``out_dir``; its per-step losses."""
+    return step_losses(accelerate_launch("finetune.py", config, "--output_dir", str(out_dir), *args))
+
+
+def assert_same_losses(actual: dict[int, float], expected: dict[int, float], steps, what: str = "") -> None:
+    """Exactly ``steps`` were logged, each within the exactness bar of ``expected``."""
+    from mtk.testing import assert_close_rel
+
+    assert sorted(actual) == list(steps), actual
+    prefix = f"{what}: " if what else ""
+    for step in steps:
+        assert_close_rel(actual[step], expected[step], f"{prefix}loss at step {step}")
+
+
+def one_line_error(out: subprocess.CompletedProcess, message: str, prog: str = "finetune.py") -> None:
+    """The run failed with exactly one ``<prog>: error: ...`` line, containing ``message``."""
+    assert out.returncode != 0
+    ours = [line for line in out.stderr.splitlines() if line.startswith(f"{prog}: error:")]
+    assert len(ours) == 1 and message in ours[0], out.stderr[-2000:]

@@ -34,12 +34,9 @@ def deepspeed_run(processes: int, config: str, *args: str, check: bool = True) -
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Non-ZeRO losses of the same seed, global batch 8 and schedule (6 steps): the Accelerate path at TP=1."""
-    out = accelerate_launch(
-        "finetune.py", "tp1", "--max_steps", "6", "--output_dir", str(tmp_path_factory.mktemp("r"))
-    )
-    return step_losses(out)
+def reference(llama_tp1):
+    """Non-ZeRO losses of the same seed, global batch 8 and schedule (6 steps): the shared Accelerate run at TP=1."""
+    return llama_tp1.losses
 
 
 @pytest.fixture(scope="module")

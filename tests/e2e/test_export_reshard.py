@@ -9,11 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mtk.testing import assert_close_rel
-from tests.e2e.launch import ROOT, accelerate_launch, step_losses
-
-
-def finetune(config: str, out_dir: Path, *args: str) -> dict[int, float]:
-    return step_losses(accelerate_launch("finetune.py", config, "--output_dir", str(out_dir), *args))
+from tests.e2e.launch import ROOT, finetune
 
 
 def mtk_export(*args: str) -> subprocess.CompletedProcess:
@@ -21,18 +17,14 @@ def mtk_export(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """TP=2 and TP=1 runs of the same seed: 6 steps, checkpoints at 3 and 6."""
-    root = tmp_path_factory.mktemp("runs")
-    tp2 = finetune("tp2", root / "tp2", "--max_steps", "6", "--save_every", "3")
-    tp1 = finetune("tp1", root / "tp1", "--max_steps", "6", "--save_every", "3")
-    return root, tp2, tp1
+def runs(llama_tp1, llama_tp2):
+    """The shared TP=2 and TP=1 reference runs (tests/e2e/conftest.py), by layout name."""
+    return {"tp2": llama_tp2, "tp1": llama_tp1}
 
 
 def test_exported_tp2_run_equals_exported_tp1_run(runs, tmp_path):
-    root, _, _ = runs
     for name in ("tp2", "tp1"):
-        out = mtk_export(str(root / name / "step_6"), str(tmp_path / name), "--max_shard_size", "100KB")
+        out = mtk_export(str(runs[name].dir / "step_6"), str(tmp_path / name), "--max_shard_size", "100KB")
         assert out.returncode == 0, out.stderr[-2000:]
         assert "verified" in out.stdout
     assert (tmp_path / "tp2" / "model.safetensors.index.json").exists(), "sharded by --max_shard_size"
@@ -47,9 +39,9 @@ def test_exported_tp2_run_equals_exported_tp1_run(runs, tmp_path):
 @pytest.mark.parametrize("config,batch", [("tp1", "8"), ("tp4", "8"), ("tp2_dp2", "4")])
 def test_resume_tp2_checkpoint_at_another_layout(runs, tmp_path, config, batch):
     """TP 2->1, 2->4 (kv heads then replicated) and DP 1->2: same global batch, same losses."""
-    root, tp2, _ = runs
+    tp2 = runs["tp2"].losses
     resumed = finetune(
-        config, tmp_path, "--max_steps", "6", "--batch_size", batch, "--resume", str(root / "tp2" / "step_3")
+        config, tmp_path, "--max_steps", "6", "--batch_size", batch, "--resume", str(runs["tp2"].dir / "step_3")
     )
     assert sorted(resumed) == [4, 5, 6]
     for step in (4, 5, 6):
@@ -57,16 +49,15 @@ def test_resume_tp2_checkpoint_at_another_layout(runs, tmp_path, config, batch):
 
 
 def test_resume_tp1_checkpoint_at_tp2(runs, tmp_path):
-    root, _, tp1 = runs
-    resumed = finetune("tp2", tmp_path, "--max_steps", "6", "--resume", str(root / "tp1" / "step_3"))
+    tp1 = runs["tp1"].losses
+    resumed = finetune("tp2", tmp_path, "--max_steps", "6", "--resume", str(runs["tp1"].dir / "step_3"))
     for step in (4, 5, 6):
         assert_close_rel(resumed[step], tp1[step], f"loss at step {step} after TP 1->2")
 
 
 def test_damaged_checkpoints_are_named_and_nothing_is_written(runs, tmp_path):
-    root, _, _ = runs
     damaged = tmp_path / "damaged"
-    shutil.copytree(root / "tp2" / "step_6", damaged)
+    shutil.copytree(runs["tp2"].dir / "step_6", damaged)
     victim = damaged / "model" / "tp01-pp00.safetensors"
     victim.write_bytes(victim.read_bytes()[:200])
     out = mtk_export(str(damaged), str(tmp_path / "out"))

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mtk.testing import assert_close_rel
-from tests.e2e.launch import accelerate_launch, step_losses
+from tests.e2e.launch import accelerate_launch, assert_same_losses, finetune, one_line_error, step_losses
 
 
 def launch(config: str, *args: str, processes_ok: bool = True, launcher_args: tuple = ()):
@@ -21,17 +20,10 @@ def launch(config: str, *args: str, processes_ok: bool = True, launcher_args: tu
 losses = step_losses
 
 
-def assert_same_losses(actual: dict[int, float], expected: dict[int, float], steps) -> None:
-    for step in steps:
-        assert_close_rel(actual[step], expected[step], f"loss at step {step}")
-
-
 @pytest.fixture(scope="module")
-def tp2_run(tmp_path_factory):
-    """The reference TP=2 run: 6 steps, checkpoints at 3 and 6."""
-    out_dir = tmp_path_factory.mktemp("tp2")
-    out = launch("tp2", "--max_steps", "6", "--save_every", "3", "--output_dir", str(out_dir))
-    return out_dir, losses(out)
+def tp2_run(llama_tp2):
+    """The shared TP=2 reference run (tests/e2e/conftest.py): 6 steps, checkpoints at 3 and 6."""
+    return llama_tp2.dir, llama_tp2.losses
 
 
 def test_tp2_trains_logs_and_checkpoints(tp2_run):
@@ -64,10 +56,9 @@ def test_fp16_on_cpu_runs_as_accelerate_runs_it(tp2_run, tmp_path):
     assert losses(out)[1] == tp2_run[1][1]
 
 
-def test_tp1_and_tp2_log_the_same_losses(tp2_run, tmp_path):
+def test_tp1_and_tp2_log_the_same_losses(tp2_run, llama_tp1):
     _, tp2 = tp2_run
-    tp1 = losses(launch("tp1", "--max_steps", "6", "--output_dir", str(tmp_path)))
-    assert_same_losses(tp2, tp1, range(1, 7))
+    assert_same_losses(tp2, llama_tp1.losses, range(1, 7))
 
 
 def test_resume_from_step_3_continues_exactly(tp2_run, tmp_path):
@@ -79,10 +70,10 @@ def test_resume_from_step_3_continues_exactly(tp2_run, tmp_path):
     assert_same_losses(resumed, uninterrupted, [4, 5, 6])
 
 
-def test_tp2_dp2_equals_tp1_at_the_same_global_batch(tmp_path):
-    tp1 = losses(launch("tp1", "--max_steps", "4", "--batch_size", "8", "--output_dir", str(tmp_path / "a")))
-    tp2_dp2 = losses(launch("tp2_dp2", "--max_steps", "4", "--batch_size", "4", "--output_dir", str(tmp_path / "b")))
-    assert_same_losses(tp2_dp2, tp1, range(1, 5))
+def test_tp2_dp2_equals_tp1_at_the_same_global_batch(llama_tp1, tmp_path):
+    """Batch 4 per replica over 2 replicas against the TP=1 run's batch 8."""
+    tp2_dp2 = finetune("tp2_dp2", tmp_path, "--max_steps", "6", "--batch_size", "4")
+    assert_same_losses(tp2_dp2, llama_tp1.losses, range(1, 7))
 
 
 def test_gradient_accumulation_equals_the_larger_batch(tp2_run, tmp_path):
@@ -101,12 +92,6 @@ def test_bf16_trains(tmp_path):
     assert run[15] < run[1] - 0.3, run
 
 
-def _one_line_error(out, message: str) -> None:
-    assert out.returncode != 0
-    ours = [line for line in out.stderr.splitlines() if line.startswith("finetune.py: error:")]
-    assert len(ours) == 1 and message in ours[0], out.stderr[-2000:]
-
-
 def _yaml(tmp_path: Path, processes: int, tp: int) -> str:
     path = tmp_path / f"p{processes}_tp{tp}.yaml"
     path.write_text(
@@ -119,11 +104,9 @@ def _yaml(tmp_path: Path, processes: int, tp: int) -> str:
 
 def test_bad_input_is_one_clear_line(tmp_path):
     out = launch(_yaml(tmp_path, 3, 3), "--max_steps", "1", "--output_dir", str(tmp_path), processes_ok=False)
-    _one_line_error(
-        out, "num_attention_heads = 4 is not divisible by tp = 3; valid tp sizes for this model: [1, 2, 4]"
-    )
+    one_line_error(out, "num_attention_heads = 4 is not divisible by tp = 3; valid tp sizes for this model: [1, 2, 4]")
     out = launch(_yaml(tmp_path, 3, 2), "--max_steps", "1", "--output_dir", str(tmp_path), processes_ok=False)
-    _one_line_error(out, "world size 3 is not divisible by tp*pp = 2*1 = 2")
+    one_line_error(out, "world size 3 is not divisible by tp*pp = 2*1 = 2")
     out = launch(
         "tp2",
         "--max_steps",
@@ -134,4 +117,4 @@ def test_bad_input_is_one_clear_line(tmp_path):
         str(tmp_path / "step_150"),
         processes_ok=False,
     )
-    _one_line_error(out, f"checkpoint directory {tmp_path / 'step_150'} does not exist")
+    one_line_error(out, f"checkpoint directory {tmp_path / 'step_150'} does not exist")

@@ -17,7 +17,7 @@ import pytest
 
 from mtk.spawn import free_port
 from mtk.testing import assert_close_rel
-from tests.e2e.launch import ROOT, accelerate_launch, step_losses
+from tests.e2e.launch import ROOT, step_losses
 
 SSH_DROP_IN_DIR = Path("/etc/ssh/ssh_config.d")
 HOSTS = ("mtk-node-a", "mtk-node-b")
@@ -101,21 +101,18 @@ RUN_ARGS = (
     "--batch_size",
     "4",
     "--max_steps",
-    "3",
+    "6",
 )
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = accelerate_launch(
-        "finetune.py", "tp1", "--max_steps", "3", "--output_dir", str(tmp_path_factory.mktemp("r"))
-    )
-    return step_losses(out)
+def reference(llama_tp1):
+    return llama_tp1.losses  # the shared single-process run, same seed and global batch 8
 
 
 def _check(losses: dict[int, float], reference: dict[int, float]) -> None:
-    assert sorted(losses) == [1, 2, 3], losses
-    for step in (1, 2, 3):
+    assert sorted(losses) == list(range(1, 7)), losses
+    for step in range(1, 7):
         assert_close_rel(losses[step], reference[step], f"two-node loss at step {step}")
 
 

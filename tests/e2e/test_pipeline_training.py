@@ -13,19 +13,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mtk.testing import assert_close_rel
-from tests.e2e.launch import accelerate_launch, step_losses
+from tests.e2e.launch import accelerate_launch, assert_same_losses, one_line_error, step_losses
 
 MODEL = ("--model", "tiny-qwen2")
 
 
 def finetune(config: str, out_dir, *args: str) -> dict[int, float]:
     return step_losses(accelerate_launch("finetune.py", config, *MODEL, "--output_dir", str(out_dir), *args))
-
-
-def assert_same_losses(actual: dict[int, float], expected: dict[int, float], steps, what: str) -> None:
-    assert sorted(actual) == list(steps), actual
-    for step in steps:
-        assert_close_rel(actual[step], expected[step], f"{what}: loss at step {step}")
 
 
 @pytest.fixture(scope="module")
@@ -55,18 +49,18 @@ def test_tp2_pp2_logs_the_single_process_losses(runs):
     assert json.loads((step3 / "metadata.json").read_text())["topology"] == {"world": 4, "tp": 2, "pp": 2, "dp": 1}
 
 
-def test_dp_and_gradient_accumulation_with_pipeline_equal_the_same_global_batch(tmp_path, monkeypatch):
+def test_dp_and_gradient_accumulation_with_pipeline_equal_the_same_global_batch(runs, tmp_path, monkeypatch):
     """Against batch 8 on one process: 8 processes (TP2 x PP2 x DP2) with 4 sequences per replica in
     4 micro-batches of 1; PP2 with the AFAB schedule accumulating 2 batches of 4."""
-    tp1 = finetune("tp1", tmp_path / "a", "--max_steps", "3")
-    full = finetune("tp2_pp2_dp2", tmp_path / "b", "--max_steps", "3", "--batch_size", "4")
-    assert_same_losses(full, tp1, range(1, 4), "tp2_pp2_dp2")
+    tp1 = runs[1]
+    full = finetune("tp2_pp2_dp2", tmp_path / "b", "--max_steps", "6", "--batch_size", "4")
+    assert_same_losses(full, tp1, range(1, 7), "tp2_pp2_dp2")
     monkeypatch.setenv("MTK_PIPELINE_SCHEDULE", "1f1b")  # the flag wins over the launcher's variable
-    args = ("--max_steps", "3", "--batch_size", "4", "--grad_accum", "2", "--pipeline_schedule", "afab")
+    args = ("--max_steps", "6", "--batch_size", "4", "--grad_accum", "2", "--pipeline_schedule", "afab")
     out = accelerate_launch("finetune.py", "tp1_pp2", *MODEL, "--output_dir", str(tmp_path / "c"), *args)
     assert "mtk: pipeline_schedule=afab (explicit) overrides MTK_PIPELINE_SCHEDULE=1f1b" in out.stderr
     accumulated = step_losses(out)
-    assert_same_losses(accumulated, tp1, range(1, 4), "tp1_pp2 (afab) with 2 accumulation steps")
+    assert_same_losses(accumulated, tp1, range(1, 7), "tp1_pp2 (afab) with 2 accumulation steps")
 
 
 @pytest.mark.parametrize("config", ["tp2_pp2", "tp1"])
@@ -103,15 +97,14 @@ def test_export_and_save_pretrained_of_a_pipeline_run(runs, tmp_path):
 
 
 def test_bad_pipeline_input_is_one_clear_line(tmp_path, monkeypatch):
-    from tests.e2e.test_finetune import _one_line_error
 
     out = accelerate_launch("finetune.py", "tp1_pp2", "--batch_size", "6", "--output_dir", str(tmp_path), check=False)
-    _one_line_error(
+    one_line_error(
         out,
         "a batch of 6 sequences does not split into megatron_lm_num_micro_batches = 4; "
         "use a batch size that is a multiple of 4",
     )
     monkeypatch.setenv("MTK_PIPELINE_LAYERS", "2,1")
     out = accelerate_launch("finetune.py", "tp1_pp2", "--output_dir", str(tmp_path), check=False)
-    _one_line_error(out, "pipeline layers [2, 1] must be 2 positive counts summing to the model's 2 layers")
+    one_line_error(out, "pipeline layers [2, 1] must be 2 positive counts summing to the model's 2 layers")
     assert not list(tmp_path.glob("step_*")), "nothing that looks like a checkpoint"

@@ -1,0 +1,16 @@
+"""Markers by directory: ``unit`` (one process), ``distributed`` (gloo process groups spawned by the
+test), ``e2e`` (the used-by commands as subprocesses: accelerate launch, deepspeed, mtk). Select with
+``-m``, e.g. ``python -m pytest -m "not e2e"`` for the fast part."""
+
+from pathlib import Path
+
+import pytest
+
+_MARKERS = {"unit": "unit", "distributed": "distributed", "e2e": "e2e", "conformance": "e2e"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        folder = Path(str(item.fspath)).parent.name
+        if folder in _MARKERS:
+            item.add_marker(_MARKERS[folder])
