@@ -77,7 +77,9 @@ def main(argv=None) -> None:
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         # flags beat the launcher's variables (an override is reported in one line)
         run_settings=RunSettings.from_env(
-            pipeline_schedule=args.pipeline_schedule, pipeline_layers=args.pipeline_layers
+            pipeline_schedule=args.pipeline_schedule,
+            pipeline_layers=args.pipeline_layers,
+            gradient_clipping=args.max_grad_norm,
         ),
     )
     state, settings = accelerator.parallel, accelerator.settings
@@ -120,7 +122,7 @@ def main(argv=None) -> None:
             "micro_batches": settings.num_micro_batches,
         },
     )
-    max_grad_norm = args.max_grad_norm or settings.gradient_clipping or 1.0
+    max_grad_norm = settings.gradient_clipping or 1.0  # --max_grad_norm, else megatron_lm_gradient_clipping
 
     step = 0
     if args.resume:
