@@ -40,7 +40,7 @@ def _automatic_checkpoints(root: Path) -> Iterator[tuple[int, Path]]:
         return
     for folder in root.iterdir():
         match = _AUTOMATIC_NAME.fullmatch(folder.name)
-        if match and (folder / "metadata.json").is_file():
+        if match and CheckpointPaths(folder).metadata.is_file():
             yield int(match[1]), folder
 
 
