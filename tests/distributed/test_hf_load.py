@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import mtk.checkpoint.hf_load as hf_load
+import mtk.checkpoint.safetensors_slices as safetensors_slices
 from mtk.checkpoint import CheckpointError, load_pretrained_tp
 from mtk.checkpoint.safetensors_slices import SafetensorsFile
 from mtk.models import build_model
@@ -28,12 +28,12 @@ class _RecordingFile(SafetensorsFile):
 def _load_recording(directory: str, state: ParallelState):
     """``load_pretrained_tp`` with the reader swapped for :class:`_RecordingFile` (slicers reset)."""
     _RecordingFile.slicers = []
-    original = hf_load.SafetensorsFile
-    hf_load.SafetensorsFile = _RecordingFile
+    original = safetensors_slices.SafetensorsFile  # what open_safetensors constructs
+    safetensors_slices.SafetensorsFile = _RecordingFile  # type: ignore[misc]
     try:
         return load_pretrained_tp(directory, state)
     finally:
-        hf_load.SafetensorsFile = original
+        safetensors_slices.SafetensorsFile = original  # type: ignore[misc]
 
 
 def _load_and_compare(rank: int, world_size: int, directory: str) -> dict:
