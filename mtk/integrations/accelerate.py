@@ -16,9 +16,9 @@ processes hold what follows the Megatron layout instead of treating every proces
   :class:`~mtk.pipeline.engine.PipelineModel`, whose forward runs the micro-batch schedule (forward
   and backward, as accelerate's Megatron-LM integration does); ``backward`` then only syncs gradients.
 
-TP/PP sizes come from the ``megatron_lm_config`` block of the accelerate YAML (exported by
-``accelerate launch`` as ``MEGATRON_LM_*``), or from ``parallel_config``. Accelerate's own Megatron
-plugin (NVIDIA's Megatron-LM package) is not used.
+TP/PP sizes come from ``parallel_config`` or the ``megatron_lm_config`` block of the accelerate YAML
+(exported by ``accelerate launch`` as ``MEGATRON_LM_*``); docs/architecture.md has the precedence.
+Accelerate's own Megatron plugin (NVIDIA's Megatron-LM package) is not used.
 """
 
 from __future__ import annotations
@@ -78,8 +78,11 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
     """accelerate's Accelerator with Megatron TP/DP (see the module docstring for what changes).
 
     Args:
-        parallel_config: TP/PP sizes etc.; default: read from the ``MEGATRON_LM_*`` variables.
-        *args, **kwargs: as ``accelerate.Accelerator``. ``cpu`` defaults to True on machines without an
+        parallel_config: TP/PP sizes; default: the DeepSpeed JSON's ``"mtk"`` block (DeepSpeed) or the
+            ``MEGATRON_LM_*`` variables. Explicit values win; an override is reported in one line.
+        run_settings: micro-batches, pipeline schedule and layer split, SP, clipping; default: the
+            launcher's variables (:class:`~mtk.config.RunSettings`).
+        *args, **kwargs: as ``accelerate.Accelerator``, with accelerate's defaults. ``cpu`` defaults to True on machines without an
             accelerator, which is what makes accelerate join the processes with gloo.
     """
 
