@@ -82,8 +82,9 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
             ``MEGATRON_LM_*`` variables. Explicit values win; an override is reported in one line.
         run_settings: micro-batches, pipeline schedule and layer split, SP, clipping; default: the
             launcher's variables (:class:`~mtk.config.RunSettings`).
-        *args, **kwargs: as ``accelerate.Accelerator``, with accelerate's defaults. ``cpu`` defaults to True on machines without an
-            accelerator, which is what makes accelerate join the processes with gloo.
+        *args, **kwargs: as ``accelerate.Accelerator``, with accelerate's defaults. ``cpu`` defaults to
+            True on machines without an accelerator, which is what makes accelerate join the processes
+            with gloo.
     """
 
     scaler: Any  # accelerate's GradScaler (mtk's TP-aware one under fp16), or None
