@@ -28,12 +28,16 @@ class Parallelized:
     Attributes:
         plan: the rules that converted it (a family's, or the parity-checked generic ones).
         tp_size: the tensor-parallel degree its shards were cut for.
-        stage: the pipeline stage it holds (one stage of one when pp = 1).
+        stage: the pipeline stage it holds; ``None`` when it was not cut (pp = 1).
     """
 
     plan: Plan
     tp_size: int
-    stage: StageInfo
+    stage: StageInfo | None
+
+    @property
+    def pp_size(self) -> int:
+        return self.stage.num_stages if self.stage else 1
 
 
 def parallelized(model: nn.Module) -> Parallelized | None:
@@ -70,7 +74,5 @@ def parallelize(
     plan = plan or resolve_plan(model, state)
     parallelize_with(model, state, plan, logits=logits, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of)
     stage = split_stages(model, state, plan, pipeline_layers) if state.pp_size > 1 else None
-    if stage is None:
-        stage = StageInfo(0, 1, range(0))
     setattr(model, _ATTRIBUTE, Parallelized(plan=plan, tp_size=state.tp_size, stage=stage))
     return model

@@ -173,9 +173,9 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
             return model, {}
         record = parallelized(model)
         if record is not None:  # converted already (load_pretrained_tp)
-            if record.stage.num_stages != self.parallel.pp_size or record.tp_size != self.parallel.tp_size:
+            if record.pp_size != self.parallel.pp_size or record.tp_size != self.parallel.tp_size:
                 raise ConfigError(
-                    f"the model was parallelized for tp={record.tp_size}, pp={record.stage.num_stages}; this run "
+                    f"the model was parallelized for tp={record.tp_size}, pp={record.pp_size}; this run "
                     f"is tp={self.parallel.tp_size}, pp={self.parallel.pp_size}: build it with this run's state"
                 )
             return self._pipelined(model), {}

@@ -88,7 +88,7 @@ class PipelineModel(nn.Module):
         self.module = module
         self.state = state
         record = parallelized(module)
-        if record is None or record.stage.num_stages != state.pp_size:
+        if record is None or record.stage is None or record.pp_size != state.pp_size:
             raise ConfigError(f"PipelineModel needs a model cut by mtk.parallelize for pp = {state.pp_size}")
         self.info: StageInfo = record.stage
         self.num_micro_batches = num_micro_batches
