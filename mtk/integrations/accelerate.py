@@ -1,24 +1,14 @@
 """``mtk.Accelerator``: accelerate's Accelerator, made aware of tensor and pipeline parallelism.
 
-A plain accelerate script keeps working after two changes (the import, and nothing else if the model
-is an HF model): ``prepare`` converts the model with the rules, and everything that depends on which
-processes hold what follows the Megatron layout instead of treating every process as a replica:
-
-- data: each *data-parallel* rank gets its share of every batch; all TP (and PP) ranks of one DP slot
-  see the same batch. DDP, when DP > 1, averages gradients over the DP group only.
-- ``clip_grad_norm_`` clips by the true global norm (sharded parameters summed over the
-  model-parallel group, replicated ones counted once).
-- ``reduce`` / ``gather`` / ``gather_for_metrics`` work over the DP group (TP ranks hold copies).
-- ``save_state`` / ``load_state`` write and read ``step_N/`` with one shard per (tp, pp) rank
-  (:mod:`mtk.checkpoint.sharded`), atomically.
-- ``get_state_dict`` gathers full, unpadded tensors one at a time, for ``save_pretrained``.
-- pipeline parallelism (pp > 1): ``prepare`` cuts the model to this rank's stage and returns a
-  :class:`~mtk.pipeline.engine.PipelineModel`, whose forward runs the micro-batch schedule (forward
-  and backward, as accelerate's Megatron-LM integration does); ``backward`` then only syncs gradients.
-
-TP/PP sizes come from ``parallel_config`` or the ``megatron_lm_config`` block of the accelerate YAML
-(exported by ``accelerate launch`` as ``MEGATRON_LM_*``); docs/architecture.md has the precedence.
-Accelerate's own Megatron plugin (NVIDIA's Megatron-LM package) is not used.
+A plain accelerate script changes only its import: ``prepare`` converts an HF model by the rules (and
+with pp > 1 cuts it to this rank's stage, returning a :class:`~mtk.pipeline.engine.PipelineModel` whose
+forward runs the micro-batch schedule, as accelerate's Megatron-LM integration does), and everything
+that depends on which processes hold what follows the Megatron layout instead of treating every
+process as a replica: data and DDP over DP, clipping by the true global norm, metrics over DP
+(:mod:`~mtk.integrations.accelerate_collectives`), sharded atomic checkpoints
+(:mod:`~mtk.integrations.accelerate_checkpoint`). docs/training.md lists every accelerate API and what
+mtk does with it; docs/architecture.md where the TP/PP sizes come from. Accelerate's own Megatron
+plugin (NVIDIA's Megatron-LM package) is not used.
 """
 
 from __future__ import annotations
