@@ -74,7 +74,9 @@ def main() -> None:
             f"m = AutoModelForCausalLM.from_pretrained({str(directory)!r}); "
             "[p.sum() for p in m.parameters()]"
         )
-        ranks = run_distributed(_tp_load, world_size=args.tp, args=(str(directory),), timeout=1800)
+        ranks = run_distributed(
+            _tp_load, world_size=args.tp, args=(str(directory),), timeout=1800, fresh_interpreters=True
+        )
         print(f"\n{args.model}: {size:.0f} MiB of safetensors weights; peak RSS per process (MiB)")
         print(f"  imports only (baseline)      {baseline:8.0f}")
         print(f"  full HF load                 {full:8.0f}   (+{full - baseline:.0f} over baseline)")

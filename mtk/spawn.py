@@ -47,9 +47,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _context(backend: str | None):
+def _context(backend: str | None, fresh_interpreters: bool):
     """Fork-server processes for gloo (fast start), fresh interpreters otherwise (CUDA-safe)."""
-    if backend == "gloo" and "forkserver" in mp.get_all_start_methods():
+    if backend == "gloo" and not fresh_interpreters and "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(list(PRELOAD))  # used when the server starts, i.e. on the first call
         return ctx
@@ -99,15 +99,18 @@ def run_distributed(
     *,
     timeout: float = 180.0,
     backend: str | None = "gloo",
+    fresh_interpreters: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes; return each rank's result.
 
     ``backend=None`` lets torch pick per device (gloo for CPU tensors, NCCL for CUDA ones).
+    ``fresh_interpreters=True`` starts every worker as a new interpreter even with gloo: for measuring
+    what a worker itself costs (memory, start-up), which pages shared with a fork server would blur.
 
     Raises :class:`DistributedTestError` with every failing worker's traceback, or naming the ranks
     still running when ``timeout`` expires (they are killed).
     """
-    ctx = _context(backend)
+    ctx = _context(backend, fresh_interpreters)
     queue = ctx.SimpleQueue()
     port = free_port()
     environ = dict(os.environ)
