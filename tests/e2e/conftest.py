@@ -1,4 +1,4 @@
-"""Runs shared by the e2e tests, launched once per test session.
+"""Runs shared by the e2e tests, launched once per test session (once per worker under ``-n``).
 
 The deterministic reference runs (the built-in tiny Llama on the bundled data, seed 0) are what many
 tests compare against: at TP=1 and TP=2, 6 steps, checkpoints at steps 3 and 6. Tests read their
