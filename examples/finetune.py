@@ -82,12 +82,12 @@ def main(argv=None) -> None:
             gradient_clipping=args.max_grad_norm,
         ),
     )
-    state, settings = accelerator.parallel, accelerator.settings
+    parallel, settings = accelerator.parallel, accelerator.settings
     config = resolve_config(args.model)
-    check_tp_size(config, state.tp_size)  # one clear line before anything is built
+    check_tp_size(config, parallel.tp_size)  # one clear line before anything is built
     set_seed(args.seed)
     if Path(args.model).is_dir():
-        model = load_pretrained_tp(args.model, state, pipeline_layers=settings.pipeline_layers)  # this rank's bytes
+        model = load_pretrained_tp(args.model, parallel, pipeline_layers=settings.pipeline_layers)  # this rank's bytes
         model.train()
     else:
         model = build_model(args.model, seed=args.seed)  # same weights on every rank and layout
@@ -104,21 +104,21 @@ def main(argv=None) -> None:
     warmup, total = max(args.warmup_steps, 1), max(args.max_steps, 1)
 
     def lr_factor(scheduler_step: int) -> float:
-        step = scheduler_step // state.dp_size
+        step = scheduler_step // parallel.dp_size
         return min(1.0, (step + 1) / warmup) * max(0.0, 1 - step / total)
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    global_batch = args.batch_size * state.dp_size * args.grad_accum  # sequences per optimizer step
+    global_batch = args.batch_size * parallel.dp_size * args.grad_accum  # sequences per optimizer step
     hparams = {k: v for k, v in vars(args).items() if v is not None}
     accelerator.init_trackers(
         "runs",
         config={
             **hparams,
             "global_batch_size": global_batch,
-            "tp": state.tp_size,
-            "pp": state.pp_size,
-            "dp": state.dp_size,
+            "tp": parallel.tp_size,
+            "pp": parallel.pp_size,
+            "dp": parallel.dp_size,
             "micro_batches": settings.num_micro_batches,
         },
     )
@@ -129,8 +129,9 @@ def main(argv=None) -> None:
         accelerator.load_state(args.resume)  # weights, optimizer, scheduler, RNG, data position
         step = accelerator.completed_steps
     accelerator.print(
-        f"mtk: {config.model_type} tp={state.tp_size} pp={state.pp_size} dp={state.dp_size} world={state.world_size}, "
-        f"{len(dataset)} blocks of {args.seq_len} tokens, global batch {global_batch}, steps {step}->{args.max_steps}"
+        f"mtk: {config.model_type} tp={parallel.tp_size} pp={parallel.pp_size} dp={parallel.dp_size} "
+        f"world={parallel.world_size}, {len(dataset)} blocks of {args.seq_len} tokens, global batch {global_batch}, "
+        f"steps {step}->{args.max_steps}"
     )
     progress = tqdm(total=args.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
     micro_batches_per_epoch = len(loader)

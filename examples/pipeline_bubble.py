@@ -53,10 +53,10 @@ def _config(args) -> LlamaConfig:
 
 
 def _measure(rank: int, world_size: int, args, schedule: str, micro: int) -> dict:
-    state = ParallelState.build(pp_size=world_size)
+    parallel = ParallelState.build(pp_size=world_size)
     model = build_model(_config(args), seed=0)
-    parallelize(model, state)
-    pipe = PipelineModel(model, state, micro, schedule)
+    parallelize(model, parallel)
+    pipe = PipelineModel(model, parallel, micro, schedule)
     ids = torch.randint(0, 1024, (micro * args.micro_batch_size, args.seq), generator=torch.Generator().manual_seed(0))
     idle, steps = [], []
     for step in range(args.steps + 1):

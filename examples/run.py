@@ -68,18 +68,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    state = ParallelState.from_env(tp_size=args.tp)  # torch.distributed from the launcher; --tp beats the env
+    parallel = ParallelState.from_env(tp_size=args.tp)  # torch.distributed from the launcher; --tp beats the env
     config = resolve_config(args.model)
-    check_tp_size(config, state.tp_size)
+    check_tp_size(config, parallel.tp_size)
     ds_config = deepspeed_config(args.deepspeed_config, micro_batch=args.batch_size, grad_accum=args.grad_accum)
     ds_config.setdefault("optimizer", {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}})
     ds_config["optimizer"].setdefault("params", {}).setdefault("torch_adam", True)
     set_seed(args.seed)
     if Path(args.model).is_dir():
-        model = load_pretrained_tp(args.model, state)
+        model = load_pretrained_tp(args.model, parallel)
         model.train()
     else:
-        model = parallelize(build_model(args.model, seed=args.seed), state)  # same weights at any layout
+        model = parallelize(build_model(args.model, seed=args.seed), parallel)  # same weights at any layout
     warmup, total = max(args.warmup_steps, 1), max(args.max_steps, 1)
 
     def lr_schedule(optimizer):  # DeepSpeed steps it once per optimizer step
@@ -89,26 +89,27 @@ def main(argv=None) -> None:
 
     remove_shm_buffers_at_exit()  # DeepSpeed's CPU shared-memory buffers outlive the job otherwise
     engine, _, _, scheduler = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), lr_scheduler=lr_schedule, config=ds_config, mpu=state
+        model=model, model_parameters=model.parameters(), lr_scheduler=lr_schedule, config=ds_config, mpu=parallel
     )
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     dataset = causal_lm_blocks(load_text_files(args.data), tokenizer_for(args.model), args.seq_len)
     # Each DP replica reads its share; all TP ranks of one replica read the same samples.
     sampler = DistributedSampler(
-        dataset, num_replicas=state.dp_size, rank=state.dp_rank, shuffle=True, seed=args.seed, drop_last=True
+        dataset, num_replicas=parallel.dp_size, rank=parallel.dp_rank, shuffle=True, seed=args.seed, drop_last=True
     )
     loader = DataLoader(dataset, batch_size=micro, sampler=sampler, drop_last=True)
 
     step, micro_batches = 0, 0
     if args.resume:
-        meta = load_deepspeed_checkpoint(args.resume, engine, state)
+        meta = load_deepspeed_checkpoint(args.resume, engine, parallel)
         step, micro_batches = meta.step, meta.data["micro_batches"]
-    writer = SummaryWriter(str(Path(args.output_dir) / "runs")) if state.rank == 0 else None
-    global_batch = micro * accum * state.dp_size
-    if state.rank == 0:
+    writer = SummaryWriter(str(Path(args.output_dir) / "runs")) if parallel.rank == 0 else None
+    global_batch = micro * accum * parallel.dp_size
+    if parallel.rank == 0:
         print(
-            f"mtk+deepspeed: zero stage {engine.zero_optimization_stage()}, tp={state.tp_size} dp={state.dp_size}, "
-            f"global batch {global_batch}, steps {step}->{args.max_steps}",
+            f"mtk+deepspeed: zero stage {engine.zero_optimization_stage()}, "
+            f"tp={parallel.tp_size} dp={parallel.dp_size}, global batch {global_batch}, "
+            f"steps {step}->{args.max_steps}",
             flush=True,
         )
     loss_sum, tic = torch.zeros(1), time.perf_counter()
@@ -128,7 +129,7 @@ def main(argv=None) -> None:
             if not boundary:
                 continue
             step += 1
-            mean = all_reduce(loss_sum / accum, state.dp_group) / state.dp_size  # over micro-batches and DP
+            mean = all_reduce(loss_sum / accum, parallel.dp_group) / parallel.dp_size  # over micro-batches and DP
             elapsed, tic = time.perf_counter() - tic, time.perf_counter()
             if writer is not None:
                 grad_norm = engine.get_global_grad_norm()
@@ -140,12 +141,12 @@ def main(argv=None) -> None:
             loss_sum.zero_()
             if args.save_every and step % args.save_every == 0:
                 save_deepspeed_checkpoint(
-                    f"{args.output_dir}/step_{step}", engine, state, {"micro_batches": micro_batches}
+                    f"{args.output_dir}/step_{step}", engine, parallel, {"micro_batches": micro_batches}
                 )
             if step >= args.max_steps:
                 break
     if not args.save_every or step % args.save_every:
-        save_deepspeed_checkpoint(f"{args.output_dir}/step_{step}", engine, state, {"micro_batches": micro_batches})
+        save_deepspeed_checkpoint(f"{args.output_dir}/step_{step}", engine, parallel, {"micro_batches": micro_batches})
     if writer is not None:
         writer.close()
     dist.barrier()

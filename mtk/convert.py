@@ -47,14 +47,14 @@ def parallelized(model: nn.Module) -> Parallelized | None:
 
 def parallelize(
     model: nn.Module,
-    state: ParallelState,
+    parallel: ParallelState,
     *,
     plan: Plan | None = None,
     pipeline_layers: tuple[int, ...] = (),
     logits: str = "auto",
     pad_vocab_to_multiple_of: int = 1,
 ) -> nn.Module:
-    """Make an HF model tensor-parallel over ``state.tp_group`` and cut it to this rank's pipeline stage.
+    """Make an HF model tensor-parallel over ``parallel.tp_group`` and cut it to this rank's pipeline stage.
 
     In place; returns the model. Works on a materialized model (shards are copied, other stages'
     weights freed) and on one on the meta device (nothing is allocated; a loader then reads only this
@@ -62,7 +62,7 @@ def parallelize(
 
     Args:
         model: an HF ``PreTrainedModel``.
-        state: this process's topology.
+        parallel: this process's topology.
         plan: rules to use; default: the registered plan for the model type, else the generic rules
             once they pass a parity check on a one-layer copy.
         pipeline_layers: decoder layers per stage (pp > 1); default: as even as possible
@@ -70,9 +70,9 @@ def parallelize(
         logits: ``auto`` (full logits when no labels are passed), ``full`` or ``shard``.
         pad_vocab_to_multiple_of: pad the vocabulary to a multiple of ``tp * this`` (never visible).
     """
-    check_tp_size(model.config, state.tp_size)  # one clear line before any rank builds anything
-    plan = plan or resolve_plan(model, state)
-    parallelize_with(model, state, plan, logits=logits, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of)
-    stage = split_stages(model, state, plan, pipeline_layers) if state.pp_size > 1 else None
-    setattr(model, _ATTRIBUTE, Parallelized(plan=plan, tp_size=state.tp_size, stage=stage))
+    check_tp_size(model.config, parallel.tp_size)  # one clear line before any rank builds anything
+    plan = plan or resolve_plan(model, parallel)
+    parallelize_with(model, parallel, plan, logits=logits, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of)
+    stage = split_stages(model, parallel, plan, pipeline_layers) if parallel.pp_size > 1 else None
+    setattr(model, _ATTRIBUTE, Parallelized(plan=plan, tp_size=parallel.tp_size, stage=stage))
     return model

@@ -53,20 +53,20 @@ def _batch(config, batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
     return dict(input_ids=ids, labels=ids)
 
 
-def _models(spec: str, state: ParallelState, dtype: torch.dtype, seed: int):
+def _models(spec: str, parallel: ParallelState, dtype: torch.dtype, seed: int):
     if Path(spec).is_dir():
         config = resolve_config(spec)
         reference = auto_class_for(config).from_pretrained(spec, dtype=dtype)
-        return reference.eval(), load_pretrained_tp(spec, state, dtype=dtype).eval()
+        return reference.eval(), load_pretrained_tp(spec, parallel, dtype=dtype).eval()
     reference = build_model(spec, seed=seed, dtype=dtype).eval()
-    return reference, parallelize(copy.deepcopy(reference), state).eval()
+    return reference, parallelize(copy.deepcopy(reference), parallel).eval()
 
 
 def verify_worker(rank: int, world_size: int, spec: str, dtype: str, batch: int, seq: int, seed: int) -> VerifyResult:
     """Run in each of ``world_size`` processes (TP = world size); returns this rank's measurements."""
-    state = ParallelState.build(tp_size=world_size)
+    parallel = ParallelState.build(tp_size=world_size)
     try:
-        reference, model = _models(spec, state, DTYPES[dtype], seed)
+        reference, model = _models(spec, parallel, DTYPES[dtype], seed)
     except (UnsupportedModelError, ModelSpecError, CheckpointError) as err:
         return VerifyResult(error=str(err))
     inputs = _batch(reference.config, batch, seq, seed)
@@ -85,7 +85,7 @@ def verify_worker(rank: int, world_size: int, spec: str, dtype: str, batch: int,
         logits=max_rel_error(logits.float(), ref_logits.float()),
         loss=max_rel_error(out.loss.float(), ref_out.loss.float()),
     )
-    for name, grad in iter_full_tensors(model, state.tp_group, grads=True):
+    for name, grad in iter_full_tensors(model, parallel.tp_group, grads=True):
         # Gradients that are exactly zero in theory (softmax-invariant biases) are measured
         # against 1e-3 of the model's largest gradient instead of against their own rounding noise.
         error = max_rel_error(grad.float(), ref_grads[name].grad.float(), scale_floor=1e-3 * grad_scale)

@@ -129,14 +129,14 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
 
     torch.set_num_threads(spec.threads)
     device = _device()
-    state = ParallelState.build(tp_size=spec.tp, pp_size=spec.pp, device=device)
+    parallel = ParallelState.build(tp_size=spec.tp, pp_size=spec.pp, device=device)
     model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
-    parallelize(model, state)
+    parallelize(model, parallel)
     if spec.pp == 1:
         return _measure_model(spec, model.to(device), device)
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    pipe = PipelineModel(model, state, spec.micro_batches)
+    pipe = PipelineModel(model, parallel, spec.micro_batches)
 
     def forward(**batch):
         out = pipe(**batch)

@@ -75,7 +75,7 @@ def _checkpoint_key(name: str, index: dict[str, Path], prefix: str, tied_to: str
 
 def load_pretrained_tp(
     directory: str | Path,
-    state: ParallelState,
+    parallel: ParallelState,
     *,
     dtype: torch.dtype | None = None,
     logits: str = "auto",
@@ -84,7 +84,7 @@ def load_pretrained_tp(
 ) -> nn.Module:
     """A tensor-parallel HF model whose every parameter holds only this rank's slice of the checkpoint.
 
-    With ``state.pp_size > 1`` the model is also cut to this rank's pipeline stage (``pipeline_layers``
+    With ``parallel.pp_size > 1`` the model is also cut to this rank's pipeline stage (``pipeline_layers``
     per stage, else as even as possible) before anything is read, so a rank reads only its own stage's
     layers (wrap it in :class:`~mtk.pipeline.engine.PipelineModel` to run it, or let
     ``mtk.Accelerator.prepare`` do that).
@@ -98,9 +98,13 @@ def load_pretrained_tp(
         model = auto_class_for(config).from_config(config, dtype=dtype or getattr(config, "dtype", None))
     model.tie_weights()  # init_empty_weights re-creates each registered parameter, which unties shared ones
     parallelize(
-        model, state, logits=logits, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of, pipeline_layers=pipeline_layers
+        model,
+        parallel,
+        logits=logits,
+        pad_vocab_to_multiple_of=pad_vocab_to_multiple_of,
+        pipeline_layers=pipeline_layers,
     )
-    _fill_from_checkpoint(model, index, state.device, dtype, state.tp_group)
+    _fill_from_checkpoint(model, index, parallel.device, dtype, parallel.tp_group)
     model.eval()  # as HF's from_pretrained
     return model
 

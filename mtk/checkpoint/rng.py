@@ -40,9 +40,9 @@ def _set_rng_state(states: dict[str, Any]) -> None:
         torch.get_device_module(accelerator.type).set_rng_state_all(states["device"])
 
 
-def restore_rng(paths: CheckpointPaths, meta: CheckpointMeta, state: ParallelState) -> dict[str, Any]:
+def restore_rng(paths: CheckpointPaths, meta: CheckpointMeta, parallel: ParallelState) -> dict[str, Any]:
     """Set this rank's RNG states from the checkpoint (rank 0's when the world size changed)."""
-    same_world = meta.topology.world == state.world_size
-    rng = torch.load(paths.rng(state.rank if same_world else 0), weights_only=True)
+    same_world = meta.topology.world == parallel.world_size
+    rng = torch.load(paths.rng(parallel.rank if same_world else 0), weights_only=True)
     _set_rng_state(rng)
     return rng

@@ -54,8 +54,8 @@ def _versions() -> dict[str, str]:
     }
 
 
-def topology_of(state: ParallelState) -> Topology:
-    return Topology(world=state.world_size, tp=state.tp_size, pp=state.pp_size, dp=state.dp_size)
+def topology_of(parallel: ParallelState) -> Topology:
+    return Topology(world=parallel.world_size, tp=parallel.tp_size, pp=parallel.pp_size, dp=parallel.dp_size)
 
 
 def _model_record(model: nn.Module) -> dict[str, Any]:
@@ -69,7 +69,7 @@ def _model_record(model: nn.Module) -> dict[str, Any]:
 
 def save_checkpoint(
     directory: str | Path,
-    state: ParallelState,
+    parallel: ParallelState,
     model: nn.Module,
     optimizers: list[torch.optim.Optimizer],
     schedulers: list,
@@ -87,28 +87,28 @@ def save_checkpoint(
     ``writers`` run on rank 0 with the (still incomplete) directory, e.g. to save a tokenizer;
     ``collective_writers`` run on every rank (e.g. DeepSpeed's own, collective, save_checkpoint).
     """
-    with atomic_dir(directory, owner=state.rank == 0, barrier=_barrier) as tmp:
+    with atomic_dir(directory, owner=parallel.rank == 0, barrier=_barrier) as tmp:
         paths = CheckpointPaths(tmp)
-        if state.rank == 0:
+        if parallel.rank == 0:
             paths.make_dirs()
         _barrier()
-        if state.dp_rank == 0:  # weights and optimizer are replicated over DP: one copy per (tp, pp)
-            save_weights(model, paths.weights(state.tp_rank, state.pp_rank))
+        if parallel.dp_rank == 0:  # weights and optimizer are replicated over DP: one copy per (tp, pp)
+            save_weights(model, paths.weights(parallel.tp_rank, parallel.pp_rank))
             for i, optimizer in enumerate(optimizers):
-                save_optimizer(model, optimizer, paths.optimizer(state.tp_rank, state.pp_rank, i))
+                save_optimizer(model, optimizer, paths.optimizer(parallel.tp_rank, parallel.pp_rank, i))
         for write in collective_writers:
             write(tmp)
-        torch.save(rng_state(extra_rng or {}), paths.rng(state.rank))
-        if state.rank == 0:
+        torch.save(rng_state(extra_rng or {}), paths.rng(parallel.rank))
+        if parallel.rank == 0:
             for write in writers:
                 write(tmp)
             for i, scheduler in enumerate(schedulers):
                 torch.save(scheduler.state_dict(), paths.scheduler(i))
         _barrier()  # every rank's files are in place before the metadata says "complete"
-        if state.rank == 0:
+        if parallel.rank == 0:
             meta = CheckpointMeta(
                 step=step,
-                topology=topology_of(state),
+                topology=topology_of(parallel),
                 versions=_versions(),
                 model=_model_record(model),
                 data=data or {},
@@ -120,7 +120,7 @@ def save_checkpoint(
 
 def load_checkpoint(
     directory: str | Path,
-    state: ParallelState,
+    parallel: ParallelState,
     model: nn.Module,
     optimizers: list[torch.optim.Optimizer],
     schedulers: list,
@@ -134,10 +134,10 @@ def load_checkpoint(
     meta = read_metadata(directory)
     paths = CheckpointPaths(directory)
     saved = meta.topology
-    if (saved.tp, saved.pp) == (state.tp_size, state.pp_size):
-        load_weights(model, paths.weights(state.tp_rank, state.pp_rank))
+    if (saved.tp, saved.pp) == (parallel.tp_size, parallel.pp_size):
+        load_weights(model, paths.weights(parallel.tp_rank, parallel.pp_rank))
         for i, optimizer in enumerate(optimizers):
-            load_optimizer(model, optimizer, paths.optimizer(state.tp_rank, state.pp_rank, i))
+            load_optimizer(model, optimizer, paths.optimizer(parallel.tp_rank, parallel.pp_rank, i))
     else:
         if len(optimizers) > 1:
             raise CheckpointError("resharding a checkpoint supports one optimizer")
@@ -146,7 +146,7 @@ def load_checkpoint(
             for optimizer in optimizers:
                 reshard_optimizer(model, optimizer, reader, saved_optimizer_groups(paths, saved.pp))
     load_schedulers(paths, schedulers)
-    meta.rng = restore_rng(paths, meta, state)
+    meta.rng = restore_rng(paths, meta, parallel)
     return meta
 
 

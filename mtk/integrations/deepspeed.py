@@ -104,7 +104,7 @@ def zero3_gathered(engine) -> Any:
 def save_deepspeed_checkpoint(
     directory: str | Path,
     engine,
-    state: ParallelState,
+    parallel: ParallelState,
     data: dict[str, Any],
     *,
     schedulers: Sequence = (),
@@ -123,7 +123,7 @@ def save_deepspeed_checkpoint(
     with zero3_gathered(engine):
         return save_checkpoint(
             directory,
-            state,
+            parallel,
             model,
             [],
             list(schedulers),
@@ -136,7 +136,7 @@ def save_deepspeed_checkpoint(
 
 
 def load_deepspeed_checkpoint(
-    directory: str | Path, engine, state: ParallelState, *, schedulers: Sequence = ()
+    directory: str | Path, engine, parallel: ParallelState, *, schedulers: Sequence = ()
 ) -> CheckpointMeta:
     """Restore DeepSpeed's state (same layout only), ``schedulers`` and mtk's RNG; returns the metadata."""
     meta = read_metadata(directory)
@@ -144,17 +144,17 @@ def load_deepspeed_checkpoint(
     saved = meta.topology
     if meta.engine != "deepspeed":
         raise CheckpointError(f"{directory} was not written by the DeepSpeed engine; resume it with the same engine")
-    if (saved.tp, saved.pp, saved.dp) != (state.tp_size, state.pp_size, state.dp_size):
+    if (saved.tp, saved.pp, saved.dp) != (parallel.tp_size, parallel.pp_size, parallel.dp_size):
         raise CheckpointError(
             f"{directory} was written at tp={saved.tp} pp={saved.pp} dp={saved.dp}, this run is "
-            f"tp={state.tp_size} pp={state.pp_size} dp={state.dp_size}; a DeepSpeed checkpoint resumes at the same "
-            f"layout (export it with `mtk export` to change layouts)"
+            f"tp={parallel.tp_size} pp={parallel.pp_size} dp={parallel.dp_size}; a DeepSpeed checkpoint resumes at "
+            f"the same layout (export it with `mtk export` to change layouts)"
         )
     path, _ = engine.load_checkpoint(str(paths.deepspeed), tag=_DS_TAG)
     if path is None:
         raise CheckpointError(f"{directory}/deepspeed holds no DeepSpeed checkpoint")
     load_schedulers(paths, list(schedulers))
-    meta.rng = restore_rng(paths, meta, state)
+    meta.rng = restore_rng(paths, meta, parallel)
     return meta
 
 

@@ -20,16 +20,16 @@ __all__ = ["TPGradScaler"]
 class TPGradScaler(torch.amp.GradScaler):
     """A ``torch.amp.GradScaler`` whose overflow check spans the model-parallel group."""
 
-    def __init__(self, device: str = "cuda", *, state: ParallelState, **kwargs) -> None:
+    def __init__(self, device: str = "cuda", *, parallel: ParallelState, **kwargs) -> None:
         super().__init__(device, **kwargs)
-        self.parallel = state
+        self.parallel = parallel
 
     @classmethod
-    def from_scaler(cls, scaler: torch.amp.GradScaler, state: ParallelState) -> TPGradScaler:
+    def from_scaler(cls, scaler: torch.amp.GradScaler, parallel: ParallelState) -> TPGradScaler:
         """Same settings as ``scaler`` (which accelerate built from the user's GradScalerKwargs)."""
         return cls(
             scaler._device,
-            state=state,
+            parallel=parallel,
             init_scale=scaler._init_scale,
             growth_factor=scaler._growth_factor,
             backoff_factor=scaler._backoff_factor,

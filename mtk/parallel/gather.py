@@ -62,15 +62,15 @@ def iter_full_tensors(model: nn.Module, tp_group: Group, grads: bool = False) ->
         yield name, gather_full_tensor(tensor, spec, shape, tp_group)
 
 
-def gather_state_dict(model: nn.Module, state: ParallelState) -> dict[str, torch.Tensor]:
+def gather_state_dict(model: nn.Module, parallel: ParallelState) -> dict[str, torch.Tensor]:
     """The whole model's state dict, full tensors under HF names, on global rank 0 (``{}`` elsewhere).
 
     Each stage gathers its tensors over TP one at a time; later pipeline stages then send theirs to
     rank 0 one at a time. Tied tensors stay shared, as in the HF model (a pipeline's last-stage copy
     of a tied embedding is not sent). Collective: every rank must call it.
     """
-    main = state.rank == 0
-    sender = state.tp_rank == 0 and state.dp_rank == 0  # one copy of each stage goes to rank 0
+    main = parallel.rank == 0
+    sender = parallel.tp_rank == 0 and parallel.dp_rank == 0  # one copy of each stage goes to rank 0
     full: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}  # name -> the name whose tensor it shares
     seen: dict[int, str] = {}
@@ -80,11 +80,11 @@ def gather_state_dict(model: nn.Module, state: ParallelState) -> dict[str, torch
             continue
         seen[id(tensor)] = name
         shape, spec = full_shape_and_spec(model, name)
-        gathered = gather_full_tensor(tensor.detach(), spec, shape, state.tp_group)
+        gathered = gather_full_tensor(tensor.detach(), spec, shape, parallel.tp_group)
         if sender:
             full[name] = gathered.cpu()
-    if state.pp_size > 1 and sender:
-        full, aliases = _collect_stages(full, aliases, state)
+    if parallel.pp_size > 1 and sender:
+        full, aliases = _collect_stages(full, aliases, parallel)
     if not main:
         return {}
     for name, target in aliases.items():
@@ -92,22 +92,22 @@ def gather_state_dict(model: nn.Module, state: ParallelState) -> dict[str, torch
     return full
 
 
-def _collect_stages(full: dict, aliases: dict, state: ParallelState) -> tuple[dict, dict]:
+def _collect_stages(full: dict, aliases: dict, parallel: ParallelState) -> tuple[dict, dict]:
     """Stages 1.. send their (name, tensor) pairs to stage 0 of the same pipeline, in stage order."""
-    group, first = state.pp_group, state.pp_ranks[0]
-    for stage in range(1, state.pp_size):
-        src = state.pp_ranks[stage]
-        if state.rank == src:
+    group, first = parallel.pp_group, parallel.pp_ranks[0]
+    for stage in range(1, parallel.pp_size):
+        src = parallel.pp_ranks[stage]
+        if parallel.rank == src:
             header: list = [[(n, tuple(t.shape), t.dtype) for n, t in full.items()], aliases]
             dist.send_object_list(header, dst=first, group=group)
             for tensor in full.values():
-                dist.send(tensor.to(state.device).contiguous(), dst=first, group=group)
-        elif state.rank == first:
+                dist.send(tensor.to(parallel.device).contiguous(), dst=first, group=group)
+        elif parallel.rank == first:
             header = [None, None]
             dist.recv_object_list(header, src=src, group=group)
             received = {}
             for name, shape, dtype in header[0]:
-                buffer = torch.empty(shape, dtype=dtype, device=state.device)
+                buffer = torch.empty(shape, dtype=dtype, device=parallel.device)
                 dist.recv(buffer, src=src, group=group)
                 received[name] = buffer.cpu()
             full, aliases = {**full, **received}, {**aliases, **header[1]}

@@ -26,40 +26,40 @@ from mtk.parallel.state import ParallelState
 __all__ = ["clip_grad_norm_tp_", "grad_norm_tp"]
 
 
-def _weight(param: torch.Tensor, state: ParallelState) -> float:
+def _weight(param: torch.Tensor, parallel: ParallelState) -> float:
     info = param_info(param)
     if info.pipeline_duplicate:  # the last stage's copy of a tied embedding
         return 0.0
     if getattr(param, "tensor_model_parallel", False):
         return 1.0 / info.tp_replicas
-    return 1.0 if state.tp_rank == 0 else 0.0
+    return 1.0 if parallel.tp_rank == 0 else 0.0
 
 
-def grad_norm_tp(parameters: Iterable[torch.Tensor], state: ParallelState, norm_type: float = 2.0) -> torch.Tensor:
+def grad_norm_tp(parameters: Iterable[torch.Tensor], parallel: ParallelState, norm_type: float = 2.0) -> torch.Tensor:
     """Global ``norm_type`` norm (2 or inf) of the gradients of ``parameters`` (collective over TP x PP)."""
-    grads = [(p.grad, _weight(p, state)) for p in parameters if p.grad is not None]
-    device = grads[0][0].device if grads else state.device
+    grads = [(p.grad, _weight(p, parallel)) for p in parameters if p.grad is not None]
+    device = grads[0][0].device if grads else parallel.device
     if norm_type == math.inf:
         total = torch.zeros((), dtype=torch.float32, device=device)
         for grad, _ in grads:
             total = torch.maximum(total, grad.detach().abs().max().float())
-        return all_reduce(total.reshape(1), state.mp_group, op=dist.ReduceOp.MAX)[0]
+        return all_reduce(total.reshape(1), parallel.mp_group, op=dist.ReduceOp.MAX)[0]
     if norm_type != 2.0:
         raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
     total = torch.zeros(1, dtype=torch.float32, device=device)
     for grad, weight in grads:
         if weight:
             total += weight * grad.detach().float().pow(2).sum()
-    return all_reduce(total, state.mp_group)[0].sqrt()
+    return all_reduce(total, parallel.mp_group)[0].sqrt()
 
 
 @torch.no_grad()
 def clip_grad_norm_tp_(
-    parameters: Iterable[torch.Tensor], max_norm: float, state: ParallelState, norm_type: float = 2.0
+    parameters: Iterable[torch.Tensor], max_norm: float, parallel: ParallelState, norm_type: float = 2.0
 ) -> torch.Tensor:
     """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping."""
     parameters = [p for p in parameters if p.grad is not None]
-    norm = grad_norm_tp(parameters, state, norm_type)
+    norm = grad_norm_tp(parameters, parallel, norm_type)
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for param in parameters:
         grad = cast(torch.Tensor, param.grad)  # filtered above

@@ -76,25 +76,25 @@ class PipelineModel(nn.Module):
 
     Args:
         module: this rank's stage (an HF model after :func:`~mtk.convert.parallelize`).
-        state: the topology (PP group for P2P, embedding and DP groups for gradient sync).
+        parallel: the topology (PP group for P2P, embedding and DP groups for gradient sync).
         num_micro_batches: micro-batches each batch is cut into.
         schedule: ``1f1b`` or ``afab``.
     """
 
     def __init__(
-        self, module: nn.Module, state: ParallelState, num_micro_batches: int, schedule: str = "1f1b"
+        self, module: nn.Module, parallel: ParallelState, num_micro_batches: int, schedule: str = "1f1b"
     ) -> None:
         super().__init__()
         self.module = module
-        self.state = state
+        self.parallel = parallel
         record = parallelized(module)
-        if record is None or record.stage is None or record.pp_size != state.pp_size:
-            raise ConfigError(f"PipelineModel needs a model cut by mtk.parallelize for pp = {state.pp_size}")
+        if record is None or record.stage is None or record.pp_size != parallel.pp_size:
+            raise ConfigError(f"PipelineModel needs a model cut by mtk.parallelize for pp = {parallel.pp_size}")
         self.info: StageInfo = record.stage
         self.num_micro_batches = num_micro_batches
         self.schedule = schedule
         schedule_order(schedule, 1, 0, 1)  # an unknown name fails here, not mid-step
-        self.link = StageLink(state)
+        self.link = StageLink(parallel)
         # Set by the trainer: what to backpropagate for one micro-batch's share of the loss
         # (accelerate divides by gradient-accumulation steps, fp16 multiplies by the loss scale).
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
@@ -190,11 +190,11 @@ class PipelineModel(nn.Module):
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean micro-batch loss of the last stage, on every stage."""
-        device = self.state.device
+        device = self.parallel.device
         loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=device)
-        if self.state.pp_size > 1:
+        if self.parallel.pp_size > 1:
             loss = loss.reshape(1).to(device).contiguous()
-            dist.broadcast(loss, src=self.state.pp_ranks[-1], group=self.state.pp_group)
+            dist.broadcast(loss, src=self.parallel.pp_ranks[-1], group=self.parallel.pp_group)
             loss = loss[0]
         return loss
 
@@ -205,16 +205,16 @@ class PipelineModel(nn.Module):
     @torch.no_grad()
     def _sync_tied_weights(self) -> None:
         """Start the two copies of a tied embedding equal: the first stage's values win."""
-        tied, group = self._tied_params(), self.state.embedding_group
+        tied, group = self._tied_params(), self.parallel.embedding_group
         if tied and group is not None:
             for param in tied:
-                dist.broadcast(param.data, src=self.state.embedding_ranks[0], group=group)
+                dist.broadcast(param.data, src=self.parallel.embedding_ranks[0], group=group)
 
     def finalize_grads(self) -> None:
         """Once per optimizer step, after the last micro-batch's backward: sum the tied copies'
         gradients over the embedding group, then average every gradient over data-parallel replicas."""
         tied = [p.grad for p in self._tied_params() if p.grad is not None]
-        if tied and self.state.embedding_group is not None:
-            all_reduce_coalesced(tied, self.state.embedding_group)
+        if tied and self.parallel.embedding_group is not None:
+            all_reduce_coalesced(tied, self.parallel.embedding_group)
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        all_reduce_coalesced(grads, self.state.dp_group, average=True)
+        all_reduce_coalesced(grads, self.parallel.dp_group, average=True)

@@ -27,9 +27,9 @@ class StageLink:
         wait_s: seconds spent blocked in receives (idle: the pipeline bubble, plus transfer time).
     """
 
-    def __init__(self, state: ParallelState) -> None:
-        self.group = state.pp_group
-        ranks, stage = state.pp_ranks, state.pp_rank
+    def __init__(self, parallel: ParallelState) -> None:
+        self.group = parallel.pp_group
+        ranks, stage = parallel.pp_ranks, parallel.pp_rank
         self.prev_rank = ranks[stage - 1] if stage > 0 else None
         self.next_rank = ranks[stage + 1] if stage < len(ranks) - 1 else None
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []

@@ -139,7 +139,7 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def split_stages(
-    model: nn.Module, state: ParallelState, plan: Plan, layers_per_stage: tuple[int, ...] = ()
+    model: nn.Module, parallel: ParallelState, plan: Plan, layers_per_stage: tuple[int, ...] = ()
 ) -> StageInfo:
     """Keep only this rank's pipeline stage of ``model`` (in place); returns what the stage holds.
 
@@ -153,10 +153,10 @@ def split_stages(
             f"supports decoder LMs (Llama, Mistral, Qwen2/3, Phi-3, GPT-2); use pp = 1"
         )
     layers_name, layers = _find_layers(model, spec.layers)
-    counts = stage_layer_counts(len(layers), state.pp_size, layers_per_stage)
-    starts = [sum(counts[:s]) for s in range(state.pp_size)]
+    counts = stage_layer_counts(len(layers), parallel.pp_size, layers_per_stage)
+    starts = [sum(counts[:s]) for s in range(parallel.pp_size)]
     stage_of = [s for s, count in enumerate(counts) for _ in range(count)]
-    mine = range(starts[state.pp_rank], starts[state.pp_rank] + counts[state.pp_rank])
+    mine = range(starts[parallel.pp_rank], starts[parallel.pp_rank] + counts[parallel.pp_rank])
 
     names_of: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -165,8 +165,8 @@ def split_stages(
     replaced: dict[str, str] = {}  # module name -> "first" / "last" for modules another stage owns
     outside = [(n, m) for n, m in model.named_modules() if n and not (n + ".").startswith(layers_name + ".")]
     for owner, rules, keep in (
-        ("first", spec.first_stage, state.is_first_stage),
-        ("last", spec.last_stage, state.is_last_stage),
+        ("first", spec.first_stage, parallel.is_first_stage),
+        ("last", spec.last_stage, parallel.is_last_stage),
     ):
         for pattern, kind in rules:
             regex = compile_pattern(pattern)
@@ -179,12 +179,12 @@ def split_stages(
         if index not in mine:
             layers[index] = SkipLayer(index, stage_of[index])
 
-    tied = _mark_tied_copies(model, names_of, replaced, state) if state.pp_size > 1 else ()
-    return StageInfo(state.pp_rank, state.pp_size, mine, tied)
+    tied = _mark_tied_copies(model, names_of, replaced, parallel) if parallel.pp_size > 1 else ()
+    return StageInfo(parallel.pp_rank, parallel.pp_size, mine, tied)
 
 
 def _mark_tied_copies(
-    model: nn.Module, names_of: dict[int, list[str]], replaced: dict[str, str], state: ParallelState
+    model: nn.Module, names_of: dict[int, list[str]], replaced: dict[str, str], parallel: ParallelState
 ) -> tuple[str, ...]:
     """Mark the first and last stages' copies of a parameter shared by first- and last-stage modules.
 
@@ -202,6 +202,8 @@ def _mark_tied_copies(
         if owners == {"first", "last"}:
             first_name = next(n for n in names_of[id(param)] if replaced.get(n.rpartition(".")[0]) == "first")
             # tied_to: the name it is stored under in a one-stage model
-            set_param_info(param, pipeline_tied=True, tied_to=first_name, pipeline_duplicate=not state.is_first_stage)
+            set_param_info(
+                param, pipeline_tied=True, tied_to=first_name, pipeline_duplicate=not parallel.is_first_stage
+            )
             tied.append(name)
     return tuple(tied)

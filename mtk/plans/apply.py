@@ -117,10 +117,10 @@ class CopyInputToTP:
 
 
 def _build(
-    rule: Rule, module: nn.Module, name: str, ctx: PlanContext, state: ParallelState, pad: int, copy_input: bool
+    rule: Rule, module: nn.Module, name: str, ctx: PlanContext, parallel: ParallelState, pad: int, copy_input: bool
 ) -> ShardedModule:
     """The parallel replacement for ``module`` (on the meta device: shards are filled afterwards)."""
-    group = state.tp_group
+    group = parallel.tp_group
     meta: dict[str, Any] = {"device": "meta", "dtype": None}
     if rule.style == VOCAB:
         if not isinstance(module, nn.Embedding):
@@ -154,7 +154,7 @@ def _build(
             return ColumnParallelLinear(
                 n_in, n_out, bias, tp_group=group, transposed=transposed, copy_input=copy_input, **meta
             )
-        kv_group = state.tp_subgroup(ctx.kv_copies)
+        kv_group = parallel.tp_subgroup(ctx.kv_copies)
         return KVReplicatedColumnLinear(
             n_in,
             ctx.counts.num_kv_heads,
@@ -204,7 +204,7 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def parallelize_with(
     model: nn.Module,
-    state: ParallelState,
+    parallel: ParallelState,
     plan: Plan,
     *,
     logits: str = "auto",
@@ -213,12 +213,12 @@ def parallelize_with(
     """Convert ``model`` in place with an explicit ``plan`` (no plan lookup, no parity check)."""
     config = model.config
     counts = plan.head_counts(config)
-    problem = counts.problem(state.tp_size)
+    problem = counts.problem(parallel.tp_size)
     if problem:
         raise UnsupportedModelError(
             f"{type(model).__name__}: {problem}; valid tp sizes for this model: {counts.valid_tp_sizes(limit=64)}"
         )
-    ctx = PlanContext(config=config, tp_size=state.tp_size, counts=counts)
+    ctx = PlanContext(config=config, tp_size=parallel.tp_size, counts=counts)
     embed_pattern = compile_pattern(plan.embedding) if plan.embedding else None
     modules = dict(model.named_modules())
     old_embedding = next((m.weight for n, m in modules.items() if embed_pattern and embed_pattern.match(n)), None)
@@ -228,7 +228,7 @@ def parallelize_with(
         if old_embedding is not None and getattr(m, "weight", None) is old_embedding and not _matches(embed_pattern, n)
     ]
 
-    shared = {n: s for n in modules for s in plan.shared_inputs if s.matches(n)} if state.tp_size > 1 else {}
+    shared = {n: s for n in modules for s in plan.shared_inputs if s.matches(n)} if parallel.tp_size > 1 else {}
     matched: set[str] = set()
     converted: dict[str, ShardedModule] = {}
     styles: dict[str, str] = {}  # converted module -> its rule's style
@@ -238,10 +238,10 @@ def parallelize_with(
             continue
         matched.add(rule.pattern)
         if rule.style == TP_SHARED:
-            share_params_across_tp(module, [n for n, _ in module.named_parameters(recurse=False)], state.tp_group)
+            share_params_across_tp(module, [n for n, _ in module.named_parameters(recurse=False)], parallel.tp_group)
             continue
         fed_by_shared = rule.style in (COLUMN, KV_COLUMN) and any(name.startswith(p + ".") for p in shared)
-        new = _build(rule, module, name, ctx, state, pad_vocab_to_multiple_of, copy_input=not fed_by_shared)
+        new = _build(rule, module, name, ctx, parallel, pad_vocab_to_multiple_of, copy_input=not fed_by_shared)
         _copy_shards(new, module)
         styles[name] = rule.style
         _set_submodule(model, name, new)
@@ -256,7 +256,7 @@ def parallelize_with(
     if untied:
         raise UnsupportedModelError(f"{untied} are tied to the input embedding but no rule splits them")
     for name, spec in shared.items():
-        modules[name].register_forward_pre_hook(CopyInputToTP(spec.argument, state.tp_group), with_kwargs=True)
+        modules[name].register_forward_pre_hook(CopyInputToTP(spec.argument, parallel.tp_group), with_kwargs=True)
     _retie_embeddings(model, converted, styles, old_embedding, tied_heads)
     for name, module in model.named_modules():
         for fix in plan.attr_fixes:

@@ -65,7 +65,7 @@ def _one_layer_config(config):
     return small
 
 
-def _check_generic_parity(model_class: type, config, state: ParallelState) -> None:
+def _check_generic_parity(model_class: type, config, parallel: ParallelState) -> None:
     """Convert a one-layer random copy with the generic rules; raise unless its logits match."""
     small = _one_layer_config(config)
     small._attn_implementation = "eager"
@@ -78,7 +78,7 @@ def _check_generic_parity(model_class: type, config, state: ParallelState) -> No
         torch.random.set_rng_state(generator_state)
     converted = copy.deepcopy(reference)
     try:
-        parallelize_with(converted, state, GENERIC)
+        parallelize_with(converted, parallel, GENERIC)
     except UnsupportedModelError as err:
         raise UnsupportedModelError(f"no rules for model_type {config.model_type!r} ({err}); {_HOW_TO_ADD}") from None
     with torch.no_grad():
@@ -93,7 +93,7 @@ def _check_generic_parity(model_class: type, config, state: ParallelState) -> No
                 f"but its forward then fails ({first_line}); {_HOW_TO_ADD}"
             ) from None
     if dist.is_initialized():
-        all_reduce(error, state.tp_group, op=dist.ReduceOp.MAX)  # every rank decides the same way
+        all_reduce(error, parallel.tp_group, op=dist.ReduceOp.MAX)  # every rank decides the same way
     if not error.item() <= PARITY_TOLERANCE:
         raise UnsupportedModelError(
             f"no rules for model_type {config.model_type!r}: the generic q_proj/k_proj/v_proj/o_proj rules convert "
@@ -102,13 +102,13 @@ def _check_generic_parity(model_class: type, config, state: ParallelState) -> No
         )
 
 
-def resolve_plan(model: nn.Module, state: ParallelState) -> Plan:
+def resolve_plan(model: nn.Module, parallel: ParallelState) -> Plan:
     """The plan that converts ``model``: its family's, else the generic rules once they pass a parity
     check on a one-layer random copy (collective over the TP group)."""
     plan = find_plan(model.config)
     if plan is not None:
         return plan
-    problem = GENERIC.head_counts(model.config).problem(state.tp_size)
+    problem = GENERIC.head_counts(model.config).problem(parallel.tp_size)
     if problem is None:  # sizes first: a clear size error beats a parity run that cannot pass
-        _check_generic_parity(type(model), model.config, state)
+        _check_generic_parity(type(model), model.config, parallel)
     return GENERIC

@@ -11,7 +11,7 @@ def _overflow_on_rank_1(rank: int, world_size: int) -> dict:
     state = ParallelState.build(tp_size=world_size)
     param = torch.nn.Parameter(torch.ones(4))
     optimizer = torch.optim.SGD([param], lr=0.1)
-    scaler = TPGradScaler("cpu", state=state, init_scale=1024.0)
+    scaler = TPGradScaler("cpu", parallel=state, init_scale=1024.0)
     scaler.scale(torch.tensor(1.0))  # initializes the scale
     param.grad = torch.full((4,), float("inf") if rank == 1 else 1.0)
     scaler.unscale_(optimizer)
