@@ -1,23 +1,104 @@
-"""Write a directory so that it appears complete or not at all.
+"""Write a directory so that it appears complete or not at all, and never remove what mtk did not write.
 
-Everything is written into ``<name>.incomplete``; only when the writer is done is it renamed to
-``<name>`` (an existing ``<name>`` is moved aside first and removed only after the rename). A crash
-at any point leaves either the old directory or none: never one that looks complete but is not.
+Everything is written into ``<name>.incomplete``; only when the writer is done (its files fsynced) is it
+renamed to ``<name>`` (an existing ``<name>`` is moved aside to ``<name>.old`` first and removed only
+after the rename), and the parent directory is fsynced. A crash at any point leaves either the old
+directory or none: never one that looks complete but is not.
+
+Both side directories carry a marker file saying mtk made them. A leftover of mtk's own (an interrupted
+save) is removed at the next save; one without the marker belongs to someone else and stops the save
+with a clear error instead of being deleted.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["atomic_dir", "incomplete_path"]
+from mtk.errors import CheckpointError
+
+__all__ = [
+    "MARKER",
+    "atomic_dir",
+    "fsync_dir",
+    "fsync_tree",
+    "incomplete_path",
+    "is_ours",
+    "remove_ours",
+    "write_synced",
+]
+
+MARKER = ".mtk-partial"  # inside a directory mtk is writing or replacing; never in a published one
 
 
 def incomplete_path(final: Path) -> Path:
     """Where ``final`` is written until it is complete."""
     return final.with_name(final.name + ".incomplete")
+
+
+def is_ours(directory: Path) -> bool:
+    """Whether ``directory`` is a side directory mtk created (it holds mtk's marker)."""
+    return (directory / MARKER).is_file()
+
+
+def _check_ours(directory: Path) -> None:
+    """Refuse (one line) a side directory mtk did not create."""
+    if directory.exists() and not (directory.is_dir() and is_ours(directory)):
+        raise CheckpointError(
+            f"{directory} exists and was not created by mtk; move it away (mtk writes and replaces its own "
+            f"{directory.name} here)"
+        )
+
+
+def remove_ours(directory: Path) -> None:
+    """Remove a leftover side directory of mtk's own; refuse (one line) to touch anyone else's."""
+    _check_ours(directory)
+    if directory.exists():
+        shutil.rmtree(directory)
+
+
+def _check_replaceable(final: Path) -> None:
+    """``final`` may be replaced only if it is a checkpoint (mtk's metadata.json is in it)."""
+    if final.exists() and not (final / "metadata.json").is_file():
+        raise CheckpointError(
+            f"{final} exists and is not an mtk checkpoint; mtk will not replace it, save to another directory"
+        )
+
+
+def fsync_dir(path: Path) -> None:
+    """Persist a directory's entries (new files, a rename) where the platform allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems (and Windows) do not fsync directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (before it is renamed into place)."""
+    for path in sorted(root.rglob("*"), reverse=True):  # files before the directories holding them
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        elif path.is_dir():
+            fsync_dir(path)
+    fsync_dir(root)
+
+
+def write_synced(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` and fsync it."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 @contextmanager
@@ -26,23 +107,32 @@ def atomic_dir(final: str | Path, *, owner: bool = True, barrier: Callable[[], N
 
     With several processes writing one directory, ``owner`` is true on exactly one of them (it
     creates, renames and replaces); ``barrier`` synchronizes them before writing starts and after
-    everyone is done. The owner removes leftovers of its own interrupted saves (``<final>.incomplete``).
+    everyone is done. The owner removes leftovers of its own interrupted saves (``<final>.incomplete``
+    with mtk's marker) and refuses to remove anyone else's.
     """
     final = Path(final)
     tmp = incomplete_path(final)
+    old = final.with_name(final.name + ".old")
+    for side in (tmp, old):  # every rank checks (read-only), so all refuse together
+        _check_ours(side)
+    _check_replaceable(final)
     if owner:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_ours(tmp)
+        remove_ours(old)
         tmp.mkdir(parents=True)
+        (tmp / MARKER).touch()
     barrier()
     yield tmp
     barrier()
     if owner:
+        (tmp / MARKER).unlink()
         if final.exists():
-            old = final.with_name(final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
+            (old / MARKER).touch()  # from here on it is mtk's to remove, even if this process dies now
             tmp.rename(final)
+            fsync_dir(final.parent)
             shutil.rmtree(old)
         else:
             tmp.rename(final)
+        fsync_dir(final.parent)
     barrier()

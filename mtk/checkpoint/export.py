@@ -4,7 +4,9 @@ Each tensor is merged from the per-rank shards (:class:`ShardedCheckpointReader`
 padding dropped, and written with HF's names and layout into ``model.safetensors`` (or shards of at
 most ``max_shard_size`` plus ``model.safetensors.index.json``) next to ``config.json`` (and the
 tokenizer files when the run saved them). The result loads with ``AutoModel*.from_pretrained``.
-Everything is written into ``<out>.incomplete`` and renamed when complete (and verified).
+The checkpoint's checksums are verified first. Everything is written into a temporary
+``<out>.<random>.incomplete`` beside ``out`` and renamed when complete (and verified); nothing else is
+removed, ever.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -19,9 +22,10 @@ import transformers
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from mtk.checkpoint.atomic import incomplete_path
+from mtk.checkpoint.atomic import fsync_dir, fsync_tree
 from mtk.checkpoint.hf_load import INDEX_FILE, SINGLE_FILE
-from mtk.checkpoint.meta import CheckpointMeta, read_metadata
+from mtk.checkpoint.integrity import read_verified
+from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.reader import ShardedCheckpointReader
 from mtk.errors import CheckpointError
@@ -108,8 +112,10 @@ def export_checkpoint(
     progress: bool = True,
 ) -> Path:
     """Merge ``checkpoint`` into an HF directory at ``out_dir``; returns it. Nothing is left on failure."""
-    meta = read_metadata(checkpoint)
+    meta = read_verified(checkpoint)  # every shard matches its checksum: a damaged input is named, not exported
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} is a file; export into a new directory")
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out} already exists and is not empty; export into a new directory")
     if dtype is not None and dtype not in DTYPES:
@@ -119,9 +125,11 @@ def export_checkpoint(
     config_dict = meta.model.get("config")
     if not config_dict:
         raise CheckpointError(f"{checkpoint} records no model config; it cannot be exported as an HF directory")
-    tmp = incomplete_path(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:  # a name of its own: an existing <out>.incomplete (anyone's) is never touched
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.", suffix=".incomplete", dir=out.parent))
+    except OSError as err:
+        raise CheckpointError(f"cannot write {out}: {err.strerror or err}; choose a writable directory") from None
     try:
         with ShardedCheckpointReader(checkpoint, meta.topology) as reader:
             _write_weights(reader, tmp, torch_dtype, limit, progress)
@@ -139,7 +147,9 @@ def export_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    fsync_tree(tmp)
     if out.exists():
         out.rmdir()
     tmp.rename(out)
+    fsync_dir(out.parent)
     return out

@@ -1,14 +1,16 @@
 """A checkpoint's ``metadata.json`` as a typed, versioned record: :class:`CheckpointMeta`.
 
 It records the topology that wrote the checkpoint (so a resume can reshard), the library versions,
-the model (class, plan, config: enough for ``mtk export``), the data position and which engine
-wrote it. It is written last: a directory without it is not a checkpoint.
+the model (class, plan, config: enough for ``mtk export``), the data position, which engine wrote it,
+the run that wrote it, and every other file's size and checksum (:mod:`~mtk.checkpoint.integrity`).
+It is written last: a directory without it is not a checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,9 +18,13 @@ from typing import Any
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.errors import CheckpointError
 
-__all__ = ["FORMAT", "CheckpointMeta", "Topology", "read_metadata"]
+__all__ = ["FORMAT", "RUN_ID", "CheckpointMeta", "Topology", "read_metadata"]
 
-FORMAT = "mtk-checkpoint/1"
+FORMAT = "mtk-checkpoint/2"
+_READABLE = ("mtk-checkpoint/1", FORMAT)  # 1: the same layout, without run identity and checksums
+
+# This process's run: rank 0's is recorded in every checkpoint it writes (a fresh id per launch).
+RUN_ID = uuid.uuid4().hex
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,8 @@ class CheckpointMeta:
         data: the data position (micro-batches seen, samples per micro-batch, loader epochs).
         engine: ``"deepspeed"`` when DeepSpeed's state sits in ``deepspeed/``; else ``None``.
         zero_stage: DeepSpeed's ZeRO stage, with that engine.
+        run_id: the run (launch) that wrote it.
+        files: ``{relative path: {"bytes", "sha256"}}`` of every other file.
         format: the format version; readers refuse others.
         rng: filled on load (this rank's restored RNG states, e.g. the fp16 scaler); never written.
     """
@@ -54,6 +62,8 @@ class CheckpointMeta:
     data: dict[str, Any] = field(default_factory=dict)
     engine: str | None = None
     zero_stage: int | None = None
+    run_id: str | None = None
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
     format: str = FORMAT
     rng: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -69,7 +79,7 @@ class CheckpointMeta:
             record = json.loads(text)
             if not isinstance(record, dict):
                 raise TypeError("not a JSON object")
-            if record.get("format") != FORMAT:
+            if record.get("format") not in _READABLE:
                 raise CheckpointError(f"{where} has format {record.get('format')!r}, expected {FORMAT!r}")
             known = {f.name for f in dataclasses.fields(cls)} - {"rng"}
             values = {key: value for key, value in record.items() if key in known}

@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mtk.checkpoint.atomic import atomic_dir
-from mtk.checkpoint.meta import FORMAT, CheckpointMeta, Topology, read_metadata
+from mtk.checkpoint.atomic import atomic_dir, write_synced
+from mtk.checkpoint.integrity import checksum_files, read_verified
+from mtk.checkpoint.meta import FORMAT, RUN_ID, CheckpointMeta, Topology, read_metadata
 from mtk.checkpoint.optimizer import load_optimizer, reshard_optimizer, save_optimizer, saved_optimizer_groups
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.reader import ShardedCheckpointReader
@@ -104,7 +105,8 @@ def save_checkpoint(
                 write(tmp)
             for i, scheduler in enumerate(schedulers):
                 torch.save(scheduler.state_dict(), paths.scheduler(i))
-        _barrier()  # every rank's files are in place before the metadata says "complete"
+        _barrier()  # every rank's files are in place before they are hashed and the metadata says "complete"
+        files = checksum_files(tmp)  # collective: each rank hashes and fsyncs its share
         if parallel.rank == 0:
             meta = CheckpointMeta(
                 step=step,
@@ -112,9 +114,11 @@ def save_checkpoint(
                 versions=_versions(),
                 model=_model_record(model),
                 data=data or {},
+                run_id=RUN_ID,
+                files=files,
                 **(engine or {}),
             )
-            paths.metadata.write_text(meta.to_json())
+            write_synced(paths.metadata, meta.to_json())
     return Path(directory)
 
 
@@ -127,11 +131,12 @@ def load_checkpoint(
 ) -> CheckpointMeta:
     """Restore weights, optimizer, scheduler and RNG from ``directory``; returns its metadata.
 
-    A checkpoint written at another TP/PP layout is resharded: each tensor (and optimizer moment) is
+    Every file is checked against the checksums in the metadata first (collective). A checkpoint
+    written at another TP/PP layout is resharded: each tensor (and optimizer moment) is
     merged from the old shards and this rank's new shard cut from it. A changed DP size needs no
     resharding (weights are replicated over DP); RNG states are then taken from rank 0.
     """
-    meta = read_metadata(directory)
+    meta = read_verified(directory)  # collective: every file matches its checksum, or every rank refuses
     paths = CheckpointPaths(directory)
     saved = meta.topology
     if (saved.tp, saved.pp) == (parallel.tp_size, parallel.pp_size):

@@ -7,10 +7,10 @@ import sys
 from collections.abc import Sequence
 
 from mtk import __version__
-from mtk.cli import bench, export, topology, verify
+from mtk.cli import bench, export, topology, verify, verify_checkpoint
 from mtk.errors import MtkError
 
-SUBCOMMANDS = (bench, export, topology, verify)
+SUBCOMMANDS = (bench, export, topology, verify, verify_checkpoint)
 
 
 def build_parser() -> argparse.ArgumentParser:

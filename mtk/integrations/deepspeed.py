@@ -21,7 +21,8 @@ from typing import Any
 
 from torch import nn
 
-from mtk.checkpoint.meta import CheckpointMeta, read_metadata
+from mtk.checkpoint.integrity import read_verified
+from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.rng import restore_rng
 from mtk.checkpoint.sharded import load_schedulers, save_checkpoint
@@ -139,7 +140,7 @@ def load_deepspeed_checkpoint(
     directory: str | Path, engine, parallel: ParallelState, *, schedulers: Sequence = ()
 ) -> CheckpointMeta:
     """Restore DeepSpeed's state (same layout only), ``schedulers`` and mtk's RNG; returns the metadata."""
-    meta = read_metadata(directory)
+    meta = read_verified(directory)  # collective: every file matches its checksum, or every rank refuses
     paths = CheckpointPaths(directory)
     saved = meta.topology
     if meta.engine != "deepspeed":

@@ -1,0 +1,121 @@
+"""Checksums that let a checkpoint prove it is the one that was written, and fsync before it is published.
+
+Every file of ``step_N/`` (except ``metadata.json``, which holds the list) is recorded in the metadata
+with its size and SHA-256. The ranks share the work: after everyone's files are in place, rank ``r``
+hashes and fsyncs every ``world``-th file of the sorted list, and rank 0 gathers the records into the
+metadata it writes last. Reading a checkpoint back (resume, ``mtk export``, ``mtk verify-checkpoint``)
+checks the same way and refuses, naming the file, anything missing, resized or changed, so a flipped
+byte or a shard copied in from another run or step is found before it is trained on.
+
+SHA-256 because it is what the HF hub and ``sha256sum`` use, so a user can check a file by hand; it runs
+at ~0.6 GB/s per core here, and each rank hashes 1/world of the checkpoint (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from mtk.checkpoint.atomic import MARKER, fsync_dir
+from mtk.checkpoint.meta import CheckpointMeta, read_metadata
+from mtk.errors import CheckpointError
+
+__all__ = ["ALGORITHM", "checksum_files", "list_files", "read_verified", "verify_files"]
+
+ALGORITHM = "sha256"
+_METADATA = "metadata.json"
+
+
+def list_files(root: Path) -> list[str]:
+    """Every regular file under ``root`` but the metadata (and mtk's in-progress marker), as sorted POSIX
+    paths relative to it."""
+    skip = {_METADATA, MARKER}
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name not in skip)
+
+
+def _digest(path: Path, *, sync: bool) -> str:
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, ALGORITHM).hexdigest()
+        if sync:
+            os.fsync(f.fileno())  # its bytes are on disk before the directory is renamed into place
+    return digest
+
+
+def _share(items: list[str]) -> list[str]:
+    """This rank's share of ``items`` (all of them without a process group)."""
+    if not dist.is_initialized():
+        return items
+    return items[dist.get_rank() :: dist.get_world_size()]
+
+
+def _gather(local: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [local]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    return gathered
+
+
+def checksum_files(root: Path) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"bytes", "sha256"}}`` of every file under ``root``, fsynced. Collective when a
+    process group exists (every rank calls it, each hashes its share, every rank gets the whole record)."""
+    root = Path(root)
+    mine = {
+        name: {"bytes": (root / name).stat().st_size, ALGORITHM: _digest(root / name, sync=True)}
+        for name in _share(list_files(root))
+    }
+    for directory in {(root / name).parent for name in mine} | {root}:
+        fsync_dir(directory)
+    merged: dict[str, dict[str, Any]] = {}
+    for part in _gather(mine):
+        merged.update(part)
+    return dict(sorted(merged.items()))
+
+
+def _problem(root: Path, name: str, record: dict[str, Any]) -> str | None:
+    path = root / name
+    if not path.is_file():
+        return f"{path} is missing"
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        return f"{path} has {size} bytes, the checkpoint recorded {record['bytes']}"
+    if _digest(path, sync=False) != record[ALGORITHM]:
+        return f"{path} does not match its recorded {ALGORITHM} (damaged, or replaced by another run's or step's file)"
+    return None
+
+
+def verify_files(root: Path, recorded: dict[str, dict[str, Any]]) -> list[str]:
+    """Problems with the files under ``root`` against ``recorded``; empty when every file matches.
+
+    Collective when a process group exists: each rank checks its share and every rank returns the
+    same full list, so every rank can refuse the checkpoint together (no rank is left in a collective).
+    A file the checkpoint does not list (a shard of another layout copied in) is a problem too.
+    """
+    root = Path(root)
+    names = sorted(recorded)
+    mine = [p for name in _share(names) if (p := _problem(root, name, recorded[name]))]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        mine += [f"{root / name} is not part of the checkpoint" for name in list_files(root) if name not in recorded]
+    return [problem for part in _gather(mine) for problem in part]
+
+
+def read_verified(directory: str | Path) -> CheckpointMeta:
+    """The metadata of a complete checkpoint whose every file matches it; else one clear error.
+
+    Collective when a process group exists (every rank raises the same error). A checkpoint of the
+    first format (before checksums) is read unverified.
+    """
+    meta = read_metadata(directory)
+    if meta.files:
+        problems = verify_files(Path(directory), meta.files)
+        if problems:
+            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+            raise CheckpointError(
+                f"{problems[0]}{more}; the checkpoint cannot be trusted: use another one "
+                "(`mtk verify-checkpoint` checks one)"
+            )
+    return meta

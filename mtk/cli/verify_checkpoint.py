@@ -1,0 +1,35 @@
+"""``mtk verify-checkpoint step_N``: check a checkpoint's files against its checksums, without training."""
+
+from __future__ import annotations
+
+import argparse
+
+from mtk.checkpoint.integrity import ALGORITHM, read_verified
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "verify-checkpoint",
+        help="check every file of a training checkpoint against the checksums in its metadata",
+        description=(
+            "Read metadata.json of a checkpoint written by mtk (save_state, examples/*.py) and check that "
+            "every file it lists is there with its recorded size and checksum, and nothing else is. "
+            "Exit 0 if it is complete and intact; otherwise print the first problem and exit 2."
+        ),
+    )
+    parser.add_argument("checkpoint", help="checkpoint directory, e.g. ckpts/step_150")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    meta = read_verified(args.checkpoint)
+    where = f"step {meta.step}, tp={meta.topology.tp} pp={meta.topology.pp} dp={meta.topology.dp}"
+    if not meta.files:
+        print(f"{args.checkpoint}: {meta.format} has no checksums; only its metadata was read ({where})")
+        return 0
+    size = sum(record["bytes"] for record in meta.files.values())
+    print(
+        f"{args.checkpoint}: ok, {len(meta.files)} files ({size / 2**20:.1f} MiB) match their {ALGORITHM}; "
+        f"{where}, run {meta.run_id}"
+    )
+    return 0

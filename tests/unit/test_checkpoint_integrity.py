@@ -1,0 +1,134 @@
+"""Checkpoints prove their integrity: checksums in the metadata, checked by resume, export and
+``mtk verify-checkpoint``; mtk never removes a directory it did not create."""
+
+import json
+
+import pytest
+import torch
+
+from mtk.checkpoint import CheckpointError
+from mtk.checkpoint.atomic import MARKER
+from mtk.checkpoint.export import export_checkpoint
+from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
+from mtk.cli.main import main as mtk_main
+from mtk.convert import parallelize
+from mtk.models import build_model
+from mtk.parallel import ParallelState
+
+SHARD = "model/tp00-pp00.safetensors"
+
+
+@pytest.fixture(scope="module")
+def trained():
+    parallel = ParallelState.build()
+    model = parallelize(build_model("tiny-llama"), parallel)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    return parallel, model, optimizer
+
+
+@pytest.fixture
+def saved(tmp_path, trained):
+    parallel, model, optimizer = trained
+    return save_checkpoint(tmp_path / "step_2", parallel, model, [optimizer], [], step=2)
+
+
+def _load(directory, trained):
+    parallel, model, optimizer = trained
+    return load_checkpoint(directory, parallel, model, [optimizer], [])
+
+
+def _flip_byte(path, offset=-10):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _verify_cli(directory, capsys) -> tuple[int, str, str]:
+    code = mtk_main(["verify-checkpoint", str(directory)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_metadata_records_every_file_and_the_run(saved, trained, capsys):
+    meta = json.loads((saved / "metadata.json").read_text())
+    assert meta["format"] == "mtk-checkpoint/2" and len(meta["run_id"]) == 32
+    files = sorted(p.relative_to(saved).as_posix() for p in saved.rglob("*") if p.is_file())
+    assert sorted(meta["files"]) == [f for f in files if f != "metadata.json"]
+    assert all(len(r["sha256"]) == 64 and r["bytes"] > 0 for r in meta["files"].values())
+    assert not list(saved.rglob(MARKER)), "the in-progress marker is not published"
+    assert _load(saved, trained).step == 2
+    code, out, _ = _verify_cli(saved, capsys)
+    assert code == 0 and f"ok, {len(meta['files'])} files" in out
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: _flip_byte(d / SHARD), f"{SHARD} does not match its recorded sha256"),
+        (lambda d: (d / SHARD).write_bytes((d / SHARD).read_bytes()[:-1]), f"{SHARD} has"),
+        (lambda d: (d / "rng" / "rank00000.pt").unlink(), "rng/rank00000.pt is missing"),
+        (lambda d: (d / "model" / "tp01-pp00.safetensors").write_bytes(b"x"), "is not part of the checkpoint"),
+    ],
+    ids=["flipped-byte", "truncated", "missing", "foreign-file"],
+)
+def test_damage_is_named_by_resume_export_and_verify(saved, trained, tmp_path, capsys, damage, message):
+    damage(saved)
+    with pytest.raises(CheckpointError, match=message.replace(".", r"\.")):
+        _load(saved, trained)
+    with pytest.raises(CheckpointError, match="cannot be trusted"):
+        export_checkpoint(saved, tmp_path / "hf", progress=False)
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob("hf*")), "nothing written"
+    code, _, err = _verify_cli(saved, capsys)
+    assert code == 2 and err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_a_shard_from_another_step_is_refused(tmp_path, trained):
+    parallel, model, optimizer = trained
+    first = save_checkpoint(tmp_path / "step_1", parallel, model, [optimizer], [], step=1)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    second = save_checkpoint(tmp_path / "step_2", parallel, model, [optimizer], [], step=2)
+    (second / SHARD).write_bytes((first / SHARD).read_bytes())
+    with pytest.raises(CheckpointError, match="replaced by another run's or step's file"):
+        _load(second, trained)
+
+
+def test_save_never_removes_what_mtk_did_not_create(tmp_path, trained):
+    parallel, model, optimizer = trained
+    theirs = tmp_path / "step_3.incomplete"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="was not created by mtk; move it away"):
+        save_checkpoint(tmp_path / "step_3", parallel, model, [optimizer], [], step=3)
+    assert (theirs / "notes.txt").read_text() == "mine"
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "table.csv").write_text("1,2")
+    with pytest.raises(CheckpointError, match="is not an mtk checkpoint; mtk will not replace it"):
+        save_checkpoint(folder, parallel, model, [optimizer], [], step=3)
+    assert (folder / "table.csv").read_text() == "1,2"
+
+
+def test_a_leftover_of_an_interrupted_save_is_cleaned_at_the_next_save(tmp_path, trained):
+    parallel, model, optimizer = trained
+    leftover = tmp_path / "step_4.incomplete"
+    leftover.mkdir()
+    (leftover / MARKER).touch()
+    (leftover / "half.safetensors").write_bytes(b"partial")
+    save_checkpoint(tmp_path / "step_4", parallel, model, [optimizer], [], step=4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4"]
+
+
+def test_export_leaves_other_files_alone(saved, tmp_path):
+    theirs = tmp_path / "hf.incomplete"
+    theirs.mkdir()
+    (theirs / "keep.txt").write_text("mine")
+    export_checkpoint(saved, tmp_path / "hf", progress=False)
+    assert (theirs / "keep.txt").read_text() == "mine"
+    assert (tmp_path / "hf" / "config.json").is_file()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="is a file; export into a new directory"):
+        export_checkpoint(saved, tmp_path / "file", progress=False)
