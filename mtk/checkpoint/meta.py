@@ -50,7 +50,7 @@ class CheckpointMeta:
         engine: ``"deepspeed"`` when DeepSpeed's state sits in ``deepspeed/``; else ``None``.
         zero_stage: DeepSpeed's ZeRO stage, with that engine.
         run_id: the run (launch) that wrote it.
-        files: ``{relative path: {"bytes", "sha256"}}`` of every other file.
+        files: ``{relative path: {"bytes", "xxh3_128"}}`` of every other file.
         format: the format version; readers refuse others.
         rng: filled on load (this rank's restored RNG states, e.g. the fp16 scaler); never written.
     """

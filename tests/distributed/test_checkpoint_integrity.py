@@ -32,4 +32,4 @@ def _save_damage_load(rank: int, world_size: int, directory: str) -> str:
 def test_every_rank_refuses_a_shard_only_one_rank_reads(tmp_path):
     errors = run_distributed(_save_damage_load, world_size=2, args=(str(tmp_path / "step_1"),))
     assert errors[0] == errors[1], errors
-    assert "model/tp01-pp00.safetensors does not match its recorded sha256" in errors[0]
+    assert "model/tp01-pp00.safetensors does not match its recorded xxh3_128" in errors[0]

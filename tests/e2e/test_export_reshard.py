@@ -61,11 +61,11 @@ def test_damaged_checkpoints_are_named_and_nothing_is_written(runs, tmp_path):
     victim = damaged / "model" / "tp01-pp00.safetensors"
     victim.write_bytes(victim.read_bytes()[:200])
     out = mtk_export(str(damaged), str(tmp_path / "out"))
-    assert out.returncode == 2 and "tp01-pp00.safetensors is not a readable safetensors file" in out.stderr
+    assert out.returncode == 2 and f"{victim} has 200 bytes, the checkpoint recorded" in out.stderr
     victim.unlink()
     out = mtk_export(str(damaged), str(tmp_path / "out"))
-    assert out.returncode == 2 and f"checkpoint file {victim} is missing" in out.stderr
-    assert not (tmp_path / "out").exists() and not (tmp_path / "out.incomplete").exists()
+    assert out.returncode == 2 and f"{victim} is missing" in out.stderr
+    assert not list(tmp_path.glob("out*")), "nothing written"
     assert out.stderr.strip().count("\n") == 0
 
 

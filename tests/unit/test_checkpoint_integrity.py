@@ -57,7 +57,7 @@ def test_metadata_records_every_file_and_the_run(saved, trained, capsys):
     assert meta["format"] == "mtk-checkpoint/2" and len(meta["run_id"]) == 32
     files = sorted(p.relative_to(saved).as_posix() for p in saved.rglob("*") if p.is_file())
     assert sorted(meta["files"]) == [f for f in files if f != "metadata.json"]
-    assert all(len(r["sha256"]) == 64 and r["bytes"] > 0 for r in meta["files"].values())
+    assert all(len(r["xxh3_128"]) == 32 and r["bytes"] > 0 for r in meta["files"].values())
     assert not list(saved.rglob(MARKER)), "the in-progress marker is not published"
     assert _load(saved, trained).step == 2
     code, out, _ = _verify_cli(saved, capsys)
@@ -67,7 +67,7 @@ def test_metadata_records_every_file_and_the_run(saved, trained, capsys):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda d: _flip_byte(d / SHARD), f"{SHARD} does not match its recorded sha256"),
+        (lambda d: _flip_byte(d / SHARD), f"{SHARD} does not match its recorded xxh3_128"),
         (lambda d: (d / SHARD).write_bytes((d / SHARD).read_bytes()[:-1]), f"{SHARD} has"),
         (lambda d: (d / "rng" / "rank00000.pt").unlink(), "rng/rank00000.pt is missing"),
         (lambda d: (d / "model" / "tp01-pp00.safetensors").write_bytes(b"x"), "is not part of the checkpoint"),
