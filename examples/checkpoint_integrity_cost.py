@@ -19,17 +19,22 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mtk.checkpoint.integrity import _digest, list_files, verify_files
+from mtk.checkpoint.integrity import file_checksum, list_files, verify_files
 from mtk.checkpoint.meta import read_metadata
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.convert import parallelize
 from mtk.parallel import ParallelState
 
 
-def _timed(fn) -> float:
+def _timed(fn, *args, **kwargs) -> float:
     start = time.perf_counter()
-    fn()
+    fn(*args, **kwargs)
     return time.perf_counter() - start
+
+
+def _checksums(files: list[Path], sync: bool) -> None:
+    for path in files:
+        file_checksum(path, sync=sync)
 
 
 def main() -> None:
@@ -51,17 +56,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
             directory = Path(tmp) / f"step_{i}"
-            save.append(_timed(lambda: save_checkpoint(directory, parallel, model, [optimizer], [], step=i)))
-            load.append(_timed(lambda: load_checkpoint(directory, parallel, model, [optimizer], [])))
+            save.append(_timed(save_checkpoint, directory, parallel, model, [optimizer], [], step=i))
+            load.append(_timed(load_checkpoint, directory, parallel, model, [optimizer], []))
             files = [directory / name for name in list_files(directory)]
-            hashing.append(_timed(lambda: [_digest(f, sync=False) for f in files]))
-            fsync.append(_timed(lambda: [_digest(f, sync=True) for f in files]) - hashing[-1])
-            verify.append(_timed(lambda: verify_files(directory, read_metadata(directory).files)))
+            hashing.append(_timed(_checksums, files, sync=False))
+            fsync.append(_timed(_checksums, files, sync=True) - hashing[-1])
+            verify.append(_timed(verify_files, directory, read_metadata(directory).files))
         size = sum(f.stat().st_size for f in files) / 2**20
     med = statistics.median
     print(f"checkpoint {size:.0f} MiB, {len(files)} files; median of {args.repeats} (seconds)")
-    print(f"  save (hash + fsync included) {med(save):.3f}   hashing {med(hashing):.3f} "
-          f"({med(hashing) / med(save):.0%} of save)   fsync ~{max(med(fsync), 0):.3f}")
+    print(
+        f"  save (hash + fsync included) {med(save):.3f}   hashing {med(hashing):.3f} "
+        f"({med(hashing) / med(save):.0%} of save)   fsync ~{max(med(fsync), 0):.3f}"
+    )
     print(f"  load (verify included)       {med(load):.3f}   verify  {med(verify):.3f} "
           f"({med(verify) / med(load):.0%} of load)")  # fmt: skip
 

@@ -20,6 +20,7 @@ from datasets import load_dataset
 from torch.utils.data import DataLoader
 
 from mtk import Accelerator
+from mtk.checkpoint.resume import add_resume_arguments, start_point
 from mtk.data import ByteTokenizer
 from mtk.errors import run_main
 from mtk.models import build_model
@@ -34,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max_steps", type=int, default=200)
     parser.add_argument("--save_every", type=int, default=50)
     parser.add_argument("--output_dir", default="ckpts/classify")
-    parser.add_argument("--resume", help="checkpoint to resume from, e.g. ckpts/classify/step_150")
+    add_resume_arguments(parser, example="ckpts/classify/step_150")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch_size", type=int, default=16)
@@ -81,10 +82,21 @@ def main(argv=None) -> None:
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     accelerator.init_trackers("runs")
 
+    resume = start_point(
+        args.output_dir,
+        args.resume,
+        args.overwrite,
+        main_process=accelerator.is_main_process,
+        barrier=accelerator.wait_for_everyone,
+    )
     step = 0
-    if args.resume:
-        accelerator.load_state(args.resume)
+    if resume:
+        accelerator.load_state(resume)
         step = accelerator.completed_steps
+    if step >= args.max_steps:
+        accelerator.print(f"mtk: {resume} is at step {step}, --max_steps is {args.max_steps}: nothing left to do")
+        accelerator.end_training()
+        return
     model.train()
     while step < args.max_steps:
         epoch, skip = divmod(accelerator.micro_batches_seen, len(train_loader))

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from mtk import Accelerator
 from mtk.checkpoint import load_pretrained_tp
+from mtk.checkpoint.resume import add_resume_arguments, start_point
 from mtk.config import PIPELINE_SCHEDULES, RunSettings
 from mtk.data import causal_lm_blocks, load_text_files, tokenizer_for
 from mtk.errors import run_main
@@ -47,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max_steps", type=int, default=60, help="optimizer steps to run (default 60)")
     parser.add_argument("--save_every", type=int, default=0, help="save_state every N steps (0: only at the end)")
     parser.add_argument("--output_dir", default="ckpts", help="checkpoints and tensorboard runs/ (default ckpts)")
-    parser.add_argument("--resume", help="checkpoint to resume from, e.g. ckpts/step_20")
+    add_resume_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup_steps", type=int, default=5)
@@ -83,6 +84,13 @@ def main(argv=None) -> None:
         ),
     )
     parallel, settings = accelerator.parallel, accelerator.settings
+    resume = start_point(
+        args.output_dir,
+        args.resume,
+        args.overwrite,
+        main_process=accelerator.is_main_process,
+        barrier=accelerator.wait_for_everyone,
+    )
     config = resolve_config(args.model)
     check_tp_size(config, parallel.tp_size)  # one clear line before anything is built
     set_seed(args.seed)
@@ -125,9 +133,13 @@ def main(argv=None) -> None:
     max_grad_norm = settings.gradient_clipping or 1.0  # --max_grad_norm, else megatron_lm_gradient_clipping
 
     step = 0
-    if args.resume:
-        accelerator.load_state(args.resume)  # weights, optimizer, scheduler, RNG, data position
+    if resume:
+        accelerator.load_state(resume)  # weights, optimizer, scheduler, RNG, data position
         step = accelerator.completed_steps
+    if step >= args.max_steps:  # e.g. a requeued job whose last run finished
+        accelerator.print(f"mtk: {resume} is at step {step}, --max_steps is {args.max_steps}: nothing left to do")
+        accelerator.end_training()
+        return
     accelerator.print(
         f"mtk: {config.model_type} tp={parallel.tp_size} pp={parallel.pp_size} dp={parallel.dp_size} "
         f"world={parallel.world_size}, {len(dataset)} blocks of {args.seq_len} tokens, global batch {global_batch}, "

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torch.utils.tensorboard import SummaryWriter
 
 from mtk.checkpoint import load_pretrained_tp
+from mtk.checkpoint.resume import add_resume_arguments, start_point
 from mtk.convert import parallelize
 from mtk.data import causal_lm_blocks, load_text_files, tokenizer_for
 from mtk.errors import run_main
@@ -50,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max_steps", type=int, default=60)
     parser.add_argument("--save_every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     parser.add_argument("--output_dir", default="ckpts")
-    parser.add_argument("--resume", help="checkpoint to resume from, e.g. ckpts/step_20")
+    add_resume_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup_steps", type=int, default=5)
@@ -99,10 +100,17 @@ def main(argv=None) -> None:
     )
     loader = DataLoader(dataset, batch_size=micro, sampler=sampler, drop_last=True)
 
+    resume = start_point(
+        args.output_dir, args.resume, args.overwrite, main_process=parallel.rank == 0, barrier=dist.barrier
+    )
     step, micro_batches = 0, 0
-    if args.resume:
-        meta = load_deepspeed_checkpoint(args.resume, engine, parallel)
+    if resume:
+        meta = load_deepspeed_checkpoint(resume, engine, parallel)
         step, micro_batches = meta.step, meta.data["micro_batches"]
+    if step >= args.max_steps:  # e.g. a requeued job whose last run finished
+        if parallel.rank == 0:
+            print(f"mtk: {resume} is at step {step}, --max_steps is {args.max_steps}: nothing left to do", flush=True)
+        return
     writer = SummaryWriter(str(Path(args.output_dir) / "runs")) if parallel.rank == 0 else None
     global_batch = micro * accum * parallel.dp_size
     if parallel.rank == 0:

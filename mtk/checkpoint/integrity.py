@@ -28,7 +28,7 @@ from mtk.checkpoint.atomic import MARKER, fsync_dir
 from mtk.checkpoint.meta import CheckpointMeta, read_metadata
 from mtk.errors import CheckpointError
 
-__all__ = ["ALGORITHM", "checksum_files", "list_files", "read_verified", "verify_files"]
+__all__ = ["ALGORITHM", "checksum_files", "file_checksum", "list_files", "read_verified", "verify_files"]
 
 ALGORITHM = "xxh3_128"
 _METADATA = "metadata.json"
@@ -41,7 +41,8 @@ def list_files(root: Path) -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name not in skip)
 
 
-def _digest(path: Path, *, sync: bool) -> str:
+def file_checksum(path: Path, *, sync: bool = False) -> str:
+    """The file's XXH3-128 as hex; with ``sync``, also fsync it."""
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             digest = xxhash.xxh3_128(b"").hexdigest()
@@ -73,7 +74,7 @@ def checksum_files(root: Path) -> dict[str, dict[str, Any]]:
     process group exists (every rank calls it, each hashes its share, every rank gets the whole record)."""
     root = Path(root)
     mine = {
-        name: {"bytes": (root / name).stat().st_size, ALGORITHM: _digest(root / name, sync=True)}
+        name: {"bytes": (root / name).stat().st_size, ALGORITHM: file_checksum(root / name, sync=True)}
         for name in _share(list_files(root))
     }
     for directory in {(root / name).parent for name in mine} | {root}:
@@ -91,7 +92,7 @@ def _problem(root: Path, name: str, record: dict[str, Any]) -> str | None:
     size = path.stat().st_size
     if size != record["bytes"]:
         return f"{path} has {size} bytes, the checkpoint recorded {record['bytes']}"
-    if _digest(path, sync=False) != record[ALGORITHM]:
+    if file_checksum(path, sync=False) != record[ALGORITHM]:
         return f"{path} does not match its recorded {ALGORITHM} (damaged, or replaced by another run's or step's file)"
     return None
 

@@ -6,6 +6,7 @@ must reproduce the single-process losses (fp32, relative error <= 1e-5).
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,26 @@ def test_bad_input_is_one_clear_line(tmp_path):
         processes_ok=False,
     )
     one_line_error(out, f"checkpoint directory {tmp_path / 'step_150'} does not exist")
+
+
+def test_a_fresh_run_never_mixes_with_an_earlier_runs_checkpoints(llama_tp1, tmp_path):
+    """Refused without --resume/--overwrite; --resume auto finds step_6 (a requeued job that is done exits 0);
+    --overwrite removes the earlier run's checkpoints and nothing else."""
+    run = tmp_path / "run"
+    shutil.copytree(llama_tp1.dir, run)
+    (run / "notes.txt").write_text("mine")
+
+    def checkpoint_files():  # (tensorboard's runs/ gets a new event file from every launch)
+        files = [p for p in run.rglob("*") if "runs" not in p.relative_to(run).parts]
+        return sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in files)
+
+    before = checkpoint_files()
+    out = launch("tp1", "--max_steps", "6", "--output_dir", str(run), processes_ok=False)
+    one_line_error(out, f"--output_dir {run} already holds checkpoints of an earlier run (step_3, step_6)")
+    assert checkpoint_files() == before, "nothing touched"
+    out = launch("tp1", "--max_steps", "6", "--output_dir", str(run), "--resume", "auto")
+    assert f"resuming from {run / 'step_6'}" in out.stdout and "nothing left to do" in out.stdout
+    assert checkpoint_files() == before, "a finished run is not saved again"
+    out = launch("tp1", "--max_steps", "1", "--output_dir", str(run), "--overwrite")
+    assert "removed step_3, step_6 of an earlier run" in out.stdout
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt", "runs", "step_1"]

@@ -1,0 +1,109 @@
+"""Which checkpoint a run starts from: ``--resume PATH``, ``--resume auto``, or a fresh start that must not
+mix with an earlier run's checkpoints in the same folder.
+
+A fresh run into an output directory that already holds complete checkpoints would replace some
+``step_N`` and leave others, two runs in one folder. So it is refused unless the user says which they
+mean: ``--resume auto`` (continue from the newest complete checkpoint, e.g. a requeued job) or
+``--overwrite`` (start over; the earlier run's checkpoints, which mtk wrote, are removed first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from mtk.checkpoint.paths import CheckpointPaths
+from mtk.errors import CheckpointError
+
+__all__ = [
+    "AUTO",
+    "add_resume_arguments",
+    "complete_checkpoints",
+    "remove_checkpoints",
+    "resolve_resume",
+    "start_point",
+]
+
+AUTO = "auto"
+
+
+def complete_checkpoints(root: str | Path, prefix: str = "step") -> list[tuple[int, Path]]:
+    """``(N, folder)`` of the complete mtk checkpoints ``<prefix>_N`` directly under ``root``, by N."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    pattern = re.compile(rf"{re.escape(prefix)}_(\d+)")
+    found = [
+        (int(match[1]), folder)
+        for folder in root.iterdir()
+        if (match := pattern.fullmatch(folder.name)) and CheckpointPaths(folder).metadata.is_file()
+    ]
+    return sorted(found)
+
+
+def resolve_resume(output_dir: str | Path, resume: str | None, overwrite: bool) -> str | None:
+    """The checkpoint to load (``None``: start fresh). Every rank may call it: it only reads.
+
+    Raises:
+        CheckpointError: a fresh start (no ``--resume``, no ``--overwrite``) into a folder holding checkpoints.
+    """
+    existing = complete_checkpoints(output_dir)
+    if resume == AUTO:
+        return str(existing[-1][1]) if existing else None
+    if resume is not None or overwrite or not existing:
+        return resume
+    names = ", ".join(folder.name for _, folder in existing)
+    raise CheckpointError(
+        f"--output_dir {output_dir} already holds checkpoints of an earlier run ({names}); pass --resume auto to "
+        f"continue it, --overwrite to start over (they are removed), or another --output_dir"
+    )
+
+
+def remove_checkpoints(output_dir: str | Path) -> list[str]:
+    """Remove the complete mtk checkpoints ``step_N`` under ``output_dir`` (nothing else); their names."""
+    removed = []
+    for _, folder in complete_checkpoints(output_dir):
+        shutil.rmtree(folder)
+        removed.append(folder.name)
+    return removed
+
+
+def start_point(
+    output_dir: str | Path,
+    resume: str | None,
+    overwrite: bool,
+    *,
+    main_process: bool,
+    barrier: Callable[[], None] = lambda: None,
+) -> str | None:
+    """Resolve ``--resume``/``--overwrite`` for a training script on every rank; returns the checkpoint to load.
+
+    With ``--overwrite`` the main process removes the earlier run's checkpoints (and says so) while the
+    others wait at ``barrier``.
+    """
+    if overwrite and resume is not None:
+        raise CheckpointError("--overwrite starts a run over and cannot be combined with --resume; choose one")
+    start = resolve_resume(output_dir, resume, overwrite)
+    if resume == AUTO and main_process:
+        found = f"resuming from {start}" if start else f"no checkpoint in {output_dir}, starting fresh"
+        print(f"mtk: --resume auto: {found}", flush=True)
+    if overwrite:
+        if main_process and (removed := remove_checkpoints(output_dir)):
+            print(f"mtk: --overwrite: removed {', '.join(removed)} of an earlier run in {output_dir}", flush=True)
+        barrier()
+    return start
+
+
+def add_resume_arguments(parser: argparse.ArgumentParser, example: str = "ckpts/step_20") -> None:
+    """``--resume`` (a checkpoint or ``auto``) and ``--overwrite``, as every training script spells them."""
+    parser.add_argument(
+        "--resume", help=f"checkpoint to resume from, e.g. {example}, or 'auto': the newest in --output_dir"
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in an --output_dir that holds an earlier run's checkpoints",
+    )
