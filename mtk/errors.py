@@ -4,8 +4,10 @@ Each carries a one-line message saying what is wrong and what is allowed. Entry 
 :class:`MtkError` and print ``<prog>: error: <message>`` with a non-zero exit, never a traceback.
 """
 
+import hashlib
 import os
 import sys
+import time
 from collections.abc import Callable
 
 from tqdm.auto import tqdm
@@ -50,12 +52,50 @@ class DataError(MtkError):
     """Training data that cannot be read or tokenized."""
 
 
+def _first_report(message: str) -> bool:
+    """Whether no other rank has reported this exact message yet (so this rank prints it).
+
+    The first rank to fail with a message claims it with an atomic compare-and-set on the process
+    group's store (not a collective: the other ranks may be anywhere); later ranks with the same
+    message stay quiet, ranks with a different one print theirs. Without a process group, rank 0 reports for all
+    (before ``init_process_group`` every rank checks the same arguments).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return int(os.environ.get("RANK", "0")) == 0
+    me = os.environ.get("RANK", "0")
+    key = "mtk/error/" + hashlib.sha1(message.encode()).hexdigest()  # one key per distinct message
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        first = store.compare_set(key, "", me)  # sets it to this rank only if no rank has yet
+    except Exception:  # a store that is gone (its host rank exited): say it rather than nothing
+        return True
+    return first == me.encode()
+
+
 def run_main(main: Callable[[], None], prog: str) -> None:
-    """Run a script's ``main``; bad input becomes ``<prog>: error: <message>`` (from the first rank
-    only, as every rank fails the same way) and exit status 2, without a traceback."""
+    """Run a script's ``main``; bad input becomes ``<prog>: error: <message>`` and exit status 2, without a
+    traceback. Whichever rank hits it reports it (with its rank when it is not 0), each distinct
+    message once, so a file only rank 3 reads is named even though rank 0 is fine."""
     try:
         main()
     except MtkError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            tqdm.write(f"{prog}: error: {err}", file=sys.stderr)  # on its own line, even under a progress bar
+        rank = int(os.environ.get("RANK", "0"))
+        if _first_report(str(err)):
+            where = f"[rank {rank}] " if rank else ""
+            tqdm.write(f"{prog}: error: {where}{err}", file=sys.stderr)  # on its own line, even under a bar
+        if rank == 0 and _hosts_the_store():
+            time.sleep(_GRACE_S)  # the store dies with this process: give failing peers time to report
         sys.exit(2)
+
+
+_GRACE_S = 2.0
+
+
+def _hosts_the_store() -> bool:
+    """Rank 0 hosts the process group's store unless torchrun's agent does (accelerate launch, torchrun)."""
+    import torch.distributed as dist
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return dist.is_available() and dist.is_initialized() and not agent
