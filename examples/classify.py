@@ -20,6 +20,7 @@ from datasets import load_dataset
 from torch.utils.data import DataLoader
 
 from mtk import Accelerator
+from mtk.args import ArgumentParser, positive_float, positive_int
 from mtk.checkpoint.resume import add_resume_arguments, start_point
 from mtk.data import ByteTokenizer
 from mtk.errors import run_main
@@ -29,18 +30,18 @@ HERE = Path(__file__).resolve().parent
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-bert", help="built-in BERT config name")
     parser.add_argument("--data", default=str(HERE / "data" / "sentiment.csv"), help="csv with text,label columns")
-    parser.add_argument("--max_steps", type=int, default=200)
-    parser.add_argument("--save_every", type=int, default=50)
+    parser.add_argument("--max_steps", type=positive_int, default=200)
+    parser.add_argument("--save_every", type=positive_int, default=50)
     parser.add_argument("--output_dir", default="ckpts/classify")
     add_resume_arguments(parser, example="ckpts/classify/step_150")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--batch_size", type=int, default=16)
-    parser.add_argument("--grad_accum", type=int, default=1)
-    parser.add_argument("--max_length", type=int, default=64)
+    parser.add_argument("--lr", type=positive_float, default=1e-3)
+    parser.add_argument("--batch_size", type=positive_int, default=16)
+    parser.add_argument("--grad_accum", type=positive_int, default=1)
+    parser.add_argument("--max_length", type=positive_int, default=64)
     return parser.parse_args(argv)
 
 

@@ -23,12 +23,14 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from mtk import Accelerator
+from mtk.args import ArgumentParser, non_negative_int, positive_float, positive_int
 from mtk.checkpoint import load_pretrained_tp
 from mtk.checkpoint.resume import add_resume_arguments, start_point
 from mtk.config import PIPELINE_SCHEDULES, RunSettings
 from mtk.data import causal_lm_blocks, load_text_files, tokenizer_for
 from mtk.errors import run_main
-from mtk.models import build_model, resolve_config
+from mtk.models import build_model, check_seq_len, resolve_config
+from mtk.parallel.grad_norm import check_finite
 from mtk.plans import check_tp_size
 
 HERE = Path(__file__).resolve().parent
@@ -42,23 +44,32 @@ def layer_counts(text: str) -> tuple[int, ...]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-llama", help="built-in config name or local HF directory")
     parser.add_argument("--data", default=str(HERE / "data" / "sample.jsonl"), help="local .jsonl/.txt/.csv file")
-    parser.add_argument("--max_steps", type=int, default=60, help="optimizer steps to run (default 60)")
-    parser.add_argument("--save_every", type=int, default=0, help="save_state every N steps (0: only at the end)")
+    parser.add_argument("--max_steps", type=positive_int, default=60, help="optimizer steps to run (default 60)")
+    parser.add_argument(
+        "--save_every", type=non_negative_int, default=0, help="save_state every N steps (0: only at the end)"
+    )
     parser.add_argument("--output_dir", default="ckpts", help="checkpoints and tensorboard runs/ (default ckpts)")
     add_resume_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup_steps", type=int, default=5)
-    parser.add_argument("--batch_size", type=int, default=8, help="micro-batch per data-parallel replica")
-    parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--seq_len", type=int, default=64)
-    parser.add_argument("--max_grad_norm", type=float, help="default: megatron_lm_gradient_clipping, else 1.0")
+    parser.add_argument("--lr", type=positive_float, default=3e-3)
+    parser.add_argument("--warmup_steps", type=non_negative_int, default=5)
+    parser.add_argument("--batch_size", type=positive_int, default=8, help="micro-batch per data-parallel replica")
+    parser.add_argument("--grad_accum", type=positive_int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--seq_len", type=positive_int, default=64)
+    parser.add_argument(
+        "--max_grad_norm", type=positive_float, help="default: megatron_lm_gradient_clipping, else 1.0"
+    )
     parser.add_argument("--save_model", help="write the trained model here with save_pretrained at the end")
     parser.add_argument(
         "--pipeline_schedule", choices=PIPELINE_SCHEDULES, help="pp > 1 (default: MTK_PIPELINE_SCHEDULE, else 1f1b)"
+    )
+    parser.add_argument(
+        "--skip_nonfinite",
+        action="store_true",
+        help="skip an optimizer step whose gradient norm is inf/nan (default: stop the run before it is saved)",
     )
     parser.add_argument(
         "--pipeline_layers",
@@ -93,6 +104,7 @@ def main(argv=None) -> None:
     )
     config = resolve_config(args.model)
     check_tp_size(config, parallel.tp_size)  # one clear line before anything is built
+    check_seq_len(config, args.seq_len)
     set_seed(args.seed)
     if Path(args.model).is_dir():
         model = load_pretrained_tp(args.model, parallel, pipeline_layers=settings.pipeline_layers)  # this rank's bytes
@@ -159,10 +171,13 @@ def main(argv=None) -> None:
                 loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
                 accelerator.backward(loss)
                 loss_sum += loss.detach().float()
+                finite = True
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-                optimizer.step()
-                scheduler.step()
+                    finite = check_finite(grad_norm, step + 1, skip=args.skip_nonfinite)  # global norm: all agree
+                if finite:
+                    optimizer.step()
+                    scheduler.step()
                 optimizer.zero_grad()
             if not accelerator.sync_gradients:
                 continue

@@ -25,6 +25,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, DistributedSampler
 from torch.utils.tensorboard import SummaryWriter
 
+from mtk.args import ArgumentParser, non_negative_int, positive_float, positive_int
 from mtk.checkpoint import load_pretrained_tp
 from mtk.checkpoint.resume import add_resume_arguments, start_point
 from mtk.convert import parallelize
@@ -36,7 +37,7 @@ from mtk.integrations.deepspeed import (
     remove_shm_buffers_at_exit,
     save_deepspeed_checkpoint,
 )
-from mtk.models import build_model, resolve_config
+from mtk.models import build_model, check_seq_len, resolve_config
 from mtk.parallel.comm import all_reduce
 from mtk.parallel.state import ParallelState
 from mtk.plans import check_tp_size
@@ -45,20 +46,24 @@ HERE = Path(__file__).resolve().parent
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-llama", help="built-in config name or local HF directory")
     parser.add_argument("--data", default=str(HERE / "data" / "sample.jsonl"), help="local .jsonl/.txt/.csv file")
-    parser.add_argument("--max_steps", type=int, default=60)
-    parser.add_argument("--save_every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    parser.add_argument("--max_steps", type=positive_int, default=60)
+    parser.add_argument(
+        "--save_every", type=non_negative_int, default=0, help="checkpoint every N steps (0: only at the end)"
+    )
     parser.add_argument("--output_dir", default="ckpts")
     add_resume_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup_steps", type=int, default=5)
-    parser.add_argument("--batch_size", type=int, help="micro-batch per DP replica (default: from the JSON)")
-    parser.add_argument("--grad_accum", type=int, help="micro-batches per step (default: from the JSON)")
-    parser.add_argument("--seq_len", type=int, default=64)
-    parser.add_argument("--tp", type=int, help="tensor-parallel size (default: MEGATRON_LM_TP_DEGREE, else 1)")
+    parser.add_argument("--lr", type=positive_float, default=3e-3)
+    parser.add_argument("--warmup_steps", type=non_negative_int, default=5)
+    parser.add_argument("--batch_size", type=positive_int, help="micro-batch per DP replica (default: from the JSON)")
+    parser.add_argument("--grad_accum", type=positive_int, help="micro-batches per step (default: from the JSON)")
+    parser.add_argument("--seq_len", type=positive_int, default=64)
+    parser.add_argument(
+        "--tp", type=positive_int, help="tensor-parallel size (default: MEGATRON_LM_TP_DEGREE, else 1)"
+    )
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args(argv)
@@ -72,6 +77,7 @@ def main(argv=None) -> None:
     parallel = ParallelState.from_env(tp_size=args.tp)  # torch.distributed from the launcher; --tp beats the env
     config = resolve_config(args.model)
     check_tp_size(config, parallel.tp_size)
+    check_seq_len(config, args.seq_len)
     ds_config = deepspeed_config(args.deepspeed_config, micro_batch=args.batch_size, grad_accum=args.grad_accum)
     ds_config.setdefault("optimizer", {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}})
     ds_config["optimizer"].setdefault("params", {}).setdefault("torch_adam", True)

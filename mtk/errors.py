@@ -19,6 +19,7 @@ __all__ = [
     "LayoutError",
     "ModelSpecError",
     "MtkError",
+    "TrainingError",
     "UnsupportedModelError",
     "run_main",
 ]
@@ -50,6 +51,10 @@ class CheckpointError(MtkError):
 
 class DataError(MtkError):
     """Training data that cannot be read or tokenized."""
+
+
+class TrainingError(MtkError):
+    """A run that cannot go on safely (e.g. non-finite gradients); stopped before it is saved."""
 
 
 def _first_report(message: str) -> bool:

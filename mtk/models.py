@@ -30,7 +30,16 @@ from transformers import (
 
 from mtk.errors import ModelSpecError
 
-__all__ = ["BUILTIN", "DTYPES", "ModelSpecError", "auto_class_for", "builtin_config", "build_model", "resolve_config"]
+__all__ = [
+    "BUILTIN",
+    "DTYPES",
+    "ModelSpecError",
+    "auto_class_for",
+    "builtin_config",
+    "build_model",
+    "check_seq_len",
+    "resolve_config",
+]
 
 # The dtype names mtk's options take (--dtype of mtk verify, mtk export, mtk bench).
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -117,6 +126,17 @@ def resolve_config(spec: str | PretrainedConfig) -> PretrainedConfig:
             f"with a config.json"
         )
     return AutoConfig.from_pretrained(path, trust_remote_code=False)
+
+
+def check_seq_len(config: PretrainedConfig, seq_len: int) -> None:
+    """Refuse (one line) a sequence longer than the model's positions (GPT-2 would fail deep in its forward,
+    rotary models would silently run past what they were trained on)."""
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is not None and seq_len > limit:
+        raise ModelSpecError(
+            f"--seq_len {seq_len} is longer than the model's {limit} positions (max_position_embeddings); "
+            f"use at most {limit}"
+        )
 
 
 def auto_class_for(config: PretrainedConfig):

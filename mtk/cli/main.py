@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from mtk import __version__
+from mtk.args import ArgumentParser
 from mtk.cli import bench, export, topology, verify, verify_checkpoint
 from mtk.errors import MtkError
 
@@ -14,7 +15,7 @@ SUBCOMMANDS = (bench, export, topology, verify, verify_checkpoint)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="mtk",
         description="Megatron-style tensor, pipeline and data parallelism for HuggingFace models.",
     )
@@ -27,7 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except MtkError as err:  # a malformed option: one line, as for every other bad input
+        print(f"mtk: error: {err}", file=sys.stderr)
+        return 2
     if args.command is None:
         parser.print_help()
         return 0

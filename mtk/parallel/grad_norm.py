@@ -19,11 +19,12 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
+from mtk.errors import TrainingError
 from mtk.parallel.comm import all_reduce
 from mtk.parallel.parameters import param_info
 from mtk.parallel.state import ParallelState
 
-__all__ = ["clip_grad_norm_tp_", "grad_norm_tp"]
+__all__ = ["check_finite", "clip_grad_norm_tp_", "grad_norm_tp"]
 
 
 def _weight(param: torch.Tensor, parallel: ParallelState) -> float:
@@ -65,3 +66,23 @@ def clip_grad_norm_tp_(
         grad = cast(torch.Tensor, param.grad)  # filtered above
         grad.mul_(coef.to(grad.device))
     return norm
+
+
+def check_finite(total_norm: torch.Tensor, step: int, *, skip: bool = False) -> bool:
+    """Whether the optimizer may step on gradients of global norm ``total_norm``.
+
+    A non-finite norm stops the run (:class:`TrainingError` naming the step) before a checkpoint with
+    non-finite weights can be written, or, with ``skip``, says so and returns ``False`` (the step is
+    skipped). The norm is the global one, so every rank decides the same.
+    """
+    norm = float(total_norm)
+    if math.isfinite(norm):
+        return True
+    if not skip:
+        raise TrainingError(
+            f"step {step}: the gradient norm is {norm}; stopped before non-finite weights are saved "
+            f"(lower --lr, or pass --skip_nonfinite to skip such steps)"
+        )
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"mtk: step {step} skipped: the gradient norm is {norm}", flush=True)
+    return False

@@ -1,0 +1,180 @@
+"""Bad input, as a new user types it, gets one line (``<prog>: error: ...``: what is wrong and what is
+allowed) and exit status 2: never a traceback, never a file of the user's removed.
+
+Every case runs the real entry point (``main`` of an example script, ``mtk``'s ``main``) in this
+process, because each fails before any process group or model exists; the failures that need a
+launch (layouts, damaged shards on one rank, resume) are in tests/e2e and tests/distributed.
+"""
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mtk.checkpoint.sharded import save_checkpoint
+from mtk.cli.main import main as mtk_main
+from mtk.convert import parallelize
+from mtk.errors import run_main
+from mtk.models import build_model
+from mtk.parallel import ParallelState
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+EXAMPLES = {name: _example(name) for name in ("finetune", "classify", "run")}
+
+SCRIPT_CASES = [
+    ("finetune", ["--batch_size", "0"], "argument --batch_size: must be a positive integer, got 0"),
+    ("finetune", ["--batch_size", "two"], "argument --batch_size: 'two' is not an integer"),
+    ("finetune", ["--grad_accum", "0"], "argument --grad_accum: must be a positive integer, got 0"),
+    ("finetune", ["--seq_len", "0"], "argument --seq_len: must be a positive integer, got 0"),
+    ("finetune", ["--max_steps", "0"], "argument --max_steps: must be a positive integer, got 0"),
+    ("finetune", ["--max_steps", "-3"], "argument --max_steps: must be a positive integer, got -3"),
+    ("finetune", ["--save_every", "-1"], "argument --save_every: must be 0 or more, got -1"),
+    ("finetune", ["--warmup_steps", "-1"], "argument --warmup_steps: must be 0 or more, got -1"),
+    ("finetune", ["--lr", "nan"], "argument --lr: must be a finite number, got nan"),
+    ("finetune", ["--lr", "inf"], "argument --lr: must be a finite number, got inf"),
+    ("finetune", ["--lr", "0"], "argument --lr: must be greater than 0, got 0"),
+    ("finetune", ["--lr", "fast"], "argument --lr: 'fast' is not a number"),
+    ("finetune", ["--max_grad_norm", "-1"], "argument --max_grad_norm: must be greater than 0, got -1"),
+    ("finetune", ["--max_grad_norm", "nan"], "argument --max_grad_norm: must be a finite number, got nan"),
+    ("finetune", ["--pipeline_schedule", "gpipe"], "argument --pipeline_schedule: invalid choice: 'gpipe'"),
+    ("finetune", ["--pipeline_layers", "a,b"], "'a,b' is not a comma-separated list of layer counts"),
+    ("finetune", ["--tp", "2"], "unrecognized arguments: --tp 2"),
+    ("finetune", ["--seed"], "argument --seed: expected one argument"),
+    ("classify", ["--save_every", "0"], "argument --save_every: must be a positive integer, got 0"),
+    ("classify", ["--max_length", "0"], "argument --max_length: must be a positive integer, got 0"),
+    ("classify", ["--batch_size", "-1"], "argument --batch_size: must be a positive integer, got -1"),
+    ("classify", ["--lr", "nan"], "argument --lr: must be a finite number, got nan"),
+    ("classify", ["--max_steps", "0"], "argument --max_steps: must be a positive integer, got 0"),
+    ("classify", ["--grad_accum", "0"], "argument --grad_accum: must be a positive integer, got 0"),
+    ("run", [], "--deepspeed_config is required (e.g. ds_configs/zero2.json)"),
+    ("run", ["--deepspeed_config", "x.json", "--tp", "0"], "argument --tp: must be a positive integer, got 0"),
+    ("run", ["--deepspeed_config", "x.json", "--batch_size", "0"], "argument --batch_size: must be a positive"),
+    ("run", ["--deepspeed_config", "x.json", "--grad_accum", "0"], "argument --grad_accum: must be a positive"),
+    ("run", ["--deepspeed_config", "x.json", "--lr", "nan"], "argument --lr: must be a finite number, got nan"),
+    ("run", ["--deepspeed_config", "x.json", "--seq_len", "0"], "argument --seq_len: must be a positive integer"),
+    ("run", ["--deepspeed_config", "x.json", "--save_every", "-2"], "argument --save_every: must be 0 or more"),
+    ("run", ["--deepspeed_config", "x.json", "--max_steps", "0"], "argument --max_steps: must be a positive"),
+]
+
+
+def _one_line(err: str, prog: str, message: str) -> None:
+    assert "Traceback" not in err, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: ") and message in lines[0], err
+
+
+@pytest.mark.parametrize("script, argv, message", SCRIPT_CASES, ids=[f"{c[0]}{' '.join(c[1])}" for c in SCRIPT_CASES])
+def test_script_options(script, argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run_main(lambda: EXAMPLES[script].main(argv), f"{script}.py")
+    assert exit_.value.code == 2
+    _one_line(capsys.readouterr().err, f"{script}.py", message)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    parallel = ParallelState.build()
+    model = parallelize(build_model("tiny-llama"), parallel)
+    return save_checkpoint(tmp_path_factory.mktemp("ckpt") / "step_1", parallel, model, [], [], step=1)
+
+
+def _copy(checkpoint: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(checkpoint, tmp_path / "step_1"))
+
+
+def _metadata(text: str):
+    def damage(directory: Path) -> None:
+        (directory / "metadata.json").write_text(text)
+
+    return damage
+
+
+def _meta_field(**fields):
+    def damage(directory: Path) -> None:
+        meta = json.loads((directory / "metadata.json").read_text())
+        meta.update(fields)
+        (directory / "metadata.json").write_text(json.dumps(meta))
+
+    return damage
+
+
+CHECKPOINT_DAMAGE = [
+    (_metadata(""), "is not valid mtk checkpoint metadata"),
+    (_metadata('{"format": "mtk-checkpoint/2", "st'), "is not valid mtk checkpoint metadata"),
+    (_metadata("[1, 2]"), "is not valid mtk checkpoint metadata (not a JSON object)"),
+    (_metadata('{"format": "mtk-checkpoint/9"}'), "has format 'mtk-checkpoint/9', expected"),
+    (_meta_field(topology={"tp": 2}), "is not valid mtk checkpoint metadata"),
+    (lambda d: (d / "metadata.json").unlink(), "is not a complete mtk checkpoint (no metadata.json"),
+    (lambda d: (d / "rng" / "rank00000.pt").unlink(), "rng/rank00000.pt is missing"),
+    (lambda d: (d / "model" / "tp00-pp00.safetensors").write_bytes(b"garbage"), "has 7 bytes, the checkpoint"),
+    (lambda d: (d / "stray.bin").write_bytes(b"x"), "stray.bin is not part of the checkpoint"),
+]
+
+
+@pytest.mark.parametrize("command", ["verify-checkpoint", "export"])
+@pytest.mark.parametrize("damage, message", CHECKPOINT_DAMAGE)
+def test_damaged_checkpoints(checkpoint, tmp_path, capsys, command, damage, message):
+    directory = _copy(checkpoint, tmp_path)
+    damage(directory)
+    argv = [command, str(directory)] + ([str(tmp_path / "hf")] if command == "export" else [])
+    assert mtk_main(argv) == 2
+    _one_line(capsys.readouterr().err, f"mtk {command}", message)
+    assert not list(tmp_path.glob("hf*")), "nothing written"
+
+
+def test_cli_options(checkpoint, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("mine")
+    theirs = tmp_path / "out.incomplete"
+    theirs.mkdir()
+    (theirs / "keep.txt").write_text("mine")
+    cases = [
+        (["topology", "--world", "6", "--tp", "4"], "mtk topology", "not divisible by tp*pp"),
+        (["topology", "--world", "x"], "mtk", "argument --world: invalid int value: 'x'"),
+        (["verify", "--model", "nope"], "mtk verify", "is neither a built-in config"),
+        (["verify", "--model", "tiny-llama", "--tp", "0"], "mtk verify", "--tp must be at least 1"),
+        (["verify", "--model", "tiny-llama", "--tp", "3"], "mtk verify", "num_attention_heads = 4 is not divisible"),
+        (["verify", "--dtype", "fp8", "--model", "tiny-llama"], "mtk", "argument --dtype: invalid choice: 'fp8'"),
+        (["export", str(tmp_path / "nowhere"), str(tmp_path / "o")], "mtk export", "nowhere does not exist"),
+        (["export", str(checkpoint), str(tmp_path / "a_file")], "mtk export", "is a file; export into a new"),
+        (["export", str(checkpoint), str(tmp_path / "o"), "--max_shard_size", "big"], "mtk export", "is not a size"),
+        (["export", str(tmp_path), str(tmp_path / "o")], "mtk export", "is not a complete mtk checkpoint"),
+        (["verify-checkpoint", str(tmp_path / "nowhere")], "mtk verify-checkpoint", "does not exist"),
+        (["no-such-command"], "mtk", "invalid choice: 'no-such-command'"),
+    ]
+    for argv, prog, message in cases:
+        assert mtk_main(argv) == 2, argv
+        _one_line(capsys.readouterr().err, prog, message)
+    assert (tmp_path / "a_file").read_text() == "mine" and (theirs / "keep.txt").read_text() == "mine"
+
+
+def test_export_into_a_read_only_folder_is_one_line(checkpoint, tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if (locked / "probe").exists() or _writable(locked):
+            pytest.skip("running as a user who can write anywhere (root): nothing is read-only")
+        assert mtk_main(["export", str(checkpoint), str(locked / "hf")]) == 2
+        _one_line(capsys.readouterr().err, "mtk export", "cannot write")
+    finally:
+        locked.chmod(0o700)
+
+
+def _writable(directory: Path) -> bool:
+    try:
+        (directory / "probe").write_text("")
+    except OSError:
+        return False
+    (directory / "probe").unlink()
+    return True
