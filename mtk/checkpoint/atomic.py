@@ -61,8 +61,8 @@ def remove_ours(directory: Path) -> None:
 
 
 def _check_replaceable(final: Path) -> None:
-    """``final`` may be replaced only if it is a checkpoint (mtk's metadata.json is in it)."""
-    if final.exists() and not (final / "metadata.json").is_file():
+    """``final`` may be replaced only if it is empty or a checkpoint (mtk's metadata.json is in it)."""
+    if final.exists() and not (final.is_dir() and (not any(final.iterdir()) or (final / "metadata.json").is_file())):
         raise CheckpointError(
             f"{final} exists and is not an mtk checkpoint; mtk will not replace it, save to another directory"
         )
