@@ -25,6 +25,7 @@ from mtk.checkpoint.resume import add_resume_arguments, start_point
 from mtk.data import ByteTokenizer
 from mtk.errors import run_main
 from mtk.models import build_model
+from mtk.signals import ExitSignal
 
 HERE = Path(__file__).resolve().parent
 
@@ -98,8 +99,10 @@ def main(argv=None) -> None:
         accelerator.print(f"mtk: {resume} is at step {step}, --max_steps is {args.max_steps}: nothing left to do")
         accelerator.end_training()
         return
+    exit_signal = ExitSignal(accelerator.device)  # SIGTERM/SIGINT: save at the next step boundary and exit
+    stopped = False
     model.train()
-    while step < args.max_steps:
+    while step < args.max_steps and not stopped:
         epoch, skip = divmod(accelerator.micro_batches_seen, len(train_loader))
         train_loader.set_epoch(epoch)
         for batch in accelerator.skip_first_batches(train_loader, skip) if skip else train_loader:
@@ -115,8 +118,15 @@ def main(argv=None) -> None:
             accelerator.log({"train/loss": loss}, step=step)
             if step % 10 == 0:
                 accelerator.print(f"step {step} loss {loss!r}")
-            if step % args.save_every == 0:
+            stopped = exit_signal.requested()  # agreed over all ranks
+            if step % args.save_every == 0 or stopped:
                 accelerator.save_state(f"{args.output_dir}/step_{step}")
+            if stopped:
+                accelerator.print(
+                    f"mtk: {exit_signal.name}: saved {args.output_dir}/step_{step}; continue with --resume auto"
+                )
+                accelerator.end_training()
+                return
             if step >= args.max_steps:
                 break
 

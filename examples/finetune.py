@@ -32,6 +32,7 @@ from mtk.errors import run_main
 from mtk.models import build_model, check_seq_len, resolve_config
 from mtk.parallel.grad_norm import check_finite
 from mtk.plans import check_tp_size
+from mtk.signals import ExitSignal
 
 HERE = Path(__file__).resolve().parent
 
@@ -157,10 +158,12 @@ def main(argv=None) -> None:
         f"world={parallel.world_size}, {len(dataset)} blocks of {args.seq_len} tokens, global batch {global_batch}, "
         f"steps {step}->{args.max_steps}"
     )
+    exit_signal = ExitSignal(accelerator.device)  # SIGTERM/SIGINT: save at the next step boundary and exit
+    saved_step, stopped = step, False
     progress = tqdm(total=args.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
     micro_batches_per_epoch = len(loader)
     loss_sum, tic = torch.zeros((), device=accelerator.device), time.perf_counter()
-    while step < args.max_steps:
+    while step < args.max_steps and not stopped:
         epoch, skip = divmod(accelerator.micro_batches_seen, micro_batches_per_epoch)
         loader.set_epoch(epoch)
         batches = accelerator.skip_first_batches(loader, skip) if skip else loader
@@ -198,14 +201,20 @@ def main(argv=None) -> None:
             progress.update(1)
             progress.set_postfix(loss=f"{mean_loss:.3f}")
             loss_sum.zero_()
-            if args.save_every and step % args.save_every == 0:
+            stopped = exit_signal.requested()  # agreed over all ranks
+            if (args.save_every and step % args.save_every == 0) or stopped:
                 accelerator.save_state(f"{args.output_dir}/step_{step}")
-            if step >= args.max_steps:
+                saved_step = step
+            if stopped:
+                accelerator.print(
+                    f"mtk: {exit_signal.name}: saved {args.output_dir}/step_{step}; continue with --resume auto"
+                )
+            if step >= args.max_steps or stopped:
                 break
     progress.close()
-    if not args.save_every or step % args.save_every:
+    if saved_step != step:
         accelerator.save_state(f"{args.output_dir}/step_{step}")
-    if args.save_model:
+    if args.save_model and not stopped:
         unwrapped = accelerator.unwrap_model(model)
         unwrapped.save_pretrained(
             args.save_model,

@@ -41,6 +41,7 @@ from mtk.models import build_model, check_seq_len, resolve_config
 from mtk.parallel.comm import all_reduce
 from mtk.parallel.state import ParallelState
 from mtk.plans import check_tp_size
+from mtk.signals import ExitSignal
 
 HERE = Path(__file__).resolve().parent
 
@@ -126,8 +127,10 @@ def main(argv=None) -> None:
             f"steps {step}->{args.max_steps}",
             flush=True,
         )
+    exit_signal = ExitSignal(engine.device)  # SIGTERM/SIGINT: save at the next step boundary and exit
+    saved_step, stopped = step, False
     loss_sum, tic = torch.zeros(1), time.perf_counter()
-    while step < args.max_steps:
+    while step < args.max_steps and not stopped:
         epoch, skip = divmod(micro_batches, len(loader))
         sampler.set_epoch(epoch)
         for index, batch in enumerate(loader):
@@ -153,13 +156,17 @@ def main(argv=None) -> None:
                 writer.add_scalar("train/tokens_per_s", global_batch * args.seq_len / elapsed, step)
                 print(f"step {step} loss {mean.item()!r}", flush=True)
             loss_sum.zero_()
-            if args.save_every and step % args.save_every == 0:
+            stopped = exit_signal.requested()  # agreed over all ranks
+            if (args.save_every and step % args.save_every == 0) or stopped:
                 save_deepspeed_checkpoint(
                     f"{args.output_dir}/step_{step}", engine, parallel, {"micro_batches": micro_batches}
                 )
-            if step >= args.max_steps:
+                saved_step = step
+            if stopped and parallel.rank == 0:
+                print(f"mtk: {exit_signal.name}: saved {args.output_dir}/step_{step}; continue with --resume auto")
+            if step >= args.max_steps or stopped:
                 break
-    if not args.save_every or step % args.save_every:
+    if saved_step != step:
         save_deepspeed_checkpoint(f"{args.output_dir}/step_{step}", engine, parallel, {"micro_batches": micro_batches})
     if writer is not None:
         writer.close()

@@ -142,3 +142,32 @@ def test_a_fresh_run_never_mixes_with_an_earlier_runs_checkpoints(llama_tp1, tmp
     out = launch("tp1", "--max_steps", "1", "--output_dir", str(run), "--overwrite")
     assert "removed step_3, step_6 of an earlier run" in out.stdout
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt", "runs", "step_1"]
+
+
+def test_sigterm_saves_at_the_next_step_and_stops(tmp_path):
+    """What a scheduler sends before it kills a job: the launcher forwards SIGTERM, every rank finishes its
+    step, the run saves a complete checkpoint, and no worker is left running."""
+    import signal
+    import subprocess
+
+    from mtk.checkpoint.integrity import read_verified
+    from mtk.spawn import free_port
+    from tests.e2e.launch import ROOT
+
+    launch_args = ["--config_file", "accelerate_configs/tp2.yaml", "--main_process_port", str(free_port())]
+    script_args = ["--max_steps", "100000", "--output_dir", str(tmp_path)]
+    command = ["accelerate", "launch", *launch_args, "examples/finetune.py", *script_args]
+    launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in launcher.stdout:
+        seen.append(line)
+        if "step 2 loss" in line:
+            launcher.send_signal(signal.SIGTERM)
+            break
+    seen.append(launcher.communicate(timeout=300)[0])
+    output = "".join(seen)
+    saved = [p for p in tmp_path.iterdir() if p.name.startswith("step_")]
+    assert len(saved) == 1, output[-3000:]
+    assert f"mtk: SIGTERM: saved {saved[0]}; continue with --resume auto" in output
+    assert read_verified(saved[0]).step >= 2  # complete, every file matches its checksum
+    assert not list(tmp_path.glob("*.incomplete"))
