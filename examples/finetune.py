@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from mtk import Accelerator
 from mtk.args import ArgumentParser, non_negative_int, positive_float, positive_int
 from mtk.checkpoint import load_pretrained_tp
-from mtk.checkpoint.resume import add_resume_arguments, start_point
+from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.config import PIPELINE_SCHEDULES, RunSettings
 from mtk.data import causal_lm_blocks, load_text_files, tokenizer_for
 from mtk.errors import run_main
@@ -145,6 +145,10 @@ def main(argv=None) -> None:
     )
     max_grad_norm = settings.gradient_clipping or 1.0  # --max_grad_norm, else megatron_lm_gradient_clipping
 
+    # a resumed run must continue the same data stream: a changed one of these is one clear line
+    accelerator.register_for_checkpointing(
+        ResumeGuard(model=args.model, data=args.data, seq_len=args.seq_len, seed=args.seed)
+    )
     step = 0
     if resume:
         accelerator.load_state(resume)  # weights, optimizer, scheduler, RNG, data position

@@ -14,12 +14,14 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.errors import CheckpointError
 
 __all__ = [
     "AUTO",
+    "ResumeGuard",
     "add_resume_arguments",
     "complete_checkpoints",
     "remove_checkpoints",
@@ -107,3 +109,29 @@ def add_resume_arguments(parser: argparse.ArgumentParser, example: str = "ckpts/
         action="store_true",
         help="start over in an --output_dir that holds an earlier run's checkpoints",
     )
+
+
+class ResumeGuard:
+    """The options a resumed run must share with the run it continues, checked when it resumes.
+
+    They decide which data comes next (``--data``, ``--seq_len``, ``--seed``, ``--model``): changing one
+    on resume would silently train on a different stream than the checkpoint's data position means.
+    Registered with accelerate's ``register_for_checkpointing``, so it is saved in every checkpoint
+    and compared by ``load_state``; a change is one line naming the option.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.options)
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        changed = [
+            f"--{key} {saved[key]} -> {value}" for key, value in self.options.items() if saved.get(key, value) != value
+        ]
+        if changed:
+            raise CheckpointError(
+                f"this run changes {', '.join(changed)} from the checkpoint it resumes, which would continue on "
+                f"different data; resume with the same options, or start a new run in another --output_dir"
+            )

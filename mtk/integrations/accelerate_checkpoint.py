@@ -179,7 +179,13 @@ class ShardedCheckpointing(_Host):
                 dataloader.set_epoch(iteration)
             replay_shuffles(dataloader, iteration)
         for i, obj in enumerate(self._custom_objects):
-            obj.load_state_dict(torch.load(CheckpointPaths(input_dir).custom_object(i), weights_only=True))
+            path = CheckpointPaths(input_dir).custom_object(i)
+            if not path.is_file():
+                raise CheckpointError(
+                    f"{input_dir} holds no {path.name}: it was saved with fewer objects registered with "
+                    f"register_for_checkpointing than this run registers ({len(self._custom_objects)})"
+                )
+            obj.load_state_dict(torch.load(path, weights_only=True))
 
     def _rescale_schedulers(self, saved_dp: int) -> None:
         """Prepared schedulers step once per DP replica per optimizer step: after a DP change their

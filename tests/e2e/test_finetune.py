@@ -122,8 +122,8 @@ def test_bad_input_is_one_clear_line(tmp_path):
 
 
 def test_a_fresh_run_never_mixes_with_an_earlier_runs_checkpoints(llama_tp1, tmp_path):
-    """Refused without --resume/--overwrite; --resume auto finds step_6 (a requeued job that is done exits 0);
-    --overwrite removes the earlier run's checkpoints and nothing else."""
+    """Refused without --resume/--overwrite; --resume auto finds step_6 (a requeued job that is done exits 0,
+    one that changes the data options is refused); --overwrite removes the earlier run's checkpoints only."""
     run = tmp_path / "run"
     shutil.copytree(llama_tp1.dir, run)
     (run / "notes.txt").write_text("mine")
@@ -139,6 +139,10 @@ def test_a_fresh_run_never_mixes_with_an_earlier_runs_checkpoints(llama_tp1, tmp
     out = launch("tp1", "--max_steps", "6", "--output_dir", str(run), "--resume", "auto")
     assert f"resuming from {run / 'step_6'}" in out.stdout and "nothing left to do" in out.stdout
     assert checkpoint_files() == before, "a finished run is not saved again"
+    out = launch(
+        "tp1", "--max_steps", "8", "--output_dir", str(run), "--resume", "auto", "--seq_len", "32", processes_ok=False
+    )
+    one_line_error(out, "this run changes --seq_len 64 -> 32 from the checkpoint it resumes")
     out = launch("tp1", "--max_steps", "1", "--output_dir", str(run), "--overwrite")
     assert "removed step_3, step_6 of an earlier run" in out.stdout
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt", "runs", "step_1"]
