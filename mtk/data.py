@@ -54,7 +54,17 @@ def load_text_files(path: str | Path, text_column: str = "text") -> Dataset:
     kinds = {_FORMATS.get(p.suffix) for p in files}
     if None in kinds or len(kinds) > 1:
         raise DataError(f"--data {path}: use files of one kind among {sorted(_FORMATS)}")
-    dataset = load_dataset(kinds.pop(), data_files=[str(p) for p in files], split="train")
+    kind = kinds.pop()
+    if all(p.stat().st_size == 0 for p in files):
+        raise DataError(f"--data {path} is empty; give it at least one {text_column!r} row")
+    try:
+        dataset = load_dataset(kind, data_files=[str(p) for p in files], split="train")
+    except Exception as err:  # datasets' own errors (malformed JSON, an empty file, ...), as one line
+        root: BaseException = err
+        while root.__cause__ is not None or root.__context__ is not None:  # the parser's own message
+            root = root.__cause__ or root.__context__  # type: ignore[assignment]
+        reason = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
+        raise DataError(f"--data {path} could not be read as {kind} ({reason}); check the file's format") from None
     if text_column not in dataset.column_names:
         raise DataError(f"--data {path} has columns {dataset.column_names}; expected a {text_column!r} column")
     return dataset

@@ -113,16 +113,23 @@ def atomic_dir(final: str | Path, *, owner: bool = True, barrier: Callable[[], N
     final = Path(final)
     tmp = incomplete_path(final)
     old = final.with_name(final.name + ".old")
-    for side in (tmp, old):  # every rank checks (read-only), so all refuse together
+    for side in (tmp, old):  # every rank checks (read-only), so all refuse together ...
         _check_ours(side)
     _check_replaceable(final)
-    if owner:
-        remove_ours(tmp)
-        remove_ours(old)
-        tmp.mkdir(parents=True)
-        (tmp / MARKER).touch()
-    barrier()
-    yield tmp
+    barrier()  # ... and all have checked before the owner changes anything
+    try:
+        if owner:
+            remove_ours(tmp)
+            remove_ours(old)
+            tmp.mkdir(parents=True)
+            (tmp / MARKER).touch()
+        barrier()
+        yield tmp
+    except OSError as err:  # a read-only or full disk: one line naming it, on whichever rank hit it
+        raise CheckpointError(
+            f"cannot write checkpoint {final}: {err.strerror or err}; the previous checkpoints are untouched "
+            f"(choose a writable --output_dir with free space)"
+        ) from None
     barrier()
     if owner:
         (tmp / MARKER).unlink()
