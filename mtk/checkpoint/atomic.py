@@ -101,6 +101,16 @@ def write_synced(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def _remove_stale_siblings(final: Path) -> None:
+    """Leftovers of mtk's own interrupted saves beside ``final`` (e.g. ``step_9.incomplete`` after a crash and
+    a resume from ``step_6``): removed at the next save. Only directories with mtk's marker are touched."""
+    if not final.parent.is_dir():
+        return
+    for sibling in final.parent.iterdir():
+        if sibling.name.endswith((".incomplete", ".old")) and sibling.is_dir() and is_ours(sibling):
+            shutil.rmtree(sibling)
+
+
 @contextmanager
 def atomic_dir(final: str | Path, *, owner: bool = True, barrier: Callable[[], None] = lambda: None) -> Iterator[Path]:
     """Yield the ``.incomplete`` directory to write into; publish it as ``final`` on success.
@@ -121,6 +131,7 @@ def atomic_dir(final: str | Path, *, owner: bool = True, barrier: Callable[[], N
         if owner:
             remove_ours(tmp)
             remove_ours(old)
+            _remove_stale_siblings(final)
             tmp.mkdir(parents=True)
             (tmp / MARKER).touch()
         barrier()

@@ -49,7 +49,16 @@ def check_tp_size(config, tp_size: int) -> None:
 
     Cheap (config only): call it before launching processes or building groups.
     """
-    counts = (find_plan(config) or GENERIC).head_counts(config)
+    plan = find_plan(config)
+    try:
+        counts = (plan or GENERIC).head_counts(config)
+    except AttributeError as err:  # the generic rules read decoder-style config fields (T5 has none)
+        families = sorted({t for known in PLANS for t in known.model_types})
+        raise UnsupportedModelError(
+            f"{config.model_type}: mtk has no rules for this architecture and the generic ones do not fit it "
+            f"({err}); supported: {', '.join(families)} and decoder models like them (docs/architectures.md, "
+            f"'Adding an architecture')"
+        ) from None
     problem = counts.problem(tp_size)
     if problem:
         raise UnsupportedModelError(

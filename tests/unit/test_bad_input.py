@@ -134,6 +134,9 @@ def test_damaged_checkpoints(checkpoint, tmp_path, capsys, command, damage, mess
 
 
 def test_cli_options(checkpoint, tmp_path, capsys):
+    from transformers import T5Config
+
+    T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16).save_pretrained(tmp_path / "t5")
     (tmp_path / "a_file").write_text("mine")
     theirs = tmp_path / "out.incomplete"
     theirs.mkdir()
@@ -145,6 +148,7 @@ def test_cli_options(checkpoint, tmp_path, capsys):
         (["verify", "--model", "tiny-llama", "--tp", "0"], "mtk verify", "--tp must be at least 1"),
         (["verify", "--model", "tiny-llama", "--tp", "3"], "mtk verify", "num_attention_heads = 4 is not divisible"),
         (["verify", "--dtype", "fp8", "--model", "tiny-llama"], "mtk", "argument --dtype: invalid choice: 'fp8'"),
+        (["verify", "--model", str(tmp_path / "t5")], "mtk verify", "t5: mtk has no rules for this architecture"),
         (["export", str(tmp_path / "nowhere"), str(tmp_path / "o")], "mtk export", "nowhere does not exist"),
         (["export", str(checkpoint), str(tmp_path / "a_file")], "mtk export", "is a file; export into a new"),
         (["export", str(checkpoint), str(tmp_path / "o"), "--max_shard_size", "big"], "mtk export", "is not a size"),

@@ -114,12 +114,14 @@ def test_save_never_removes_what_mtk_did_not_create(tmp_path, trained):
 
 def test_a_leftover_of_an_interrupted_save_is_cleaned_at_the_next_save(tmp_path, trained):
     parallel, model, optimizer = trained
-    leftover = tmp_path / "step_4.incomplete"
-    leftover.mkdir()
-    (leftover / MARKER).touch()
-    (leftover / "half.safetensors").write_bytes(b"partial")
+    for name in ("step_4.incomplete", "step_9.incomplete", "step_2.old"):  # this save's, a later one's (crash,
+        leftover = tmp_path / name  # then resume from an earlier step), a replaced one's
+        leftover.mkdir()
+        (leftover / MARKER).touch()
+        (leftover / "half.safetensors").write_bytes(b"partial")
+    (tmp_path / "hf.abc.incomplete").mkdir()  # no marker: not mtk's save (an export in progress), kept
     save_checkpoint(tmp_path / "step_4", parallel, model, [optimizer], [], step=4)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf.abc.incomplete", "step_4"]
 
 
 def test_export_leaves_other_files_alone(saved, tmp_path):
