@@ -175,3 +175,11 @@ def test_sigterm_saves_at_the_next_step_and_stops(tmp_path):
     assert f"mtk: SIGTERM: saved {saved[0]}; continue with --resume auto" in output
     assert read_verified(saved[0]).step >= 2  # complete, every file matches its checksum
     assert not list(tmp_path.glob("*.incomplete"))
+
+
+def test_a_non_finite_gradient_stops_the_run_before_it_is_saved(tmp_path):
+    """lr 1e30 makes step 2's gradients nan: one line naming the step, and no checkpoint with nan weights."""
+    out = launch("tp1", "--lr", "1e30", "--warmup_steps", "0", "--max_steps", "4", "--output_dir", str(tmp_path),
+                 processes_ok=False)  # fmt: skip
+    one_line_error(out, "step 2: the gradient norm is nan; stopped before non-finite weights are saved")
+    assert not list(tmp_path.glob("step_*"))
