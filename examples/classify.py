@@ -15,16 +15,17 @@ import argparse
 from pathlib import Path
 
 import torch
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from datasets import load_dataset
 from torch.utils.data import DataLoader
 
 from mtk import Accelerator
-from mtk.args import ArgumentParser, positive_float, positive_int
+from mtk.args import ArgumentParser, add_safety_arguments, collective_timeout, positive_float, positive_int
 from mtk.checkpoint.resume import add_resume_arguments, start_point
 from mtk.data import ByteTokenizer
 from mtk.errors import run_main
 from mtk.models import build_model
+from mtk.parallel.grad_norm import check_finite
 from mtk.signals import ExitSignal
 
 HERE = Path(__file__).resolve().parent
@@ -43,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch_size", type=positive_int, default=16)
     parser.add_argument("--grad_accum", type=positive_int, default=1)
     parser.add_argument("--max_length", type=positive_int, default=64)
+    parser.add_argument("--max_grad_norm", type=positive_float, default=1.0)
+    add_safety_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -63,6 +66,7 @@ def main(argv=None) -> None:
         project_dir=args.output_dir,
         # shuffle order as a function of (seed, epoch): resume is exact whatever else used the RNGs
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=collective_timeout(args))],
     )
     set_seed(args.seed)
     tokenizer = ByteTokenizer()
@@ -84,13 +88,7 @@ def main(argv=None) -> None:
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     accelerator.init_trackers("runs")
 
-    resume = start_point(
-        args.output_dir,
-        args.resume,
-        args.overwrite,
-        main_process=accelerator.is_main_process,
-        barrier=accelerator.wait_for_everyone,
-    )
+    resume = start_point(args, main_process=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
     step = 0
     if resume:
         accelerator.load_state(resume)
@@ -109,7 +107,12 @@ def main(argv=None) -> None:
             with accelerator.accumulate(model):
                 outputs = model(**batch)
                 accelerator.backward(outputs.loss)
-                optimizer.step()
+                finite = True
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    finite = check_finite(grad_norm, step + 1, skip=args.skip_nonfinite)  # global norm: all agree
+                if finite:
+                    optimizer.step()
                 optimizer.zero_grad()
             if not accelerator.sync_gradients:
                 continue

@@ -18,12 +18,19 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from mtk import Accelerator
-from mtk.args import ArgumentParser, non_negative_int, positive_float, positive_int
+from mtk.args import (
+    ArgumentParser,
+    add_safety_arguments,
+    collective_timeout,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from mtk.checkpoint import load_pretrained_tp
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.config import PIPELINE_SCHEDULES, RunSettings
@@ -67,11 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--pipeline_schedule", choices=PIPELINE_SCHEDULES, help="pp > 1 (default: MTK_PIPELINE_SCHEDULE, else 1f1b)"
     )
-    parser.add_argument(
-        "--skip_nonfinite",
-        action="store_true",
-        help="skip an optimizer step whose gradient norm is inf/nan (default: stop the run before it is saved)",
-    )
+    add_safety_arguments(parser)
     parser.add_argument(
         "--pipeline_layers",
         type=layer_counts,
@@ -88,6 +91,7 @@ def main(argv=None) -> None:
         project_dir=args.output_dir,
         # shuffle order as a function of (seed, epoch): resume is exact whatever else used the RNGs
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=collective_timeout(args))],
         # flags beat the launcher's variables (an override is reported in one line)
         run_settings=RunSettings.from_env(
             pipeline_schedule=args.pipeline_schedule,
@@ -96,13 +100,7 @@ def main(argv=None) -> None:
         ),
     )
     parallel, settings = accelerator.parallel, accelerator.settings
-    resume = start_point(
-        args.output_dir,
-        args.resume,
-        args.overwrite,
-        main_process=accelerator.is_main_process,
-        barrier=accelerator.wait_for_everyone,
-    )
+    resume = start_point(args, main_process=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
     config = resolve_config(args.model)
     check_tp_size(config, parallel.tp_size)  # one clear line before anything is built
     check_seq_len(config, args.seq_len)

@@ -25,7 +25,14 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, DistributedSampler
 from torch.utils.tensorboard import SummaryWriter
 
-from mtk.args import ArgumentParser, non_negative_int, positive_float, positive_int
+from mtk.args import (
+    ArgumentParser,
+    add_safety_arguments,
+    collective_timeout,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from mtk.checkpoint import load_pretrained_tp
 from mtk.checkpoint.resume import add_resume_arguments, start_point
 from mtk.convert import parallelize
@@ -39,6 +46,7 @@ from mtk.integrations.deepspeed import (
 )
 from mtk.models import build_model, check_seq_len, resolve_config
 from mtk.parallel.comm import all_reduce
+from mtk.parallel.grad_norm import check_finite
 from mtk.parallel.state import ParallelState
 from mtk.plans import check_tp_size
 from mtk.signals import ExitSignal
@@ -65,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--tp", type=positive_int, help="tensor-parallel size (default: MEGATRON_LM_TP_DEGREE, else 1)"
     )
+    add_safety_arguments(parser, can_skip_steps=False)  # DeepSpeed steps before mtk sees the gradient norm
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args(argv)
@@ -75,7 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    parallel = ParallelState.from_env(tp_size=args.tp)  # torch.distributed from the launcher; --tp beats the env
+    # torch.distributed from the launcher; --tp beats the env
+    parallel = ParallelState.from_env(tp_size=args.tp, timeout=collective_timeout(args))
     config = resolve_config(args.model)
     check_tp_size(config, parallel.tp_size)
     check_seq_len(config, args.seq_len)
@@ -107,9 +117,7 @@ def main(argv=None) -> None:
     )
     loader = DataLoader(dataset, batch_size=micro, sampler=sampler, drop_last=True)
 
-    resume = start_point(
-        args.output_dir, args.resume, args.overwrite, main_process=parallel.rank == 0, barrier=dist.barrier
-    )
+    resume = start_point(args, main_process=parallel.rank == 0, barrier=dist.barrier)
     step, micro_batches = 0, 0
     if resume:
         meta = load_deepspeed_checkpoint(resume, engine, parallel)
@@ -147,9 +155,13 @@ def main(argv=None) -> None:
                 continue
             step += 1
             mean = all_reduce(loss_sum / accum, parallel.dp_group) / parallel.dp_size  # over micro-batches and DP
+            # DeepSpeed has stepped already (it cannot skip a step in fp32): stop before anything is saved
+            grad_norm = engine.get_global_grad_norm()  # global over the job; None when DeepSpeed computed none
+            for what, value in (("the loss", mean), ("the gradient norm", grad_norm)):
+                if value is not None:
+                    check_finite(value, step, what=what, remedy="lower --lr")
             elapsed, tic = time.perf_counter() - tic, time.perf_counter()
             if writer is not None:
-                grad_norm = engine.get_global_grad_norm()
                 writer.add_scalar("train/loss", mean.item(), step)
                 writer.add_scalar("train/lr", scheduler.get_last_lr()[0], step)
                 writer.add_scalar("train/grad_norm", float(grad_norm) if grad_norm is not None else 0.0, step)

@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import argparse
 import math
+from datetime import timedelta
 from typing import NoReturn
 
 from mtk.errors import ConfigError
 
-__all__ = ["ArgumentParser", "finite_float", "non_negative_int", "positive_float", "positive_int"]
+__all__ = [
+    "ArgumentParser",
+    "add_safety_arguments",
+    "collective_timeout",
+    "finite_float",
+    "non_negative_int",
+    "positive_float",
+    "positive_int",
+]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -55,3 +64,26 @@ def positive_float(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
     return value
+
+
+def add_safety_arguments(parser: argparse.ArgumentParser, *, can_skip_steps: bool = True) -> None:
+    """``--skip_nonfinite`` (where the script can skip a step) and ``--distributed_timeout_minutes``, as every
+    training script spells them."""
+    if can_skip_steps:
+        parser.add_argument(
+            "--skip_nonfinite",
+            action="store_true",
+            help="skip an optimizer step whose gradient norm is inf/nan (default: stop the run before it is saved)",
+        )
+    parser.add_argument(
+        "--distributed_timeout_minutes",
+        type=positive_float,
+        default=10.0,
+        help="how long a collective waits for a rank that died or hangs before the run stops (default 10, "
+        "as Megatron-LM's)",
+    )
+
+
+def collective_timeout(args: argparse.Namespace) -> timedelta:
+    """``--distributed_timeout_minutes`` as the timeout of the job's process groups."""
+    return timedelta(minutes=args.distributed_timeout_minutes)

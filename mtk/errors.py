@@ -6,6 +6,7 @@ Each carries a one-line message saying what is wrong and what is allowed. Entry 
 
 import hashlib
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -82,17 +83,66 @@ def _first_report(message: str) -> bool:
 def run_main(main: Callable[[], None], prog: str) -> None:
     """Run a script's ``main``; bad input becomes ``<prog>: error: <message>`` and exit status 2, without a
     traceback. Whichever rank hits it reports it (with its rank when it is not 0), each distinct
-    message once, so a file only rank 3 reads is named even though rank 0 is fine."""
+    message once, so a file only rank 3 reads is named even though rank 0 is fine.
+
+    A collective that fails because a peer died or stopped answering (a hang past the process
+    group's timeout) is one line too, printed by the first rank that sees it, exit status 1: the
+    rank that caused it has printed its own error.
+    """
     try:
         main()
     except MtkError as err:
-        rank = int(os.environ.get("RANK", "0"))
-        if _first_report(str(err)):
-            where = f"[rank {rank}] " if rank else ""
-            tqdm.write(f"{prog}: error: {where}{err}", file=sys.stderr)  # on its own line, even under a bar
-        if rank == 0 and _hosts_the_store():
-            time.sleep(_GRACE_S)  # the store dies with this process: give failing peers time to report
+        _report(prog, str(err), str(err))
         sys.exit(2)
+    except Exception as err:
+        detail = _peer_failure(err)
+        if detail is None:
+            raise
+        _report(
+            prog,
+            f"a collective failed ({detail}): another rank exited or stopped answering (its error, if "
+            f"any, is above); collectives wait {_timeout_text()} for a peer",
+            key="peer failure",
+        )
+        sys.exit(1)
+
+
+def _report(prog: str, message: str, key: str) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    if _first_report(key):
+        where = f"[rank {rank}] " if rank else ""
+        tqdm.write(f"{prog}: error: {where}{message}", file=sys.stderr)  # on its own line, even under a bar
+    if rank == 0 and _hosts_the_store():
+        time.sleep(_GRACE_S)  # the store dies with this process: give failing peers time to report
+
+
+# How gloo and NCCL word a collective that lost its peer (gloo raises a plain RuntimeError).
+_PEER_LOST = (
+    "Timed out waiting",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "collective operation timeout",
+)
+
+
+def _peer_failure(err: Exception) -> str | None:
+    """The gist of a collective's error when a peer died or hung, else ``None`` (a bug: keep the traceback)."""
+    import torch.distributed as dist
+
+    text = str(err).strip()
+    if not isinstance(err, dist.DistError) and not (
+        isinstance(err, RuntimeError) and any(sign in text for sign in _PEER_LOST)
+    ):
+        return None
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(err).__name__)  # "[pair.cc:553] "
+    return first.split(". This is typically")[0].rstrip(".")
+
+
+def _timeout_text() -> str:
+    from mtk.parallel.state import group_timeout
+
+    timeout = group_timeout()
+    return f"{timeout.total_seconds():g} s" if timeout is not None else "torch's default time"
 
 
 _GRACE_S = 2.0

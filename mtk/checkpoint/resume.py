@@ -74,18 +74,15 @@ def remove_checkpoints(output_dir: str | Path) -> list[str]:
 
 
 def start_point(
-    output_dir: str | Path,
-    resume: str | None,
-    overwrite: bool,
-    *,
-    main_process: bool,
-    barrier: Callable[[], None] = lambda: None,
+    args: argparse.Namespace, *, main_process: bool, barrier: Callable[[], None] = lambda: None
 ) -> str | None:
-    """Resolve ``--resume``/``--overwrite`` for a training script on every rank; returns the checkpoint to load.
+    """Resolve ``--resume``/``--overwrite`` (:func:`add_resume_arguments`) and ``--output_dir`` for a training
+    script on every rank; returns the checkpoint to load.
 
     With ``--overwrite`` the main process removes the earlier run's checkpoints (and says so) while the
     others wait at ``barrier``.
     """
+    output_dir, resume, overwrite = args.output_dir, args.resume, args.overwrite
     if overwrite and resume is not None:
         raise CheckpointError("--overwrite starts a run over and cannot be combined with --resume; choose one")
     start = resolve_resume(output_dir, resume, overwrite)

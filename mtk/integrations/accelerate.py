@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator as _AccelerateAccelerator
 from accelerate.data_loader import prepare_data_loader
 from accelerate.utils import InitProcessGroupKwargs
@@ -40,7 +41,7 @@ from mtk.integrations.scheduler import DataParallelScheduler
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sync_sequence_parallel_grads
-from mtk.parallel.state import ParallelState, default_device
+from mtk.parallel.state import ParallelState, default_device, group_timeout
 from mtk.pipeline.engine import PipelineModel
 
 __all__ = ["Accelerator", "DataParallelScheduler"]
@@ -62,6 +63,23 @@ def _megatron_plugin_off():
             os.environ.pop(key, None)
         else:
             os.environ[key] = saved
+
+
+def _init_handler(handlers: list) -> InitProcessGroupKwargs | None:
+    return next((h for h in handlers if isinstance(h, InitProcessGroupKwargs)), None)
+
+
+def _apply_timeout(init: InitProcessGroupKwargs | None) -> None:
+    """Give the world group the collective timeout of the user's ``InitProcessGroupKwargs``.
+
+    accelerate passes on only the fields that differ from the class's defaults, so a timeout equal to
+    NCCL's default (600 s) never reaches a gloo group (whose default is 1800 s); mtk's own groups copy
+    the world's timeout when they are built.
+    """
+    if init is None or init.timeout is None or not dist.is_initialized():
+        return
+    if group_timeout() != init.timeout:
+        dist.distributed_c10d._set_pg_timeout(init.timeout)
 
 
 class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAccelerator):
@@ -106,12 +124,16 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
                 raise ConfigError("DeepSpeed through accelerate cannot run with cpu=True; leave cpu unset")
             kwargs["cpu"] = False
             handlers = list(kwargs.get("kwargs_handlers") or [])
-            if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
+            init = _init_handler(handlers)
+            if init is None:
                 handlers.append(InitProcessGroupKwargs(backend="gloo"))
+            elif init.backend == "nccl":  # accelerate's default value, which no CPU can run
+                handlers[handlers.index(init)] = dataclasses.replace(init, backend="gloo")
             kwargs["kwargs_handlers"] = handlers
         kwargs.setdefault("cpu", on_cpu)
         with _megatron_plugin_off():
             super().__init__(*args, **kwargs)
+        _apply_timeout(_init_handler(kwargs.get("kwargs_handlers") or []))
         if self.mixed_precision == "fp16" and self.scaler is None and not self.uses_deepspeed:
             # accelerate accepts fp16 on CPU but runs it as fp32 (no autocast, no loss scaling): say so.
             self.print(

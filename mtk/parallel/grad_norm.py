@@ -68,21 +68,26 @@ def clip_grad_norm_tp_(
     return norm
 
 
-def check_finite(total_norm: torch.Tensor, step: int, *, skip: bool = False) -> bool:
-    """Whether the optimizer may step on gradients of global norm ``total_norm``.
+def check_finite(
+    value: torch.Tensor | float,
+    step: int,
+    *,
+    what: str = "the gradient norm",
+    skip: bool = False,
+    remedy: str = "lower --lr, or pass --skip_nonfinite to skip such steps",
+) -> bool:
+    """Whether the optimizer may step, given ``what`` (the global gradient norm, or a loss) is ``value``.
 
-    A non-finite norm stops the run (:class:`TrainingError` naming the step) before a checkpoint with
+    A non-finite value stops the run (:class:`TrainingError` naming the step) before a checkpoint with
     non-finite weights can be written, or, with ``skip``, says so and returns ``False`` (the step is
-    skipped). The norm is the global one, so every rank decides the same.
+    skipped). The value must be the same on every rank (a global norm, a loss reduced over the job), so
+    every rank decides the same.
     """
-    norm = float(total_norm)
-    if math.isfinite(norm):
+    number = float(value)
+    if math.isfinite(number):
         return True
     if not skip:
-        raise TrainingError(
-            f"step {step}: the gradient norm is {norm}; stopped before non-finite weights are saved "
-            f"(lower --lr, or pass --skip_nonfinite to skip such steps)"
-        )
+        raise TrainingError(f"step {step}: {what} is {number}; stopped before non-finite weights are saved ({remedy})")
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"mtk: step {step} skipped: the gradient norm is {norm}", flush=True)
+        print(f"mtk: step {step} skipped: {what} is {number}", flush=True)
     return False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ import torch.distributed.distributed_c10d as c10d
 from mtk.config import ParallelConfig
 from mtk.parallel.layout import Layout, LayoutError
 
-__all__ = ["ParallelState", "default_device", "init_distributed"]
+__all__ = ["ParallelState", "default_device", "group_timeout", "init_distributed"]
 
 _KINDS = ("tp", "dp", "pp", "mp", "embedding")
 
@@ -34,12 +35,28 @@ def default_device(local_rank: int = 0) -> torch.device:
     return torch.device(accelerator.type, local_rank % max(torch.accelerator.device_count(), 1))
 
 
-def init_distributed(env: Mapping[str, str] | None = None) -> None:
+def group_timeout(group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> timedelta | None:
+    """How long a collective of ``group`` (default: the world) waits for its peers before it fails.
+
+    ``None`` without a process group or for a backend that does not say.
+    """
+    if not dist.is_initialized():
+        return None
+    group = dist.group.WORLD if group is None else group
+    device = default_device() if device is None else device
+    try:
+        return group._get_backend(torch.device(device.type)).options._timeout  # type: ignore[union-attr]
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def init_distributed(env: Mapping[str, str] | None = None, timeout: timedelta | None = None) -> None:
     """Create the default process group from the launcher's environment (torchrun, accelerate, deepspeed).
 
     Does nothing when a group already exists or when the job is a single process without launcher
     variables. The backend is left to torch's per-device default so the same call works on CPU
-    (gloo) and CUDA (NCCL).
+    (gloo) and CUDA (NCCL). ``timeout``: how long a collective waits for a peer that hung or died
+    before it fails (torch's default when ``None``).
     """
     env = os.environ if env is None else env
     if dist.is_initialized():
@@ -50,7 +67,7 @@ def init_distributed(env: Mapping[str, str] | None = None) -> None:
     device = default_device(int(env.get("LOCAL_RANK", "0")))
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
-    dist.init_process_group()
+    dist.init_process_group(timeout=timeout)
 
 
 class ParallelState:
@@ -96,7 +113,8 @@ class ParallelState:
         """Create every TP/DP/PP/MP/embedding group. Collective: all ranks must call it together.
 
         Without an initialized process group the job must be a single process; the groups are then
-        ``None`` and every collective in mtk is skipped.
+        ``None`` and every collective in mtk is skipped. Every group waits as long as the world group
+        does (``dist.new_group`` would otherwise take torch's default, ignoring the timeout the job set).
         """
         if dist.is_initialized():
             world_size, rank = dist.get_world_size(), dist.get_rank()
@@ -109,21 +127,25 @@ class ParallelState:
         if dist.is_initialized():
             # dist.new_group is collective over the whole world: every rank creates every group, in
             # the same order, and keeps the one it belongs to.
+            timeout = group_timeout(device=device)
             for kind in _KINDS:
                 for ranks in layout.groups(kind):
-                    group = dist.new_group(ranks=ranks)
+                    group = dist.new_group(ranks=ranks, timeout=timeout)
                     if rank in ranks:
                         groups[kind] = group
         return cls(layout, rank, groups, device)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **explicit) -> ParallelState:
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, *, timeout: timedelta | None = None, **explicit
+    ) -> ParallelState:
         """Initialize torch.distributed from the launcher's variables and build the groups.
 
         TP/PP sizes: explicit ``tp_size``/``pp_size`` if given, else the ``MEGATRON_LM_*`` variables
         ``accelerate launch`` exports for a ``megatron_lm_config`` block (:class:`ParallelConfig`).
+        ``timeout``: see :func:`init_distributed`.
         """
-        init_distributed(env)
+        init_distributed(env, timeout)
         config = ParallelConfig.from_env(env, **explicit)
         return cls.build(config.tp_size, config.pp_size)
 
@@ -147,7 +169,7 @@ class ParallelState:
                 for tp_ranks in self.layout.tp_groups():
                     for start in range(0, self.tp_size, size):
                         block = tp_ranks[start : start + size]
-                        group = dist.new_group(ranks=block)
+                        group = dist.new_group(ranks=block, timeout=group_timeout(device=self.device))
                         if self.rank in block:
                             mine = group
             cache[size] = mine

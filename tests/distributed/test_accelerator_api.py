@@ -3,11 +3,13 @@
 One launch checks: the parallel-rank properties, ``split_between_processes`` over DP replicas,
 ``prepare_model`` then ``prepare_optimizer`` called separately (the optimizer follows the shards),
 ``save_model`` writing the full HF state dict, save/load pre-hooks, automatic checkpoint naming with
-``total_limit``, ``gather_for_metrics`` of objects, pickling, and the one-line
-refusal of accelerate's ``parallelism_config``.
+``total_limit``, ``gather_for_metrics`` of objects, pickling, the collective timeout of an
+``InitProcessGroupKwargs`` reaching every mtk group, and the one-line refusal of accelerate's
+``parallelism_config``.
 """
 
 import pickle
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -17,14 +19,21 @@ from mtk.testing import run_distributed
 
 def _check_api(rank, world_size, out_dir):
     from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import InitProcessGroupKwargs
     from safetensors.torch import load_file
 
     from mtk import Accelerator, ParallelConfig
     from mtk.config import ConfigError
     from mtk.models import build_model
+    from mtk.parallel.state import group_timeout
 
-    accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=2))
+    # 600 s equals accelerate's NCCL default, which its to_kwargs drops: the gloo world would keep 1800 s
+    timeout = timedelta(seconds=600)
+    accelerator = Accelerator(
+        parallel_config=ParallelConfig(tp_size=2), kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)]
+    )
     state = accelerator.parallel
+    assert group_timeout() == timeout and group_timeout(state.tp_group) == timeout == group_timeout(state.dp_group)
     assert (accelerator.tensor_parallel_rank, accelerator.data_parallel_rank) == (state.tp_rank, state.dp_rank)
     assert accelerator.pipeline_parallel_rank == 0 and accelerator.data_parallel_shard_rank == 0
 

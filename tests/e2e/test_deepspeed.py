@@ -197,3 +197,14 @@ def test_deepspeed_through_accelerate_yaml(reference, tmp_path):
     assert sorted(resumed) == [4, 5, 6]
     for step in (4, 5, 6):
         assert_close_rel(resumed[step], first[step], f"accelerate + ZeRO-2 loss at step {step} after resume")
+
+
+def test_a_non_finite_deepspeed_step_stops_the_run_before_it_is_saved(tmp_path):
+    """DeepSpeed steps before mtk sees the norm (no skipping in fp32): the run stops at that step, unsaved."""
+    out = deepspeed_run(2, "zero2", "--lr", "1e30", "--warmup_steps", "0", "--max_steps", "4", "--save_every", "1",
+                        "--batch_size", "4", "--output_dir", str(tmp_path), check=False)  # fmt: skip
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if line.startswith("run.py: error: ")]
+    expected = "step 2: the gradient norm is inf; stopped before non-finite weights are saved (lower --lr)"
+    assert len(lines) == 1 and expected in lines[0], out.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_1"]

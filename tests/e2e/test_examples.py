@@ -49,3 +49,13 @@ def test_bert_classification_example_trains_resumes_and_saves(tmp_path):
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "full" / "model")
     assert model.bert.embeddings.word_embeddings.weight.shape == (259, 64), "no vocabulary padding saved"
     assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 2)
+
+
+def test_a_non_finite_gradient_stops_the_classification_run_before_it_is_saved(tmp_path):
+    from tests.e2e.launch import one_line_error
+
+    out = accelerate_launch("classify.py", "tp1", "--lr", "1e30", "--max_steps", "5", "--save_every", "1",
+                            "--output_dir", str(tmp_path), check=False)  # fmt: skip
+    one_line_error(out, "stopped before non-finite weights are saved", prog="classify.py")
+    saved = sorted(p.name for p in tmp_path.glob("step_*"))
+    assert saved == [f"step_{n}" for n in range(1, len(saved) + 1)] and len(saved) < 5, saved  # all finite ones

@@ -51,6 +51,9 @@ SCRIPT_CASES = [
     ("finetune", ["--pipeline_layers", "a,b"], "'a,b' is not a comma-separated list of layer counts"),
     ("finetune", ["--tp", "2"], "unrecognized arguments: --tp 2"),
     ("finetune", ["--seed"], "argument --seed: expected one argument"),
+    ("finetune", ["--distributed_timeout_minutes", "0"], "argument --distributed_timeout_minutes: must be greater"),
+    ("classify", ["--distributed_timeout_minutes", "inf"], "argument --distributed_timeout_minutes: must be a finite"),
+    ("classify", ["--max_grad_norm", "0"], "argument --max_grad_norm: must be greater than 0, got 0"),
     ("classify", ["--save_every", "0"], "argument --save_every: must be a positive integer, got 0"),
     ("classify", ["--max_length", "0"], "argument --max_length: must be a positive integer, got 0"),
     ("classify", ["--batch_size", "-1"], "argument --batch_size: must be a positive integer, got -1"),
@@ -65,6 +68,7 @@ SCRIPT_CASES = [
     ("run", ["--deepspeed_config", "x.json", "--seq_len", "0"], "argument --seq_len: must be a positive integer"),
     ("run", ["--deepspeed_config", "x.json", "--save_every", "-2"], "argument --save_every: must be 0 or more"),
     ("run", ["--deepspeed_config", "x.json", "--max_steps", "0"], "argument --max_steps: must be a positive"),
+    ("run", ["--deepspeed_config", "x.json", "--skip_nonfinite"], "unrecognized arguments: --skip_nonfinite"),
 ]
 
 

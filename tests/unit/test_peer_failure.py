@@ -1,0 +1,40 @@
+"""A collective that lost its peer is named in one line; any other error keeps its traceback."""
+
+import pytest
+
+from mtk.errors import _peer_failure, run_main
+
+CLOSED = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+    "[127.0.0.1]:10125. This is typically caused by a remote worker crashing. Check the logs of the remote "
+    "worker before reporting an error. GLHF!"
+)
+
+
+def test_the_gist_of_a_lost_peer():
+    assert _peer_failure(RuntimeError(CLOSED)) == "Connection closed by peer [127.0.0.1]:10125"
+    timed_out = "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete"
+    assert _peer_failure(RuntimeError(timed_out)) == "Timed out waiting 3000ms for recv operation to complete"
+
+
+def test_other_errors_keep_their_traceback():
+    assert _peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert _peer_failure(KeyError("Timed out waiting")) is None
+
+    def main() -> None:
+        raise RuntimeError("a bug")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        run_main(main, "train.py")
+
+
+def test_a_lost_peer_is_one_line_and_status_1(capsys):
+    def main() -> None:
+        raise RuntimeError(CLOSED)
+
+    with pytest.raises(SystemExit) as exit_:
+        run_main(main, "train.py")
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("train.py: error: a collective failed (Connection closed by peer [127.0.0.1]:10125)"), err
+    assert len(err.splitlines()) == 1
