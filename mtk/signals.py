@@ -4,8 +4,10 @@ Schedulers (SLURM, Kubernetes) send SIGTERM some time before they kill a job; a 
 (SIGINT). Megatron's exit-signal handler answers by saving and exiting; :class:`ExitSignal` does the
 same for mtk's scripts. The handler only records the signal (nothing else is safe inside a handler);
 the training loop calls :meth:`ExitSignal.requested` once per optimizer step, which agrees over all
-ranks (a signal may reach only some of them), and then saves and leaves the loop. A second signal
-gets the default behaviour (a second Ctrl-C stops at once).
+ranks (a signal may reach only some of them), and then saves and leaves the loop. A second SIGINT gets
+the default behaviour (a second Ctrl-C stops at once); a second SIGTERM does not, because one
+preemption often delivers several (SLURM signals every process of the step and torchrun forwards its
+own; a dying launcher adds the parent-death signal), and the save must not die of them.
 
 Workers also ask the kernel for SIGTERM when their launcher dies (``PR_SET_PDEATHSIG`` on Linux), so a
 launcher killed with SIGKILL does not leave them training and writing checkpoints on their own: they
@@ -46,9 +48,9 @@ class ExitSignal:
         _die_with_parent()
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        self.received = signum
-        for sig, handler in self._previous.items():  # the next signal acts as it would have
-            signal.signal(sig, handler)
+        self.received = self.received or signum
+        if signum == signal.SIGINT:  # the next Ctrl-C acts as it would have
+            signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
 
     @property
     def name(self) -> str:

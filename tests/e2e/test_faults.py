@@ -1,6 +1,10 @@
-"""kill -9 at random moments while a TP=2 run saves a checkpoint every step, as a preempted, requeued
-job meets it: every ``step_N`` that survives verifies (all its files match their checksums), and the
-job resumed with ``--resume auto`` logs exactly the losses of the run that was never interrupted."""
+"""Faults a preempted, requeued job meets, on a TP=2 run that saves a checkpoint every step.
+
+kill -9 of the whole job at a random moment inside 10 saves: every ``step_N`` that survives verifies
+(all its files match their checksums), every step any attempt logged equals the uninterrupted run's,
+and the job resumed with ``--resume auto`` finishes exactly as the uninterrupted run did. A launcher
+killed with SIGKILL alone leaves no worker behind: they save at the next step and exit.
+"""
 
 import contextlib
 import os
@@ -11,27 +15,45 @@ import time
 
 from mtk.checkpoint.integrity import read_verified
 from mtk.spawn import free_port
-from tests.e2e.launch import ROOT, assert_same_losses, finetune
+from tests.e2e.launch import ROOT, STEP_LINE, assert_same_losses, finetune
+
+STEPS = 24  # enough for 10 kills, each 2 steps past the newest complete checkpoint
+KILLS = 10
 
 
 def _launch(out_dir, *extra) -> subprocess.Popen:
     command = ["accelerate", "launch", "--config_file", "accelerate_configs/tp2.yaml", "--main_process_port",
-               str(free_port()), "examples/finetune.py", "--max_steps", "6", "--save_every", "1",
+               str(free_port()), "examples/finetune.py", "--max_steps", str(STEPS), "--save_every", "1",
                "--output_dir", str(out_dir), *extra]  # fmt: skip
-    # its own process group: kill -9 reaches the launcher and every worker at once, like a node going away
+    # its own process group: kill -9 reaches the launcher at once; the workers are in sessions of their own
     return subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
 
 
-def _kill_during_a_save(process: subprocess.Popen, after_step: int, delay: float) -> None:
+def _workers(launcher: subprocess.Popen) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout
+    return [int(pid) for pid in found.split()]
+
+
+def _kill_during_a_save(process: subprocess.Popen, out_dir, step: int, rng: random.Random) -> dict[int, float]:
+    """Wait for the save of ``step`` to start (its ``.incomplete`` folder appears), then kill -9 every process
+    of the job at a random moment a few ms later; returns the losses the job logged."""
+    logged = ""
     for line in process.stdout:
-        if f"step {after_step} loss" in line:
+        logged += line
+        if f"step {step} loss" in line:
             break
-    time.sleep(delay)
-    with contextlib.suppress(ProcessLookupError):  # (it may have finished first)
-        os.killpg(process.pid, signal.SIGKILL)
+    workers = _workers(process)
+    deadline = time.monotonic() + 10
+    while not (out_dir / f"step_{step}.incomplete").exists() and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    time.sleep(rng.uniform(0.0, 0.02))
+    for pid in (process.pid, *workers):
+        with contextlib.suppress(ProcessLookupError):  # (it may have finished first)
+            os.kill(pid, signal.SIGKILL)
     process.wait(timeout=60)
+    return {int(s): float(loss) for s, loss in STEP_LINE.findall(logged)}
 
 
 def _surviving_checkpoints(out_dir) -> list[int]:
@@ -40,17 +62,55 @@ def _surviving_checkpoints(out_dir) -> list[int]:
         if folder.name.endswith((".incomplete", ".old")):
             continue
         steps.append(read_verified(folder).step)  # raises if any file is missing, short or altered
-    return steps
+    return sorted(steps)
 
 
-def test_kill_9_during_saves_then_resume_auto_is_exact(llama_tp2, tmp_path):
+def test_kill_9_during_10_saves_then_resume_auto_is_exact(tmp_path):
+    uninterrupted = finetune("tp2", tmp_path / "uninterrupted", "--max_steps", str(STEPS))
     rng = random.Random(0)
     out_dir = tmp_path / "job"
-    for attempt in range(2):  # preempted twice, at a random moment right after a step (inside its save)
-        extra = ("--resume", "auto") if attempt else ()
+    inside_a_save = 0
+    for attempt in range(KILLS):  # preempted at a random moment inside the save that follows a step
         newest = _surviving_checkpoints(out_dir)[-1] if attempt else 0
-        _kill_during_a_save(_launch(out_dir, *extra), after_step=newest + 2, delay=rng.uniform(0.0, 0.2))
-        assert _surviving_checkpoints(out_dir)[-1] > newest, "the step before the kill was saved"
+        extra = ("--resume", "auto") if attempt else ()
+        logged = _kill_during_a_save(_launch(out_dir, *extra), out_dir, step=newest + 2, rng=rng)
+        assert_same_losses(logged, uninterrupted, range(newest + 1, newest + 3), f"attempt {attempt + 1}")
+        survivors = _surviving_checkpoints(out_dir)
+        assert survivors[-1] > newest, "the step before the kill was saved"
+        inside_a_save += newest + 2 not in survivors  # the kill cut that save short (not after it)
+    assert inside_a_save >= KILLS // 2, f"only {inside_a_save} of {KILLS} kills landed inside a save"
     done = _surviving_checkpoints(out_dir)[-1]
-    resumed = finetune("tp2", out_dir, "--max_steps", "6", "--save_every", "1", "--resume", "auto")
-    assert_same_losses(resumed, llama_tp2.losses, range(done + 1, 7), "resumed after two kill -9")
+    resumed = finetune("tp2", out_dir, "--max_steps", str(STEPS), "--save_every", "1", "--resume", "auto")
+    assert_same_losses(resumed, uninterrupted, range(done + 1, STEPS + 1), f"resumed after {KILLS} kill -9")
+
+
+def test_workers_of_a_launcher_killed_with_sigkill_save_and_exit(tmp_path):
+    """The launcher cannot forward anything when it is SIGKILLed: the kernel's parent-death signal tells the
+    workers, which save at the next step boundary (as for SIGTERM) and exit instead of training on alone."""
+    launcher = subprocess.Popen(
+        ["accelerate", "launch", "--config_file", "accelerate_configs/tp2.yaml", "--main_process_port",
+         str(free_port()), "examples/finetune.py", "--max_steps", "100000", "--output_dir", str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    for line in launcher.stdout:
+        if "step 2 loss" in line:
+            break
+    workers = _workers(launcher)
+    assert len(workers) == 2
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait(timeout=60)
+    rest = launcher.stdout.read()  # to the end: every worker has closed its end of the pipe (exited)
+    deadline = time.monotonic() + 60
+    while any(os.path.exists(f"/proc/{pid}") and "Z" not in _state(pid) for pid in workers):
+        assert time.monotonic() < deadline, "workers outlived their launcher"
+        time.sleep(0.2)
+    saved = [p for p in tmp_path.iterdir() if p.name.startswith("step_")]
+    assert len(saved) == 1 and f"mtk: SIGTERM: saved {saved[0]}" in rest, rest[-3000:]
+    assert read_verified(saved[0]).step >= 2
+
+
+def _state(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    return "Z"

@@ -149,8 +149,10 @@ def test_a_fresh_run_never_mixes_with_an_earlier_runs_checkpoints(llama_tp1, tmp
 
 
 def test_sigterm_saves_at_the_next_step_and_stops(tmp_path):
-    """What a scheduler sends before it kills a job: the launcher forwards SIGTERM, every rank finishes its
-    step, the run saves a complete checkpoint, and no worker is left running."""
+    """What a scheduler sends before it kills a job: SIGTERM to every process of the job (SLURM) while the
+    launcher forwards its own, so each worker gets two; every rank finishes its step, the run saves a
+    complete checkpoint, and no worker is left running."""
+    import os
     import signal
     import subprocess
 
@@ -166,7 +168,9 @@ def test_sigterm_saves_at_the_next_step_and_stops(tmp_path):
     for line in launcher.stdout:
         seen.append(line)
         if "step 2 loss" in line:
-            launcher.send_signal(signal.SIGTERM)
+            workers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout
+            for pid in [launcher.pid, *map(int, workers.split())]:
+                os.kill(pid, signal.SIGTERM)
             break
     seen.append(launcher.communicate(timeout=300)[0])
     output = "".join(seen)
