@@ -9,17 +9,20 @@ byte or a shard copied in from another run or step is found before it is trained
 
 The checksum is XXH3-128 (``xxhash``, already a dependency of ``datasets``; ``xxh128sum`` checks a file by
 hand): a checksum against damage and mix-ups, not a signature against an attacker. It is hashed from a
-memory map of the file just written (still in the page cache), at ~14 GB/s, so integrity costs a few
-percent of a save (docs/reliability.md, ``examples/checkpoint_integrity_cost.py``); SHA-256 would cost
-a quarter of it.
+memory map of the file just written (still in the page cache), at ~14 GB/s, on threads (xxhash releases
+the GIL): the big files a rank writes itself are hashed in the background while it writes the next
+(:class:`Checksums`), the rest by a thread per core at the end. Integrity costs a few percent of a
+save (docs/reliability.md, ``examples/checkpoint_integrity_cost.py``); SHA-256 would cost a quarter of it.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 import xxhash
@@ -28,10 +31,19 @@ from mtk.checkpoint.atomic import MARKER, fsync_dir
 from mtk.checkpoint.meta import CheckpointMeta, read_metadata
 from mtk.errors import CheckpointError
 
-__all__ = ["ALGORITHM", "checksum_files", "file_checksum", "list_files", "read_verified", "verify_files"]
+__all__ = [
+    "ALGORITHM",
+    "Checksums",
+    "checksum_files",
+    "file_checksum",
+    "list_files",
+    "read_verified",
+    "verify_files",
+]
 
 ALGORITHM = "xxh3_128"
 _METADATA = "metadata.json"
+_T = TypeVar("_T")
 
 
 def list_files(root: Path) -> list[str]:
@@ -61,6 +73,15 @@ def _share(items: list[str]) -> list[str]:
     return items[dist.get_rank() :: dist.get_world_size()]
 
 
+def _each(fn: Callable[[str], _T], names: Iterable[str]) -> list[_T]:
+    """``fn`` of every name, on a thread per core: hashing and fsync release the GIL."""
+    names = list(names)
+    if len(names) < 2:
+        return [fn(name) for name in names]
+    with ThreadPoolExecutor(max_workers=min(len(names), os.cpu_count() or 1)) as pool:
+        return list(pool.map(fn, names))
+
+
 def _gather(local: Any) -> list[Any]:
     if not dist.is_initialized():
         return [local]
@@ -69,14 +90,42 @@ def _gather(local: Any) -> list[Any]:
     return gathered
 
 
-def checksum_files(root: Path) -> dict[str, dict[str, Any]]:
+def _record(root: Path, name: str) -> dict[str, Any]:
+    return {"bytes": (root / name).stat().st_size, ALGORITHM: file_checksum(root / name, sync=True)}
+
+
+class Checksums:
+    """Files this rank has finished writing, hashed and fsynced on a background thread while it writes the
+    next one, so a save's hashing overlaps its writing. :func:`checksum_files` takes the results."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._pending: dict[str, Future[dict[str, Any]]] = {}
+
+    def add(self, path: Path) -> None:
+        """``path`` (under the root) is complete: hash it."""
+        name = Path(path).relative_to(self.root).as_posix()
+        self._pending[name] = self._pool.submit(_record, self.root, name)
+
+    def results(self) -> dict[str, dict[str, Any]]:
+        try:
+            return {name: future.result() for name, future in self._pending.items()}
+        finally:
+            self._pool.shutdown()
+
+
+def checksum_files(root: Path, done: Checksums | None = None) -> dict[str, dict[str, Any]]:
     """``{relative path: {"bytes", "xxh3_128"}}`` of every file under ``root``, fsynced. Collective when a
-    process group exists (every rank calls it, each hashes its share, every rank gets the whole record)."""
+    process group exists (every rank calls it, each hashes its share, every rank gets the whole record).
+
+    ``done``: the files this rank hashed already while writing them; the others are shared out.
+    """
     root = Path(root)
-    mine = {
-        name: {"bytes": (root / name).stat().st_size, ALGORITHM: file_checksum(root / name, sync=True)}
-        for name in _share(list_files(root))
-    }
+    own = done.results() if done is not None else {}
+    claimed = {name for names in _gather(sorted(own)) for name in names}
+    names = _share([name for name in list_files(root) if name not in claimed])
+    mine = {**own, **dict(zip(names, _each(lambda name: _record(root, name), names), strict=True))}
     for directory in {(root / name).parent for name in mine} | {root}:
         fsync_dir(directory)
     merged: dict[str, dict[str, Any]] = {}
@@ -106,7 +155,7 @@ def verify_files(root: Path, recorded: dict[str, dict[str, Any]]) -> list[str]:
     """
     root = Path(root)
     names = sorted(recorded)
-    mine = [p for name in _share(names) if (p := _problem(root, name, recorded[name]))]
+    mine = [p for p in _each(lambda name: _problem(root, name, recorded[name]), _share(names)) if p]
     if not dist.is_initialized() or dist.get_rank() == 0:
         mine += [f"{root / name} is not part of the checkpoint" for name in list_files(root) if name not in recorded]
     return [problem for part in _gather(mine) for problem in part]

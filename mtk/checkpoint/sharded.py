@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtk.checkpoint.atomic import atomic_dir, write_synced
-from mtk.checkpoint.integrity import checksum_files, read_verified
+from mtk.checkpoint.integrity import Checksums, checksum_files, read_verified
 from mtk.checkpoint.meta import FORMAT, RUN_ID, CheckpointMeta, Topology, read_metadata
 from mtk.checkpoint.optimizer import load_optimizer, reshard_optimizer, save_optimizer, saved_optimizer_groups
 from mtk.checkpoint.paths import CheckpointPaths
@@ -93,10 +93,16 @@ def save_checkpoint(
         if parallel.rank == 0:
             paths.make_dirs()
         _barrier()
+        checksums = Checksums(tmp)  # hashes each big file in the background while the next is written
         if parallel.dp_rank == 0:  # weights and optimizer are replicated over DP: one copy per (tp, pp)
-            save_weights(model, paths.weights(parallel.tp_rank, parallel.pp_rank))
+            # the biggest files first (Adam's are twice the weights): only the last one's hash is not hidden
             for i, optimizer in enumerate(optimizers):
-                save_optimizer(model, optimizer, paths.optimizer(parallel.tp_rank, parallel.pp_rank, i))
+                stem = paths.optimizer(parallel.tp_rank, parallel.pp_rank, i)
+                save_optimizer(model, optimizer, stem)
+                checksums.add(stem.with_suffix(".safetensors"))
+            weights = paths.weights(parallel.tp_rank, parallel.pp_rank)
+            save_weights(model, weights)
+            checksums.add(weights)
         for write in collective_writers:
             write(tmp)
         torch.save(rng_state(extra_rng or {}), paths.rng(parallel.rank))
@@ -106,7 +112,7 @@ def save_checkpoint(
             for i, scheduler in enumerate(schedulers):
                 torch.save(scheduler.state_dict(), paths.scheduler(i))
         _barrier()  # every rank's files are in place before they are hashed and the metadata says "complete"
-        files = checksum_files(tmp)  # collective: each rank hashes and fsyncs its share
+        files = checksum_files(tmp, checksums)  # collective: each rank hashes and fsyncs its share
         if parallel.rank == 0:
             meta = CheckpointMeta(
                 step=step,
