@@ -5,13 +5,17 @@
 
 Defaults: the built-in ``tiny-llama`` config (random weights) on the bundled examples/data/sample.jsonl;
 its loss falls from ~5.6 to ~2 within a minute on 2 CPU cores. ``--model`` also takes a local HF
-directory (loaded slice by slice, its tokenizer if it has one). It is a plain accelerate loop:
-only the Accelerator comes from mtk.
+directory (loaded slice by slice, its tokenizer if it has one). ``--data`` holds ``text``, ``messages``
+(chat, rendered by the tokenizer's template, loss on the assistant turns) or ``prompt`` + ``completion``
+rows (docs/data.md); ``--packing`` packs examples into ``--seq_len`` rows. The loss of a step is the
+mean over every token with a label in the whole global batch, whatever the layout. It is a plain
+accelerate loop: only the Accelerator comes from mtk.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 import time
@@ -34,8 +38,8 @@ from mtk.args import (
 from mtk.checkpoint import load_pretrained_tp
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.config import PIPELINE_SCHEDULES, RunSettings
-from mtk.data import causal_lm_blocks, load_text_files, tokenizer_for
-from mtk.errors import run_main
+from mtk.data import FORMATS, LOSS_ON, loss_tokens, tokenizer_for, training_data
+from mtk.errors import DataError, run_main
 from mtk.models import build_model, check_seq_len, resolve_config
 from mtk.parallel.grad_norm import check_finite
 from mtk.plans import check_tp_size
@@ -54,7 +58,19 @@ def layer_counts(text: str) -> tuple[int, ...]:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-llama", help="built-in config name or local HF directory")
-    parser.add_argument("--data", default=str(HERE / "data" / "sample.jsonl"), help="local .jsonl/.txt/.csv file")
+    parser.add_argument(
+        "--data",
+        default=str(HERE / "data" / "sample.jsonl"),
+        help=f"local {'/'.join(FORMATS)} file, a folder of them, or a save_to_disk folder; "
+        "columns text, messages, or prompt + completion",
+    )
+    parser.add_argument(
+        "--loss_on",
+        choices=LOSS_ON,
+        default="assistant",
+        help="messages: assistant turns only (default) or all tokens; prompt + completion: the completion or all",
+    )
+    parser.add_argument("--packing", action="store_true", help="pack examples into --seq_len rows (else pad)")
     parser.add_argument("--max_steps", type=positive_int, default=60, help="optimizer steps to run (default 60)")
     parser.add_argument(
         "--save_every", type=non_negative_int, default=0, help="save_state every N steps (0: only at the end)"
@@ -66,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup_steps", type=non_negative_int, default=5)
     parser.add_argument("--batch_size", type=positive_int, default=8, help="micro-batch per data-parallel replica")
     parser.add_argument("--grad_accum", type=positive_int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--seq_len", type=positive_int, default=64)
+    parser.add_argument("--seq_len", type=positive_int, default=128, help="longest example (longer ones are cut)")
     parser.add_argument(
         "--max_grad_norm", type=positive_float, help="default: megatron_lm_gradient_clipping, else 1.0"
     )
@@ -113,10 +129,20 @@ def main(argv=None) -> None:
     tokenizer = tokenizer_for(args.model)
     if hasattr(tokenizer, "save_pretrained") and Path(args.model).is_dir():
         accelerator.checkpoint_tokenizer = tokenizer  # checkpoints (and `mtk export`) carry it
-    dataset = causal_lm_blocks(load_text_files(args.data), tokenizer, args.seq_len)
+    dataset, collate, report = training_data(
+        args.data, tokenizer, args.seq_len, packing=args.packing, loss_on=args.loss_on
+    )
+    accelerator.print(f"mtk: --data {args.data}: {report.describe(args.seq_len)}")
+    if len(dataset) < args.batch_size * parallel.dp_size:
+        raise DataError(
+            f"--data {args.data} gives {len(dataset)} {'rows' if args.packing else 'examples'}, fewer than one "
+            f"batch of --batch_size {args.batch_size} x dp {parallel.dp_size}; give more data or a smaller batch"
+        )
     # Its own generator: starting an epoch never moves the global RNG (dropout), so resume is exact.
     loader_rng = torch.Generator().manual_seed(args.seed)
-    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=loader_rng)
+    loader = DataLoader(
+        dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=loader_rng, collate_fn=collate
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     # accelerate steps a prepared scheduler dp_size times per optimizer step (its convention for
     # schedules written in single-process steps); this one is written in optimizer steps: s // dp.
@@ -145,7 +171,14 @@ def main(argv=None) -> None:
 
     # a resumed run must continue the same data stream: a changed one of these is one clear line
     accelerator.register_for_checkpointing(
-        ResumeGuard(model=args.model, data=args.data, seq_len=args.seq_len, seed=args.seed)
+        ResumeGuard(
+            model=args.model,
+            data=args.data,
+            seq_len=args.seq_len,
+            seed=args.seed,
+            packing=args.packing,
+            loss_on=args.loss_on,
+        )
     )
     step = 0
     if resume:
@@ -157,7 +190,7 @@ def main(argv=None) -> None:
         return
     accelerator.print(
         f"mtk: {config.model_type} tp={parallel.tp_size} pp={parallel.pp_size} dp={parallel.dp_size} "
-        f"world={parallel.world_size}, {len(dataset)} blocks of {args.seq_len} tokens, global batch {global_batch}, "
+        f"world={parallel.world_size}, global batch {global_batch} {'rows' if args.packing else 'examples'}, "
         f"steps {step}->{args.max_steps}"
     )
     exit_signal = ExitSignal(accelerator.device)  # SIGTERM/SIGINT: save at the next step boundary and exit
@@ -168,33 +201,45 @@ def main(argv=None) -> None:
     while step < args.max_steps and not stopped:
         epoch, skip = divmod(accelerator.micro_batches_seen, micro_batches_per_epoch)
         loader.set_epoch(epoch)
-        batches = accelerator.skip_first_batches(loader, skip) if skip else loader
-        for batch in batches:
-            with accelerator.accumulate(model):
-                # With pp > 1 this call runs the pipeline schedule (forward and backward over
-                # micro-batches) and backward() only syncs gradients; the loop is the same.
-                loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
-                accelerator.backward(loss)
-                loss_sum += loss.detach().float()
-                finite = True
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-                    finite = check_finite(grad_norm, step + 1, skip=args.skip_nonfinite)  # global norm: all agree
-                if finite:
-                    optimizer.step()
-                    scheduler.step()
-                optimizer.zero_grad()
+        batches = iter(accelerator.skip_first_batches(loader, skip) if skip else loader)
+        # One optimizer step's micro-batches at a time: the loss divides by the number of labelled tokens
+        # in the whole global batch (every micro-batch, every DP replica), which is known only then.
+        while window := list(itertools.islice(batches, args.grad_accum)):
+            labelled = accelerator.reduce(sum(loss_tokens(b) for b in window), "sum")  # over DP
+            # HF's convention: a call's loss is its summed token losses / num_items_in_batch. Accelerate
+            # divides by grad_accum and DP averages: each micro-batch gets the global count / (accum x dp),
+            # so the mean over micro-batches and replicas is the mean over the global batch's tokens.
+            num_items = labelled.float() / (args.grad_accum * parallel.dp_size)
+            for batch in window:
+                with accelerator.accumulate(model):
+                    # With pp > 1 this call runs the pipeline schedule (forward and backward over
+                    # micro-batches) and backward() only syncs gradients; the loop is the same.
+                    # no KV cache: training needs none, and transformers detects packed rows only without one
+                    loss = model(**batch, num_items_in_batch=num_items, use_cache=False).loss
+                    accelerator.backward(loss)
+                    loss_sum += loss.detach().float()
+                    finite = True
+                    if accelerator.sync_gradients:
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+                        finite = check_finite(grad_norm, step + 1, skip=args.skip_nonfinite)  # global: all agree
+                    if finite:
+                        optimizer.step()
+                        scheduler.step()
+                    optimizer.zero_grad()
             if not accelerator.sync_gradients:
                 continue
             step += 1
-            mean_loss = accelerator.reduce(loss_sum / args.grad_accum, "mean").item()  # over micro-batches and DP
+            # mean over micro-batches and DP of losses weighted as above = the global batch's token mean
+            mean_loss = accelerator.reduce(loss_sum / args.grad_accum, "mean").item()
             elapsed, tic = time.perf_counter() - tic, time.perf_counter()
+            processed = sum(b["input_ids"].numel() for b in window) * parallel.dp_size  # padding included
             accelerator.log(
                 {
                     "train/loss": mean_loss,
                     "train/lr": scheduler.get_last_lr()[0],
                     "train/grad_norm": grad_norm.item(),
-                    "train/tokens_per_s": global_batch * args.seq_len / elapsed,
+                    "train/loss_tokens": labelled.item(),
+                    "train/tokens_per_s": processed / elapsed,
                 },
                 step=step,
             )

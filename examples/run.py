@@ -15,6 +15,7 @@ are given. Tensorboard scalars go to ``<output_dir>/runs`` as in finetune.py.
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from pathlib import Path
 
@@ -36,8 +37,8 @@ from mtk.args import (
 from mtk.checkpoint import load_pretrained_tp
 from mtk.checkpoint.resume import add_resume_arguments, start_point
 from mtk.convert import parallelize
-from mtk.data import causal_lm_blocks, load_text_files, tokenizer_for
-from mtk.errors import run_main
+from mtk.data import FORMATS, LOSS_ON, loss_tokens, tokenizer_for, training_data
+from mtk.errors import DataError, run_main
 from mtk.integrations.deepspeed import (
     deepspeed_config,
     load_deepspeed_checkpoint,
@@ -57,7 +58,14 @@ HERE = Path(__file__).resolve().parent
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-llama", help="built-in config name or local HF directory")
-    parser.add_argument("--data", default=str(HERE / "data" / "sample.jsonl"), help="local .jsonl/.txt/.csv file")
+    parser.add_argument(
+        "--data",
+        default=str(HERE / "data" / "sample.jsonl"),
+        help=f"local {'/'.join(FORMATS)} file, a folder of them, or a save_to_disk folder; "
+        "columns text, messages, or prompt + completion",
+    )
+    parser.add_argument("--loss_on", choices=LOSS_ON, default="assistant", help="as in examples/finetune.py")
+    parser.add_argument("--packing", action="store_true", help="pack examples into --seq_len rows (else pad)")
     parser.add_argument("--max_steps", type=positive_int, default=60)
     parser.add_argument(
         "--save_every", type=non_negative_int, default=0, help="checkpoint every N steps (0: only at the end)"
@@ -69,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup_steps", type=non_negative_int, default=5)
     parser.add_argument("--batch_size", type=positive_int, help="micro-batch per DP replica (default: from the JSON)")
     parser.add_argument("--grad_accum", type=positive_int, help="micro-batches per step (default: from the JSON)")
-    parser.add_argument("--seq_len", type=positive_int, default=64)
+    parser.add_argument("--seq_len", type=positive_int, default=128, help="longest example (longer ones are cut)")
     parser.add_argument(
         "--tp", type=positive_int, help="tensor-parallel size (default: MEGATRON_LM_TP_DEGREE, else 1)"
     )
@@ -110,12 +118,22 @@ def main(argv=None) -> None:
         model=model, model_parameters=model.parameters(), lr_scheduler=lr_schedule, config=ds_config, mpu=parallel
     )
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    dataset = causal_lm_blocks(load_text_files(args.data), tokenizer_for(args.model), args.seq_len)
+    dataset, collate, report = training_data(
+        args.data, tokenizer_for(args.model), args.seq_len, packing=args.packing, loss_on=args.loss_on
+    )
+    if parallel.rank == 0:
+        print(f"mtk: --data {args.data}: {report.describe(args.seq_len)}", flush=True)
     # Each DP replica reads its share; all TP ranks of one replica read the same samples.
     sampler = DistributedSampler(
         dataset, num_replicas=parallel.dp_size, rank=parallel.dp_rank, shuffle=True, seed=args.seed, drop_last=True
     )
-    loader = DataLoader(dataset, batch_size=micro, sampler=sampler, drop_last=True)
+    loader = DataLoader(dataset, batch_size=micro, sampler=sampler, drop_last=True, collate_fn=collate)
+    per_epoch = len(loader) // accum * accum  # whole optimizer steps: a step's token count spans its micro-batches
+    if per_epoch == 0:
+        raise DataError(
+            f"--data {args.data} gives {len(dataset)} examples, fewer than one step of {micro} x {accum} "
+            f"micro-batches x dp {parallel.dp_size}; give more data or a smaller batch"
+        )
 
     resume = start_point(args, main_process=parallel.rank == 0, barrier=dist.barrier)
     step, micro_batches = 0, 0
@@ -131,7 +149,8 @@ def main(argv=None) -> None:
     if parallel.rank == 0:
         print(
             f"mtk+deepspeed: zero stage {engine.zero_optimization_stage()}, "
-            f"tp={parallel.tp_size} dp={parallel.dp_size}, global batch {global_batch}, "
+            f"tp={parallel.tp_size} dp={parallel.dp_size}, global batch {global_batch} "
+            f"{'rows' if args.packing else 'examples'}, "
             f"steps {step}->{args.max_steps}",
             flush=True,
         )
@@ -139,20 +158,22 @@ def main(argv=None) -> None:
     saved_step, stopped = step, False
     loss_sum, tic = torch.zeros(1), time.perf_counter()
     while step < args.max_steps and not stopped:
-        epoch, skip = divmod(micro_batches, len(loader))
+        epoch, skip = divmod(micro_batches, per_epoch)
         sampler.set_epoch(epoch)
-        for index, batch in enumerate(loader):
-            if index < skip:
-                continue
-            ids = batch["input_ids"].to(engine.device)
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            boundary = engine.is_gradient_accumulation_boundary()
-            engine.step()
-            micro_batches += 1
-            loss_sum += loss.detach().float().cpu()
-            if not boundary:
-                continue
+        batches = itertools.islice(iter(loader), skip, per_epoch)
+        # One optimizer step's micro-batches at a time: each micro-batch's loss is its summed token losses
+        # / (labelled tokens of the global batch / (accum x dp)); DeepSpeed divides by accum and averages
+        # over DP, so the step's gradient is that of the mean over every labelled token of the global batch.
+        while window := list(itertools.islice(batches, accum)):
+            labelled = all_reduce(sum(loss_tokens(b) for b in window).to(engine.device), parallel.dp_group)
+            num_items = labelled.float() / (accum * parallel.dp_size)
+            for batch in window:
+                batch = {key: value.to(engine.device) for key, value in batch.items()}
+                loss = engine(**batch, num_items_in_batch=num_items, use_cache=False).loss
+                engine.backward(loss)
+                engine.step()
+                micro_batches += 1
+                loss_sum += loss.detach().float().cpu()
             step += 1
             mean = all_reduce(loss_sum / accum, parallel.dp_group) / parallel.dp_size  # over micro-batches and DP
             # DeepSpeed has stepped already (it cannot skip a step in fp32): stop before anything is saved
@@ -165,7 +186,9 @@ def main(argv=None) -> None:
                 writer.add_scalar("train/loss", mean.item(), step)
                 writer.add_scalar("train/lr", scheduler.get_last_lr()[0], step)
                 writer.add_scalar("train/grad_norm", float(grad_norm) if grad_norm is not None else 0.0, step)
-                writer.add_scalar("train/tokens_per_s", global_batch * args.seq_len / elapsed, step)
+                writer.add_scalar("train/loss_tokens", labelled.item(), step)
+                processed = sum(b["input_ids"].numel() for b in window) * parallel.dp_size  # padding included
+                writer.add_scalar("train/tokens_per_s", processed / elapsed, step)
                 print(f"step {step} loss {mean.item()!r}", flush=True)
             loss_sum.zero_()
             stopped = exit_signal.requested()  # agreed over all ranks

@@ -40,3 +40,33 @@ def assert_close_rel(actual, expected, what: str = "tensor", tol: float = RTOL, 
     if not err <= tol:
         raise AssertionError(f"{what}: max relative error {err:.3e} > {tol:.0e}")
     return err
+
+
+# ChatML, as SmolLM2 and Qwen use it: "<|im_start|>role\ncontent<|im_end|>\n" per turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def train_chat_tokenizer(texts: list[str], vocab_size: int = 512):
+    """A byte-level BPE tokenizer trained on ``texts`` in a second or so, with a ChatML chat template: a
+    real ``PreTrainedTokenizerFast`` for tests, with no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|endoftext|>",
+        pad_token="<pad>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        chat_template=CHAT_TEMPLATE,
+    )

@@ -114,6 +114,10 @@ class PipelineModel(nn.Module):
         """
         if kwargs.pop("use_cache", None) or kwargs.pop("past_key_values", None) is not None:
             raise ConfigError("a pipelined model trains and evaluates without a KV cache (use_cache=False)")
+        # HF's token-weighted loss: each call's loss is its summed token losses / num_items_in_batch. The
+        # schedule averages its m micro-batch losses, so each gets 1/m of the count: the mean is then the
+        # batch's summed loss / num_items_in_batch, as one call on the whole batch would return.
+        num_items = kwargs.pop("num_items_in_batch", None)
         batch = {
             "input_ids": input_ids,
             "labels": labels,
@@ -124,6 +128,9 @@ class PipelineModel(nn.Module):
         if "input_ids" not in batch:
             raise ConfigError("a pipelined model takes input_ids (every stage derives shapes from them)")
         micro = split_micro_batches(batch, self.num_micro_batches)
+        if num_items is not None:
+            for chunk in micro:
+                chunk["num_items_in_batch"] = num_items / len(micro)
         train = torch.is_grad_enabled() and labels is not None
         losses = self._run(micro, train)
         return CausalLMOutputWithPast(loss=self._broadcast_loss(losses))
@@ -186,6 +193,7 @@ class PipelineModel(nn.Module):
                 raise ConfigError("the last pipeline stage computed no loss; pass labels")
             return loss
         inputs.pop("labels", None)
+        inputs.pop("num_items_in_batch", None)
         return cast(Any, self.module).base_model(**inputs, use_cache=False).last_hidden_state  # [b, s, h]
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:

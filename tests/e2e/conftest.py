@@ -38,3 +38,66 @@ def llama_tp1(tmp_path_factory) -> Run:
 def llama_tp2(tmp_path_factory) -> Run:
     """The same run at TP=2 (the README's main command, shortened)."""
     return _reference(tmp_path_factory, "tp2")
+
+
+@dataclass(frozen=True)
+class ChatSetup:
+    """A local model directory (tiny Llama + a BPE tokenizer with a ChatML template) and chat data."""
+
+    model: Path
+    data: Path
+
+
+def chat_conversations(count: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    """Conversations whose lengths vary more than 10x: one-line exchanges, long multi-turn ones, and long
+    prompts with one-word answers (micro-batches that are nearly all masked)."""
+    import json
+    import random
+
+    sample = Path(__file__).parents[2] / "examples" / "data" / "sample.jsonl"
+    sentences = [json.loads(line)["text"] for line in sample.open()]
+    rng = random.Random(seed)
+    conversations = []
+    for i in range(count):
+        kind = i % 3
+        if kind == 0:  # short
+            turns = [("user", rng.choice(sentences)), ("assistant", rng.choice(sentences).split()[0])]
+        elif kind == 1:  # long, several turns
+            turns = [("system", "Answer in the style of a farm diary.")]
+            for _ in range(rng.randint(2, 4)):
+                turns += [("user", rng.choice(sentences)), ("assistant", " ".join(rng.sample(sentences, 3)))]
+        else:  # a long prompt, a one-word answer
+            turns = [("user", " ".join(rng.sample(sentences, 6))), ("assistant", "Yes.")]
+        conversations.append([{"role": role, "content": content} for role, content in turns])
+    return conversations
+
+
+@pytest.fixture(scope="session")
+def chat_setup(tmp_path_factory) -> ChatSetup:
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mtk.models import builtin_config
+    from mtk.testing import train_chat_tokenizer
+
+    root = tmp_path_factory.mktemp("chat")
+    conversations = chat_conversations(240)
+    tokenizer = train_chat_tokenizer([turn["content"] for chat in conversations for turn in chat])
+    config = builtin_config("tiny-llama")
+    config.update(
+        dict(
+            vocab_size=len(tokenizer),
+            bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    data = root / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in conversations))
+    return ChatSetup(root / "model", data)

@@ -191,16 +191,16 @@ def _writable(directory: Path) -> bool:
 @pytest.mark.parametrize(
     "content, message",
     [
-        ("", "is empty; give it at least one 'text' row"),
+        ("", "is empty; give it at least one row"),
         ('{"text": "ok"}\n{"text": broken\n', "could not be read as json"),
     ],
     ids=["empty", "malformed-line"],
 )
 def test_unreadable_data_is_one_line(tmp_path, content, message):
-    from mtk.data import load_text_files
+    from mtk.data import load_data
     from mtk.errors import DataError
 
     (tmp_path / "data.jsonl").write_text(content)
     with pytest.raises(DataError, match=message) as err:
-        load_text_files(tmp_path / "data.jsonl")
+        load_data(tmp_path / "data.jsonl")
     assert "\n" not in str(err.value)

@@ -1,0 +1,86 @@
+"""Local training data, read through ``datasets``: a file, a folder of files of one kind, or a folder
+written by ``Dataset.save_to_disk``. There is no hub: ``--data`` is always a local path."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import datasets
+from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+
+from mtk.errors import DataError
+
+__all__ = ["FORMATS", "load_data"]
+
+# file suffix -> the ``datasets`` builder that reads it
+FORMATS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".txt": "text",
+    ".text": "text",
+    ".csv": "csv",
+    ".parquet": "parquet",
+}
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """``datasets`` logs its own ERROR line for a file it cannot parse; mtk reports it as its one line."""
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+
+
+def _saved_dataset(path: Path) -> bool:
+    return path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists())
+
+
+def _root_cause(err: BaseException) -> str:
+    root = err
+    while root.__cause__ is not None or root.__context__ is not None:  # the parser's own message
+        root = root.__cause__ or root.__context__  # type: ignore[assignment]
+    text = str(root).strip()
+    return text.splitlines()[0] if text else type(root).__name__
+
+
+def load_data(path: str | Path, option: str = "--data") -> Dataset:
+    """The rows of a local file, a folder of files of one kind, or a ``save_to_disk`` folder (its
+    ``train`` split when it holds several). Anything unreadable is a :class:`DataError` naming ``option``."""
+    path = Path(path)
+    if _saved_dataset(path):
+        try:
+            saved = load_from_disk(str(path))
+        except Exception as err:
+            raise DataError(f"{option} {path} could not be read as a saved dataset ({_root_cause(err)})") from None
+        if isinstance(saved, DatasetDict):
+            if "train" not in saved:
+                raise DataError(f"{option} {path} holds splits {sorted(saved)}; give the folder of one split")
+            saved = saved["train"]
+        dataset = saved
+    else:
+        files = sorted(p for p in path.iterdir() if p.suffix in FORMATS) if path.is_dir() else [path]
+        if not files or not all(p.is_file() for p in files):
+            raise DataError(
+                f"{option} {path} does not exist or holds no {'/'.join(FORMATS)} files (or a save_to_disk dataset)"
+            )
+        kinds = {FORMATS.get(p.suffix) for p in files}
+        if None in kinds or len(kinds) > 1:
+            raise DataError(f"{option} {path}: use files of one kind among {sorted(FORMATS)}")
+        kind = kinds.pop()
+        if all(p.stat().st_size == 0 for p in files):
+            raise DataError(f"{option} {path} is empty; give it at least one row")
+        try:
+            with _quiet_datasets():
+                dataset = load_dataset(kind, data_files=[str(p) for p in files], split="train")
+        except Exception as err:  # datasets' own errors (malformed JSON, ...), as one line
+            raise DataError(
+                f"{option} {path} could not be read as {kind} ({_root_cause(err)}); check the file's format"
+            ) from None
+    if len(dataset) == 0:
+        raise DataError(f"{option} {path} has no rows")
+    return dataset

@@ -1,0 +1,179 @@
+"""Chat/instruction data: every format, prompt masking, packing (exact against unpacked), padding, and bad
+input as one line. A BPE tokenizer with a ChatML template is trained here in a second: no download."""
+
+import json
+
+import pytest
+import torch
+from datasets import Dataset
+
+from mtk.data import (
+    IGNORE_INDEX,
+    ByteTokenizer,
+    PadToLongest,
+    load_data,
+    loss_tokens,
+    pack,
+    tokenize_examples,
+    training_data,
+)
+from mtk.errors import DataError
+from mtk.models import builtin_config
+from mtk.testing import assert_close_rel, train_chat_tokenizer
+
+TEXTS = [
+    "The baker cleans the river after the rain.",
+    "Our neighbor cleans a wooden bridge before dinner.",
+    "Where is the red barn? It is near the river, past the old bridge.",
+]
+CHAT = [
+    [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Where is the barn?"},
+        {"role": "assistant", "content": "Near the river."},
+        {"role": "user", "content": "And the bridge?"},
+        {"role": "assistant", "content": "Past the barn."},
+    ],
+    [{"role": "user", "content": "Who cleans the river?"}, {"role": "assistant", "content": "The baker."}],
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_chat_tokenizer(TEXTS * 20 + [m["content"] for chat in CHAT for m in chat] * 20)
+
+
+def _labelled(tokenizer, example) -> str:
+    return tokenizer.decode([t for t in example["labels"] if t != IGNORE_INDEX])
+
+
+def test_text_trains_on_every_token_and_ends_with_eos(tokenizer):
+    examples, report = tokenize_examples(Dataset.from_dict({"text": TEXTS}), tokenizer, 256)
+    assert report.format == "text" and report.examples == 3 and report.truncated == report.dropped == 0
+    first = examples[0]
+    assert first["labels"] == first["input_ids"] and first["input_ids"][-1] == tokenizer.eos_token_id
+    assert tokenizer.decode(first["input_ids"], skip_special_tokens=True) == TEXTS[0]
+
+
+def test_prompt_completion_masks_the_prompt(tokenizer):
+    rows = Dataset.from_dict({"prompt": ["Where is the barn? "], "completion": ["Near the river."]})
+    (example,), _ = tokenize_examples(rows, tokenizer, 256)
+    assert _labelled(tokenizer, example) == "Near the river.<|endoftext|>"
+    prompt_length = len(tokenizer.encode("Where is the barn? "))
+    assert example["labels"][:prompt_length] == [IGNORE_INDEX] * prompt_length
+    (everything,), _ = tokenize_examples(rows, tokenizer, 256, loss_on="all")
+    assert everything["labels"] == everything["input_ids"]
+
+
+def test_messages_use_the_chat_template_and_learn_only_assistant_turns(tokenizer):
+    examples, report = tokenize_examples(Dataset.from_list([{"messages": chat} for chat in CHAT]), tokenizer, 256)
+    assert report.format == "messages"
+    first = examples[0]
+    assert tokenizer.decode(first["input_ids"]) == tokenizer.apply_chat_template(CHAT[0], tokenize=False)
+    assert _labelled(tokenizer, first) == "Near the river.<|im_end|>\nPast the barn.<|im_end|>\n"
+    all_tokens, _ = tokenize_examples(Dataset.from_list([{"messages": CHAT[1]}]), tokenizer, 256, loss_on="all")
+    assert all_tokens[0]["labels"] == all_tokens[0]["input_ids"]
+
+
+def test_long_examples_are_truncated_and_unlearnable_ones_dropped_and_counted(tokenizer):
+    rows = Dataset.from_dict({"prompt": ["Where is the barn? " * 10, "Hi "], "completion": ["Near.", "Near."]})
+    examples, report = tokenize_examples(rows, tokenizer, 12)
+    assert (report.rows, report.examples, report.truncated, report.dropped) == (2, 1, 1, 1)
+    assert "1 truncated to --seq_len 12, 1 dropped" in report.describe(12)
+    assert all(len(ids) <= 12 for ids in examples["input_ids"])
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ({"body": ["x"]}, "has columns ['body']; expected 'text', 'messages'"),
+        ({"prompt": ["x"]}, "'prompt' and 'completion' go together"),
+        ({"messages": [[{"role": "wizard", "content": "hi"}]]}, "row 0: unknown role 'wizard'; allowed: system"),
+        ({"messages": [[{"role": "user"}]]}, "row 0: every message needs a 'role' and a string 'content'"),
+        ({"messages": [[]]}, "row 0: 'messages' must be a non-empty list"),
+        ({"text": [None]}, "row 0: 'text' must be a string"),
+        ({"messages": [[{"role": "user", "content": "no answer"}]]}, "every example has its labels masked"),
+    ],
+    ids=["no-known-column", "prompt-alone", "unknown-role", "no-content", "empty-chat", "null-text", "all-masked"],
+)
+def test_bad_rows_are_one_line(tokenizer, rows, message):
+    with pytest.raises(DataError, match=message.replace("?", r"\?").replace("[", r"\[").replace("]", r"\]")):
+        tokenize_examples(Dataset.from_dict(rows), tokenizer, 64)
+
+
+def test_messages_need_a_chat_template():
+    with pytest.raises(DataError, match="holds 'messages' but the tokenizer has no chat template"):
+        tokenize_examples(Dataset.from_list([{"messages": CHAT[1]}]), ByteTokenizer(), 64)
+
+
+def test_local_sources_folder_parquet_and_save_to_disk(tmp_path, capsys):
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for i, text in enumerate(TEXTS):
+        (folder / f"part{i}.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    assert load_data(folder)["text"] == TEXTS
+    Dataset.from_dict({"text": TEXTS}).to_parquet(str(tmp_path / "data.parquet"))
+    assert load_data(tmp_path / "data.parquet")["text"] == TEXTS
+    Dataset.from_dict({"text": TEXTS}).save_to_disk(str(tmp_path / "saved"))
+    assert load_data(tmp_path / "saved")["text"] == TEXTS
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{broken\n')
+    with pytest.raises(DataError, match="could not be read as json"):
+        load_data(bad)
+    assert "Failed to load JSON" not in capsys.readouterr().err, "datasets' own ERROR line is not repeated"
+
+
+def test_packing_restarts_positions_and_masks_each_example_start(tokenizer):
+    examples, _ = tokenize_examples(Dataset.from_dict({"text": TEXTS}), tokenizer, 64)
+    lengths = [len(ids) for ids in examples["input_ids"]]
+    rows = pack(examples, 64, tokenizer.pad_token_id)
+    assert len(rows) == 1 and rows[0]["input_ids"].shape == (64,)
+    positions, labels = rows[0]["position_ids"].tolist(), rows[0]["labels"].tolist()
+    start = 0
+    for length, example in zip(lengths, examples, strict=True):
+        assert positions[start : start + length] == list(range(length))
+        assert labels[start] == IGNORE_INDEX and labels[start + 1 : start + length] == example["labels"][1:]
+        start += length
+    assert labels[start:] == [IGNORE_INDEX] * (64 - start) and positions[start:] == list(range(64 - start))
+    assert loss_tokens(PadToLongest(3)([rows[0]])) == sum(length - 1 for length in lengths)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_packed_logits_equal_each_example_alone(tokenizer, family):
+    """transformers builds the block-diagonal mask from the restarting position ids: no token sees another example."""
+    from transformers import AutoModelForCausalLM
+
+    config = builtin_config(f"tiny-{family}")
+    config.vocab_size = len(tokenizer)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    examples, _ = tokenize_examples(Dataset.from_dict({"text": TEXTS}), tokenizer, 64)
+    row = pack(examples, 64, tokenizer.pad_token_id)[0]
+    with torch.no_grad():
+        # no KV cache (as in training): transformers detects packing only without one
+        packed = model(input_ids=row["input_ids"][None], position_ids=row["position_ids"][None], use_cache=False)
+        packed = packed.logits[0]  # [64, V]
+        start = 0
+        for ids in examples["input_ids"]:
+            alone = model(input_ids=torch.tensor([ids])).logits[0]  # [len, V]
+            assert_close_rel(packed[start : start + len(ids)], alone, f"{family} example at {start}")
+            start += len(ids)
+
+
+def test_padding_to_the_longest_with_an_attention_mask(tokenizer):
+    examples, _ = tokenize_examples(Dataset.from_dict({"text": TEXTS}), tokenizer, 64)
+    batch = PadToLongest(tokenizer.pad_token_id)([examples[0], examples[2]])
+    short, long = len(examples[0]["input_ids"]), len(examples[2]["input_ids"])
+    assert batch["input_ids"].shape == (2, long) and batch["attention_mask"][0].tolist() == [1] * short + [0] * (
+        long - short
+    )
+    assert batch["labels"][0, short:].eq(IGNORE_INDEX).all()
+    assert loss_tokens(batch) == short - 1 + long - 1
+
+
+def test_training_data_end_to_end(tokenizer, tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in CHAT))
+    dataset, collate, report = training_data(path, tokenizer, 128, packing=True)
+    assert report.examples == 2 and len(dataset) == 1 and collate.pad_id == tokenizer.pad_token_id
