@@ -38,8 +38,9 @@ from mtk.args import (
 from mtk.checkpoint import load_pretrained_tp
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.config import PIPELINE_SCHEDULES, RunSettings
-from mtk.data import FORMATS, LOSS_ON, loss_tokens, tokenizer_for, training_data
+from mtk.data import FORMATS, LOSS_ON, eval_batches, loss_tokens, tokenizer_for, training_data
 from mtk.errors import DataError, run_main
+from mtk.evaluation import evaluate
 from mtk.models import build_model, check_seq_len, resolve_config
 from mtk.parallel.grad_norm import check_finite
 from mtk.plans import check_tp_size
@@ -71,6 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="messages: assistant turns only (default) or all tokens; prompt + completion: the completion or all",
     )
     parser.add_argument("--packing", action="store_true", help="pack examples into --seq_len rows (else pad)")
+    parser.add_argument("--eval_data", help="evaluation rows, in any --data format (default: no evaluation)")
+    parser.add_argument(
+        "--eval_every", type=non_negative_int, default=0, help="evaluate every N steps (0: only at the end)"
+    )
     parser.add_argument("--max_steps", type=positive_int, default=60, help="optimizer steps to run (default 60)")
     parser.add_argument(
         "--save_every", type=non_negative_int, default=0, help="save_state every N steps (0: only at the end)"
@@ -138,6 +143,15 @@ def main(argv=None) -> None:
             f"--data {args.data} gives {len(dataset)} {'rows' if args.packing else 'examples'}, fewer than one "
             f"batch of --batch_size {args.batch_size} x dp {parallel.dp_size}; give more data or a smaller batch"
         )
+    if args.eval_every and not args.eval_data:
+        raise DataError("--eval_every needs --eval_data (the rows to evaluate on)")
+    evaluation: list = []
+    if args.eval_data:
+        eval_set, _, eval_report = training_data(
+            args.eval_data, tokenizer, args.seq_len, packing=args.packing, loss_on=args.loss_on, source="--eval_data"
+        )
+        accelerator.print(f"mtk: --eval_data {args.eval_data}: {eval_report.describe(args.seq_len)}")
+        evaluation = eval_batches(eval_set, collate, args.batch_size, parallel.dp_rank, parallel.dp_size)
     # Its own generator: starting an epoch never moves the global RNG (dropout), so resume is exact.
     loader_rng = torch.Generator().manual_seed(args.seed)
     loader = DataLoader(
@@ -248,6 +262,12 @@ def main(argv=None) -> None:
             progress.update(1)
             progress.set_postfix(loss=f"{mean_loss:.3f}")
             loss_sum.zero_()
+            if evaluation and ((args.eval_every and step % args.eval_every == 0) or step == args.max_steps):
+                scores = evaluate(model, evaluation, accelerator.device, lambda t: accelerator.reduce(t, "sum"))
+                accelerator.log(scores, step=step)
+                if accelerator.is_main_process:
+                    eval_loss, perplexity = scores["eval/loss"], scores["eval/perplexity"]
+                    progress.write(f"eval at step {step}: loss {eval_loss!r} perplexity {perplexity:.3f}")
             stopped = exit_signal.requested()  # agreed over all ranks
             if (args.save_every and step % args.save_every == 0) or stopped:
                 accelerator.save_state(f"{args.output_dir}/step_{step}")

@@ -13,7 +13,7 @@ from typing import Any
 
 from datasets import Dataset
 
-from mtk.data.batching import PadToLongest, loss_tokens, pack
+from mtk.data.batching import PadToLongest, eval_batches, loss_tokens, pack
 from mtk.data.formats import IGNORE_INDEX, LOSS_ON, TokenizeReport, detect_format, tokenize_examples
 from mtk.data.sources import FORMATS, load_data
 from mtk.data.tokenizers import ByteTokenizer, tokenizer_for
@@ -28,6 +28,7 @@ __all__ = [
     "PadToLongest",
     "TokenizeReport",
     "detect_format",
+    "eval_batches",
     "load_data",
     "loss_tokens",
     "pack",

@@ -20,7 +20,7 @@ from datasets import Dataset
 
 from mtk.data.formats import IGNORE_INDEX
 
-__all__ = ["PadToLongest", "loss_tokens", "pack"]
+__all__ = ["PadToLongest", "eval_batches", "loss_tokens", "pack"]
 
 
 def _pack_batch(batch: dict[str, list], *, seq_len: int, pad_id: int) -> dict[str, list]:
@@ -86,3 +86,21 @@ class PadToLongest:
 def loss_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """How many tokens of ``batch`` carry a loss: labels other than -100 after HF's shift by one."""
     return (batch["labels"][..., 1:] != IGNORE_INDEX).sum()
+
+
+def eval_batches(
+    examples: Dataset, collate: PadToLongest, batch_size: int, dp_rank: int, dp_size: int
+) -> list[dict[str, torch.Tensor]]:
+    """This data-parallel replica's evaluation batches: every example exactly once over the replicas.
+
+    Replica r takes examples r, r + dp, ...; every replica gets the same number of full batches (what
+    DDP's buffer broadcast, ZeRO-3's gathers and a pipeline's micro-batch split need), filled up with
+    copies of an example whose labels are all -100, which add no loss and no token. (accelerate's
+    ``even_batches`` repeats real examples instead, which would count them twice in a token mean.)
+    """
+    per_replica = -(-len(examples) // dp_size)  # ceil
+    slots = -(-per_replica // batch_size) * batch_size
+    mine = [examples[i] for i in range(dp_rank, len(examples), dp_size)]
+    filler = {**examples[0], "labels": [IGNORE_INDEX] * len(examples[0]["labels"])}
+    mine += [filler] * (slots - len(mine))
+    return [collate(mine[start : start + batch_size]) for start in range(0, slots, batch_size)]

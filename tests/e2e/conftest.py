@@ -46,6 +46,7 @@ class ChatSetup:
 
     model: Path
     data: Path
+    eval_data: Path
 
 
 def chat_conversations(count: int, seed: int = 0) -> list[list[dict[str, str]]]:
@@ -98,6 +99,7 @@ def chat_setup(tmp_path_factory) -> ChatSetup:
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
-    data = root / "chat.jsonl"
+    data, eval_data = root / "chat.jsonl", root / "chat_eval.jsonl"
     data.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in conversations))
-    return ChatSetup(root / "model", data)
+    eval_data.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in chat_conversations(30, seed=1)))
+    return ChatSetup(root / "model", data, eval_data)

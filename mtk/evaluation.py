@@ -1,0 +1,45 @@
+"""Evaluation loss and perplexity, token-weighted at every layout.
+
+The loss of an evaluation set is the mean cross-entropy over all of its labelled tokens, as one process
+computes it: each batch's forward returns its *summed* token losses (``num_items_in_batch=1``, HF's
+convention; a pipelined model runs its forward-only schedule and gets the same sum), and the sums and
+token counts are added over batches and DP replicas before dividing. Batches come from
+:func:`mtk.data.eval_batches`, so every replica runs the same number of forwards.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from mtk.data.batching import loss_tokens
+
+__all__ = ["evaluate"]
+
+
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[dict[str, torch.Tensor]],
+    device: torch.device,
+    sum_over_replicas: Callable[[torch.Tensor], torch.Tensor],
+) -> dict[str, float]:
+    """``{"eval/loss", "eval/perplexity", "eval/tokens"}`` over ``batches`` (this replica's share).
+
+    ``sum_over_replicas`` adds a tensor over the data-parallel group (``accelerator.reduce(t, "sum")``).
+    Collective: every rank of the job calls it, with its replica's batches.
+    """
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # [summed token loss, labelled tokens]
+    with torch.no_grad():
+        for batch in batches:
+            batch = {key: value.to(device) for key, value in batch.items()}
+            summed = model(**batch, num_items_in_batch=1, use_cache=False).loss  # summed token losses
+            totals += torch.stack([summed.double(), loss_tokens(batch).double()])
+    model.train(was_training)
+    loss_sum, tokens = sum_over_replicas(totals).tolist()
+    loss = loss_sum / tokens if tokens else float("nan")
+    return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 700.0)), "eval/tokens": tokens}
