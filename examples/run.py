@@ -37,8 +37,9 @@ from mtk.args import (
 from mtk.checkpoint import load_pretrained_tp
 from mtk.checkpoint.resume import add_resume_arguments, start_point
 from mtk.convert import parallelize
-from mtk.data import FORMATS, LOSS_ON, loss_tokens, tokenizer_for, training_data
+from mtk.data import FORMATS, LOSS_ON, eval_batches, loss_tokens, tokenizer_for, training_data
 from mtk.errors import DataError, run_main
+from mtk.evaluation import evaluate
 from mtk.integrations.deepspeed import (
     deepspeed_config,
     load_deepspeed_checkpoint,
@@ -66,6 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--loss_on", choices=LOSS_ON, default="assistant", help="as in examples/finetune.py")
     parser.add_argument("--packing", action="store_true", help="pack examples into --seq_len rows (else pad)")
+    parser.add_argument("--eval_data", help="evaluation rows, in any --data format (default: no evaluation)")
+    parser.add_argument(
+        "--eval_every", type=non_negative_int, default=0, help="evaluate every N steps (0: only at the end)"
+    )
     parser.add_argument("--max_steps", type=positive_int, default=60)
     parser.add_argument(
         "--save_every", type=non_negative_int, default=0, help="checkpoint every N steps (0: only at the end)"
@@ -118,11 +123,22 @@ def main(argv=None) -> None:
         model=model, model_parameters=model.parameters(), lr_scheduler=lr_schedule, config=ds_config, mpu=parallel
     )
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    tokenizer = tokenizer_for(args.model)
     dataset, collate, report = training_data(
-        args.data, tokenizer_for(args.model), args.seq_len, packing=args.packing, loss_on=args.loss_on
+        args.data, tokenizer, args.seq_len, packing=args.packing, loss_on=args.loss_on
     )
     if parallel.rank == 0:
         print(f"mtk: --data {args.data}: {report.describe(args.seq_len)}", flush=True)
+    if args.eval_every and not args.eval_data:
+        raise DataError("--eval_every needs --eval_data (the rows to evaluate on)")
+    evaluation: list = []
+    if args.eval_data:
+        eval_set, _, eval_report = training_data(
+            args.eval_data, tokenizer, args.seq_len, packing=args.packing, loss_on=args.loss_on, source="--eval_data"
+        )
+        if parallel.rank == 0:
+            print(f"mtk: --eval_data {args.eval_data}: {eval_report.describe(args.seq_len)}", flush=True)
+        evaluation = eval_batches(eval_set, collate, micro, parallel.dp_rank, parallel.dp_size)
     # Each DP replica reads its share; all TP ranks of one replica read the same samples.
     sampler = DistributedSampler(
         dataset, num_replicas=parallel.dp_size, rank=parallel.dp_rank, shuffle=True, seed=args.seed, drop_last=True
@@ -191,6 +207,13 @@ def main(argv=None) -> None:
                 writer.add_scalar("train/tokens_per_s", processed / elapsed, step)
                 print(f"step {step} loss {mean.item()!r}", flush=True)
             loss_sum.zero_()
+            if evaluation and ((args.eval_every and step % args.eval_every == 0) or step == args.max_steps):
+                scores = evaluate(engine, evaluation, engine.device, lambda t: all_reduce(t, parallel.dp_group))
+                if writer is not None:
+                    for name, value in scores.items():
+                        writer.add_scalar(name, value, step)
+                    eval_loss, perplexity = scores["eval/loss"], scores["eval/perplexity"]
+                    print(f"eval at step {step}: loss {eval_loss!r} perplexity {perplexity:.3f}", flush=True)
             stopped = exit_signal.requested()  # agreed over all ranks
             if (args.save_every and step % args.save_every == 0) or stopped:
                 save_deepspeed_checkpoint(
