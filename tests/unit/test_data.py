@@ -177,3 +177,35 @@ def test_training_data_end_to_end(tokenizer, tmp_path):
     path.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in CHAT))
     dataset, collate, report = training_data(path, tokenizer, 128, packing=True)
     assert report.examples == 2 and len(dataset) == 1 and collate.pad_id == tokenizer.pad_token_id
+
+
+def test_eval_batches_give_each_replica_whole_batches_and_count_every_example_once(tokenizer):
+    from mtk.data import eval_batches
+
+    examples, _ = tokenize_examples(Dataset.from_dict({"text": TEXTS + TEXTS[:2]}), tokenizer, 64)  # 5 examples
+    collate = PadToLongest(tokenizer.pad_token_id)
+    replicas = [eval_batches(examples, collate, 2, rank, 2) for rank in range(2)]
+    assert [len(batches) for batches in replicas] == [2, 2]  # 3 and 2 examples, filled up to 2 batches of 2
+    assert all(batch["input_ids"].shape[0] == 2 for batches in replicas for batch in batches)
+    counted = sum(loss_tokens(batch) for batches in replicas for batch in batches)
+    assert counted == sum(len(ids) - 1 for ids in examples["input_ids"]), "fillers add no token"
+
+
+def test_evaluate_is_the_token_mean_of_one_process(tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from mtk.data import eval_batches
+    from mtk.evaluation import evaluate
+
+    config = builtin_config("tiny-llama")
+    config.vocab_size = len(tokenizer)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    examples, _ = tokenize_examples(Dataset.from_dict({"text": TEXTS + TEXTS[:2]}), tokenizer, 64)
+    collate = PadToLongest(tokenizer.pad_token_id)
+    scores = evaluate(model, eval_batches(examples, collate, 2, 0, 1), torch.device("cpu"), lambda t: t)
+    whole = collate([examples[i] for i in range(len(examples))])
+    with torch.no_grad():
+        expected = model(**whole, use_cache=False).loss.item()  # HF's mean over every labelled token
+    assert_close_rel(torch.tensor(scores["eval/loss"]), torch.tensor(expected), "eval loss")
+    assert model.training, "evaluate leaves the model as it found it"
