@@ -40,7 +40,7 @@ from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.config import PIPELINE_SCHEDULES, RunSettings
 from mtk.data import FORMATS, LOSS_ON, eval_batches, loss_tokens, tokenizer_for, training_data
 from mtk.errors import DataError, run_main
-from mtk.evaluation import evaluate
+from mtk.evaluation import evaluate, peak_memory_mib
 from mtk.models import build_model, check_seq_len, resolve_config
 from mtk.parallel.grad_norm import check_finite
 from mtk.plans import check_tp_size
@@ -207,6 +207,10 @@ def main(argv=None) -> None:
         f"world={parallel.world_size}, global batch {global_batch} {'rows' if args.packing else 'examples'}, "
         f"steps {step}->{args.max_steps}"
     )
+    if evaluation and step == 0:  # the starting point, for comparison
+        scores = evaluate(model, evaluation, accelerator.device, lambda t: accelerator.reduce(t, "sum"))
+        accelerator.log(scores, step=0)
+        accelerator.print(f"eval at step 0: loss {scores['eval/loss']!r} perplexity {scores['eval/perplexity']:.3f}")
     exit_signal = ExitSignal(accelerator.device)  # SIGTERM/SIGINT: save at the next step boundary and exit
     saved_step, stopped = step, False
     progress = tqdm(total=args.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
@@ -289,6 +293,8 @@ def main(argv=None) -> None:
             state_dict=accelerator.get_state_dict(model),
             save_function=accelerator.save,
         )
+    peaks = peak_memory_mib(accelerator.device)
+    accelerator.print(f"mtk: peak memory per rank (MiB): {' '.join(f'{p:.0f}' for p in peaks)}")
     accelerator.end_training()
     if not math.isfinite(mean_loss):
         sys.exit(f"training diverged: loss {mean_loss}")

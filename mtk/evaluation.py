@@ -10,14 +10,16 @@ token counts are added over batches and DP replicas before dividing. Batches com
 from __future__ import annotations
 
 import math
+import resource
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mtk.data.batching import loss_tokens
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "peak_memory_mib"]
 
 
 def evaluate(
@@ -43,3 +45,17 @@ def evaluate(
     loss_sum, tokens = sum_over_replicas(totals).tolist()
     loss = loss_sum / tokens if tokens else float("nan")
     return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 700.0)), "eval/tokens": tokens}
+
+
+def peak_memory_mib(device: torch.device) -> list[float]:
+    """Every rank's peak memory so far, in MiB, in rank order: the accelerator's allocator peak on a GPU,
+    the process's peak resident set on the CPU. Collective when a process group exists."""
+    if device.type == "cpu":
+        mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    else:
+        mine = torch.accelerator.max_memory_allocated(device) / 2**20
+    if not dist.is_initialized():
+        return [mine]
+    everyone: list[float] = [0.0] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
