@@ -3,29 +3,36 @@
     accelerate launch --config_file accelerate_configs/tp2.yaml examples/classify.py
     accelerate launch --config_file accelerate_configs/tp2.yaml examples/classify.py --resume ckpts/classify/step_150
 
-Compared with a plain accelerate script only the ``Accelerator`` import changed (and the model is
-built from a config here because there is no hub): prepare, accumulate, backward, log, save_state
-every 50 steps, resume, gather_for_metrics, unwrap + save_pretrained all work as they did.
-Default: ``tiny-bert`` on the bundled examples/data/sentiment.csv.
+Compared with a plain accelerate script only the ``Accelerator`` import changed: prepare, accumulate,
+backward, log, save_state every 50 steps, resume, gather_for_metrics, unwrap + save_pretrained all
+work as they did. Default: ``tiny-bert`` (random weights, byte tokenizer) on the bundled
+examples/data/sentiment.csv. ``--model`` also takes a local HF directory with its tokenizer (e.g. a
+real BERT such as all-MiniLM-L6-v2; its classification head starts fresh). ``--data`` and
+``--eval_data`` are local files in any format mtk reads, with ``text`` and ``label`` columns (labels
+as names or as ids 0..K-1); without ``--eval_data`` a fifth of ``--data`` is held out.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
-from datasets import load_dataset
+from datasets import Dataset
 from torch.utils.data import DataLoader
+from transformers import AutoModelForSequenceClassification
 
 from mtk import Accelerator
 from mtk.args import ArgumentParser, add_safety_arguments, collective_timeout, positive_float, positive_int
 from mtk.checkpoint.resume import add_resume_arguments, start_point
-from mtk.data import ByteTokenizer
-from mtk.errors import run_main
-from mtk.models import build_model
+from mtk.data import ByteTokenizer, load_data, pad_id_of, tokenizer_for
+from mtk.errors import DataError, run_main
+from mtk.models import build_model, resolve_config
 from mtk.parallel.grad_norm import check_finite
+from mtk.plans import check_tp_size
 from mtk.signals import ExitSignal
 
 HERE = Path(__file__).resolve().parent
@@ -33,8 +40,11 @@ HERE = Path(__file__).resolve().parent
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny-bert", help="built-in BERT config name")
-    parser.add_argument("--data", default=str(HERE / "data" / "sentiment.csv"), help="csv with text,label columns")
+    parser.add_argument("--model", default="tiny-bert", help="built-in BERT config name or local HF directory")
+    parser.add_argument(
+        "--data", default=str(HERE / "data" / "sentiment.csv"), help="local rows with text and label columns"
+    )
+    parser.add_argument("--eval_data", help="evaluation rows (default: a fifth of --data, held out)")
     parser.add_argument("--max_steps", type=positive_int, default=200)
     parser.add_argument("--save_every", type=positive_int, default=50)
     parser.add_argument("--output_dir", default="ckpts/classify")
@@ -49,13 +59,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def encode(batch, tokenizer: ByteTokenizer, max_length: int) -> dict:
-    ids = [tokenizer.encode(text)[:max_length] for text in batch["text"]]
-    return {
-        "input_ids": [row + [tokenizer.pad_token_id] * (max_length - len(row)) for row in ids],
-        "attention_mask": [[1] * len(row) + [0] * (max_length - len(row)) for row in ids],
-        "labels": batch["label"],
-    }
+def label_ids(train: Dataset, evaluation: Dataset) -> dict[Any, int]:
+    """Label (a name or an id) -> id: names in sorted order, ids as they are (0..K-1)."""
+    for name, rows in (("--data", train), ("--eval_data", evaluation)):
+        missing = {"text", "label"} - set(rows.column_names)
+        if missing:
+            raise DataError(f"{name} has columns {rows.column_names}; classification needs 'text' and 'label'")
+    values = set(train["label"]) | set(evaluation["label"])
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        if min(values) < 0:
+            raise DataError(f"label ids must be 0..K-1, got {min(values)}; or give the labels as names")
+        return {v: v for v in range(max(values) + 1)}
+    return {v: i for i, v in enumerate(sorted(values, key=str))}
+
+
+def encode(batch, tokenizer: Any, max_length: int, ids: dict[Any, int]) -> dict:
+    if isinstance(tokenizer, ByteTokenizer):
+        tokens = {"input_ids": [tokenizer.encode(text)[:max_length] for text in batch["text"]]}
+    else:
+        tokens = tokenizer(batch["text"], truncation=True, max_length=max_length)
+    return {**tokens, "labels": [ids[label] for label in batch["label"]]}
+
+
+def pad(features: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Pad a batch to its longest sentence (right side); attention mask 0 on the padding."""
+    longest = max(len(f["input_ids"]) for f in features)
+    batch = {"labels": torch.tensor([f["labels"] for f in features])}
+    for key, fill in (("input_ids", pad_id), ("token_type_ids", 0)):
+        if key in features[0]:
+            batch[key] = torch.tensor([list(f[key]) + [fill] * (longest - len(f[key])) for f in features])
+    batch["attention_mask"] = torch.tensor(
+        [[1] * len(f["input_ids"]) + [0] * (longest - len(f["input_ids"])) for f in features]
+    )
+    return batch
 
 
 def main(argv=None) -> None:
@@ -69,22 +105,39 @@ def main(argv=None) -> None:
         kwargs_handlers=[InitProcessGroupKwargs(timeout=collective_timeout(args))],
     )
     set_seed(args.seed)
-    tokenizer = ByteTokenizer()
-    raw = load_dataset("csv", data_files=args.data, split="train").train_test_split(test_size=0.2, seed=args.seed)
-    encoded = raw.map(
-        encode,
-        batched=True,
-        remove_columns=raw["train"].column_names,
-        fn_kwargs=dict(tokenizer=tokenizer, max_length=args.max_length),
-    ).with_format("torch")
-    train, test = encoded["train"], encoded["test"]
-    model = build_model(args.model, seed=args.seed)
+    tokenizer = tokenizer_for(args.model)
+    raw = load_data(args.data)
+    if args.eval_data:
+        train_rows, eval_rows = raw, load_data(args.eval_data, "--eval_data")
+    else:
+        split = raw.train_test_split(test_size=0.2, seed=args.seed)
+        train_rows, eval_rows = split["train"], split["test"]
+    ids = label_ids(train_rows, eval_rows)
+    options = dict(tokenizer=tokenizer, max_length=args.max_length, ids=ids)
+    train = train_rows.map(encode, batched=True, remove_columns=train_rows.column_names, fn_kwargs=options)
+    test = eval_rows.map(encode, batched=True, remove_columns=eval_rows.column_names, fn_kwargs=options)
+    accelerator.print(f"mtk: {len(train)} training and {len(test)} evaluation sentences, {len(ids)} labels")
+    config = resolve_config(args.model)
+    check_tp_size(config, accelerator.parallel.tp_size)
+    names = {i: str(label) for label, i in ids.items()}
+    if Path(args.model).is_dir():  # a real encoder; the classification head starts fresh (same on every rank)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            args.model, num_labels=len(ids), id2label=names, label2id={v: k for k, v in names.items()}
+        )
+        accelerator.checkpoint_tokenizer = tokenizer  # checkpoints (and `mtk export`) carry it
+    else:
+        config.num_labels, config.id2label = len(ids), names
+        config.label2id = {v: k for k, v in names.items()}
+        model = build_model(config, seed=args.seed)
+    collate = functools.partial(pad, pad_id=pad_id_of(tokenizer))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     # The loader draws its seeds from its own generator, so starting an epoch never moves the global RNG
     # (dropout): a resumed run, which starts its epoch after restoring the RNG, draws the same masks.
     loader_rng = torch.Generator().manual_seed(args.seed)
-    train_loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=loader_rng)
-    eval_loader = DataLoader(test, batch_size=args.batch_size)
+    train_loader = DataLoader(
+        train, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=loader_rng, collate_fn=collate
+    )
+    eval_loader = DataLoader(test, batch_size=args.batch_size, collate_fn=collate)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     accelerator.init_trackers("runs")
 

@@ -138,6 +138,11 @@ def main(argv=None) -> None:
         args.data, tokenizer, args.seq_len, packing=args.packing, loss_on=args.loss_on
     )
     accelerator.print(f"mtk: --data {args.data}: {report.describe(args.seq_len)}")
+    if args.packing and settings.eod_mask_loss is False:  # accelerate exports False unless the YAML says true
+        accelerator.print(
+            "mtk: megatron_lm_eod_mask_loss=False overridden: packed rows never train an example's first token "
+            "on the example before it (as eod_mask_loss=True), so packed training equals unpacked"
+        )
     if len(dataset) < args.batch_size * parallel.dp_size:
         raise DataError(
             f"--data {args.data} gives {len(dataset)} {'rows' if args.packing else 'examples'}, fewer than one "

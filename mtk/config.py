@@ -144,10 +144,10 @@ class RunSettings:
         sequence_parallel: split norm/dropout activations along the sequence inside TP groups
             (``MEGATRON_LM_SEQUENCE_PARALLELISM``).
         gradient_clipping: max global grad norm; 0 disables clipping (``MEGATRON_LM_GRADIENT_CLIPPING``).
-        eod_mask_loss: no loss on the token after an end of document (``MEGATRON_LM_EOD_MASK_LOSS``). mtk's
-            data always does this (a packed row gives each example's first token label -100; a padded row
-            holds one example), so ``False``, which would train each example's first token on the
-            previous one, is refused.
+        eod_mask_loss: no loss on the token after an end of document (``MEGATRON_LM_EOD_MASK_LOSS``, which
+            ``accelerate launch`` always exports, ``False`` unless set). mtk's data always masks it (a
+            packed row gives each example's first token label -100, so packed equals unpacked; a padded
+            row holds one example); the scripts report the override when packing meets ``False``.
     """
 
     num_micro_batches: int = 1
@@ -155,15 +155,9 @@ class RunSettings:
     pipeline_layers: tuple[int, ...] = ()
     sequence_parallel: bool = False
     gradient_clipping: float = 0.0
-    eod_mask_loss: bool = True
+    eod_mask_loss: bool | None = None
 
     def __post_init__(self) -> None:
-        if not self.eod_mask_loss:
-            raise ConfigError(
-                "megatron_lm_eod_mask_loss: false would train each example's first token on the example before "
-                "it; mtk keeps examples apart (packed rows restart positions and mask each example's first "
-                "label), which is eod_mask_loss: true; set it true or leave it out"
-            )
         if not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1:
             raise ConfigError(f"num_micro_batches must be a positive integer, got {self.num_micro_batches!r}")
         if self.gradient_clipping < 0:

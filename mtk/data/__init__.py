@@ -32,6 +32,7 @@ __all__ = [
     "load_data",
     "loss_tokens",
     "pack",
+    "pad_id_of",
     "tokenize_examples",
     "tokenizer_for",
     "training_data",

@@ -17,7 +17,9 @@ def test_reads_the_variables_accelerate_exports():
         "MEGATRON_LM_EOD_MASK_LOSS": "True",  # what mtk's data does anyway
     }
     assert ParallelConfig.from_env(env) == ParallelConfig(tp_size=2, pp_size=4)
-    assert RunSettings.from_env(env) == RunSettings(num_micro_batches=8, sequence_parallel=True, gradient_clipping=1.0)
+    assert RunSettings.from_env(env) == RunSettings(
+        num_micro_batches=8, sequence_parallel=True, gradient_clipping=1.0, eod_mask_loss=True
+    )
 
 
 def test_pipeline_schedule_and_layers_come_from_mtk_variables():
@@ -54,7 +56,7 @@ def test_explicit_beats_environment_and_says_so(caplog):
         ({"MTK_PIPELINE_LAYERS": "3;1"}, "MTK_PIPELINE_LAYERS='3;1' is not a comma-separated list of integers"),
         ({"MTK_PIPELINE_LAYERS": "4,0"}, "must give every stage at least one layer"),
         ({"MEGATRON_LM_NUM_MICRO_BATCHES": "0"}, "num_micro_batches must be a positive integer"),
-        ({"MEGATRON_LM_EOD_MASK_LOSS": "False"}, "megatron_lm_eod_mask_loss: false would train each example's first"),
+        ({"MEGATRON_LM_EOD_MASK_LOSS": "sometimes"}, "is not a boolean"),
     ],
 )
 def test_bad_values(env, message):
