@@ -59,3 +59,37 @@ def test_a_non_finite_gradient_stops_the_classification_run_before_it_is_saved(t
     one_line_error(out, "stopped before non-finite weights are saved", prog="classify.py")
     saved = sorted(p.name for p in tmp_path.glob("step_*"))
     assert saved == [f"step_{n}" for n in range(1, len(saved) + 1)] and len(saved) < 5, saved  # all finite ones
+
+
+def test_classification_of_a_local_bert_with_its_tokenizer_and_named_labels(tmp_path):
+    """The real-model path without a download: a BERT directory (an encoder without a head, as
+    all-MiniLM-L6-v2 ships) with a BPE tokenizer, labels as names in .jsonl files, held-out --eval_data."""
+    import csv
+    import json
+    import re
+
+    from transformers import AutoConfig, BertModel
+
+    from mtk.models import builtin_config
+    from mtk.testing import train_chat_tokenizer
+
+    rows = list(csv.DictReader((ROOT / "examples" / "data" / "sentiment.csv").open()))
+    names = {"0": "negative", "1": "positive"}
+    tokenizer = train_chat_tokenizer([row["text"] for row in rows], vocab_size=300)
+    config = builtin_config("tiny-bert")
+    config.vocab_size, config.pad_token_id = len(tokenizer), tokenizer.pad_token_id
+    BertModel(config).save_pretrained(tmp_path / "bert")
+    tokenizer.save_pretrained(tmp_path / "bert")
+    for name, part in (("train", rows[:256]), ("eval", rows[256:])):
+        lines = [json.dumps({"text": row["text"], "label": names[row["label"]]}) for row in part]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    out = accelerate_launch(
+        "classify.py", "tp2", "--model", str(tmp_path / "bert"), "--data", str(tmp_path / "train.jsonl"),
+        "--eval_data", str(tmp_path / "eval.jsonl"), "--max_steps", "60", "--save_every", "60",
+        "--output_dir", str(tmp_path / "run"),
+    )  # fmt: skip
+    text = out.stdout + out.stderr
+    assert "mtk: 256 training and 64 evaluation sentences, 2 labels" in text, text[-2000:]
+    assert float(re.search(r"eval accuracy (\S+)", text).group(1)) > 0.8, text[-2000:]
+    saved = AutoConfig.from_pretrained(tmp_path / "run" / "model")
+    assert saved.id2label == {0: "negative", 1: "positive"}
