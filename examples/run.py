@@ -35,7 +35,7 @@ from mtk.args import (
     positive_int,
 )
 from mtk.checkpoint import load_pretrained_tp
-from mtk.checkpoint.resume import add_resume_arguments, start_point
+from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.convert import parallelize
 from mtk.data import FORMATS, LOSS_ON, eval_batches, loss_tokens, tokenizer_for, training_data
 from mtk.errors import DataError, run_main
@@ -152,10 +152,25 @@ def main(argv=None) -> None:
         )
 
     resume = start_point(args, main_process=parallel.rank == 0, barrier=dist.barrier)
+
+    def position(micro_batches: int) -> dict:
+        """What a checkpoint records of the data: where the stream is, and what decides the stream."""
+        return {"micro_batches": micro_batches, "resume_guard": guard.state_dict()}
+
+    # a resumed run must continue the same data stream: a changed one of these is one clear line
+    guard = ResumeGuard(
+        model=args.model,
+        data=args.data,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        packing=args.packing,
+        loss_on=args.loss_on,
+    )
     step, micro_batches = 0, 0
     if resume:
         meta = load_deepspeed_checkpoint(resume, engine, parallel)
         step, micro_batches = meta.step, meta.data["micro_batches"]
+        guard.load_state_dict(meta.data.get("resume_guard", {}))
     if step >= args.max_steps:  # e.g. a requeued job whose last run finished
         if parallel.rank == 0:
             print(f"mtk: {resume} is at step {step}, --max_steps is {args.max_steps}: nothing left to do", flush=True)
@@ -216,16 +231,14 @@ def main(argv=None) -> None:
                     print(f"eval at step {step}: loss {eval_loss!r} perplexity {perplexity:.3f}", flush=True)
             stopped = exit_signal.requested()  # agreed over all ranks
             if (args.save_every and step % args.save_every == 0) or stopped:
-                save_deepspeed_checkpoint(
-                    f"{args.output_dir}/step_{step}", engine, parallel, {"micro_batches": micro_batches}
-                )
+                save_deepspeed_checkpoint(f"{args.output_dir}/step_{step}", engine, parallel, position(micro_batches))
                 saved_step = step
             if stopped and parallel.rank == 0:
                 print(f"mtk: {exit_signal.name}: saved {args.output_dir}/step_{step}; continue with --resume auto")
             if step >= args.max_steps or stopped:
                 break
     if saved_step != step:
-        save_deepspeed_checkpoint(f"{args.output_dir}/step_{step}", engine, parallel, {"micro_batches": micro_batches})
+        save_deepspeed_checkpoint(f"{args.output_dir}/step_{step}", engine, parallel, position(micro_batches))
     if writer is not None:
         writer.close()
     dist.barrier()

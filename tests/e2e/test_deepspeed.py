@@ -210,3 +210,16 @@ def test_a_non_finite_deepspeed_step_stops_the_run_before_it_is_saved(tmp_path):
         lines[0],
     ), out.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_1"]
+
+
+def test_a_deepspeed_resume_that_changes_the_data_stream_is_one_line(zero2_run, tmp_path):
+    """As with Accelerate's ResumeGuard: a changed --seq_len would continue on different data."""
+    import shutil
+
+    out_dir, _ = zero2_run
+    shutil.copytree(out_dir / "step_6", tmp_path / "step_6")
+    out = deepspeed_run(4, "zero2", "--tp", "2", "--batch_size", "4", "--max_steps", "7", "--output_dir",
+                        str(tmp_path), "--resume", "auto", "--seq_len", "64", check=False)  # fmt: skip
+    lines = [line for line in out.stderr.splitlines() if line.startswith("run.py: error: ")]
+    assert out.returncode != 0 and len(lines) == 1, out.stderr[-2000:]
+    assert "this run changes --seq_len 128 -> 64 from the checkpoint it resumes" in lines[0]
