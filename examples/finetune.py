@@ -212,10 +212,16 @@ def main(argv=None) -> None:
         f"world={parallel.world_size}, global batch {global_batch} {'rows' if args.packing else 'examples'}, "
         f"steps {step}->{args.max_steps}"
     )
-    if evaluation and step == 0:  # the starting point, for comparison
+
+    def run_evaluation(at_step: int) -> None:
         scores = evaluate(model, evaluation, accelerator.device, lambda t: accelerator.reduce(t, "sum"))
-        accelerator.log(scores, step=0)
-        accelerator.print(f"eval at step 0: loss {scores['eval/loss']!r} perplexity {scores['eval/perplexity']:.3f}")
+        accelerator.log(scores, step=at_step)
+        eval_loss, perplexity = scores["eval/loss"], scores["eval/perplexity"]
+        if accelerator.is_main_process:  # on its own line, under the progress bar
+            tqdm.write(f"eval at step {at_step}: loss {eval_loss!r} perplexity {perplexity:.3f}")
+
+    if evaluation and step == 0:  # the starting point, for comparison
+        run_evaluation(0)
     exit_signal = ExitSignal(accelerator.device)  # SIGTERM/SIGINT: save at the next step boundary and exit
     saved_step, stopped = step, False
     progress = tqdm(total=args.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
@@ -272,11 +278,7 @@ def main(argv=None) -> None:
             progress.set_postfix(loss=f"{mean_loss:.3f}")
             loss_sum.zero_()
             if evaluation and ((args.eval_every and step % args.eval_every == 0) or step == args.max_steps):
-                scores = evaluate(model, evaluation, accelerator.device, lambda t: accelerator.reduce(t, "sum"))
-                accelerator.log(scores, step=step)
-                if accelerator.is_main_process:
-                    eval_loss, perplexity = scores["eval/loss"], scores["eval/perplexity"]
-                    progress.write(f"eval at step {step}: loss {eval_loss!r} perplexity {perplexity:.3f}")
+                run_evaluation(step)
             stopped = exit_signal.requested()  # agreed over all ranks
             if (args.save_every and step % args.save_every == 0) or stopped:
                 accelerator.save_state(f"{args.output_dir}/step_{step}")

@@ -185,6 +185,17 @@ def main(argv=None) -> None:
             f"steps {step}->{args.max_steps}",
             flush=True,
         )
+
+    def run_evaluation(at_step: int) -> None:
+        scores = evaluate(engine, evaluation, engine.device, lambda t: all_reduce(t, parallel.dp_group))
+        if writer is not None:
+            for name, value in scores.items():
+                writer.add_scalar(name, value, at_step)
+            eval_loss, perplexity = scores["eval/loss"], scores["eval/perplexity"]
+            print(f"eval at step {at_step}: loss {eval_loss!r} perplexity {perplexity:.3f}", flush=True)
+
+    if evaluation and step == 0:  # the starting point, for comparison
+        run_evaluation(0)
     exit_signal = ExitSignal(engine.device)  # SIGTERM/SIGINT: save at the next step boundary and exit
     saved_step, stopped = step, False
     loss_sum, tic = torch.zeros(1), time.perf_counter()
@@ -223,12 +234,7 @@ def main(argv=None) -> None:
                 print(f"step {step} loss {mean.item()!r}", flush=True)
             loss_sum.zero_()
             if evaluation and ((args.eval_every and step % args.eval_every == 0) or step == args.max_steps):
-                scores = evaluate(engine, evaluation, engine.device, lambda t: all_reduce(t, parallel.dp_group))
-                if writer is not None:
-                    for name, value in scores.items():
-                        writer.add_scalar(name, value, step)
-                    eval_loss, perplexity = scores["eval/loss"], scores["eval/perplexity"]
-                    print(f"eval at step {step}: loss {eval_loss!r} perplexity {perplexity:.3f}", flush=True)
+                run_evaluation(step)
             stopped = exit_signal.requested()  # agreed over all ranks
             if (args.save_every and step % args.save_every == 0) or stopped:
                 save_deepspeed_checkpoint(f"{args.output_dir}/step_{step}", engine, parallel, position(micro_batches))
