@@ -158,14 +158,7 @@ def main(argv=None) -> None:
         return {"micro_batches": micro_batches, "resume_guard": guard.state_dict()}
 
     # a resumed run must continue the same data stream: a changed one of these is one clear line
-    guard = ResumeGuard(
-        model=args.model,
-        data=args.data,
-        seq_len=args.seq_len,
-        seed=args.seed,
-        packing=args.packing,
-        loss_on=args.loss_on,
-    )
+    guard = ResumeGuard.from_args(args)
     step, micro_batches = 0, 0
     if resume:
         meta = load_deepspeed_checkpoint(resume, engine, parallel)

@@ -117,8 +117,16 @@ class ResumeGuard:
     and compared by ``load_state``; a change is one line naming the option.
     """
 
+    # the scripts' options that decide which data comes next
+    DATA_OPTIONS = ("model", "data", "seq_len", "seed", "packing", "loss_on")
+
     def __init__(self, **options: Any) -> None:
         self.options = options
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ResumeGuard:
+        """The guard of a training script's parsed options (those of ``DATA_OPTIONS`` it has)."""
+        return cls(**{name: getattr(args, name) for name in cls.DATA_OPTIONS if hasattr(args, name)})
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.options)
