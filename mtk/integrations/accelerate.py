@@ -20,10 +20,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator as _AccelerateAccelerator
 from accelerate.data_loader import prepare_data_loader
-from accelerate.utils import InitProcessGroupKwargs
 from torch import nn
 
 from mtk.config import ParallelConfig, RunSettings, report_override
@@ -32,6 +30,7 @@ from mtk.errors import ConfigError
 from mtk.integrations.accelerate_checkpoint import ShardedCheckpointing
 from mtk.integrations.accelerate_collectives import DataParallelCollectives
 from mtk.integrations.accelerate_deepspeed import deepspeed_initialize_with_mpu, replace_accelerated_schedulers
+from mtk.integrations.accelerate_init import apply_timeout, gloo_for_deepspeed, megatron_plugin_off
 from mtk.integrations.deepspeed import (
     remove_shm_buffers_at_exit,
     tp_size_from_config,
@@ -41,45 +40,12 @@ from mtk.integrations.scheduler import DataParallelScheduler
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sync_sequence_parallel_grads
-from mtk.parallel.state import ParallelState, default_device, group_timeout
+from mtk.parallel.state import ParallelState, default_device
 from mtk.pipeline.engine import PipelineModel
 
 __all__ = ["Accelerator", "DataParallelScheduler"]
 
 ReplacedParams = dict[int, tuple[weakref.ref, "nn.Parameter | None"]]
-
-
-@contextmanager
-def _megatron_plugin_off():
-    """accelerate builds its Megatron-LM plugin (NVIDIA's package) when ``accelerate launch`` exported
-    ``ACCELERATE_USE_MEGATRON_LM=true``; the megatron_lm_config block is mtk's to interpret, so that
-    variable reads "false" while accelerate's constructor runs and is restored afterwards."""
-    key, saved = "ACCELERATE_USE_MEGATRON_LM", os.environ.get("ACCELERATE_USE_MEGATRON_LM")
-    os.environ[key] = "false"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = saved
-
-
-def _init_handler(handlers: list) -> InitProcessGroupKwargs | None:
-    return next((h for h in handlers if isinstance(h, InitProcessGroupKwargs)), None)
-
-
-def _apply_timeout(init: InitProcessGroupKwargs | None) -> None:
-    """Give the world group the collective timeout of the user's ``InitProcessGroupKwargs``.
-
-    accelerate passes on only the fields that differ from the class's defaults, so a timeout equal to
-    NCCL's default (600 s) never reaches a gloo group (whose default is 1800 s); mtk's own groups copy
-    the world's timeout when they are built.
-    """
-    if init is None or init.timeout is None or not dist.is_initialized():
-        return
-    if group_timeout() != init.timeout:
-        dist.distributed_c10d._set_pg_timeout(init.timeout)
 
 
 class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAccelerator):
@@ -123,17 +89,11 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
             if kwargs.get("cpu"):
                 raise ConfigError("DeepSpeed through accelerate cannot run with cpu=True; leave cpu unset")
             kwargs["cpu"] = False
-            handlers = list(kwargs.get("kwargs_handlers") or [])
-            init = _init_handler(handlers)
-            if init is None:
-                handlers.append(InitProcessGroupKwargs(backend="gloo"))
-            elif init.backend == "nccl":  # accelerate's default value, which no CPU can run
-                handlers[handlers.index(init)] = dataclasses.replace(init, backend="gloo")
-            kwargs["kwargs_handlers"] = handlers
+            kwargs["kwargs_handlers"] = gloo_for_deepspeed(kwargs.get("kwargs_handlers") or [])
         kwargs.setdefault("cpu", on_cpu)
-        with _megatron_plugin_off():
+        with megatron_plugin_off():
             super().__init__(*args, **kwargs)
-        _apply_timeout(_init_handler(kwargs.get("kwargs_handlers") or []))
+        apply_timeout(kwargs.get("kwargs_handlers") or [])
         if self.mixed_precision == "fp16" and self.scaler is None and not self.uses_deepspeed:
             # accelerate accepts fp16 on CPU but runs it as fp32 (no autocast, no loss scaling): say so.
             self.print(
