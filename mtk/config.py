@@ -5,7 +5,7 @@ Two records, kept apart because they change for different reasons:
 - :class:`ParallelConfig` is the topology: how many ranks split one model replica (``tp_size``,
   ``pp_size``). The process groups are built from it (:class:`~mtk.parallel.state.ParallelState`).
 - :class:`RunSettings` is how a step runs on that topology: micro-batches, pipeline schedule and
-  layer split, sequence parallelism, gradient clipping.
+  layer split, sequence parallelism, activation recomputation, gradient clipping.
 
 Each is read by ``from_env(env, **explicit)``. Precedence, highest first:
 
@@ -37,6 +37,8 @@ __all__ = ["PIPELINE_SCHEDULES", "ConfigError", "ParallelConfig", "RunSettings",
 logger = logging.getLogger("mtk")
 
 PIPELINE_SCHEDULES = ("1f1b", "afab")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -72,7 +74,7 @@ def _parse_int_list(key: str, raw: str) -> tuple[int, ...]:
         raise ConfigError(f"{key}={raw!r} is not a comma-separated list of integers, e.g. 3,1") from None
 
 
-def _parse_schedule(key: str, raw: str) -> str:
+def _parse_word(key: str, raw: str) -> str:
     return raw.strip().lower()
 
 
@@ -148,6 +150,18 @@ class RunSettings:
             ``accelerate launch`` always exports, ``False`` unless set). mtk's data always masks it (a
             packed row gives each example's first token label -100, so packed equals unpacked; a padded
             row holds one example); the scripts report the override when packing meets ``False``.
+        last_stage_layers: decoder layers on the last pipeline stage, the rest split evenly over the
+            others (``MEGATRON_LM_DECODER_LAST_PIPELINE_NUM_LAYERS``); must agree with ``pipeline_layers``.
+        recompute_activations: recompute activations in backward instead of keeping them; alone it means
+            ``selective`` (``MEGATRON_LM_RECOMPUTE_ACTIVATIONS``, as accelerate documents it).
+        recompute_granularity: ``full`` (each chosen block keeps only its input and reruns its forward
+            in backward) or ``selective`` (every block keeps its matmul outputs and reruns the cheap
+            rest: norms, activations, softmax, dropout) (``MEGATRON_LM_RECOMPUTE_GRANULARITY``); setting it
+            turns recompute on.
+        recompute_method: for ``full``: ``uniform`` (every block) or ``block`` (the first
+            ``recompute_num_layers`` blocks of each stage) (``MEGATRON_LM_RECOMPUTE_METHOD``).
+        recompute_num_layers: for ``block``, blocks recomputed per stage; for ``uniform``, Megatron's
+            group size (mtk checkpoints HF's blocks one at a time) (``MEGATRON_LM_RECOMPUTE_NUM_LAYERS``).
     """
 
     num_micro_batches: int = 1
@@ -156,6 +170,32 @@ class RunSettings:
     sequence_parallel: bool = False
     gradient_clipping: float = 0.0
     eod_mask_loss: bool | None = None
+    last_stage_layers: int | None = None
+    recompute_activations: bool = False
+    recompute_granularity: str | None = None
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+
+    def layers_per_stage(self, num_layers: int, pp_size: int) -> tuple[int, ...]:
+        """Decoder blocks per stage as asked (``pipeline_layers``, or ``last_stage_layers`` with the rest
+        as even as possible, earlier stages taking the remainder); ``()``: the default even split."""
+        if self.pipeline_layers or self.last_stage_layers is None or pp_size == 1:
+            return self.pipeline_layers
+        rest = num_layers - self.last_stage_layers
+        if rest < pp_size - 1:
+            raise ConfigError(
+                f"decoder_last_pipeline_num_layers={self.last_stage_layers} leaves {rest} of the model's {num_layers} "
+                f"layers for the other {pp_size - 1} stages; each needs at least one"
+            )
+        base, extra = divmod(rest, pp_size - 1)
+        return (*(base + (stage < extra) for stage in range(pp_size - 1)), self.last_stage_layers)
+
+    @property
+    def recompute(self) -> str | None:
+        """The recompute granularity in force: ``None`` (off), ``full`` or ``selective``."""
+        if self.recompute_granularity:
+            return self.recompute_granularity
+        return "selective" if self.recompute_activations else None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1:
@@ -168,16 +208,37 @@ class RunSettings:
             )
         if self.pipeline_layers and min(self.pipeline_layers) < 1:
             raise ConfigError(f"pipeline_layers {list(self.pipeline_layers)} must give every stage at least one layer")
+        if self.last_stage_layers is not None and self.last_stage_layers < 1:
+            raise ConfigError(f"decoder_last_pipeline_num_layers must be >= 1, got {self.last_stage_layers}")
+        if self.pipeline_layers and self.last_stage_layers not in (None, self.pipeline_layers[-1]):
+            raise ConfigError(
+                f"pipeline_layers {list(self.pipeline_layers)} puts {self.pipeline_layers[-1]} layers on the last "
+                f"stage, decoder_last_pipeline_num_layers says {self.last_stage_layers}; give one of them"
+            )
+        if self.recompute_granularity not in (None, *RECOMPUTE_GRANULARITIES):
+            raise ConfigError(
+                f"recompute_granularity {self.recompute_granularity!r} is unknown; "
+                f"use one of {RECOMPUTE_GRANULARITIES}"
+            )
+        if self.recompute_method not in RECOMPUTE_METHODS:
+            raise ConfigError(f"recompute_method {self.recompute_method!r} is unknown; use one of {RECOMPUTE_METHODS}")
+        if self.recompute_num_layers < 1:
+            raise ConfigError(f"recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **explicit: Any) -> RunSettings:
         """Explicit settings (``None`` = not given), else the launcher's variables, else the defaults."""
         sources = {
             "num_micro_batches": ("MEGATRON_LM_NUM_MICRO_BATCHES", _parse_int),
-            "pipeline_schedule": ("MTK_PIPELINE_SCHEDULE", _parse_schedule),
+            "pipeline_schedule": ("MTK_PIPELINE_SCHEDULE", _parse_word),
             "pipeline_layers": ("MTK_PIPELINE_LAYERS", _parse_int_list),
             "sequence_parallel": ("MEGATRON_LM_SEQUENCE_PARALLELISM", _parse_bool),
             "gradient_clipping": ("MEGATRON_LM_GRADIENT_CLIPPING", _parse_float),
             "eod_mask_loss": ("MEGATRON_LM_EOD_MASK_LOSS", _parse_bool),
+            "last_stage_layers": ("MEGATRON_LM_DECODER_LAST_PIPELINE_NUM_LAYERS", _parse_int),
+            "recompute_activations": ("MEGATRON_LM_RECOMPUTE_ACTIVATIONS", _parse_bool),
+            "recompute_granularity": ("MEGATRON_LM_RECOMPUTE_GRANULARITY", _parse_word),
+            "recompute_method": ("MEGATRON_LM_RECOMPUTE_METHOD", _parse_word),
+            "recompute_num_layers": ("MEGATRON_LM_RECOMPUTE_NUM_LAYERS", _parse_int),
         }
         return cls(**_resolve({}, os.environ if env is None else env, sources, explicit))

@@ -8,13 +8,15 @@ the :class:`~mtk.plans.base.Plan` that converted it and the stage it holds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
+from mtk.parallel.random import RNGStreams
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.stages import StageInfo, split_stages
 from mtk.plans import Plan, check_tp_size, parallelize_with, resolve_plan
+from mtk.plans.regions import apply_regions
 
 __all__ = ["Parallelized", "parallelize", "parallelized"]
 
@@ -29,11 +31,15 @@ class Parallelized:
         plan: the rules that converted it (a family's, or the parity-checked generic ones).
         tp_size: the tensor-parallel degree its shards were cut for.
         stage: the pipeline stage it holds; ``None`` when it was not cut (pp = 1).
+        sequence_parallel: its blocks run on sequence-split activations (:mod:`mtk.plans.regions`).
+        rng: the random streams its dropouts draw from (the TP stream is checkpointed with the model).
     """
 
     plan: Plan
     tp_size: int
     stage: StageInfo | None
+    sequence_parallel: bool = False
+    rng: RNGStreams | None = field(default=None, compare=False)
 
     @property
     def pp_size(self) -> int:
@@ -53,6 +59,7 @@ def parallelize(
     pipeline_layers: tuple[int, ...] = (),
     logits: str = "auto",
     pad_vocab_to_multiple_of: int = 1,
+    sequence_parallel: bool = False,
 ) -> nn.Module:
     """Make an HF model tensor-parallel over ``parallel.tp_group`` and cut it to this rank's pipeline stage.
 
@@ -69,10 +76,23 @@ def parallelize(
             (:class:`~mtk.config.RunSettings` ``pipeline_layers`` is what the Accelerator passes).
         logits: ``auto`` (full logits when no labels are passed), ``full`` or ``shard``.
         pad_vocab_to_multiple_of: pad the vocabulary to a multiple of ``tp * this`` (never visible).
+        sequence_parallel: split the activations between TP blocks along the sequence (Megatron's
+            sequence parallelism; gradients of the blocks' replicated parameters are then summed over TP
+            by :func:`~mtk.parallel.grads.sync_sequence_parallel_grads` after backward).
     """
     check_tp_size(model.config, parallel.tp_size)  # one clear line before any rank builds anything
     plan = plan or resolve_plan(model, parallel)
-    parallelize_with(model, parallel, plan, logits=logits, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of)
+    sequence_parallel = sequence_parallel and parallel.tp_size > 1
+    parallelize_with(
+        model,
+        parallel,
+        plan,
+        logits=logits,
+        pad_vocab_to_multiple_of=pad_vocab_to_multiple_of,
+        sequence_parallel=sequence_parallel,
+    )
     stage = split_stages(model, parallel, plan, pipeline_layers) if parallel.pp_size > 1 else None
-    setattr(model, _ATTRIBUTE, Parallelized(plan=plan, tp_size=parallel.tp_size, stage=stage))
+    rng = apply_regions(model, plan, parallel, sequence_parallel=sequence_parallel)
+    record = Parallelized(plan, parallel.tp_size, stage, sequence_parallel, rng)
+    setattr(model, _ATTRIBUTE, record)
     return model

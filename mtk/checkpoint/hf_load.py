@@ -81,6 +81,7 @@ def load_pretrained_tp(
     logits: str = "auto",
     pad_vocab_to_multiple_of: int = 1,
     pipeline_layers: tuple[int, ...] = (),
+    sequence_parallel: bool = False,
 ) -> nn.Module:
     """A tensor-parallel HF model whose every parameter holds only this rank's slice of the checkpoint.
 
@@ -103,6 +104,7 @@ def load_pretrained_tp(
         logits=logits,
         pad_vocab_to_multiple_of=pad_vocab_to_multiple_of,
         pipeline_layers=pipeline_layers,
+        sequence_parallel=sequence_parallel,
     )
     _fill_from_checkpoint(model, index, parallel.device, dtype, parallel.tp_group)
     model.eval()  # as HF's from_pretrained

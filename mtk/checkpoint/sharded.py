@@ -105,7 +105,7 @@ def save_checkpoint(
             checksums.add(weights)
         for write in collective_writers:
             write(tmp)
-        torch.save(rng_state(extra_rng or {}), paths.rng(parallel.rank))
+        torch.save(rng_state({**(extra_rng or {}), **_streams_state(model)}), paths.rng(parallel.rank))
         if parallel.rank == 0:
             for write in writers:
                 write(tmp)
@@ -158,7 +158,24 @@ def load_checkpoint(
                 reshard_optimizer(model, optimizer, reader, saved_optimizer_groups(paths, saved.pp))
     load_schedulers(paths, schedulers)
     meta.rng = restore_rng(paths, meta, parallel)
+    _restore_streams(model, meta, parallel)
     return meta
+
+
+def _streams_state(model: nn.Module) -> dict[str, Any]:
+    """The model's parked random streams (the per-TP-rank dropout stream), saved with this rank's RNG."""
+    record = parallelized(model)
+    return {"streams": record.rng.state_dict()} if record is not None and record.rng is not None else {}
+
+
+def _restore_streams(model: nn.Module, meta: CheckpointMeta, parallel: ParallelState) -> None:
+    """Continue the TP stream where it stopped. At another layout the streams keep their fresh seeding:
+    another rank's TP stream would give two ranks of one TP group the same masks."""
+    record = parallelized(model)
+    if record is None or record.rng is None or "streams" not in meta.rng:
+        return
+    if meta.topology == topology_of(parallel):
+        record.rng.load_state_dict(meta.rng["streams"])
 
 
 def load_schedulers(paths: CheckpointPaths, schedulers: list) -> None:

@@ -17,7 +17,7 @@ import dataclasses
 import os
 import weakref
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from accelerate import Accelerator as _AccelerateAccelerator
@@ -36,12 +36,14 @@ from mtk.integrations.deepspeed import (
     tp_size_from_config,
     zero3_gathered,
 )
+from mtk.integrations.megatron_keys import ATTENTION_BACKENDS, check_megatron_environment
 from mtk.integrations.scheduler import DataParallelScheduler
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sync_sequence_parallel_grads
 from mtk.parallel.state import ParallelState, default_device
 from mtk.pipeline.engine import PipelineModel
+from mtk.recompute import enable_recompute
 
 __all__ = ["Accelerator", "DataParallelScheduler"]
 
@@ -100,6 +102,12 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
                 f"mtk: mixed_precision=fp16 on {self.device.type}: accelerate runs no fp16 autocast or loss scaling "
                 "there, so training is fp32"
             )
+        check_megatron_environment(os.environ, self.print)
+        if self.uses_deepspeed and self.settings.sequence_parallel:
+            raise ConfigError(
+                "sequence parallelism does not run under DeepSpeed (ZeRO reduces gradients before the sequence-"
+                "parallel ones are summed over TP); use a megatron_lm_config YAML (accelerate_configs/tp2_sp.yaml)"
+            )
         config = self._parallel_config(parallel_config)
         self.parallel = ParallelState.build(config.tp_size, config.pp_size, device=self.device)
         self._replaced_params: ReplacedParams = {}  # id(unconverted param) -> (weakref to it, its shard)
@@ -144,12 +152,20 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         if isinstance(model, PipelineModel):
             return model, {}
         record = parallelized(model)
+        sequence_parallel = self.settings.sequence_parallel and self.parallel.tp_size > 1
         if record is not None:  # converted already (load_pretrained_tp)
             if record.pp_size != self.parallel.pp_size or record.tp_size != self.parallel.tp_size:
                 raise ConfigError(
                     f"the model was parallelized for tp={record.tp_size}, pp={record.pp_size}; this run "
                     f"is tp={self.parallel.tp_size}, pp={self.parallel.pp_size}: build it with this run's state"
                 )
+            if record.sequence_parallel != sequence_parallel:
+                raise ConfigError(
+                    f"the model was parallelized with sequence_parallel={record.sequence_parallel}, this run has "
+                    f"megatron_lm_sequence_parallelism={sequence_parallel}: pass the run's setting to "
+                    "load_pretrained_tp"
+                )
+            self._run_options(model)
             return self._pipelined(model), {}
         if not hasattr(model, "config"):
             if self.parallel.pp_size > 1:
@@ -158,12 +174,23 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         before: dict[int, tuple[weakref.ref, list[str]]] = {}  # a tied parameter has several names
         for name, param in model.named_parameters(remove_duplicate=False):
             before.setdefault(id(param), (weakref.ref(param), []))[1].append(name)
-        parallelize(model, self.parallel, pipeline_layers=self.settings.pipeline_layers)
+        layers = self.settings.layers_per_stage(cast(Any, model).config.num_hidden_layers, self.parallel.pp_size)
+        parallelize(model, self.parallel, pipeline_layers=layers, sequence_parallel=sequence_parallel)
+        self._run_options(model)
         after = dict(model.named_parameters(remove_duplicate=False))
         replaced = {
             old: (ref, next((after[n] for n in names if n in after), None)) for old, (ref, names) in before.items()
         }
         return self._pipelined(model), replaced
+
+    def _run_options(self, model: nn.Module) -> None:
+        """The launcher's options that act on the HF model itself: attention backend, recompute."""
+        backend = os.environ.get("MEGATRON_LM_ATTENTION_BACKEND", "").strip().lower()
+        if ATTENTION_BACKENDS.get(backend):
+            cast(Any, model).set_attn_implementation(ATTENTION_BACKENDS[backend])
+        record = parallelized(model)
+        for line in enable_recompute(model, self.settings, record.rng if record else None):
+            self.print(line)
 
     def _pipelined(self, model: nn.Module) -> nn.Module:
         """With pp > 1, the stage wrapped in the schedule-running :class:`PipelineModel`."""

@@ -12,6 +12,7 @@ scatter_to_tp                  keep own chunk of last dim      all-gather last d
 gather_from_tp                 all-gather last dim             keep own chunk of last dim
 scatter_to_sequence            keep own chunk of seq dim       all-gather seq dim
 gather_from_sequence           all-gather seq dim              reduce-scatter seq dim
+ (``partial_grad=False``)      all-gather seq dim              keep own chunk of seq dim
 reduce_scatter_to_sequence     reduce-scatter seq dim          all-gather seq dim
 =============================  ==============================  ===============================
 
@@ -181,21 +182,25 @@ class _ScatterToSequence(torch.autograd.Function):
 
 
 class _GatherFromSequence(torch.autograd.Function):
-    """Forward: all-gather the sequence dim. Backward: reduce-scatter the sequence dim.
+    """Forward: all-gather the sequence dim. Backward: reduce-scatter the sequence dim, or (when
+    ``partial_grad`` is False) keep this rank's chunk.
 
-    Used in front of a column-parallel layer: every rank consumed the full sequence, so each one
-    holds a partial input-gradient for all positions; summing and re-splitting gives each rank
-    the exact gradient of the positions it owns.
+    In front of a column-parallel layer every rank consumed the full sequence, so each one holds a
+    partial input-gradient for all positions; summing and re-splitting gives each rank the exact
+    gradient of the positions it owns. Leaving the sequence-parallel region for replicated code
+    (the final norm, a classifier) every rank computes the same full gradient: its chunk is exact.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
+    def forward(ctx, x: torch.Tensor, group: Group, dim: int, partial_grad: bool) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.partial_grad = group, dim, partial_grad
         return all_gather(x, group, dim=dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return reduce_scatter(grad, ctx.group, dim=ctx.dim), None, None
+        if ctx.partial_grad:
+            return reduce_scatter(grad, ctx.group, dim=ctx.dim), None, None, None
+        return split(grad, ctx.group, dim=ctx.dim), None, None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -231,8 +236,8 @@ def scatter_to_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Te
     return x if group_size(group) == 1 else _ScatterToSequence.apply(x, group, dim)
 
 
-def gather_from_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
-    return x if group_size(group) == 1 else _GatherFromSequence.apply(x, group, dim)
+def gather_from_sequence(x: torch.Tensor, group: Group, dim: int = 1, *, partial_grad: bool = True) -> torch.Tensor:
+    return x if group_size(group) == 1 else _GatherFromSequence.apply(x, group, dim, partial_grad)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from mtk.parallel.comm import copy_to_tp
+from mtk.parallel.comm import copy_to_tp, gather_from_sequence
 from mtk.parallel.embedding import VocabParallelEmbedding
 from mtk.parallel.grads import share_params_across_tp
 from mtk.parallel.layers import ColumnParallelLinear, KVReplicatedColumnLinear, RowParallelLinear, ShardedModule
@@ -101,23 +101,37 @@ def _linear_dims(module: nn.Module, name: str) -> tuple[int, int, bool, bool]:
 class CopyInputToTP:
     """Forward pre-hook of a :class:`~mtk.plans.base.SharedInput` module: its input enters the TP
     region once (``copy_to_tp``: identity forward, one all-reduce of the summed input gradient in
-    backward) for all the column-parallel layers it feeds, which then skip their own copy."""
+    backward) for all the column-parallel layers it feeds, which then skip their own copy. Under
+    sequence parallelism the input arrives split along the sequence and is all-gathered instead
+    (backward: one reduce-scatter), so the module runs HF's code on the whole sequence."""
 
-    def __init__(self, argument: str, tp_group) -> None:
-        self.argument, self.tp_group = argument, tp_group
+    def __init__(self, argument: str, tp_group, sequence_parallel: bool = False) -> None:
+        self.argument, self.tp_group, self.sequence_parallel = argument, tp_group, sequence_parallel
+
+    def _enter(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return gather_from_sequence(x, self.tp_group)  # [b, s/tp, h] -> [b, s, h]
+        return copy_to_tp(x, self.tp_group)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args:
-            return (copy_to_tp(args[0], self.tp_group), *args[1:]), kwargs
+            return (self._enter(args[0]), *args[1:]), kwargs
         if self.argument not in kwargs:
             raise UnsupportedModelError(
                 f"{type(module).__name__} was called without {self.argument!r}, the input its shared_inputs rule names"
             )
-        return args, {**kwargs, self.argument: copy_to_tp(kwargs[self.argument], self.tp_group)}
+        return args, {**kwargs, self.argument: self._enter(kwargs[self.argument])}
 
 
 def _build(
-    rule: Rule, module: nn.Module, name: str, ctx: PlanContext, parallel: ParallelState, pad: int, copy_input: bool
+    rule: Rule,
+    module: nn.Module,
+    name: str,
+    ctx: PlanContext,
+    parallel: ParallelState,
+    pad: int,
+    copy_input: bool,
+    sequence_parallel: bool = False,
 ) -> ShardedModule:
     """The parallel replacement for ``module`` (on the meta device: shards are filled afterwards)."""
     group = parallel.tp_group
@@ -167,7 +181,9 @@ def _build(
             **meta,
         )
     if rule.style == ROW:
-        return RowParallelLinear(n_in, n_out, bias, tp_group=group, transposed=transposed, **meta)
+        return RowParallelLinear(
+            n_in, n_out, bias, tp_group=group, transposed=transposed, sequence_parallel=sequence_parallel, **meta
+        )
     if rule.style == LM_HEAD:
         return ColumnParallelLinear(
             n_in,
@@ -209,8 +225,14 @@ def parallelize_with(
     *,
     logits: str = "auto",
     pad_vocab_to_multiple_of: int = 1,
+    sequence_parallel: bool = False,
 ) -> nn.Module:
-    """Convert ``model`` in place with an explicit ``plan`` (no plan lookup, no parity check)."""
+    """Convert ``model`` in place with an explicit ``plan`` (no plan lookup, no parity check).
+
+    ``sequence_parallel``: row-parallel layers reduce-scatter along the sequence and shared inputs
+    all-gather it (:func:`mtk.plans.regions.apply_regions` then splits the blocks' input).
+    """
+    sequence_parallel = sequence_parallel and parallel.tp_size > 1
     config = model.config
     counts = plan.head_counts(config)
     problem = counts.problem(parallel.tp_size)
@@ -241,7 +263,12 @@ def parallelize_with(
             share_params_across_tp(module, [n for n, _ in module.named_parameters(recurse=False)], parallel.tp_group)
             continue
         fed_by_shared = rule.style in (COLUMN, KV_COLUMN) and any(name.startswith(p + ".") for p in shared)
-        new = _build(rule, module, name, ctx, parallel, pad_vocab_to_multiple_of, copy_input=not fed_by_shared)
+        if sequence_parallel and rule.style in (COLUMN, KV_COLUMN) and not fed_by_shared:
+            raise UnsupportedModelError(
+                f"sequence parallelism: {name} is a column-parallel layer whose module is not in the {plan.name} "
+                "plan's shared_inputs, so nothing gathers its sequence; turn sequence parallelism off for this model"
+            )
+        new = _build(rule, module, name, ctx, parallel, pad_vocab_to_multiple_of, not fed_by_shared, sequence_parallel)
         _copy_shards(new, module)
         styles[name] = rule.style
         _set_submodule(model, name, new)
@@ -256,7 +283,8 @@ def parallelize_with(
     if untied:
         raise UnsupportedModelError(f"{untied} are tied to the input embedding but no rule splits them")
     for name, spec in shared.items():
-        modules[name].register_forward_pre_hook(CopyInputToTP(spec.argument, parallel.tp_group), with_kwargs=True)
+        hook = CopyInputToTP(spec.argument, parallel.tp_group, sequence_parallel)
+        modules[name].register_forward_pre_hook(hook, with_kwargs=True)
     _retie_embeddings(model, converted, styles, old_embedding, tied_heads)
     for name, module in model.named_modules():
         for fix in plan.attr_fixes:

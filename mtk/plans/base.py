@@ -187,7 +187,16 @@ class Plan:
         head_counts: reads the sizes TP must divide from the config.
         embedding: pattern of the input embedding (for tying with the LM head).
         pipeline: how to cut the model into pipeline stages (``None``: pipeline parallelism unsupported).
-        shared_inputs: modules whose input is copied to the TP region once for all their columns.
+        shared_inputs: modules whose input is copied to the TP region once for all their columns; under
+            sequence parallelism, where the sequence is all-gathered (every column must be fed by one,
+            since HF's modules read the sequence length from their input).
+        layers: the ``nn.ModuleList`` of transformer blocks (the sequence-parallel region, recompute);
+            default: the pipeline's.
+        split_random: modules whose random draws fall on TP-split activations (attention dropout on
+            this rank's heads): they draw from the per-TP-rank stream.
+        residual_dropouts: dropouts on the residual stream inside the blocks: replicated without
+            sequence parallelism (the shared stream, also inside a ``split_random`` module), split along
+            the sequence with it (the TP stream).
     """
 
     name: str
@@ -198,7 +207,15 @@ class Plan:
     embedding: str | None = None
     pipeline: PipelineSpec | None = None
     shared_inputs: tuple[SharedInput, ...] = ()
+    layers: str | None = None
+    split_random: tuple[str, ...] = ()
+    residual_dropouts: tuple[str, ...] = ()
     notes: str = field(default="", compare=False)
+
+    @property
+    def blocks(self) -> str | None:
+        """Pattern of the ``nn.ModuleList`` of transformer blocks, if the plan knows it."""
+        return self.layers or (self.pipeline.layers if self.pipeline else None)
 
     def rule_for(self, name: str) -> Rule | None:
         for rule in self.rules:

@@ -30,5 +30,9 @@ BERT = Plan(
         AttrFix("**.encoder.layer.*.attention.self", "all_head_size", lambda ctx: ctx.heads_local * ctx.head_dim),
     ),
     embedding="**.embeddings.word_embeddings",
-    shared_inputs=(SharedInput("**.encoder.layer.*.attention.self"),),  # self-attention: q/k/v read it only
+    # self-attention: q/k/v read its input only; the intermediate dense is the MLP's one column
+    shared_inputs=(SharedInput("**.encoder.layer.*.attention.self"), SharedInput("**.encoder.layer.*.intermediate")),
+    layers="**.encoder.layer",
+    split_random=("**.encoder.layer.*.attention.self",),
+    residual_dropouts=("**.encoder.layer.*.attention.output.dropout", "**.encoder.layer.*.output.dropout"),
 )

@@ -20,6 +20,7 @@ from mtk.plans.base import (
     PipelineSpec,
     Plan,
     Rule,
+    SharedInput,
 )
 
 
@@ -52,4 +53,7 @@ GPT2 = Plan(
         first_stage=(("**.wte", REMOVE), ("**.wpe", ZEROS), ("**.drop", IDENTITY)),
         last_stage=(("**.ln_f", IDENTITY), ("lm_head", REMOVE)),
     ),
+    shared_inputs=(SharedInput("**.h.*.attn"), SharedInput("**.h.*.mlp")),
+    split_random=("**.h.*.attn",),  # attention dropout on this rank's heads
+    residual_dropouts=("**.h.*.attn.resid_dropout", "**.h.*.mlp.dropout"),
 )

@@ -62,4 +62,5 @@ LLAMA = Plan(
     embedding="**.embed_tokens",
     pipeline=LLAMA_PIPELINE,
     shared_inputs=(SharedInput("**.layers.*.self_attn"), SharedInput("**.layers.*.mlp")),
+    split_random=("**.layers.*.self_attn",),  # attention dropout on this rank's heads
 )

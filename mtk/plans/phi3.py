@@ -5,7 +5,7 @@ Phi-3's attention reads the head counts from its config in forward, so each atte
 shallow config copy with the per-rank counts (the model's own config stays whole, for export).
 """
 
-from mtk.plans.base import COLUMN, LM_HEAD, ROW, VOCAB, AttrFix, HeadCounts, Plan, Rule
+from mtk.plans.base import COLUMN, LM_HEAD, ROW, VOCAB, AttrFix, HeadCounts, Plan, Rule, SharedInput
 from mtk.plans.llama import LLAMA_PIPELINE, llama_head_counts
 
 
@@ -38,4 +38,7 @@ PHI3 = Plan(
     ),
     embedding="**.embed_tokens",
     pipeline=LLAMA_PIPELINE,
+    shared_inputs=(SharedInput("**.layers.*.self_attn"), SharedInput("**.layers.*.mlp")),
+    split_random=("**.layers.*.self_attn",),
+    residual_dropouts=("**.layers.*.resid_attn_dropout", "**.layers.*.resid_mlp_dropout"),
 )

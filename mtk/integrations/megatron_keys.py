@@ -1,0 +1,124 @@
+"""Every ``megatron_lm_config`` key ``accelerate launch`` exports, and what mtk does with it.
+
+accelerate turns the YAML's ``megatron_lm_config`` block into ``MEGATRON_LM_*`` variables
+(accelerate/utils/launch.py); some are exported always, with accelerate's defaults. Each one here is
+acted on (read into :class:`~mtk.config.ParallelConfig` / :class:`~mtk.config.RunSettings`, or by the
+Accelerator), accepted only at its "off" value, or refused in one line naming the key. A variable
+this table does not know (a newer accelerate) is refused too: nothing is accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from mtk.errors import ConfigError
+
+__all__ = ["ATTENTION_BACKENDS", "MEGATRON_KEYS", "check_megatron_environment"]
+
+PREFIX = "MEGATRON_LM_"
+
+# Megatron's attention backends -> HF's attn_implementation ("auto": the model's own choice).
+ATTENTION_BACKENDS = {
+    "auto": None,
+    "unfused": "eager",
+    "local": "eager",
+    "fused": "sdpa",
+    "flash": "flash_attention_2",
+}
+
+_FALSE = {"false", "0", "no", "off", ""}
+
+# Keys read into mtk's settings (mtk.config) or acted on by the Accelerator.
+ACTED_ON = {
+    "TP_DEGREE": "ParallelConfig.tp_size",
+    "PP_DEGREE": "ParallelConfig.pp_size",
+    "NUM_MICRO_BATCHES": "RunSettings.num_micro_batches",
+    "GRADIENT_CLIPPING": "RunSettings.gradient_clipping",
+    "SEQUENCE_PARALLELISM": "RunSettings.sequence_parallel",
+    "EOD_MASK_LOSS": "RunSettings.eod_mask_loss",
+    "DECODER_LAST_PIPELINE_NUM_LAYERS": "RunSettings.last_stage_layers",
+    "RECOMPUTE_ACTIVATIONS": "RunSettings.recompute_activations",
+    "RECOMPUTE_GRANULARITY": "RunSettings.recompute_granularity",
+    "RECOMPUTE_METHOD": "RunSettings.recompute_method",
+    "RECOMPUTE_NUM_LAYERS": "RunSettings.recompute_num_layers",
+    "ATTENTION_BACKEND": "the HF model's attn_implementation",
+}
+
+# Keys accepted at their off value (what accelerate exports when the YAML does not set them); on: why not.
+OFF_ONLY = {
+    "USE_CUSTOM_FSDP": "mtk shards over data parallelism with DeepSpeed ZeRO (ds_configs/), not Megatron's FSDP",
+    "USE_DISTRIBUTED_OPTIMIZER": "mtk has no distributed optimizer yet; shard optimizer state over DP with "
+    "DeepSpeed ZeRO-1/2 (accelerate_configs/tp2_dp2_zero2.yaml)",
+    "NO_SAVE_OPTIM": "mtk's checkpoints always hold the optimizer so a resume is exact; for weights only, "
+    "`mtk export` a checkpoint",
+    "NO_LOAD_OPTIM": "a resume restores the optimizer to stay exact; to start afresh from trained weights, "
+    "`mtk export` the checkpoint and pass the folder as --model",
+    "OPTIMIZER_CPU_OFFLOAD": "offload the optimizer with DeepSpeed (ds_configs/zero2_offload.json)",
+    "USE_PRECISION_AWARE_OPTIMIZER": "mtk's optimizer state follows accelerate's mixed precision (fp32 master state)",
+    "OVERLAP_CPU_OPTIMIZER_D2H_H2D": "it applies to Megatron's CPU-offloaded optimizer, which mtk does not use",
+}
+SIZE_ONE = {
+    "EXPERT_MODEL_PARALLEL_SIZE": "expert parallelism is not supported yet",
+    "EXPERT_TENSOR_PARALLEL_SIZE": "expert tensor parallelism is not supported yet (experts split with the TP size)",
+    "CONTEXT_PARALLEL_SIZE": "context parallelism is not supported; sequence parallelism "
+    "(megatron_lm_sequence_parallelism) splits activations between TP blocks",
+}
+# Keys whose effect belongs to the HF model's config.json, not the launcher.
+MODEL_DECIDES = {
+    "ATTENTION_DROPOUT": "set the attention dropout in the model's config.json (attention_dropout, attn_pdrop, "
+    "attention_probs_dropout_prob: the name depends on the family)",
+    "HIDDEN_DROPOUT": "set the hidden dropout in the model's config.json (resid_pdrop, hidden_dropout_prob: the name "
+    "depends on the family)",
+    "USE_ROTARY_POSITION_EMBEDDINGS": "the HF model's architecture decides its position embeddings",
+}
+# Keys reported in one line: mtk's behaviour is fixed and the line says what it is.
+REPORTED = {
+    "ATTENTION_SOFTMAX_IN_FP32": "HF's attention code decides the softmax precision (its eager attention computes "
+    "softmax in fp32)",
+    "CALCULATE_PER_TOKEN_LOSS": "the loss is what the model call computes: HF's mean over the call's labelled tokens, "
+    "or their sum / num_items_in_batch, which mtk's examples pass so a step's loss is the mean over all its tokens",
+}
+
+MEGATRON_KEYS = (*ACTED_ON, *OFF_ONLY, *SIZE_ONE, *MODEL_DECIDES, *REPORTED)
+
+
+def _key(variable: str) -> str:
+    return "megatron_lm_" + variable.removeprefix(PREFIX).lower()
+
+
+def check_megatron_environment(env: Mapping[str, str], report: Callable[[str], None]) -> None:
+    """Refuse (``ConfigError``, one line) any ``MEGATRON_LM_*`` variable mtk cannot honour; ``report``
+    the ones whose behaviour mtk fixes, and the layout when the block gave neither TP nor PP."""
+    for variable, raw in sorted(env.items()):
+        if not variable.startswith(PREFIX):
+            continue
+        name, value = variable.removeprefix(PREFIX), raw.strip().lower()
+        if name in ACTED_ON:
+            continue
+        if name in OFF_ONLY:
+            if value not in _FALSE:
+                raise ConfigError(f"{_key(variable)}: {raw} is not supported: {OFF_ONLY[name]}; remove the key")
+        elif name in SIZE_ONE:
+            if value not in ("", "1", "none"):
+                raise ConfigError(f"{_key(variable)}: {raw}: {SIZE_ONE[name]}; set it to 1 or remove the key")
+        elif name in MODEL_DECIDES:
+            raise ConfigError(f"{_key(variable)}: {raw} is not applied by mtk: {MODEL_DECIDES[name]}; remove the key")
+        elif name in REPORTED:
+            report(f"mtk: {_key(variable)}={raw}: {REPORTED[name]}")
+        else:
+            raise ConfigError(
+                f"{variable}={raw}: {_key(variable)} is a megatron_lm key mtk does not know (a newer accelerate?); "
+                f"remove it (known: {', '.join(_key(k) for k in MEGATRON_KEYS)})"
+            )
+    backend = env.get(PREFIX + "ATTENTION_BACKEND", "").strip().lower()
+    if backend and backend not in ATTENTION_BACKENDS:
+        raise ConfigError(
+            f"megatron_lm_attention_backend: {backend!r} is unknown; use one of {list(ATTENTION_BACKENDS)}"
+        )
+    if env.get("ACCELERATE_USE_MEGATRON_LM", "").lower() == "true":
+        tp, pp = env.get(PREFIX + "TP_DEGREE", "1"), env.get(PREFIX + "PP_DEGREE", "1")
+        if tp == "1" and pp == "1":
+            report(
+                "mtk: megatron_lm_config gives tp=1 and pp=1, so every process is a data-parallel replica (accelerate "
+                "exports 1 for a missing megatron_lm_tp_degree, and drops a misspelt key without a word)"
+            )

@@ -1,0 +1,135 @@
+"""Where activations are split, and which random stream each dropout draws from, in a converted model.
+
+Two regions of a transformer block are not the plain replicated ones the rules leave behind:
+
+- **Sequence parallelism** (Korthikanti et al., 2022, "Reducing Activation Recomputation in Large
+  Transformer Models", section 4.2.2). Between the TP blocks (attention, MLP) the norms, dropouts and
+  residual additions run on ``s / tp`` positions per rank instead of all ``s`` on every rank. The
+  first block of this stage keeps its rank's chunk of the sequence (no communication forward,
+  all-gather backward); the shared-input hooks all-gather it in front of the columns (backward:
+  reduce-scatter) and the rows reduce-scatter (backward: all-gather), so one all-reduce per TP block
+  becomes an all-gather plus a reduce-scatter of the same total volume. The last block's output is
+  all-gathered back for the replicated code after it (the final norm and head; backward: keep the
+  own chunk). HF's forward computes positions, rotary embeddings and masks for the whole sequence
+  before the first block and the attention sees the whole sequence, so nothing of HF's is rewritten.
+  Replicated parameters inside the blocks (norm weights, row biases) then see only this rank's
+  positions: they are marked ``sequence_parallel`` and their gradients summed over TP after backward.
+- **Random streams** (Megatron's RNG tracker, :mod:`mtk.parallel.random`). A random draw on TP-split
+  activations (attention dropout on this rank's heads; under sequence parallelism, everything inside
+  a block) takes the per-TP-rank stream; a draw on replicated activations the shared default stream,
+  so replicas stay equal. A residual dropout inside an attention module (GPT-2's) forks back to the
+  default stream when its input is replicated.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from torch import nn
+
+from mtk.errors import ConfigError
+from mtk.parallel.comm import Group, gather_from_sequence, group_size, scatter_to_sequence
+from mtk.parallel.parameters import param_info, set_param_info
+from mtk.parallel.random import DEFAULT_STREAM, TP_STREAM, ForkAround, RNGStreams
+from mtk.parallel.state import ParallelState
+from mtk.plans.base import Plan, UnsupportedModelError, compile_pattern
+
+__all__ = ["local_blocks", "apply_regions", "tp_streams"]
+
+_TP_SEED_OFFSET = 2718  # Megatron's offset between the data-parallel seed and the tensor-parallel one
+
+
+def tp_streams(parallel: ParallelState) -> RNGStreams:
+    """The default stream plus a per-TP-rank one seeded from the user's seed (``torch.initial_seed()``,
+    what ``set_seed`` set), so the same seed gives the same masks at every run."""
+    streams = RNGStreams(parallel.device)
+    streams.add(TP_STREAM, torch.initial_seed() + _TP_SEED_OFFSET + parallel.tp_rank)
+    return streams
+
+
+def local_blocks(model: nn.Module, plan: Plan) -> list[nn.Module]:
+    """The transformer blocks this rank runs (another pipeline stage's are pass-throughs)."""
+    from mtk.pipeline.stages import SkipLayer  # mtk.pipeline imports the plans: import at call time
+
+    if plan.blocks is None:
+        return []
+    regex = compile_pattern(plan.blocks)
+    lists = [m for n, m in model.named_modules() if n and regex.match(n) and isinstance(m, nn.ModuleList)]
+    if len(lists) != 1:
+        return []
+    return [block for block in cast(nn.ModuleList, lists[0]) if not isinstance(block, SkipLayer)]
+
+
+class _SplitSequence:
+    """Pre-hook of the stage's first block: keep this rank's chunk of the sequence."""
+
+    def __init__(self, tp_group: Group) -> None:
+        self.tp_group = tp_group
+        self.tp_size = group_size(tp_group)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (self._split(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self._split(kwargs["hidden_states"])}
+
+    def _split(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[1] % self.tp_size:
+            raise ConfigError(
+                f"sequence parallelism splits the sequence over tp = {self.tp_size} ranks, but this batch has "
+                f"{hidden.shape[1]} positions; pad batches to a multiple of {self.tp_size} (mtk's data does when "
+                "sequence parallelism is on) or turn megatron_lm_sequence_parallelism off"
+            )
+        return scatter_to_sequence(hidden, self.tp_group)  # [b, s, h] -> [b, s/tp, h]
+
+
+class _GatherSequence:
+    """Forward hook of the stage's last block: the whole sequence again, for replicated code."""
+
+    def __init__(self, tp_group: Group) -> None:
+        self.tp_group = tp_group
+
+    def __call__(self, module: nn.Module, args: tuple, output):
+        if isinstance(output, tuple):
+            return (self._gather(output[0]), *output[1:])
+        return self._gather(output)
+
+    def _gather(self, hidden: torch.Tensor) -> torch.Tensor:
+        return gather_from_sequence(hidden, self.tp_group, partial_grad=False)  # [b, s/tp, h] -> [b, s, h]
+
+
+def _matching(model: nn.Module, patterns: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    regexes = [compile_pattern(p) for p in patterns]
+    return [(n, m) for n, m in model.named_modules() if n and any(r.match(n) for r in regexes)]
+
+
+def apply_regions(
+    model: nn.Module, plan: Plan, parallel: ParallelState, *, sequence_parallel: bool = False
+) -> RNGStreams:
+    """Install the sequence-parallel region (when asked) and the random streams; returns the streams."""
+    streams = tp_streams(parallel)
+    if parallel.tp_size == 1:
+        return streams
+    blocks = local_blocks(model, plan)
+    if sequence_parallel:
+        if not blocks:
+            raise UnsupportedModelError(
+                f"sequence parallelism: the {plan.name} rules name no list of transformer blocks; "
+                "turn megatron_lm_sequence_parallelism off for this model"
+            )
+        blocks[0].register_forward_pre_hook(_SplitSequence(parallel.tp_group), with_kwargs=True)
+        blocks[-1].register_forward_hook(_GatherSequence(parallel.tp_group))
+        for block in blocks:
+            for param in block.parameters():
+                info = param_info(param)
+                if not getattr(param, "tensor_model_parallel", False) and not info.tp_shared:
+                    set_param_info(param, sequence_parallel=True)
+            ForkAround(streams, TP_STREAM).register(block)  # every activation in a block is split
+        return streams
+    for _, module in _matching(model, plan.split_random):
+        ForkAround(streams, TP_STREAM).register(module)
+    split_names = [n for n, _ in _matching(model, plan.split_random)]
+    for name, module in _matching(model, plan.residual_dropouts):
+        if any(name.startswith(s + ".") for s in split_names):
+            ForkAround(streams, DEFAULT_STREAM).register(module)  # replicated input inside a TP-forked module
+    return streams

@@ -1,0 +1,92 @@
+"""Sequence parallelism equals the unconverted HF model (and so TP without it): logits, loss, every gradient.
+
+Each rank builds the HF model, converts a copy with ``sequence_parallel=True`` and compares in fp32
+(relative error <= 1e-5) after summing the sequence-parallel gradients over TP, as the Accelerator does
+after backward. The collectives are counted: per TP block one all-gather and one reduce-scatter replace
+the all-reduce (same bytes), plus one all-gather where the blocks end.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from mtk.convert import parallelize
+from mtk.errors import ConfigError
+from mtk.models import build_model
+from mtk.parallel import ParallelState
+from mtk.parallel.gather import iter_full_tensors
+from mtk.parallel.grads import sync_sequence_parallel_grads
+from mtk.parallel.parameters import param_info
+from mtk.parallel.trace import count_collectives
+from mtk.testing import assert_close_rel, run_distributed
+from tests.distributed.test_architectures import ARCHITECTURES, _inputs
+
+LAYERS = 2
+
+
+def _sequence_parallel_checks(rank: int, world_size: int, name: str) -> dict:
+    state = ParallelState.build(tp_size=world_size)
+    reference = build_model(name, seed=0).eval()
+    model = parallelize(copy.deepcopy(reference), state, sequence_parallel=True).eval()
+    batch = _inputs(name)  # 12 positions: divisible by tp 2 and 4; one row right-padded
+
+    ref_out = reference(**batch)
+    ref_out.loss.backward()
+    with count_collectives() as log:
+        out = model(**batch)
+    forward = dict(log.counts())
+    with count_collectives() as log:
+        out.loss.backward()
+    backward = dict(log.counts())
+    sync_sequence_parallel_grads(model, state.tp_group)
+    assert_close_rel(out.loss, ref_out.loss, f"{name} loss")
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    assert_close_rel(logits, ref_out.logits, f"{name} logits")
+
+    ref_grads = dict(reference.named_parameters())
+    grad_scale = max(p.grad.abs().max().item() for p in ref_grads.values())
+    compared = 0
+    for param_name, grad in iter_full_tensors(model, state.tp_group, grads=True):
+        assert_close_rel(grad, ref_grads[param_name].grad, f"{name} grad of {param_name}", scale_floor=1e-3 * grad_scale)
+        compared += 1
+    assert compared == len(ref_grads)
+    marked = sorted(n for n, p in model.named_parameters() if param_info(p).sequence_parallel)
+    return {"forward": forward, "backward": backward, "marked": marked}
+
+
+CASES = [(name, 2) for name in ARCHITECTURES] + [(name, 4) for name in ("tiny-llama", "tiny-qwen3", "tiny-gpt2")]
+
+
+@pytest.mark.parametrize("name,tp", CASES)
+def test_sequence_parallel_equals_hf(name, tp):
+    result = run_distributed(_sequence_parallel_checks, world_size=tp, args=(name,))[0]
+    if name == "tiny-bert":
+        assert result["forward"]["all_gather"] == 2 * LAYERS + 1
+        assert result["forward"]["reduce_scatter"] == 2 * LAYERS
+        return
+    # Forward: the embedding's all-reduce and the loss's two stay; each of the 2 blocks per layer
+    # all-gathers its input and reduce-scatters its output; the last layer's output is gathered once.
+    assert result["forward"] == {"all_reduce": 1 + 2, "all_gather": 2 * LAYERS + 1, "reduce_scatter": 2 * LAYERS}
+    # Backward mirrors it: reduce-scatter for each gather in front of a block, all-gather for each
+    # reduce-scatter and for the split at layer 0; leaving the region needs nothing (own chunk).
+    assert result["backward"]["reduce_scatter"] == 2 * LAYERS
+    assert result["backward"]["all_gather"] == 2 * LAYERS + 1
+    # the norms inside the blocks see a slice of the sequence: their gradients are summed over TP
+    assert any("layernorm" in n or "ln_" in n or "LayerNorm" in n for n in result["marked"])
+
+
+def _indivisible(rank: int, world_size: int) -> str:
+    state = ParallelState.build(tp_size=world_size)
+    model = parallelize(build_model("tiny-llama", seed=0), state, sequence_parallel=True)
+    try:
+        model(input_ids=torch.zeros(1, 7, dtype=torch.long))
+    except ConfigError as error:
+        return str(error)
+    return ""
+
+
+def test_sequence_length_not_divisible_is_one_line():
+    message = run_distributed(_indivisible, world_size=2)[0]
+    assert "7 positions" in message and "multiple of 2" in message
