@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from mtk import Accelerator
 from mtk.args import (
     ArgumentParser,
+    add_recompute_argument,
     add_safety_arguments,
     collective_timeout,
     non_negative_int,
@@ -96,6 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--pipeline_schedule", choices=PIPELINE_SCHEDULES, help="pp > 1 (default: MTK_PIPELINE_SCHEDULE, else 1f1b)"
     )
     add_safety_arguments(parser)
+    add_recompute_argument(parser)
     parser.add_argument(
         "--pipeline_layers",
         type=layer_counts,
@@ -118,6 +120,7 @@ def main(argv=None) -> None:
             pipeline_schedule=args.pipeline_schedule,
             pipeline_layers=args.pipeline_layers,
             gradient_clipping=args.max_grad_norm,
+            recompute_granularity="full" if args.gradient_checkpointing else None,
         ),
     )
     parallel, settings = accelerator.parallel, accelerator.settings
@@ -127,15 +130,22 @@ def main(argv=None) -> None:
     check_seq_len(config, args.seq_len)
     set_seed(args.seed)
     if Path(args.model).is_dir():
-        model = load_pretrained_tp(args.model, parallel, pipeline_layers=settings.pipeline_layers)  # this rank's bytes
+        model = load_pretrained_tp(  # this rank's bytes
+            args.model,
+            parallel,
+            pipeline_layers=settings.layers_per_stage(config.num_hidden_layers, parallel.pp_size),
+            sequence_parallel=settings.sequence_parallel,
+        )
         model.train()
     else:
         model = build_model(args.model, seed=args.seed)  # same weights on every rank and layout
     tokenizer = tokenizer_for(args.model)
     if hasattr(tokenizer, "save_pretrained") and Path(args.model).is_dir():
         accelerator.checkpoint_tokenizer = tokenizer  # checkpoints (and `mtk export`) carry it
+    # sequence parallelism splits every row over the TP ranks: rows are a multiple of tp long
+    multiple = parallel.tp_size if settings.sequence_parallel else 1
     dataset, collate, report = training_data(
-        args.data, tokenizer, args.seq_len, packing=args.packing, loss_on=args.loss_on
+        args.data, tokenizer, args.seq_len, packing=args.packing, loss_on=args.loss_on, pad_to_multiple_of=multiple
     )
     accelerator.print(f"mtk: --data {args.data}: {report.describe(args.seq_len)}")
     if args.packing and settings.eod_mask_loss is False:  # accelerate exports False unless the YAML says true
@@ -153,7 +163,13 @@ def main(argv=None) -> None:
     evaluation: list = []
     if args.eval_data:
         eval_set, _, eval_report = training_data(
-            args.eval_data, tokenizer, args.seq_len, packing=args.packing, loss_on=args.loss_on, source="--eval_data"
+            args.eval_data,
+            tokenizer,
+            args.seq_len,
+            packing=args.packing,
+            loss_on=args.loss_on,
+            source="--eval_data",
+            pad_to_multiple_of=multiple,
         )
         accelerator.print(f"mtk: --eval_data {args.eval_data}: {eval_report.describe(args.seq_len)}")
         evaluation = eval_batches(eval_set, collate, args.batch_size, parallel.dp_rank, parallel.dp_size)

@@ -28,6 +28,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from mtk.args import (
     ArgumentParser,
+    add_recompute_argument,
     add_safety_arguments,
     collective_timeout,
     non_negative_int,
@@ -36,7 +37,8 @@ from mtk.args import (
 )
 from mtk.checkpoint import load_pretrained_tp
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
-from mtk.convert import parallelize
+from mtk.config import RunSettings
+from mtk.convert import parallelize, parallelized
 from mtk.data import FORMATS, LOSS_ON, eval_batches, loss_tokens, tokenizer_for, training_data
 from mtk.errors import DataError, run_main
 from mtk.evaluation import evaluate
@@ -51,6 +53,7 @@ from mtk.parallel.comm import all_reduce
 from mtk.parallel.grad_norm import check_finite
 from mtk.parallel.state import ParallelState
 from mtk.plans import check_tp_size
+from mtk.recompute import enable_recompute
 from mtk.signals import ExitSignal
 
 HERE = Path(__file__).resolve().parent
@@ -87,6 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--tp", type=positive_int, help="tensor-parallel size (default: MEGATRON_LM_TP_DEGREE, else 1)"
     )
     add_safety_arguments(parser, can_skip_steps=False)  # DeepSpeed steps before mtk sees the gradient norm
+    add_recompute_argument(parser)
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args(argv)
@@ -111,6 +115,8 @@ def main(argv=None) -> None:
         model.train()
     else:
         model = parallelize(build_model(args.model, seed=args.seed), parallel)  # same weights at any layout
+    if args.gradient_checkpointing:
+        enable_recompute(model, RunSettings(recompute_granularity="full"), parallelized(model).rng)
     warmup, total = max(args.warmup_steps, 1), max(args.max_steps, 1)
 
     def lr_schedule(optimizer):  # DeepSpeed steps it once per optimizer step

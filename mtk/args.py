@@ -12,6 +12,7 @@ from mtk.errors import ConfigError
 
 __all__ = [
     "ArgumentParser",
+    "add_recompute_argument",
     "add_safety_arguments",
     "collective_timeout",
     "finite_float",
@@ -87,3 +88,12 @@ def add_safety_arguments(parser: argparse.ArgumentParser, *, can_skip_steps: boo
 def collective_timeout(args: argparse.Namespace) -> timedelta:
     """``--distributed_timeout_minutes`` as the timeout of the job's process groups."""
     return timedelta(minutes=args.distributed_timeout_minutes)
+
+
+def add_recompute_argument(parser: argparse.ArgumentParser) -> None:
+    """``--gradient_checkpointing``: HF's name for full recompute of every block (:mod:`mtk.recompute`)."""
+    parser.add_argument(
+        "--gradient_checkpointing",
+        action="store_true",
+        help="recompute each block's activations in backward (full recompute; default: megatron_lm_recompute_*)",
+    )

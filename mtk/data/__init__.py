@@ -53,8 +53,19 @@ def training_data(
     packing: bool = False,
     loss_on: str = "assistant",
     source: str = "--data",
+    pad_to_multiple_of: int = 1,
 ) -> tuple[Dataset, PadToLongest, TokenizeReport]:
-    """The dataset to put in a ``DataLoader``, its ``collate_fn``, and a report to log."""
+    """The dataset to put in a ``DataLoader``, its ``collate_fn``, and a report to log.
+
+    ``pad_to_multiple_of``: padded batches are this many positions long times a whole number (the TP
+    size under sequence parallelism; ``seq_len`` must then be a multiple of it too).
+    """
+    if seq_len % pad_to_multiple_of:
+        raise DataError(
+            f"--seq_len {seq_len} is not a multiple of {pad_to_multiple_of}: sequence parallelism splits every "
+            f"row over the {pad_to_multiple_of} TP ranks; use --seq_len {seq_len - seq_len % pad_to_multiple_of}"
+        )
     examples, report = tokenize_examples(load_data(path, source), tokenizer, seq_len, loss_on=loss_on, source=source)
     pad_id = pad_id_of(tokenizer)
-    return (pack(examples, seq_len, pad_id) if packing else examples), PadToLongest(pad_id), report
+    collate = PadToLongest(pad_id, pad_to_multiple_of)
+    return (pack(examples, seq_len, pad_id) if packing else examples), collate, report

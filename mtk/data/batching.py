@@ -61,15 +61,17 @@ def pack(examples: Dataset, seq_len: int, pad_id: int) -> Dataset:
 
 class PadToLongest:
     """``collate_fn``: pad ``input_ids`` (with ``pad_id``), ``labels`` (-100) and an ``attention_mask`` to the
-    longest example of the batch; packed rows (with ``position_ids``) are stacked as they are."""
+    longest example of the batch, rounded up to ``multiple_of`` (sequence parallelism splits the sequence
+    over TP ranks; the extra positions are masked, so the loss is unchanged); packed rows (with
+    ``position_ids``) are stacked as they are."""
 
-    def __init__(self, pad_id: int) -> None:
-        self.pad_id = pad_id
+    def __init__(self, pad_id: int, multiple_of: int = 1) -> None:
+        self.pad_id, self.multiple_of = pad_id, multiple_of
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if "position_ids" in features[0]:  # packed: every row is seq_len already
             return {key: torch.stack([torch.as_tensor(f[key]) for f in features]) for key in features[0]}
-        longest = max(len(f["input_ids"]) for f in features)
+        longest = -(-max(len(f["input_ids"]) for f in features) // self.multiple_of) * self.multiple_of
         batch = {
             "input_ids": torch.full((len(features), longest), self.pad_id, dtype=torch.long),  # [b, s]
             "labels": torch.full((len(features), longest), IGNORE_INDEX, dtype=torch.long),  # [b, s]

@@ -49,7 +49,9 @@ def _sequence_parallel_checks(rank: int, world_size: int, name: str) -> dict:
     grad_scale = max(p.grad.abs().max().item() for p in ref_grads.values())
     compared = 0
     for param_name, grad in iter_full_tensors(model, state.tp_group, grads=True):
-        assert_close_rel(grad, ref_grads[param_name].grad, f"{name} grad of {param_name}", scale_floor=1e-3 * grad_scale)
+        assert_close_rel(
+            grad, ref_grads[param_name].grad, f"{name} grad of {param_name}", scale_floor=1e-3 * grad_scale
+        )
         compared += 1
     assert compared == len(ref_grads)
     marked = sorted(n for n, p in model.named_parameters() if param_info(p).sequence_parallel)

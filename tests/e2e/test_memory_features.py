@@ -1,0 +1,81 @@
+"""Sequence parallelism and activation recomputation as users turn them on: accelerate's own
+``megatron_lm_config`` keys. They save memory and change no number: every layout logs the single-process
+losses (fp32, relative error <= 1e-5), and a run with dropout resumes exactly (both random streams are
+checkpointed). Keys mtk cannot honour stop the run with one line naming them.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.e2e.launch import ROOT, accelerate_launch, assert_same_losses, finetune, one_line_error, step_losses
+
+
+def _yaml(tmp_path: Path, base: str, **megatron) -> str:
+    """accelerate_configs/<base>.yaml with ``megatron_lm_<key>: value`` set."""
+    config = yaml.safe_load((ROOT / "accelerate_configs" / f"{base}.yaml").read_text())
+    config["megatron_lm_config"].update({f"megatron_lm_{key}": value for key, value in megatron.items()})
+    path = tmp_path / f"{base}-{'-'.join(megatron)}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("config", ["tp2_sp", "tp2_sp_recompute"])
+def test_sequence_parallel_and_recompute_log_the_tp1_losses(config, llama_tp1, tmp_path):
+    run = finetune(config, tmp_path, "--max_steps", "6")
+    assert_same_losses(run, llama_tp1.losses, range(1, 7), config)
+
+
+def test_pipeline_data_parallel_sequence_parallel_selective_recompute(llama_tp1, tmp_path):
+    """TP=2 x PP=2 x DP=2 with SP, selective recompute and an uneven split from accelerate's own key."""
+    config = _yaml(
+        tmp_path,
+        "tp2_pp2_dp2",
+        sequence_parallelism=True,
+        recompute_activations=True,
+        decoder_last_pipeline_num_layers=1,
+    )
+    out = accelerate_launch(
+        "finetune.py", config, "--output_dir", str(tmp_path / "out"), "--max_steps", "6", "--batch_size", "4"
+    )
+    assert_same_losses(step_losses(out), llama_tp1.losses, range(1, 7), "tp2_pp2_dp2 + sp + selective recompute")
+
+
+def test_packed_rows_under_sequence_parallelism(tmp_path):
+    packed = ("--max_steps", "3", "--packing", "--seq_len", "64")
+    tp1 = finetune("tp1", tmp_path / "tp1", *packed)
+    sp = finetune("tp2_sp", tmp_path / "sp", *packed)
+    assert_same_losses(sp, tp1, range(1, 4), "packed, tp2_sp")
+
+
+@pytest.fixture(scope="module")
+def dropout_model(tmp_path_factory) -> Path:
+    """The tiny Llama with attention dropout 0.2, as a local HF directory."""
+    from mtk.models import build_model, builtin_config
+
+    config = builtin_config("tiny-llama")
+    config.attention_dropout = 0.2
+    config._attn_implementation = "eager"
+    directory = tmp_path_factory.mktemp("dropout") / "model"
+    build_model(config, seed=0).save_pretrained(directory)
+    return directory
+
+
+def test_dropout_run_resumes_exactly(dropout_model, tmp_path):
+    args = ("--model", str(dropout_model), "--max_steps", "4", "--save_every", "2")
+    full = finetune("tp2_sp_recompute", tmp_path / "full", *args)
+    rng = torch.load(tmp_path / "full" / "step_2" / "rng" / "rank00001.pt", weights_only=True)
+    assert "tensor-parallel" in rng["streams"], "the TP dropout stream is checkpointed"
+    resumed = finetune("tp2_sp_recompute", tmp_path / "resumed", *args, "--resume", str(tmp_path / "full" / "step_2"))
+    assert_same_losses(resumed, full, [3, 4], "resumed with dropout")
+    no_dropout = finetune("tp2_sp_recompute", tmp_path / "plain", "--max_steps", "4")
+    assert full[4] != no_dropout[4], "dropout is on: the check would prove nothing otherwise"
+
+
+def test_a_key_mtk_cannot_honour_is_one_line(tmp_path):
+    """Every other refusal is a unit test of the key table (tests/unit/test_megatron_keys.py)."""
+    config = _yaml(tmp_path, "tp2", use_distributed_optimizer=True)
+    out = accelerate_launch("finetune.py", config, "--max_steps", "1", check=False)
+    one_line_error(out, "megatron_lm_use_distributed_optimizer: True is not supported")

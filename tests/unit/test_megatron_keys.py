@@ -1,0 +1,87 @@
+"""Every megatron_lm key accelerate's launcher exports is acted on, accepted at its off value, or refused."""
+
+import re
+from pathlib import Path
+
+import accelerate
+import pytest
+
+from mtk.config import RunSettings
+from mtk.errors import ConfigError
+from mtk.integrations.megatron_keys import MEGATRON_KEYS, check_megatron_environment
+
+
+def test_every_variable_accelerate_exports_is_in_the_table():
+    source = (Path(accelerate.__file__).parent / "utils" / "launch.py").read_text()
+    block = source[source.index('prefix = "MEGATRON_LM_"') :]
+    block = block[: block.index('current_env["OMP_NUM_THREADS"]')]  # the Megatron branch only
+    exported = set(re.findall(r'prefix \+ "([A-Z_0-9]+)"', block))
+    assert len(exported) > 20, "accelerate's launcher changed shape: read utils/launch.py again"
+    assert exported <= set(MEGATRON_KEYS), sorted(exported - set(MEGATRON_KEYS))
+
+
+def _check(**variables) -> list[str]:
+    lines: list[str] = []
+    check_megatron_environment({f"MEGATRON_LM_{k}": v for k, v in variables.items()}, lines.append)
+    return lines
+
+
+def test_accelerates_defaults_pass_quietly():
+    assert (
+        _check(TP_DEGREE="2", PP_DEGREE="1", USE_CUSTOM_FSDP="False", GRADIENT_CLIPPING="1.0", NO_SAVE_OPTIM="False")
+        == []
+    )
+
+
+@pytest.mark.parametrize(
+    "variable,value,message",
+    [
+        ("USE_DISTRIBUTED_OPTIMIZER", "True", "megatron_lm_use_distributed_optimizer: True is not supported"),
+        ("NO_LOAD_OPTIM", "True", "megatron_lm_no_load_optim: True is not supported"),
+        ("OPTIMIZER_CPU_OFFLOAD", "True", "zero2_offload.json"),
+        ("USE_CUSTOM_FSDP", "True", "DeepSpeed ZeRO"),
+        ("EXPERT_MODEL_PARALLEL_SIZE", "2", "set it to 1"),
+        ("CONTEXT_PARALLEL_SIZE", "4", "context parallelism is not supported"),
+        ("HIDDEN_DROPOUT", "0.1", "config.json"),
+        ("USE_ROTARY_POSITION_EMBEDDINGS", "True", "architecture decides"),
+        ("ATTENTION_BACKEND", "triton", "use one of"),
+        ("SOMETHING_NEW", "1", "megatron_lm_something_new is a megatron_lm key mtk does not know"),
+    ],
+)
+def test_a_key_mtk_cannot_honour_is_refused_by_name(variable, value, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _check(**{variable: value})
+
+
+def test_fixed_behaviours_are_reported():
+    lines = _check(CALCULATE_PER_TOKEN_LOSS="True", ATTENTION_SOFTMAX_IN_FP32="False")
+    assert len(lines) == 2 and all(line.startswith("mtk: megatron_lm_") for line in lines)
+
+
+def test_a_block_without_tp_or_pp_says_which_layout_runs():
+    lines: list[str] = []
+    env = {"ACCELERATE_USE_MEGATRON_LM": "true", "MEGATRON_LM_TP_DEGREE": "1", "MEGATRON_LM_PP_DEGREE": "1"}
+    check_megatron_environment(env, lines.append)
+    assert len(lines) == 1 and "every process is a data-parallel replica" in lines[0]
+
+
+def test_recompute_settings():
+    assert RunSettings().recompute is None
+    assert RunSettings.from_env({"MEGATRON_LM_RECOMPUTE_ACTIVATIONS": "True"}).recompute == "selective"
+    both = {"MEGATRON_LM_RECOMPUTE_ACTIVATIONS": "True", "MEGATRON_LM_RECOMPUTE_GRANULARITY": "full"}
+    assert RunSettings.from_env(both).recompute == "full"
+    with pytest.raises(ConfigError, match="recompute_method 'every'"):
+        RunSettings(recompute_method="every")
+    with pytest.raises(ConfigError, match="recompute_granularity 'most'"):
+        RunSettings(recompute_granularity="most")
+
+
+def test_last_stage_layers():
+    settings = RunSettings.from_env({"MEGATRON_LM_DECODER_LAST_PIPELINE_NUM_LAYERS": "1"})
+    assert settings.layers_per_stage(4, 2) == (3, 1)
+    assert settings.layers_per_stage(6, 3) == (3, 2, 1)
+    assert settings.layers_per_stage(4, 1) == ()
+    with pytest.raises(ConfigError, match="leaves 0 of the model's 1 layers"):
+        settings.layers_per_stage(1, 2)
+    with pytest.raises(ConfigError, match="give one of them"):
+        RunSettings(pipeline_layers=(2, 2), last_stage_layers=1)
