@@ -14,6 +14,7 @@ import resource
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -40,6 +41,8 @@ class BenchSpec:
     micro_batches: int = 1
     seed: int = 0
     threads: int = 1  # threads per process (the plain-HF baseline also runs with all cores)
+    sequence_parallel: bool = False  # mtk only: Megatron's sequence parallelism
+    recompute: str | None = None  # mtk only: "full" or "selective" activation recomputation
     checkpoint_dir: str | None = None  # the same weights as a local HF directory (for from_pretrained)
 
 
@@ -51,6 +54,7 @@ class RankResult:
     peak_memory: int  # bytes: max RSS on CPU, max allocated on CUDA
     loss: float
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)  # kind -> {"count", "bytes"}
+    memory_above_start: int = 0  # bytes: the peak above what the process held before the model was built
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -59,6 +63,17 @@ class RankResult:
 def _batch(spec: BenchSpec, vocab: int, device) -> torch.Tensor:
     generator = torch.Generator().manual_seed(spec.seed + 1)
     return torch.randint(0, vocab, (spec.batch, spec.seq), generator=generator).to(device)  # [b, s]
+
+
+def resident_memory(device: torch.device) -> int:
+    """Bytes held now: allocated on an accelerator, the resident set on CPU (0 where /proc is missing)."""
+    if device.type != "cpu":
+        return torch.get_device_module(device.type).memory_allocated(device)
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except OSError:
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def _peak_memory(device: torch.device) -> int:
@@ -72,7 +87,7 @@ def _sync(device: torch.device) -> None:
         torch.accelerator.synchronize()
 
 
-def _measure(spec: BenchSpec, step: Callable[[], torch.Tensor], device: torch.device) -> RankResult:
+def _measure(spec: BenchSpec, step: Callable[[], torch.Tensor], device: torch.device, baseline: int = 0) -> RankResult:
     """Warm up, count the collectives of one step, then time ``spec.steps`` steps."""
     for _ in range(spec.warmup):
         step()
@@ -92,14 +107,19 @@ def _measure(spec: BenchSpec, step: Callable[[], torch.Tensor], device: torch.de
         for kind, count in log.counts().items()
         if kind != "barrier"
     }
-    return RankResult(times, _peak_memory(device), float(loss), collectives)
+    peak = _peak_memory(device)
+    return RankResult(times, peak, float(loss), collectives, max(peak - baseline, 0) if baseline else 0)
 
 
-def _train_step(model, optimizer, input_ids: torch.Tensor, backward: bool = True) -> Callable[[], torch.Tensor]:
+def _train_step(
+    model, optimizer, input_ids: torch.Tensor, backward: bool = True, after_backward: Callable[[], None] | None = None
+) -> Callable[[], torch.Tensor]:
     def step() -> torch.Tensor:
         loss = model(input_ids=input_ids, labels=input_ids).loss
         if backward:
             loss.backward()
+        if after_backward is not None:
+            after_backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
@@ -107,12 +127,14 @@ def _train_step(model, optimizer, input_ids: torch.Tensor, backward: bool = True
     return step
 
 
-def _measure_model(spec: BenchSpec, model, device: torch.device) -> dict:
+def _measure_model(
+    spec: BenchSpec, model, device: torch.device, after_backward: Callable[[], None] | None = None, baseline: int = 0
+) -> dict:
     """The common case: ``model(input_ids, labels).loss.backward()`` and an AdamW step."""
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    step = _train_step(model, optimizer, _batch(spec, model.config.vocab_size, device))
-    return _measure(spec, step, device).as_dict()
+    step = _train_step(model, optimizer, _batch(spec, model.config.vocab_size, device), after_backward=after_backward)
+    return _measure(spec, step, device, baseline).as_dict()
 
 
 def _device() -> torch.device:
@@ -123,17 +145,28 @@ def _device() -> torch.device:
 
 def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """mtk: the HF model converted by the rules (TP), cut into stages (PP)."""
-    from mtk.convert import parallelize
+    from mtk.config import RunSettings
+    from mtk.convert import parallelize, parallelized
+    from mtk.parallel.grads import sync_sequence_parallel_grads
     from mtk.parallel.state import ParallelState
     from mtk.pipeline.engine import PipelineModel
+    from mtk.recompute import enable_recompute
 
     torch.set_num_threads(spec.threads)
     device = _device()
+    baseline = resident_memory(device)
     parallel = ParallelState.build(tp_size=spec.tp, pp_size=spec.pp, device=device)
     model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
-    parallelize(model, parallel)
+    parallelize(model, parallel, sequence_parallel=spec.sequence_parallel)
+    record = parallelized(model)
+    enable_recompute(model, RunSettings(recompute_granularity=spec.recompute), record.rng if record else None)
+
+    def sync_sequence_parallel() -> None:  # what the Accelerator does after backward
+        if spec.sequence_parallel:
+            sync_sequence_parallel_grads(model, parallel.tp_group)
+
     if spec.pp == 1:
-        return _measure_model(spec, model.to(device), device)
+        return _measure_model(spec, model.to(device), device, sync_sequence_parallel, baseline)
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     pipe = PipelineModel(model, parallel, spec.micro_batches)
@@ -141,10 +174,11 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     def forward(**batch):
         out = pipe(**batch)
         pipe.finalize_grads()
+        sync_sequence_parallel()
         return out
 
     step = _train_step(forward, optimizer, _batch(spec, cast(Any, model).config.vocab_size, device), backward=False)
-    return _measure(spec, step, device).as_dict()
+    return _measure(spec, step, device, baseline).as_dict()
 
 
 def run_hf(rank: int, world_size: int, spec: BenchSpec) -> dict:

@@ -5,6 +5,13 @@ activation forward (after the row-parallel output) and its gradient backward (be
 column-parallel input). The vocab-parallel embedding all-reduces its output forward; the LM head's
 input gradient is all-reduced backward; the vocab-parallel loss all-reduces ``[b, s]`` maxima, then
 ``[2, b, s]`` (sum of exponentials and target logit). Nothing else: no logits are gathered.
+
+With sequence parallelism each of those block all-reduces becomes an all-gather of the ``[b, s/tp, h]``
+input plus a reduce-scatter of the ``[b, s, h]`` partial sums (the same bytes on the wire), and the
+stage's blocks add one all-gather where they end (forward) and one where they begin (backward); the
+gradients of the blocks' replicated parameters (norm weights, row biases) are summed over TP once per
+step. Recompute reruns forwards in backward: full recompute repeats the blocks' forward collectives.
+Sizes are those of the tensor each call is given (all-gather: its input; reduce-scatter: its input).
 """
 
 from __future__ import annotations
@@ -38,6 +45,10 @@ def predict_collectives(
     micro_batches: int = 1,
     element_size: int = 4,
     loss_element_size: int = 4,
+    sequence_parallel: bool = False,
+    sequence_parallel_elements: int = 0,  # per block
+    recompute: str | None = None,
+    residual_dropout: bool = False,
 ) -> Predicted:
     """What stage ``stage`` of a TP x PP layout sends per optimizer step (``pp = 1``: the whole model).
 
@@ -53,9 +64,27 @@ def predict_collectives(
     micro = batch // micro_batches
     activation = micro * seq * hidden * element_size  # one [b, s, h] tensor of a micro-batch
     if tp > 1:
-        per_micro = 4 * layers + (1 if first else 0) + (1 if last else 0)
-        counts["all_reduce"] += per_micro * micro_batches
-        nbytes["all_reduce"] += per_micro * micro_batches * activation
+        ends = (1 if first else 0) + (1 if last else 0)  # embedding forward, LM head input gradient
+        # Recompute reruns a block's forward in backward, as far as the last activation backward needs
+        # (torch stops there): the attention's and MLP's input gathers (SP) and the attention's output
+        # reduction; the MLP's only when a dropout after it saved a mask (else the block's output is
+        # never needed). Selective recompute reruns the same collectives: only matmul outputs are kept.
+        reruns = (2 if residual_dropout else 1) * layers if recompute else 0
+        if sequence_parallel:
+            gathers = (2 * layers + 2 * layers + 2 + (2 * layers if recompute else 0)) * micro_batches
+            scatters = (2 * layers + 2 * layers + reruns) * micro_batches
+            counts["all_gather"] += gathers
+            nbytes["all_gather"] += gathers * activation // tp
+            counts["reduce_scatter"] += scatters
+            nbytes["reduce_scatter"] += scatters * activation
+            counts["all_reduce"] += ends * micro_batches + 1  # + the sequence-parallel gradients, once
+            nbytes["all_reduce"] += (
+                ends * micro_batches * activation + layers * sequence_parallel_elements * element_size
+            )
+        else:
+            per_micro = 4 * layers + ends + reruns
+            counts["all_reduce"] += per_micro * micro_batches
+            nbytes["all_reduce"] += per_micro * micro_batches * activation
         if last:  # vocab-parallel cross-entropy: [b, s] maxima, then [2, b, s]
             counts["all_reduce"] += 2 * micro_batches
             nbytes["all_reduce"] += 3 * micro * seq * loss_element_size * micro_batches

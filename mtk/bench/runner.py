@@ -34,6 +34,7 @@ class ContenderSummary:
     threads: int
     step_s: list[float] = field(default_factory=list)  # per step: the slowest rank's time
     peak_memory: list[int] = field(default_factory=list)  # per rank: the largest over rounds
+    memory_above_start: list[int] = field(default_factory=list)  # per rank: the largest over rounds
     loss: float | None = None
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)  # rank 0, one step
     error: str | None = None
@@ -50,6 +51,9 @@ class ContenderSummary:
         self.step_s += [max(times) for times in zip(*(r["step_s"] for r in ranks))]
         memory = [r["peak_memory"] for r in ranks]
         self.peak_memory = [max(a, b) for a, b in zip(self.peak_memory, memory)] if self.peak_memory else memory
+        grown = [r["memory_above_start"] for r in ranks]
+        old = self.memory_above_start
+        self.memory_above_start = [max(a, b) for a, b in zip(old, grown)] if old else grown
         self.loss = ranks[-1]["loss"]  # the last rank holds the loss under PP
         self.collectives = self.collectives or ranks[0]["collectives"]
 
@@ -66,7 +70,42 @@ def predicted_for(spec: BenchSpec) -> Predicted:
         pp=spec.pp,
         micro_batches=spec.micro_batches,
         element_size=2 if spec.dtype == "bf16" else 4,
+        sequence_parallel=spec.sequence_parallel and spec.tp > 1,
+        sequence_parallel_elements=sequence_parallel_elements(config) if spec.sequence_parallel else 0,
+        recompute=spec.recompute,
+        residual_dropout=has_residual_dropout(config),
     )
+
+
+def has_residual_dropout(config) -> bool:
+    """Whether a residual dropout with p > 0 follows the blocks' row-parallel layers."""
+    return any(getattr(config, name, 0) or 0 for name in ("resid_pdrop", "hidden_dropout_prob", "hidden_dropout"))
+
+
+def sequence_parallel_elements(config) -> int:
+    """Elements of one block's replicated parameters (norm weights, row biases): what sequence
+    parallelism sums over TP after backward. Counted on a meta-device copy of the model."""
+    import torch
+
+    from mtk.models import auto_class_for
+    from mtk.plans.base import ROW
+    from mtk.plans.regions import local_blocks
+    from mtk.plans.registry import find_plan
+
+    plan = find_plan(config)
+    if plan is None:
+        return 0
+    with torch.device("meta"):
+        model = auto_class_for(config).from_config(config)
+    block = local_blocks(model, plan)[0]
+    prefix = next(name for name, module in model.named_modules() if module is block)
+    per_block = 0
+    for name, param in block.named_parameters():
+        module_name, _, attr = f"{prefix}.{name}".rpartition(".")
+        rule = plan.rule_for(module_name)
+        if rule is None or (rule.style == ROW and attr == "bias"):
+            per_block += param.numel()
+    return per_block
 
 
 def run_bench(

@@ -7,6 +7,7 @@ import argparse
 from mtk.bench.contenders import CONTENDERS, BenchSpec
 from mtk.bench.report import format_report, report_dict, write_json
 from mtk.bench.runner import predicted_for, run_bench
+from mtk.config import RECOMPUTE_GRANULARITIES
 from mtk.errors import MtkError
 from mtk.models import DTYPES, resolve_config
 from mtk.parallel.layout import Layout
@@ -37,6 +38,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3 with --compare, else 1)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameter and compute dtype")
     parser.add_argument("--compare", action="store_true", help="also run plain HF, tp_plan and DeepSpeed AutoTP")
+    parser.add_argument(
+        "--sequence_parallel", action="store_true", help="mtk with Megatron's sequence parallelism (needs --tp > 1)"
+    )
+    parser.add_argument(
+        "--recompute", choices=RECOMPUTE_GRANULARITIES, help="mtk with activation recomputation of every block"
+    )
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before one launch is stopped")
     parser.set_defaults(run=run)
@@ -50,6 +57,8 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     check_tp_size(config, args.tp)
     Layout(world_size=args.tp * args.pp, tp_size=args.tp, pp_size=args.pp)
     micro = args.micro_batches or (args.batch if args.pp > 1 else 1)
+    if args.sequence_parallel and (args.tp == 1 or args.seq % args.tp):
+        raise MtkError(f"--sequence_parallel splits --seq over --tp ranks: needs --tp > 1 dividing --seq {args.seq}")
     if args.batch % micro:
         raise MtkError(f"--batch {args.batch} does not split into --micro_batches {micro}; use a multiple of it")
     return BenchSpec(
@@ -61,6 +70,8 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         steps=args.steps,
         dtype=args.dtype,
         micro_batches=micro,
+        sequence_parallel=args.sequence_parallel,
+        recompute=args.recompute,
     )
 
 

@@ -26,3 +26,17 @@ def test_bench_pipeline_layout(tmp_path, capsys):
     assert code == 0, capsys.readouterr().out
     report = json.loads(out.read_text())
     assert report["contenders"][0]["collectives"] == report["predicted_collectives"]
+
+
+def test_bench_sequence_parallel_with_recompute(tmp_path, capsys):
+    """By kind: per block an all-gather and a reduce-scatter replace the all-reduce; recompute reruns the
+    forward collectives backward needs (GPT-2: a residual dropout after the MLP makes it rerun both)."""
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", "tiny-gpt2", "--tp", "2", "--batch", "2", "--seq", "16", "--steps", "1",
+                 "--sequence_parallel", "--recompute", "selective", "--json", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().out
+    report = json.loads(out.read_text())
+    mtk = report["contenders"][0]
+    assert mtk["collectives"] == report["predicted_collectives"]
+    assert {"all_gather", "reduce_scatter", "all_reduce"} == set(mtk["collectives"])
+    assert min(mtk["memory_above_start_per_rank"]) > 0
