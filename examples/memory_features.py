@@ -4,9 +4,10 @@
     python examples/memory_features.py --seq 2048 --json mem.json
 
 Each setting runs ``mtk bench``'s mtk contender (a real TP run with an AdamW step) in fresh processes and
-reports, per rank, the peak memory above what the process held before the model was built (CPU: peak
-RSS; CUDA: max allocated), next to the baseline (neither feature) of the same run. The difference
-between settings is activation memory: weights, gradients and optimizer state are the same in all.
+reports, for rank 0: the live bytes at the step's peak by kind, from torch's MemTracker (activations,
+temporaries, total; weights, gradients and optimizer state are the same in all settings) and the peak
+above what the process held before the model was built (CPU: peak RSS, which glibc's allocator caching
+blurs; CUDA: max allocated), each next to the baseline (neither feature) of the same run.
 docs/memory.md keeps the latest table.
 """
 
@@ -47,17 +48,28 @@ def main(argv=None) -> None:
             steps=1,
             sequence_parallel=sequence_parallel,
             recompute=recompute,
+            track_memory=True,
         )
         (summary,), _ = run_bench(spec, ["mtk"], 1, progress=lambda line: None, timeout=1800)
         if summary.error:
             raise SystemExit(f"{name}: {summary.error}")
-        rows[name] = {"memory_above_start_mib": max(summary.memory_above_start) / 2**20, "step_s": summary.median_s}
-    base = rows["baseline"]["memory_above_start_mib"]
-    print(f"{args.model} tp={args.tp} batch {args.batch} x seq {args.seq}, fp32: peak memory per rank above the start")
-    print(f"{'setting':<22} {'MiB':>8} {'vs baseline':>12} {'s/step':>8}")
+        kinds = summary.memory_by_kind[0]
+        rows[name] = {
+            "activations_mib": kinds["act"] / 2**20,
+            "temporaries_mib": kinds["temp"] / 2**20,
+            "total_mib": kinds["total"] / 2**20,
+            "rss_above_start_mib": summary.memory_above_start[0] / 2**20,
+            "step_s": summary.median_s,
+        }
+    base = rows["baseline"]
+    print(f"{args.model} tp={args.tp} batch {args.batch} x seq {args.seq}, fp32, rank 0, MiB (x baseline)")
+    print(f"{'setting':<22} {'activations':>16} {'temporaries':>12} {'total at peak':>18} {'RSS above start':>18}")
     for name, row in rows.items():
-        mib = row["memory_above_start_mib"]
-        print(f"{name:<22} {mib:>8.0f} {mib / base:>11.2f}x {row['step_s']:>8.2f}")
+        act, total, rss = row["activations_mib"], row["total_mib"], row["rss_above_start_mib"]
+        print(
+            f"{name:<22} {act:>8.0f} ({act / base['activations_mib']:.2f}x) {row['temporaries_mib']:>12.0f} "
+            f"{total:>9.0f} ({total / base['total_mib']:.2f}x) {rss:>9.0f} ({rss / base['rss_above_start_mib']:.2f}x)"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)

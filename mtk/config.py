@@ -162,6 +162,8 @@ class RunSettings:
             ``recompute_num_layers`` blocks of each stage) (``MEGATRON_LM_RECOMPUTE_METHOD``).
         recompute_num_layers: for ``block``, blocks recomputed per stage; for ``uniform``, Megatron's
             group size (mtk checkpoints HF's blocks one at a time) (``MEGATRON_LM_RECOMPUTE_NUM_LAYERS``).
+        use_distributed_optimizer: shard the optimizer state over the DP group, ZeRO-1 style, without
+            DeepSpeed (:mod:`mtk.parallel.distributed_optimizer`) (``MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER``).
     """
 
     num_micro_batches: int = 1
@@ -175,6 +177,7 @@ class RunSettings:
     recompute_granularity: str | None = None
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
+    use_distributed_optimizer: bool = False
 
     def layers_per_stage(self, num_layers: int, pp_size: int) -> tuple[int, ...]:
         """Decoder blocks per stage as asked (``pipeline_layers``, or ``last_stage_layers`` with the rest
@@ -240,5 +243,6 @@ class RunSettings:
             "recompute_granularity": ("MEGATRON_LM_RECOMPUTE_GRANULARITY", _parse_word),
             "recompute_method": ("MEGATRON_LM_RECOMPUTE_METHOD", _parse_word),
             "recompute_num_layers": ("MEGATRON_LM_RECOMPUTE_NUM_LAYERS", _parse_int),
+            "use_distributed_optimizer": ("MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER", _parse_bool),
         }
         return cls(**_resolve({}, os.environ if env is None else env, sources, explicit))

@@ -43,6 +43,7 @@ class BenchSpec:
     threads: int = 1  # threads per process (the plain-HF baseline also runs with all cores)
     sequence_parallel: bool = False  # mtk only: Megatron's sequence parallelism
     recompute: str | None = None  # mtk only: "full" or "selective" activation recomputation
+    track_memory: bool = False  # mtk only: one more step under torch's MemTracker (memory by kind)
     checkpoint_dir: str | None = None  # the same weights as a local HF directory (for from_pretrained)
 
 
@@ -55,6 +56,7 @@ class RankResult:
     loss: float
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)  # kind -> {"count", "bytes"}
     memory_above_start: int = 0  # bytes: the peak above what the process held before the model was built
+    memory_by_kind: dict[str, int] = field(default_factory=dict)  # bytes at the peak: param, grad, act, opt, ...
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -111,6 +113,19 @@ def _measure(spec: BenchSpec, step: Callable[[], torch.Tensor], device: torch.de
     return RankResult(times, peak, float(loss), collectives, max(peak - baseline, 0) if baseline else 0)
 
 
+def _memory_by_kind(model, optimizer, step: Callable[[], torch.Tensor]) -> dict[str, int]:
+    """Live bytes by kind at the peak of one step (torch's MemTracker: parameters, gradients, activations,
+    optimizer state, temporaries), exact on any device where the RSS of a CPU process is not."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        step()
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    return {str(kind).rsplit(".", 1)[-1].lower(): int(value) for kind, value in peak.items()}
+
+
 def _train_step(
     model, optimizer, input_ids: torch.Tensor, backward: bool = True, after_backward: Callable[[], None] | None = None
 ) -> Callable[[], torch.Tensor]:
@@ -134,7 +149,10 @@ def _measure_model(
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     step = _train_step(model, optimizer, _batch(spec, model.config.vocab_size, device), after_backward=after_backward)
-    return _measure(spec, step, device, baseline).as_dict()
+    result = _measure(spec, step, device, baseline)
+    if spec.track_memory:
+        result.memory_by_kind = _memory_by_kind(model, optimizer, step)
+    return result.as_dict()
 
 
 def _device() -> torch.device:
@@ -178,7 +196,10 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
         return out
 
     step = _train_step(forward, optimizer, _batch(spec, cast(Any, model).config.vocab_size, device), backward=False)
-    return _measure(spec, step, device, baseline).as_dict()
+    result = _measure(spec, step, device, baseline)
+    if spec.track_memory:
+        result.memory_by_kind = _memory_by_kind(model, optimizer, step)
+    return result.as_dict()
 
 
 def run_hf(rank: int, world_size: int, spec: BenchSpec) -> dict:

@@ -47,6 +47,7 @@ def report_dict(spec: BenchSpec, summaries: list[ContenderSummary], predicted: P
             "tokens_per_s": tokens / s.median_s if s.median_s else None,
             "peak_memory_per_rank": s.peak_memory,
             "memory_above_start_per_rank": s.memory_above_start,
+            "memory_by_kind_per_rank": s.memory_by_kind,
             "loss": s.loss,
             "collectives": s.collectives,
             "steps_timed": len(s.step_s),

@@ -35,6 +35,7 @@ class ContenderSummary:
     step_s: list[float] = field(default_factory=list)  # per step: the slowest rank's time
     peak_memory: list[int] = field(default_factory=list)  # per rank: the largest over rounds
     memory_above_start: list[int] = field(default_factory=list)  # per rank: the largest over rounds
+    memory_by_kind: list[dict[str, int]] = field(default_factory=list)  # per rank, when tracked
     loss: float | None = None
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)  # rank 0, one step
     error: str | None = None
@@ -51,6 +52,7 @@ class ContenderSummary:
         self.step_s += [max(times) for times in zip(*(r["step_s"] for r in ranks))]
         memory = [r["peak_memory"] for r in ranks]
         self.peak_memory = [max(a, b) for a, b in zip(self.peak_memory, memory)] if self.peak_memory else memory
+        self.memory_by_kind = [r["memory_by_kind"] for r in ranks]  # the last round's
         grown = [r["memory_above_start"] for r in ranks]
         old = self.memory_above_start
         self.memory_above_start = [max(a, b) for a, b in zip(old, grown)] if old else grown

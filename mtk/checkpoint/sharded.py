@@ -31,6 +31,7 @@ from mtk.checkpoint.rng import restore_rng, rng_state
 from mtk.checkpoint.weights import load_weights, reshard_weights, save_weights
 from mtk.convert import parallelized
 from mtk.errors import CheckpointError
+from mtk.parallel.distributed_optimizer import full_optimizer_state
 from mtk.parallel.state import ParallelState
 
 __all__ = ["FORMAT", "load_checkpoint", "read_metadata", "restore_rng", "save_checkpoint", "topology_of"]
@@ -94,15 +95,18 @@ def save_checkpoint(
             paths.make_dirs()
         _barrier()
         checksums = Checksums(tmp)  # hashes each big file in the background while the next is written
-        if parallel.dp_rank == 0:  # weights and optimizer are replicated over DP: one copy per (tp, pp)
-            # the biggest files first (Adam's are twice the weights): only the last one's hash is not hidden
-            for i, optimizer in enumerate(optimizers):
-                stem = paths.optimizer(parallel.tp_rank, parallel.pp_rank, i)
-                save_optimizer(model, optimizer, stem)
-                checksums.add(stem.with_suffix(".safetensors"))
-            weights = paths.weights(parallel.tp_rank, parallel.pp_rank)
-            save_weights(model, weights)
-            checksums.add(weights)
+        # weights and optimizer are replicated over DP: one copy per (tp, pp), written by DP rank 0 (a
+        # distributed optimizer first gathers its state there: collective, every DP rank takes part)
+        with full_optimizer_state(optimizers, gather=True):
+            if parallel.dp_rank == 0:
+                # the biggest files first (Adam's are twice the weights): only the last one's hash is not hidden
+                for i, optimizer in enumerate(optimizers):
+                    stem = paths.optimizer(parallel.tp_rank, parallel.pp_rank, i)
+                    save_optimizer(model, optimizer, stem)
+                    checksums.add(stem.with_suffix(".safetensors"))
+                weights = paths.weights(parallel.tp_rank, parallel.pp_rank)
+                save_weights(model, weights)
+                checksums.add(weights)
         for write in collective_writers:
             write(tmp)
         torch.save(rng_state({**(extra_rng or {}), **_streams_state(model)}), paths.rng(parallel.rank))
@@ -145,17 +149,18 @@ def load_checkpoint(
     meta = read_verified(directory)  # collective: every file matches its checksum, or every rank refuses
     paths = CheckpointPaths(directory)
     saved = meta.topology
-    if (saved.tp, saved.pp) == (parallel.tp_size, parallel.pp_size):
-        load_weights(model, paths.weights(parallel.tp_rank, parallel.pp_rank))
-        for i, optimizer in enumerate(optimizers):
-            load_optimizer(model, optimizer, paths.optimizer(parallel.tp_rank, parallel.pp_rank, i))
-    else:
-        if len(optimizers) > 1:
-            raise CheckpointError("resharding a checkpoint supports one optimizer")
-        with ShardedCheckpointReader(directory, saved) as reader:
-            reshard_weights(model, reader)
-            for optimizer in optimizers:
-                reshard_optimizer(model, optimizer, reader, saved_optimizer_groups(paths, saved.pp))
+    with full_optimizer_state(optimizers, gather=False):  # every rank loads all, then keeps its own share
+        if (saved.tp, saved.pp) == (parallel.tp_size, parallel.pp_size):
+            load_weights(model, paths.weights(parallel.tp_rank, parallel.pp_rank))
+            for i, optimizer in enumerate(optimizers):
+                load_optimizer(model, optimizer, paths.optimizer(parallel.tp_rank, parallel.pp_rank, i))
+        else:
+            if len(optimizers) > 1:
+                raise CheckpointError("resharding a checkpoint supports one optimizer")
+            with ShardedCheckpointReader(directory, saved) as reader:
+                reshard_weights(model, reader)
+                for optimizer in optimizers:
+                    reshard_optimizer(model, optimizer, reader, saved_optimizer_groups(paths, saved.pp))
     load_schedulers(paths, schedulers)
     meta.rng = restore_rng(paths, meta, parallel)
     _restore_streams(model, meta, parallel)

@@ -38,6 +38,7 @@ from mtk.integrations.deepspeed import (
 )
 from mtk.integrations.megatron_keys import ATTENTION_BACKENDS, check_megatron_environment
 from mtk.integrations.scheduler import DataParallelScheduler
+from mtk.parallel.distributed_optimizer import shard_optimizer
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sync_sequence_parallel_grads
@@ -103,6 +104,11 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
                 "there, so training is fp32"
             )
         check_megatron_environment(os.environ, self.print)
+        if self.uses_deepspeed and self.settings.use_distributed_optimizer:
+            raise ConfigError(
+                "megatron_lm_use_distributed_optimizer with DeepSpeed: ZeRO already shards the optimizer over DP; "
+                "drop one of them"
+            )
         if self.uses_deepspeed and self.settings.sequence_parallel:
             raise ConfigError(
                 "sequence parallelism does not run under DeepSpeed (ZeRO reduces gradients before the sequence-"
@@ -224,6 +230,8 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         built before ``prepare`` holds the unconverted ones; another stage's parameters are dropped)."""
         if not getattr(optimizer, "_is_accelerate_prepared", False):
             self._repoint(optimizer)
+            if self.settings.use_distributed_optimizer and not self.uses_deepspeed:
+                shard_optimizer(optimizer, self.parallel.dp_group)  # ZeRO-1 over DP; replicas re-synced after step
         return super().prepare_optimizer(optimizer, device_placement)
 
     def _repoint(self, optimizer: torch.optim.Optimizer) -> None:

@@ -42,13 +42,12 @@ ACTED_ON = {
     "RECOMPUTE_METHOD": "RunSettings.recompute_method",
     "RECOMPUTE_NUM_LAYERS": "RunSettings.recompute_num_layers",
     "ATTENTION_BACKEND": "the HF model's attn_implementation",
+    "USE_DISTRIBUTED_OPTIMIZER": "RunSettings.use_distributed_optimizer",
 }
 
 # Keys accepted at their off value (what accelerate exports when the YAML does not set them); on: why not.
 OFF_ONLY = {
     "USE_CUSTOM_FSDP": "mtk shards over data parallelism with DeepSpeed ZeRO (ds_configs/), not Megatron's FSDP",
-    "USE_DISTRIBUTED_OPTIMIZER": "mtk has no distributed optimizer yet; shard optimizer state over DP with "
-    "DeepSpeed ZeRO-1/2 (accelerate_configs/tp2_dp2_zero2.yaml)",
     "NO_SAVE_OPTIM": "mtk's checkpoints always hold the optimizer so a resume is exact; for weights only, "
     "`mtk export` a checkpoint",
     "NO_LOAD_OPTIM": "a resume restores the optimizer to stay exact; to start afresh from trained weights, "

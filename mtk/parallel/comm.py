@@ -77,7 +77,9 @@ def all_gather(tensor: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     moved = tensor.movedim(dim, 0).contiguous()  # [n_d, ...rest]
     out = torch.empty((size * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     dist.all_gather_single(out, moved, group=group)  # [size*n_d, ...rest]
-    return out.movedim(0, dim)
+    # Contiguous, once: layers that reshape their input (F.linear on [b, s, h]) would otherwise each copy
+    # it, and keep their own copy for backward (three for q, k and v under sequence parallelism).
+    return out.movedim(0, dim).contiguous()
 
 
 def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int) -> torch.Tensor:

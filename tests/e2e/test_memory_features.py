@@ -76,6 +76,16 @@ def test_dropout_run_resumes_exactly(dropout_model, tmp_path):
 
 def test_a_key_mtk_cannot_honour_is_one_line(tmp_path):
     """Every other refusal is a unit test of the key table (tests/unit/test_megatron_keys.py)."""
-    config = _yaml(tmp_path, "tp2", use_distributed_optimizer=True)
+    config = _yaml(tmp_path, "tp2", optimizer_cpu_offload=True)
     out = accelerate_launch("finetune.py", config, "--max_steps", "1", check=False)
-    one_line_error(out, "megatron_lm_use_distributed_optimizer: True is not supported")
+    one_line_error(out, "megatron_lm_optimizer_cpu_offload: True is not supported")
+
+
+def test_distributed_optimizer_logs_the_tp1_losses_and_resumes_without_it(llama_tp1, tmp_path):
+    """tp2_pp2_dp2_distopt.yaml (ZeRO-1 over DP without DeepSpeed); its checkpoint is in mtk's layout, so a
+    run at TP=2 x DP=2 with the plain optimizer resumes it exactly (PP resharded, the state unsharded)."""
+    args = ("--max_steps", "6", "--batch_size", "4")
+    sharded = finetune("tp2_pp2_dp2_distopt", tmp_path / "sharded", *args, "--save_every", "3")
+    assert_same_losses(sharded, llama_tp1.losses, range(1, 7), "tp2_pp2_dp2_distopt")
+    resumed = finetune("tp2_dp2", tmp_path / "plain", *args, "--resume", str(tmp_path / "sharded" / "step_3"))
+    assert_same_losses(resumed, sharded, [4, 5, 6], "tp2_dp2 resumed from the distributed optimizer's step 3")

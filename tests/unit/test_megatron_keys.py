@@ -36,7 +36,6 @@ def test_accelerates_defaults_pass_quietly():
 @pytest.mark.parametrize(
     "variable,value,message",
     [
-        ("USE_DISTRIBUTED_OPTIMIZER", "True", "megatron_lm_use_distributed_optimizer: True is not supported"),
         ("NO_LOAD_OPTIM", "True", "megatron_lm_no_load_optim: True is not supported"),
         ("OPTIMIZER_CPU_OFFLOAD", "True", "zero2_offload.json"),
         ("USE_CUSTOM_FSDP", "True", "DeepSpeed ZeRO"),
