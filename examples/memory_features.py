@@ -16,9 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from mtk.bench.contenders import BenchSpec
+import torch
+
+from mtk.bench.contenders import BenchSpec, _memory_by_kind
 from mtk.bench.runner import run_bench
 from mtk.errors import run_main
+from mtk.spawn import run_distributed
 
 SETTINGS = {  # name -> (sequence_parallel, recompute)
     "baseline": (False, None),
@@ -70,9 +73,59 @@ def main(argv=None) -> None:
             f"{name:<22} {act:>8.0f} ({act / base['activations_mib']:.2f}x) {row['temporaries_mib']:>12.0f} "
             f"{total:>9.0f} ({total / base['total_mib']:.2f}x) {rss:>9.0f} ({rss / base['rss_above_start_mib']:.2f}x)"
         )
+    optimizer_rows = optimizer_state_table(args.model)
+    print(f"\n{args.model} tp=1 dp=2, fp32, rank 0, MiB (x replicated)")
+    print(f"{'optimizer':<22} {'state':>16} {'at the peak (+ all-gather buffers)':>36}")
+    plain = optimizer_rows["AdamW, replicated"]
+    for name, row in optimizer_rows.items():
+        state, peak = row["state_mib"], row["optimizer_at_peak_mib"]
+        print(
+            f"{name:<22} {state:>8.1f} ({state / plain['state_mib']:.2f}x) "
+            f"{peak:>26.1f} ({peak / plain['optimizer_at_peak_mib']:.2f}x)"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+            json.dump({"args": vars(args), "rows": rows, "optimizer_state_dp2_mib": optimizer_rows}, f, indent=2)
+
+
+def optimizer_state_worker(rank: int, world_size: int, model_name: str, distributed: bool) -> dict[str, int]:
+    """TP=1 x DP=2: one AdamW step with gradients averaged over DP, then one step under MemTracker."""
+    from mtk.convert import parallelize
+    from mtk.models import build_model
+    from mtk.parallel.distributed_optimizer import shard_optimizer
+    from mtk.parallel.grads import all_reduce_coalesced
+    from mtk.parallel.state import ParallelState
+
+    torch.set_num_threads(1)
+    parallel = ParallelState.build(tp_size=1)
+    model = parallelize(build_model(model_name, seed=0), parallel).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if distributed:
+        shard_optimizer(optimizer, parallel.dp_group)
+    ids = torch.randint(0, model.config.vocab_size, (2, 128), generator=torch.Generator().manual_seed(rank))
+
+    def step() -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        all_reduce_coalesced([p.grad for p in model.parameters()], parallel.dp_group, average=True)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    step()
+    kinds = _memory_by_kind(model, optimizer, step)
+    kinds["state"] = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values())
+    return kinds
+
+
+def optimizer_state_table(model_name: str) -> dict[str, dict[str, float]]:
+    """Optimizer state per rank (MiB) at DP=2, with and without the distributed optimizer: the state
+    itself, and MemTracker's optimizer memory at the step's peak (with the all-gather's buffers)."""
+    rows = {}
+    for name, distributed in (("AdamW, replicated", False), ("distributed optimizer", True)):
+        kinds = run_distributed(optimizer_state_worker, world_size=2, args=(model_name, distributed))[0]
+        rows[name] = {"state_mib": kinds["state"] / 2**20, "optimizer_at_peak_mib": kinds["opt"] / 2**20}
+    return rows
 
 
 if __name__ == "__main__":

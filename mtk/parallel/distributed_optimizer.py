@@ -30,6 +30,9 @@ from mtk.parallel.comm import Group, all_gather, group_rank, group_size
 __all__ = ["DataParallelShards", "full_optimizer_state", "shard_optimizer"]
 
 _ATTRIBUTE = "mtk_dp_shards"
+# Elements each rank contributes to one all-gather of updated weights (a parameter bigger than this goes
+# alone): the receive buffer, DP times this, is the transient memory the distributed optimizer adds.
+BUCKET_ELEMENTS = 2**22
 
 
 class DataParallelShards:
@@ -47,6 +50,22 @@ class DataParallelShards:
             self.owner[id(self.params[i])] = rank
             load[rank] += self.params[i].numel()
         self.elements_per_rank = load
+        self.buckets = {dtype: self._buckets(dtype) for dtype in sorted({p.dtype for p in self.params}, key=str)}
+
+    def _buckets(self, dtype: torch.dtype) -> list[list[list[torch.Tensor]]]:
+        """Per all-gather round, per rank: the parameters of ``dtype`` that rank sends in that round."""
+        same = [p for p in self.params if p.dtype == dtype]
+        capacity = max(BUCKET_ELEMENTS, max(p.numel() for p in same))
+        per_rank: list[list[list[torch.Tensor]]] = []
+        for rank in range(self.dp_size):
+            buckets: list[list[torch.Tensor]] = [[]]
+            for param in (p for p in same if self.owner[id(p)] == rank):
+                if buckets[-1] and sum(p.numel() for p in buckets[-1]) + param.numel() > capacity:
+                    buckets.append([])
+                buckets[-1].append(param)
+            per_rank.append(buckets)
+        rounds = max(len(b) for b in per_rank)
+        return [[b[i] if i < len(b) else [] for b in per_rank] for i in range(rounds)]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``Optimizer.zero_grad`` over every parameter, not only the ones this rank updates."""
@@ -75,22 +94,23 @@ class DataParallelShards:
 
     @torch.no_grad()
     def all_gather_params(self) -> None:
-        """Every replica receives every owner's updated parameters: one all-gather per dtype."""
-        for dtype in sorted({p.dtype for p in self.params}, key=str):
-            same = [p for p in self.params if p.dtype == dtype]
-            width = max(sum(p.numel() for p in same if self.owner[id(p)] == r) for r in range(self.dp_size))
-            mine = [p.reshape(-1) for p in same if self.owns(p)]
-            flat = torch.zeros(width, dtype=dtype, device=same[0].device)  # [width], padded
-            if mine:
-                torch.cat(mine, out=flat[: sum(t.numel() for t in mine)])
-            gathered = all_gather(flat, self.dp_group, dim=0).view(self.dp_size, width)  # [dp, width]
-            for rank in range(self.dp_size):
-                if rank == self.dp_rank:
-                    continue
-                offset = 0
-                for param in (p for p in same if self.owner[id(p)] == rank):
-                    param.copy_(gathered[rank, offset : offset + param.numel()].view_as(param))
-                    offset += param.numel()
+        """Every replica receives every owner's updated parameters: one all-gather per bucket round."""
+        for dtype, rounds in self.buckets.items():
+            device = self.params[0].device
+            for pieces in rounds:  # pieces[r]: what rank r sends this round
+                width = max(sum(p.numel() for p in piece) for piece in pieces)
+                flat = torch.zeros(width, dtype=dtype, device=device)  # [width], padded
+                mine = [p.reshape(-1) for p in pieces[self.dp_rank]]
+                if mine:
+                    torch.cat(mine, out=flat[: sum(t.numel() for t in mine)])
+                gathered = all_gather(flat, self.dp_group, dim=0).view(self.dp_size, width)  # [dp, width]
+                for rank, piece in enumerate(pieces):
+                    if rank == self.dp_rank:
+                        continue
+                    offset = 0
+                    for param in piece:
+                        param.copy_(gathered[rank, offset : offset + param.numel()].view_as(param))
+                        offset += param.numel()
 
     def gather_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Give every rank every parameter's optimizer state (for a checkpoint), from its owner."""

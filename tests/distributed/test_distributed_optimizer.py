@@ -8,7 +8,7 @@ import torch
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.convert import parallelize
 from mtk.models import build_model
-from mtk.parallel import ParallelState
+from mtk.parallel import ParallelState, distributed_optimizer
 from mtk.parallel.distributed_optimizer import full_optimizer_state, shard_optimizer
 from mtk.parallel.grads import all_reduce_coalesced
 from mtk.testing import assert_close_rel, run_distributed
@@ -24,7 +24,9 @@ def _checks(rank: int, world_size: int, directory: str) -> dict:
     sharded_model = parallelize(build_model("tiny-llama", seed=0), state)
     plain = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sharded = torch.optim.AdamW(sharded_model.parameters(), lr=3e-3)
-    shard_optimizer(sharded, state.dp_group)
+    distributed_optimizer.BUCKET_ELEMENTS = 1000  # several all-gather rounds even on the tiny model
+    shards = shard_optimizer(sharded, state.dp_group)
+    assert shards is not None and len(shards.buckets[torch.float32]) > 2
     generator = torch.Generator().manual_seed(10 + state.dp_rank)  # each replica its own data
     for step in range(10):
         ids = torch.randint(0, 256, (2, 16), generator=generator)

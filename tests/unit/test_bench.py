@@ -33,6 +33,9 @@ def test_pipeline_prediction_per_stage():
     assert with_tp.counts["all_reduce"] == 4 * (4 * 2 + 1) + 2 * 4, "2 layers, head grad, loss, per micro-batch"
 
 
+MEMORY = {"memory_above_start": 100 * 2**20, "memory_by_kind": {"act": 2**20, "total": 3 * 2**20}}
+
+
 def _summary(name, times, collectives=None, error=None):
     summary = ContenderSummary(name, processes=2 if name == "mtk" else 1, threads=1)
     if error:
@@ -40,8 +43,8 @@ def _summary(name, times, collectives=None, error=None):
         return summary
     summary.add(
         [
-            {"step_s": times, "peak_memory": 300 * 2**20, "loss": 9.0, "collectives": collectives or {}},
-            {"step_s": [t + 0.1 for t in times], "peak_memory": 310 * 2**20, "loss": 9.0, "collectives": {}},
+            {"step_s": times, "peak_memory": 300 * 2**20, "loss": 9.0, "collectives": collectives or {}, **MEMORY},
+            {"step_s": [t + 0.1 for t in times], "peak_memory": 310 * 2**20, "loss": 9.0, "collectives": {}, **MEMORY},
         ]
     )
     return summary
