@@ -44,6 +44,8 @@ class BenchSpec:
     sequence_parallel: bool = False  # mtk only: Megatron's sequence parallelism
     recompute: str | None = None  # mtk only: "full" or "selective" activation recomputation
     track_memory: bool = False  # mtk only: one more step under torch's MemTracker (memory by kind)
+    dp: int = 1  # mtk only: data-parallel replicas (each the same batch); gradients averaged over them
+    distributed_optimizer: bool = False  # mtk only: AdamW state sharded over the DP group
     checkpoint_dir: str | None = None  # the same weights as a local HF directory (for from_pretrained)
 
 
@@ -143,11 +145,21 @@ def _train_step(
 
 
 def _measure_model(
-    spec: BenchSpec, model, device: torch.device, after_backward: Callable[[], None] | None = None, baseline: int = 0
+    spec: BenchSpec,
+    model,
+    device: torch.device,
+    after_backward: Callable[[], None] | None = None,
+    baseline: int = 0,
+    shard_over=None,
 ) -> dict:
-    """The common case: ``model(input_ids, labels).loss.backward()`` and an AdamW step."""
+    """The common case: ``model(input_ids, labels).loss.backward()`` and an AdamW step (its state sharded
+    over the ``shard_over`` group when given)."""
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if shard_over is not None:
+        from mtk.parallel.distributed_optimizer import shard_optimizer
+
+        shard_optimizer(optimizer, shard_over)
     step = _train_step(model, optimizer, _batch(spec, model.config.vocab_size, device), after_backward=after_backward)
     result = _measure(spec, step, device, baseline)
     if spec.track_memory:
@@ -165,7 +177,7 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """mtk: the HF model converted by the rules (TP), cut into stages (PP)."""
     from mtk.config import RunSettings
     from mtk.convert import parallelize, parallelized
-    from mtk.parallel.grads import sync_sequence_parallel_grads
+    from mtk.parallel.grads import all_reduce_coalesced, sync_sequence_parallel_grads
     from mtk.parallel.state import ParallelState
     from mtk.pipeline.engine import PipelineModel
     from mtk.recompute import enable_recompute
@@ -183,8 +195,15 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
         if spec.sequence_parallel:
             sync_sequence_parallel_grads(model, parallel.tp_group)
 
+    def sync_grads() -> None:  # and the DP average (DDP's job in the Accelerator; here one coalesced call)
+        sync_sequence_parallel()
+        all_reduce_coalesced(
+            [p.grad for p in model.parameters() if p.grad is not None], parallel.dp_group, average=True
+        )
+
     if spec.pp == 1:
-        return _measure_model(spec, model.to(device), device, sync_sequence_parallel, baseline)
+        shard_over = parallel.dp_group if spec.distributed_optimizer else None
+        return _measure_model(spec, model.to(device), device, sync_grads, baseline, shard_over)
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     pipe = PipelineModel(model, parallel, spec.micro_batches)
@@ -256,7 +275,7 @@ def run_autotp(rank: int, world_size: int, spec: BenchSpec) -> dict:
 
 # name -> (worker, processes for a spec, threads per process or None for the spec's)
 CONTENDERS: dict[str, tuple[Callable, Callable[[BenchSpec], int], Callable[[BenchSpec], int]]] = {
-    "mtk": (run_mtk, lambda s: s.tp * s.pp, lambda s: 1),
+    "mtk": (run_mtk, lambda s: s.tp * s.pp * s.dp, lambda s: 1),
     "hf-1thread": (run_hf, lambda s: 1, lambda s: 1),
     "hf-all-threads": (run_hf, lambda s: 1, lambda s: os.cpu_count() or 1),
     "transformers-tp_plan": (run_tp_plan, lambda s: s.tp, lambda s: 1),

@@ -49,8 +49,14 @@ def predict_collectives(
     sequence_parallel_elements: int = 0,  # per block
     recompute: str | None = None,
     residual_dropout: bool = False,
+    dp_gradient_elements: int = 0,
+    all_gather_widths: tuple[int, ...] = (),
 ) -> Predicted:
     """What stage ``stage`` of a TP x PP layout sends per optimizer step (``pp = 1``: the whole model).
+
+    ``dp_gradient_elements``: this rank's gradients, averaged over DP replicas in one call (0: one
+    replica); ``all_gather_widths``: the distributed optimizer's all-gather rounds after the step (each
+    rank's input, in elements).
 
     With PP, ``batch`` is the step's batch, cut into ``micro_batches``; this stage's layers are its
     even share (the remainder on earlier stages), P2P moves one ``[b, s, h]`` tensor per micro-batch
@@ -96,4 +102,10 @@ def predict_collectives(
         nbytes["recv"] += sends * activation
         counts["broadcast"] += 1  # the last stage's loss to every stage
         nbytes["broadcast"] += 4
+    if dp_gradient_elements:
+        counts["all_reduce"] += 1
+        nbytes["all_reduce"] += dp_gradient_elements * element_size
+    for width in all_gather_widths:
+        counts["all_gather"] += 1
+        nbytes["all_gather"] += width * element_size
     return Predicted(counts, nbytes)

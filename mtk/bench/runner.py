@@ -76,7 +76,54 @@ def predicted_for(spec: BenchSpec) -> Predicted:
         sequence_parallel_elements=sequence_parallel_elements(config) if spec.sequence_parallel else 0,
         recompute=spec.recompute,
         residual_dropout=has_residual_dropout(config),
+        **data_parallel_traffic(config, spec),
     )
+
+
+def data_parallel_traffic(config, spec: BenchSpec) -> dict[str, Any]:
+    """``predict_collectives``' DP arguments: this rank's gradient elements and, with the distributed
+    optimizer, the all-gather rounds (the same assignment ``shard_optimizer`` makes)."""
+    from mtk.parallel.distributed_optimizer import all_gather_rounds, assign_owners
+
+    if spec.dp == 1:
+        return {}
+    numels = local_numels(config, spec.tp)
+    traffic: dict[str, Any] = {"dp_gradient_elements": sum(numels)}
+    if spec.distributed_optimizer:
+        rounds = all_gather_rounds(numels, assign_owners(numels, spec.dp), spec.dp)
+        traffic["all_gather_widths"] = tuple(max(sum(numels[i] for i in p) for p in pieces) for pieces in rounds)
+    return traffic
+
+
+def local_numels(config, tp: int) -> list[int]:
+    """Elements of each of a TP rank's parameters, in the converted model's order, from the rules alone
+    (a meta-device copy of the HF model; nothing is allocated)."""
+    import torch
+
+    from mtk.models import auto_class_for
+    from mtk.plans.base import COLUMN, KV_COLUMN, LM_HEAD, ROW, VOCAB
+    from mtk.plans.registry import find_plan
+
+    plan = find_plan(config)
+    if plan is None:
+        raise ValueError(f"{config.model_type}: the bench predicts data-parallel traffic for registered families only")
+    counts = plan.head_counts(config)
+    with torch.device("meta"):
+        model = auto_class_for(config).from_config(config)
+    numels = []
+    for name, param in model.named_parameters():
+        module_name, _, attr = name.rpartition(".")
+        rule, rows = plan.rule_for(module_name), param.shape[0]
+        style = rule.style if rule else None
+        if style in (VOCAB, LM_HEAD) and attr == "weight":
+            numels.append(-(-rows // tp) * param[0].numel())  # rows padded to a multiple of tp
+        elif style == KV_COLUMN and counts.num_kv_heads % tp:  # one kv head per rank
+            numels.append(param.numel() // counts.num_kv_heads)
+        elif style in (COLUMN, KV_COLUMN, LM_HEAD) or (style == ROW and attr == "weight"):
+            numels.append(param.numel() // tp)
+        else:
+            numels.append(param.numel())
+    return numels
 
 
 def has_residual_dropout(config) -> bool:

@@ -44,18 +44,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--recompute", choices=RECOMPUTE_GRANULARITIES, help="mtk with activation recomputation of every block"
     )
+    parser.add_argument("--dp", type=int, default=1, help="mtk's data-parallel replicas, --pp 1 only (default 1)")
+    parser.add_argument(
+        "--distributed_optimizer", action="store_true", help="mtk with AdamW state sharded over DP (needs --dp > 1)"
+    )
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before one launch is stopped")
     parser.set_defaults(run=run)
 
 
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
-    for name in ("tp", "pp", "batch", "seq", "steps"):
+    for name in ("tp", "pp", "dp", "batch", "seq", "steps"):
         if getattr(args, name) < 1:
             raise MtkError(f"--{name} must be at least 1, got {getattr(args, name)}")
     config = resolve_config(args.model)  # one clear line for an unknown name or a missing directory
     check_tp_size(config, args.tp)
-    Layout(world_size=args.tp * args.pp, tp_size=args.tp, pp_size=args.pp)
+    Layout(world_size=args.tp * args.pp * args.dp, tp_size=args.tp, pp_size=args.pp)
+    if args.dp > 1 and (args.pp > 1 or args.compare):
+        raise MtkError("--dp > 1 runs with --pp 1 and without --compare (the TP peers have no data parallelism)")
+    if args.distributed_optimizer and args.dp == 1:
+        raise MtkError("--distributed_optimizer shards the optimizer over data-parallel replicas: give --dp > 1")
     micro = args.micro_batches or (args.batch if args.pp > 1 else 1)
     if args.sequence_parallel and (args.tp == 1 or args.seq % args.tp):
         raise MtkError(f"--sequence_parallel splits --seq over --tp ranks: needs --tp > 1 dividing --seq {args.seq}")
@@ -72,6 +80,8 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         micro_batches=micro,
         sequence_parallel=args.sequence_parallel,
         recompute=args.recompute,
+        dp=args.dp,
+        distributed_optimizer=args.distributed_optimizer,
     )
 
 

@@ -27,12 +27,37 @@ import torch.distributed as dist
 
 from mtk.parallel.comm import Group, all_gather, group_rank, group_size
 
-__all__ = ["DataParallelShards", "full_optimizer_state", "shard_optimizer"]
+__all__ = ["DataParallelShards", "all_gather_rounds", "assign_owners", "full_optimizer_state", "shard_optimizer"]
 
 _ATTRIBUTE = "mtk_dp_shards"
 # Elements each rank contributes to one all-gather of updated weights (a parameter bigger than this goes
 # alone): the receive buffer, DP times this, is the transient memory the distributed optimizer adds.
 BUCKET_ELEMENTS = 2**22
+
+
+def assign_owners(numels: list[int], dp_size: int) -> list[int]:
+    """The DP rank that updates each parameter: the biggest first, each to the least loaded rank."""
+    load, owners = [0] * dp_size, [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        owners[i] = min(range(dp_size), key=lambda r: (load[r], r))
+        load[owners[i]] += numels[i]
+    return owners
+
+
+def all_gather_rounds(numels: list[int], owners: list[int], dp_size: int) -> list[list[list[int]]]:
+    """Per all-gather round, per rank: indices of the parameters that rank sends (in order, at most
+    ``BUCKET_ELEMENTS`` elements unless one parameter is bigger)."""
+    capacity = max(BUCKET_ELEMENTS, max(numels, default=0))
+    per_rank: list[list[list[int]]] = []
+    for rank in range(dp_size):
+        buckets: list[list[int]] = [[]]
+        for i in (i for i in range(len(numels)) if owners[i] == rank):
+            if buckets[-1] and sum(numels[j] for j in buckets[-1]) + numels[i] > capacity:
+                buckets.append([])
+            buckets[-1].append(i)
+        per_rank.append(buckets)
+    rounds = max(len(b) for b in per_rank)
+    return [[b[i] if i < len(b) else [] for b in per_rank] for i in range(rounds)]
 
 
 class DataParallelShards:
@@ -43,29 +68,13 @@ class DataParallelShards:
         self.dp_size, self.dp_rank = group_size(dp_group), group_rank(dp_group)
         self.groups = [list(group["params"]) for group in optimizer.param_groups]  # every parameter, in order
         self.params = [param for group in self.groups for param in group]
-        load = [0] * self.dp_size
-        self.owner: dict[int, int] = {}
-        for i in sorted(range(len(self.params)), key=lambda i: (-self.params[i].numel(), i)):
-            rank = min(range(self.dp_size), key=lambda r: (load[r], r))
-            self.owner[id(self.params[i])] = rank
-            load[rank] += self.params[i].numel()
-        self.elements_per_rank = load
-        self.buckets = {dtype: self._buckets(dtype) for dtype in sorted({p.dtype for p in self.params}, key=str)}
-
-    def _buckets(self, dtype: torch.dtype) -> list[list[list[torch.Tensor]]]:
-        """Per all-gather round, per rank: the parameters of ``dtype`` that rank sends in that round."""
-        same = [p for p in self.params if p.dtype == dtype]
-        capacity = max(BUCKET_ELEMENTS, max(p.numel() for p in same))
-        per_rank: list[list[list[torch.Tensor]]] = []
-        for rank in range(self.dp_size):
-            buckets: list[list[torch.Tensor]] = [[]]
-            for param in (p for p in same if self.owner[id(p)] == rank):
-                if buckets[-1] and sum(p.numel() for p in buckets[-1]) + param.numel() > capacity:
-                    buckets.append([])
-                buckets[-1].append(param)
-            per_rank.append(buckets)
-        rounds = max(len(b) for b in per_rank)
-        return [[b[i] if i < len(b) else [] for b in per_rank] for i in range(rounds)]
+        owners = assign_owners([p.numel() for p in self.params], self.dp_size)
+        self.owner = {id(param): rank for param, rank in zip(self.params, owners)}
+        self.buckets: dict[torch.dtype, list[list[list[torch.Tensor]]]] = {}
+        for dtype in sorted({p.dtype for p in self.params}, key=str):
+            same = [p for p in self.params if p.dtype == dtype]
+            rounds = all_gather_rounds([p.numel() for p in same], [self.owner[id(p)] for p in same], self.dp_size)
+            self.buckets[dtype] = [[[same[i] for i in piece] for piece in pieces] for pieces in rounds]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``Optimizer.zero_grad`` over every parameter, not only the ones this rank updates."""

@@ -40,3 +40,15 @@ def test_bench_sequence_parallel_with_recompute(tmp_path, capsys):
     assert mtk["collectives"] == report["predicted_collectives"]
     assert {"all_gather", "reduce_scatter", "all_reduce"} == set(mtk["collectives"])
     assert min(mtk["memory_above_start_per_rank"]) > 0
+
+
+def test_bench_data_parallel_with_the_distributed_optimizer(tmp_path, capsys):
+    """TP=2 x DP=2: one coalesced gradient all-reduce over DP, then the optimizer's all-gather rounds."""
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", "tiny-llama", "--tp", "2", "--dp", "2", "--distributed_optimizer",
+                 "--batch", "2", "--seq", "16", "--steps", "1", "--json", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().out
+    report = json.loads(out.read_text())
+    mtk = report["contenders"][0]
+    assert mtk["processes"] == 4 and mtk["collectives"] == report["predicted_collectives"]
+    assert mtk["collectives"]["all_gather"]["count"] >= 1
