@@ -20,11 +20,19 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-__all__ = ["DEFAULT_STREAM", "TP_STREAM", "ForkAround", "RNGStreams", "recompute_context", "seed_everything_parallel"]
+__all__ = [
+    "DEFAULT_STREAM",
+    "TP_SEED_OFFSET",
+    "TP_STREAM",
+    "ForkAround",
+    "RNGStreams",
+    "recompute_context",
+    "seed_everything_parallel",
+]
 
 DEFAULT_STREAM = "default"
 TP_STREAM = "tensor-parallel"
-_TP_SEED_OFFSET = 2718
+TP_SEED_OFFSET = 2718  # Megatron's offset between the shared seed and the per-TP-rank one
 
 
 def _get_state(device: torch.device) -> torch.Tensor:
@@ -166,5 +174,5 @@ def seed_everything_parallel(seed: int, tp_rank: int, device: torch.device | str
     """
     torch.manual_seed(seed)  # CPU and every accelerator's default generator
     streams = RNGStreams(device)
-    streams.add(TP_STREAM, seed + _TP_SEED_OFFSET + tp_rank)
+    streams.add(TP_STREAM, seed + TP_SEED_OFFSET + tp_rank)
     return streams

@@ -31,20 +31,18 @@ from torch import nn
 from mtk.errors import ConfigError
 from mtk.parallel.comm import Group, gather_from_sequence, group_size, scatter_to_sequence
 from mtk.parallel.parameters import param_info, set_param_info
-from mtk.parallel.random import DEFAULT_STREAM, TP_STREAM, ForkAround, RNGStreams
+from mtk.parallel.random import DEFAULT_STREAM, TP_SEED_OFFSET, TP_STREAM, ForkAround, RNGStreams
 from mtk.parallel.state import ParallelState
 from mtk.plans.base import Plan, UnsupportedModelError, compile_pattern
 
 __all__ = ["local_blocks", "apply_regions", "tp_streams"]
-
-_TP_SEED_OFFSET = 2718  # Megatron's offset between the data-parallel seed and the tensor-parallel one
 
 
 def tp_streams(parallel: ParallelState) -> RNGStreams:
     """The default stream plus a per-TP-rank one seeded from the user's seed (``torch.initial_seed()``,
     what ``set_seed`` set), so the same seed gives the same masks at every run."""
     streams = RNGStreams(parallel.device)
-    streams.add(TP_STREAM, torch.initial_seed() + _TP_SEED_OFFSET + parallel.tp_rank)
+    streams.add(TP_STREAM, torch.initial_seed() + TP_SEED_OFFSET + parallel.tp_rank)
     return streams
 
 

@@ -32,8 +32,15 @@ def accelerate_launch(
     ]
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if check:
-        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.returncode == 0, _workers_story(out.stderr)
     return out
+
+
+def _workers_story(stderr: str) -> str:
+    """What the workers said before the launcher's own traceback (which is all the tail would show)."""
+    launcher = stderr.rfind("torch.distributed.elastic.multiprocessing.errors.ChildFailedError")
+    head = stderr[: stderr.rfind("Traceback", 0, launcher)] if launcher > 0 else stderr
+    return head[-6000:] + "\n[...launcher...]\n" + stderr[-1500:]
 
 
 def step_losses(out: subprocess.CompletedProcess) -> dict[int, float]:
