@@ -13,7 +13,6 @@ plugin (NVIDIA's Megatron-LM package) is not used.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import weakref
 from contextlib import contextmanager
@@ -24,19 +23,18 @@ from accelerate import Accelerator as _AccelerateAccelerator
 from accelerate.data_loader import prepare_data_loader
 from torch import nn
 
-from mtk.config import ParallelConfig, RunSettings, report_override
+from mtk.config import ParallelConfig, RunSettings
 from mtk.convert import parallelize, parallelized
 from mtk.errors import ConfigError
 from mtk.integrations.accelerate_checkpoint import ShardedCheckpointing
 from mtk.integrations.accelerate_collectives import DataParallelCollectives
 from mtk.integrations.accelerate_deepspeed import deepspeed_initialize_with_mpu, replace_accelerated_schedulers
-from mtk.integrations.accelerate_init import apply_timeout, gloo_for_deepspeed, megatron_plugin_off
+from mtk.integrations.accelerate_init import apply_timeout, gloo_for_deepspeed, megatron_plugin_off, resolve_topology
 from mtk.integrations.deepspeed import (
     remove_shm_buffers_at_exit,
-    tp_size_from_config,
     zero3_gathered,
 )
-from mtk.integrations.megatron_keys import ATTENTION_BACKENDS, check_megatron_environment
+from mtk.integrations.megatron_keys import act_on_model, check_engine, check_megatron_environment
 from mtk.integrations.scheduler import DataParallelScheduler
 from mtk.parallel.distributed_optimizer import shard_optimizer
 from mtk.parallel.gather import gather_state_dict
@@ -44,7 +42,6 @@ from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sync_sequence_parallel_grads
 from mtk.parallel.state import ParallelState, default_device
 from mtk.pipeline.engine import PipelineModel
-from mtk.recompute import enable_recompute
 
 __all__ = ["Accelerator", "DataParallelScheduler"]
 
@@ -104,17 +101,9 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
                 "there, so training is fp32"
             )
         check_megatron_environment(os.environ, self.print)
-        if self.uses_deepspeed and self.settings.use_distributed_optimizer:
-            raise ConfigError(
-                "megatron_lm_use_distributed_optimizer with DeepSpeed: ZeRO already shards the optimizer over DP; "
-                "drop one of them"
-            )
-        if self.uses_deepspeed and self.settings.sequence_parallel:
-            raise ConfigError(
-                "sequence parallelism does not run under DeepSpeed (ZeRO reduces gradients before the sequence-"
-                "parallel ones are summed over TP); use a megatron_lm_config YAML (accelerate_configs/tp2_sp.yaml)"
-            )
-        config = self._parallel_config(parallel_config)
+        check_engine(self.settings, deepspeed=self.uses_deepspeed)
+        ds_config = self.state.deepspeed_plugin.deepspeed_config if self.uses_deepspeed else None
+        config = resolve_topology(parallel_config, ds_config)
         self.parallel = ParallelState.build(config.tp_size, config.pp_size, device=self.device)
         self._replaced_params: ReplacedParams = {}  # id(unconverted param) -> (weakref to it, its shard)
         # The data position, across epochs (accelerate's ``step`` restarts at every epoch end).
@@ -171,7 +160,7 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
                     f"megatron_lm_sequence_parallelism={sequence_parallel}: pass the run's setting to "
                     "load_pretrained_tp"
                 )
-            self._run_options(model)
+            act_on_model(model, self.settings, self.print)
             return self._pipelined(model), {}
         if not hasattr(model, "config"):
             if self.parallel.pp_size > 1:
@@ -182,21 +171,12 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
             before.setdefault(id(param), (weakref.ref(param), []))[1].append(name)
         layers = self.settings.layers_per_stage(cast(Any, model).config.num_hidden_layers, self.parallel.pp_size)
         parallelize(model, self.parallel, pipeline_layers=layers, sequence_parallel=sequence_parallel)
-        self._run_options(model)
+        act_on_model(model, self.settings, self.print)
         after = dict(model.named_parameters(remove_duplicate=False))
         replaced = {
             old: (ref, next((after[n] for n in names if n in after), None)) for old, (ref, names) in before.items()
         }
         return self._pipelined(model), replaced
-
-    def _run_options(self, model: nn.Module) -> None:
-        """The launcher's options that act on the HF model itself: attention backend, recompute."""
-        backend = os.environ.get("MEGATRON_LM_ATTENTION_BACKEND", "").strip().lower()
-        if ATTENTION_BACKENDS.get(backend):
-            cast(Any, model).set_attn_implementation(ATTENTION_BACKENDS[backend])
-        record = parallelized(model)
-        for line in enable_recompute(model, self.settings, record.rng if record else None):
-            self.print(line)
 
     def _pipelined(self, model: nn.Module) -> nn.Module:
         """With pp > 1, the stage wrapped in the schedule-running :class:`PipelineModel`."""
@@ -248,23 +228,6 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         return new if ref is None or ref() is param else param  # an id reused by another tensor is not a match
 
     # ---------------------------------------------------------------------- DeepSpeed (ZeRO over DP)
-    def _parallel_config(self, explicit: ParallelConfig | None) -> ParallelConfig:
-        """The topology: ``parallel_config=`` if given (reporting what it overrides), else the DeepSpeed
-        JSON's ``"mtk": {"tensor_parallel_size": N}`` under DeepSpeed, else the ``MEGATRON_LM_*`` variables."""
-        launcher = ParallelConfig.from_env()
-        json_tp = tp_size_from_config(self.state.deepspeed_plugin.deepspeed_config) if self.uses_deepspeed else None
-        if json_tp:
-            launcher = dataclasses.replace(launcher, tp_size=json_tp)
-        config = explicit or launcher
-        if explicit is not None:
-            for field in ("tp_size", "pp_size"):
-                if getattr(explicit, field) != getattr(launcher, field):
-                    source = "the DeepSpeed JSON's mtk block" if field == "tp_size" and json_tp else "the launcher"
-                    report_override(field, getattr(explicit, field), source, getattr(launcher, field))
-        if self.uses_deepspeed and config.pp_size > 1:
-            raise ConfigError("pipeline parallelism does not run under DeepSpeed; use a megatron_lm_config YAML")
-        return config
-
     @property
     def _deepspeed_engine(self):
         return self.deepspeed_engine_wrapped.engine if self.deepspeed_engine_wrapped is not None else None

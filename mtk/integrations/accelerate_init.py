@@ -1,5 +1,6 @@
 """How ``mtk.Accelerator`` has accelerate form the process group: without NVIDIA's Megatron-LM plugin,
-with gloo for DeepSpeed on a CPU, and with the collective timeout the user asked for."""
+with gloo for DeepSpeed on a CPU, with the collective timeout the user asked for, and the TP/PP layout
+from the argument, the DeepSpeed JSON or the launcher."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ from typing import Any
 import torch.distributed as dist
 from accelerate.utils import InitProcessGroupKwargs
 
+from mtk.config import ParallelConfig, report_override
+from mtk.errors import ConfigError
+from mtk.integrations.deepspeed import tp_size_from_config
 from mtk.parallel.state import group_timeout
 
-__all__ = ["apply_timeout", "gloo_for_deepspeed", "megatron_plugin_off"]
+__all__ = ["apply_timeout", "gloo_for_deepspeed", "megatron_plugin_off", "resolve_topology"]
 
 
 @contextmanager
@@ -61,3 +65,21 @@ def apply_timeout(handlers: list[Any]) -> None:
         return
     if group_timeout() != init.timeout:
         dist.distributed_c10d._set_pg_timeout(init.timeout)
+
+
+def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | None) -> ParallelConfig:
+    """The topology: ``parallel_config=`` if given (reporting what it overrides), else the DeepSpeed
+    JSON's ``"mtk": {"tensor_parallel_size": N}`` under DeepSpeed, else the ``MEGATRON_LM_*`` variables."""
+    launcher = ParallelConfig.from_env()
+    json_tp = tp_size_from_config(deepspeed_config) if deepspeed_config is not None else None
+    if json_tp:
+        launcher = dataclasses.replace(launcher, tp_size=json_tp)
+    config = explicit or launcher
+    if explicit is not None:
+        for field in ("tp_size", "pp_size"):
+            if getattr(explicit, field) != getattr(launcher, field):
+                source = "the DeepSpeed JSON's mtk block" if field == "tp_size" and json_tp else "the launcher"
+                report_override(field, getattr(explicit, field), source, getattr(launcher, field))
+    if deepspeed_config is not None and config.pp_size > 1:
+        raise ConfigError("pipeline parallelism does not run under DeepSpeed; use a megatron_lm_config YAML")
+    return config

@@ -9,11 +9,18 @@ this table does not know (a newer accelerate) is refused too: nothing is accepte
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
+from typing import Any, cast
 
+from torch import nn
+
+from mtk.config import RunSettings
+from mtk.convert import parallelized
 from mtk.errors import ConfigError
+from mtk.recompute import enable_recompute
 
-__all__ = ["ATTENTION_BACKENDS", "MEGATRON_KEYS", "check_megatron_environment"]
+__all__ = ["ATTENTION_BACKENDS", "MEGATRON_KEYS", "act_on_model", "check_engine", "check_megatron_environment"]
 
 PREFIX = "MEGATRON_LM_"
 
@@ -121,3 +128,27 @@ def check_megatron_environment(env: Mapping[str, str], report: Callable[[str], N
                 "mtk: megatron_lm_config gives tp=1 and pp=1, so every process is a data-parallel replica (accelerate "
                 "exports 1 for a missing megatron_lm_tp_degree, and drops a misspelt key without a word)"
             )
+
+
+def check_engine(settings: RunSettings, *, deepspeed: bool) -> None:
+    """Settings DeepSpeed's engine cannot honour, refused in one line."""
+    if deepspeed and settings.use_distributed_optimizer:
+        raise ConfigError(
+            "megatron_lm_use_distributed_optimizer with DeepSpeed: ZeRO already shards the optimizer over DP; "
+            "drop one of them"
+        )
+    if deepspeed and settings.sequence_parallel:
+        raise ConfigError(
+            "sequence parallelism does not run under DeepSpeed (ZeRO reduces gradients before the sequence-"
+            "parallel ones are summed over TP); use a megatron_lm_config YAML (accelerate_configs/tp2_sp.yaml)"
+        )
+
+
+def act_on_model(model: nn.Module, settings: RunSettings, report: Callable[[str], None]) -> None:
+    """The keys that act on the HF model itself: the attention backend, activation recomputation."""
+    backend = os.environ.get(PREFIX + "ATTENTION_BACKEND", "").strip().lower()
+    if ATTENTION_BACKENDS.get(backend):
+        cast(Any, model).set_attn_implementation(ATTENTION_BACKENDS[backend])
+    record = parallelized(model)
+    for line in enable_recompute(model, settings, record.rng if record else None):
+        report(line)
