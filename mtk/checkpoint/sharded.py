@@ -34,7 +34,15 @@ from mtk.errors import CheckpointError
 from mtk.parallel.distributed_optimizer import full_optimizer_state
 from mtk.parallel.state import ParallelState
 
-__all__ = ["FORMAT", "load_checkpoint", "read_metadata", "restore_rng", "save_checkpoint", "topology_of"]
+__all__ = [
+    "FORMAT",
+    "load_checkpoint",
+    "read_metadata",
+    "restore_rng",
+    "restore_streams",
+    "save_checkpoint",
+    "topology_of",
+]
 
 
 def _barrier() -> None:
@@ -163,7 +171,7 @@ def load_checkpoint(
                     reshard_optimizer(model, optimizer, reader, saved_optimizer_groups(paths, saved.pp))
     load_schedulers(paths, schedulers)
     meta.rng = restore_rng(paths, meta, parallel)
-    _restore_streams(model, meta, parallel)
+    restore_streams(model, meta, parallel)
     return meta
 
 
@@ -173,7 +181,7 @@ def _streams_state(model: nn.Module) -> dict[str, Any]:
     return {"streams": record.rng.state_dict()} if record is not None and record.rng is not None else {}
 
 
-def _restore_streams(model: nn.Module, meta: CheckpointMeta, parallel: ParallelState) -> None:
+def restore_streams(model: nn.Module, meta: CheckpointMeta, parallel: ParallelState) -> None:
     """Continue the TP stream where it stopped. At another layout the streams keep their fresh seeding:
     another rank's TP stream would give two ranks of one TP group the same masks."""
     record = parallelized(model)

@@ -25,7 +25,7 @@ from mtk.checkpoint.integrity import read_verified
 from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.rng import restore_rng
-from mtk.checkpoint.sharded import load_schedulers, save_checkpoint
+from mtk.checkpoint.sharded import load_schedulers, restore_streams, save_checkpoint
 from mtk.config import ConfigError
 from mtk.errors import CheckpointError
 from mtk.parallel.state import ParallelState
@@ -156,6 +156,7 @@ def load_deepspeed_checkpoint(
         raise CheckpointError(f"{directory}/deepspeed holds no DeepSpeed checkpoint")
     load_schedulers(paths, list(schedulers))
     meta.rng = restore_rng(paths, meta, parallel)
+    restore_streams(engine.module, meta, parallel)  # the per-TP-rank dropout stream
     return meta
 
 
