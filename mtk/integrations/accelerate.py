@@ -341,6 +341,13 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
                 return gather_state_dict(model, self.parallel)
         return gather_state_dict(model, self.parallel)
 
+    def end_training(self) -> None:
+        """accelerate's (trackers finished, process group destroyed), once every rank got here: a rank
+        that tears its gloo connections down while a peer still reads its last message makes that peer
+        abort at exit (seen under load with 8 processes on 2 cores)."""
+        self.wait_for_everyone()
+        super().end_training()
+
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
         """accelerate's unwrapping, then the pipeline wrapper: the (stage of the) HF model."""
         model = super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
