@@ -171,16 +171,24 @@ class ColumnParallelLinear(ShardedModule):
     def _weight_for_forward(self) -> torch.Tensor:
         return self.weight.t() if self.transposed else self.weight  # [out/tp, in]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [b, s, in] (or [b, s/tp, in] with sequence parallelism)
+    # forward = leave(local(enter(x))): a LoRA adapter (mtk.lora) adds its share between the steps, so it
+    # rides on this layer's collectives instead of adding its own.
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """X into the TP region: [b, s, in] (or [b, s/tp, in] with sequence parallelism) -> [b, s, in]."""
         if self.sequence_parallel:
-            x = gather_from_sequence(x, self.tp_group, self.sequence_dim)  # [b, s, in]
-        else:
-            x = copy_to_tp(x, self.tp_group) if self.copy_input else x  # backward: all-reduce dL/dX
-        y = F.linear(x, self._weight_for_forward(), self.bias)  # [b, s, out/tp]
-        if self.gather_output:
-            y = gather_from_tp(y, self.tp_group)  # [b, s, out] (per-part order when fused)
-        return y
+            return gather_from_sequence(x, self.tp_group, self.sequence_dim)  # [b, s, in]
+        return copy_to_tp(x, self.tp_group) if self.copy_input else x  # backward: all-reduce dL/dX
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's output columns: [b, s, in] -> [b, s, out/tp]."""
+        return F.linear(x, self._weight_for_forward(), self.bias)
+
+    def leave(self, y: torch.Tensor) -> torch.Tensor:
+        """[b, s, out/tp] -> [b, s, out] when ``gather_output`` (per-part order when fused), else as is."""
+        return gather_from_tp(y, self.tp_group) if self.gather_output else y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.leave(self.local(self.enter(x)))
 
     def extra_repr(self) -> str:
         return (
@@ -238,8 +246,7 @@ class KVReplicatedColumnLinear(ColumnParallelLinear):
         head = self.tp_rank // self.copies
         return ((head * self.head_dim, (head + 1) * self.head_dim),), self.head_dim
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.tp_group) if self.copy_input else x  # [b, s, in]
+    def local(self, x: torch.Tensor) -> torch.Tensor:
         weight = copy_to_tp(self._weight_for_forward(), self.kv_group)  # [head_dim, in]
         bias = None if self.bias is None else copy_to_tp(self.bias, self.kv_group)
         return F.linear(x, weight, bias)  # [b, s, head_dim]
@@ -316,17 +323,27 @@ class RowParallelLinear(ShardedModule):
             bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
             self.bias.uniform_(-bound, bound)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [b, s, in/tp] (or [b, s, in] when not input_is_parallel)
-        if not self.input_is_parallel:
-            x = scatter_to_tp(x, self.tp_group)  # [b, s, in/tp]
+    # forward = leave(local(enter(x))), as ColumnParallelLinear's: a LoRA adapter adds its partial sum
+    # before the reduction, so the layer's one all-reduce sums both.
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, s, in/tp] as is, or [b, s, in] cut to this rank's slice when not ``input_is_parallel``."""
+        return x if self.input_is_parallel else scatter_to_tp(x, self.tp_group)
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the sum: [b, s, in/tp] -> [b, s, out]."""
         weight = self.weight.t() if self.transposed else self.weight  # [out, in/tp]
-        partial = F.linear(x, weight)  # [b, s, out], this rank's share of the sum
+        return F.linear(x, weight)
+
+    def leave(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum the shares over TP ([b, s, out], or [b, s/tp, out] with sequence parallelism), then the bias."""
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(partial, self.tp_group, self.sequence_dim)  # [b, s/tp, out]
         else:
             y = reduce_from_tp(partial, self.tp_group)  # [b, s, out]
         return y if self.bias is None else y + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.leave(self.local(self.enter(x)))
 
     def extra_repr(self) -> str:
         return (

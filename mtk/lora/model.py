@@ -1,0 +1,130 @@
+"""PEFT's ``get_peft_model`` on a model :func:`~mtk.convert.parallelize` made tensor/pipeline parallel.
+
+PEFT does not know mtk's layers; :func:`get_peft_model` teaches it (``LoraConfig._register_custom_module``:
+:class:`~mtk.lora.layers.ParallelLoraLinear` for every column- and row-parallel linear), resolves the targets
+against the parallel model first (``all-linear``, targets that match nothing or a layer mtk keeps whole: one
+clear line each) and then calls PEFT's own ``get_peft_model``. The result is an ordinary ``PeftModel``:
+``print_trainable_parameters``, adapter switching, ``save_pretrained`` (through the Accelerator's gathered state
+dict) and ``merge_and_unload`` work as PEFT documents.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, cast
+
+from torch import nn
+
+from mtk.convert import parallelized
+from mtk.errors import ConfigError
+from mtk.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["get_peft_model", "hf_model", "is_peft_model", "split_linear_names"]
+
+ALL_LINEAR = "all-linear"
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """A PEFT ``PeftModel`` (duck-typed: the training path never needs to import peft)."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def hf_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a ``PeftModel`` (with its LoRA layers); any other model as is."""
+    return cast(Any, model).get_base_model() if is_peft_model(model) else model
+
+
+def split_linear_names(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's tensor-parallel linears by HF name, without the (vocabulary-parallel) output head."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module is not head
+    }
+
+
+def _linear_kind(module: nn.Module) -> str | None:
+    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        return "split"
+    if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
+        return "whole"
+    return None
+
+
+def _resolve_targets(model: nn.Module, config: Any, report) -> Any:
+    """``config`` with ``all-linear`` spelt out as mtk's split linears; every target checked (one line each)."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    split = split_linear_names(model)
+    suffixes = sorted({name.rpartition(".")[2] for name in split})
+    config = copy.deepcopy(config)
+    if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
+        whole = sorted(n for n, m in model.named_modules() if _linear_kind(m) == "whole")
+        config.target_modules = set(suffixes)
+        # a whole linear sharing a split one's name (BERT's pooler.dense): excluded by its full name
+        clashes = [n for n in whole if n.rpartition(".")[2] in config.target_modules]
+        if clashes:
+            config.exclude_modules = sorted({*(config.exclude_modules or ()), *clashes})
+        left_out = f"; kept whole, not adapted: {', '.join(whole)}" if whole else ""
+        report(f"mtk: LoRA all-linear = the tensor-parallel linears {', '.join(suffixes)}{left_out}")
+    matched = [(n, m) for n, m in model.named_modules() if n and check_target_module_exists(config, n) is True]
+    if not matched:
+        record = parallelized(model)
+        where = f" on pipeline stage {record.stage.stage}" if record and record.stage else ""
+        raise ConfigError(
+            f"LoRA target_modules {sorted(config.target_modules) if not isinstance(config.target_modules, str) else config.target_modules!r} "  # noqa: E501
+            f"match no module{where}; the tensor-parallel linears are {', '.join(suffixes)} (or all-linear)"
+        )
+    for name, module in matched:
+        kind = _linear_kind(module)
+        if kind == "split":
+            continue
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        what = (
+            "the vocabulary-parallel output head"
+            if module is head
+            else f"a {type(module).__name__} mtk keeps whole (replicated over TP)"
+        )
+        raise ConfigError(
+            f"LoRA target {name} is {what}; adapt the tensor-parallel linears ({', '.join(suffixes)}) and train it "
+            "with modules_to_save instead"
+        )
+    unmatched = [
+        t
+        for t in (config.target_modules if not isinstance(config.target_modules, str) else [])
+        if not any(n == t or n.endswith(f".{t}") for n, _ in matched)
+    ]
+    if unmatched and not (parallelized(model) and cast(Any, parallelized(model)).stage):
+        raise ConfigError(
+            f"LoRA target(s) {', '.join(sorted(unmatched))} match no module; the tensor-parallel linears are "
+            f"{', '.join(suffixes)} (or all-linear)"
+        )
+    return config
+
+
+def get_peft_model(model: nn.Module, config: Any, adapter_name: str = "default", report=print) -> nn.Module:
+    """``peft.get_peft_model`` for a model mtk made parallel (its stage, with pp > 1); returns the ``PeftModel``.
+
+    Only LoRA (``LoraConfig``) is supported. Call it on every rank, after :func:`~mtk.convert.parallelize` (or
+    ``load_pretrained_tp``) and before building the optimizer; the Accelerator's ``prepare`` takes the result.
+    """
+    import peft
+
+    from mtk.lora.layers import ParallelLoraLinear
+
+    record = parallelized(model)
+    if record is None:
+        raise ConfigError(
+            "mtk.lora.get_peft_model needs the parallel model: call accelerator.parallelize(model) (or "
+            "load_pretrained_tp) first, then add the adapters"
+        )
+    if not isinstance(config, peft.LoraConfig):
+        raise ConfigError(f"{type(config).__name__}: mtk shards LoRA adapters only; use peft.LoraConfig")
+    config = _resolve_targets(model, config, report)
+    config._register_custom_module({ColumnParallelLinear: ParallelLoraLinear, RowParallelLinear: ParallelLoraLinear})
+    peft_model = peft.get_peft_model(model, config, adapter_name=adapter_name)
+    for module in peft_model.modules():
+        if isinstance(module, ParallelLoraLinear):
+            module.rng = record.rng
+    return peft_model
