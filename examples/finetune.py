@@ -42,6 +42,8 @@ from mtk.config import PIPELINE_SCHEDULES, RunSettings
 from mtk.data import FORMATS, LOSS_ON, eval_batches, loss_tokens, tokenizer_for, training_data
 from mtk.errors import DataError, run_main
 from mtk.evaluation import evaluate, peak_memory_mib
+from mtk.lora import get_peft_model
+from mtk.lora.options import add_lora_arguments, base_dtype, lora_config
 from mtk.models import build_model, check_seq_len, resolve_config
 from mtk.parallel.grad_norm import check_finite
 from mtk.plans import check_tp_size
@@ -98,6 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add_safety_arguments(parser)
     add_recompute_argument(parser)
+    add_lora_arguments(parser)
     parser.add_argument(
         "--pipeline_layers",
         type=layer_counts,
@@ -128,17 +131,22 @@ def main(argv=None) -> None:
     config = resolve_config(args.model)
     check_tp_size(config, parallel.tp_size)  # one clear line before anything is built
     check_seq_len(config, args.seq_len)
+    lora = lora_config(args)
+    dtype = base_dtype(args) if lora else None
     set_seed(args.seed)
     if Path(args.model).is_dir():
         model = load_pretrained_tp(  # this rank's bytes
             args.model,
             parallel,
+            dtype=dtype,
             pipeline_layers=settings.layers_per_stage(config.num_hidden_layers, parallel.pp_size),
             sequence_parallel=settings.sequence_parallel,
         )
         model.train()
     else:
-        model = build_model(args.model, seed=args.seed)  # same weights on every rank and layout
+        model = build_model(args.model, seed=args.seed, dtype=dtype or torch.float32)  # same at every layout
+    if lora:  # PEFT's LoRA on the parallel layers: only the adapters train, checkpoint and export
+        model = get_peft_model(accelerator.parallelize(model), lora, report=accelerator.print)
     tokenizer = tokenizer_for(args.model)
     if hasattr(tokenizer, "save_pretrained") and Path(args.model).is_dir():
         accelerator.checkpoint_tokenizer = tokenizer  # checkpoints (and `mtk export`) carry it
@@ -178,7 +186,8 @@ def main(argv=None) -> None:
     loader = DataLoader(
         dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=loader_rng, collate_fn=collate
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # all of them, or the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
     # accelerate steps a prepared scheduler dp_size times per optimizer step (its convention for
     # schedules written in single-process steps); this one is written in optimizer steps: s // dp.
     warmup, total = max(args.warmup_steps, 1), max(args.max_steps, 1)

@@ -51,6 +51,8 @@ class CheckpointMeta:
         zero_stage: DeepSpeed's ZeRO stage, with that engine.
         run_id: the run (launch) that wrote it.
         files: ``{relative path: {"bytes", "xxh3_128"}}`` of every other file.
+        base_model: for an adapter-only (LoRA) checkpoint, the frozen base it was trained on
+            (:func:`~mtk.checkpoint.base_model.base_record`); ``None`` when the weights are all here.
         format: the format version; readers refuse others.
         rng: filled on load (this rank's restored RNG states, e.g. the fp16 scaler); never written.
     """
@@ -64,6 +66,7 @@ class CheckpointMeta:
     zero_stage: int | None = None
     run_id: str | None = None
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    base_model: dict[str, Any] | None = None
     format: str = FORMAT
     rng: dict[str, Any] = field(default_factory=dict, compare=False)
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtk.checkpoint.atomic import atomic_dir, write_synced
+from mtk.checkpoint.base_model import base_record, check_base
 from mtk.checkpoint.integrity import Checksums, checksum_files, read_verified
 from mtk.checkpoint.meta import FORMAT, RUN_ID, CheckpointMeta, Topology, read_metadata
 from mtk.checkpoint.optimizer import load_optimizer, reshard_optimizer, save_optimizer, saved_optimizer_groups
@@ -123,6 +124,7 @@ def save_checkpoint(
                 write(tmp)
             for i, scheduler in enumerate(schedulers):
                 torch.save(scheduler.state_dict(), paths.scheduler(i))
+        base = base_record(model, parallel)  # collective; adapter-only checkpoints name their frozen base
         _barrier()  # every rank's files are in place before they are hashed and the metadata says "complete"
         files = checksum_files(tmp, checksums)  # collective: each rank hashes and fsyncs its share
         if parallel.rank == 0:
@@ -134,6 +136,7 @@ def save_checkpoint(
                 data=data or {},
                 run_id=RUN_ID,
                 files=files,
+                base_model=base,
                 **(engine or {}),
             )
             write_synced(paths.metadata, meta.to_json())
@@ -157,6 +160,7 @@ def load_checkpoint(
     meta = read_verified(directory)  # collective: every file matches its checksum, or every rank refuses
     paths = CheckpointPaths(directory)
     saved = meta.topology
+    check_base(str(directory), meta.base_model, model, parallel)  # collective
     with full_optimizer_state(optimizers, gather=False):  # every rank loads all, then keeps its own share
         if (saved.tp, saved.pp) == (parallel.tp_size, parallel.pp_size):
             load_weights(model, paths.weights(parallel.tp_rank, parallel.pp_rank))

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from mtk.checkpoint.base_model import checkpointed_parameters
 from mtk.errors import CheckpointError
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.parameters import param_info
@@ -25,7 +26,7 @@ __all__ = ["load_weights", "read_safetensors", "reshard_weights", "save_weights"
 def save_weights(model: nn.Module, path: Path) -> None:
     tensors: dict[str, torch.Tensor] = {}
     specs: dict[str, dict[str, Any]] = {}
-    for name, param in model.named_parameters():
+    for name, param in checkpointed_parameters(model):
         full_shape, spec = full_shape_and_spec(model, name)
         tensors[name] = param.detach().contiguous().cpu()
         specs[name] = {
@@ -41,7 +42,7 @@ def save_weights(model: nn.Module, path: Path) -> None:
 
 def load_weights(model: nn.Module, path: Path) -> None:
     tensors = read_safetensors(path)
-    params = dict(model.named_parameters())
+    params = dict(checkpointed_parameters(model))
     missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
     if missing or unexpected:
         raise CheckpointError(f"{path} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
@@ -74,7 +75,7 @@ def source_name(model: nn.Module, name: str, available) -> str:
 def reshard_weights(model: nn.Module, reader) -> None:
     available = set(reader.pieces)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in checkpointed_parameters(model):
             shape, spec = full_shape_and_spec(model, name)
             full = reader.full(source_name(model, name, available))
             if tuple(full.shape) != tuple(shape):

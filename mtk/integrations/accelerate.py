@@ -166,17 +166,29 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
             if self.parallel.pp_size > 1:
                 raise ConfigError("pipeline parallelism (pp > 1) needs an HF model with a config")
             return model, {}
+        replaced = self._parallelize(model)
+        act_on_model(model, self.settings, self.print)
+        return self._pipelined(model), replaced
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """The HF model made parallel for this run now instead of in ``prepare`` (in place; returns it), so
+        that LoRA adapters can be added to its parallel layers (:func:`mtk.lora.get_peft_model`)."""
+        if parallelized(model) is None:
+            self._replaced_params.update(self._parallelize(model))
+        return model
+
+    def _parallelize(self, model: nn.Module) -> ReplacedParams:
+        """:func:`~mtk.convert.parallelize` with this run's settings; returns what :meth:`_convert` does."""
         before: dict[int, tuple[weakref.ref, list[str]]] = {}  # a tied parameter has several names
         for name, param in model.named_parameters(remove_duplicate=False):
             before.setdefault(id(param), (weakref.ref(param), []))[1].append(name)
         layers = self.settings.layers_per_stage(cast(Any, model).config.num_hidden_layers, self.parallel.pp_size)
+        sequence_parallel = self.settings.sequence_parallel and self.parallel.tp_size > 1
         parallelize(model, self.parallel, pipeline_layers=layers, sequence_parallel=sequence_parallel)
-        act_on_model(model, self.settings, self.print)
         after = dict(model.named_parameters(remove_duplicate=False))
-        replaced = {
+        return {
             old: (ref, next((after[n] for n in names if n in after), None)) for old, (ref, names) in before.items()
         }
-        return self._pipelined(model), replaced
 
     def _pipelined(self, model: nn.Module) -> nn.Module:
         """With pp > 1, the stage wrapped in the schedule-running :class:`PipelineModel`."""

@@ -21,6 +21,7 @@ from typing import Any
 
 from torch import nn
 
+from mtk.checkpoint.base_model import check_base
 from mtk.checkpoint.integrity import read_verified
 from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.paths import CheckpointPaths
@@ -119,7 +120,8 @@ def save_deepspeed_checkpoint(
     model: nn.Module = engine.module
 
     def deepspeed_state(tmp: Path) -> None:
-        engine.save_checkpoint(str(CheckpointPaths(tmp).deepspeed), tag=_DS_TAG)
+        # a LoRA model's frozen base is not state: the checkpoint names it (metadata.json's base_model)
+        engine.save_checkpoint(str(CheckpointPaths(tmp).deepspeed), tag=_DS_TAG, exclude_frozen_parameters=True)
 
     with zero3_gathered(engine):
         return save_checkpoint(
@@ -151,7 +153,8 @@ def load_deepspeed_checkpoint(
             f"tp={parallel.tp_size} pp={parallel.pp_size} dp={parallel.dp_size}; a DeepSpeed checkpoint resumes at "
             f"the same layout (export it with `mtk export` to change layouts)"
         )
-    path, _ = engine.load_checkpoint(str(paths.deepspeed), tag=_DS_TAG)
+    check_base(str(directory), meta.base_model, engine.module, parallel)  # collective
+    path, _ = engine.load_checkpoint(str(paths.deepspeed), tag=_DS_TAG, load_module_strict=meta.base_model is None)
     if path is None:
         raise CheckpointError(f"{directory}/deepspeed holds no DeepSpeed checkpoint")
     load_schedulers(paths, list(schedulers))

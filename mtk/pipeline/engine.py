@@ -26,6 +26,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from mtk.config import ConfigError
 from mtk.convert import parallelized
+from mtk.lora.model import hf_model
 from mtk.parallel.grads import all_reduce_coalesced
 from mtk.parallel.parameters import param_info
 from mtk.parallel.state import ParallelState
@@ -194,7 +195,8 @@ class PipelineModel(nn.Module):
             return loss
         inputs.pop("labels", None)
         inputs.pop("num_items_in_batch", None)
-        return cast(Any, self.module).base_model(**inputs, use_cache=False).last_hidden_state  # [b, s, h]
+        decoder = cast(Any, hf_model(self.module)).base_model  # HF's, not a PeftModel's (its LoraModel)
+        return decoder(**inputs, use_cache=False).last_hidden_state  # [b, s, h]
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean micro-batch loss of the last stage, on every stage."""

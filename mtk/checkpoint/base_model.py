@@ -1,0 +1,105 @@
+"""What an adapter-only checkpoint was trained on: the frozen base model's name and a fingerprint of its weights.
+
+A LoRA checkpoint (``step_N`` of a ``PeftModel``) stores only the trainable parameters; resuming it against
+another base would silently train a different model. The fingerprint is a function of the base's full weights
+only, not of the layout that computes it: the frozen parameters' count, full element count, and the fp64 sums of
+their elements, magnitudes and squares, each rank adding its shard (vocabulary padding adds zeros; a copy held by
+several TP ranks adds ``1 / copies`` each; another stage's copy of a tied embedding adds nothing). Two bases agree
+when the counts are equal and the sums agree to 1e-9 of their scale (the order of additions differs by layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mtk.errors import CheckpointError
+from mtk.lora import is_peft_model
+from mtk.parallel.gather import full_shape_and_spec
+from mtk.parallel.parameters import param_info
+from mtk.parallel.state import ParallelState
+
+__all__ = ["base_record", "check_base", "checkpointed_parameters"]
+
+TOLERANCE = 1e-9
+
+
+def checkpointed_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """The parameters a checkpoint stores: all of them, or a ``PeftModel``'s trainable ones (adapters and
+    ``modules_to_save``), the frozen base being recorded by :func:`base_record` instead."""
+    adapters_only = is_peft_model(model)
+    for name, param in model.named_parameters():
+        if param.requires_grad or not adapters_only:
+            yield name, param
+
+
+def _fingerprint(model: nn.Module, parallel: ParallelState) -> dict[str, float]:
+    """Collective: ``{"parameters", "elements", "sum", "sum_abs", "sum_sq"}`` of the whole model's frozen weights."""
+    totals = torch.zeros(5, dtype=torch.float64, device=parallel.device)
+    if parallel.dp_rank == 0:  # one replica counts
+        first = parallel.tp_rank == 0
+        for name, param in model.named_parameters():
+            info = param_info(param)
+            if param.requires_grad or info.pipeline_duplicate:
+                continue
+            shape, spec = full_shape_and_spec(model, name)
+            if spec.is_replicated and not first:
+                continue
+            values = param.detach().to(parallel.device, torch.float64)  # [shard]
+            weight = 1.0 if spec.is_replicated else 1.0 / info.tp_replicas
+            totals[0] += float(first)
+            totals[1] += float(torch.Size(shape).numel()) * first
+            totals[2:] += torch.stack([values.sum(), values.abs().sum(), values.square().sum()]) * weight
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    count, elements, total, absolute, squares = totals.tolist()
+    return {"parameters": int(count), "elements": int(elements), "sum": total, "sum_abs": absolute, "sum_sq": squares}
+
+
+def base_record(model: nn.Module, parallel: ParallelState) -> dict[str, Any] | None:
+    """The base of a ``PeftModel`` (``None`` for any other model): its name or directory and fingerprint.
+    Collective: every rank calls it."""
+    if not is_peft_model(model):
+        return None
+    config = getattr(model, "config", None)
+    return {
+        "name_or_path": getattr(config, "_name_or_path", "") or getattr(config, "model_type", ""),
+        "peft_type": str(next(iter(cast(Any, model).peft_config.values())).peft_type.value),
+        "fingerprint": _fingerprint(model, parallel),
+    }
+
+
+def _differs(saved: dict[str, float], current: dict[str, float]) -> bool:
+    if (saved["parameters"], saved["elements"]) != (current["parameters"], current["elements"]):
+        return True
+    scale = max(saved["sum_abs"], 1.0)  # a sum near zero is compared on the scale of its terms
+    return any(abs(saved[key] - current[key]) > TOLERANCE * scale for key in ("sum", "sum_abs")) or abs(
+        saved["sum_sq"] - current["sum_sq"]
+    ) > TOLERANCE * max(saved["sum_sq"], 1.0)
+
+
+def check_base(directory: str, saved: dict[str, Any] | None, model: nn.Module, parallel: ParallelState) -> None:
+    """One clear line when an adapter checkpoint meets a model it does not belong to. Collective."""
+    adapters = is_peft_model(model)
+    if saved is None and adapters:
+        raise CheckpointError(
+            f"{directory} holds a full model, this run trains LoRA adapters; resume it without the --lora_* options"
+        )
+    if saved is None:
+        return
+    if not adapters:
+        raise CheckpointError(
+            f"{directory} holds only LoRA adapters (base {saved['name_or_path']}); resume it with the same --lora_* "
+            "options, or `mtk export --merge` it for a full model"
+        )
+    current = _fingerprint(model, parallel)
+    if _differs(saved["fingerprint"], current):
+        raise CheckpointError(
+            f"{directory} holds adapters trained on the base {saved['name_or_path']!r} "
+            f"({saved['fingerprint']['elements']} weights, sum {saved['fingerprint']['sum']:.9g}); this run's base "
+            f"has {current['elements']} weights, sum {current['sum']:.9g}: resume on the base it was trained on"
+        )

@@ -1,0 +1,70 @@
+"""The ``--lora_*`` and ``--base_dtype`` options of the example scripts, turned into a ``peft.LoraConfig``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from mtk.errors import ConfigError
+from mtk.models import DTYPES
+
+__all__ = ["add_lora_arguments", "base_dtype", "lora_config"]
+
+_DEPENDENT = ("lora_alpha", "lora_dropout", "lora_targets")
+
+
+def _dropout(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not a dropout probability in [0, 1)")
+    return value
+
+
+def _rank(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive LoRA rank")
+    return value
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("LoRA (PEFT adapters on the parallel model; docs/lora.md)")
+    group.add_argument("--lora_r", type=_rank, help="train LoRA adapters of this rank instead of the whole model")
+    group.add_argument("--lora_alpha", type=float, help="LoRA scaling numerator (default: PEFT's, 8)")
+    group.add_argument("--lora_dropout", type=_dropout, help="dropout on the adapters' input (default 0)")
+    group.add_argument(
+        "--lora_targets",
+        help="comma-separated HF module names, e.g. q_proj,k_proj,v_proj,o_proj (default: all-linear)",
+    )
+    group.add_argument(
+        "--base_dtype",
+        choices=sorted(DTYPES),
+        help="with --lora_r: keep the frozen base in this dtype (adapters and their optimizer state stay fp32)",
+    )
+
+
+def lora_config(args: argparse.Namespace, task_type: str = "CAUSAL_LM") -> Any:
+    """The ``LoraConfig`` the options ask for, or ``None`` without ``--lora_r`` (one line for a stray option)."""
+    if args.lora_r is None:
+        stray = [f"--{name}" for name in (*_DEPENDENT, "base_dtype") if getattr(args, name) is not None]
+        if stray:
+            raise ConfigError(f"{', '.join(stray)} configure LoRA adapters; add --lora_r R to train them")
+        return None
+    from peft import LoraConfig
+
+    targets: Any = args.lora_targets or "all-linear"
+    if targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    kwargs: dict[str, Any] = {"r": args.lora_r, "target_modules": targets, "task_type": task_type}
+    if args.lora_alpha is not None:
+        kwargs["lora_alpha"] = args.lora_alpha
+    if args.lora_dropout is not None:
+        kwargs["lora_dropout"] = args.lora_dropout
+    return LoraConfig(**kwargs)
+
+
+def base_dtype(args: argparse.Namespace) -> torch.dtype:
+    """The dtype to build or load the base model in (fp32 unless ``--base_dtype``)."""
+    return DTYPES[args.base_dtype] if args.base_dtype else torch.float32
