@@ -23,7 +23,7 @@ from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.parameters import param_info
 from mtk.parallel.state import ParallelState
 
-__all__ = ["base_record", "check_base", "checkpointed_parameters"]
+__all__ = ["base_record", "check_base", "checkpointed_parameters", "differs", "fingerprint"]
 
 TOLERANCE = 1e-9
 
@@ -37,24 +37,27 @@ def checkpointed_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Paramete
             yield name, param
 
 
-def _fingerprint(model: nn.Module, parallel: ParallelState) -> dict[str, float]:
-    """Collective: ``{"parameters", "elements", "sum", "sum_abs", "sum_sq"}`` of the whole model's frozen weights."""
-    totals = torch.zeros(5, dtype=torch.float64, device=parallel.device)
-    if parallel.dp_rank == 0:  # one replica counts
-        first = parallel.tp_rank == 0
+def fingerprint(model: nn.Module, parallel: ParallelState | None = None) -> dict[str, float]:
+    """``{"parameters", "elements", "sum", "sum_abs", "sum_sq"}`` of the whole model's frozen weights (collective
+    with ``parallel``); without ``parallel``, of every weight of a single-process model (the HF base that
+    ``mtk export --merge`` reads)."""
+    device = parallel.device if parallel else torch.device("cpu")
+    totals = torch.zeros(5, dtype=torch.float64, device=device)
+    if parallel is None or parallel.dp_rank == 0:  # one replica counts
+        first = parallel is None or parallel.tp_rank == 0
         for name, param in model.named_parameters():
             info = param_info(param)
-            if param.requires_grad or info.pipeline_duplicate:
+            if (param.requires_grad and parallel is not None) or info.pipeline_duplicate:
                 continue
             shape, spec = full_shape_and_spec(model, name)
             if spec.is_replicated and not first:
                 continue
-            values = param.detach().to(parallel.device, torch.float64)  # [shard]
+            values = param.detach().to(device, torch.float64)  # [shard]
             weight = 1.0 if spec.is_replicated else 1.0 / info.tp_replicas
             totals[0] += float(first)
             totals[1] += float(torch.Size(shape).numel()) * first
             totals[2:] += torch.stack([values.sum(), values.abs().sum(), values.square().sum()]) * weight
-    if dist.is_initialized():
+    if parallel is not None and dist.is_initialized():
         dist.all_reduce(totals)
     count, elements, total, absolute, squares = totals.tolist()
     return {"parameters": int(count), "elements": int(elements), "sum": total, "sum_abs": absolute, "sum_sq": squares}
@@ -69,11 +72,11 @@ def base_record(model: nn.Module, parallel: ParallelState) -> dict[str, Any] | N
     return {
         "name_or_path": getattr(config, "_name_or_path", "") or getattr(config, "model_type", ""),
         "peft_type": str(next(iter(cast(Any, model).peft_config.values())).peft_type.value),
-        "fingerprint": _fingerprint(model, parallel),
+        "fingerprint": fingerprint(model, parallel),
     }
 
 
-def _differs(saved: dict[str, float], current: dict[str, float]) -> bool:
+def differs(saved: dict[str, float], current: dict[str, float]) -> bool:
     if (saved["parameters"], saved["elements"]) != (current["parameters"], current["elements"]):
         return True
     scale = max(saved["sum_abs"], 1.0)  # a sum near zero is compared on the scale of its terms
@@ -96,8 +99,8 @@ def check_base(directory: str, saved: dict[str, Any] | None, model: nn.Module, p
             f"{directory} holds only LoRA adapters (base {saved['name_or_path']}); resume it with the same --lora_* "
             "options, or `mtk export --merge` it for a full model"
         )
-    current = _fingerprint(model, parallel)
-    if _differs(saved["fingerprint"], current):
+    current = fingerprint(model, parallel)
+    if differs(saved["fingerprint"], current):
         raise CheckpointError(
             f"{directory} holds adapters trained on the base {saved['name_or_path']!r} "
             f"({saved['fingerprint']['elements']} weights, sum {saved['fingerprint']['sum']:.9g}); this run's base "

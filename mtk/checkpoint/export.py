@@ -15,6 +15,8 @@ import json
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -31,7 +33,7 @@ from mtk.checkpoint.reader import ShardedCheckpointReader
 from mtk.errors import CheckpointError
 from mtk.models import DTYPES
 
-__all__ = ["DTYPES", "export_checkpoint", "parse_size"]
+__all__ = ["DTYPES", "check_new_directory", "copy_tokenizer", "export_checkpoint", "parse_size", "staged_directory"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -114,10 +116,12 @@ def export_checkpoint(
     """Merge ``checkpoint`` into an HF directory at ``out_dir``; returns it. Nothing is left on failure."""
     meta = read_verified(checkpoint)  # every shard matches its checksum: a damaged input is named, not exported
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"{out} is a file; export into a new directory")
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"{out} already exists and is not empty; export into a new directory")
+    check_new_directory(out)
+    if meta.base_model is not None:
+        raise CheckpointError(
+            f"{checkpoint} holds only LoRA adapters: export them with --adapter (a PEFT directory) or --merge "
+            "(the base with the adapters merged in)"
+        )
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
     torch_dtype = DTYPES.get(dtype) if dtype else None
@@ -125,25 +129,45 @@ def export_checkpoint(
     config_dict = meta.model.get("config")
     if not config_dict:
         raise CheckpointError(f"{checkpoint} records no model config; it cannot be exported as an HF directory")
-    try:  # a name of its own: an existing <out>.incomplete (anyone's) is never touched
+    with staged_directory(out) as tmp, ShardedCheckpointReader(checkpoint, meta.topology) as reader:
+        _write_weights(reader, tmp, torch_dtype, limit, progress)
+        config = transformers.AutoConfig.for_model(**config_dict)
+        config.architectures = [meta.model["class"]]
+        if torch_dtype is not None:
+            config.dtype = torch_dtype
+        config.save_pretrained(tmp)
+        copy_tokenizer(checkpoint, tmp)
+        if verify:
+            _verify(tmp, meta, reader, torch_dtype)
+    return out
+
+
+def copy_tokenizer(checkpoint: str | Path, out: Path) -> None:
+    """The tokenizer files the run saved in the checkpoint, if any, into ``out``."""
+    tokenizer_dir = CheckpointPaths(checkpoint).tokenizer
+    if tokenizer_dir.is_dir():
+        for file in tokenizer_dir.iterdir():
+            shutil.copy2(file, out / file.name)
+
+
+def check_new_directory(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} is a file; export into a new directory")
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} already exists and is not empty; export into a new directory")
+
+
+@contextmanager
+def staged_directory(out: Path) -> Iterator[Path]:
+    """A fresh ``<out>.<random>.incomplete`` beside ``out`` to write into, renamed to ``out`` when the block
+    succeeds and removed when it fails; an existing ``<out>.incomplete`` (anyone's) is never touched."""
+    try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.", suffix=".incomplete", dir=out.parent))
     except OSError as err:
         raise CheckpointError(f"cannot write {out}: {err.strerror or err}; choose a writable directory") from None
     try:
-        with ShardedCheckpointReader(checkpoint, meta.topology) as reader:
-            _write_weights(reader, tmp, torch_dtype, limit, progress)
-            config = transformers.AutoConfig.for_model(**config_dict)
-            config.architectures = [meta.model["class"]]
-            if torch_dtype is not None:
-                config.dtype = torch_dtype
-            config.save_pretrained(tmp)
-            tokenizer_dir = CheckpointPaths(checkpoint).tokenizer
-            if tokenizer_dir.is_dir():
-                for file in tokenizer_dir.iterdir():
-                    shutil.copy2(file, tmp / file.name)
-            if verify:
-                _verify(tmp, meta, reader, torch_dtype)
+        yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -152,4 +176,3 @@ def export_checkpoint(
         out.rmdir()
     tmp.rename(out)
     fsync_dir(out.parent)
-    return out

@@ -32,6 +32,7 @@ from mtk.checkpoint.rng import restore_rng, rng_state
 from mtk.checkpoint.weights import load_weights, reshard_weights, save_weights
 from mtk.convert import parallelized
 from mtk.errors import CheckpointError
+from mtk.lora.model import adapter_configs, hf_model, is_peft_model
 from mtk.parallel.distributed_optimizer import full_optimizer_state
 from mtk.parallel.state import ParallelState
 
@@ -72,9 +73,10 @@ def topology_of(parallel: ParallelState) -> Topology:
 def _model_record(model: nn.Module) -> dict[str, Any]:
     record = parallelized(model)
     return {
-        "class": type(model).__name__,
+        "class": type(hf_model(model)).__name__,
         "plan": record.plan.name if record else None,
         "config": cast(Any, model).config.to_dict() if hasattr(model, "config") else None,
+        **({"adapters": adapter_configs(model)} if is_peft_model(model) else {}),
     }
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 
 from mtk.checkpoint.export import export_checkpoint
+from mtk.errors import ConfigError
+from mtk.lora.export import export_adapter, export_merged
 from mtk.models import DTYPES
 
 
@@ -24,10 +26,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point weights (default: as trained)")
     parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors file (default 5GB)")
     parser.add_argument("--no_verify", action="store_true", help="skip reloading and comparing the result")
+    lora = parser.add_mutually_exclusive_group()
+    lora.add_argument(
+        "--adapter", action="store_true", help="a LoRA checkpoint: write a PEFT adapter directory (PeftModel loads it)"
+    )
+    lora.add_argument("--merge", action="store_true", help="a LoRA checkpoint: write the base, adapters merged in")
+    parser.add_argument("--base", help="with --merge: the base HF directory (default: the one the run loaded)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.base and not args.merge:
+        raise ConfigError("--base is the model --merge merges into; add --merge")
+    if args.adapter:
+        out = export_adapter(args.checkpoint, args.out, verify=not args.no_verify)
+        print(f"mtk export: wrote the PEFT adapter directory {out}")
+        return 0
+    if args.merge:
+        out = export_merged(
+            args.checkpoint,
+            args.out,
+            base=args.base,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            verify=not args.no_verify,
+        )
+        print(f"mtk export: wrote {out}, the base with the adapters merged in")
+        return 0
     out = export_checkpoint(
         args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, verify=not args.no_verify
     )

@@ -40,6 +40,7 @@ from mtk.parallel.random import DEFAULT_STREAM, TP_STREAM, RNGStreams
 __all__ = ["ParallelLoraLinear", "adapter_seed"]
 
 INITS = (True, False, "gaussian")  # LoraConfig.init_lora_weights values that need no base weight
+SEED_ATTRIBUTE = "mtk_seed"  # set on the LoraConfig by mtk.lora.get_peft_model: rank 0's seed, on every rank
 
 
 def adapter_seed(seed: int, module_name: str) -> int:
@@ -111,7 +112,9 @@ class ParallelLoraLinear(PeftLinear):
         self.use_rslora[adapter_name], self.use_dora[adapter_name] = config.use_rslora, False
         self.lora_bias[adapter_name] = False
         lora_a, lora_b = self._factors(base, r)
-        generator = torch.Generator().manual_seed(adapter_seed(torch.initial_seed(), kwargs.get("target_name", "")))
+        seed = getattr(config, SEED_ATTRIBUTE, None)
+        seed = torch.initial_seed() if seed is None else seed
+        generator = torch.Generator().manual_seed(adapter_seed(seed, kwargs.get("target_name", "")))
         full_a, full_b = _full_factors(r, self.in_features, self.out_features, config.init_lora_weights, generator)
         for module, full in ((lora_a, full_a), (lora_b, full_b)):
             module.to_empty(device=base.weight.device)

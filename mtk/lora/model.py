@@ -11,15 +11,18 @@ dict) and ``merge_and_unload`` work as PEFT documents.
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any, cast
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from mtk.convert import parallelized
 from mtk.errors import ConfigError
 from mtk.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["get_peft_model", "hf_model", "is_peft_model", "split_linear_names"]
+__all__ = ["adapter_configs", "get_peft_model", "hf_model", "is_peft_model", "split_linear_names"]
 
 ALL_LINEAR = "all-linear"
 
@@ -32,6 +35,15 @@ def is_peft_model(model: nn.Module) -> bool:
 def hf_model(model: nn.Module) -> nn.Module:
     """The transformers model inside a ``PeftModel`` (with its LoRA layers); any other model as is."""
     return cast(Any, model).get_base_model() if is_peft_model(model) else model
+
+
+def adapter_configs(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """A ``PeftModel``'s adapter configs by adapter name, as JSON (what ``adapter_config.json`` holds)."""
+    configs = {}
+    for name, config in cast(Any, model).peft_config.items():
+        record = config.to_dict()
+        configs[name] = {k: sorted(v) if isinstance(v, set) else v for k, v in record.items()}
+    return json.loads(json.dumps(configs, default=str))
 
 
 def split_linear_names(model: nn.Module) -> dict[str, nn.Module]:
@@ -103,6 +115,14 @@ def _resolve_targets(model: nn.Module, config: Any, report) -> Any:
     return config
 
 
+def _seed(device: torch.device) -> int:
+    """Rank 0's seed (what ``set_seed`` set), on every rank: adapters start equal wherever they live."""
+    seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=device)
+    if dist.is_initialized():
+        dist.broadcast(seed, src=0)
+    return int(seed.item())
+
+
 def get_peft_model(model: nn.Module, config: Any, adapter_name: str = "default", report=print) -> nn.Module:
     """``peft.get_peft_model`` for a model mtk made parallel (its stage, with pp > 1); returns the ``PeftModel``.
 
@@ -111,7 +131,7 @@ def get_peft_model(model: nn.Module, config: Any, adapter_name: str = "default",
     """
     import peft
 
-    from mtk.lora.layers import ParallelLoraLinear
+    from mtk.lora.layers import SEED_ATTRIBUTE, ParallelLoraLinear
 
     record = parallelized(model)
     if record is None:
@@ -122,6 +142,7 @@ def get_peft_model(model: nn.Module, config: Any, adapter_name: str = "default",
     if not isinstance(config, peft.LoraConfig):
         raise ConfigError(f"{type(config).__name__}: mtk shards LoRA adapters only; use peft.LoraConfig")
     config = _resolve_targets(model, config, report)
+    setattr(config, SEED_ATTRIBUTE, _seed(record.rng.device if record.rng else torch.device("cpu")))
     config._register_custom_module({ColumnParallelLinear: ParallelLoraLinear, RowParallelLinear: ParallelLoraLinear})
     peft_model = peft.get_peft_model(model, config, adapter_name=adapter_name)
     for module in peft_model.modules():

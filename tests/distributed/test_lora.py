@@ -97,3 +97,112 @@ def test_lora_equals_peft(name, tp, sequence_parallel):
     result = run_distributed(_lora_checks, world_size=tp, args=(name, "all-linear", sequence_parallel))[0]
     assert result["forward"] == result["base_forward"]  # no collective of its own in forward
     assert result["adapted"] > 0
+
+
+def _batch(rows: int = 4, seq: int = 8) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 256, (rows, seq), generator=torch.Generator().manual_seed(1))
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+
+
+def _layout_checks(rank: int, world_size: int, tp: int, pp: int) -> int:
+    """TP x PP through the pipeline engine, or TP x DP through DDP: the adapters' gradients equal PEFT's."""
+    from mtk.pipeline.engine import PipelineModel
+
+    state = ParallelState.build(tp_size=tp, pp_size=pp)
+    hf = build_model("tiny-llama", seed=0).eval()
+    model = get_peft_model(parallelize(copy.deepcopy(hf), state), _config(["q_proj", "v_proj", "o_proj", "down_proj"]))
+    reference = reference_for(hf, model, state)
+    batch = _batch()
+    expected = reference(**batch)
+    expected.loss.backward()
+    share = len(batch["input_ids"]) // state.dp_size
+    local = {k: v[state.dp_rank * share : (state.dp_rank + 1) * share] for k, v in batch.items()}
+    if pp > 1:
+        pipe = PipelineModel(model, state, num_micro_batches=2)
+        loss = pipe(**local).loss
+        pipe.finalize_grads()
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=state.dp_group)
+        loss = ddp(**local).loss
+        loss.backward()
+        loss = loss.detach().clone()
+        torch.distributed.all_reduce(loss, group=state.dp_group)
+        loss /= state.dp_size
+    assert_close_rel(loss, expected.loss, "loss")
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    grads = full_grads(model, state)
+    for name, grad in grads.items():
+        assert_close_rel(grad, ref_grads[name], f"grad of {name}")
+    return len(grads)
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(2, 2, 1), (2, 1, 2)])
+def test_lora_pipeline_and_data_parallel_equal_peft(tp, pp, dp):
+    counts = run_distributed(_layout_checks, world_size=tp * pp * dp, args=(tp, pp))
+    assert all(count > 0 for count in counts)
+    if pp > 1:  # each stage holds (and compares) only its own layers' adapters
+        assert counts[0] < 2 * 4 * 2  # 2 layers x 4 targets x (A, B) in the whole model
+
+
+def _train_and_save(rank: int, world_size: int, root: str) -> dict:
+    """One step at TP=2, saved (adapters only); a resume on another base is one clear line."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
+    from mtk.errors import CheckpointError
+
+    root_path = Path(root)
+    state = ParallelState.build(tp_size=world_size)
+    hf = build_model("tiny-llama", seed=0).eval()
+    if rank == 0:
+        hf.save_pretrained(root_path / "base")
+    model = get_peft_model(parallelize(copy.deepcopy(hf), state), _config("all-linear"), report=lambda line: None)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    batch = _batch()
+    model(**batch).loss.backward()
+    optimizer.step()
+    ckpt = save_checkpoint(root_path / "step_1", state, model, [optimizer], [], step=1)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits
+    with safe_open(str(ckpt / "model" / f"tp{rank:02d}-pp00.safetensors"), "pt") as f:
+        stored = list(f.keys())
+    assert stored and all(".lora_" in key for key in stored), "only the adapters are stored"
+    other = get_peft_model(
+        parallelize(build_model("tiny-llama", seed=1), state), _config("all-linear"), report=lambda line: None
+    )
+    try:  # another base: one clear line, nothing loaded
+        load_checkpoint(ckpt, state, other, [], [])
+        raise AssertionError("a checkpoint was resumed on another base")
+    except CheckpointError as err:
+        assert "trained on the base" in str(err)
+    if rank == 0:
+        build_model("tiny-llama", seed=1).save_pretrained(root_path / "other_base")
+    return {"stored": len(stored), "logits": logits}
+
+
+def test_adapter_checkpoint_export_reproduces_logits(tmp_path):
+    """``export --adapter`` loads with PeftModel.from_pretrained, ``--merge`` with from_pretrained: both give the
+    trained TP=2 model's logits; merging into another base is refused and leaves nothing behind."""
+    from peft import PeftModel
+
+    from mtk.errors import CheckpointError
+    from mtk.lora.export import export_adapter, export_merged
+
+    results = run_distributed(_train_and_save, world_size=2, args=(str(tmp_path),))
+    assert results[0]["stored"] == 2 * 7 * 2  # 2 layers x 7 linears x (A, B)
+    logits, ids = results[0]["logits"], _batch()["input_ids"]
+    export_adapter(tmp_path / "step_1", tmp_path / "adapter")
+    base = build_model("tiny-llama", seed=0).eval()
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(input_ids=ids).logits
+    assert_close_rel(logits, peft_logits, "PeftModel.from_pretrained logits")
+    export_merged(tmp_path / "step_1", tmp_path / "merged", base=tmp_path / "base")
+    merged = type(base.get_base_model() if hasattr(base, "get_base_model") else base)
+    with torch.no_grad():
+        merged_logits = merged.from_pretrained(tmp_path / "merged").eval()(input_ids=ids).logits
+    assert_close_rel(logits, merged_logits, "merged model logits")
+    with pytest.raises(CheckpointError, match="not the base"):
+        export_merged(tmp_path / "step_1", tmp_path / "merged_other", base=tmp_path / "other_base")
+    assert not list(tmp_path.glob("merged_other*"))
