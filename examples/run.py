@@ -48,6 +48,8 @@ from mtk.integrations.deepspeed import (
     remove_shm_buffers_at_exit,
     save_deepspeed_checkpoint,
 )
+from mtk.lora import get_peft_model
+from mtk.lora.options import add_lora_arguments, base_dtype, lora_config
 from mtk.models import build_model, check_seq_len, resolve_config
 from mtk.parallel.comm import all_reduce
 from mtk.parallel.grad_norm import check_finite
@@ -91,6 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add_safety_arguments(parser, can_skip_steps=False)  # DeepSpeed steps before mtk sees the gradient norm
     add_recompute_argument(parser)
+    add_lora_arguments(parser)
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args(argv)
@@ -109,14 +112,18 @@ def main(argv=None) -> None:
     ds_config = deepspeed_config(args.deepspeed_config, micro_batch=args.batch_size, grad_accum=args.grad_accum)
     ds_config.setdefault("optimizer", {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}})
     ds_config["optimizer"].setdefault("params", {}).setdefault("torch_adam", True)
+    lora = lora_config(args)
+    dtype = base_dtype(args) if lora else None
     set_seed(args.seed)
     if Path(args.model).is_dir():
-        model = load_pretrained_tp(args.model, parallel)
+        model = load_pretrained_tp(args.model, parallel, dtype=dtype)
         model.train()
-    else:
-        model = parallelize(build_model(args.model, seed=args.seed), parallel)  # same weights at any layout
+    else:  # same weights at any layout
+        model = parallelize(build_model(args.model, seed=args.seed, dtype=dtype or torch.float32), parallel)
     if args.gradient_checkpointing:
         enable_recompute(model, RunSettings(recompute_granularity="full"), parallelized(model).rng)
+    if lora:  # PEFT's LoRA on the parallel layers: ZeRO shards only the adapters' optimizer state
+        model = get_peft_model(model, lora, report=print if parallel.rank == 0 else lambda line: None)
     warmup, total = max(args.warmup_steps, 1), max(args.max_steps, 1)
 
     def lr_schedule(optimizer):  # DeepSpeed steps it once per optimizer step
@@ -126,7 +133,11 @@ def main(argv=None) -> None:
 
     remove_shm_buffers_at_exit()  # DeepSpeed's CPU shared-memory buffers outlive the job otherwise
     engine, _, _, scheduler = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), lr_scheduler=lr_schedule, config=ds_config, mpu=parallel
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],  # all, or the adapters
+        lr_scheduler=lr_schedule,
+        config=ds_config,
+        mpu=parallel,
     )
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     tokenizer = tokenizer_for(args.model)

@@ -80,38 +80,30 @@ def _resolve_targets(model: nn.Module, config: Any, report) -> Any:
             config.exclude_modules = sorted({*(config.exclude_modules or ()), *clashes})
         left_out = f"; kept whole, not adapted: {', '.join(whole)}" if whole else ""
         report(f"mtk: LoRA all-linear = the tensor-parallel linears {', '.join(suffixes)}{left_out}")
+    targets = [] if isinstance(config.target_modules, str) else sorted(config.target_modules)
+    shown = config.target_modules if isinstance(config.target_modules, str) else ",".join(targets)
+    valid = f"the tensor-parallel linears are {', '.join(suffixes)} (or all-linear)"
+    record = parallelized(model)
+    stage = record.stage if record else None
     matched = [(n, m) for n, m in model.named_modules() if n and check_target_module_exists(config, n) is True]
     if not matched:
-        record = parallelized(model)
-        where = f" on pipeline stage {record.stage.stage}" if record and record.stage else ""
-        raise ConfigError(
-            f"LoRA target_modules {sorted(config.target_modules) if not isinstance(config.target_modules, str) else config.target_modules!r} "  # noqa: E501
-            f"match no module{where}; the tensor-parallel linears are {', '.join(suffixes)} (or all-linear)"
-        )
+        where = f" on pipeline stage {stage.stage}" if stage else ""
+        raise ConfigError(f"LoRA targets {shown} match no module{where}; {valid}")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for name, module in matched:
-        kind = _linear_kind(module)
-        if kind == "split":
+        if _linear_kind(module) == "split" and module is not head:
             continue
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        what = (
-            "the vocabulary-parallel output head"
-            if module is head
-            else f"a {type(module).__name__} mtk keeps whole (replicated over TP)"
-        )
-        raise ConfigError(
-            f"LoRA target {name} is {what}; adapt the tensor-parallel linears ({', '.join(suffixes)}) and train it "
-            "with modules_to_save instead"
-        )
-    unmatched = [
-        t
-        for t in (config.target_modules if not isinstance(config.target_modules, str) else [])
-        if not any(n == t or n.endswith(f".{t}") for n, _ in matched)
-    ]
-    if unmatched and not (parallelized(model) and cast(Any, parallelized(model)).stage):
-        raise ConfigError(
-            f"LoRA target(s) {', '.join(sorted(unmatched))} match no module; the tensor-parallel linears are "
-            f"{', '.join(suffixes)} (or all-linear)"
-        )
+        if module is head:
+            what = "the vocabulary-parallel output head"
+        elif _linear_kind(module) == "whole":
+            what = f"a {type(module).__name__} mtk keeps whole (replicated over TP)"
+        else:
+            what = f"a {type(module).__name__}, not a linear layer"
+        raise ConfigError(f"LoRA target {name} is {what}; target {valid}, and train it with modules_to_save instead")
+    names = [n for n, _ in matched]
+    unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if unmatched and stage is None:  # with pp > 1 a target may live on another stage
+        raise ConfigError(f"LoRA target(s) {', '.join(unmatched)} match no module; {valid}")
     return config
 
 

@@ -58,13 +58,14 @@ def full_grads(model, parallel: ParallelState) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _lora_checks(rank: int, world_size: int, name: str, targets, sequence_parallel: bool) -> dict:
+def _lora_checks(
+    rank: int, world_size: int, name: str, targets, sequence_parallel: bool, task_type: str | None = None
+) -> dict:
     state = ParallelState.build(tp_size=world_size)
     hf = build_model(name, seed=0).eval()  # no dropout: the masks of two layouts differ
     plain = parallelize(copy.deepcopy(hf), state, sequence_parallel=sequence_parallel)
-    model = get_peft_model(
-        parallelize(copy.deepcopy(hf), state, sequence_parallel=sequence_parallel), _config(targets), report=print
-    )
+    config = _config(targets, **({"task_type": task_type} if task_type else {}))
+    model = get_peft_model(parallelize(copy.deepcopy(hf), state, sequence_parallel=sequence_parallel), config)
     reference = reference_for(hf, model, state)
     batch = _inputs(name)
     expected = reference(**batch)
@@ -89,7 +90,7 @@ def _lora_checks(rank: int, world_size: int, name: str, targets, sequence_parall
     assert sorted(grads) == sorted(ref_grads)
     for param_name, grad in grads.items():
         assert_close_rel(grad, ref_grads[param_name], f"{name} grad of {param_name}")
-    return {"forward": forward, "base_forward": base_forward, "adapted": len(grads)}
+    return {"forward": forward, "base_forward": base_forward, "adapted": len(grads), "trained": sorted(grads)}
 
 
 @pytest.mark.parametrize("name,tp,sequence_parallel", CASES)
@@ -97,6 +98,12 @@ def test_lora_equals_peft(name, tp, sequence_parallel):
     result = run_distributed(_lora_checks, world_size=tp, args=(name, "all-linear", sequence_parallel))[0]
     assert result["forward"] == result["base_forward"]  # no collective of its own in forward
     assert result["adapted"] > 0
+
+
+def test_lora_keeps_a_bert_classifier_trainable():
+    """SEQ_CLS: PEFT's modules_to_save trains a copy of the (replicated) classifier next to the adapters."""
+    result = run_distributed(_lora_checks, world_size=2, args=("tiny-bert", "all-linear", False, "SEQ_CLS"))[0]
+    assert any("classifier.modules_to_save" in name for name in result["trained"])
 
 
 def _batch(rows: int = 4, seq: int = 8) -> dict[str, torch.Tensor]:

@@ -1,0 +1,144 @@
+"""LoRA as users run it: ``accelerate launch ... examples/finetune.py --lora_r 8 --lora_targets all-linear``.
+
+On a local model directory with its tokenizer and chat data: TP=1 and TP=2 log the same losses, the
+TP=2 checkpoint holds only the adapters (a small fraction of a full one), resumes at another layout
+exactly, and ``mtk export --adapter`` writes a directory that ``PeftModel.from_pretrained`` loads on the
+base directory, equal to what ``save_pretrained`` on the unwrapped model wrote; ``--merge`` loads with
+``from_pretrained``. Bad LoRA options are one line each.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.e2e.conftest import Run
+from tests.e2e.launch import ROOT, accelerate_launch, assert_same_losses, one_line_error, step_losses
+
+LORA = ("--lora_r", "8", "--lora_targets", "all-linear", "--lora_alpha", "16")
+
+
+def _lora_run(tmp_path_factory, chat_setup, config: str, *args: str) -> Run:
+    out_dir = tmp_path_factory.mktemp(f"lora_{config}")
+    out = accelerate_launch(
+        "finetune.py",
+        config,
+        "--model",
+        str(chat_setup.model),
+        "--data",
+        str(chat_setup.data),
+        "--output_dir",
+        str(out_dir),
+        "--max_steps",
+        "6",
+        "--save_every",
+        "3",
+        "--save_model",
+        str(out_dir / "saved"),  # save_pretrained on the unwrapped PeftModel
+        *LORA,
+        *args,
+    )
+    return Run(out_dir, step_losses(out))
+
+
+@pytest.fixture(scope="module")
+def lora_tp1(tmp_path_factory, chat_setup) -> Run:
+    return _lora_run(tmp_path_factory, chat_setup, "tp1")
+
+
+@pytest.fixture(scope="module")
+def lora_tp2(tmp_path_factory, chat_setup) -> Run:
+    return _lora_run(tmp_path_factory, chat_setup, "tp2")
+
+
+def test_tp2_logs_the_tp1_losses(lora_tp1, lora_tp2):
+    assert_same_losses(lora_tp2.losses, lora_tp1.losses, range(1, 7), "LoRA TP=2 vs TP=1")
+    assert lora_tp1.losses[6] < lora_tp1.losses[1]  # the adapters learn
+
+
+def _bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
+def test_checkpoint_holds_only_the_adapters(lora_tp2, chat_setup):
+    import json
+
+    from safetensors import safe_open
+
+    step = lora_tp2.dir / "step_6"
+    for shard in (step / "model").glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            assert all(".lora_A." in k or ".lora_B." in k for k in f.keys())
+    meta = json.loads((step / "metadata.json").read_text())
+    assert meta["base_model"]["name_or_path"] == str(chat_setup.model)
+    assert meta["model"]["adapters"]["default"]["r"] == 8
+    weights_and_state = _bytes(step / "model") + _bytes(step / "optimizer")
+    base = (chat_setup.model / "model.safetensors").stat().st_size
+    assert weights_and_state < 0.5 * 3 * base  # a full checkpoint holds the weights and Adam's two moments
+
+
+def test_resume_at_another_layout(tmp_path, lora_tp2, chat_setup):
+    out = accelerate_launch(
+        "finetune.py",
+        "tp1_pp2",
+        "--model",
+        str(chat_setup.model),
+        "--data",
+        str(chat_setup.data),
+        "--output_dir",
+        str(tmp_path),
+        "--max_steps",
+        "6",
+        "--resume",
+        str(lora_tp2.dir / "step_3"),
+        *LORA,
+    )
+    assert_same_losses(step_losses(out), lora_tp2.losses, range(4, 7), "resumed at TP=1 x PP=2")
+
+
+def _mtk(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mtk.cli.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_export_adapter_loads_with_peft(tmp_path, lora_tp2, chat_setup):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = _mtk("export", str(lora_tp2.dir / "step_6"), str(tmp_path / "adapter"), "--adapter")
+    assert out.returncode == 0, out.stderr[-2000:]
+    exported = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    saved = load_file(str(lora_tp2.dir / "saved" / "adapter_model.safetensors"))
+    assert sorted(exported) == sorted(saved) and all(torch.equal(exported[k], saved[k]) for k in saved)
+    base = AutoModelForCausalLM.from_pretrained(chat_setup.model)
+    model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    merged_out = _mtk("export", str(lora_tp2.dir / "step_6"), str(tmp_path / "merged"), "--merge")
+    assert merged_out.returncode == 0, merged_out.stderr[-2000:]  # the base is the directory the run loaded
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    ids = torch.arange(1, 17).reshape(2, 8)
+    with torch.no_grad():
+        from mtk.testing import assert_close_rel
+
+        assert_close_rel(merged(input_ids=ids).logits, model(input_ids=ids).logits, "merged vs PEFT logits")
+    assert (tmp_path / "merged" / "tokenizer_config.json").is_file()  # the run's tokenizer travels along
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("--lora_alpha", "16"), "--lora_alpha configure LoRA adapters; add --lora_r R"),
+        (("--lora_r", "4", "--lora_targets", "q_proj,nonexistent"), "target(s) nonexistent match no module"),
+        (("--lora_r", "4", "--lora_targets", "lm_head"), "vocabulary-parallel output head"),
+    ],
+)
+def test_bad_lora_options_are_one_line(tmp_path, args, message):
+    out = accelerate_launch(
+        "finetune.py", "tp2", "--output_dir", str(tmp_path), "--max_steps", "1", *args, check=False
+    )
+    one_line_error(out, message)
