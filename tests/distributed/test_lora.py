@@ -85,6 +85,13 @@ def _lora_checks(
     with torch.no_grad():
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
     assert_close_rel(logits, expected.logits, f"{name} logits")
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        with model.disable_adapter():  # PEFT's switches work on the parallel layers: the base alone ...
+            assert_close_rel(model(**inputs).logits, plain(**inputs).logits, f"{name} adapters disabled")
+        model.merge_adapter()  # ... and merged into each rank's shard (B_r A or B A_r: local)
+        assert_close_rel(model(**inputs).logits, expected.logits, f"{name} merged logits")
+        model.unmerge_adapter()
     ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
     grads = full_grads(model, state)
     assert sorted(grads) == sorted(ref_grads)

@@ -142,3 +142,32 @@ def test_bad_lora_options_are_one_line(tmp_path, args, message):
         "finetune.py", "tp2", "--output_dir", str(tmp_path), "--max_steps", "1", *args, check=False
     )
     one_line_error(out, message)
+
+
+def test_deepspeed_zero2_trains_the_same_adapters(tmp_path, lora_tp1, chat_setup):
+    """``deepspeed ... run.py --lora_r 8`` with ZeRO-2 over DP at TP=2 x DP=2: the accelerate TP=1 losses; its
+    checkpoint (DeepSpeed's own included) leaves the frozen base out."""
+    from tests.e2e.test_deepspeed import deepspeed_run
+
+    out = deepspeed_run(
+        4,
+        "zero2",
+        "--tp",
+        "2",
+        "--batch_size",
+        "4",
+        "--max_steps",
+        "6",
+        "--save_every",
+        "6",
+        "--model",
+        str(chat_setup.model),
+        "--data",
+        str(chat_setup.data),
+        "--output_dir",
+        str(tmp_path),
+        *LORA,
+    )
+    assert_same_losses(step_losses(out), lora_tp1.losses, range(1, 7), "DeepSpeed ZeRO-2 LoRA")
+    base = (chat_setup.model / "model.safetensors").stat().st_size
+    assert _bytes(tmp_path / "step_6" / "deepspeed") < base  # adapters and their moments, no base weights
