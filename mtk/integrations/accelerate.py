@@ -14,9 +14,8 @@ plugin (NVIDIA's Megatron-LM package) is not used.
 from __future__ import annotations
 
 import os
-import weakref
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any
 
 import torch
 from accelerate import Accelerator as _AccelerateAccelerator
@@ -24,10 +23,11 @@ from accelerate.data_loader import prepare_data_loader
 from torch import nn
 
 from mtk.config import ParallelConfig, RunSettings
-from mtk.convert import parallelize, parallelized
+from mtk.convert import parallelized
 from mtk.errors import ConfigError
 from mtk.integrations.accelerate_checkpoint import ShardedCheckpointing
 from mtk.integrations.accelerate_collectives import DataParallelCollectives
+from mtk.integrations.accelerate_convert import ReplacedParams, convert_tracking, repoint
 from mtk.integrations.accelerate_deepspeed import deepspeed_initialize_with_mpu, replace_accelerated_schedulers
 from mtk.integrations.accelerate_init import apply_timeout, gloo_for_deepspeed, megatron_plugin_off, resolve_topology
 from mtk.integrations.deepspeed import (
@@ -44,8 +44,6 @@ from mtk.parallel.state import ParallelState, default_device
 from mtk.pipeline.engine import PipelineModel
 
 __all__ = ["Accelerator", "DataParallelScheduler"]
-
-ReplacedParams = dict[int, tuple[weakref.ref, "nn.Parameter | None"]]
 
 
 class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAccelerator):
@@ -166,7 +164,7 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
             if self.parallel.pp_size > 1:
                 raise ConfigError("pipeline parallelism (pp > 1) needs an HF model with a config")
             return model, {}
-        replaced = self._parallelize(model)
+        replaced = convert_tracking(model, self.parallel, self.settings)
         act_on_model(model, self.settings, self.print)
         return self._pipelined(model), replaced
 
@@ -174,21 +172,8 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         """The HF model made parallel for this run now instead of in ``prepare`` (in place; returns it), so
         that LoRA adapters can be added to its parallel layers (:func:`mtk.lora.get_peft_model`)."""
         if parallelized(model) is None:
-            self._replaced_params.update(self._parallelize(model))
+            self._replaced_params.update(convert_tracking(model, self.parallel, self.settings))
         return model
-
-    def _parallelize(self, model: nn.Module) -> ReplacedParams:
-        """:func:`~mtk.convert.parallelize` with this run's settings; returns what :meth:`_convert` does."""
-        before: dict[int, tuple[weakref.ref, list[str]]] = {}  # a tied parameter has several names
-        for name, param in model.named_parameters(remove_duplicate=False):
-            before.setdefault(id(param), (weakref.ref(param), []))[1].append(name)
-        layers = self.settings.layers_per_stage(cast(Any, model).config.num_hidden_layers, self.parallel.pp_size)
-        sequence_parallel = self.settings.sequence_parallel and self.parallel.tp_size > 1
-        parallelize(model, self.parallel, pipeline_layers=layers, sequence_parallel=sequence_parallel)
-        after = dict(model.named_parameters(remove_duplicate=False))
-        return {
-            old: (ref, next((after[n] for n in names if n in after), None)) for old, (ref, names) in before.items()
-        }
 
     def _pipelined(self, model: nn.Module) -> nn.Module:
         """With pp > 1, the stage wrapped in the schedule-running :class:`PipelineModel`."""
@@ -204,7 +189,7 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         args = [self._convert_once(obj) if isinstance(obj, nn.Module) else obj for obj in args]
         for obj in args:
             if isinstance(obj, torch.optim.Optimizer):
-                self._repoint(obj)
+                repoint(obj, self._replaced_params)
         if not self.uses_deepspeed:
             return super().prepare(*args, device_placement=device_placement)
         with deepspeed_initialize_with_mpu(self.parallel):
@@ -221,23 +206,10 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         """accelerate's, once the optimizer points at the converted model's parameters (an optimizer
         built before ``prepare`` holds the unconverted ones; another stage's parameters are dropped)."""
         if not getattr(optimizer, "_is_accelerate_prepared", False):
-            self._repoint(optimizer)
+            repoint(optimizer, self._replaced_params)
             if self.settings.use_distributed_optimizer and not self.uses_deepspeed:
                 shard_optimizer(optimizer, self.parallel.dp_group)  # ZeRO-1 over DP; replicas re-synced after step
         return super().prepare_optimizer(optimizer, device_placement)
-
-    def _repoint(self, optimizer: torch.optim.Optimizer) -> None:
-        replaced = [p for g in optimizer.param_groups for p in g["params"] if self._replacement(p) is not p]
-        if not replaced:
-            return
-        if optimizer.state:
-            raise ConfigError("the optimizer already has state; prepare it before its first step")
-        for group in optimizer.param_groups:
-            group["params"] = [new for p in group["params"] if (new := self._replacement(p)) is not None]
-
-    def _replacement(self, param: nn.Parameter) -> nn.Parameter | None:
-        ref, new = self._replaced_params.get(id(param), (None, param))
-        return new if ref is None or ref() is param else param  # an id reused by another tensor is not a match
 
     # ---------------------------------------------------------------------- DeepSpeed (ZeRO over DP)
     @property

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +73,7 @@ class ParallelLoraLinear(PeftLinear):
     rng: RNGStreams | None = None  # set by mtk.lora: column dropouts draw from the default stream, rows per rank
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config: Any, **kwargs: Any) -> None:
-        base = base_layer.get_base_layer() if hasattr(base_layer, "get_base_layer") else base_layer
+        base: Any = base_layer.get_base_layer() if hasattr(base_layer, "get_base_layer") else base_layer  # type: ignore[operator]
         unsupported = [
             name
             for name, on in (
@@ -95,19 +95,19 @@ class ParallelLoraLinear(PeftLinear):
             )
         self.is_row = isinstance(base, RowParallelLinear)
         super().__init__(base_layer, adapter_name, config, **kwargs)
-        self.fan_in_fan_out = base.transposed  # GPT-2's Conv1D keeps [in, out]: merged deltas are transposed
+        self.fan_in_fan_out = bool(base.transposed)  # GPT-2's Conv1D keeps [in, out]: merged deltas are transposed
 
-    def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
+    def _get_in_out_features(self, module: Any) -> tuple[int, int]:
         return module.in_features, module.out_features  # full sizes: A is [r, in], B is [out, r]
 
     def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config: Any, **kwargs: Any) -> None:
         """PEFT's bookkeeping, with sharded factors cut from full ones drawn from this module's own generator."""
         if r <= 0:
             raise ConfigError(f"LoRA rank r={r} must be a positive integer")
-        base = self.get_base_layer()
+        base: Any = self.get_base_layer()
         self.r[adapter_name], self.lora_alpha[adapter_name] = r, lora_alpha
         dropout = nn.Dropout(p=config.lora_dropout) if config.lora_dropout > 0 else nn.Identity()
-        self.lora_dropout.update(nn.ModuleDict({adapter_name: dropout}))
+        self.lora_dropout[adapter_name] = dropout
         self.scaling[adapter_name] = lora_alpha / (math.sqrt(r) if config.use_rslora else r)
         self.use_rslora[adapter_name], self.use_dora[adapter_name] = config.use_rslora, False
         self.lora_bias[adapter_name] = False
@@ -115,19 +115,20 @@ class ParallelLoraLinear(PeftLinear):
         seed = getattr(config, SEED_ATTRIBUTE, None)
         seed = torch.initial_seed() if seed is None else seed
         generator = torch.Generator().manual_seed(adapter_seed(seed, kwargs.get("target_name", "")))
-        full_a, full_b = _full_factors(r, self.in_features, self.out_features, config.init_lora_weights, generator)
+        n_in, n_out = base.in_features, base.out_features
+        full_a, full_b = _full_factors(r, n_in, n_out, config.init_lora_weights, generator)
         for module, full in ((lora_a, full_a), (lora_b, full_b)):
             module.to_empty(device=base.weight.device)
             with torch.no_grad():
                 if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                    module.load_full(full.to(module.weight.device))
+                    module.load_full(full.to(base.weight.device))
                 else:
-                    module.weight.copy_(full)
+                    cast(torch.Tensor, module.weight).copy_(full)
         self.lora_A[adapter_name], self.lora_B[adapter_name] = lora_a, lora_b
         self._move_adapter_to_device_of_base_layer(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
 
-    def _factors(self, base: nn.Module, r: int) -> tuple[nn.Module, nn.Module]:
+    def _factors(self, base: Any, r: int) -> tuple[nn.Module, nn.Module]:
         """Empty ``A``, ``B`` (on the meta device: no draw from the global generator) sharded to match ``base``."""
         meta: dict[str, Any] = {"device": "meta", "dtype": torch.float32}
         if self.is_row:
@@ -160,8 +161,8 @@ class ParallelLoraLinear(PeftLinear):
 
     def _adapter(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """``s * B A x`` for this rank: its output columns (column base) or its share of the sum (row base)."""
-        lora_a, lora_b = self.lora_A[name], self.lora_B[name]
-        base = self.get_base_layer()
+        lora_a, lora_b = cast(Any, self.lora_A[name]), cast(Any, self.lora_B[name])
+        base: Any = self.get_base_layer()
         with self._dropout_stream():
             x = self.lora_dropout[name](self._cast_input_dtype(x, lora_a.weight.dtype))
         if self.is_row:
@@ -173,7 +174,7 @@ class ParallelLoraLinear(PeftLinear):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if kwargs.pop("adapter_names", None) is not None:
             raise ConfigError("adapter_names (mixed-adapter batches) is not supported on tensor-parallel LoRA layers")
-        base = self.get_base_layer()
+        base: Any = self.get_base_layer()
         if self.disable_adapters and self.merged:
             self.unmerge()
         active = [a for a in self.active_adapters if a in self.lora_A]

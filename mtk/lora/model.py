@@ -48,7 +48,7 @@ def adapter_configs(model: nn.Module) -> dict[str, dict[str, Any]]:
 
 def split_linear_names(model: nn.Module) -> dict[str, nn.Module]:
     """The model's tensor-parallel linears by HF name, without the (vocabulary-parallel) output head."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = cast(Any, model).get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return {
         name: module
         for name, module in model.named_modules()
@@ -89,7 +89,7 @@ def _resolve_targets(model: nn.Module, config: Any, report) -> Any:
     if not matched:
         where = f" on pipeline stage {stage.stage}" if stage else ""
         raise ConfigError(f"LoRA targets {shown} match no module{where}; {valid}")
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = cast(Any, model).get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for name, module in matched:
         if _linear_kind(module) == "split" and module is not head:
             continue
