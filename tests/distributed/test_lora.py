@@ -220,3 +220,80 @@ def test_adapter_checkpoint_export_reproduces_logits(tmp_path):
     with pytest.raises(CheckpointError, match="not the base"):
         export_merged(tmp_path / "step_1", tmp_path / "merged_other", base=tmp_path / "other_base")
     assert not list(tmp_path.glob("merged_other*"))
+
+
+def _dropout_checks(rank: int, world_size: int) -> None:
+    """LoRA dropout on column-parallel layers draws the single process's masks (the default stream: their input
+    is the same on every TP rank), so with dropout on, TP=2 still equals PEFT on one process."""
+    state = ParallelState.build(tp_size=world_size)
+    hf = build_model("tiny-llama", seed=0)  # train mode; Llama itself has no dropout
+    targets = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+    model = get_peft_model(parallelize(copy.deepcopy(hf), state), _config(targets, lora_dropout=0.5))
+    reference = reference_for(hf, model, state)
+    batch = _batch()
+    torch.manual_seed(5)
+    expected = reference(**batch)
+    expected.loss.backward()
+    torch.manual_seed(5)
+    out = model(**batch)
+    out.loss.backward()
+    assert_close_rel(out.loss, expected.loss, "loss with LoRA dropout")
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    for name, grad in full_grads(model, state).items():
+        assert_close_rel(grad, ref_grads[name], f"grad of {name} with LoRA dropout")
+
+
+def test_lora_dropout_on_columns_equals_peft():
+    run_distributed(_dropout_checks, world_size=2)
+
+
+def _base_dtype_checks(rank: int, world_size: int) -> dict:
+    """A bf16 base keeps fp32 adapters (PEFT's autocast): the optimizer state is fp32, the base stays bf16."""
+    state = ParallelState.build(tp_size=world_size)
+    hf = build_model("tiny-llama", seed=0, dtype=torch.bfloat16).eval()
+    model = get_peft_model(parallelize(copy.deepcopy(hf), state), _config("all-linear"), report=lambda line: None)
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+    reference = reference_for(hf, model, state)
+    batch = _batch()
+    expected = reference(**batch).loss
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    optimizer.step()
+    moments = {s["exp_avg"].dtype for s in optimizer.state.values()}
+    assert_close_rel(loss.float(), expected.float(), "bf16 base loss", tol=2e-2)  # bf16 sums differ by layout
+    return {"adapters": dtypes, "base": frozen, "moments": moments}
+
+
+def test_bf16_base_keeps_fp32_adapters():
+    result = run_distributed(_base_dtype_checks, world_size=2)[0]
+    assert result == {"adapters": {torch.float32}, "base": {torch.bfloat16}, "moments": {torch.float32}}
+
+
+def _bad_target_messages(rank: int, world_size: int) -> list[str]:
+    from mtk.errors import ConfigError
+
+    state = ParallelState.build(tp_size=world_size)
+    messages = []
+    for name, targets in [
+        ("tiny-bert", ["classifier"]),  # a linear mtk keeps whole
+        ("tiny-llama", ["self_attn"]),  # not a linear
+        ("tiny-llama", ["q_proj", "qproj"]),  # a typo
+        ("tiny-llama", ["lm_head"]),  # the vocabulary-parallel head
+    ]:
+        try:
+            get_peft_model(parallelize(build_model(name, seed=0), state), _config(targets))
+            messages.append("accepted")
+        except ConfigError as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_bad_targets_are_one_line_each():
+    messages = run_distributed(_bad_target_messages, world_size=2)[0]
+    assert "classifier is a Linear mtk keeps whole" in messages[0] and "modules_to_save" in messages[0]
+    assert "self_attn is a LlamaAttention, not a linear layer" in messages[1]
+    assert "qproj match no module" in messages[2] and "q_proj" in messages[2]
+    assert "vocabulary-parallel output head" in messages[3]
+    assert all("\n" not in m for m in messages)

@@ -1,0 +1,47 @@
+"""The ``--lora_*`` options become PEFT's LoraConfig; a stray one is one line."""
+
+import argparse
+
+import pytest
+import torch
+
+from mtk.errors import ConfigError
+from mtk.lora.options import add_lora_arguments, base_dtype, lora_config
+
+pytestmark = pytest.mark.unit
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_lora_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_no_rank_no_lora():
+    assert lora_config(_parse()) is None
+
+
+def test_options_reach_lora_config():
+    config = lora_config(
+        _parse("--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.1", "--lora_targets", "q_proj, v_proj")
+    )
+    assert (config.r, config.lora_alpha, config.lora_dropout) == (8, 16, 0.1)
+    assert set(config.target_modules) == {"q_proj", "v_proj"} and config.task_type == "CAUSAL_LM"
+    assert lora_config(_parse("--lora_r", "4")).target_modules == "all-linear"
+
+
+@pytest.mark.parametrize("argv", [("--lora_alpha", "16"), ("--base_dtype", "bf16"), ("--lora_targets", "q_proj")])
+def test_a_lora_option_without_a_rank_is_one_line(argv):
+    with pytest.raises(ConfigError, match=f"{argv[0]} configure LoRA adapters; add --lora_r R"):
+        lora_config(_parse(*argv))
+
+
+@pytest.mark.parametrize("argv", [("--lora_r", "0"), ("--lora_dropout", "1.5"), ("--base_dtype", "int8")])
+def test_bad_values_are_refused_while_parsing(argv):
+    with pytest.raises(SystemExit):
+        _parse(*argv)
+
+
+def test_base_dtype():
+    assert base_dtype(_parse("--lora_r", "4", "--base_dtype", "bf16")) is torch.bfloat16
+    assert base_dtype(_parse("--lora_r", "4")) is torch.float32
