@@ -4,8 +4,8 @@ PEFT does not know mtk's layers; :func:`get_peft_model` teaches it (``LoraConfig
 :class:`~mtk.lora.layers.ParallelLoraLinear` for every column- and row-parallel linear), resolves the targets
 against the parallel model first (``all-linear``, targets that match nothing or a layer mtk keeps whole: one
 clear line each) and then calls PEFT's own ``get_peft_model``. The result is an ordinary ``PeftModel``:
-``print_trainable_parameters``, adapter switching, ``save_pretrained`` (through the Accelerator's gathered state
-dict) and ``merge_and_unload`` work as PEFT documents.
+``print_trainable_parameters``, ``disable_adapter``, ``merge_adapter``/``unmerge_adapter`` and ``save_pretrained``
+(of the Accelerator's gathered state dict) work as PEFT documents.
 """
 
 from __future__ import annotations
