@@ -20,7 +20,7 @@ from torch import nn
 
 from mtk.convert import parallelized
 from mtk.errors import ConfigError
-from mtk.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mtk.parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardedModule
 
 __all__ = ["adapter_configs", "get_peft_model", "hf_model", "is_peft_model", "split_linear_names"]
 
@@ -104,6 +104,13 @@ def _resolve_targets(model: nn.Module, config: Any, report) -> Any:
     unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
     if unmatched and stage is None:  # with pp > 1 a target may live on another stage
         raise ConfigError(f"LoRA target(s) {', '.join(unmatched)} match no module; {valid}")
+    for name, module in model.named_modules():  # PEFT copies these whole: mtk's layer hooks would not follow
+        saved = [m for m in (config.modules_to_save or ()) if name == m or name.endswith(f".{m}")]
+        if saved and isinstance(module, ShardedModule):
+            raise ConfigError(
+                f"modules_to_save {saved[0]}: {name} is a tensor-parallel {type(module).__name__}; only modules mtk "
+                "keeps whole (a classifier head, a norm) can be trained next to the adapters"
+            )
     return config
 
 

@@ -276,14 +276,16 @@ def _bad_target_messages(rank: int, world_size: int) -> list[str]:
 
     state = ParallelState.build(tp_size=world_size)
     messages = []
-    for name, targets in [
+    for name, targets, *case in [
         ("tiny-bert", ["classifier"]),  # a linear mtk keeps whole
         ("tiny-llama", ["self_attn"]),  # not a linear
         ("tiny-llama", ["q_proj", "qproj"]),  # a typo
         ("tiny-llama", ["lm_head"]),  # the vocabulary-parallel head
+        ("tiny-llama", ["q_proj"], ["lm_head"]),  # a split module PEFT would copy whole
     ]:
         try:
-            get_peft_model(parallelize(build_model(name, seed=0), state), _config(targets))
+            extra = {"modules_to_save": case[0]} if case else {}
+            get_peft_model(parallelize(build_model(name, seed=0), state), _config(targets, **extra))
             messages.append("accepted")
         except ConfigError as err:
             messages.append(str(err))
@@ -296,4 +298,5 @@ def test_bad_targets_are_one_line_each():
     assert "self_attn is a LlamaAttention, not a linear layer" in messages[1]
     assert "qproj match no module" in messages[2] and "q_proj" in messages[2]
     assert "vocabulary-parallel output head" in messages[3]
+    assert "modules_to_save lm_head: lm_head is a tensor-parallel ColumnParallelLinear" in messages[4]
     assert all("\n" not in m for m in messages)
