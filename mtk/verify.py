@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import PretrainedConfig
 
 from mtk.checkpoint.hf_load import load_pretrained_tp
 from mtk.convert import parallelize, parallelized
@@ -53,8 +54,8 @@ def _batch(config, batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
     return dict(input_ids=ids, labels=ids)
 
 
-def _models(spec: str, parallel: ParallelState, dtype: torch.dtype, seed: int):
-    if Path(spec).is_dir():
+def _models(spec: str | PretrainedConfig, parallel: ParallelState, dtype: torch.dtype, seed: int):
+    if isinstance(spec, str) and Path(spec).is_dir():
         config = resolve_config(spec)
         reference = auto_class_for(config).from_pretrained(spec, dtype=dtype)
         return reference.eval(), load_pretrained_tp(spec, parallel, dtype=dtype).eval()
@@ -62,7 +63,7 @@ def _models(spec: str, parallel: ParallelState, dtype: torch.dtype, seed: int):
     return reference, parallelize(copy.deepcopy(reference), parallel).eval()
 
 
-def verify_worker(rank: int, world_size: int, spec: str, dtype: str, batch: int, seq: int, seed: int) -> VerifyResult:
+def verify_worker(rank: int, world_size: int, spec: str | PretrainedConfig, dtype: str, batch: int, seq: int, seed: int) -> VerifyResult:
     """Run in each of ``world_size`` processes (TP = world size); returns this rank's measurements."""
     parallel = ParallelState.build(tp_size=world_size)
     try:

@@ -27,7 +27,8 @@ class VocabParallelEmbedding(ShardedModule):
     per-rank results: exactly one rank contributes a non-zero row per token, so the sum is the full
     lookup. ``V`` is padded up to a multiple of ``tp * pad_to_multiple_of``; padded rows are zero, are
     never looked up by a real token id, and never leave the layer (``num_embeddings`` stays the real
-    vocabulary size).
+    vocabulary size). ``embed_scale`` multiplies the lookup, as the scaled embeddings of Gemma and BART do
+    (the scale cast to the weight's dtype first, as theirs).
     """
 
     def __init__(
@@ -40,6 +41,7 @@ class VocabParallelEmbedding(ShardedModule):
         pad_to_multiple_of: int = 1,
         sequence_parallel: bool = False,
         sequence_dim: int = 1,
+        embed_scale: float | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -47,6 +49,7 @@ class VocabParallelEmbedding(ShardedModule):
         self.tp_group = tp_group
         self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.embed_scale = embed_scale
         self.num_embeddings_padded = padded_vocab_size(num_embeddings, self.tp_size, pad_to_multiple_of)
         self.vocab_per_rank = self.num_embeddings_padded // self.tp_size
         self.vocab_start = self.tp_rank * self.vocab_per_rank
@@ -79,6 +82,12 @@ class VocabParallelEmbedding(ShardedModule):
         self.weight.copy_(self.shard(full))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = self._lookup(input_ids)
+        if self.embed_scale is None:
+            return out
+        return out * torch.tensor(self.embed_scale, device=out.device).to(self.weight.dtype)
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [b, s] global token ids
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight, self.padding_idx)  # [b, s, h]

@@ -123,6 +123,17 @@ class CopyInputToTP:
         return args, {**kwargs, self.argument: self._enter(kwargs[self.argument])}
 
 
+def _embed_scale(module: nn.Module) -> float | None:
+    """The factor a scaled embedding (Gemma's, BART's: an ``nn.Embedding`` subclass) multiplies lookups by."""
+    scale = getattr(module, "scalar_embed_scale", None)  # Gemma keeps a float beside the (possibly meta) buffer
+    scale = getattr(module, "embed_scale", None) if scale is None else scale
+    if scale is None:
+        return None
+    if torch.is_tensor(scale) and scale.device.type == "meta":
+        raise UnsupportedModelError(f"{type(module).__name__}: its embed_scale is on the meta device; load it first")
+    return float(scale.item()) if torch.is_tensor(scale) else float(scale)
+
+
 def _build(
     rule: Rule,
     module: nn.Module,
@@ -146,6 +157,7 @@ def _build(
             module.padding_idx,
             tp_group=group,
             pad_to_multiple_of=pad,
+            embed_scale=_embed_scale(module),
             **meta,
         )
     n_in, n_out, bias, transposed = _linear_dims(module, name)
@@ -182,7 +194,14 @@ def _build(
         )
     if rule.style == ROW:
         return RowParallelLinear(
-            n_in, n_out, bias, tp_group=group, transposed=transposed, sequence_parallel=sequence_parallel, **meta
+            n_in,
+            n_out,
+            bias,
+            tp_group=group,
+            input_is_parallel=not rule.split_input,
+            transposed=transposed,
+            sequence_parallel=sequence_parallel,
+            **meta,
         )
     if rule.style == LM_HEAD:
         return ColumnParallelLinear(

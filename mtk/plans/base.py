@@ -102,6 +102,7 @@ class Rule:
             GPT-2's ``c_attn``), so each part is split on its own.
         gather_output: gather the column's output (a head whose HF loss needs full logits).
         optional: the rule may match nothing (e.g. Qwen3's q/k norms in a Qwen2 model).
+        split_input: a row whose input arrives whole (after a gathered column): it cuts its slice first.
     """
 
     pattern: str
@@ -109,6 +110,7 @@ class Rule:
     parts: Callable[[Any], list[int]] | None = None
     gather_output: bool = False
     optional: bool = False
+    split_input: bool = False
 
     def __post_init__(self) -> None:
         if self.style not in STYLES:

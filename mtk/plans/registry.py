@@ -20,6 +20,7 @@ from mtk.plans.base import Plan, UnsupportedModelError
 from mtk.plans.bert import BERT
 from mtk.plans.generic import GENERIC
 from mtk.plans.gpt2 import GPT2
+from mtk.plans.hf_plan import hf_plan
 from mtk.plans.llama import LLAMA
 from mtk.plans.phi3 import PHI3
 
@@ -37,11 +38,16 @@ def register_plan(plan: Plan) -> None:
 
 
 def find_plan(config) -> Plan | None:
-    """The registered plan for ``config.model_type``, or ``None``."""
+    """The registered (hand-written) plan for ``config.model_type``, else the one transformers' own
+    ``base_model_tp_plan`` gives (:mod:`mtk.plans.hf_plan`), else ``None``."""
     for plan in PLANS:
         if config.model_type in plan.model_types:
             return plan
-    return None
+    return hf_plan(config)[0]
+
+
+def _is_registered(plan: Plan) -> bool:
+    return any(plan is known for known in PLANS)
 
 
 def check_tp_size(config, tp_size: int) -> None:
@@ -74,8 +80,9 @@ def _one_layer_config(config):
     return small
 
 
-def _check_generic_parity(model_class: type, config, parallel: ParallelState) -> None:
-    """Convert a one-layer random copy with the generic rules; raise unless its logits match."""
+def _check_parity(model_class: type, config, parallel: ParallelState, plan: Plan = GENERIC) -> None:
+    """Convert a one-layer random copy with ``plan`` (the generic rules, or ones derived from HF's tp plan);
+    raise unless its logits match."""
     small = _one_layer_config(config)
     small._attn_implementation = "eager"
     generator_state = torch.random.get_rng_state()
@@ -87,7 +94,7 @@ def _check_generic_parity(model_class: type, config, parallel: ParallelState) ->
         torch.random.set_rng_state(generator_state)
     converted = copy.deepcopy(reference)
     try:
-        parallelize_with(converted, parallel, GENERIC)
+        parallelize_with(converted, parallel, plan)
     except UnsupportedModelError as err:
         raise UnsupportedModelError(f"no rules for model_type {config.model_type!r} ({err}); {_HOW_TO_ADD}") from None
     with torch.no_grad():
@@ -98,26 +105,28 @@ def _check_generic_parity(model_class: type, config, parallel: ParallelState) ->
         except RuntimeError as err:  # e.g. a norm over all heads fed one rank's heads: shapes disagree
             first_line = str(err).strip().splitlines()[0]
             raise UnsupportedModelError(
-                f"no rules for model_type {config.model_type!r}: the generic rules convert {model_class.__name__} "
+                f"no rules for model_type {config.model_type!r}: the {plan.name} rules convert {model_class.__name__} "
                 f"but its forward then fails ({first_line}); {_HOW_TO_ADD}"
             ) from None
     if dist.is_initialized():
         all_reduce(error, parallel.tp_group, op=dist.ReduceOp.MAX)  # every rank decides the same way
     if not error.item() <= PARITY_TOLERANCE:
         raise UnsupportedModelError(
-            f"no rules for model_type {config.model_type!r}: the generic q_proj/k_proj/v_proj/o_proj rules convert "
+            f"no rules for model_type {config.model_type!r}: the {plan.name} rules convert "
             f"{model_class.__name__} but its logits differ from the original (relative error {error.item():.1e}); "
             f"{_HOW_TO_ADD}"
         )
 
 
 def resolve_plan(model: nn.Module, parallel: ParallelState) -> Plan:
-    """The plan that converts ``model``: its family's, else the generic rules once they pass a parity
-    check on a one-layer random copy (collective over the TP group)."""
+    """The plan that converts ``model``: its family's, else the one from transformers' tp plan, else the
+    generic rules; the last two once they pass a parity check on a one-layer random copy (collective over
+    the TP group)."""
     plan = find_plan(model.config)
-    if plan is not None:
+    if plan is not None and _is_registered(plan):
         return plan
-    problem = GENERIC.head_counts(model.config).problem(parallel.tp_size)
+    candidate = plan or GENERIC
+    problem = candidate.head_counts(model.config).problem(parallel.tp_size)
     if problem is None:  # sizes first: a clear size error beats a parity run that cannot pass
-        _check_generic_parity(type(model), model.config, parallel)
-    return GENERIC
+        _check_parity(type(model), model.config, parallel, candidate)
+    return candidate

@@ -1,0 +1,132 @@
+"""Plans built from the metadata transformers ships with each architecture: ``base_model_tp_plan`` (module
+pattern -> style) and ``base_model_pp_plan`` (embedding -> layers -> final norm).
+
+The model authors maintain that metadata for every new architecture, so an architecture that ships it needs no
+code in mtk. HF's styles map onto mtk's:
+
+==============================  ==========================================================================
+HF style                        mtk
+==============================  ==========================================================================
+``colwise``                     column-parallel (a k/v projection: by kv heads, replicated when tp > kv)
+``rowwise``                     row-parallel
+``packed_colwise`` (dense)      column-parallel split per part (``gate_up_proj``: two halves)
+``colwise_gather_output``       column-parallel whose output is gathered (what follows needs every column,
+                                e.g. OLMo2's q/k norms over the whole projection): exact, no memory saved
+                                on the attention itself
+``rowwise_split_input``         row-parallel that cuts its (gathered) input first
+``replicated_with_grad_allreduce``  replicated, gradient summed over TP (norms over split heads)
+``embedding_rowwise``           vocabulary-parallel embedding
+==============================  ==========================================================================
+
+The input embedding (the pp plan's first module) is always vocabulary-parallel and the causal-LM head
+(``lm_head`` in the model class's ``_tp_plan``) vocabulary-parallel with mtk's loss, which never gathers the
+logits. Any other style (MoE experts, MLA projections, ...) makes :func:`hf_plan` say why it cannot, and the
+registry falls back to the generic rules. Every plan built here passes the same one-layer parity check as the
+generic rules before it converts a model (:func:`mtk.plans.registry.resolve_plan`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mtk.plans.base import (
+    COLUMN,
+    IDENTITY,
+    KV_COLUMN,
+    LM_HEAD,
+    REMOVE,
+    ROW,
+    TP_SHARED,
+    VOCAB,
+    AttrFix,
+    PipelineSpec,
+    Plan,
+    Rule,
+)
+from mtk.plans.llama import llama_head_counts
+
+__all__ = ["SUPPORTED_STYLES", "hf_plan"]
+
+KV_NAMES = ("k_proj", "v_proj", "key", "value", "k", "v")
+SUPPORTED_STYLES = (
+    "colwise",
+    "rowwise",
+    "packed_colwise",
+    "colwise_gather_output",
+    "rowwise_split_input",
+    "replicated_with_grad_allreduce",
+    "embedding_rowwise",
+)
+
+
+def _rule(pattern: str, style: str) -> Rule:
+    """mtk's rule for one entry of HF's tp plan (a style :data:`SUPPORTED_STYLES` lists)."""
+    pattern = f"**.{pattern}"
+    last = pattern.rpartition(".")[2]
+    if style == "colwise":
+        return Rule(pattern, KV_COLUMN if last in KV_NAMES else COLUMN)
+    if style == "packed_colwise":  # a fused gate/up projection: each half split on its own
+        return Rule(pattern, COLUMN, parts=lambda config: [config.intermediate_size] * 2)
+    if style == "colwise_gather_output":
+        return Rule(pattern, COLUMN, gather_output=True)
+    if style == "rowwise_split_input":
+        return Rule(pattern, ROW, split_input=True)
+    if style == "replicated_with_grad_allreduce":
+        return Rule(pattern, TP_SHARED)
+    if style == "embedding_rowwise":
+        return Rule(pattern, VOCAB)
+    return Rule(pattern, ROW)
+
+
+def _pipeline(pp_plan: dict[str, Any]) -> PipelineSpec | None:
+    """Stages from ``embedding -> layers -> norm``; ``None`` for any other shape."""
+    names = list(pp_plan)
+    if len(names) != 3 or names[1] != "layers" or "input_ids" not in pp_plan[names[0]][0]:
+        return None
+    return PipelineSpec(
+        layers="**.layers",
+        first_stage=((f"**.{names[0]}", REMOVE),),
+        last_stage=((f"**.{names[2]}", IDENTITY), ("lm_head", REMOVE)),
+    )
+
+
+def hf_plan(config: Any) -> tuple[Plan | None, str]:
+    """The plan HF's metadata gives ``config``'s architecture, or ``(None, why not)``."""
+    tp_plan: dict[str, str] = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not tp_plan:
+        return None, f"{config.model_type} ships no base_model_tp_plan"
+    unsupported = sorted({style for style in tp_plan.values() if style not in SUPPORTED_STYLES})
+    if unsupported:
+        return None, f"{config.model_type}'s base_model_tp_plan uses {', '.join(unsupported)} (mtk does not split it)"
+    if any(style == "packed_colwise" and "experts" in pattern for pattern, style in tp_plan.items()):
+        return None, f"{config.model_type}'s experts are packed (MoE), which mtk does not split"
+    pp_plan = dict(getattr(config, "base_model_pp_plan", None) or {})
+    embedding = next(iter(pp_plan), "embed_tokens")
+    rules = [_rule(pattern, style) for pattern, style in tp_plan.items()]
+    if not any(rule.style == VOCAB for rule in rules):
+        rules.append(Rule(f"**.{embedding}", VOCAB, optional=True))
+    rules.append(Rule("lm_head", LM_HEAD, optional=True))
+    # attention split by heads (not gathered): HF's per-rank head counts and dropout on this rank's heads
+    split_heads = sorted(
+        {p.rpartition(".")[0] for p, s in tp_plan.items() if s == "colwise" and p.rpartition(".")[2] in ("q_proj",)}
+    )
+    fixes = tuple(
+        AttrFix(f"**.{parent}", attr, value)
+        for parent in split_heads
+        for attr, value in (
+            ("num_key_value_groups", lambda ctx: ctx.heads_local // ctx.kv_local),
+            ("num_heads", lambda ctx: ctx.heads_local),
+            ("num_key_value_heads", lambda ctx: ctx.kv_local),
+        )
+    )
+    plan = Plan(
+        name=f"{config.model_type} (transformers' base_model_tp_plan)",
+        model_types=(config.model_type,),
+        rules=tuple(rules),
+        head_counts=llama_head_counts,
+        attr_fixes=fixes,
+        embedding=f"**.{embedding}",
+        pipeline=_pipeline(pp_plan) if pp_plan else None,
+        split_random=tuple(f"**.{parent}" for parent in split_heads),
+    )
+    return plan, ""
