@@ -51,7 +51,7 @@ def _batch(config, batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
     )
     if config.model_type == "bert":
         return dict(input_ids=ids, labels=torch.randint(0, config.num_labels, (batch,), generator=generator))
-    return dict(input_ids=ids, labels=ids)
+    return dict(input_ids=ids, labels=ids, use_cache=False)  # training's call: no KV cache (hybrids need none)
 
 
 def _models(spec: str | PretrainedConfig, parallel: ParallelState, dtype: torch.dtype, seed: int):
@@ -63,7 +63,9 @@ def _models(spec: str | PretrainedConfig, parallel: ParallelState, dtype: torch.
     return reference, parallelize(copy.deepcopy(reference), parallel).eval()
 
 
-def verify_worker(rank: int, world_size: int, spec: str | PretrainedConfig, dtype: str, batch: int, seq: int, seed: int) -> VerifyResult:
+def verify_worker(
+    rank: int, world_size: int, spec: str | PretrainedConfig, dtype: str, batch: int, seq: int, seed: int
+) -> VerifyResult:
     """Run in each of ``world_size`` processes (TP = world size); returns this rank's measurements."""
     parallel = ParallelState.build(tp_size=world_size)
     try:
@@ -76,8 +78,9 @@ def verify_worker(rank: int, world_size: int, spec: str | PretrainedConfig, dtyp
     out = model(**inputs)
     out.loss.backward()
     with torch.no_grad():
-        logits = model(input_ids=inputs["input_ids"]).logits
-        ref_logits = reference(input_ids=inputs["input_ids"]).logits
+        no_labels = {k: v for k, v in inputs.items() if k != "labels"}
+        logits = model(**no_labels).logits
+        ref_logits = reference(**no_labels).logits
     ref_grads = dict(reference.named_parameters())
     grad_scale = max(p.grad.abs().max().item() for p in ref_grads.values() if p.grad is not None)
     result = VerifyResult(

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+from datetime import date
+from pathlib import Path
+
+import transformers
 
 from mtk.errors import MtkError
 from mtk.models import DTYPES, resolve_config
 from mtk.plans import check_tp_size
 from mtk.spawn import run_distributed
+from mtk.sweep import SweepRow, causal_lm_types, sweep_worker
 from mtk.verify import verify_worker
 
 DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
@@ -23,7 +28,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "Exit 0 only if all are within the tolerance."
         ),
     )
-    parser.add_argument("--model", required=True, help="built-in config name (e.g. tiny-llama) or local HF directory")
+    parser.add_argument("--model", help="built-in config name (e.g. tiny-llama) or local HF directory")
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="every causal LM of the installed transformers with a base_model_tp_plan, tiny and random",
+    )
+    parser.add_argument("--types", help="with --all: comma-separated model types instead of every one")
+    parser.add_argument("--write", help="with --all: replace the sweep table in this markdown file")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree = number of processes (default 2)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="compute dtype (default fp32)")
     parser.add_argument("--tolerance", type=float, help="max relative error (default 1e-5 for fp32, 2e-2 for bf16)")
@@ -37,6 +49,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.tp < 1:
         raise MtkError(f"--tp must be at least 1, got {args.tp}")
+    if args.all:
+        return run_all(args)
+    if not args.model:
+        raise MtkError("mtk verify needs --model NAME_OR_DIR, or --all for the architecture sweep")
+    if args.types or args.write:
+        raise MtkError("--types and --write go with --all")
     # Fail fast, in one line, before any process starts: unknown name, missing directory, bad tp.
     check_tp_size(resolve_config(args.model), args.tp)
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
@@ -63,3 +81,42 @@ def run(args: argparse.Namespace) -> int:
     passed = all(error <= tolerance for _, error, _ in rows)
     print(f"{'PASS' if passed else 'FAIL'} (tolerance {tolerance:.0e})")
     return 0 if passed else 1
+
+
+TABLE_START, TABLE_END = "<!-- verify-all:start -->", "<!-- verify-all:end -->"
+
+
+def _table(rows: list[SweepRow], args: argparse.Namespace) -> str:
+    exact = sum(r.status == "exact" for r in rows)
+    lines = [
+        f"`mtk verify --all --tp {args.tp}` on {date.today().isoformat()}, transformers {transformers.__version__}: "
+        f"{exact} of {len(rows)} exact (fp32, tolerance {args.tolerance or 1e-5:.0e}).",
+        "",
+        "| model type | status | rules | logits | loss | gradients | note |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        numbers = [f"{x:.1e}" if x == x else "" for x in (r.logits, r.loss, r.grads)]
+        note = r.reason.replace("|", "/") if r.status != "exact" else ""
+        lines.append(f"| {r.model_type} | {r.status} | {r.source} | {' | '.join(numbers)} | {note} |")
+    return "\n".join(lines)
+
+
+def run_all(args: argparse.Namespace) -> int:
+    types = [t.strip() for t in args.types.split(",")] if args.types else causal_lm_types()
+    unknown = sorted(set(types) - set(causal_lm_types()))
+    if unknown:
+        raise MtkError(f"--types {','.join(unknown)}: not a causal LM with a base_model_tp_plan here")
+    tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE["fp32"]
+    print(f"mtk verify --all: {len(types)} architectures at tp={args.tp}, fp32", flush=True)
+    rows = run_distributed(sweep_worker, world_size=args.tp, args=(types, tolerance), timeout=args.timeout)[0]
+    table = _table(rows, args)
+    print(table)
+    if args.write:
+        path = Path(args.write)
+        text = path.read_text()
+        if TABLE_START not in text or TABLE_END not in text:
+            raise MtkError(f"--write {path}: no {TABLE_START} ... {TABLE_END} block to replace")
+        head, rest = text.split(TABLE_START, 1)
+        path.write_text(head + TABLE_START + "\n" + table + "\n" + TABLE_END + rest.split(TABLE_END, 1)[1])
+    return 0 if all(r.status in ("exact", "refused", "not built") for r in rows) else 1

@@ -298,6 +298,8 @@ def parallelize_with(
             f"{type(model).__name__}: the {plan.name} rules {missing} match no module; this model needs its own rule "
             f"file under mtk/plans/ (docs/architectures.md, 'Adding an architecture')"
         )
+    if parallel.tp_size > 1 and not any(style in (COLUMN, KV_COLUMN, ROW) for style in styles.values()):
+        raise UnsupportedModelError(f"{type(model).__name__}: the {plan.name} rules split no linear layer here")
     untied = [n for n in tied_heads if n not in converted]
     if untied:
         raise UnsupportedModelError(f"{untied} are tied to the input embedding but no rule splits them")

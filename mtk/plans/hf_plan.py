@@ -60,22 +60,23 @@ SUPPORTED_STYLES = (
 
 
 def _rule(pattern: str, style: str) -> Rule:
-    """mtk's rule for one entry of HF's tp plan (a style :data:`SUPPORTED_STYLES` lists)."""
+    """mtk's rule for one entry of HF's tp plan (a style :data:`SUPPORTED_STYLES` lists). Optional: a hybrid
+    model's attention rules match only its attention layers (at least one split layer is required)."""
     pattern = f"**.{pattern}"
     last = pattern.rpartition(".")[2]
     if style == "colwise":
-        return Rule(pattern, KV_COLUMN if last in KV_NAMES else COLUMN)
+        return Rule(pattern, KV_COLUMN if last in KV_NAMES else COLUMN, optional=True)
     if style == "packed_colwise":  # a fused gate/up projection: each half split on its own
-        return Rule(pattern, COLUMN, parts=lambda config: [config.intermediate_size] * 2)
+        return Rule(pattern, COLUMN, parts=lambda config: [config.intermediate_size] * 2, optional=True)
     if style == "colwise_gather_output":
-        return Rule(pattern, COLUMN, gather_output=True)
+        return Rule(pattern, COLUMN, gather_output=True, optional=True)
     if style == "rowwise_split_input":
-        return Rule(pattern, ROW, split_input=True)
+        return Rule(pattern, ROW, split_input=True, optional=True)
     if style == "replicated_with_grad_allreduce":
-        return Rule(pattern, TP_SHARED)
+        return Rule(pattern, TP_SHARED, optional=True)
     if style == "embedding_rowwise":
-        return Rule(pattern, VOCAB)
-    return Rule(pattern, ROW)
+        return Rule(pattern, VOCAB, optional=True)
+    return Rule(pattern, ROW, optional=True)
 
 
 def _pipeline(pp_plan: dict[str, Any]) -> PipelineSpec | None:
@@ -103,7 +104,11 @@ def hf_plan(config: Any) -> tuple[Plan | None, str]:
     pp_plan = dict(getattr(config, "base_model_pp_plan", None) or {})
     embedding = next(iter(pp_plan), "embed_tokens")
     rules = [_rule(pattern, style) for pattern, style in tp_plan.items()]
-    if not any(rule.style == VOCAB for rule in rules):
+    # A learnable activation between a split column and its row (Apertus' xIELU) sees this rank's columns
+    # only: its parameters' gradients are partial sums (HF's plan leaves them replicated, unsummed).
+    split_mlps = {p.rpartition(".")[0] for p, s in tp_plan.items() if s in ("colwise", "packed_colwise")}
+    rules += [Rule(f"**.{parent}.act_fn", TP_SHARED, optional=True) for parent in sorted(split_mlps)]
+    if not any(rule.matches(f"model.{embedding}") for rule in rules):
         rules.append(Rule(f"**.{embedding}", VOCAB, optional=True))
     rules.append(Rule("lm_head", LM_HEAD, optional=True))
     # attention split by heads (not gathered): HF's per-rank head counts and dropout on this rank's heads

@@ -1,9 +1,10 @@
-"""Architectures without a rule file: the generic rules are used only when they reproduce the model,
-and every model or TP size that cannot be converted gets one clear error."""
+"""Architectures without a rule file: transformers' own tp plan is used when the config ships one, the
+generic rules when it does not; either only once they reproduce the model, and every model or TP size
+that cannot be converted gets one clear error."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPTNeoXConfig, Olmo2Config, OlmoConfig
+from transformers import AutoModelForCausalLM, FalconConfig, Olmo2Config, OlmoConfig, StableLmConfig
 
 from mtk.convert import parallelize
 from mtk.models import build_model
@@ -24,9 +25,16 @@ SMALL = dict(
 )
 
 
-def test_generic_rules_convert_olmo_exactly():
-    """OLMo has no rule file; the generic q/k/v/o + gate/up/down rules pass the parity check."""
-    result = run_distributed(_architecture_checks, world_size=2, args=(OlmoConfig(**SMALL),))[0]
+def test_generic_rules_convert_stablelm_exactly():
+    """StableLM has no rule file and no tp plan; the generic q/k/v/o + gate/up/down rules pass the parity check."""
+    result = run_distributed(_architecture_checks, world_size=2, args=(StableLmConfig(**SMALL),))[0]
+    assert result["params"] > 0
+
+
+def test_hf_tp_plan_converts_olmo2_exactly():
+    """OLMo2 normalizes q and k over *all* heads: its tp plan gathers q/k/v (colwise_gather_output) and splits
+    o_proj's input again (rowwise_split_input); mtk follows it and is exact."""
+    result = run_distributed(_architecture_checks, world_size=2, args=(Olmo2Config(**SMALL),))[0]
     assert result["params"] > 0
 
 
@@ -44,10 +52,8 @@ def _convert_or_error(rank: int, world_size: int, config) -> str:
 @pytest.mark.parametrize(
     "config,expected",
     [
-        # OLMo2 normalizes q and k over *all* heads: splitting heads changes the math.
-        (Olmo2Config(**SMALL), "the generic rules convert Olmo2ForCausalLM but its forward then fails"),
-        # GPT-NeoX fuses query_key_value and names its MLP dense_h_to_4h: no generic rule matches.
-        (GPTNeoXConfig(**SMALL), "match no module"),
+        # Falcon (no tp plan) fuses query_key_value and names its MLP dense_h_to_4h: no generic rule matches.
+        (FalconConfig(**{**SMALL, "num_kv_heads": 2}), "match no module"),
     ],
 )
 def test_unfit_architectures_get_a_clear_error(config, expected):

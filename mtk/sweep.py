@@ -1,0 +1,120 @@
+"""``mtk verify --all``: every causal-LM architecture of the installed transformers that ships a
+``base_model_tp_plan``, built tiny and random, converted at TP=N and compared with the unconverted model.
+
+One set of N processes runs the whole sweep (:func:`sweep_worker`), one architecture after another; an
+architecture that cannot be built tiny, or that mtk refuses, is a row with the reason, never a crash.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from mtk.verify import verify_worker
+
+__all__ = ["SweepRow", "causal_lm_types", "sweep_worker", "tiny_config"]
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,  # hybrids (linear attention) interleave: 4 layers hold a full-attention one
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=64,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+MAX_PARAMETERS = 20_000_000  # the tiny configs have ~0.2M; more means a field the overrides do not reach
+
+
+@dataclass
+class SweepRow:
+    """One architecture's result: ``status`` is ``exact``, ``differs``, ``refused`` or ``not built``."""
+
+    model_type: str
+    status: str
+    source: str = ""
+    logits: float = math.nan
+    loss: float = math.nan
+    grads: float = math.nan
+    reason: str = ""
+
+
+def causal_lm_types() -> list[str]:
+    """Model types with a ``base_model_tp_plan`` and a causal-LM class, sorted."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(
+        t
+        for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        if t in CONFIG_MAPPING and getattr(CONFIG_MAPPING[t], "base_model_tp_plan", None)
+    )
+
+
+def tiny_config(model_type: str) -> Any:
+    """A tiny random configuration of ``model_type`` (hidden 64, 4 heads, 2 kv heads, 4 layers, vocab 256)."""
+    from transformers import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[model_type](**TINY)
+    config._attn_implementation = "eager"
+    return config
+
+
+def _source(config: Any) -> str:
+    from mtk.plans.hf_plan import hf_plan
+    from mtk.plans.registry import PLANS
+
+    if any(config.model_type in plan.model_types for plan in PLANS):
+        return "hand"
+    return "HF plan" if hf_plan(config)[0] is not None else "generic"
+
+
+def _too_big(config: Any) -> str:
+    """Why the tiny config is not tiny (a field the common overrides miss), counted on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    count = sum(p.numel() for p in model.parameters())
+    return f"the tiny config still has {count / 1e6:.0f}M parameters" if count > MAX_PARAMETERS else ""
+
+
+def sweep_worker(rank: int, world_size: int, types: list[str], tolerance: float) -> list[SweepRow]:
+    """Run in each of ``world_size`` processes; returns this rank's row per model type."""
+    from mtk.plans.hf_plan import hf_plan
+
+    rows = []
+    for model_type in types:
+        if rank == 0:
+            print(f"mtk verify --all: {model_type}", flush=True)
+        try:
+            config = tiny_config(model_type)
+            too_big = _too_big(config)
+        except Exception as err:  # a config class that needs more than the common fields
+            rows.append(SweepRow(model_type, "not built", reason=f"tiny config: {str(err).splitlines()[0][:120]}"))
+            continue
+        source = _source(config)
+        if source == "generic" and hf_plan(config)[1] and "does not split" in hf_plan(config)[1]:
+            rows.append(SweepRow(model_type, "refused", source, reason=hf_plan(config)[1]))  # MoE, MLA, ...
+            continue
+        if too_big:
+            rows.append(SweepRow(model_type, "not built", source, reason=too_big))
+            continue
+        try:
+            result = verify_worker(rank, world_size, config, "fp32", 2, 12, 0)
+        except Exception as err:  # the model's own forward fails on the tiny config (or after conversion)
+            rows.append(SweepRow(model_type, "not built", source, reason=str(err).splitlines()[0][:160]))
+            continue
+        if result.error:
+            rows.append(SweepRow(model_type, "refused", source, reason=result.error.splitlines()[0][:200]))
+            continue
+        worst = max(result.logits, result.loss, result.grads)
+        status = "exact" if worst <= tolerance else "differs"
+        rows.append(SweepRow(model_type, status, source, result.logits, result.loss, result.grads, result.worst_param))
+    return rows
