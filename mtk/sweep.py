@@ -15,7 +15,7 @@ from mtk.verify import verify_worker
 
 __all__ = ["SweepRow", "causal_lm_types", "sweep_worker", "tiny_config"]
 
-TINY = dict(
+TINY: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=4,  # hybrids (linear attention) interleave: 4 layers hold a full-attention one

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig
@@ -41,7 +42,7 @@ class VerifyResult:
     error: str = ""
 
 
-def _batch(config, batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
+def _batch(config, batch: int, seq: int, seed: int) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(
         0,
