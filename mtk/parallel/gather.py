@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtk.parallel.comm import Group, group_size
+from mtk.parallel.experts import SPECS_ATTRIBUTE
 from mtk.parallel.layers import ShardedModule
 from mtk.parallel.parameters import param_info
 from mtk.parallel.sharding import REPLICATED, ShardSpec, merge_shards
@@ -29,6 +30,9 @@ def full_shape_and_spec(model: nn.Module, name: str) -> tuple[tuple[int, ...], S
     tensor = getattr(module, param_name)
     if isinstance(module, ShardedModule):
         return module.full_shape(param_name), module.shard_spec(param_name)
+    cut_in_place = getattr(module, SPECS_ATTRIBUTE, {})  # HF modules whose tensors were cut (MoE experts)
+    if param_name in cut_in_place:
+        return cut_in_place[param_name]
     return tuple(tensor.shape), REPLICATED
 
 

@@ -18,12 +18,14 @@ from torch import nn
 
 from mtk.parallel.comm import copy_to_tp, gather_from_sequence
 from mtk.parallel.embedding import VocabParallelEmbedding
+from mtk.parallel.experts import split_experts
 from mtk.parallel.grads import share_params_across_tp
 from mtk.parallel.layers import ColumnParallelLinear, KVReplicatedColumnLinear, RowParallelLinear, ShardedModule
 from mtk.parallel.parameters import copy_param_info
 from mtk.parallel.state import ParallelState
 from mtk.plans.base import (
     COLUMN,
+    EXPERTS,
     KV_COLUMN,
     LM_HEAD,
     ROW,
@@ -281,6 +283,10 @@ def parallelize_with(
         if rule.style == TP_SHARED:
             share_params_across_tp(module, [n for n, _ in module.named_parameters(recurse=False)], parallel.tp_group)
             continue
+        if rule.style == EXPERTS:
+            split_experts(module, parallel.tp_group, getattr(config, "moe_intermediate_size", None))
+            styles[name] = rule.style
+            continue
         fed_by_shared = rule.style in (COLUMN, KV_COLUMN) and any(name.startswith(p + ".") for p in shared)
         if sequence_parallel and rule.style in (COLUMN, KV_COLUMN) and not fed_by_shared:
             raise UnsupportedModelError(
@@ -298,7 +304,7 @@ def parallelize_with(
             f"{type(model).__name__}: the {plan.name} rules {missing} match no module; this model needs its own rule "
             f"file under mtk/plans/ (docs/architectures.md, 'Adding an architecture')"
         )
-    if parallel.tp_size > 1 and not any(style in (COLUMN, KV_COLUMN, ROW) for style in styles.values()):
+    if parallel.tp_size > 1 and not any(style in (COLUMN, KV_COLUMN, ROW, EXPERTS) for style in styles.values()):
         raise UnsupportedModelError(f"{type(model).__name__}: the {plan.name} rules split no linear layer here")
     untied = [n for n in tied_heads if n not in converted]
     if untied:

@@ -21,6 +21,7 @@ from mtk.errors import UnsupportedModelError
 
 __all__ = [
     "COLUMN",
+    "EXPERTS",
     "KV_COLUMN",
     "LM_HEAD",
     "ROW",
@@ -43,7 +44,8 @@ ROW = "row"  # split input features (o_proj, down_proj); all-reduce after
 VOCAB = "vocab"  # vocabulary-parallel input embedding
 LM_HEAD = "lm_head"  # vocabulary-parallel output projection (tied to VOCAB when the model ties them)
 TP_SHARED = "tp_shared"  # replicated params applied to split heads (per-head q/k norms): grads summed over TP
-STYLES = (COLUMN, KV_COLUMN, ROW, VOCAB, LM_HEAD, TP_SHARED)
+EXPERTS = "experts"  # MoE experts as 3D tensors: each expert's MLP split in place (mtk.parallel.experts)
+STYLES = (COLUMN, KV_COLUMN, ROW, VOCAB, LM_HEAD, TP_SHARED, EXPERTS)
 
 # What a module that belongs to another pipeline stage becomes on this one.
 REMOVE = "remove"  # dropped: the input embedding (later stages pass ``inputs_embeds``) or the LM head

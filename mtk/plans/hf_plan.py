@@ -31,6 +31,7 @@ from typing import Any
 
 from mtk.plans.base import (
     COLUMN,
+    EXPERTS,
     IDENTITY,
     KV_COLUMN,
     LM_HEAD,
@@ -56,6 +57,7 @@ SUPPORTED_STYLES = (
     "rowwise_split_input",
     "replicated_with_grad_allreduce",
     "embedding_rowwise",
+    "moe_tp_experts",
 )
 
 
@@ -76,6 +78,8 @@ def _rule(pattern: str, style: str) -> Rule:
         return Rule(pattern, TP_SHARED, optional=True)
     if style == "embedding_rowwise":
         return Rule(pattern, VOCAB, optional=True)
+    if style == "moe_tp_experts":
+        return Rule(pattern, EXPERTS, optional=True)
     return Rule(pattern, ROW, optional=True)
 
 
@@ -99,8 +103,9 @@ def hf_plan(config: Any) -> tuple[Plan | None, str]:
     unsupported = sorted({style for style in tp_plan.values() if style not in SUPPORTED_STYLES})
     if unsupported:
         return None, f"{config.model_type}'s base_model_tp_plan uses {', '.join(unsupported)} (mtk does not split it)"
-    if any(style == "packed_colwise" and "experts" in pattern for pattern, style in tp_plan.items()):
-        return None, f"{config.model_type}'s experts are packed (MoE), which mtk does not split"
+    experts = {p for p, s in tp_plan.items() if s == "moe_tp_experts"}
+    # an expert's tensors are the experts module's own parameters, cut with it (not modules of their own)
+    tp_plan = {p: s for p, s in tp_plan.items() if p.rpartition(".")[0] not in experts}
     pp_plan = dict(getattr(config, "base_model_pp_plan", None) or {})
     embedding = next(iter(pp_plan), "embed_tokens")
     rules = [_rule(pattern, style) for pattern, style in tp_plan.items()]
