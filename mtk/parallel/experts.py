@@ -33,7 +33,7 @@ __all__ = ["SPECS_ATTRIBUTE", "split_experts"]
 SPECS_ATTRIBUTE = "mtk_shard_specs"  # {parameter name: (full shape, ShardSpec)} of a module cut in place
 
 
-def _specs(module: nn.Module, intermediate: int, tp: int, rank: int) -> dict[str, tuple[tuple[int, ...], ShardSpec]]:
+def _specs(module: Any, intermediate: int, tp: int, rank: int) -> dict[str, tuple[tuple[int, ...], ShardSpec]]:
     gate_up, down = module.gate_up_proj, module.down_proj  # [E, 2I, H] and [E, H, I] (or transposed)
     per = intermediate // tp
     mine = (rank * per, (rank + 1) * per)
@@ -57,7 +57,7 @@ def _enter(tp_group: Group):
     return hook
 
 
-def split_experts(module: nn.Module, tp_group: Group, intermediate: int | None = None) -> None:
+def split_experts(module: Any, tp_group: Group, intermediate: int | None = None) -> None:
     """Cut ``module``'s experts to this rank's slice of the intermediate width, in place (meta tensors stay on
     the meta device: a loader fills them slice by slice)."""
     tp, rank = group_size(tp_group), group_rank(tp_group)
@@ -65,12 +65,13 @@ def split_experts(module: nn.Module, tp_group: Group, intermediate: int | None =
         raise UnsupportedModelError(f"{type(module).__name__}: experts without gate_up_proj/down_proj tensors")
     if any(getattr(module, name, None) is not None for name in ("gate_up_proj_bias", "down_proj_bias")):
         raise UnsupportedModelError(f"{type(module).__name__}: experts with biases are not split yet")
-    size = getattr(module, "intermediate_dim", None) or intermediate or module.down_proj.shape[-1]
+    size = int(getattr(module, "intermediate_dim", None) or intermediate or module.down_proj.shape[-1])
     if size % tp:
         raise UnsupportedModelError(f"{type(module).__name__}: expert width {size} is not divisible by tp = {tp}")
     specs = _specs(module, size, tp, rank)
     for name, (shape, spec) in specs.items():
         old: Any = getattr(module, name)
+        assert spec.dim is not None  # both tensors are split
         if old.device.type == "meta":
             local = list(shape)
             local[spec.dim] = spec.local_size or spec.taken()
