@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from mtk.checkpoint.hf_load import load_pretrained_tp
@@ -25,7 +26,7 @@ from mtk.parallel.state import ParallelState
 from mtk.plans import UnsupportedModelError
 from mtk.testing import max_rel_error
 
-__all__ = ["VerifyResult", "verify_worker"]
+__all__ = ["VERIFY_DTYPES", "VerifyResult", "verify_worker"]
 
 
 @dataclass
@@ -64,17 +65,31 @@ def _models(spec: str | PretrainedConfig, parallel: ParallelState, dtype: torch.
     return reference, parallelize(copy.deepcopy(reference), parallel).eval()
 
 
+VERIFY_DTYPES = {**DTYPES, "fp64": torch.float64}
+
+
+def _reference_loss(reference, inputs: dict[str, Any], dtype: torch.dtype):
+    """The reference's output; in fp64 its causal-LM loss is recomputed in fp64 (HF's loss casts the logits
+    with ``.float()``, a downcast for an fp64 model, so its own loss is not the fp64 truth)."""
+    if dtype != torch.float64 or reference.config.model_type == "bert":
+        return reference(**inputs)
+    out = reference(**{k: v for k, v in inputs.items() if k != "labels"})
+    logits, labels = out.logits[:, :-1], inputs["labels"][:, 1:]  # token t predicts t+1
+    out.loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    return out
+
+
 def verify_worker(
     rank: int, world_size: int, spec: str | PretrainedConfig, dtype: str, batch: int, seq: int, seed: int
 ) -> VerifyResult:
     """Run in each of ``world_size`` processes (TP = world size); returns this rank's measurements."""
     parallel = ParallelState.build(tp_size=world_size)
     try:
-        reference, model = _models(spec, parallel, DTYPES[dtype], seed)
+        reference, model = _models(spec, parallel, VERIFY_DTYPES[dtype], seed)
     except (UnsupportedModelError, ModelSpecError, CheckpointError) as err:
         return VerifyResult(error=str(err))
     inputs = _batch(reference.config, batch, seq, seed)
-    ref_out = reference(**inputs)
+    ref_out = _reference_loss(reference, inputs, VERIFY_DTYPES[dtype])
     ref_out.loss.backward()
     out = model(**inputs)
     out.loss.backward()
@@ -87,13 +102,13 @@ def verify_worker(
     result = VerifyResult(
         model_class=type(reference).__name__,
         plan=record.plan.name if (record := parallelized(model)) else "?",
-        logits=max_rel_error(logits.float(), ref_logits.float()),
-        loss=max_rel_error(out.loss.float(), ref_out.loss.float()),
+        logits=max_rel_error(logits.double(), ref_logits.double()),
+        loss=max_rel_error(out.loss.double(), ref_out.loss.double()),
     )
     for name, grad in iter_full_tensors(model, parallel.tp_group, grads=True):
         # Gradients that are exactly zero in theory (softmax-invariant biases) are measured
         # against 1e-3 of the model's largest gradient instead of against their own rounding noise.
-        error = max_rel_error(grad.float(), ref_grads[name].grad.float(), scale_floor=1e-3 * grad_scale)
+        error = max_rel_error(grad.double(), ref_grads[name].grad.double(), scale_floor=1e-3 * grad_scale)
         result.num_params += 1
         if error >= result.grads:
             result.grads, result.worst_param = error, name

@@ -9,13 +9,13 @@ from pathlib import Path
 import transformers
 
 from mtk.errors import MtkError
-from mtk.models import DTYPES, resolve_config
+from mtk.models import resolve_config
 from mtk.plans import check_tp_size
 from mtk.spawn import run_distributed
 from mtk.sweep import SweepRow, causal_lm_types, sweep_worker
-from mtk.verify import verify_worker
+from mtk.verify import VERIFY_DTYPES, verify_worker
 
-DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
+DEFAULT_TOLERANCE = {"fp64": 1e-10, "fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-2}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,8 +37,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--types", help="with --all: comma-separated model types instead of every one")
     parser.add_argument("--write", help="with --all: replace the sweep table in this markdown file")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree = number of processes (default 2)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="compute dtype (default fp32)")
-    parser.add_argument("--tolerance", type=float, help="max relative error (default 1e-5 for fp32, 2e-2 for bf16)")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(VERIFY_DTYPES),
+        default="fp32",
+        help="compute dtype (default fp32); fp64 tells rounding from bugs: any gap above ~1e-10 is a bug",
+    )
+    parser.add_argument(
+        "--tolerance", type=float, help="max relative error (default 1e-10 fp64, 1e-5 fp32, 2e-2 bf16/fp16)"
+    )
     parser.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
     parser.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights (built-in configs) and the batch")

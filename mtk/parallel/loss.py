@@ -28,7 +28,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # logits: [..., V/tp] this rank's columns; target: [...] global ids
         local_vocab = logits.shape[-1]
         real_columns = max(0, min(local_vocab, vocab_size - vocab_start))
-        z = logits.float()  # [..., V/tp]; fp32 statistics whatever the compute dtype
+        # at least fp32 statistics whatever the compute dtype; fp64 stays fp64 (a true fp64 reference)
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [..., V/tp]
         if real_columns < local_vocab:
             z = z.clone() if z is logits else z
             z[..., real_columns:] = float("-inf")  # padded vocabulary takes no probability mass

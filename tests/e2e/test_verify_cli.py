@@ -42,3 +42,14 @@ def test_verify_bad_input_is_one_line(args, message):
     assert out.returncode == 2
     assert message in out.stderr and out.stderr.strip().count("\n") == 0
     assert "Traceback" not in out.stderr
+
+
+def test_verify_in_fp64_tells_rounding_from_bugs():
+    """True fp64 on both sides (mtk's loss promotes instead of casting to fp32; the reference loss is computed
+    in fp64, not by HF's fp32 cast): the gap is rounding only, ~1e-16."""
+    out = _mtk("verify", "--model", "tiny-gpt2", "--tp", "2", "--dtype", "fp64")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PASS (tolerance 1e-10)" in out.stdout
+    lines = [line for line in out.stdout.splitlines() if "max rel error" in line]
+    errors = [float(line.split("max rel error")[1].split()[0]) for line in lines]
+    assert len(errors) == 3 and max(errors) < 1e-12
