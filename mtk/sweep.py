@@ -13,7 +13,7 @@ from typing import Any
 
 from mtk.verify import verify_worker
 
-__all__ = ["SweepRow", "causal_lm_types", "sweep_worker", "tiny_config"]
+__all__ = ["SweepRow", "causal_lm_types", "sweep_worker", "tiny_config", "tp_plan_types"]
 
 TINY: dict[str, Any] = dict(
     hidden_size=64,
@@ -49,6 +49,13 @@ class SweepRow:
     loss: float = math.nan
     grads: float = math.nan
     reason: str = ""
+
+
+def tp_plan_types() -> list[str]:
+    """Every model type whose config class ships a ``base_model_tp_plan``, sorted."""
+    from transformers import CONFIG_MAPPING
+
+    return sorted(t for t, cls in CONFIG_MAPPING.items() if getattr(cls, "base_model_tp_plan", None))
 
 
 def causal_lm_types() -> list[str]:
