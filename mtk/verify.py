@@ -44,9 +44,16 @@ class VerifyResult:
     rounding: dict[str, float] | None = None  # HF's own fp32 error against fp64 truth, per quantity
 
 
+def _eager_experts(model):
+    """MoE experts looped in plain matmuls: torch's grouped matmul takes no fp64."""
+    if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
+        model.set_experts_implementation("eager")
+    return model
+
+
 def _rounding(reference, inputs: dict[str, Any], ref_logits: torch.Tensor, grad_scale: float) -> dict[str, float]:
     """How far HF's own fp32 model is from the fp64 truth on the same input: the scale rounding alone reaches."""
-    truth = copy.deepcopy(reference).double()
+    truth = _eager_experts(copy.deepcopy(reference).double())
     truth.zero_grad(set_to_none=True)
     out = _reference_loss(truth, inputs, torch.float64)
     out.loss.backward()
@@ -99,6 +106,8 @@ def _reference_loss(reference, inputs: dict[str, Any], dtype: torch.dtype):
     out = reference(**{k: v for k, v in inputs.items() if k != "labels"})
     logits, labels = out.logits[:, :-1], inputs["labels"][:, 1:]  # token t predicts t+1
     out.loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    if getattr(out, "aux_loss", None) is not None:  # MoE: the load-balancing term HF adds to the loss
+        out.loss = out.loss + reference.router_aux_loss_coef * out.aux_loss
     return out
 
 
@@ -119,6 +128,8 @@ def verify_worker(
     parallel = ParallelState.build(tp_size=world_size)
     try:
         reference, model = _models(spec, parallel, VERIFY_DTYPES[dtype], seed)
+        if dtype == "fp64":
+            reference, model = _eager_experts(reference), _eager_experts(model)
     except (UnsupportedModelError, ModelSpecError, CheckpointError) as err:
         return VerifyResult(error=str(err))
     inputs = _batch(reference.config, batch, seq, seed)

@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from accelerate import init_empty_weights
 from torch import nn
 
+from mtk.checkpoint.hf_conversion import converted_tensors
 from mtk.checkpoint.safetensors_slices import open_safetensors
 from mtk.convert import parallelize
 from mtk.errors import CheckpointError
@@ -121,13 +123,23 @@ def _fill_from_checkpoint(
             owners.setdefault(id(param), []).append((module, attr))
     with ExitStack() as stack:
         handles = {path: stack.enter_context(open_safetensors(path)) for path in sorted(set(index.values()))}
+        # tensors transformers assembles while loading (MoE experts stored per expert): read from their sources
+        converted = converted_tensors(
+            cast(Any, model).config.model_type, list(index), lambda key: handles[index[key]].get_slice(key)
+        )
         for name, param in list(model.named_parameters()):  # one name per tied group
-            key = _checkpoint_key(name, index, prefix, param_info(param).tied_to)
-            tensor_slice = handles[index[key]].get_slice(key)
+            source = converted.get(name) or converted.get(name.partition(".")[2] if prefix else "")
+            if isinstance(source, str):  # renamed only: read it under its checkpoint name
+                key, tensor_slice = source, handles[index[source]].get_slice(source)
+            elif source is not None:
+                key, tensor_slice = name, source
+            else:
+                key = _checkpoint_key(name, index, prefix, param_info(param).tied_to)
+                tensor_slice = handles[index[key]].get_slice(key)
             full_shape, spec = full_shape_and_spec(model, name)
             if tuple(tensor_slice.get_shape()) != tuple(full_shape):
                 raise CheckpointError(
-                    f"{key} in {index[key].name} has shape {tuple(tensor_slice.get_shape())}, the model expects "
+                    f"{key} in the checkpoint has shape {tuple(tensor_slice.get_shape())}, the model expects "
                     f"{tuple(full_shape)} (config and weights disagree)"
                 )
             local = take_shard(spec, full_shape, tensor_slice.__getitem__)  # owned, contiguous: this rank's bytes
