@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from mtk.args import finite_float, positive_float, positive_int
 from mtk.errors import ConfigError
 from mtk.models import DTYPES
 
@@ -16,23 +17,16 @@ _DEPENDENT = ("lora_alpha", "lora_dropout", "lora_targets")
 
 
 def _dropout(text: str) -> float:
-    value = float(text)
+    value = finite_float(text)
     if not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"{text} is not a dropout probability in [0, 1)")
     return value
 
 
-def _rank(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive LoRA rank")
-    return value
-
-
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("LoRA (PEFT adapters on the parallel model; docs/lora.md)")
-    group.add_argument("--lora_r", type=_rank, help="train LoRA adapters of this rank instead of the whole model")
-    group.add_argument("--lora_alpha", type=float, help="LoRA scaling numerator (default: PEFT's, 8)")
+    group.add_argument("--lora_r", type=positive_int, help="train LoRA adapters of this rank, not the whole model")
+    group.add_argument("--lora_alpha", type=positive_float, help="LoRA scaling numerator (default: PEFT's, 8)")
     group.add_argument("--lora_dropout", type=_dropout, help="dropout on the adapters' input (default 0)")
     group.add_argument(
         "--lora_targets",
