@@ -79,13 +79,13 @@ def tiny_config(model_type: str) -> Any:
     return config
 
 
-def _source(config: Any) -> str:
-    from mtk.plans.hf_plan import hf_plan
-    from mtk.plans.registry import PLANS
+def _source(config: Any, tp_size: int) -> str:
+    from mtk.plans.registry import PLANS, find_plan
 
-    if any(config.model_type in plan.model_types for plan in PLANS):
-        return "hand"
-    return "HF plan" if hf_plan(config)[0] is not None else "generic"
+    plan = find_plan(config, tp_size)
+    if plan is None:
+        return "generic"
+    return "hand" if any(plan is known for known in PLANS) else "HF plan"
 
 
 def _too_big(config: Any) -> str:
@@ -113,7 +113,7 @@ def sweep_worker(rank: int, world_size: int, types: list[str], tolerance: float)
         except Exception as err:  # a config class that needs more than the common fields
             rows.append(SweepRow(model_type, "not built", reason=f"tiny config: {str(err).splitlines()[0][:120]}"))
             continue
-        source = _source(config)
+        source = _source(config, world_size)
         if source == "generic" and hf_plan(config)[1] and "does not split" in hf_plan(config)[1]:
             rows.append(SweepRow(model_type, "refused", source, reason=hf_plan(config)[1]))  # MoE, MLA, ...
             continue

@@ -21,6 +21,7 @@ from mtk.parallel.embedding import VocabParallelEmbedding
 from mtk.parallel.experts import split_experts
 from mtk.parallel.grads import share_params_across_tp
 from mtk.parallel.layers import ColumnParallelLinear, KVReplicatedColumnLinear, RowParallelLinear, ShardedModule
+from mtk.parallel.norms import SplitRMSNorm
 from mtk.parallel.parameters import copy_param_info
 from mtk.parallel.state import ParallelState
 from mtk.plans.base import (
@@ -29,6 +30,7 @@ from mtk.plans.base import (
     KV_COLUMN,
     LM_HEAD,
     ROW,
+    SPLIT_NORM,
     TP_SHARED,
     VOCAB,
     HeadCounts,
@@ -149,6 +151,10 @@ def _build(
     """The parallel replacement for ``module`` (on the meta device: shards are filled afterwards)."""
     group = parallel.tp_group
     meta: dict[str, Any] = {"device": "meta", "dtype": None}
+    if rule.style == SPLIT_NORM:
+        weight = cast(torch.Tensor, module.weight)
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+        return SplitRMSNorm(weight.shape[0], eps, tp_group=group, device="meta", dtype=weight.dtype)
     if rule.style == VOCAB:
         if not isinstance(module, nn.Embedding):
             raise UnsupportedModelError(f"{name} is a {type(module).__name__}; the vocab rule needs nn.Embedding")

@@ -25,6 +25,7 @@ __all__ = [
     "KV_COLUMN",
     "LM_HEAD",
     "ROW",
+    "SPLIT_NORM",
     "TP_SHARED",
     "VOCAB",
     "AttrFix",
@@ -45,7 +46,8 @@ VOCAB = "vocab"  # vocabulary-parallel input embedding
 LM_HEAD = "lm_head"  # vocabulary-parallel output projection (tied to VOCAB when the model ties them)
 TP_SHARED = "tp_shared"  # replicated params applied to split heads (per-head q/k norms): grads summed over TP
 EXPERTS = "experts"  # MoE experts as 3D tensors: each expert's MLP split in place (mtk.parallel.experts)
-STYLES = (COLUMN, KV_COLUMN, ROW, VOCAB, LM_HEAD, TP_SHARED, EXPERTS)
+SPLIT_NORM = "split_norm"  # an RMSNorm over a split projection (OLMo2's q/k norms): sum of squares all-reduced
+STYLES = (COLUMN, KV_COLUMN, ROW, VOCAB, LM_HEAD, TP_SHARED, EXPERTS, SPLIT_NORM)
 
 # What a module that belongs to another pipeline stage becomes on this one.
 REMOVE = "remove"  # dropped: the input embedding (later stages pass ``inputs_embeds``) or the LM head
@@ -73,6 +75,7 @@ class HeadCounts:
     head_dim: int
     intermediate_size: int | None = None
     allow_kv_replication: bool = True  # False when k/v live in a fused projection with q
+    no_replication_reason: str = "fused qkv projection"
 
     def valid_tp_sizes(self, limit: int = 64) -> list[int]:
         return [tp for tp in range(1, limit + 1) if not self.problem(tp)]
@@ -82,7 +85,8 @@ class HeadCounts:
         if self.num_heads % tp:
             return f"num_attention_heads = {self.num_heads} is not divisible by tp = {tp}"
         if self.num_kv_heads % tp and not self.allow_kv_replication:
-            return f"num_key_value_heads = {self.num_kv_heads} is not divisible by tp = {tp} (fused qkv projection)"
+            reason = self.no_replication_reason
+            return f"num_key_value_heads = {self.num_kv_heads} is not divisible by tp = {tp} ({reason})"
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
             return (
                 f"num_key_value_heads = {self.num_kv_heads} neither divides nor is divided by tp = {tp} "

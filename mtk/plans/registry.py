@@ -22,11 +22,12 @@ from mtk.plans.generic import GENERIC
 from mtk.plans.gpt2 import GPT2
 from mtk.plans.hf_plan import hf_plan
 from mtk.plans.llama import LLAMA
+from mtk.plans.olmo2 import OLMO2
 from mtk.plans.phi3 import PHI3
 
 __all__ = ["PLANS", "check_tp_size", "find_plan", "register_plan", "resolve_plan"]
 
-PLANS: list[Plan] = [LLAMA, GPT2, BERT, PHI3]
+PLANS: list[Plan] = [LLAMA, GPT2, BERT, PHI3, OLMO2]
 PARITY_TOLERANCE = 1e-4  # one layer in fp32 on random weights; real mismatches are O(1)
 
 _HOW_TO_ADD = "add a plan under mtk/plans/ and register it (docs/architectures.md, 'Adding an architecture')"
@@ -37,13 +38,18 @@ def register_plan(plan: Plan) -> None:
     PLANS.insert(0, plan)
 
 
-def find_plan(config) -> Plan | None:
+def find_plan(config, tp_size: int | None = None) -> Plan | None:
     """The registered (hand-written) plan for ``config.model_type``, else the one transformers' own
-    ``base_model_tp_plan`` gives (:mod:`mtk.plans.hf_plan`), else ``None``."""
-    for plan in PLANS:
-        if config.model_type in plan.model_types:
-            return plan
-    return hf_plan(config)[0]
+    ``base_model_tp_plan`` gives (:mod:`mtk.plans.hf_plan`), else ``None``. With ``tp_size``, a hand plan
+    that cannot take it gives way to HF's when that one can (OLMo2's split norms need split kv heads; HF's
+    plan gathers and takes any tp the heads allow)."""
+    hand = next((plan for plan in PLANS if config.model_type in plan.model_types), None)
+    if hand is not None and (tp_size is None or hand.head_counts(config).problem(tp_size) is None):
+        return hand
+    from_hf = hf_plan(config)[0]
+    if hand is not None and (from_hf is None or from_hf.head_counts(config).problem(tp_size or 1) is not None):
+        return hand  # neither takes this tp: the hand plan's line says why
+    return from_hf
 
 
 def _is_registered(plan: Plan) -> bool:
@@ -55,7 +61,7 @@ def check_tp_size(config, tp_size: int) -> None:
 
     Cheap (config only): call it before launching processes or building groups.
     """
-    plan = find_plan(config)
+    plan = find_plan(config, tp_size)
     try:
         counts = (plan or GENERIC).head_counts(config)
     except AttributeError as err:  # the generic rules read decoder-style config fields (T5 has none)
@@ -122,7 +128,7 @@ def resolve_plan(model: nn.Module, parallel: ParallelState) -> Plan:
     """The plan that converts ``model``: its family's, else the one from transformers' tp plan, else the
     generic rules; the last two once they pass a parity check on a one-layer random copy (collective over
     the TP group)."""
-    plan = find_plan(model.config)
+    plan = find_plan(model.config, parallel.tp_size)
     if plan is not None and _is_registered(plan):
         return plan
     candidate = plan or GENERIC

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from mtk.convert import parallelize
+from mtk.convert import parallelize, parallelized
 from mtk.models import build_model, resolve_config
 from mtk.parallel import ParallelState
 from mtk.parallel.gather import iter_full_tensors
@@ -60,7 +60,8 @@ def _architecture_checks(rank: int, world_size: int, name) -> dict:
         compared += 1
     assert compared == len(ref_grads), "same parameters, same names (tied weights counted once)"
     kv_replicated = any(isinstance(m, KVReplicatedColumnLinear) for m in model.modules())
-    return {"collectives": dict(log.counts()), "kv_replicated": kv_replicated, "params": compared}
+    plan = record.plan.name if (record := parallelized(model)) else None
+    return {"collectives": dict(log.counts()), "kv_replicated": kv_replicated, "params": compared, "plan": plan}
 
 
 ARCHITECTURES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-phi3", "tiny-gpt2", "tiny-bert"]

@@ -31,11 +31,12 @@ def test_generic_rules_convert_stablelm_exactly():
     assert result["params"] > 0
 
 
-def test_hf_tp_plan_converts_olmo2_exactly():
-    """OLMo2 normalizes q and k over *all* heads: its tp plan gathers q/k/v (colwise_gather_output) and splits
-    o_proj's input again (rowwise_split_input); mtk follows it and is exact."""
+def test_olmo2_norms_over_split_heads_are_exact():
+    """OLMo2 normalizes q and k over *all* heads: transformers' tp plan gathers q/k/v for that; mtk's plan keeps
+    the heads split and all-reduces each norm's sum of squares (SplitRMSNorm), exactly."""
     result = run_distributed(_architecture_checks, world_size=2, args=(Olmo2Config(**SMALL),))[0]
     assert result["params"] > 0
+    assert result["plan"] == "olmo2"
 
 
 def _convert_or_error(rank: int, world_size: int, config) -> str:
