@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from mtk.verify import verify_worker
+from mtk.verify import pipeline_verify_worker, verify_worker
 
 __all__ = ["SweepRow", "causal_lm_types", "sweep_worker", "tiny_config", "tp_plan_types"]
 
@@ -99,8 +99,9 @@ def _too_big(config: Any) -> str:
     return f"the tiny config still has {count / 1e6:.0f}M parameters" if count > MAX_PARAMETERS else ""
 
 
-def sweep_worker(rank: int, world_size: int, types: list[str], tolerance: float) -> list[SweepRow]:
-    """Run in each of ``world_size`` processes; returns this rank's row per model type."""
+def sweep_worker(rank: int, world_size: int, types: list[str], tolerance: float, pp: int = 1) -> list[SweepRow]:
+    """Run in each of ``world_size`` processes; returns this rank's row per model type. With ``pp > 1`` the
+    models run cut into stages by the 1F1B schedule (loss and gradients compared; TP = world / pp)."""
     from mtk.plans.hf_plan import hf_plan
 
     rows = []
@@ -113,7 +114,7 @@ def sweep_worker(rank: int, world_size: int, types: list[str], tolerance: float)
         except Exception as err:  # a config class that needs more than the common fields
             rows.append(SweepRow(model_type, "not built", reason=f"tiny config: {str(err).splitlines()[0][:120]}"))
             continue
-        source = _source(config, world_size)
+        source = _source(config, world_size // pp)
         if source == "generic" and hf_plan(config)[1] and "does not split" in hf_plan(config)[1]:
             rows.append(SweepRow(model_type, "refused", source, reason=hf_plan(config)[1]))  # MoE, MLA, ...
             continue
@@ -121,14 +122,18 @@ def sweep_worker(rank: int, world_size: int, types: list[str], tolerance: float)
             rows.append(SweepRow(model_type, "not built", source, reason=too_big))
             continue
         try:
-            result = verify_worker(rank, world_size, config, "fp32", 2, 12, 0)
+            if pp > 1:
+                config.output_router_logits = False  # the load-balancing loss needs every stage's router logits
+                result = pipeline_verify_worker(rank, world_size, config, pp)
+            else:
+                result = verify_worker(rank, world_size, config, "fp32", 2, 12, 0)
         except Exception as err:  # the model's own forward fails on the tiny config (or after conversion)
             rows.append(SweepRow(model_type, "not built", source, reason=str(err).splitlines()[0][:160]))
             continue
         if result.error:
             rows.append(SweepRow(model_type, "refused", source, reason=result.error.splitlines()[0][:200]))
             continue
-        worst = max(result.logits, result.loss, result.grads)
+        worst = max(x for x in (result.logits, result.loss, result.grads) if x == x)  # NaN: not measured (pp)
         status = "exact" if worst <= tolerance else "differs"
         rows.append(SweepRow(model_type, status, source, result.logits, result.loss, result.grads, result.worst_param))
     return rows

@@ -159,3 +159,40 @@ def verify_worker(
     if rounding and dtype == "fp32":
         result.rounding = _rounding(reference, inputs, ref_logits, grad_scale)
     return result
+
+
+def pipeline_verify_worker(
+    rank: int, world_size: int, spec: str | PretrainedConfig, pp_size: int, seed: int = 0
+) -> VerifyResult:
+    """The model cut into ``pp_size`` stages (TP = world / pp inside each) and run by the 1F1B schedule: its
+    loss and every gradient (gathered over TP, on the stage that owns it) against the unconverted model."""
+    from mtk.parallel.parameters import param_info
+    from mtk.pipeline.engine import PipelineModel
+
+    parallel = ParallelState.build(tp_size=world_size // pp_size, pp_size=pp_size)
+    try:
+        reference, model = _models(spec, parallel, torch.float32, seed)
+    except (UnsupportedModelError, ModelSpecError, CheckpointError) as err:
+        return VerifyResult(error=str(err))
+    inputs = _batch(reference.config, 4, 12, seed)
+    ref_out = reference(**inputs)
+    ref_out.loss.backward()
+    pipe = PipelineModel(model, parallel, num_micro_batches=2)
+    loss = pipe(**inputs).loss
+    pipe.finalize_grads()
+    ref_grads = dict(reference.named_parameters())
+    grad_scale = max(p.grad.abs().max().item() for p in ref_grads.values() if p.grad is not None)
+    result = VerifyResult(
+        model_class=type(reference).__name__,
+        plan=record.plan.name if (record := parallelized(model)) else "?",
+        logits=float("nan"),  # the schedule returns the loss only
+        loss=max_rel_error(loss.double(), ref_out.loss.double()),
+    )
+    for name, grad in iter_full_tensors(model, parallel.tp_group, grads=True):
+        info = param_info(model.get_parameter(name))
+        expected = ref_grads[info.tied_to or name].grad
+        error = max_rel_error(grad.double(), expected.double(), scale_floor=1e-3 * grad_scale)
+        result.num_params += 1
+        if error >= result.grads:
+            result.grads, result.worst_param = error, name
+    return result

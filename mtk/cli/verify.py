@@ -38,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--types", help="with --all: comma-separated model types instead of every one")
     parser.add_argument("--write", help="with --all: replace the sweep table in this markdown file")
+    parser.add_argument(
+        "--pp", type=int, default=1, help="with --all: pipeline stages (the models run by 1F1B; processes: tp x pp)"
+    )
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree = number of processes (default 2)")
     parser.add_argument(
         "--dtype",
@@ -62,8 +65,8 @@ def run(args: argparse.Namespace) -> int:
         return run_all(args)
     if not args.model:
         raise MtkError("mtk verify needs --model NAME_OR_DIR, or --all for the architecture sweep")
-    if args.types or args.write:
-        raise MtkError("--types and --write go with --all")
+    if args.types or args.write or args.pp != 1:
+        raise MtkError("--types, --write and --pp go with --all")
     # Fail fast, in one line, before any process starts: unknown name, missing directory, bad tp.
     check_tp_size(resolve_config(args.model), args.tp)
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
@@ -103,8 +106,10 @@ TABLE_START, TABLE_END = "<!-- verify-all:start -->", "<!-- verify-all:end -->"
 def _table(rows: list[SweepRow], args: argparse.Namespace) -> str:
     exact = sum(r.status == "exact" for r in rows)
     swept = sum(r.status != "not swept" for r in rows)
+    pp = f" --pp {args.pp}" if args.pp > 1 else ""
     lines = [
-        f"`mtk verify --all --tp {args.tp}` on {date.today().isoformat()}, transformers {transformers.__version__}: "
+        f"`mtk verify --all --tp {args.tp}{pp}` on {date.today().isoformat()}, "
+        f"transformers {transformers.__version__}: "
         f"{exact} of {swept} causal LMs exact (fp32, tolerance {args.tolerance or 1e-5:.0e}); "
         f"{len(rows)} model types with a base_model_tp_plan in all.",
         "",
@@ -124,8 +129,11 @@ def run_all(args: argparse.Namespace) -> int:
     if unknown:
         raise MtkError(f"--types {','.join(unknown)}: not a causal LM with a base_model_tp_plan here")
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE["fp32"]
-    print(f"mtk verify --all: {len(types)} architectures at tp={args.tp}, fp32", flush=True)
-    rows = run_distributed(sweep_worker, world_size=args.tp, args=(types, tolerance), timeout=args.timeout)[0]
+    if args.pp < 1:
+        raise MtkError(f"--pp must be at least 1, got {args.pp}")
+    print(f"mtk verify --all: {len(types)} architectures at tp={args.tp} pp={args.pp}, fp32", flush=True)
+    world = args.tp * args.pp
+    rows = run_distributed(sweep_worker, world_size=world, args=(types, tolerance, args.pp), timeout=args.timeout)[0]
     if not args.types:  # the table names every architecture with a tp plan; encoders, vision, audio: not swept
         causal = set(types)
         rows += [

@@ -84,14 +84,18 @@ def _rule(pattern: str, style: str) -> Rule:
 
 
 def _pipeline(pp_plan: dict[str, Any]) -> PipelineSpec | None:
-    """Stages from ``embedding -> layers -> norm``; ``None`` for any other shape."""
+    """Stages from HF's ``embedding -> ... -> layers -> ...``: the embedding is removed after the first stage,
+    other modules before the layers (embedding dropout) pass through there, those after them (final norm)
+    pass through before the last stage; ``None`` for any other shape."""
     names = list(pp_plan)
-    if len(names) != 3 or names[1] != "layers" or "input_ids" not in pp_plan[names[0]][0]:
+    if "layers" not in names or not names or "input_ids" not in pp_plan[names[0]][0]:
         return None
+    split = names.index("layers")
+    before, after = names[1:split], names[split + 1 :]
     return PipelineSpec(
         layers="**.layers",
-        first_stage=((f"**.{names[0]}", REMOVE),),
-        last_stage=((f"**.{names[2]}", IDENTITY), ("lm_head", REMOVE)),
+        first_stage=((f"**.{names[0]}", REMOVE), *((f"**.{n}", IDENTITY) for n in before)),
+        last_stage=(*((f"**.{n}", IDENTITY) for n in after), ("lm_head", REMOVE)),
     )
 
 

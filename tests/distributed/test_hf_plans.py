@@ -82,3 +82,12 @@ def test_hf_plan_pipelines_equal_single_process(model_type):
     config.output_router_logits = False  # the pipeline's last stage computes HF's causal-LM loss alone
     results = run_distributed(_pipeline_checks, world_size=4, args=(config, 2, 2, "1f1b", 2, ()))
     assert {r["stage"] for r in results} == {0, 1}
+
+
+def test_sweep_runs_pipelines():
+    """``mtk verify --all --pp 2``: stages from each base_model_pp_plan (GPT-NeoX: embedding dropout passes through
+    after the first stage), loss and every gradient on the stage that owns it."""
+    rows = run_distributed(sweep_worker, world_size=2, args=(["gpt_neox", "gemma2"], 1e-5, 2), timeout=600)[0]
+    assert [(r.model_type, r.status) for r in rows] == [("gpt_neox", "exact"), ("gemma2", "exact")], [
+        (r.model_type, r.reason) for r in rows
+    ]
