@@ -99,7 +99,9 @@ def _too_big(config: Any) -> str:
     return f"the tiny config still has {count / 1e6:.0f}M parameters" if count > MAX_PARAMETERS else ""
 
 
-def sweep_worker(rank: int, world_size: int, types: list[str], tolerance: float, pp: int = 1) -> list[SweepRow]:
+def sweep_worker(
+    rank: int, world_size: int, types: list[str], tolerance: float, pp: int = 1, dtype: str = "fp32"
+) -> list[SweepRow]:
     """Run in each of ``world_size`` processes; returns this rank's row per model type. With ``pp > 1`` the
     models run cut into stages by the 1F1B schedule (loss and gradients compared; TP = world / pp)."""
     from mtk.plans.hf_plan import hf_plan
@@ -126,7 +128,7 @@ def sweep_worker(rank: int, world_size: int, types: list[str], tolerance: float,
                 config.output_router_logits = False  # the load-balancing loss needs every stage's router logits
                 result = pipeline_verify_worker(rank, world_size, config, pp)
             else:
-                result = verify_worker(rank, world_size, config, "fp32", 2, 12, 0)
+                result = verify_worker(rank, world_size, config, dtype, 2, 12, 0)
         except Exception as err:  # the model's own forward fails on the tiny config (or after conversion)
             rows.append(SweepRow(model_type, "not built", source, reason=str(err).splitlines()[0][:160]))
             continue

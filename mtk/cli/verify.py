@@ -103,14 +103,14 @@ def run(args: argparse.Namespace) -> int:
 TABLE_START, TABLE_END = "<!-- verify-all:start -->", "<!-- verify-all:end -->"
 
 
-def _table(rows: list[SweepRow], args: argparse.Namespace) -> str:
+def _table(rows: list[SweepRow], args: argparse.Namespace, tolerance: float) -> str:
     exact = sum(r.status == "exact" for r in rows)
     swept = sum(r.status != "not swept" for r in rows)
-    pp = f" --pp {args.pp}" if args.pp > 1 else ""
+    pp = (f" --pp {args.pp}" if args.pp > 1 else "") + (" --dtype fp64" if args.dtype == "fp64" else "")
     lines = [
         f"`mtk verify --all --tp {args.tp}{pp}` on {date.today().isoformat()}, "
         f"transformers {transformers.__version__}: "
-        f"{exact} of {swept} causal LMs exact (fp32, tolerance {args.tolerance or 1e-5:.0e}); "
+        f"{exact} of {swept} causal LMs exact ({args.dtype}, tolerance {tolerance:.0e}); "
         f"{len(rows)} model types with a base_model_tp_plan in all.",
         "",
         "| model type | status | rules | logits | loss | gradients | note |",
@@ -128,12 +128,15 @@ def run_all(args: argparse.Namespace) -> int:
     unknown = sorted(set(types) - set(causal_lm_types()))
     if unknown:
         raise MtkError(f"--types {','.join(unknown)}: not a causal LM with a base_model_tp_plan here")
-    tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE["fp32"]
+    if args.dtype not in ("fp32", "fp64") or (args.dtype == "fp64" and args.pp > 1):
+        raise MtkError(f"--all runs in fp32 or fp64 (fp64 with --pp 1), not --dtype {args.dtype}")
+    tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
     if args.pp < 1:
         raise MtkError(f"--pp must be at least 1, got {args.pp}")
-    print(f"mtk verify --all: {len(types)} architectures at tp={args.tp} pp={args.pp}, fp32", flush=True)
+    print(f"mtk verify --all: {len(types)} architectures at tp={args.tp} pp={args.pp}, {args.dtype}", flush=True)
     world = args.tp * args.pp
-    rows = run_distributed(sweep_worker, world_size=world, args=(types, tolerance, args.pp), timeout=args.timeout)[0]
+    sweep = (types, tolerance, args.pp, args.dtype)
+    rows = run_distributed(sweep_worker, world_size=world, args=sweep, timeout=args.timeout)[0]
     if not args.types:  # the table names every architecture with a tp plan; encoders, vision, audio: not swept
         causal = set(types)
         rows += [
@@ -142,7 +145,7 @@ def run_all(args: argparse.Namespace) -> int:
             if t not in causal
         ]
         rows.sort(key=lambda row: row.model_type)
-    table = _table(rows, args)
+    table = _table(rows, args, tolerance)
     print(table)
     if args.write:
         path = Path(args.write)
