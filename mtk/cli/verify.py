@@ -11,7 +11,7 @@ import transformers
 from mtk.errors import MtkError
 from mtk.models import resolve_config
 from mtk.plans import check_tp_size
-from mtk.spawn import run_distributed
+from mtk.spawn import DistributedTestError, run_distributed
 from mtk.sweep import SweepRow, causal_lm_types, sweep_worker, tp_plan_types
 from mtk.verify import VERIFY_DTYPES, verify_worker
 
@@ -62,6 +62,14 @@ def run(args: argparse.Namespace) -> int:
     if args.tp < 1:
         raise MtkError(f"--tp must be at least 1, got {args.tp}")
     if args.all:
+        # the sweep builds its own tiny models and batches: these options would change nothing there
+        fixed = [
+            f"--{k}"
+            for k, default in (("model", None), ("batch", 2), ("seq", 16), ("seed", 0))
+            if getattr(args, k) != default
+        ]
+        if fixed:
+            raise MtkError(f"{', '.join(fixed)} cannot go with --all (the sweep builds tiny models and batches)")
         return run_all(args)
     if not args.model:
         raise MtkError("mtk verify needs --model NAME_OR_DIR, or --all for the architecture sweep")
@@ -136,7 +144,12 @@ def run_all(args: argparse.Namespace) -> int:
     print(f"mtk verify --all: {len(types)} architectures at tp={args.tp} pp={args.pp}, {args.dtype}", flush=True)
     world = args.tp * args.pp
     sweep = (types, tolerance, args.pp, args.dtype)
-    rows = run_distributed(sweep_worker, world_size=world, args=sweep, timeout=args.timeout)[0]
+    try:
+        rows = run_distributed(sweep_worker, world_size=world, args=sweep, timeout=args.timeout)[0]
+    except DistributedTestError as err:  # a sweep that outlives --timeout (or a crashed worker): one line
+        raise MtkError(
+            f"the sweep did not finish: {str(err).splitlines()[0]}; raise --timeout or pass --types"
+        ) from None
     if not args.types:  # the table names every architecture with a tp plan; encoders, vision, audio: not swept
         causal = set(types)
         rows += [

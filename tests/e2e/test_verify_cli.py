@@ -36,6 +36,8 @@ def test_verify_local_directory_and_failing_tolerance(tmp_path):
     [
         (("--model", "tiny-llama", "--tp", "3"), "num_attention_heads = 4 is not divisible by tp = 3"),
         (("--model", "no-such-model"), "is neither a built-in config"),
+        (("--all", "--seq", "8"), "--seq cannot go with --all"),  # the sweep builds its own batches
+        (("--model", "tiny-llama", "--pp", "2"), "--types, --write and --pp go with --all"),
     ],
 )
 def test_verify_bad_input_is_one_line(args, message):
