@@ -59,6 +59,7 @@ class RankResult:
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)  # kind -> {"count", "bytes"}
     memory_above_start: int = 0  # bytes: the peak above what the process held before the model was built
     memory_by_kind: dict[str, int] = field(default_factory=dict)  # bytes at the peak: param, grad, act, opt, ...
+    model_state: dict[str, int] = field(default_factory=dict)  # bytes: weights, gradients, optimizer (AdamW moments)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -128,6 +129,32 @@ def _memory_by_kind(model, optimizer, step: Callable[[], torch.Tensor]) -> dict[
     return {str(kind).rsplit(".", 1)[-1].lower(): int(value) for kind, value in peak.items()}
 
 
+def _live_peak(model, optimizer, step: Callable[[], torch.Tensor]) -> int:
+    """The most bytes live at once during one step (:class:`~mtk.bench.live_memory.LiveMemory`)."""
+    from mtk.bench.live_memory import LiveMemory
+
+    with (live := LiveMemory(LiveMemory.present_in(model, optimizer))):
+        step()
+    return live.peak
+
+
+def _model_state(model, optimizer) -> dict[str, int]:
+    """This rank's weights, gradients (one per trainable parameter) and AdamW moments, in bytes, counted
+    on the live objects (``mtk plan`` predicts them exactly)."""
+    params = list(model.parameters())
+    moments = sum(
+        t.numel() * t.element_size()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0  # AdamW's ``step`` is a scalar
+    )
+    return {
+        "weights": sum(p.numel() * p.element_size() for p in params),
+        "gradients": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+        "optimizer": moments,
+    }
+
+
 def _train_step(
     model, optimizer, input_ids: torch.Tensor, backward: bool = True, after_backward: Callable[[], None] | None = None
 ) -> Callable[[], torch.Tensor]:
@@ -162,8 +189,10 @@ def _measure_model(
         shard_optimizer(optimizer, shard_over)
     step = _train_step(model, optimizer, _batch(spec, model.config.vocab_size, device), after_backward=after_backward)
     result = _measure(spec, step, device, baseline)
+    result.model_state = _model_state(model, optimizer)
     if spec.track_memory:
         result.memory_by_kind = _memory_by_kind(model, optimizer, step)
+        result.memory_by_kind["live_peak"] = _live_peak(model, optimizer, step)
     return result.as_dict()
 
 
@@ -216,8 +245,9 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
 
     step = _train_step(forward, optimizer, _batch(spec, cast(Any, model).config.vocab_size, device), backward=False)
     result = _measure(spec, step, device, baseline)
-    if spec.track_memory:
-        result.memory_by_kind = _memory_by_kind(model, optimizer, step)
+    result.model_state = _model_state(model, optimizer)
+    if spec.track_memory:  # MemTracker refuses modules run once per micro-batch: live bytes only
+        result.memory_by_kind = {"total": _live_peak(model, optimizer, step)}
     return result.as_dict()
 
 

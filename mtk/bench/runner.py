@@ -9,6 +9,7 @@ work took from the contenders.
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import tempfile
@@ -36,6 +37,7 @@ class ContenderSummary:
     peak_memory: list[int] = field(default_factory=list)  # per rank: the largest over rounds
     memory_above_start: list[int] = field(default_factory=list)  # per rank: the largest over rounds
     memory_by_kind: list[dict[str, int]] = field(default_factory=list)  # per rank, when tracked
+    model_state: list[dict[str, int]] = field(default_factory=list)  # per rank: weights, gradients, optimizer
     loss: float | None = None
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)  # rank 0, one step
     error: str | None = None
@@ -53,6 +55,7 @@ class ContenderSummary:
         memory = [r["peak_memory"] for r in ranks]
         self.peak_memory = [max(a, b) for a, b in zip(self.peak_memory, memory)] if self.peak_memory else memory
         self.memory_by_kind = [r["memory_by_kind"] for r in ranks]  # the last round's
+        self.model_state = [r["model_state"] for r in ranks]
         grown = [r["memory_above_start"] for r in ranks]
         old = self.memory_above_start
         self.memory_above_start = [max(a, b) for a, b in zip(old, grown)] if old else grown
@@ -133,7 +136,14 @@ def has_residual_dropout(config) -> bool:
 
 def sequence_parallel_elements(config) -> int:
     """Elements of one block's replicated parameters (norm weights, row biases): what sequence
-    parallelism sums over TP after backward. Counted on a meta-device copy of the model."""
+    parallelism sums over TP after backward. Counted on a meta-device copy of the model (one layer)."""
+    return _sequence_parallel_elements(type(config), config.to_json_string(use_diff=False))
+
+
+@functools.lru_cache(maxsize=16)
+def _sequence_parallel_elements(config_class: type, config_json: str) -> int:
+    import json
+
     import torch
 
     from mtk.models import auto_class_for
@@ -141,6 +151,10 @@ def sequence_parallel_elements(config) -> int:
     from mtk.plans.regions import local_blocks
     from mtk.plans.registry import find_plan
 
+    config = config_class.from_dict(json.loads(config_json))
+    for key in ("num_hidden_layers", "n_layer"):
+        if hasattr(config, key):
+            setattr(config, key, 1)
     plan = find_plan(config)
     if plan is None:
         return 0

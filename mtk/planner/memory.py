@@ -1,0 +1,158 @@
+"""Per-rank memory of a layout, composed from a :class:`~mtk.planner.trace.RankTrace` by arithmetic.
+
+A rank's peak is its model state plus the larger of two moments of the step:
+
+- **forward/backward**: the activations the stage keeps for every micro-batch in flight (1F1B: stage ``s``
+  of ``p`` holds ``min(m, p - s)``), plus what backward allocates on top of them for one micro-batch (the
+  logits' gradient, a recomputed block), plus the gradients live then (all of them once an earlier
+  micro-batch has run backward; with one micro-batch only those the trace saw at its peak);
+- **gradient reduction and optimizer step**: every gradient, plus the DP reduction's flat copy of them
+  (mtk's coalesced all-reduce under PP) and the distributed optimizer's all-gather buckets.
+
+Model state by precision and engine (``P`` trainable elements, ``F`` frozen):
+
+=====================  ===========  ===========  ==============================
+engine, dtype          weights      gradients    optimizer (AdamW)
+=====================  ===========  ===========  ==============================
+accelerate fp32        4 (P+F)      4 P          8 P (/ DP: distributed optimizer)
+accelerate bf16        4 P + 4 F    4 P          8 P   (autocast keeps fp32 weights)
+deepspeed bf16         2 (P+F)      2 P          12 P  (fp32 master + moments)
+=====================  ===========  ===========  ==============================
+
+ZeRO-1 divides the optimizer column by DP, ZeRO-2 the gradients too, ZeRO-3 the weights too (ZeRO paper:
+16 bytes per parameter for mixed-precision Adam, the accelerate bf16 and deepspeed bf16 rows alike).
+A LoRA base (``F``) stays in ``--dtype`` (bf16: mtk's ``--base_dtype bf16``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from mtk.planner.trace import Parameters, Phases, RankTrace
+
+__all__ = ["RankMemory", "Training", "stage_memory", "stage_parameters"]
+
+GATHER_BUCKET_ELEMENTS = 2**22  # mtk.parallel.distributed_optimizer.BUCKET_ELEMENTS
+DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's reduce_bucket_size / stage3 live-parameter defaults
+
+
+@dataclass(frozen=True)
+class Training:
+    """What the step does besides the model: precision, engine, optimizer sharding, gradient reduction."""
+
+    dtype: str = "fp32"  # fp32 or bf16 (accelerate: autocast; deepspeed: bf16 weights, fp32 master)
+    engine: str = "accelerate"  # accelerate or deepspeed
+    sharding: str = "none"  # none, distopt (accelerate), zero1, zero2, zero3 (deepspeed)
+    offload: bool = False  # deepspeed: optimizer state (and master weights) in CPU memory
+    dp: int = 1
+    lora: bool = False  # the frozen base stays in ``dtype``; adapters train in fp32
+    ddp: bool = False  # accelerate at pp = 1: DDP's buckets hold a copy of the gradients all step
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes of one rank: its model state, the activations and buffers at its peak, and the peak."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int  # live at the forward/backward peak
+    buffers: int  # communication buffers live at the peak
+    peak: int  # weights + optimizer + the larger of (activations + gradients live then, gradients + reduction)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def stage_parameters(trace: RankTrace, layers: int, stage: int, pp: int) -> Parameters:
+    """This stage's parameters: what it keeps outside the layers, then ``layers`` decoder layers."""
+    phases = _stage_phases(trace, stage, pp)
+    outside = phases.rest if phases is not None else Parameters()
+    return outside + trace.whole.layer * layers
+
+
+def _stage_phases(trace: RankTrace, stage: int, pp: int) -> Phases | None:
+    if pp == 1:
+        return trace.whole
+    if stage == 0:
+        return trace.first
+    if stage == pp - 1:
+        return trace.last
+    return None  # a middle stage: layers only
+
+
+def _owned(numels: tuple[int, ...], dp: int) -> int:
+    """Elements whose optimizer state this rank keeps under mtk's distributed optimizer (the most loaded rank)."""
+    from mtk.parallel.distributed_optimizer import assign_owners
+
+    owners = assign_owners(list(numels), dp)
+    return max(sum(n for n, owner in zip(numels, owners) if owner == rank) for rank in range(dp))
+
+
+def stage_memory(
+    trace: RankTrace,
+    training: Training,
+    *,
+    layers: int,
+    stage: int = 0,
+    pp: int = 1,
+    micro_batch: int = 1,
+    micro_batches: int = 1,
+) -> RankMemory:
+    """Peak bytes of a TP rank of pipeline stage ``stage`` holding ``layers`` decoder layers.
+
+    ``micro_batch`` sequences of ``trace.seq`` tokens per forward; ``micro_batches`` forwards per optimizer
+    step (pipeline micro-batches, or gradient accumulation at ``pp = 1``).
+    """
+    params = stage_parameters(trace, layers, stage, pp)
+    trainable, frozen = sum(params.trainable), params.frozen
+    dp = training.dp
+    bf16_deepspeed = training.dtype == "bf16" and training.engine == "deepspeed"
+    weight_size = 2 if bf16_deepspeed else 4
+    base_size = 2 if training.dtype == "bf16" else 4  # a frozen LoRA base stays in --dtype
+    weights = trainable * weight_size + frozen * (base_size if training.lora else weight_size)
+    gradients = trainable * weight_size
+    optimizer = trainable * (12 if bf16_deepspeed else 8)
+    buffers = 0
+    if training.sharding == "distopt":
+        optimizer = _owned(params.trainable, dp) * 8
+    elif training.sharding in ("zero1", "zero2", "zero3"):
+        optimizer = -(-optimizer // dp)
+        if training.sharding in ("zero2", "zero3"):
+            gradients = -(-gradients // dp)
+            buffers += min(trainable, DEEPSPEED_BUCKET_ELEMENTS) * weight_size  # the reduce bucket
+        if training.sharding == "zero3":
+            weights = -(-weights // dp)
+            buffers += min(trainable + frozen, DEEPSPEED_BUCKET_ELEMENTS) * weight_size  # gathered live parameters
+    if training.offload:
+        optimizer = 0
+
+    # activations, per micro-batch in flight
+    phases = _stage_phases(trace, stage, pp) or trace.first
+    rest_saved = phases.saved - trace.layer_saved
+    saved = max(rest_saved, 0) + layers * trace.layer_saved  # one sequence
+    transient = phases.peak - phases.saved
+    in_flight = min(micro_batches, pp - stage) if pp > 1 else 1
+    activations = micro_batch * (in_flight * saved + transient)
+    trace_grad_bytes = sum(phases.rest.trainable + phases.layer.trainable) * _trace_size(trace)
+    # Every gradient is live at the most-in-flight moment once a backward ran before it: accumulation at
+    # pp = 1, a 1F1B steady state (m > p - s); else only those backward had made when the trace peaked.
+    partial = int(gradients * phases.grad_at_peak / max(trace_grad_bytes, 1))
+    grads_live = gradients if micro_batches > in_flight else partial
+
+    reduction = 0  # the gradient reduction's own memory, live while every gradient is
+    if dp > 1 and training.engine == "accelerate":
+        if training.ddp:
+            buffers += gradients  # DDP's buckets: a persistent copy
+        else:
+            reduction = gradients  # the coalesced all-reduce's flat copy
+        if training.sharding == "distopt":
+            reduction = max(reduction, (dp + 1) * max(GATHER_BUCKET_ELEMENTS, max(params.trainable)) * weight_size)
+    backward = activations + grads_live
+    after = gradients + reduction
+    peak = weights + optimizer + buffers + max(backward, after)
+    return RankMemory(weights, gradients, optimizer, activations, max(buffers, buffers + reduction), peak)
+
+
+def _trace_size(trace: RankTrace) -> int:
+    return 2 if trace.dtype == "bf16" else 4

@@ -1,0 +1,117 @@
+"""Communication per step and a roofline step time for one layout.
+
+Communication is what mtk issues, from :func:`mtk.bench.predict.predict_collectives` (the prediction the
+bench checks against counted collectives): TP all-reduces / all-gathers / reduce-scatters, the pipeline's
+sends and receives, and the DP gradient reduction. Times are bytes on the wire over the link the group
+sits on: a ring all-reduce moves ``2 (n-1)/n`` of its buffer per rank, an all-gather ``(n-1)`` inputs, a
+reduce-scatter ``(n-1)/n`` of its input.
+
+The step time is a roofline, not a simulation: compute at the GPU's peak FLOP/s (``6 N`` FLOPs per token for
+the matmuls, ``4 N`` with a frozen LoRA base, ``+ 2 N`` for full recompute, plus ``12 L s q`` for attention
+scores, ``q`` the query width), TP communication not overlapped (mtk waits for each all-reduce), the
+pipeline bubble ``(p - 1) / m`` of a stage's step on top, blocking P2P, and the DP reduction exposed
+except where DDP / DeepSpeed overlap it with backward (``pp = 1``: exposed beyond two thirds of the
+compute). It ranks layouts; the absolute figure is a lower bound a real run approaches, not a promise.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+
+from transformers import PretrainedConfig
+
+__all__ = ["ModelSize", "StepTime", "Traffic", "model_size"]
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Parameter counts of the whole model (from a meta-device copy; nothing allocated)."""
+
+    parameters: int
+    matmul_parameters: int  # without the input embedding (a lookup), with the LM head
+    layers: int
+    hidden: int
+    query_width: int  # heads x head dim
+
+
+@functools.lru_cache(maxsize=16)
+def _size(config_class: type, config_json: str) -> ModelSize:
+    import json
+
+    import torch
+
+    from mtk.models import auto_class_for
+
+    config = config_class.from_dict(json.loads(config_json))
+    with torch.device("meta"):
+        model = auto_class_for(config).from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding
+    matmul = total - (0 if tied else embedding.numel())
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    hidden = config.hidden_size
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return ModelSize(total, matmul, layers, hidden, heads * head_dim)
+
+
+def model_size(config: PretrainedConfig) -> ModelSize:
+    return _size(type(config), config.to_json_string(use_diff=False))
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one rank sends per optimizer step, by group (collective inputs, as the bench counts them)."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_wire_s: float  # seconds on the TP group's link
+    pp_wire_s: float
+    dp_wire_s: float
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one optimizer step on the slowest stage."""
+
+    compute: float
+    tp_communication: float
+    bubble: float
+    p2p: float
+    dp_exposed: float
+    total: float
+    bubble_fraction: float
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def flops_per_token(size: ModelSize, seq: int, *, lora: bool, recompute: str | None) -> float:
+    """Training FLOPs per token of the whole model (forward + backward, recompute included)."""
+    matmul = (4 if lora else 6) * size.matmul_parameters
+    attention = 12 * size.layers * seq * size.query_width  # QK^T and AV: 4 s q forward, twice that backward
+    if recompute == "full":
+        matmul += 2 * size.matmul_parameters
+        attention += 4 * size.layers * seq * size.query_width
+    elif recompute == "selective":  # only what lies between the matmuls: the attention core
+        attention += 4 * size.layers * seq * size.query_width
+    return matmul + attention
+
+
+def collective_seconds(kind: str, nbytes: int, ranks: int, bandwidth: float) -> float:
+    """Time on the wire of ``nbytes`` handed to collectives of ``kind`` in a group of ``ranks``."""
+    if ranks <= 1 and kind not in ("send", "recv"):
+        return 0.0
+    factor = {
+        "all_reduce": 2 * (ranks - 1) / ranks,
+        "all_gather": ranks - 1,
+        "reduce_scatter": (ranks - 1) / ranks,
+        "send": 1.0,
+        "recv": 0.0,  # the sender's time
+        "broadcast": 0.0,  # the 4-byte loss
+    }[kind]
+    return factor * nbytes / bandwidth

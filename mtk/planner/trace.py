@@ -1,0 +1,261 @@
+"""Measure one TP rank's model state and activations by running mtk itself on the meta device.
+
+Formulas for activation memory (Korthikanti et al.'s ``sbh(34 + 5as/h)``) fit one architecture and one
+attention kernel; a model with a gated MLP, GQA, biases, q/k norms or a fused kernel needs another. So the
+planner does not guess: it builds the model from its config on the meta device (no weights, nothing
+allocated), converts it with mtk's own rules inside a fake process group of ``tp`` ranks (collectives do
+nothing), and runs its forward and backward counting live bytes (activations and temporaries apart from
+gradients) when the forward ends and at the peak (:class:`~mtk.bench.live_memory.LiveMemory`, the counter
+``mtk bench`` measures real runs with). Parameters and AdamW state are counted from the converted model's
+own tensors. Two depths (one and two decoder layers) give what one layer adds and what the rest of the model
+(embedding, final norm, head, vocab-parallel loss) holds; the stage's depth is then a multiplication.
+
+What the meta device cannot do itself is replaced for the trace, nowhere else:
+- scaled-dot-product attention runs as a fused kernel (flash / memory-efficient attention on CUDA, the
+  flash kernel on CPU) saving ``q, k, v``, the output and the ``[b, a, s]`` log-sum-exp, not the decomposed
+  math path whose ``[b, a, s, s]`` scores the meta device would otherwise count; except for a CPU target
+  with attention dropout, where torch itself takes the math path;
+- transformers' packed-sequence detection reads the data (``.all()``): the traced batch is unpacked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from mtk.bench.live_memory import LiveMemory
+
+__all__ = ["RankTrace", "TraceSettings", "trace_rank"]
+
+_KINDS = ("param", "grad", "opt", "act", "temp")
+
+
+@dataclass(frozen=True)
+class TraceSettings:
+    """What changes a TP rank's memory per layer: the layout's TP side and the training options."""
+
+    tp: int
+    sequence_parallel: bool = False
+    recompute: str | None = None  # None, "selective" or "full"
+    lora_r: int = 0  # LoRA rank on every linear mtk splits (0: full fine-tuning)
+    dtype: str = "fp32"  # parameters and activations (fp32, bf16)
+    device: str = "cuda"  # whose attention kernels: "cuda" (fused, dropout too) or "cpu" (fused without dropout)
+
+
+@dataclass(frozen=True)
+class Parameters:
+    """A part of one rank's model: trainable parameters (elements of each, in order) and frozen elements."""
+
+    trainable: tuple[int, ...] = ()
+    frozen: int = 0
+
+    def __add__(self, other: Parameters) -> Parameters:
+        return Parameters(self.trainable + other.trainable, self.frozen + other.frozen)
+
+    def __mul__(self, count: int) -> Parameters:
+        return Parameters(self.trainable * count, self.frozen * count)
+
+    @property
+    def elements(self) -> int:
+        return sum(self.trainable) + self.frozen
+
+
+@dataclass(frozen=True)
+class Phases:
+    """One training step of a one-layer rank on a ``1 x seq`` batch, as MemTracker saw it (bytes).
+
+    ``rest``: the parameters outside the decoder layers this rank keeps (embedding, final norm, head, or
+    none on a middle pipeline stage); ``layer``: those of one decoder layer.
+    """
+
+    rest: Parameters
+    layer: Parameters
+    saved: int  # activations live when the forward ends (what backward will read)
+    peak: int  # activations + temporaries at the forward/backward peak
+    grad_at_peak: int  # gradients live at that peak
+
+
+@dataclass(frozen=True)
+class RankTrace:
+    """One TP rank of a layout, measured so that any depth, stage and micro-batch follows by arithmetic.
+
+    ``whole``: the one-layer model on one stage; ``first`` / ``last``: the first / last stage of a two-stage
+    pipeline with one layer each (the model outside the layers split as mtk's stages split it);
+    ``layer_saved``: what each further layer keeps for backward (the two-layer model's ``saved`` minus the
+    one-layer model's). Activation bytes are per sequence of ``seq`` tokens.
+    """
+
+    seq: int
+    dtype: str
+    whole: Phases
+    first: Phases
+    last: Phases
+    layer_saved: int
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
+    """A process group of ``world_size`` ranks in this one process, whose collectives do nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise RuntimeError("mtk plan traces the model in a process of its own: run it outside a distributed job")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _FusedAttention(torch.autograd.Function):
+    """The tensors a fused attention kernel keeps for backward: q, k, v, output, log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, query, key, value):  # [b, a, s, d], [b, kv, s, d], [b, kv, s, dv]
+        out = query.new_empty((*query.shape[:-1], value.shape[-1]))  # [b, a, s, dv]
+        lse = query.new_empty(query.shape[:-1], dtype=torch.float32)  # [b, a, s]
+        ctx.save_for_backward(query, key, value, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, _, _ = ctx.saved_tensors
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _attention_for(device: str, math_path):
+    """SDPA as ``device`` runs it: a fused kernel, except on CPU with dropout (torch's math path there)."""
+
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        if device == "cpu" and dropout_p > 0:
+            return math_path(query, key, value, attn_mask, dropout_p, *args, **kwargs)
+        return _FusedAttention.apply(query, key, value)
+
+    return attention
+
+
+@contextlib.contextmanager
+def _meta_replacements(device: str) -> Iterator[None]:
+    import transformers.masking_utils as masking
+
+    saved_sdpa, saved_packed = F.scaled_dot_product_attention, masking.find_packed_sequence_indices
+    F.scaled_dot_product_attention = _attention_for(device, saved_sdpa)
+    masking.find_packed_sequence_indices = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = saved_sdpa
+        masking.find_packed_sequence_indices = saved_packed
+
+
+def _with_layers(config: PretrainedConfig, layers: int) -> PretrainedConfig:
+    config = copy.deepcopy(config)
+    config.pad_token_id = None  # GPT-2 looks for it in the batch (data the meta device does not have)
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        if hasattr(config, name):
+            setattr(config, name, layers)
+    for name in ("layer_types", "mlp_layer_types"):  # per-layer lists must keep the new depth
+        value = getattr(config, name, None)
+        if isinstance(value, list) and value:
+            setattr(config, name, (value * layers)[:layers])
+    return config
+
+
+def _meta_model(config: PretrainedConfig, settings: TraceSettings, pp: int, pp_rank: int):
+    """The converted model of TP rank 0 of stage ``pp_rank`` on the meta device (inside a fake group)."""
+    from mtk.convert import parallelize
+    from mtk.models import DTYPES, auto_class_for
+    from mtk.parallel.state import ParallelState
+
+    parallel = ParallelState.build(tp_size=settings.tp, pp_size=pp, device=torch.device("cpu"))
+    with torch.device("meta"):
+        model = auto_class_for(config).from_config(config, dtype=DTYPES[settings.dtype])
+    parallelize(model, parallel, sequence_parallel=settings.sequence_parallel)
+    if settings.lora_r:
+        from peft import LoraConfig
+
+        from mtk.lora import get_peft_model
+
+        lora = LoraConfig(r=settings.lora_r, lora_alpha=2 * settings.lora_r, target_modules="all-linear")
+        with torch.device("meta"):
+            model = get_peft_model(model, lora)
+    return model
+
+
+def _parameters(model, block: nn.Module | None) -> tuple[Parameters, Parameters]:
+    """(outside the layers, one layer): trainable elements per parameter and frozen elements."""
+    in_block = {id(p) for p in block.parameters()} if block is not None else set()
+    parts: dict[bool, tuple[list[int], list[int]]] = {True: ([], []), False: ([], [])}
+    for param in model.parameters():
+        trainable, frozen = parts[id(param) in in_block]
+        (trainable if param.requires_grad else frozen).append(param.numel())
+    rest, layer = (Parameters(tuple(parts[key][0]), sum(parts[key][1])) for key in (False, True))
+    return rest, layer
+
+
+def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp: int, pp_rank: int) -> Phases:
+    """Trace forward and backward of TP rank 0 of stage ``pp_rank`` on a ``1 x seq`` batch."""
+    from mtk.config import RunSettings
+    from mtk.convert import parallelized
+    from mtk.lora.model import hf_model
+    from mtk.plans.regions import local_blocks
+    from mtk.recompute import enable_recompute
+
+    with fake_process_group(settings.tp * pp, rank=pp_rank * settings.tp), _meta_replacements(settings.device):
+        model = _meta_model(config, settings, pp, pp_rank)
+        hf = hf_model(model)
+        record = parallelized(hf)
+        assert record is not None
+        blocks = local_blocks(hf, record.plan)
+        rest, layer = _parameters(model, blocks[0] if blocks else None)
+        enable_recompute(hf, RunSettings(recompute_granularity=settings.recompute), record.rng)
+        model.train()
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        ids = torch.zeros((1, seq), dtype=torch.long, device="meta")  # [b, s]
+        stage_input = torch.empty((1, seq, config.hidden_size), dtype=dtype, device="meta", requires_grad=True)
+        with (live := LiveMemory(model.parameters())):  # a weight's view (its transpose) is no activation
+            hooks = live.mark_gradients(model)
+            if pp_rank == 0 and pp > 1:  # as the pipeline engine runs a stage
+                out = cast(Any, hf).base_model(input_ids=ids, use_cache=False).last_hidden_state  # [b, s, h]
+                grad: torch.Tensor | None = torch.empty_like(out)
+            else:
+                inputs = {"inputs_embeds": stage_input} if pp_rank > 0 else {"input_ids": ids}
+                out, grad = model(**inputs, labels=ids, use_cache=False).loss, None
+            saved = live.live.get("other", 0)
+            torch.autograd.backward(out, grad)
+            del out, grad
+        for hook in hooks:
+            hook.remove()
+    return Phases(
+        rest=rest,
+        layer=layer,
+        saved=saved,
+        peak=live.at_peak.get("other", 0),
+        grad_at_peak=live.at_peak.get("grad", 0),
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _trace(config_class: type, config_json: str, settings: TraceSettings, seq: int) -> RankTrace:
+    config = config_class.from_dict(json.loads(config_json))
+    one, two = _with_layers(config, 1), _with_layers(config, 2)
+    whole = _phases(one, settings, seq, 1, 0)
+    layer_saved = _phases(two, settings, seq, 1, 0).saved - whole.saved
+    first, last = (_phases(two, settings, seq, 2, rank) for rank in (0, 1))  # one layer per stage
+    return RankTrace(seq, settings.dtype, whole, first, last, layer_saved)
+
+
+def trace_rank(config: PretrainedConfig, settings: TraceSettings, seq: int) -> RankTrace:
+    """The trace of TP rank 0 for ``settings`` (cached per config, settings and sequence length)."""
+    return _trace(type(config), config.to_json_string(use_diff=False), settings, seq)
