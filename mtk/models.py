@@ -114,16 +114,18 @@ def builtin_config(name: str) -> PretrainedConfig:
 
 
 def resolve_config(spec: str | PretrainedConfig) -> PretrainedConfig:
-    """A config from a built-in name or a local HF directory (config.json only; no remote code)."""
+    """A config from a built-in name, a local HF directory or a config .json file (no remote code)."""
     if isinstance(spec, PretrainedConfig):
         return spec
     if spec in BUILTIN:
         return builtin_config(spec)
     path = Path(spec)
+    if path.is_file() and path.suffix == ".json":  # a config.json alone: enough to plan, not to load weights
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
     if not (path / "config.json").is_file():
         raise ModelSpecError(
-            f"--model {spec!r} is neither a built-in config ({', '.join(BUILTIN)}) nor a local directory "
-            f"with a config.json"
+            f"--model {spec!r} is neither a built-in config ({', '.join(BUILTIN)}), a local directory "
+            f"with a config.json, nor a config .json file"
         )
     return AutoConfig.from_pretrained(path, trust_remote_code=False)
 

@@ -129,13 +129,20 @@ def _memory_by_kind(model, optimizer, step: Callable[[], torch.Tensor]) -> dict[
     return {str(kind).rsplit(".", 1)[-1].lower(): int(value) for kind, value in peak.items()}
 
 
-def _live_peak(model, optimizer, step: Callable[[], torch.Tensor]) -> int:
-    """The most bytes live at once during one step (:class:`~mtk.bench.live_memory.LiveMemory`)."""
+def _live_peak(model, optimizer, step: Callable[[], torch.Tensor]) -> dict[str, int]:
+    """The most bytes live at once during one step (:class:`~mtk.bench.live_memory.LiveMemory`) and, on
+    CUDA, the allocator's own max allocated over the same step."""
     from mtk.bench.live_memory import LiveMemory
 
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     with (live := LiveMemory(LiveMemory.present_in(model, optimizer))):
         step()
-    return live.peak
+    peaks = {"live_peak": live.peak}
+    if device.type == "cuda":
+        peaks["max_allocated"] = torch.cuda.max_memory_allocated(device)
+    return peaks
 
 
 def _model_state(model, optimizer) -> dict[str, int]:
@@ -192,7 +199,7 @@ def _measure_model(
     result.model_state = _model_state(model, optimizer)
     if spec.track_memory:
         result.memory_by_kind = _memory_by_kind(model, optimizer, step)
-        result.memory_by_kind["live_peak"] = _live_peak(model, optimizer, step)
+        result.memory_by_kind.update(_live_peak(model, optimizer, step))
     return result.as_dict()
 
 
@@ -247,7 +254,7 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     result = _measure(spec, step, device, baseline)
     result.model_state = _model_state(model, optimizer)
     if spec.track_memory:  # MemTracker refuses modules run once per micro-batch: live bytes only
-        result.memory_by_kind = {"total": _live_peak(model, optimizer, step)}
+        result.memory_by_kind = _live_peak(model, optimizer, step)
     return result.as_dict()
 
 

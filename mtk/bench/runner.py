@@ -137,11 +137,12 @@ def has_residual_dropout(config) -> bool:
 def sequence_parallel_elements(config) -> int:
     """Elements of one block's replicated parameters (norm weights, row biases): what sequence
     parallelism sums over TP after backward. Counted on a meta-device copy of the model (one layer)."""
-    return _sequence_parallel_elements(type(config), config.to_json_string(use_diff=False))
+    config_class: Any = type(config)
+    return _sequence_parallel_elements(config_class, config.to_json_string(use_diff=False))
 
 
 @functools.lru_cache(maxsize=16)
-def _sequence_parallel_elements(config_class: type, config_json: str) -> int:
+def _sequence_parallel_elements(config_class: Any, config_json: str) -> int:
     import json
 
     import torch

@@ -48,6 +48,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--distributed_optimizer", action="store_true", help="mtk with AdamW state sharded over DP (needs --dp > 1)"
     )
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="one more step counting live bytes per rank (max allocated on CUDA), held against mtk plan's prediction",
+    )
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before one launch is stopped")
     parser.set_defaults(run=run)
@@ -65,6 +70,8 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     if args.distributed_optimizer and args.dp == 1:
         raise MtkError("--distributed_optimizer shards the optimizer over data-parallel replicas: give --dp > 1")
     micro = args.micro_batches or (args.batch if args.pp > 1 else 1)
+    if args.memory and args.dtype != "fp32":
+        raise MtkError("--memory holds the run against mtk plan, which models bf16 as mixed precision: use fp32")
     if args.sequence_parallel and (args.tp == 1 or args.seq % args.tp):
         raise MtkError(f"--sequence_parallel splits --seq over --tp ranks: needs --tp > 1 dividing --seq {args.seq}")
     if args.batch % micro:
@@ -82,6 +89,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         recompute=args.recompute,
         dp=args.dp,
         distributed_optimizer=args.distributed_optimizer,
+        track_memory=args.memory,
     )
 
 
@@ -101,6 +109,18 @@ def run(args: argparse.Namespace) -> int:
     )
     report = report_dict(spec, summaries, predicted_for(spec), busy)
     print(format_report(report))
+    ours = next(s for s in summaries if s.name == "mtk")
+    if args.memory and ours.error is None:
+        from mtk.parallel.state import default_device
+        from mtk.planner.check import check_lines, check_ranks, planned_for
+
+        checks = check_ranks(spec, ours, planned_for(spec, default_device().type))
+        print("peak memory per rank (mtk), measured vs mtk plan:")
+        print("\n".join(check_lines(checks)))
+        report["planned_memory_per_rank"] = [
+            {"rank": c.rank, "stage": c.stage, "planned": c.predicted.as_dict(), "measured_peak": c.measured_peak}
+            for c in checks
+        ]
     if args.json:
         write_json(report, args.json)
         print(f"wrote {args.json}")

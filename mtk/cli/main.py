@@ -1,33 +1,43 @@
-"""``mtk``: dispatch to one module per subcommand. Each module exposes ``add_parser`` and ``run``."""
+"""``mtk``: dispatch to one module per subcommand. Each module exposes ``add_parser`` and ``run``.
+
+Only the module of the subcommand being run is imported (``mtk plan`` answers in seconds; the others bring
+in DeepSpeed, PEFT or the bench's peers); ``mtk --help`` imports them all to list them.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
 from mtk import __version__
 from mtk.args import ArgumentParser
-from mtk.cli import bench, export, topology, verify, verify_checkpoint
 from mtk.errors import MtkError
 
-SUBCOMMANDS = (bench, export, topology, verify, verify_checkpoint)
+SUBCOMMANDS = ("bench", "export", "plan", "topology", "verify", "verify-checkpoint")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _module(name: str):
+    return importlib.import_module(f"mtk.cli.{name.replace('-', '_')}")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="mtk",
         description="Megatron-style tensor, pipeline and data parallelism for HuggingFace models.",
     )
     parser.add_argument("--version", action="version", version=f"mtk {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
-    for module in SUBCOMMANDS:
-        module.add_parser(sub)
+    for name in [only] if only else SUBCOMMANDS:
+        _module(name).add_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in SUBCOMMANDS and "--help" not in argv[:1] else None)
     try:
         args = parser.parse_args(argv)
     except MtkError as err:  # a malformed option: one line, as for every other bad input

@@ -27,6 +27,7 @@ A LoRA base (``F``) stays in ``--dtype`` (bf16: mtk's ``--base_dtype bf16``).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import cast
 
 from mtk.planner.trace import Parameters, Phases, RankTrace
 
@@ -65,15 +66,19 @@ class RankMemory:
 
 
 def stage_parameters(trace: RankTrace, layers: int, stage: int, pp: int) -> Parameters:
-    """This stage's parameters: what it keeps outside the layers, then ``layers`` decoder layers."""
+    """This stage's parameters in the model's order: those ahead of the layers, ``layers`` decoder layers,
+    those behind them."""
     phases = _stage_phases(trace, stage, pp)
-    outside = phases.rest if phases is not None else Parameters()
-    return outside + trace.whole.layer * layers
+    if phases is None:
+        return trace.whole.layer * layers
+    return phases.before + trace.whole.layer * layers + phases.after
 
 
 def _stage_phases(trace: RankTrace, stage: int, pp: int) -> Phases | None:
     if pp == 1:
         return trace.whole
+    if trace.first is None or trace.last is None:
+        raise ValueError("a pipeline stage needs a trace with pipeline=True")
     if stage == 0:
         return trace.first
     if stage == pp - 1:
@@ -128,13 +133,14 @@ def stage_memory(
         optimizer = 0
 
     # activations, per micro-batch in flight
-    phases = _stage_phases(trace, stage, pp) or trace.first
+    phases = _stage_phases(trace, stage, pp) or cast(Phases, trace.first)
     rest_saved = phases.saved - trace.layer_saved
     saved = max(rest_saved, 0) + layers * trace.layer_saved  # one sequence
     transient = phases.peak - phases.saved
     in_flight = min(micro_batches, pp - stage) if pp > 1 else 1
     activations = micro_batch * (in_flight * saved + transient)
-    trace_grad_bytes = sum(phases.rest.trainable + phases.layer.trainable) * _trace_size(trace)
+    trace_grad_bytes = sum(phases.before.trainable + phases.layer.trainable + phases.after.trainable)
+    trace_grad_bytes *= _trace_size(trace)
     # Every gradient is live at the most-in-flight moment once a backward ran before it: accumulation at
     # pp = 1, a 1F1B steady state (m > p - s); else only those backward had made when the trace peaked.
     partial = int(gradients * phases.grad_at_peak / max(trace_grad_bytes, 1))

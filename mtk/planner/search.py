@@ -49,6 +49,7 @@ class Request:
     tp: int | None = None
     pp: int | None = None
     device: str = "cuda"  # attention kernels of this device (``cpu`` for the validation on this machine)
+    ddp: bool = True  # accelerate at pp = 1 reduces through DDP's buckets (False: one coalesced all-reduce)
     every_setting: bool = False
 
 
@@ -91,6 +92,7 @@ class Estimate:
     fits: bool
     tokens_per_s: float
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)  # the fullest rank's, by kind
+    stages: tuple[RankMemory, ...] = ()  # every pipeline stage's TP rank
 
     def as_dict(self) -> dict:
         c = self.candidate
@@ -111,6 +113,7 @@ class Estimate:
             "fits": self.fits,
             "memory_bytes": self.memory.as_dict(),
             "fullest_stage": self.stage,
+            "memory_bytes_per_stage": [m.as_dict() for m in self.stages],
             "communication_bytes": {"tp": self.traffic.tp, "pp": self.traffic.pp, "dp": self.traffic.dp},
             "collectives": self.collectives,
             "step_s": self.time.as_dict(),
@@ -139,10 +142,8 @@ def _trace_settings(request: Request, candidate: Candidate) -> TraceSettings:
 
 def estimate(request: Request, candidate: Candidate) -> Estimate:
     """Memory of every stage (the fullest is reported), traffic and step time of one candidate."""
-    from mtk.bench.runner import has_residual_dropout, sequence_parallel_elements
-
-    config, cluster, c = request.config, request.cluster, candidate
-    trace = trace_rank(config, _trace_settings(request, c), request.seq)
+    config, c = request.config, candidate
+    trace = trace_rank(config, _trace_settings(request, c), request.seq, pipeline=c.pp > 1)
     training = Training(
         dtype=request.dtype,
         engine=c.engine,
@@ -150,7 +151,7 @@ def estimate(request: Request, candidate: Candidate) -> Estimate:
         offload=c.offload,
         dp=c.dp,
         lora=request.lora_r > 0,
-        ddp=c.engine == "accelerate" and c.pp == 1,
+        ddp=request.ddp and c.engine == "accelerate" and c.pp == 1,
     )
     counts = stage_layer_counts(_layers(config), c.pp)
     memories = [
@@ -166,10 +167,21 @@ def estimate(request: Request, candidate: Candidate) -> Estimate:
         for s in range(c.pp)
     ]
     stage = max(range(c.pp), key=lambda s: memories[s].peak)
-    memory = memories[stage]
+    numels = list(stage_parameters(trace, counts[stage], stage, c.pp).trainable)
+    traffic, collectives = _traffic(request, c, stage, numels)
+    time = _step_time(request, c, max(counts), traffic)
+    fits = memories[stage].peak <= request.cluster.gpu_memory - request.reserve
+    tokens_per_s = request.global_batch * request.seq / time.total
+    return Estimate(c, memories[stage], stage, traffic, time, fits, tokens_per_s, collectives, tuple(memories))
 
-    layout = Layout(world_size=c.tp * c.pp * c.dp, tp_size=c.tp, pp_size=c.pp)
-    element = _activation_size(request, c)
+
+def _traffic(request: Request, c: Candidate, stage: int, numels: list[int]) -> tuple[Traffic, dict]:
+    """Bytes per step of stage ``stage`` by group, their time on the wire, and mtk's collectives by kind
+    (what ``mtk bench`` counts: TP and PP from :func:`predict_collectives`, the DP reduction and the
+    distributed optimizer's all-gather rounds; DeepSpeed's own ZeRO calls are not mtk's)."""
+    from mtk.bench.runner import has_residual_dropout, sequence_parallel_elements
+
+    config, cluster = request.config, request.cluster
     predicted = predict_collectives(
         _layers(config),
         config.hidden_size,
@@ -179,43 +191,59 @@ def estimate(request: Request, candidate: Candidate) -> Estimate:
         pp=c.pp,
         stage=stage,
         micro_batches=c.micro_batches,
-        element_size=element,
+        element_size=_activation_size(request, c),
         sequence_parallel=c.sequence_parallel,
         sequence_parallel_elements=sequence_parallel_elements(config) if c.sequence_parallel else 0,
         recompute=c.recompute,
         residual_dropout=has_residual_dropout(config),
     )
+    layout = Layout(world_size=c.tp * c.pp * c.dp, tp_size=c.tp, pp_size=c.pp)
     tp_group, pp_group, dp_group = (layout.groups(kind)[0] for kind in ("tp", "pp", "dp"))
     tp_kinds = ("all_reduce", "all_gather", "reduce_scatter")
     tp_bytes = sum(predicted.nbytes[k] for k in tp_kinds)
     tp_s = sum(collective_seconds(k, predicted.nbytes[k], c.tp, cluster.bandwidth(tp_group)) for k in tp_kinds)
     pp_bytes = predicted.nbytes["send"]
     pp_s = collective_seconds("send", pp_bytes, c.pp, cluster.bandwidth(pp_group[:2])) if c.pp > 1 else 0.0
-    trainable = sum(stage_parameters(trace, counts[stage], stage, c.pp).trainable)
     grad_size = 2 if (request.dtype == "bf16" and c.engine == "deepspeed") else 4
-    dp_bytes = trainable * grad_size * (1 if c.dp > 1 else 0)
+    dp_bytes = sum(numels) * grad_size if c.dp > 1 else 0
     dp_s = collective_seconds("all_reduce", dp_bytes, c.dp, cluster.bandwidth(dp_group))
     if c.sharding == "zero3":
         dp_s *= 1.5  # parameters gathered for forward and again for backward (ZeRO paper)
-    if c.sharding == "distopt":  # the updated weights all-gathered after the step
-        dp_s += collective_seconds("all_gather", trainable * 4 // c.dp, c.dp, cluster.bandwidth(dp_group))
-    traffic = Traffic(tp_bytes, pp_bytes, dp_bytes, tp_s, pp_s, dp_s)
-
-    size = model_size(config)
-    tokens = c.micro_batch * c.micro_batches * request.seq  # per replica and step
-    share = max(counts) / _layers(config)
-    flops = flops_per_token(size, request.seq, lora=request.lora_r > 0, recompute=c.recompute)
-    compute = flops * tokens * share / c.tp / cluster.peak_flops
-    stage_s = compute + tp_s
-    bubble_fraction = (c.pp - 1) / c.micro_batches
-    bubble = stage_s * bubble_fraction
-    overlapped = c.pp == 1 and c.sharding != "distopt"  # DDP / DeepSpeed reduce during backward
-    dp_exposed = max(0.0, dp_s - 2 / 3 * compute) if overlapped else dp_s
-    total = stage_s + bubble + pp_s + dp_exposed
-    time = StepTime(compute, tp_s, bubble, pp_s, dp_exposed, total, bubble_fraction)
-    fits = memory.peak <= cluster.gpu_memory - request.reserve
+    gathers = _gather_widths(numels, c.dp) if c.sharding == "distopt" else ()
+    for width in gathers:  # the distributed optimizer's all-gather rounds of the updated weights
+        dp_s += collective_seconds("all_gather", width * 4, c.dp, cluster.bandwidth(dp_group))
+    if c.dp > 1 and c.engine == "accelerate":
+        predicted.counts["all_reduce"] += 1
+        predicted.nbytes["all_reduce"] += dp_bytes
+        for width in gathers:
+            predicted.counts["all_gather"] += 1
+            predicted.nbytes["all_gather"] += width * 4
     collectives = {k: {"count": predicted.counts[k], "bytes": predicted.nbytes[k]} for k in sorted(predicted.counts)}
-    return Estimate(c, memory, stage, traffic, time, fits, request.global_batch * request.seq / total, collectives)
+    return Traffic(tp_bytes, pp_bytes, dp_bytes, tp_s, pp_s, dp_s), collectives
+
+
+def _step_time(request: Request, c: Candidate, stage_layers: int, traffic: Traffic) -> StepTime:
+    """The roofline of the slowest stage (``stage_layers`` decoder layers): module docstring of timing.py."""
+    size = model_size(request.config)
+    tokens = c.micro_batch * c.micro_batches * request.seq  # per replica and step
+    flops = flops_per_token(size, request.seq, lora=request.lora_r > 0, recompute=c.recompute)
+    compute = flops * tokens * stage_layers / size.layers / c.tp / request.cluster.peak_flops
+    stage_s = compute + traffic.tp_wire_s
+    bubble_fraction = (c.pp - 1) / c.micro_batches
+    overlapped = c.pp == 1 and c.sharding != "distopt"  # DDP / DeepSpeed reduce during backward
+    dp_exposed = max(0.0, traffic.dp_wire_s - 2 / 3 * compute) if overlapped else traffic.dp_wire_s
+    total = stage_s * (1 + bubble_fraction) + traffic.pp_wire_s + dp_exposed
+    return StepTime(
+        compute, traffic.tp_wire_s, stage_s * bubble_fraction, traffic.pp_wire_s, dp_exposed, total, bubble_fraction
+    )
+
+
+def _gather_widths(numels: list[int], dp: int) -> tuple[int, ...]:
+    """Elements each rank contributes per all-gather round of mtk's distributed optimizer."""
+    from mtk.parallel.distributed_optimizer import all_gather_rounds, assign_owners
+
+    rounds = all_gather_rounds(numels, assign_owners(numels, dp), dp)
+    return tuple(max(sum(numels[i] for i in pieces) for pieces in per_rank) for per_rank in rounds)
 
 
 def _divisors(n: int) -> list[int]:
@@ -259,44 +287,54 @@ def layouts(request: Request) -> Iterator[Candidate]:
             for micro_batch in MICRO_BATCH_SIZES:
                 if replica_batch % micro_batch:
                     continue
-                shape = dict(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, micro_batches=replica_batch // micro_batch)
+                shape = Candidate(tp, pp, dp, micro_batch, replica_batch // micro_batch)
                 if "accelerate" in request.engines:
-                    yield Candidate(**shape)
+                    yield shape
                     if dp > 1:
-                        yield Candidate(**shape, sharding="distopt")
+                        yield replace(shape, sharding="distopt")
                 if "deepspeed" in request.engines and pp == 1:
                     for offload in (False, True) if request.offload else (False,):
                         for stage in ("zero1", "zero2", "zero3"):
                             if dp > 1 or offload:  # ZeRO at DP = 1 only saves memory by offloading
-                                yield Candidate(**shape, engine="deepspeed", sharding=stage, offload=offload)
+                                yield replace(shape, engine="deepspeed", sharding=stage, offload=offload)
 
 
-def _settings(request: Request, candidate: Candidate) -> Iterator[Candidate]:
-    """The candidate's SP / recompute variants, cheapest in time first."""
+def _settings(request: Request, candidate: Candidate, most_recompute: int) -> Iterator[Candidate]:
+    """The candidate's SP / recompute variants, cheapest in time first, up to ``RECOMPUTE_ORDER[most_recompute]``."""
     sp_allowed = candidate.tp > 1 and candidate.engine == "accelerate" and request.seq % candidate.tp == 0
     sps = (True, False) if (sp_allowed and request.every_setting) else ((True,) if sp_allowed else (False,))
-    for recompute in RECOMPUTE_ORDER:
+    for recompute in RECOMPUTE_ORDER[: most_recompute + 1]:
         for sp in sps:
             yield replace(candidate, sequence_parallel=sp, recompute=recompute)
 
 
 def plan(request: Request) -> list[Estimate]:
-    """Estimates of every layout, fastest first; for each layout the fastest setting that fits (or, with
-    ``every_setting``, all of them), and the layouts that fit nowhere with their smallest setting last."""
+    """Estimates of every layout, fastest first: for each, the fastest setting that fits (or, with
+    ``every_setting``, all of them); layouts that fit nowhere follow with their smallest setting.
+
+    A bigger micro-batch is never faster in the roofline (the same FLOPs and bytes, a larger pipeline bubble)
+    and needs more memory, so it is listed only while it fits with no more recomputation than the smaller one.
+    """
     results: list[Estimate] = []
+    most: dict[tuple, int] = {}  # layout without its micro-batch -> most recompute a smaller micro-batch needed
     for layout in layouts(request):
+        key = (layout.tp, layout.pp, layout.dp, layout.engine, layout.sharding, layout.offload)
+        if key in most and most[key] < 0:
+            continue  # a smaller micro-batch already fit nowhere
         smallest: Estimate | None = None
-        for candidate in _settings(request, layout):
+        for candidate in _settings(request, layout, most.get(key, len(RECOMPUTE_ORDER) - 1)):
             result = estimate(request, candidate)
             if request.every_setting:
                 results.append(result)
                 continue
             if result.fits:
                 results.append(result)
+                most[key] = RECOMPUTE_ORDER.index(candidate.recompute)
                 break
             if smallest is None or result.memory.peak < smallest.memory.peak:
                 smallest = result
         else:
-            if smallest is not None:
+            if smallest is not None and key not in most:
                 results.append(smallest)
-    return sorted(results, key=lambda e: (not e.fits, e.time.total if e.fits else e.memory.peak))
+            most[key] = -1
+    return sorted(results, key=lambda e: (not e.fits, round(e.time.total, 3) if e.fits else 0, e.memory.peak))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from transformers import PretrainedConfig
 
@@ -36,7 +37,7 @@ class ModelSize:
 
 
 @functools.lru_cache(maxsize=16)
-def _size(config_class: type, config_json: str) -> ModelSize:
+def _size(config_class: Any, config_json: str) -> ModelSize:
     import json
 
     import torch
@@ -59,7 +60,8 @@ def _size(config_class: type, config_json: str) -> ModelSize:
 
 
 def model_size(config: PretrainedConfig) -> ModelSize:
-    return _size(type(config), config.to_json_string(use_diff=False))
+    config_class: Any = type(config)
+    return _size(config_class, config.to_json_string(use_diff=False))
 
 
 @dataclass(frozen=True)

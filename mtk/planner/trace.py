@@ -7,8 +7,9 @@ allocated), converts it with mtk's own rules inside a fake process group of ``tp
 nothing), and runs its forward and backward counting live bytes (activations and temporaries apart from
 gradients) when the forward ends and at the peak (:class:`~mtk.bench.live_memory.LiveMemory`, the counter
 ``mtk bench`` measures real runs with). Parameters and AdamW state are counted from the converted model's
-own tensors. Two depths (one and two decoder layers) give what one layer adds and what the rest of the model
-(embedding, final norm, head, vocab-parallel loss) holds; the stage's depth is then a multiplication.
+own tensors. The live bytes around the first decoder layer's forward give what one layer keeps; the rest of
+the model (embedding, final norm, head, vocab-parallel loss) holds the remainder, and a stage's depth is then
+a multiplication. A two-stage pipeline of one layer each gives what the first and last stage keep.
 
 What the meta device cannot do itself is replaced for the trace, nowhere else:
 - scaled-dot-product attention runs as a fused kernel (flash / memory-efficient attention on CUDA, the
@@ -73,15 +74,17 @@ class Parameters:
 
 @dataclass(frozen=True)
 class Phases:
-    """One training step of a one-layer rank on a ``1 x seq`` batch, as MemTracker saw it (bytes).
+    """Forward and backward of a one-layer rank on a ``1 x seq`` batch, as :class:`LiveMemory` saw it (bytes).
 
-    ``rest``: the parameters outside the decoder layers this rank keeps (embedding, final norm, head, or
-    none on a middle pipeline stage); ``layer``: those of one decoder layer.
+    ``before`` / ``after``: the parameters this rank keeps ahead of / behind the decoder layers in the model's
+    order (embedding; final norm and head; none on a middle pipeline stage); ``layer``: one decoder layer's.
     """
 
-    rest: Parameters
+    before: Parameters
     layer: Parameters
+    after: Parameters
     saved: int  # activations live when the forward ends (what backward will read)
+    layer_saved: int  # of those, what the first decoder layer added (its saved tensors and its output)
     peak: int  # activations + temporaries at the forward/backward peak
     grad_at_peak: int  # gradients live at that peak
 
@@ -91,17 +94,20 @@ class RankTrace:
     """One TP rank of a layout, measured so that any depth, stage and micro-batch follows by arithmetic.
 
     ``whole``: the one-layer model on one stage; ``first`` / ``last``: the first / last stage of a two-stage
-    pipeline with one layer each (the model outside the layers split as mtk's stages split it);
-    ``layer_saved``: what each further layer keeps for backward (the two-layer model's ``saved`` minus the
-    one-layer model's). Activation bytes are per sequence of ``seq`` tokens.
+    pipeline with one layer each (the model outside the layers split as mtk's stages split it; ``None`` when
+    traced for ``pp = 1`` only). Activation bytes are per sequence of ``seq`` tokens.
     """
 
     seq: int
     dtype: str
     whole: Phases
-    first: Phases
-    last: Phases
-    layer_saved: int
+    first: Phases | None = None
+    last: Phases | None = None
+
+    @property
+    def layer_saved(self) -> int:
+        """What each decoder layer keeps for backward, per sequence."""
+        return self.whole.layer_saved
 
 
 @contextlib.contextmanager
@@ -193,15 +199,21 @@ def _meta_model(config: PretrainedConfig, settings: TraceSettings, pp: int, pp_r
     return model
 
 
-def _parameters(model, block: nn.Module | None) -> tuple[Parameters, Parameters]:
-    """(outside the layers, one layer): trainable elements per parameter and frozen elements."""
+def _parameters(model, block: nn.Module | None) -> tuple[Parameters, Parameters, Parameters]:
+    """(ahead of the layers, one layer, behind them): trainable elements per parameter, in the model's
+    order (the distributed optimizer's buckets follow it), and frozen elements."""
     in_block = {id(p) for p in block.parameters()} if block is not None else set()
-    parts: dict[bool, tuple[list[int], list[int]]] = {True: ([], []), False: ([], [])}
+    parts: list[tuple[list[int], list[int]]] = [([], []), ([], []), ([], [])]
+    part = 0
     for param in model.parameters():
-        trainable, frozen = parts[id(param) in in_block]
+        if id(param) in in_block:
+            part = 1
+        elif part == 1:
+            part = 2
+        trainable, frozen = parts[part]
         (trainable if param.requires_grad else frozen).append(param.numel())
-    rest, layer = (Parameters(tuple(parts[key][0]), sum(parts[key][1])) for key in (False, True))
-    return rest, layer
+    before, layer, after = (Parameters(tuple(trainable), sum(frozen)) for trainable, frozen in parts)
+    return before, layer, after
 
 
 def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp: int, pp_rank: int) -> Phases:
@@ -218,7 +230,7 @@ def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp: int
         record = parallelized(hf)
         assert record is not None
         blocks = local_blocks(hf, record.plan)
-        rest, layer = _parameters(model, blocks[0] if blocks else None)
+        before, layer, after = _parameters(model, blocks[0] if blocks else None)
         enable_recompute(hf, RunSettings(recompute_granularity=settings.recompute), record.rng)
         model.train()
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
@@ -226,6 +238,10 @@ def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp: int
         stage_input = torch.empty((1, seq, config.hidden_size), dtype=dtype, device="meta", requires_grad=True)
         with (live := LiveMemory(model.parameters())):  # a weight's view (its transpose) is no activation
             hooks = live.mark_gradients(model)
+            around: list[int] = []
+            if blocks:  # live bytes around the first layer's forward: what a layer adds
+                hooks.append(blocks[0].register_forward_pre_hook(lambda *_: around.append(live.live.get("other", 0))))
+                hooks.append(blocks[0].register_forward_hook(lambda *_: around.append(live.live.get("other", 0))))
             if pp_rank == 0 and pp > 1:  # as the pipeline engine runs a stage
                 out = cast(Any, hf).base_model(input_ids=ids, use_cache=False).last_hidden_state  # [b, s, h]
                 grad: torch.Tensor | None = torch.empty_like(out)
@@ -238,24 +254,29 @@ def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp: int
         for hook in hooks:
             hook.remove()
     return Phases(
-        rest=rest,
+        before=before,
         layer=layer,
+        after=after,
         saved=saved,
+        layer_saved=around[1] - around[0] if len(around) >= 2 else 0,
         peak=live.at_peak.get("other", 0),
         grad_at_peak=live.at_peak.get("grad", 0),
     )
 
 
-@functools.lru_cache(maxsize=256)
-def _trace(config_class: type, config_json: str, settings: TraceSettings, seq: int) -> RankTrace:
+@functools.lru_cache(maxsize=1024)
+def _cached_phases(config_class: Any, config_json: str, settings: TraceSettings, seq: int, pp: int, rank: int):
     config = config_class.from_dict(json.loads(config_json))
-    one, two = _with_layers(config, 1), _with_layers(config, 2)
-    whole = _phases(one, settings, seq, 1, 0)
-    layer_saved = _phases(two, settings, seq, 1, 0).saved - whole.saved
-    first, last = (_phases(two, settings, seq, 2, rank) for rank in (0, 1))  # one layer per stage
-    return RankTrace(seq, settings.dtype, whole, first, last, layer_saved)
+    return _phases(_with_layers(config, 1 if pp == 1 else 2), settings, seq, pp, rank)  # one layer per stage
 
 
-def trace_rank(config: PretrainedConfig, settings: TraceSettings, seq: int) -> RankTrace:
-    """The trace of TP rank 0 for ``settings`` (cached per config, settings and sequence length)."""
-    return _trace(type(config), config.to_json_string(use_diff=False), settings, seq)
+def trace_rank(config: PretrainedConfig, settings: TraceSettings, seq: int, *, pipeline: bool = True) -> RankTrace:
+    """The trace of TP rank 0 for ``settings``; with ``pipeline`` also the first and last stage of a pipeline.
+    Cached per config, settings and sequence length."""
+    config_class: Any = type(config)
+    config_json = config.to_json_string(use_diff=False)
+    whole = _cached_phases(config_class, config_json, settings, seq, 1, 0)
+    if not pipeline:
+        return RankTrace(seq, settings.dtype, whole)
+    first, last = (_cached_phases(config_class, config_json, settings, seq, 2, rank) for rank in (0, 1))
+    return RankTrace(seq, settings.dtype, whole, first, last)

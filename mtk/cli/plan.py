@@ -1,0 +1,192 @@
+"""``mtk plan``: which TP x PP x DP layout, ZeRO stage / distributed optimizer, SP and recompute fit a model
+on a cluster, with per-rank memory, communication and a roofline step time for each (docs/plan.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from mtk.args import positive_int
+from mtk.errors import ConfigError, MtkError
+from mtk.models import check_seq_len, resolve_config
+from mtk.planner.cluster import INFINIBAND_GBPS, NVLINK_GBPS, PEAK_TFLOPS, Cluster, parse_bytes
+from mtk.planner.search import Estimate, Request, plan, valid_tp_sizes
+
+ENGINES = {"any": ("accelerate", "deepspeed"), "accelerate": ("accelerate",), "deepspeed": ("deepspeed",)}
+GIB = 2**30
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "plan",
+        help="rank the TP/PP/DP/ZeRO/SP/recompute layouts that fit a model on a cluster (no weights needed)",
+        description=(
+            "Enumerate the layouts mtk can run (TP dividing the heads and inside a node, PP dividing the layers, "
+            "DP dividing the global batch; accelerate with or without the distributed optimizer, DeepSpeed ZeRO "
+            "1/2/3; SP; selective or full recompute; micro-batch sizes), predict each one's per-rank memory by "
+            "running mtk's conversion on the meta device, its communication per step and a roofline step time, and "
+            "print those that fit, fastest first. Only the model's config is read."
+        ),
+    )
+    parser.add_argument("--model", required=True, help="built-in name, HF directory or config.json file")
+    parser.add_argument("--gpus", type=positive_int, required=True, help="GPUs in all")
+    parser.add_argument("--nodes", type=positive_int, default=1, help="machines the GPUs are spread over (default 1)")
+    parser.add_argument("--gpu_memory", type=parse_bytes, default=80 * GIB, help="memory per GPU (default 80GiB)")
+    parser.add_argument(
+        "--reserve", type=parse_bytes, default=2 * GIB, help="per GPU, not for tensors: CUDA context, NCCL (2GiB)"
+    )
+    parser.add_argument("--seq_len", type=positive_int, required=True, help="tokens per sequence")
+    parser.add_argument("--global_batch", type=positive_int, required=True, help="sequences per optimizer step")
+    parser.add_argument("--dtype", choices=sorted(PEAK_TFLOPS), default="bf16", help="training precision (bf16)")
+    parser.add_argument("--lora_r", type=positive_int, help="LoRA rank on every linear mtk splits (frozen base)")
+    parser.add_argument("--engine", choices=sorted(ENGINES), default="any", help="accelerate, deepspeed or any")
+    parser.add_argument("--offload", action="store_true", help="also consider DeepSpeed's optimizer offload to CPU")
+    parser.add_argument("--tp", type=positive_int, help="only this tensor-parallel degree")
+    parser.add_argument("--pp", type=positive_int, help="only this number of pipeline stages")
+    parser.add_argument("--peak_tflops", type=float, help="per GPU (default: H100 SXM, 989 bf16 / 67 fp32)")
+    parser.add_argument("--intra_node_gbps", type=float, default=NVLINK_GBPS, help="GB/s per GPU inside a node (450)")
+    parser.add_argument("--inter_node_gbps", type=float, default=INFINIBAND_GBPS, help="GB/s per GPU between (50)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="whose attention kernels (cuda)")
+    parser.add_argument("--top", type=positive_int, default=10, help="rows to print (default 10)")
+    parser.add_argument("--all", action="store_true", help="every SP/recompute setting, fitting or not")
+    parser.add_argument("--json", action="store_true", help="print every estimate as JSON instead of the table")
+    parser.set_defaults(run=run)
+
+
+def request_from_args(args: argparse.Namespace) -> Request:
+    config = resolve_config(args.model)
+    check_seq_len(config, args.seq_len)
+    for name in ("peak_tflops", "intra_node_gbps", "inter_node_gbps"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ConfigError(f"--{name} must be a positive number, got {value}")
+    cluster = Cluster(
+        gpus=args.gpus,
+        nodes=args.nodes,
+        gpu_memory=args.gpu_memory,
+        peak_flops=(args.peak_tflops or PEAK_TFLOPS[args.dtype]) * 1e12,
+        intra_node_bandwidth=args.intra_node_gbps * 1e9,
+        inter_node_bandwidth=args.inter_node_gbps * 1e9,
+    )
+    if args.reserve >= args.gpu_memory:
+        raise ConfigError(f"--reserve {args.reserve / GIB:.1f} GiB leaves nothing of --gpu_memory for tensors")
+    if args.offload and args.engine == "accelerate":
+        raise ConfigError("--offload is DeepSpeed's optimizer offload: use --engine deepspeed or any")
+    request = Request(
+        config=config,
+        cluster=cluster,
+        seq=args.seq_len,
+        global_batch=args.global_batch,
+        dtype=args.dtype,
+        lora_r=args.lora_r or 0,
+        engines=ENGINES[args.engine],
+        offload=args.offload,
+        reserve=args.reserve,
+        tp=args.tp,
+        pp=args.pp,
+        device=args.device,
+        every_setting=args.all,
+    )
+    _check_fixed_degrees(request)
+    return request
+
+
+def _check_fixed_degrees(request: Request) -> None:
+    """One line for a --tp / --pp the rules refuse, naming the ones they allow."""
+    from mtk.plans import check_tp_size
+
+    cluster, config = request.cluster, request.config
+    if request.tp:
+        check_tp_size(config, request.tp)  # heads: one line naming the valid sizes
+        if cluster.gpus_per_node % request.tp or request.tp > cluster.gpus:
+            raise ConfigError(
+                f"--tp {request.tp} does not fit inside a node of {cluster.gpus_per_node} GPUs (TP all-reduces every "
+                f"layer and stays on NVLink); valid here: {valid_tp_sizes(request)}"
+            )
+    if request.pp:
+        layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+        if layers % request.pp:
+            valid = [p for p in range(1, layers + 1) if layers % p == 0]
+            raise ConfigError(f"--pp {request.pp} does not divide the model's {layers} layers; valid: {valid}")
+
+
+def _describe(request: Request, lora: str) -> str:
+    from mtk.planner.timing import model_size
+
+    cluster = request.cluster
+    size = model_size(request.config)
+    return (
+        f"mtk plan: {request.config.model_type}, {size.parameters / 1e9:.2f} B parameters, {lora}, {request.dtype}; "
+        f"{cluster.gpus} GPUs ({cluster.nodes} x {cluster.gpus_per_node}, {cluster.gpu_memory / GIB:.0f} GiB each, "
+        f"{request.reserve / GIB:.1f} GiB reserved); seq {request.seq}, global batch {request.global_batch}"
+    )
+
+
+def format_table(estimates: list[Estimate], top: int) -> str:
+    head = (
+        f"{'#':>3}  {'layout':<40} {'engine':<10} {'weights':>7} {'grads':>6} {'optim':>6} {'act':>6} "
+        f"{'buffers':>7} {'peak':>6} | {'TP':>7} {'PP':>6} {'DP':>6} | {'bubble':>6} {'step s':>7} {'tokens/s':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    for index, e in enumerate(estimates[:top], 1):
+        m, t = e.memory, e.traffic
+        lines.append(
+            f"{index:>3}  {e.candidate.label:<40} {e.candidate.engine:<10} {m.weights / GIB:>7.1f} "
+            f"{m.gradients / GIB:>6.1f} {m.optimizer / GIB:>6.1f} {m.activations / GIB:>6.1f} {m.buffers / GIB:>7.1f} "
+            f"{m.peak / GIB:>6.1f} | {t.tp / GIB:>7.1f} {t.pp / GIB:>6.2f} {t.dp / GIB:>6.1f} | "
+            f"{e.time.bubble_fraction:>6.2f} {e.time.total:>7.2f} {e.tokens_per_s:>9.0f}" + ("" if e.fits else "  *")
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    request = request_from_args(args)
+    estimates = plan(request)
+    if not estimates:
+        raise MtkError(
+            f"no layout of {args.gpus} GPUs divides --global_batch {args.global_batch} into data-parallel replicas "
+            f"(and the layers into stages); use a global batch that a power of two divides"
+        )
+    fitting = [e for e in estimates if e.fits]
+    if args.json:
+        print(json.dumps({"request": _request_dict(request), "estimates": [e.as_dict() for e in estimates]}))
+        return 0 if fitting else 2
+    if not fitting and not args.all:
+        smallest = min(estimates, key=lambda e: e.memory.peak)
+        raise MtkError(
+            f"{request.config.model_type} fits no layout of {args.gpus} x {args.gpu_memory / GIB:.0f} GiB: the "
+            f"smallest ({smallest.candidate.label}, {smallest.candidate.engine}) needs "
+            f"{(smallest.memory.peak + request.reserve) / GIB:.1f} GiB per GPU; add GPUs, train LoRA adapters "
+            f"(--lora_r), shorten --seq_len or allow --offload"
+        )
+    print(_describe(request, f"LoRA r={request.lora_r}" if request.lora_r else "full fine-tuning"))
+    shown = estimates if args.all else fitting
+    print(
+        f"{len(fitting)} of {len(estimates)} layouts fit; fastest first. Memory per rank of the fullest pipeline "
+        f"stage, GiB (peak = weights + optim + buffers + the larger of act + gradients live then, gradients + "
+        f"reduction); communication per rank and step, GiB; step time from the roofline (docs/plan.md)."
+        + ("\n* does not fit" if args.all else "")
+    )
+    print(format_table(shown, args.top))
+    return 0
+
+
+def _request_dict(request: Request) -> dict:
+    cluster = request.cluster
+    return {
+        "model_type": request.config.model_type,
+        "gpus": cluster.gpus,
+        "nodes": cluster.nodes,
+        "gpu_memory": cluster.gpu_memory,
+        "reserve": request.reserve,
+        "peak_flops": cluster.peak_flops,
+        "intra_node_bandwidth": cluster.intra_node_bandwidth,
+        "inter_node_bandwidth": cluster.inter_node_bandwidth,
+        "seq_len": request.seq,
+        "global_batch": request.global_batch,
+        "dtype": request.dtype,
+        "lora_r": request.lora_r,
+        "engines": list(request.engines),
+        "offload": request.offload,
+        "device": request.device,
+    }

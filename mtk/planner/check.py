@@ -1,0 +1,97 @@
+"""Hold ``mtk plan``'s memory against a measured run: the same layout, model and batch as ``mtk bench``.
+
+``mtk bench --memory`` and ``tests/distributed/test_plan_check.py`` run the bench's mtk contender with the
+live-byte counter on (max allocated on CUDA) and compare, per rank, the measured peak with the planner's
+prediction for that rank's pipeline stage, and the model state (weights, gradients, AdamW moments counted on
+the live objects) with the predicted one, which must be exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mtk.bench.contenders import BenchSpec
+from mtk.bench.runner import ContenderSummary
+from mtk.errors import ConfigError
+from mtk.models import resolve_config
+from mtk.planner.cluster import Cluster
+from mtk.planner.memory import RankMemory
+from mtk.planner.search import Candidate, Estimate, Request, estimate
+
+__all__ = ["RankCheck", "check_ranks", "planned_for"]
+
+
+def planned_for(spec: BenchSpec, device: str) -> Estimate:
+    """The planner's estimate of the bench's layout (each DP replica runs ``spec.batch`` sequences; the
+    bench reduces gradients in one coalesced all-reduce, not through DDP)."""
+    if spec.dtype != "fp32":
+        raise ConfigError(
+            "--memory compares with mtk plan, whose bf16 is mixed precision (fp32 weights); the bench's "
+            f"--dtype {spec.dtype} is pure {spec.dtype}: use --dtype fp32"
+        )
+    world = spec.tp * spec.pp * spec.dp
+    request = Request(
+        config=resolve_config(spec.model),
+        cluster=Cluster(gpus=world, gpu_memory=2**50),
+        seq=spec.seq,
+        global_batch=spec.batch * spec.dp,
+        dtype="fp32",
+        engines=("accelerate",),
+        reserve=0,
+        device=device,
+        ddp=False,
+    )
+    candidate = Candidate(
+        tp=spec.tp,
+        pp=spec.pp,
+        dp=spec.dp,
+        micro_batch=spec.batch // spec.micro_batches,
+        micro_batches=spec.micro_batches,
+        sequence_parallel=spec.sequence_parallel,
+        recompute=spec.recompute,
+        sharding="distopt" if spec.distributed_optimizer else "none",
+    )
+    return estimate(request, candidate)
+
+
+@dataclass(frozen=True)
+class RankCheck:
+    """One rank: what the planner predicted for its stage and what the run measured."""
+
+    rank: int
+    stage: int
+    predicted: RankMemory
+    measured_peak: int  # live bytes at the step's peak (max allocated on CUDA)
+    measured_state: dict[str, int]  # weights, gradients, optimizer
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted.peak / self.measured_peak
+
+    @property
+    def state_exact(self) -> bool:
+        want = {"weights": self.predicted.weights, "gradients": self.predicted.gradients}
+        want["optimizer"] = self.predicted.optimizer
+        return want == self.measured_state
+
+
+def check_ranks(spec: BenchSpec, summary: ContenderSummary, planned: Estimate) -> list[RankCheck]:
+    """Per rank of a ``track_memory`` run: predicted vs measured peak and model state."""
+    checks = []
+    for rank, (kinds, state) in enumerate(zip(summary.memory_by_kind, summary.model_state)):
+        stage = rank // (spec.tp * spec.dp)  # ranks: TP fastest, then DP, then PP
+        measured = kinds.get("max_allocated") or kinds.get("live_peak") or kinds["total"]
+        checks.append(RankCheck(rank, stage, planned.stages[stage], measured, dict(state)))
+    return checks
+
+
+def check_lines(checks: list[RankCheck]) -> list[str]:
+    """``rank 0 (stage 0): measured 255.8 MiB, planned 262.0 MiB (1.02x); model state exact``."""
+    lines = []
+    for c in checks:
+        state = "model state exact" if c.state_exact else f"model state DIFFERS: measured {c.measured_state}"
+        lines.append(
+            f"  rank {c.rank} (stage {c.stage}): measured {c.measured_peak / 2**20:.1f} MiB, "
+            f"planned {c.predicted.peak / 2**20:.1f} MiB ({c.ratio:.2f}x); {state}"
+        )
+    return lines
