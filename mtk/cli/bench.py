@@ -112,9 +112,9 @@ def run(args: argparse.Namespace) -> int:
     ours = next(s for s in summaries if s.name == "mtk")
     if args.memory and ours.error is None:
         from mtk.parallel.state import default_device
-        from mtk.planner.check import check_lines, check_ranks, planned_for
+        from mtk.planner.check import check_lines, check_ranks
 
-        checks = check_ranks(spec, ours, planned_for(spec, default_device().type))
+        checks = check_ranks(spec, ours, default_device().type)
         print("peak memory per rank (mtk), measured vs mtk plan:")
         print("\n".join(check_lines(checks)))
         report["planned_memory_per_rank"] = [

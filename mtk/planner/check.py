@@ -16,14 +16,38 @@ from mtk.errors import ConfigError
 from mtk.models import resolve_config
 from mtk.planner.cluster import Cluster
 from mtk.planner.memory import RankMemory
-from mtk.planner.search import Candidate, Estimate, Request, estimate
+from mtk.planner.search import Candidate, Estimate, Request, estimate, rank_memory, stage_collectives
 
-__all__ = ["RankCheck", "check_ranks", "planned_for"]
+# Layouts the planner is checked on (tests/distributed/test_plan_check.py, examples/plan_check.py): TP, SP with
+# full recompute, selective recompute, TP x DP with the distributed optimizer, TP x PP in a 1F1B steady state,
+# a pipeline that never leaves its warm-up, and a model whose attention dropout takes torch's math path on CPU.
+CHECKED_LAYOUTS: dict[str, dict] = {
+    "tp2": dict(model="bench-llama", tp=2, pp=1, batch=2, seq=256),
+    "tp2 sp recompute=full": dict(
+        model="bench-llama", tp=2, pp=1, batch=2, seq=256, sequence_parallel=True, recompute="full"
+    ),
+    "tp2 recompute=selective": dict(model="bench-llama", tp=2, pp=1, batch=2, seq=256, recompute="selective"),
+    "tp2 dp2 distopt": dict(model="bench-llama", tp=2, pp=1, dp=2, batch=2, seq=256, distributed_optimizer=True),
+    "tp2 pp2 m=4 (1F1B steady)": dict(model="bench-llama", tp=2, pp=2, batch=4, seq=256, micro_batches=4),
+    "pp2 m=2 (warm-up only)": dict(model="bench-llama", tp=1, pp=2, batch=2, seq=256, micro_batches=2),
+    "tiny-gpt2 tp2 (dropout)": dict(model="tiny-gpt2", tp=2, pp=1, batch=4, seq=128),
+}
+
+__all__ = ["CHECKED_LAYOUTS", "RankCheck", "check_lines", "check_ranks", "planned_collectives", "planned_for"]
 
 
 def planned_for(spec: BenchSpec, device: str) -> Estimate:
     """The planner's estimate of the bench's layout (each DP replica runs ``spec.batch`` sequences; the
     bench reduces gradients in one coalesced all-reduce, not through DDP)."""
+    return estimate(*_request_and_candidate(spec, device))
+
+
+def planned_collectives(spec: BenchSpec, device: str, stage: int = 0) -> dict[str, dict[str, int]]:
+    """What the planner says a TP rank of ``stage`` issues per step (the bench counts rank 0's)."""
+    return stage_collectives(*_request_and_candidate(spec, device), stage)
+
+
+def _request_and_candidate(spec: BenchSpec, device: str) -> tuple[Request, Candidate]:
     if spec.dtype != "fp32":
         raise ConfigError(
             "--memory compares with mtk plan, whose bf16 is mixed precision (fp32 weights); the bench's "
@@ -51,7 +75,7 @@ def planned_for(spec: BenchSpec, device: str) -> Estimate:
         recompute=spec.recompute,
         sharding="distopt" if spec.distributed_optimizer else "none",
     )
-    return estimate(request, candidate)
+    return request, candidate
 
 
 @dataclass(frozen=True)
@@ -75,13 +99,15 @@ class RankCheck:
         return want == self.measured_state
 
 
-def check_ranks(spec: BenchSpec, summary: ContenderSummary, planned: Estimate) -> list[RankCheck]:
+def check_ranks(spec: BenchSpec, summary: ContenderSummary, device: str) -> list[RankCheck]:
     """Per rank of a ``track_memory`` run: predicted vs measured peak and model state."""
+    request, candidate = _request_and_candidate(spec, device)
     checks = []
     for rank, (kinds, state) in enumerate(zip(summary.memory_by_kind, summary.model_state)):
-        stage = rank // (spec.tp * spec.dp)  # ranks: TP fastest, then DP, then PP
+        stage, dp_rank = divmod(rank // spec.tp, spec.dp)  # ranks: TP fastest, then DP, then PP
+        predicted = rank_memory(request, candidate, stage, dp_rank)
         measured = kinds.get("max_allocated") or kinds.get("live_peak") or kinds["total"]
-        checks.append(RankCheck(rank, stage, planned.stages[stage], measured, dict(state)))
+        checks.append(RankCheck(rank, stage, predicted, measured, dict(state)))
     return checks
 
 

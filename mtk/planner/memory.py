@@ -86,12 +86,14 @@ def _stage_phases(trace: RankTrace, stage: int, pp: int) -> Phases | None:
     return None  # a middle stage: layers only
 
 
-def _owned(numels: tuple[int, ...], dp: int) -> int:
-    """Elements whose optimizer state this rank keeps under mtk's distributed optimizer (the most loaded rank)."""
+def _owned(numels: tuple[int, ...], dp: int, dp_rank: int | None) -> int:
+    """Elements whose optimizer state DP rank ``dp_rank`` keeps under mtk's distributed optimizer (``None``:
+    the most loaded rank)."""
     from mtk.parallel.distributed_optimizer import assign_owners
 
     owners = assign_owners(list(numels), dp)
-    return max(sum(n for n, owner in zip(numels, owners) if owner == rank) for rank in range(dp))
+    loads = [sum(n for n, owner in zip(numels, owners) if owner == rank) for rank in range(dp)]
+    return max(loads) if dp_rank is None else loads[dp_rank]
 
 
 def stage_memory(
@@ -103,11 +105,13 @@ def stage_memory(
     pp: int = 1,
     micro_batch: int = 1,
     micro_batches: int = 1,
+    dp_rank: int | None = None,
 ) -> RankMemory:
     """Peak bytes of a TP rank of pipeline stage ``stage`` holding ``layers`` decoder layers.
 
     ``micro_batch`` sequences of ``trace.seq`` tokens per forward; ``micro_batches`` forwards per optimizer
-    step (pipeline micro-batches, or gradient accumulation at ``pp = 1``).
+    step (pipeline micro-batches, or gradient accumulation at ``pp = 1``). ``dp_rank``: whose share of a
+    sharded optimizer (default: the largest).
     """
     params = stage_parameters(trace, layers, stage, pp)
     trainable, frozen = sum(params.trainable), params.frozen
@@ -120,7 +124,7 @@ def stage_memory(
     optimizer = trainable * (12 if bf16_deepspeed else 8)
     buffers = 0
     if training.sharding == "distopt":
-        optimizer = _owned(params.trainable, dp) * 8
+        optimizer = _owned(params.trainable, dp, dp_rank) * 8
     elif training.sharding in ("zero1", "zero2", "zero3"):
         optimizer = -(-optimizer // dp)
         if training.sharding in ("zero2", "zero3"):

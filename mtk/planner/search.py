@@ -27,7 +27,7 @@ from mtk.planner.memory import RankMemory, Training, stage_memory, stage_paramet
 from mtk.planner.timing import StepTime, Traffic, collective_seconds, flops_per_token, model_size
 from mtk.planner.trace import TraceSettings, trace_rank
 
-__all__ = ["Candidate", "Estimate", "Request", "estimate", "plan"]
+__all__ = ["Candidate", "Estimate", "Request", "estimate", "plan", "rank_memory", "stage_collectives"]
 
 RECOMPUTE_ORDER = (None, "selective", "full")
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -144,6 +144,21 @@ def estimate(request: Request, candidate: Candidate) -> Estimate:
     """Memory of every stage (the fullest is reported), traffic and step time of one candidate."""
     config, c = request.config, candidate
     trace = trace_rank(config, _trace_settings(request, c), request.seq, pipeline=c.pp > 1)
+    counts = stage_layer_counts(_layers(config), c.pp)
+    memories = [rank_memory(request, c, s) for s in range(c.pp)]
+    stage = max(range(c.pp), key=lambda s: memories[s].peak)
+    numels = list(stage_parameters(trace, counts[stage], stage, c.pp).trainable)
+    traffic, collectives = _traffic(request, c, stage, numels)
+    time = _step_time(request, c, max(counts), traffic)
+    fits = memories[stage].peak <= request.cluster.gpu_memory - request.reserve
+    tokens_per_s = request.global_batch * request.seq / time.total
+    return Estimate(c, memories[stage], stage, traffic, time, fits, tokens_per_s, collectives, tuple(memories))
+
+
+def rank_memory(request: Request, candidate: Candidate, stage: int, dp_rank: int | None = None) -> RankMemory:
+    """A TP rank of pipeline stage ``stage`` (of DP rank ``dp_rank``; default: the fullest one)."""
+    c = candidate
+    trace = trace_rank(request.config, _trace_settings(request, c), request.seq, pipeline=c.pp > 1)
     training = Training(
         dtype=request.dtype,
         engine=c.engine,
@@ -153,26 +168,24 @@ def estimate(request: Request, candidate: Candidate) -> Estimate:
         lora=request.lora_r > 0,
         ddp=request.ddp and c.engine == "accelerate" and c.pp == 1,
     )
-    counts = stage_layer_counts(_layers(config), c.pp)
-    memories = [
-        stage_memory(
-            trace,
-            training,
-            layers=counts[s],
-            stage=s,
-            pp=c.pp,
-            micro_batch=c.micro_batch,
-            micro_batches=c.micro_batches,
-        )
-        for s in range(c.pp)
-    ]
-    stage = max(range(c.pp), key=lambda s: memories[s].peak)
-    numels = list(stage_parameters(trace, counts[stage], stage, c.pp).trainable)
-    traffic, collectives = _traffic(request, c, stage, numels)
-    time = _step_time(request, c, max(counts), traffic)
-    fits = memories[stage].peak <= request.cluster.gpu_memory - request.reserve
-    tokens_per_s = request.global_batch * request.seq / time.total
-    return Estimate(c, memories[stage], stage, traffic, time, fits, tokens_per_s, collectives, tuple(memories))
+    return stage_memory(
+        trace,
+        training,
+        layers=stage_layer_counts(_layers(request.config), c.pp)[stage],
+        stage=stage,
+        pp=c.pp,
+        micro_batch=c.micro_batch,
+        micro_batches=c.micro_batches,
+        dp_rank=dp_rank,
+    )
+
+
+def stage_collectives(request: Request, candidate: Candidate, stage: int) -> dict[str, dict[str, int]]:
+    """The collectives mtk issues per step on a TP rank of pipeline stage ``stage``, by kind."""
+    trace = trace_rank(request.config, _trace_settings(request, candidate), request.seq, pipeline=candidate.pp > 1)
+    layers = stage_layer_counts(_layers(request.config), candidate.pp)[stage]
+    numels = list(stage_parameters(trace, layers, stage, candidate.pp).trainable)
+    return _traffic(request, candidate, stage, numels)[1]
 
 
 def _traffic(request: Request, c: Candidate, stage: int, numels: list[int]) -> tuple[Traffic, dict]:
