@@ -25,7 +25,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     device = default_device().type
     rows = []
-    print(f"{'layout':<28} {'rank':>4} {'stage':>5} {'measured MiB':>12} {'planned MiB':>11} {'ratio':>6}  state  collectives")
+    header = f"{'layout':<28} {'rank':>4} {'stage':>5} {'measured MiB':>12} {'planned MiB':>11} {'ratio':>6}"
+    print(header + "  state  collectives")
     for name, layout in CHECKED_LAYOUTS.items():
         spec = BenchSpec(steps=1, track_memory=True, **layout)
         (summary,), _ = run_bench(spec, ["mtk"], 1, progress=lambda line: None, timeout=1800)
@@ -36,10 +37,10 @@ def main(argv=None) -> None:
             rows.append({"layout": name, "rank": check.rank, "stage": check.stage, "ratio": check.ratio,
                          "measured": check.measured_peak, "planned": check.predicted.peak,
                          "state_exact": check.state_exact, "collectives_equal": same})  # fmt: skip
+            state = "exact" if check.state_exact else "DIFF"
             print(
                 f"{name:<28} {check.rank:>4} {check.stage:>5} {check.measured_peak / 2**20:>12.1f} "
-                f"{check.predicted.peak / 2**20:>11.1f} {check.ratio:>6.3f}  {'exact' if check.state_exact else 'DIFF':<5}"
-                f"  {'equal' if same else 'DIFFER'}"
+                f"{check.predicted.peak / 2**20:>11.1f} {check.ratio:>6.3f}  {state:<5}  {'equal' if same else 'DIFFER'}"
             )
     worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
     print(f"largest error: {worst['ratio'] - 1:+.1%} ({worst['layout']}, rank {worst['rank']})")
