@@ -37,10 +37,10 @@ def main(argv=None) -> None:
             rows.append({"layout": name, "rank": check.rank, "stage": check.stage, "ratio": check.ratio,
                          "measured": check.measured_peak, "planned": check.predicted.peak,
                          "state_exact": check.state_exact, "collectives_equal": same})  # fmt: skip
-            state = "exact" if check.state_exact else "DIFF"
+            state, traffic = "exact" if check.state_exact else "DIFF", "equal" if same else "DIFFER"
             print(
                 f"{name:<28} {check.rank:>4} {check.stage:>5} {check.measured_peak / 2**20:>12.1f} "
-                f"{check.predicted.peak / 2**20:>11.1f} {check.ratio:>6.3f}  {state:<5}  {'equal' if same else 'DIFFER'}"
+                f"{check.predicted.peak / 2**20:>11.1f} {check.ratio:>6.3f}  {state:<5}  {traffic}"
             )
     worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
     print(f"largest error: {worst['ratio'] - 1:+.1%} ({worst['layout']}, rank {worst['rank']})")
