@@ -31,9 +31,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", required=True, help="built-in name, HF directory or config.json file")
     parser.add_argument("--gpus", type=positive_int, required=True, help="GPUs in all")
     parser.add_argument("--nodes", type=positive_int, default=1, help="machines the GPUs are spread over (default 1)")
-    parser.add_argument("--gpu_memory", type=parse_bytes, default=80 * GIB, help="memory per GPU (default 80GiB)")
+    parser.add_argument("--gpu_memory", type=_memory_size, default=80 * GIB, help="memory per GPU (default 80GiB)")
     parser.add_argument(
-        "--reserve", type=parse_bytes, default=2 * GIB, help="per GPU, not for tensors: CUDA context, NCCL (2GiB)"
+        "--reserve", type=_memory_size, default=2 * GIB, help="per GPU, not for tensors: CUDA context, NCCL (2GiB)"
     )
     parser.add_argument("--seq_len", type=positive_int, required=True, help="tokens per sequence")
     parser.add_argument("--global_batch", type=positive_int, required=True, help="sequences per optimizer step")
@@ -51,6 +51,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--all", action="store_true", help="every SP/recompute setting, fitting or not")
     parser.add_argument("--json", action="store_true", help="print every estimate as JSON instead of the table")
     parser.set_defaults(run=run)
+
+
+def _memory_size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def request_from_args(args: argparse.Namespace) -> Request:

@@ -25,6 +25,7 @@ import contextlib
 import copy
 import functools
 import json
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -195,7 +196,7 @@ def _meta_model(config: PretrainedConfig, settings: TraceSettings, pp: int, pp_r
 
         lora = LoraConfig(r=settings.lora_r, lora_alpha=2 * settings.lora_r, target_modules="all-linear")
         with torch.device("meta"):
-            model = get_peft_model(model, lora)
+            model = get_peft_model(model, lora, report=lambda line: None)  # the user's run reports its targets
     return model
 
 
@@ -224,7 +225,12 @@ def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp: int
     from mtk.plans.regions import local_blocks
     from mtk.recompute import enable_recompute
 
-    with fake_process_group(settings.tp * pp, rank=pp_rank * settings.tp), _meta_replacements(settings.device):
+    with (
+        fake_process_group(settings.tp * pp, rank=pp_rank * settings.tp),
+        _meta_replacements(settings.device),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore")  # transformers' and PEFT's notes belong to a real run, not to a trace
         model = _meta_model(config, settings, pp, pp_rank)
         hf = hf_model(model)
         record = parallelized(hf)
@@ -239,9 +245,9 @@ def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp: int
         with (live := LiveMemory(model.parameters())):  # a weight's view (its transpose) is no activation
             hooks = live.mark_gradients(model)
             around: list[int] = []
-            if blocks:  # live bytes around the first layer's forward: what a layer adds
-                hooks.append(blocks[0].register_forward_pre_hook(lambda *_: around.append(live.live.get("other", 0))))
-                hooks.append(blocks[0].register_forward_hook(lambda *_: around.append(live.live.get("other", 0))))
+            if blocks:  # live bytes around the first layer's own forward (after mtk's SP split, before its gather)
+                block, reading = blocks[0], lambda *_: around.append(live.live.get("other", 0))
+                hooks += [block.register_forward_pre_hook(reading), block.register_forward_hook(reading, prepend=True)]
             if pp_rank == 0 and pp > 1:  # as the pipeline engine runs a stage
                 out = cast(Any, hf).base_model(input_ids=ids, use_cache=False).last_hidden_state  # [b, s, h]
                 grad: torch.Tensor | None = torch.empty_like(out)

@@ -1,0 +1,166 @@
+"""``mtk plan`` in one process: the ranked table, its JSON, the published rules it must reproduce, its
+refusals, and the trace's internal consistency (what a layer keeps; parameters counted by the rules)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mtk.bench.runner import local_numels
+from mtk.cli.main import main
+from mtk.models import resolve_config
+from mtk.planner.cluster import Cluster, parse_bytes
+from mtk.planner.search import Request, plan
+from mtk.planner.trace import TraceSettings, _phases, _with_layers, trace_rank
+
+CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
+LLAMA_8B = str(CONFIGS / "llama-3-8b" / "config.json")
+GIB = 2**30
+PLAN_8B = ["plan", "--model", LLAMA_8B, "--gpus", "8", "--gpu_memory", "80GiB", "--seq_len", "4096",
+           "--global_batch", "64"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def plan_8b_json():
+    """Every setting of every layout of Llama-3-8B on one node of 8 x 80 GiB, as --json prints them."""
+    request = Request(resolve_config(LLAMA_8B), Cluster(8), 4096, 64, every_setting=True)
+    return {"estimates": [e.as_dict() for e in plan(request)]}
+
+
+def test_table_is_ranked_by_predicted_step_time(capsys):
+    assert main(PLAN_8B) == 0
+    out = capsys.readouterr().out
+    assert "8.03 B parameters" in out and "layouts fit; fastest first" in out
+    rows = [line for line in out.splitlines() if line[:3].strip().isdigit() and "|" in line]
+    assert len(rows) == 10
+    steps = [float(row.split("|")[-1].split()[1]) for row in rows]
+    assert steps == sorted(steps)
+    peaks = [float(row.split("|")[0].split()[-1]) for row in rows]
+    assert max(peaks) <= 78.0, "every row fits 80 GiB less the 2 GiB reserve"
+
+
+def test_json_option(capsys):
+    assert main([*PLAN_8B, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["request"]["gpus"] == 8 and printed["request"]["gpu_memory"] == 80 * GIB
+    first = printed["estimates"][0]
+    assert set(first) >= {"layout", "memory_bytes", "communication_bytes", "collectives", "step_s", "tokens_per_s"}
+
+
+def test_json_has_every_setting_and_layout(plan_8b_json):
+    estimates = plan_8b_json["estimates"]
+    layouts = {(e["layout"]["tp"], e["layout"]["pp"], e["layout"]["dp"]) for e in estimates}
+    assert (8, 1, 1) in layouts and (1, 8, 1) in layouts and (2, 2, 2) in layouts and (1, 1, 8) in layouts
+    assert {e["layout"]["recompute"] for e in estimates} == {None, "selective", "full"}
+    assert {e["layout"]["sharding"] for e in estimates} == {"none", "distopt", "zero1", "zero2", "zero3"}
+    assert not any(e["layout"]["engine"] == "deepspeed" and e["layout"]["pp"] > 1 for e in estimates)
+    assert not any(e["layout"]["sequence_parallel"] and e["layout"]["engine"] == "deepspeed" for e in estimates)
+    assert any(not e["fits"] for e in estimates) and any(e["fits"] for e in estimates)
+    for e in estimates:
+        memory = e["memory_bytes"]
+        parts = ("weights", "gradients", "optimizer", "activations", "buffers")
+        assert memory["peak"] <= sum(memory[k] for k in parts)
+        assert len(e["memory_bytes_per_stage"]) == e["layout"]["pp"]
+
+
+def _find(estimates, **layout):
+    return next(e for e in estimates if all(e["layout"][k] == v for k, v in layout.items()))
+
+
+def test_model_state_is_16_bytes_per_parameter_for_mixed_precision_adam(plan_8b_json):
+    """ZeRO paper, section 3.1: fp16/bf16 weights and gradients + fp32 master weights and Adam moments = 16 bytes
+    per parameter (accelerate's autocast: fp32 weights 4 + gradients 4 + moments 8, the same 16)."""
+    params = 8_030_261_248  # Llama-3-8B
+    for engine, sharding in (("accelerate", "none"), ("deepspeed", "zero1")):
+        e = _find(plan_8b_json["estimates"], tp=1, pp=8, dp=1, engine=engine, sharding=sharding) if engine == (
+            "accelerate"
+        ) else _find(plan_8b_json["estimates"], tp=1, pp=1, dp=8, engine=engine, sharding=sharding)
+        stages = e["memory_bytes_per_stage"]
+        state = sum(m["weights"] + m["gradients"] for m in stages)
+        if engine == "accelerate":
+            assert state + sum(m["optimizer"] for m in stages) == 16 * params
+        else:  # one replica: 2 + 2 bytes whole, 12 bytes sharded 8 ways
+            assert state == 4 * params and stages[0]["optimizer"] == 12 * params // 8
+
+
+def test_zero_stages_shard_what_the_paper_says(plan_8b_json):
+    zero = {s: _find(plan_8b_json["estimates"], tp=1, pp=1, dp=8, micro_batch=1, sharding=s, recompute=None)
+            for s in ("zero1", "zero2", "zero3")}  # fmt: skip
+    one, two, three = (zero[s]["memory_bytes"] for s in ("zero1", "zero2", "zero3"))
+    assert one["optimizer"] == two["optimizer"] == three["optimizer"]
+    assert two["gradients"] * 8 >= one["gradients"] > two["gradients"] and two["weights"] == one["weights"]
+    assert three["weights"] * 8 >= one["weights"] > three["weights"]
+
+
+def test_pipeline_first_stage_holds_the_most_micro_batches(plan_8b_json):
+    e = _find(plan_8b_json["estimates"], tp=1, pp=8, dp=1, micro_batch=1, recompute=None, sharding="none")
+    activations = [m["activations"] for m in e["memory_bytes_per_stage"]]
+    assert activations[0] > activations[3] > activations[6], "1F1B: stage s keeps min(m, p - s) micro-batches"
+
+
+def test_lora_keeps_a_frozen_bf16_base_and_fp32_adapters(capsys):
+    assert main(["plan", "--model", LLAMA_8B, "--gpus", "1", "--seq_len", "2048", "--global_batch", "8",
+                 "--lora_r", "16", "--engine", "accelerate", "--json"]) == 0  # fmt: skip
+    estimates = json.loads(capsys.readouterr().out)["estimates"]
+    best = next(e for e in estimates if e["fits"])
+    memory = best["memory_bytes"]
+    assert 15 * GIB < memory["weights"] < 16 * GIB, "8.0 B frozen parameters at 2 bytes, adapters at 4"
+    assert memory["optimizer"] == 2 * memory["gradients"] < GIB, "r=16 adapters: 42 M parameters, AdamW in fp32"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tp", "3"], "valid tp sizes for this model: [1, 2, 4, 8"),
+        (["--tp", "16"], "does not fit inside a node of 8 GPUs"),
+        (["--pp", "5"], "--pp 5 does not divide the model's 32 layers"),
+        (["--gpu_memory", "eighty"], "is not a memory size"),
+        (["--gpus", "1", "--gpu_memory", "24GiB"], "fits no layout of 1 x 24 GiB: the smallest"),
+        (["--offload", "--engine", "accelerate"], "--offload is DeepSpeed's optimizer offload"),
+        (["--nodes", "3"], "do not spread evenly over --nodes 3"),
+        (["--seq_len", "100000"], "longer than the model's 8192 positions"),
+        (["--global_batch", "3", "--tp", "2", "--pp", "1"], "no layout of 8 GPUs divides --global_batch 3"),
+    ],
+)
+def test_refusals_are_one_line(argv, message, capsys):
+    base = [a for a in PLAN_8B]
+    for option in argv[::2]:
+        if option in base:  # replace the default with the case's value
+            index = base.index(option)
+            del base[index : index + 2]
+    assert main([*base, *argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GiB") == 80 * GIB and parse_bytes("80GB") == 80 * 10**9 and parse_bytes("512MiB") == 2**29
+    assert parse_bytes("1.5G") == 3 * GIB // 2 and parse_bytes("1024") == 1024
+
+
+@pytest.mark.parametrize(
+    "model, settings",
+    [
+        ("tiny-llama", TraceSettings(2)),
+        ("tiny-llama", TraceSettings(2, sequence_parallel=True, recompute="full")),
+        ("tiny-gpt2", TraceSettings(2, recompute="selective", device="cpu")),
+        ("tiny-qwen3", TraceSettings(4)),  # kv heads replicated, per-head norms
+    ],
+)
+def test_one_layer_keeps_what_a_second_layer_adds(model, settings):
+    """The live bytes around the first layer's forward equal the two-layer model's minus the one-layer's."""
+    config = resolve_config(model)
+    trace = trace_rank(config, settings, 64, pipeline=False)
+    assert _phases(_with_layers(config, 2), settings, 64, 1, 0).saved - trace.whole.saved == trace.layer_saved > 0
+
+
+@pytest.mark.parametrize("model, tp", [("tiny-llama", 2), ("tiny-qwen2", 2), ("bench-llama", 4), ("tiny-gpt2", 2)])
+def test_parameters_equal_the_rules_count(model, tp):
+    """The trace's parameters per TP rank (the converted meta model) equal the rules' own count (vocabulary
+    padded, kv heads replicated, tied embeddings once), for any depth."""
+    config = resolve_config(model)
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    trace = trace_rank(config, TraceSettings(tp), 32, pipeline=False)
+    whole = trace.whole
+    counted = sum(whole.before.trainable) + layers * sum(whole.layer.trainable) + sum(whole.after.trainable)
+    assert counted == sum(local_numels(config, tp))
