@@ -46,6 +46,7 @@ from mtk.lora import get_peft_model
 from mtk.lora.options import add_lora_arguments, base_dtype, lora_config
 from mtk.models import build_model, check_seq_len, resolve_config
 from mtk.parallel.grad_norm import check_finite
+from mtk.parallel.placement import placement
 from mtk.plans import check_tp_size
 from mtk.signals import ExitSignal
 
@@ -127,6 +128,7 @@ def main(argv=None) -> None:
         ),
     )
     parallel, settings = accelerator.parallel, accelerator.settings
+    accelerator.print(placement(parallel).describe())  # which node each rank is on; TP groups inside nodes
     resume = start_point(args, main_process=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
     config = resolve_config(args.model)
     check_tp_size(config, parallel.tp_size)  # one clear line before anything is built

@@ -53,6 +53,7 @@ from mtk.lora.options import add_lora_arguments, base_dtype, lora_config
 from mtk.models import build_model, check_seq_len, resolve_config
 from mtk.parallel.comm import all_reduce
 from mtk.parallel.grad_norm import check_finite
+from mtk.parallel.placement import placement
 from mtk.parallel.state import ParallelState
 from mtk.plans import check_tp_size
 from mtk.recompute import enable_recompute
@@ -106,6 +107,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     # torch.distributed from the launcher; --tp beats the env
     parallel = ParallelState.from_env(tp_size=args.tp, timeout=collective_timeout(args))
+    where = placement(parallel)  # which node each rank is on; TP groups inside nodes
+    if parallel.rank == 0:
+        print(where.describe(), flush=True)
     config = resolve_config(args.model)
     check_tp_size(config, parallel.tp_size)
     check_seq_len(config, args.seq_len)

@@ -1,4 +1,5 @@
-"""``deepspeed --hostfile hostfile examples/run.py ...`` for real, across two "hosts" on this machine.
+"""Two machines on this one: ``deepspeed --hostfile hostfile examples/run.py ...`` across two "hosts", and
+``accelerate launch`` with ``num_machines: 2`` (one launcher per machine, no ssh needed).
 
 The hostfile launch needs passwordless ssh to every host (pdsh runs the per-node launchers). This
 module sets that up on the test machine: Debian's openssh-server and pdsh (installed with apt-get if
@@ -167,3 +168,42 @@ def test_no_ssh_launch_one_launcher_per_node(ssh_hosts, reference, tmp_path):
         assert proc.returncode == 0, stdout[-2000:] + stderr[-2000:]
     node0 = subprocess.CompletedProcess([], 0, outputs[0][0], outputs[0][1])
     _check(step_losses(node0), reference)
+
+
+def _machine_config(tmp_path: Path, machine_rank: int, port: int) -> Path:
+    """accelerate_configs/tp2_dp2.yaml as one of two machines, the main one on loopback."""
+    text = (ROOT / "accelerate_configs" / "tp2_dp2.yaml").read_text()
+    text = text.replace("num_machines: 1", "num_machines: 2")
+    text = text.replace("machine_rank: 0", f"machine_rank: {machine_rank}")
+    text += f"main_process_ip: 127.0.0.1\nmain_process_port: {port}\n"
+    path = tmp_path / f"machine{machine_rank}.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_accelerate_two_machines_keep_tp_inside_a_node(reference, tmp_path):
+    """``accelerate launch`` with ``num_machines: 2`` (one launcher per machine, as docs/plan.md's recipe): TP=2 x
+    DP=2 over two "machines" of two processes, TP groups inside a machine, the TP=1 losses; the placement the
+    run reports is the one ``mtk plan`` assumes (rank r on node r // processes per node)."""
+    from mtk.parallel.layout import Layout
+    from mtk.planner.cluster import Cluster
+
+    port = free_port()
+    launchers = [
+        subprocess.Popen(
+            ["accelerate", "launch", "--config_file", str(_machine_config(tmp_path, rank, port)),
+             "examples/finetune.py", "--max_steps", "6", "--batch_size", "4", "--output_dir", str(tmp_path / "out")],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    outputs = [p.communicate(timeout=900) for p in launchers]
+    for proc, (stdout, stderr) in zip(launchers, outputs):
+        assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    node0 = subprocess.CompletedProcess([], 0, outputs[0][0], outputs[0][1])
+    _check(step_losses(node0), reference)
+    text = outputs[0][0] + outputs[0][1]
+    assert "mtk: 2 node(s): node 0 = ranks [0, 1]; node 1 = ranks [2, 3]; every TP group inside one node" in text
+    cluster, layout = Cluster(gpus=4, nodes=2), Layout(world_size=4, tp_size=2, pp_size=1)
+    assert all(cluster.within_node(group) for group in layout.groups("tp"))
+    assert not any(cluster.within_node(group) for group in layout.groups("dp")), "DP crosses the machines"
