@@ -13,6 +13,7 @@ from mtk.planner.check import CHECKED_LAYOUTS, check_ranks, planned_collectives
 
 pytestmark = pytest.mark.distributed
 
+
 @pytest.mark.parametrize("name", list(CHECKED_LAYOUTS))
 def test_plan_matches_the_measured_run(name):
     spec = BenchSpec(steps=1, track_memory=True, **CHECKED_LAYOUTS[name])

@@ -191,9 +191,23 @@ def test_accelerate_two_machines_keep_tp_inside_a_node(reference, tmp_path):
     port = free_port()
     launchers = [
         subprocess.Popen(
-            ["accelerate", "launch", "--config_file", str(_machine_config(tmp_path, rank, port)),
-             "examples/finetune.py", "--max_steps", "6", "--batch_size", "4", "--output_dir", str(tmp_path / "out")],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                "accelerate",
+                "launch",
+                "--config_file",
+                str(_machine_config(tmp_path, rank, port)),
+                "examples/finetune.py",
+                "--max_steps",
+                "6",
+                "--batch_size",
+                "4",
+                "--output_dir",
+                str(tmp_path / "out"),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )  # fmt: skip
         for rank in range(2)
     ]

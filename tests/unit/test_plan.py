@@ -72,9 +72,11 @@ def test_model_state_is_16_bytes_per_parameter_for_mixed_precision_adam(plan_8b_
     per parameter (accelerate's autocast: fp32 weights 4 + gradients 4 + moments 8, the same 16)."""
     params = 8_030_261_248  # Llama-3-8B
     for engine, sharding in (("accelerate", "none"), ("deepspeed", "zero1")):
-        e = _find(plan_8b_json["estimates"], tp=1, pp=8, dp=1, engine=engine, sharding=sharding) if engine == (
-            "accelerate"
-        ) else _find(plan_8b_json["estimates"], tp=1, pp=1, dp=8, engine=engine, sharding=sharding)
+        e = (
+            _find(plan_8b_json["estimates"], tp=1, pp=8, dp=1, engine=engine, sharding=sharding)
+            if engine == ("accelerate")
+            else _find(plan_8b_json["estimates"], tp=1, pp=1, dp=8, engine=engine, sharding=sharding)
+        )
         stages = e["memory_bytes_per_stage"]
         state = sum(m["weights"] + m["gradients"] for m in stages)
         if engine == "accelerate":
