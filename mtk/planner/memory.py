@@ -16,11 +16,13 @@ engine, dtype          weights      gradients    optimizer (AdamW)
 =====================  ===========  ===========  ==============================
 accelerate fp32        4 (P+F)      4 P          8 P (/ DP: distributed optimizer)
 accelerate bf16        4 P + 4 F    4 P          8 P   (autocast keeps fp32 weights)
-deepspeed bf16         2 (P+F)      2 P          12 P  (fp32 master + moments)
+deepspeed bf16         2 (P+F)      2 P + 4 P/DP 12 P  (fp32 master + moments)
 =====================  ===========  ===========  ==============================
 
 ZeRO-1 divides the optimizer column by DP, ZeRO-2 the gradients too, ZeRO-3 the weights too (ZeRO paper:
 16 bytes per parameter for mixed-precision Adam, the accelerate bf16 and deepspeed bf16 rows alike).
+DeepSpeed also keeps the fp32 gradients of a rank's partition for the step (``4 P / DP``): its own
+``estimate_zero2_model_states_mem_needs`` counts ``2 P + 18 P / DP``, which these rows reproduce.
 A LoRA base (``F``) stays in ``--dtype`` (bf16: mtk's ``--base_dtype bf16``).
 """
 
@@ -133,6 +135,8 @@ def stage_memory(
         if training.sharding == "zero3":
             weights = -(-weights // dp)
             buffers += min(trainable + frozen, DEEPSPEED_BUCKET_ELEMENTS) * weight_size  # gathered live parameters
+        if bf16_deepspeed and not training.offload:  # the fp32 gradients of this rank's partition, for the step
+            gradients += -(-trainable * 4 // dp)
     if training.offload:
         optimizer = 0
 
