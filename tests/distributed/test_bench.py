@@ -52,3 +52,15 @@ def test_bench_data_parallel_with_the_distributed_optimizer(tmp_path, capsys):
     mtk = report["contenders"][0]
     assert mtk["processes"] == 4 and mtk["collectives"] == report["predicted_collectives"]
     assert mtk["collectives"]["all_gather"]["count"] >= 1
+
+
+def test_bench_memory_against_the_plan(tmp_path, capsys):
+    """--memory: each rank's peak next to mtk plan's prediction for its stage, the model state exact."""
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", "tiny-llama", "--tp", "2", "--pp", "2", "--batch", "4", "--micro_batches", "2",
+                 "--seq", "32", "--steps", "1", "--memory", "--json", str(out)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "peak memory per rank (mtk), measured vs mtk plan:" in text and text.count("model state exact") == 4
+    planned = json.loads(out.read_text())["planned_memory_per_rank"]
+    assert [p["stage"] for p in planned] == [0, 0, 1, 1] and all(p["measured_peak"] > 0 for p in planned)

@@ -162,6 +162,8 @@ def test_cli_options(checkpoint, tmp_path, capsys):
         (["export", str(tmp_path), str(tmp_path / "o")], "mtk export", "is not a complete mtk checkpoint"),
         (["verify-checkpoint", str(tmp_path / "nowhere")], "mtk verify-checkpoint", "does not exist"),
         (["no-such-command"], "mtk", "invalid choice: 'no-such-command'"),
+        (["bench", "--memory", "--dtype", "bf16"], "mtk bench", "--memory holds the run against mtk plan"),
+        (["plan", "--model", "tiny-llama", "--gpus", "0", "--seq_len", "8", "--global_batch", "8"], "mtk", "--gpus"),
     ]
     for argv, prog, message in cases:
         assert mtk_main(argv) == 2, argv
