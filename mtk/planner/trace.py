@@ -200,6 +200,18 @@ def _meta_model(config: PretrainedConfig, settings: TraceSettings, pp: int, pp_r
     return model
 
 
+def _is_causal(config: PretrainedConfig) -> bool:
+    from transformers import AutoModelForCausalLM
+
+    from mtk.models import auto_class_for
+
+    return auto_class_for(config) is AutoModelForCausalLM
+
+
+def _cache_off(config: PretrainedConfig) -> dict[str, bool]:
+    return {"use_cache": False} if _is_causal(config) else {}  # encoders take no use_cache
+
+
 def _parameters(model, block: nn.Module | None) -> tuple[Parameters, Parameters, Parameters]:
     """(ahead of the layers, one layer, behind them): trainable elements per parameter, in the model's
     order (the distributed optimizer's buckets follow it), and frozen elements."""
@@ -241,6 +253,7 @@ def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp: int
         model.train()
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         ids = torch.zeros((1, seq), dtype=torch.long, device="meta")  # [b, s]
+        labels = ids if _is_causal(config) else torch.zeros((1,), dtype=torch.long, device="meta")  # [b]: classes
         stage_input = torch.empty((1, seq, config.hidden_size), dtype=dtype, device="meta", requires_grad=True)
         with (live := LiveMemory(model.parameters())):  # a weight's view (its transpose) is no activation
             hooks = live.mark_gradients(model)
@@ -253,7 +266,7 @@ def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp: int
                 grad: torch.Tensor | None = torch.empty_like(out)
             else:
                 inputs = {"inputs_embeds": stage_input} if pp_rank > 0 else {"input_ids": ids}
-                out, grad = model(**inputs, labels=ids, use_cache=False).loss, None
+                out, grad = model(**inputs, labels=labels, **_cache_off(config)).loss, None
             saved = live.live.get("other", 0)
             torch.autograd.backward(out, grad)
             del out, grad

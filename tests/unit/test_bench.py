@@ -33,7 +33,11 @@ def test_pipeline_prediction_per_stage():
     assert with_tp.counts["all_reduce"] == 4 * (4 * 2 + 1) + 2 * 4, "2 layers, head grad, loss, per micro-batch"
 
 
-MEMORY = {"memory_above_start": 100 * 2**20, "memory_by_kind": {"act": 2**20, "total": 3 * 2**20}}
+MEMORY = {
+    "memory_above_start": 100 * 2**20,
+    "memory_by_kind": {"act": 2**20, "total": 3 * 2**20},
+    "model_state": {"weights": 2**20, "gradients": 2**20, "optimizer": 2**21},
+}
 
 
 def _summary(name, times, collectives=None, error=None):
