@@ -277,6 +277,15 @@ def valid_tp_sizes(request: Request) -> list[int]:
     return sizes
 
 
+def _sequence_parallel_rules(config: PretrainedConfig, tp: int) -> bool:
+    """Whether the plan mtk picks names the shared inputs sequence parallelism gathers (hand-written plans do;
+    transformers' tp plans and the generic rules do not, and mtk refuses SP with them)."""
+    from mtk.plans.registry import find_plan
+
+    plan = find_plan(config, tp)
+    return plan is not None and bool(plan.shared_inputs)
+
+
 def _pipeline_supported(config: PretrainedConfig) -> bool:
     from mtk.plans.registry import find_plan
 
@@ -314,7 +323,12 @@ def layouts(request: Request) -> Iterator[Candidate]:
 
 def _settings(request: Request, candidate: Candidate, most_recompute: int) -> Iterator[Candidate]:
     """The candidate's SP / recompute variants, cheapest in time first, up to ``RECOMPUTE_ORDER[most_recompute]``."""
-    sp_allowed = candidate.tp > 1 and candidate.engine == "accelerate" and request.seq % candidate.tp == 0
+    sp_allowed = (
+        candidate.tp > 1
+        and candidate.engine == "accelerate"
+        and request.seq % candidate.tp == 0
+        and _sequence_parallel_rules(request.config, candidate.tp)
+    )
     sps = (True, False) if (sp_allowed and request.every_setting) else ((True,) if sp_allowed else (False,))
     for recompute in RECOMPUTE_ORDER[: most_recompute + 1]:
         for sp in sps:

@@ -184,11 +184,16 @@ def _meta_model(config: PretrainedConfig, settings: TraceSettings, pp: int, pp_r
     from mtk.convert import parallelize
     from mtk.models import DTYPES, auto_class_for
     from mtk.parallel.state import ParallelState
+    from mtk.plans.generic import GENERIC
+    from mtk.plans.registry import find_plan
 
     parallel = ParallelState.build(tp_size=settings.tp, pp_size=pp, device=torch.device("cpu"))
     with torch.device("meta"):
         model = auto_class_for(config).from_config(config, dtype=DTYPES[settings.dtype])
-    parallelize(model, parallel, sequence_parallel=settings.sequence_parallel)
+    # the plan mtk would pick, without the parity run that HF-derived and generic rules pass at training
+    # time (it needs real numbers; `mtk verify` is where a plan's exactness is checked)
+    plan = find_plan(config, settings.tp) or GENERIC
+    parallelize(model, parallel, plan=plan, sequence_parallel=settings.sequence_parallel)
     if settings.lora_r:
         from peft import LoraConfig
 

@@ -168,3 +168,23 @@ def test_parameters_equal_the_rules_count(model, tp):
     whole = trace.whole
     counted = sum(whole.before.trainable) + layers * sum(whole.layer.trainable) + sum(whole.after.trainable)
     assert counted == sum(local_numels(config, tp))
+
+
+def test_every_kind_of_rules_plans(tmp_path, capsys):
+    """A transformers-tp-plan MoE (no SP rules: no SP rows), an encoder classifier (no pipeline rules: no PP rows),
+    tied embeddings (GPT-2): each traced and ranked."""
+    from transformers import MixtralConfig
+
+    moe = MixtralConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    moe.save_pretrained(tmp_path / "moe")
+    rows = {}
+    for model in (str(tmp_path / "moe"), "tiny-bert", "tiny-gpt2"):
+        assert main(["plan", "--model", model, "--gpus", "4", "--seq_len", "64", "--global_batch", "8", "--all",
+                     "--json"]) == 0  # fmt: skip
+        rows[model] = json.loads(capsys.readouterr().out)["estimates"]
+        assert rows[model] and all(e["memory_bytes"]["peak"] > e["memory_bytes"]["weights"] > 0 for e in rows[model])
+    assert not any(e["layout"]["sequence_parallel"] for e in rows[str(tmp_path / "moe")])
+    assert any(e["layout"]["tp"] == 2 for e in rows[str(tmp_path / "moe")]), "experts split over TP"
+    assert not any(e["layout"]["pp"] > 1 for e in rows["tiny-bert"])
+    assert any(e["layout"]["sequence_parallel"] and e["layout"]["pp"] == 2 for e in rows["tiny-gpt2"])
