@@ -176,7 +176,8 @@ def test_every_kind_of_rules_plans(tmp_path, capsys):
     from transformers import MixtralConfig
 
     moe = MixtralConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                        num_experts_per_tok=2)  # fmt: skip
     moe.save_pretrained(tmp_path / "moe")
     rows = {}
     for model in (str(tmp_path / "moe"), "tiny-bert", "tiny-gpt2"):
