@@ -60,7 +60,8 @@ def predict_collectives(
 
     With PP, ``batch`` is the step's batch, cut into ``micro_batches``; this stage's layers are its
     even share (the remainder on earlier stages), P2P moves one ``[b, s, h]`` tensor per micro-batch
-    and direction at each stage boundary, and the loss is broadcast from the last stage.
+    and direction at each stage boundary (with TP, each TP rank its 1/tp slice, all-gathered over TP by
+    the receiver), and the loss is broadcast from the last stage.
     """
     counts: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
@@ -95,11 +96,16 @@ def predict_collectives(
             counts["all_reduce"] += 2 * micro_batches
             nbytes["all_reduce"] += 3 * micro * seq * loss_element_size * micro_batches
     if pp > 1:
-        sends = (0 if last else micro_batches) + (0 if first else micro_batches)
+        sends = (0 if last else micro_batches) + (0 if first else micro_batches)  # receives: as many
+        scattered = tp > 1 and (micro * seq * hidden) % tp == 0  # each TP rank sends its 1/tp slice
+        message = activation // tp if scattered else activation
         counts["send"] += sends
         counts["recv"] += sends
-        nbytes["send"] += sends * activation
-        nbytes["recv"] += sends * activation
+        nbytes["send"] += sends * message
+        nbytes["recv"] += sends * message
+        if scattered:  # the receiving stage gathers the slices over TP
+            counts["all_gather"] += sends
+            nbytes["all_gather"] += sends * message
         counts["broadcast"] += 1  # the last stage's loss to every stage
         nbytes["broadcast"] += 4
     if dp_gradient_elements:

@@ -5,16 +5,23 @@ block. With that rule any schedule in which every receive is matched by a send i
 sender's own order cannot deadlock, in whichever order the two neighbours reach them. Activations
 flow forward to the next stage, their gradients backward to the previous one; per (sender,
 receiver) pair there is one direction of one kind, so messages need no tags. Every TP rank of a
-stage talks to the same TP rank of its neighbour (activations are replicated over TP).
+stage talks to the same TP rank of its neighbour.
+
+Scatter-gather (Megatron's P2P optimization): the activations and gradients crossing a stage boundary are
+the same on every TP rank of a stage, so with TP > 1 each TP rank sends only its 1/TP slice of the
+flattened tensor and the receiving stage all-gathers the slices over its TP group (NVLink) — the link
+between stages, often the slow one, carries 1/TP of the bytes. A tensor TP does not divide goes whole.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 import torch.distributed as dist
 
+from mtk.parallel.comm import all_gather
 from mtk.parallel.state import ParallelState
 
 __all__ = ["StageLink"]
@@ -32,22 +39,32 @@ class StageLink:
         ranks, stage = parallel.pp_ranks, parallel.pp_rank
         self.prev_rank = ranks[stage - 1] if stage > 0 else None
         self.next_rank = ranks[stage + 1] if stage < len(ranks) - 1 else None
+        self.tp_group, self.tp_rank, self.tp_size = parallel.tp_group, parallel.tp_rank, parallel.tp_size
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self.wait_s = 0.0
 
+    def _scattered(self, numel: int) -> bool:
+        return self.tp_size > 1 and numel % self.tp_size == 0
+
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
         tensor = tensor.detach().contiguous()
+        if self._scattered(tensor.numel()):  # this TP rank's slice; the receiver gathers the rest
+            tensor = tensor.reshape(-1).chunk(self.tp_size)[self.tp_rank].clone()  # [numel / tp]
         work = dist.isend(tensor, dst=dst, group=self.group)
         assert work is not None  # a member of the group always gets a handle
         self._pending.append((work, tensor))
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int) -> torch.Tensor:
-        buffer = torch.empty(shape, dtype=dtype, device=device)
+        numel = math.prod(shape)
+        scattered = self._scattered(numel)
+        buffer = torch.empty(numel // self.tp_size if scattered else shape, dtype=dtype, device=device)
         start = time.perf_counter()
         work = dist.irecv(buffer, src=src, group=self.group)
         assert work is not None
         work.wait()
         self.wait_s += time.perf_counter() - start
+        if scattered:  # every TP rank received its slice: gather the whole over the TP group
+            return all_gather(buffer, self.tp_group, dim=0).reshape(shape)
         return buffer
 
     def send_forward(self, activation: torch.Tensor) -> None:

@@ -31,6 +31,8 @@ def test_pipeline_prediction_per_stage():
     assert last.counts == first.counts
     with_tp = predict_collectives(4, 64, 8, 16, 2, pp=2, stage=1, micro_batches=4)
     assert with_tp.counts["all_reduce"] == 4 * (4 * 2 + 1) + 2 * 4, "2 layers, head grad, loss, per micro-batch"
+    assert with_tp.nbytes["send"] == 4 * activation // 2, "scatter-gather: each TP rank sends half"
+    assert with_tp.counts["all_gather"] == 4 and with_tp.nbytes["all_gather"] == 4 * activation // 2
 
 
 MEMORY = {
