@@ -225,6 +225,7 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         model = super().prepare_model(model, device_placement, evaluation_mode=True)
         if isinstance(model, PipelineModel):  # the schedule backpropagates; gradients sync in backward()
             model.scale_loss = self._scale_pipeline_loss
+            model.syncs_this_call = lambda: self.sync_gradients  # its last backward starts the DP reduction
             return model
         if not evaluation_mode and self.parallel.dp_size > 1 and any(p.requires_grad for p in model.parameters()):
             kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}

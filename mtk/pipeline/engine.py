@@ -9,7 +9,10 @@ broadcast over the PP group, so logging on the main process (first stage) shows 
 
 After the last micro-batch of an optimizer step, :meth:`PipelineModel.finalize_grads` sums the
 gradients of tied embedding copies over the embedding group and averages all gradients over the
-data-parallel group (no DDP: a stage runs several forwards before its backwards).
+data-parallel group (no DDP: a stage runs several forwards before its backwards). When the trainer says
+which call ends an optimizer step (``syncs_this_call``, set by ``mtk.Accelerator``), that call's last
+backward already averages the gradients bucket by bucket as they become final, overlapped with the rest
+of backward (:class:`~mtk.parallel.overlap.OverlappedReduction`); ``finalize_grads`` waits for it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from mtk.config import ConfigError
 from mtk.convert import parallelized
 from mtk.lora.model import hf_model
 from mtk.parallel.grads import all_reduce_coalesced
+from mtk.parallel.overlap import OverlappedReduction
 from mtk.parallel.parameters import param_info
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.p2p import StageLink
@@ -99,6 +103,10 @@ class PipelineModel(nn.Module):
         # Set by the trainer: what to backpropagate for one micro-batch's share of the loss
         # (accelerate divides by gradient-accumulation steps, fp16 multiplies by the loss scale).
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
+        # Set by the trainer: whether this call ends an optimizer step (its last backward then starts the
+        # data-parallel reduction). None: unknown, and finalize_grads reduces after the schedule.
+        self.syncs_this_call: Callable[[], bool] | None = None
+        self._reduction: OverlappedReduction | None = None
         self.stats = PipelineStats()
         self._sync_tied_weights()
 
@@ -160,7 +168,11 @@ class PipelineModel(nn.Module):
                 held[i] = (stage_input, output)
                 stats.max_in_flight = max(stats.max_in_flight, len(held))
 
+        reduction = self._overlapped_reduction() if train else None
+
         def backward(i: int) -> None:
+            if reduction is not None and i == m - 1:  # both schedules run micro-batch m - 1's backward last
+                reduction.arm()
             stage_input, output = held.pop(i)
             if info.is_last:
                 self.scale_loss(output / m).backward()
@@ -220,11 +232,28 @@ class PipelineModel(nn.Module):
             for param in tied:
                 dist.broadcast(param.data, src=self.parallel.embedding_ranks[0], group=group)
 
+    def _overlapped_reduction(self) -> OverlappedReduction | None:
+        """The DP reduction to start from this call's last backward, when the call ends an optimizer step."""
+        if self._reduction is not None:
+            raise ConfigError("a pipeline step ended without finalize_grads: call it (accelerator.backward) per step")
+        if self.parallel.dp_size == 1 or self.syncs_this_call is None or not self.syncs_this_call():
+            return None
+        tied = {id(p) for p in self._tied_params()}  # summed over the embedding group first, in finalize_grads
+        untied = [p for p in self.module.parameters() if p.requires_grad and id(p) not in tied]
+        self._reduction = OverlappedReduction(untied, self.parallel.dp_group)
+        return self._reduction
+
     def finalize_grads(self) -> None:
         """Once per optimizer step, after the last micro-batch's backward: sum the tied copies'
-        gradients over the embedding group, then average every gradient over data-parallel replicas."""
+        gradients over the embedding group, then average every gradient over data-parallel replicas
+        (waiting for the buckets the last backward started, if it did)."""
         tied = [p.grad for p in self._tied_params() if p.grad is not None]
         if tied and self.parallel.embedding_group is not None:
             all_reduce_coalesced(tied, self.parallel.embedding_group)
+        if self._reduction is not None:
+            self._reduction.finish()
+            self._reduction = None
+            all_reduce_coalesced(tied, self.parallel.dp_group, average=True)
+            return
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         all_reduce_coalesced(grads, self.parallel.dp_group, average=True)

@@ -16,11 +16,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+import torch
 from transformers import PretrainedConfig
 
 from mtk.bench.predict import predict_collectives
 from mtk.errors import MtkError
 from mtk.parallel.layout import Layout
+from mtk.parallel.overlap import gradient_buckets
 from mtk.pipeline.stages import stage_layer_counts
 from mtk.planner.cluster import Cluster
 from mtk.planner.memory import RankMemory, Training, stage_memory, stage_parameters
@@ -225,8 +227,9 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int]) -> t
     gathers = _gather_widths(numels, c.dp) if c.sharding == "distopt" else ()
     for width in gathers:  # the distributed optimizer's all-gather rounds of the updated weights
         dp_s += collective_seconds("all_gather", width * 4, c.dp, cluster.bandwidth(dp_group))
-    if c.dp > 1 and c.engine == "accelerate":
-        predicted.counts["all_reduce"] += 1
+    if c.dp > 1 and c.engine == "accelerate":  # one coalesced all-reduce; under PP, buckets from backward
+        buckets = gradient_buckets([(n * grad_size, torch.float32) for n in numels]) if c.pp > 1 else [[]]
+        predicted.counts["all_reduce"] += len(buckets)
         predicted.nbytes["all_reduce"] += dp_bytes
         for width in gathers:
             predicted.counts["all_gather"] += 1
@@ -243,8 +246,10 @@ def _step_time(request: Request, c: Candidate, stage_layers: int, traffic: Traff
     compute = flops * tokens * stage_layers / size.layers / c.tp / request.cluster.peak_flops
     stage_s = compute + traffic.tp_wire_s
     bubble_fraction = (c.pp - 1) / c.micro_batches
-    overlapped = c.pp == 1 and c.sharding != "distopt"  # DDP / DeepSpeed reduce during backward
-    dp_exposed = max(0.0, traffic.dp_wire_s - 2 / 3 * compute) if overlapped else traffic.dp_wire_s
+    # DDP / DeepSpeed reduce during the whole backward; a pipeline during its last micro-batch's backward;
+    # the distributed optimizer's all-gather comes after the step
+    backward = 2 / 3 * compute / (c.micro_batches if c.pp > 1 else 1)
+    dp_exposed = traffic.dp_wire_s if c.sharding == "distopt" else max(0.0, traffic.dp_wire_s - backward)
     total = stage_s * (1 + bubble_fraction) + traffic.pp_wire_s + dp_exposed
     return StepTime(
         compute, traffic.tp_wire_s, stage_s * bubble_fraction, traffic.pp_wire_s, dp_exposed, total, bubble_fraction

@@ -10,8 +10,9 @@ The step time is a roofline, not a simulation: compute at the GPU's peak FLOP/s 
 the matmuls, ``4 N`` with a frozen LoRA base, ``+ 2 N`` for full recompute, plus ``12 L s q`` for attention
 scores, ``q`` the query width), TP communication not overlapped (mtk waits for each all-reduce), the
 pipeline bubble ``(p - 1) / m`` of a stage's step on top, blocking P2P, and the DP reduction exposed
-except where DDP / DeepSpeed overlap it with backward (``pp = 1``: exposed beyond two thirds of the
-compute). It ranks layouts; the absolute figure is a lower bound a real run approaches, not a promise.
+beyond the backward it overlaps (DDP / DeepSpeed at ``pp = 1``: two thirds of the compute; a pipeline:
+its last micro-batch's backward; the distributed optimizer's all-gather: none). It ranks layouts; the
+absolute figure is a lower bound a real run approaches, not a promise.
 """
 
 from __future__ import annotations

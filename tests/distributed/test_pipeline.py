@@ -48,6 +48,7 @@ def _pipeline_checks(rank, world_size, name, tp, pp, schedule, micro_batches, la
 
     model = parallelize(copy.deepcopy(reference), state, pipeline_layers=layers)
     pipe = PipelineModel(model.eval(), state, micro_batches, schedule)
+    pipe.syncs_this_call = lambda: True  # as mtk.Accelerator: the last backward starts the DP reduction
     share = GLOBAL_BATCH // state.dp_size
     local = {k: v[state.dp_rank * share : (state.dp_rank + 1) * share] for k, v in batch.items()}
     loss = pipe(**local).loss
@@ -108,3 +109,32 @@ def test_pipeline_equals_single_process(name, tp, pp, dp, schedule, micro, layer
     first_stage = max(r["max_in_flight"] for r in results if r["stage"] == 0)
     # 1F1B holds at most pp micro-batches of activations on the first stage; AFAB holds all of them.
     assert first_stage == (min(pp, micro) if schedule == "1f1b" else micro)
+
+
+def _overlap_vs_blocking(rank, world_size, name, micro_batches) -> dict:
+    """The same step twice on fresh copies: DP reduction overlapped with the last backward, and after the
+    schedule; gradients must be equal bit for bit."""
+    state = ParallelState.build(tp_size=1, pp_size=2)
+    reference = build_model(name, seed=0).eval()
+    share = GLOBAL_BATCH // state.dp_size
+    local = {k: v[state.dp_rank * share : (state.dp_rank + 1) * share] for k, v in _batch().items()}
+    grads, launched = {}, 0
+    for overlap in (True, False):
+        model = parallelize(copy.deepcopy(reference), state)
+        pipe = PipelineModel(model, state, micro_batches)
+        pipe.syncs_this_call = (lambda: True) if overlap else None
+        pipe(**local)
+        if overlap:
+            launched = pipe._reduction.launched  # buckets started inside backward, before finalize_grads
+        pipe.finalize_grads()
+        grads[overlap] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads[True].keys() == grads[False].keys()
+    for key in grads[True]:
+        assert torch.equal(grads[True][key], grads[False][key]), key
+    return {"launched": launched}
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])  # tiny-qwen2: tied embeddings on both stages
+def test_overlapped_data_parallel_reduction_equals_the_blocking_one(name):
+    results = run_distributed(_overlap_vs_blocking, world_size=4, args=(name, 2), timeout=300)
+    assert all(r["launched"] >= 1 for r in results), "the reduction started inside backward"
