@@ -13,7 +13,7 @@ import os
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -60,6 +60,7 @@ class RankResult:
     memory_above_start: int = 0  # bytes: the peak above what the process held before the model was built
     memory_by_kind: dict[str, int] = field(default_factory=dict)  # bytes at the peak: param, grad, act, opt, ...
     model_state: dict[str, int] = field(default_factory=dict)  # bytes: weights, gradients, optimizer (AdamW moments)
+    pipeline_idle: float | None = None  # pp > 1: share of the last timed schedule spent waiting for neighbours
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -252,10 +253,16 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
 
     step = _train_step(forward, optimizer, _batch(spec, cast(Any, model).config.vocab_size, device), backward=False)
     result = _measure(spec, step, device, baseline)
+    result.pipeline_idle = pipe.stats.idle_fraction
     result.model_state = _model_state(model, optimizer)
     if spec.track_memory:  # MemTracker refuses modules run once per micro-batch: live bytes only
         result.memory_by_kind = _live_peak(model, optimizer, step)
     return result.as_dict()
+
+
+def run_mtk_one_stage(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """mtk at the same TP with the whole model on one stage: what a pipeline's ideal is measured from."""
+    return run_mtk(rank, world_size, replace(spec, pp=1, micro_batches=1))
 
 
 def run_hf(rank: int, world_size: int, spec: BenchSpec) -> dict:
@@ -313,6 +320,7 @@ def run_autotp(rank: int, world_size: int, spec: BenchSpec) -> dict:
 # name -> (worker, processes for a spec, threads per process or None for the spec's)
 CONTENDERS: dict[str, tuple[Callable, Callable[[BenchSpec], int], Callable[[BenchSpec], int]]] = {
     "mtk": (run_mtk, lambda s: s.tp * s.pp * s.dp, lambda s: 1),
+    "mtk-one-stage": (run_mtk_one_stage, lambda s: s.tp * s.dp, lambda s: 1),
     "hf-1thread": (run_hf, lambda s: 1, lambda s: 1),
     "hf-all-threads": (run_hf, lambda s: 1, lambda s: os.cpu_count() or 1),
     "transformers-tp_plan": (run_tp_plan, lambda s: s.tp, lambda s: 1),

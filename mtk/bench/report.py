@@ -48,6 +48,7 @@ def report_dict(spec: BenchSpec, summaries: list[ContenderSummary], predicted: P
             "peak_memory_per_rank": s.peak_memory,
             "memory_above_start_per_rank": s.memory_above_start,
             "memory_by_kind_per_rank": s.memory_by_kind,
+            "pipeline_idle_per_rank": s.pipeline_idle,
             "loss": s.loss,
             "collectives": s.collectives,
             "steps_timed": len(s.step_s),
@@ -55,12 +56,34 @@ def report_dict(spec: BenchSpec, summaries: list[ContenderSummary], predicted: P
         if ours is not None and ours.median_s and s.median_s and s is not ours:
             row["mtk_time_ratio"] = ours.median_s / s.median_s
         rows.append(row)
-    return {
+    report = {
         "spec": {k: v for k, v in vars(spec).items() if k != "checkpoint_dir"},
         "predicted_collectives": predicted.as_dict(),
         "machine_busy_before_launch": {"min": min(busy, default=0.0), "max": max(busy, default=0.0)},
         "cpu_count": os.cpu_count(),
         "contenders": rows,
+    }
+    one_stage = next((s for s in summaries if s.name == "mtk-one-stage" and s.median_s), None)
+    if spec.pp > 1 and ours is not None and ours.median_s and one_stage is not None:
+        report["pipeline"] = pipeline_ideal(spec, ours, one_stage)
+    return report
+
+
+def pipeline_ideal(spec: BenchSpec, ours: ContenderSummary, one_stage: ContenderSummary) -> dict:
+    """The pipeline against its ideal: the one-stage step split over ``p`` stages, plus the 1F1B bubble
+    ``(p - 1) / m`` of that (Megatron's formula); the measured idle share per stage next to the formula's
+    ``(p - 1) / (m + p - 1)``."""
+    p, m = spec.pp, spec.micro_batches
+    assert ours.median_s is not None and one_stage.median_s is not None
+    ideal = one_stage.median_s / p * (1 + (p - 1) / m)
+    per_stage = spec.tp * spec.dp
+    idle = list(ours.pipeline_idle)
+    return {
+        "one_stage_s": one_stage.median_s,
+        "ideal_s": ideal,
+        "measured_vs_ideal": ours.median_s / ideal,
+        "bubble_formula": (p - 1) / (m + p - 1),
+        "idle_per_stage": [idle[stage * per_stage] for stage in range(p)] if len(idle) == p * per_stage else [],
     }
 
 
@@ -91,6 +114,14 @@ def format_report(report: dict) -> str:
             nbytes=_counter(report["predicted_collectives"], "bytes"),
         )
         out += collective_lines(ours["collectives"], predicted)
+    pipeline = report.get("pipeline")
+    if pipeline:
+        stages = " ".join(f"{x:.2f}" for x in pipeline["idle_per_stage"] if x is not None)
+        out.append(
+            f"pipeline: {ours['median_s'] if ours else 0:.3f} s/step against an ideal of {pipeline['ideal_s']:.3f} "
+            f"(one stage {pipeline['one_stage_s']:.3f} s / p x (1 + (p-1)/m)): {pipeline['measured_vs_ideal']:.2f}x; "
+            f"idle share per stage {stages} (formula (p-1)/(m+p-1) = {pipeline['bubble_formula']:.2f})"
+        )
     busy = report["machine_busy_before_launch"]
     out.append(
         f"machine: {report['cpu_count']} cores, busy {busy['min']:.0%}-{busy['max']:.0%} of the time just before "

@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     contenders = ["mtk"] + (PEERS if args.compare else [])
     if args.compare and spec.pp > 1:
         contenders = ["mtk", "hf-1thread", "hf-all-threads"]  # the TP peers have no pipeline
+    if spec.pp > 1:
+        contenders.insert(1, "mtk-one-stage")  # the pipeline's ideal is measured from it
     rounds = args.rounds or (3 if args.compare else 1)
     assert set(contenders) <= set(CONTENDERS)
     print(

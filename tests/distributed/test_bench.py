@@ -26,6 +26,10 @@ def test_bench_pipeline_layout(tmp_path, capsys):
     assert code == 0, capsys.readouterr().out
     report = json.loads(out.read_text())
     assert report["contenders"][0]["collectives"] == report["predicted_collectives"]
+    assert [c["name"] for c in report["contenders"]] == ["mtk", "mtk-one-stage"], "the ideal's reference runs too"
+    pipeline = report["pipeline"]
+    assert pipeline["ideal_s"] > 0 and pipeline["bubble_formula"] == 1 / 5, "(p - 1) / (m + p - 1) at p 2, m 4"
+    assert len(pipeline["idle_per_stage"]) == 2 and all(0 <= x < 1 for x in pipeline["idle_per_stage"])
 
 
 def test_bench_sequence_parallel_with_recompute(tmp_path, capsys):
