@@ -61,6 +61,7 @@ class RankResult:
     memory_by_kind: dict[str, int] = field(default_factory=dict)  # bytes at the peak: param, grad, act, opt, ...
     model_state: dict[str, int] = field(default_factory=dict)  # bytes: weights, gradients, optimizer (AdamW moments)
     pipeline_idle: float | None = None  # pp > 1: share of the last timed schedule spent waiting for neighbours
+    reduction_s: float | None = None  # dp > 1: one DP all-reduce of this rank's gradients, ranks started together
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -240,7 +241,10 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
 
     if spec.pp == 1:
         shard_over = parallel.dp_group if spec.distributed_optimizer else None
-        return _measure_model(spec, model.to(device), device, sync_grads, baseline, shard_over)
+        measured = _measure_model(spec, model.to(device), device, sync_grads, baseline, shard_over)
+        if parallel.dp_size > 1:
+            measured["reduction_s"] = _reduction_seconds(model, parallel.dp_group, device)
+        return measured
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     pipe = PipelineModel(model, parallel, spec.micro_batches)
@@ -258,6 +262,25 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     if spec.track_memory:  # MemTracker refuses modules run once per micro-batch: live bytes only
         result.memory_by_kind = _live_peak(model, optimizer, step)
     return result.as_dict()
+
+
+def _reduction_seconds(model, group, device: torch.device) -> float:
+    """The DP average of a buffer the size of this rank's gradients, every rank starting together: the
+    reduction a data-parallel step adds to one replica's step."""
+    from mtk.parallel.grads import all_reduce_coalesced
+
+    buffers = [torch.zeros_like(p) for p in model.parameters() if p.requires_grad]
+    all_reduce_coalesced(buffers, group, average=True)  # warm-up (connections, allocation)
+    dist.barrier()
+    start = time.perf_counter()
+    all_reduce_coalesced(buffers, group, average=True)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def run_mtk_one_replica(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """mtk at the same TP x PP as one data-parallel replica: what a DP layout's ideal is measured from."""
+    return run_mtk(rank, world_size, replace(spec, dp=1, distributed_optimizer=False))
 
 
 def run_mtk_one_stage(rank: int, world_size: int, spec: BenchSpec) -> dict:
@@ -321,6 +344,7 @@ def run_autotp(rank: int, world_size: int, spec: BenchSpec) -> dict:
 CONTENDERS: dict[str, tuple[Callable, Callable[[BenchSpec], int], Callable[[BenchSpec], int]]] = {
     "mtk": (run_mtk, lambda s: s.tp * s.pp * s.dp, lambda s: 1),
     "mtk-one-stage": (run_mtk_one_stage, lambda s: s.tp * s.dp, lambda s: 1),
+    "mtk-one-replica": (run_mtk_one_replica, lambda s: s.tp * s.pp, lambda s: 1),
     "hf-1thread": (run_hf, lambda s: 1, lambda s: 1),
     "hf-all-threads": (run_hf, lambda s: 1, lambda s: os.cpu_count() or 1),
     "transformers-tp_plan": (run_tp_plan, lambda s: s.tp, lambda s: 1),

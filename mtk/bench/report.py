@@ -66,7 +66,24 @@ def report_dict(spec: BenchSpec, summaries: list[ContenderSummary], predicted: P
     one_stage = next((s for s in summaries if s.name == "mtk-one-stage" and s.median_s), None)
     if spec.pp > 1 and ours is not None and ours.median_s and one_stage is not None:
         report["pipeline"] = pipeline_ideal(spec, ours, one_stage)
+    one_replica = next((s for s in summaries if s.name == "mtk-one-replica" and s.median_s), None)
+    if spec.dp > 1 and ours is not None and ours.median_s and one_replica is not None:
+        report["data_parallel"] = data_parallel_ideal(ours, one_replica)
     return report
+
+
+def data_parallel_ideal(ours: ContenderSummary, one_replica: ContenderSummary) -> dict:
+    """Data parallelism against its ideal: one replica's step plus one DP all-reduce of the gradients (the
+    slowest rank's, measured with every rank starting together), nothing overlapped."""
+    assert ours.median_s is not None and one_replica.median_s is not None
+    reduction = max((x for x in ours.reduction_s if x is not None), default=0.0)
+    ideal = one_replica.median_s + reduction
+    return {
+        "one_replica_s": one_replica.median_s,
+        "reduction_s": reduction,
+        "ideal_s": ideal,
+        "measured_vs_ideal": ours.median_s / ideal,
+    }
 
 
 def pipeline_ideal(spec: BenchSpec, ours: ContenderSummary, one_stage: ContenderSummary) -> dict:
@@ -121,6 +138,13 @@ def format_report(report: dict) -> str:
             f"pipeline: {ours['median_s'] if ours else 0:.3f} s/step against an ideal of {pipeline['ideal_s']:.3f} "
             f"(one stage {pipeline['one_stage_s']:.3f} s / p x (1 + (p-1)/m)): {pipeline['measured_vs_ideal']:.2f}x; "
             f"idle share per stage {stages} (formula (p-1)/(m+p-1) = {pipeline['bubble_formula']:.2f})"
+        )
+    data_parallel = report.get("data_parallel")
+    if data_parallel:
+        out.append(
+            f"data parallel: {ours['median_s'] if ours else 0:.3f} s/step against an ideal of "
+            f"{data_parallel['ideal_s']:.3f} (one replica {data_parallel['one_replica_s']:.3f} s + one gradient "
+            f"all-reduce {data_parallel['reduction_s']:.3f} s): {data_parallel['measured_vs_ideal']:.2f}x"
         )
     busy = report["machine_busy_before_launch"]
     out.append(

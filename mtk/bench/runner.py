@@ -39,6 +39,7 @@ class ContenderSummary:
     memory_by_kind: list[dict[str, int]] = field(default_factory=list)  # per rank, when tracked
     model_state: list[dict[str, int]] = field(default_factory=list)  # per rank: weights, gradients, optimizer
     pipeline_idle: list[float | None] = field(default_factory=list)  # per rank, pp > 1: idle share (last round)
+    reduction_s: list[float | None] = field(default_factory=list)  # per rank, dp > 1: one DP all-reduce (last round)
     loss: float | None = None
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)  # rank 0, one step
     error: str | None = None
@@ -58,6 +59,7 @@ class ContenderSummary:
         self.memory_by_kind = [r["memory_by_kind"] for r in ranks]  # the last round's
         self.model_state = [r["model_state"] for r in ranks]
         self.pipeline_idle = [r.get("pipeline_idle") for r in ranks]
+        self.reduction_s = [r.get("reduction_s") for r in ranks]
         grown = [r["memory_above_start"] for r in ranks]
         old = self.memory_above_start
         self.memory_above_start = [max(a, b) for a, b in zip(old, grown)] if old else grown

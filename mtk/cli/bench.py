@@ -100,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         contenders = ["mtk", "hf-1thread", "hf-all-threads"]  # the TP peers have no pipeline
     if spec.pp > 1:
         contenders.insert(1, "mtk-one-stage")  # the pipeline's ideal is measured from it
+    if spec.dp > 1:
+        contenders.insert(1, "mtk-one-replica")  # and data parallelism's
     rounds = args.rounds or (3 if args.compare else 1)
     assert set(contenders) <= set(CONTENDERS)
     print(

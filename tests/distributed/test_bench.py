@@ -56,6 +56,9 @@ def test_bench_data_parallel_with_the_distributed_optimizer(tmp_path, capsys):
     mtk = report["contenders"][0]
     assert mtk["processes"] == 4 and mtk["collectives"] == report["predicted_collectives"]
     assert mtk["collectives"]["all_gather"]["count"] >= 1
+    assert report["contenders"][1]["name"] == "mtk-one-replica" and report["contenders"][1]["processes"] == 2
+    ideal = report["data_parallel"]
+    assert ideal["reduction_s"] > 0 and ideal["ideal_s"] == ideal["one_replica_s"] + ideal["reduction_s"]
 
 
 def test_bench_memory_against_the_plan(tmp_path, capsys):
