@@ -296,6 +296,40 @@ def run_hf(rank: int, world_size: int, spec: BenchSpec) -> dict:
     return _measure_model(spec, model, device)
 
 
+def _accelerator_loop(spec: BenchSpec, accelerator) -> dict:
+    """One process, TP = 1: the loop a user writes with accelerate (prepare, backward, step)."""
+    model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    input_ids = _batch(spec, resolve_config(spec.model).vocab_size, accelerator.device)
+
+    def step() -> torch.Tensor:
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return _measure(spec, step, accelerator.device).as_dict()
+
+
+def run_accelerate(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """Plain accelerate's ``Accelerator`` around the HF model (what mtk's TP = 1 must not be slower than)."""
+    from accelerate import Accelerator
+
+    torch.set_num_threads(spec.threads)
+    return _accelerator_loop(spec, Accelerator(cpu=_device().type == "cpu"))
+
+
+def run_mtk_accelerator(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """``mtk.Accelerator`` at TP = 1, PP = 1, DP = 1: the same loop, through mtk's conversion and wrappers."""
+    from mtk import Accelerator, ParallelConfig
+
+    torch.set_num_threads(spec.threads)
+    return _accelerator_loop(spec, Accelerator(parallel_config=ParallelConfig(tp_size=1, pp_size=1)))
+
+
 def run_tp_plan(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """transformers' own tensor parallelism: ``from_pretrained(..., tp_plan="auto")`` (DTensor)."""
     from transformers import AutoModelForCausalLM
@@ -346,6 +380,8 @@ CONTENDERS: dict[str, tuple[Callable, Callable[[BenchSpec], int], Callable[[Benc
     "mtk-one-stage": (run_mtk_one_stage, lambda s: s.tp * s.dp, lambda s: 1),
     "mtk-one-replica": (run_mtk_one_replica, lambda s: s.tp * s.pp, lambda s: 1),
     "hf-1thread": (run_hf, lambda s: 1, lambda s: 1),
+    "accelerate": (run_accelerate, lambda s: 1, lambda s: 1),
+    "mtk-accelerator": (run_mtk_accelerator, lambda s: 1, lambda s: 1),
     "hf-all-threads": (run_hf, lambda s: 1, lambda s: os.cpu_count() or 1),
     "transformers-tp_plan": (run_tp_plan, lambda s: s.tp, lambda s: 1),
     "deepspeed-autotp": (run_autotp, lambda s: s.tp, lambda s: 1),

@@ -66,6 +66,9 @@ def report_dict(spec: BenchSpec, summaries: list[ContenderSummary], predicted: P
     one_stage = next((s for s in summaries if s.name == "mtk-one-stage" and s.median_s), None)
     if spec.pp > 1 and ours is not None and ours.median_s and one_stage is not None:
         report["pipeline"] = pipeline_ideal(spec, ours, one_stage)
+    times = {s.name: s.median_s for s in summaries if s.median_s}
+    if "mtk-accelerator" in times and "accelerate" in times:  # mtk.Accelerator at TP = 1 vs plain accelerate
+        report["accelerator_overhead"] = times["mtk-accelerator"] / times["accelerate"]
     one_replica = next((s for s in summaries if s.name == "mtk-one-replica" and s.median_s), None)
     if spec.dp > 1 and ours is not None and ours.median_s and one_replica is not None:
         report["data_parallel"] = data_parallel_ideal(ours, one_replica)
@@ -139,6 +142,9 @@ def format_report(report: dict) -> str:
             f"(one stage {pipeline['one_stage_s']:.3f} s / p x (1 + (p-1)/m)): {pipeline['measured_vs_ideal']:.2f}x; "
             f"idle share per stage {stages} (formula (p-1)/(m+p-1) = {pipeline['bubble_formula']:.2f})"
         )
+    if "accelerator_overhead" in report:
+        ratio = report["accelerator_overhead"]
+        out.append(f"mtk.Accelerator at TP=1 against plain accelerate on the same loop: {ratio:.2f}x step time")
     data_parallel = report.get("data_parallel")
     if data_parallel:
         out.append(

@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     contenders = ["mtk"] + (PEERS if args.compare else [])
     if args.compare and spec.pp > 1:
         contenders = ["mtk", "hf-1thread", "hf-all-threads"]  # the TP peers have no pipeline
+    if args.compare and spec.tp == spec.pp == spec.dp == 1:  # TP = 1: mtk's overhead on accelerate's own loop
+        contenders = ["mtk", "mtk-accelerator", "accelerate", "hf-1thread", "hf-all-threads"]
     if spec.pp > 1:
         contenders.insert(1, "mtk-one-stage")  # the pipeline's ideal is measured from it
     if spec.dp > 1:

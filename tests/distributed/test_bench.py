@@ -71,3 +71,17 @@ def test_bench_memory_against_the_plan(tmp_path, capsys):
     assert "peak memory per rank (mtk), measured vs mtk plan:" in text and text.count("model state exact") == 4
     planned = json.loads(out.read_text())["planned_memory_per_rank"]
     assert [p["stage"] for p in planned] == [0, 0, 1, 1] and all(p["measured_peak"] > 0 for p in planned)
+
+
+def test_bench_tp1_compares_mtk_accelerator_with_plain_accelerate(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", "tiny-llama", "--tp", "1", "--compare", "--batch", "2", "--seq", "16",
+                 "--steps", "1", "--rounds", "1", "--json", str(out)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    names = [c["name"] for c in report["contenders"]]
+    assert names == ["mtk", "mtk-accelerator", "accelerate", "hf-1thread", "hf-all-threads"]
+    assert all(c["error"] is None for c in report["contenders"]), report["contenders"]
+    assert len({round(c["loss"], 5) for c in report["contenders"]}) == 1, "same weights, batch and loop: same loss"
+    assert report["accelerator_overhead"] > 0 and "mtk.Accelerator at TP=1 against plain accelerate" in text
