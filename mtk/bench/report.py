@@ -6,6 +6,7 @@ import json
 import os
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from mtk.bench.contenders import BenchSpec
 from mtk.bench.predict import Predicted
@@ -56,7 +57,7 @@ def report_dict(spec: BenchSpec, summaries: list[ContenderSummary], predicted: P
         if ours is not None and ours.median_s and s.median_s and s is not ours:
             row["mtk_time_ratio"] = ours.median_s / s.median_s
         rows.append(row)
-    report = {
+    report: dict[str, Any] = {
         "spec": {k: v for k, v in vars(spec).items() if k != "checkpoint_dir"},
         "predicted_collectives": predicted.as_dict(),
         "machine_busy_before_launch": {"min": min(busy, default=0.0), "max": max(busy, default=0.0)},
