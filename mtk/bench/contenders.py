@@ -374,6 +374,45 @@ def run_autotp(rank: int, world_size: int, spec: BenchSpec) -> dict:
     return _measure(spec, step, device).as_dict()
 
 
+def run_zero(rank: int, world_size: int, spec: BenchSpec, stage: int) -> dict:
+    """DeepSpeed ZeRO stage ``stage`` over ``spec.dp`` data-parallel processes (torch AdamW), each on the same
+    batch as mtk's replicas: the data-parallel peer."""
+    import deepspeed
+
+    from mtk.integrations.deepspeed import remove_shm_buffers_at_exit
+
+    torch.set_num_threads(spec.threads)
+    device = _device()
+    model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
+    config = {
+        "train_micro_batch_size_per_gpu": spec.batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "bf16": {"enabled": spec.dtype == "bf16"},
+        "steps_per_print": 10**9,
+    }
+    remove_shm_buffers_at_exit()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    input_ids = _batch(spec, resolve_config(spec.model).vocab_size, engine.device)
+
+    def step() -> torch.Tensor:
+        loss = engine(input_ids=input_ids, labels=input_ids).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    return _measure(spec, step, device).as_dict()
+
+
+def run_zero1(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    return run_zero(rank, world_size, spec, 1)
+
+
+def run_zero2(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    return run_zero(rank, world_size, spec, 2)
+
+
 # name -> (worker, processes for a spec, threads per process or None for the spec's)
 CONTENDERS: dict[str, tuple[Callable, Callable[[BenchSpec], int], Callable[[BenchSpec], int]]] = {
     "mtk": (run_mtk, lambda s: s.tp * s.pp * s.dp, lambda s: 1),
@@ -385,4 +424,6 @@ CONTENDERS: dict[str, tuple[Callable, Callable[[BenchSpec], int], Callable[[Benc
     "hf-all-threads": (run_hf, lambda s: 1, lambda s: os.cpu_count() or 1),
     "transformers-tp_plan": (run_tp_plan, lambda s: s.tp, lambda s: 1),
     "deepspeed-autotp": (run_autotp, lambda s: s.tp, lambda s: 1),
+    "deepspeed-zero1": (run_zero1, lambda s: s.dp, lambda s: 1),
+    "deepspeed-zero2": (run_zero2, lambda s: s.dp, lambda s: 1),
 }

@@ -65,8 +65,10 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     config = resolve_config(args.model)  # one clear line for an unknown name or a missing directory
     check_tp_size(config, args.tp)
     Layout(world_size=args.tp * args.pp * args.dp, tp_size=args.tp, pp_size=args.pp)
-    if args.dp > 1 and (args.pp > 1 or args.compare):
-        raise MtkError("--dp > 1 runs with --pp 1 and without --compare (the TP peers have no data parallelism)")
+    if args.dp > 1 and args.pp > 1:
+        raise MtkError("--dp > 1 runs with --pp 1 (the bench's pipeline contender has one replica)")
+    if args.dp > 1 and args.compare and args.tp > 1:
+        raise MtkError("--compare with --dp > 1 holds mtk against DeepSpeed ZeRO over the same replicas: use --tp 1")
     if args.distributed_optimizer and args.dp == 1:
         raise MtkError("--distributed_optimizer shards the optimizer over data-parallel replicas: give --dp > 1")
     micro = args.micro_batches or (args.batch if args.pp > 1 else 1)
@@ -98,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     contenders = ["mtk"] + (PEERS if args.compare else [])
     if args.compare and spec.pp > 1:
         contenders = ["mtk", "hf-1thread", "hf-all-threads"]  # the TP peers have no pipeline
+    if args.compare and spec.dp > 1:  # the data-parallel axis: DeepSpeed's ZeRO-1 and -2 over the same replicas
+        contenders = ["mtk", "deepspeed-zero1", "deepspeed-zero2"]
     if args.compare and spec.tp == spec.pp == spec.dp == 1:  # TP = 1: mtk's overhead on accelerate's own loop
         contenders = ["mtk", "mtk-accelerator", "accelerate", "hf-1thread", "hf-all-threads"]
     if spec.pp > 1:

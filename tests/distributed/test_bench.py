@@ -85,3 +85,17 @@ def test_bench_tp1_compares_mtk_accelerator_with_plain_accelerate(tmp_path, caps
     assert all(c["error"] is None for c in report["contenders"]), report["contenders"]
     assert len({round(c["loss"], 5) for c in report["contenders"]}) == 1, "same weights, batch and loop: same loss"
     assert report["accelerator_overhead"] > 0 and "mtk.Accelerator at TP=1 against plain accelerate" in text
+
+
+def test_bench_data_parallel_against_deepspeed_zero(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", "tiny-llama", "--tp", "1", "--dp", "2", "--compare", "--batch", "2", "--seq",
+                 "16", "--steps", "1", "--rounds", "1", "--json", str(out)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    names = [c["name"] for c in report["contenders"]]
+    assert names == ["mtk", "mtk-one-replica", "deepspeed-zero1", "deepspeed-zero2"]
+    assert all(c["error"] is None and c["processes"] == (1 if c["name"] == "mtk-one-replica" else 2)
+               for c in report["contenders"]), report["contenders"]  # fmt: skip
+    assert "data_parallel" in report

@@ -163,6 +163,7 @@ def test_cli_options(checkpoint, tmp_path, capsys):
         (["verify-checkpoint", str(tmp_path / "nowhere")], "mtk verify-checkpoint", "does not exist"),
         (["no-such-command"], "mtk", "invalid choice: 'no-such-command'"),
         (["bench", "--memory", "--dtype", "bf16"], "mtk bench", "--memory holds the run against mtk plan"),
+        (["bench", "--dp", "2", "--tp", "2", "--compare"], "mtk bench", "over the same replicas: use --tp 1"),
         (["plan", "--model", "tiny-llama", "--gpus", "0", "--seq_len", "8", "--global_batch", "8"], "mtk", "--gpus"),
     ]
     for argv, prog, message in cases:
