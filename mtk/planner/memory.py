@@ -6,8 +6,9 @@ A rank's peak is its model state plus the larger of two moments of the step:
   of ``p`` holds ``min(m, p - s)``), plus what backward allocates on top of them for one micro-batch (the
   logits' gradient, a recomputed block), plus the gradients live then (all of them once an earlier
   micro-batch has run backward; with one micro-batch only those the trace saw at its peak);
-- **gradient reduction and optimizer step**: every gradient, plus the DP reduction's flat copy of them
-  (mtk's coalesced all-reduce under PP) and the distributed optimizer's all-gather buckets.
+- **gradient reduction and optimizer step**: every gradient, plus the flat copies mtk's own DP reduction
+  all-reduces (a pipeline's buckets, the bench's coalesced call; DDP's buckets instead live all step) and
+  the distributed optimizer's all-gather buckets.
 
 Model state by precision and engine (``P`` trainable elements, ``F`` frozen):
 
@@ -161,7 +162,8 @@ def stage_memory(
         else:
             reduction = gradients  # the coalesced all-reduce's flat copy
         if training.sharding == "distopt":
-            reduction = max(reduction, (dp + 1) * max(GATHER_BUCKET_ELEMENTS, max(params.trainable)) * weight_size)
+            largest = max(params.trainable, default=0)
+            reduction = max(reduction, (dp + 1) * max(GATHER_BUCKET_ELEMENTS, largest) * weight_size)
     backward = activations + grads_live
     after = gradients + reduction
     peak = weights + optimizer + buffers + max(backward, after)
