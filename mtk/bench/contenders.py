@@ -47,6 +47,7 @@ class BenchSpec:
     dp: int = 1  # mtk only: data-parallel replicas (each the same batch); gradients averaged over them
     distributed_optimizer: bool = False  # mtk only: AdamW state sharded over the DP group
     checkpoint_dir: str | None = None  # the same weights as a local HF directory (for from_pretrained)
+    pipeline_layers: tuple[int, ...] = ()  # mtk only, pp > 1: decoder layers per stage (default: even)
 
 
 @dataclass
@@ -225,7 +226,7 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     baseline = resident_memory(device)
     parallel = ParallelState.build(tp_size=spec.tp, pp_size=spec.pp, device=device)
     model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
-    parallelize(model, parallel, sequence_parallel=spec.sequence_parallel)
+    parallelize(model, parallel, sequence_parallel=spec.sequence_parallel, pipeline_layers=spec.pipeline_layers)
     record = parallelized(model)
     enable_recompute(model, RunSettings(recompute_granularity=spec.recompute), record.rng if record else None)
 
@@ -285,7 +286,7 @@ def run_mtk_one_replica(rank: int, world_size: int, spec: BenchSpec) -> dict:
 
 def run_mtk_one_stage(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """mtk at the same TP with the whole model on one stage: what a pipeline's ideal is measured from."""
-    return run_mtk(rank, world_size, replace(spec, pp=1, micro_batches=1))
+    return run_mtk(rank, world_size, replace(spec, pp=1, micro_batches=1, pipeline_layers=()))
 
 
 def run_hf(rank: int, world_size: int, spec: BenchSpec) -> dict:

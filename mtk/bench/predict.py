@@ -51,6 +51,7 @@ def predict_collectives(
     residual_dropout: bool = False,
     dp_gradient_elements: int = 0,
     all_gather_widths: tuple[int, ...] = (),
+    stage_layers: int | None = None,
 ) -> Predicted:
     """What stage ``stage`` of a TP x PP layout sends per optimizer step (``pp = 1``: the whole model).
 
@@ -58,16 +59,16 @@ def predict_collectives(
     replica); ``all_gather_widths``: the distributed optimizer's all-gather rounds after the step (each
     rank's input, in elements).
 
-    With PP, ``batch`` is the step's batch, cut into ``micro_batches``; this stage's layers are its
-    even share (the remainder on earlier stages), P2P moves one ``[b, s, h]`` tensor per micro-batch
-    and direction at each stage boundary (with TP, each TP rank its 1/tp slice, all-gathered over TP by
-    the receiver), and the loss is broadcast from the last stage.
+    With PP, ``batch`` is the step's batch, cut into ``micro_batches``; this stage's layers are
+    ``stage_layers``, by default its even share (the remainder on earlier stages), P2P moves one
+    ``[b, s, h]`` tensor per micro-batch and direction at each stage boundary (with TP, each TP rank its
+    1/tp slice, all-gathered over TP by the receiver), and the loss is broadcast from the last stage.
     """
     counts: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
     first, last = stage == 0, stage == pp - 1
     base, extra = divmod(num_layers, pp)
-    layers = base + (1 if stage < extra else 0)
+    layers = base + (1 if stage < extra else 0) if stage_layers is None else stage_layers
     micro = batch // micro_batches
     activation = micro * seq * hidden * element_size  # one [b, s, h] tensor of a micro-batch
     if tp > 1:

@@ -83,6 +83,7 @@ def predicted_for(spec: BenchSpec) -> Predicted:
         sequence_parallel_elements=sequence_parallel_elements(config) if spec.sequence_parallel else 0,
         recompute=spec.recompute,
         residual_dropout=has_residual_dropout(config),
+        stage_layers=spec.pipeline_layers[0] if spec.pipeline_layers else None,  # rank 0's stage
         **data_parallel_traffic(config, spec),
     )
 

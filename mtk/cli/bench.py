@@ -32,6 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     parser.add_argument("--micro_batches", type=int, help="pipeline micro-batches per step (default: the batch)")
+    parser.add_argument(
+        "--pipeline_layers", help="decoder layers per stage, e.g. 3,1 (default: as even as possible; needs --pp > 1)"
+    )
     parser.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
     parser.add_argument("--seq", type=int, default=256, help="sequence length (default 256)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round (default 5)")
@@ -78,7 +81,9 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         raise MtkError(f"--sequence_parallel splits --seq over --tp ranks: needs --tp > 1 dividing --seq {args.seq}")
     if args.batch % micro:
         raise MtkError(f"--batch {args.batch} does not split into --micro_batches {micro}; use a multiple of it")
+    layers = _pipeline_layers(args, config)
     return BenchSpec(
+        pipeline_layers=layers,
         model=args.model,
         tp=args.tp,
         pp=args.pp,
@@ -93,6 +98,23 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         distributed_optimizer=args.distributed_optimizer,
         track_memory=args.memory,
     )
+
+
+def _pipeline_layers(args: argparse.Namespace, config) -> tuple[int, ...]:
+    """``--pipeline_layers 3,1``: one positive count per stage, summing to the model's layers (one line if not)."""
+    from mtk.pipeline.stages import stage_layer_counts
+
+    if not args.pipeline_layers:
+        return ()
+    if args.pp == 1:
+        raise MtkError("--pipeline_layers splits the layers over pipeline stages: give --pp > 1")
+    try:
+        counts = tuple(int(part) for part in args.pipeline_layers.split(","))
+    except ValueError:
+        raise MtkError(f"--pipeline_layers {args.pipeline_layers!r} is not a list of counts such as 3,1") from None
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    stage_layer_counts(layers, args.pp, counts)  # one line unless pp counts >= 1 summing to the layers
+    return counts
 
 
 def run(args: argparse.Namespace) -> int:

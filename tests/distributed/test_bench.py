@@ -99,3 +99,15 @@ def test_bench_data_parallel_against_deepspeed_zero(tmp_path, capsys):
     assert all(c["error"] is None and c["processes"] == (1 if c["name"] == "mtk-one-replica" else 2)
                for c in report["contenders"]), report["contenders"]  # fmt: skip
     assert "data_parallel" in report
+
+
+def test_bench_pipeline_with_an_uneven_split(tmp_path, capsys):
+    """--pipeline_layers 3,1 (the last stage also runs the head and the loss): the counted collectives of
+    stage 0 still equal the prediction for its three layers."""
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", "bench-llama", "--tp", "2", "--pp", "2", "--pipeline_layers", "3,1", "--batch",
+                 "2", "--micro_batches", "2", "--seq", "16", "--steps", "1", "--json", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["spec"]["pipeline_layers"] == [3, 1]
+    assert report["contenders"][0]["collectives"] == report["predicted_collectives"]

@@ -164,6 +164,9 @@ def test_cli_options(checkpoint, tmp_path, capsys):
         (["no-such-command"], "mtk", "invalid choice: 'no-such-command'"),
         (["bench", "--memory", "--dtype", "bf16"], "mtk bench", "--memory holds the run against mtk plan"),
         (["bench", "--dp", "2", "--tp", "2", "--compare"], "mtk bench", "over the same replicas: use --tp 1"),
+        (["bench", "--pipeline_layers", "3,1"], "mtk bench", "give --pp > 1"),
+        (["bench", "--pp", "2", "--pipeline_layers", "3,x"], "mtk bench", "is not a list of counts"),
+        (["bench", "--pp", "2", "--pipeline_layers", "3,3"], "mtk bench", "summing to the model's 4 layers"),
         (["plan", "--model", "tiny-llama", "--gpus", "0", "--seq_len", "8", "--global_batch", "8"], "mtk", "--gpus"),
     ]
     for argv, prog, message in cases:
