@@ -296,7 +296,7 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         elif loss.requires_grad:
             raise ConfigError(
                 "with pp > 1 the model's forward runs forward and backward; pass its detached outputs.loss "
-                "to accelerator.backward (or skip the call), not a loss computed outside the model"
+                "to accelerator.backward (which finishes the gradient sync), not a loss computed outside the model"
             )
         if not self.sync_gradients:
             return
