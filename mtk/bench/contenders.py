@@ -9,6 +9,7 @@ and timed on each rank; the step time of a layout is its slowest rank's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import time
@@ -95,11 +96,18 @@ def _sync(device: torch.device) -> None:
         torch.accelerator.synchronize()
 
 
-def _measure(spec: BenchSpec, step: Callable[[], torch.Tensor], device: torch.device, baseline: int = 0) -> RankResult:
-    """Warm up, count the collectives of one step, then time ``spec.steps`` steps."""
+def _measure(
+    spec: BenchSpec,
+    step: Callable[[], torch.Tensor],
+    device: torch.device,
+    baseline: int = 0,
+    count_calls: bool = True,
+) -> RankResult:
+    """Warm up, count the collectives of one step, then time ``spec.steps`` steps. ``count_calls=False`` for a peer
+    whose library checks torch's P2P entry points by identity (the counter wraps them)."""
     for _ in range(spec.warmup):
         step()
-    with count_collectives() as log:
+    with count_collectives() if count_calls else contextlib.nullcontext() as log:
         loss = step()
     _sync(device)
     times = []
@@ -110,11 +118,10 @@ def _measure(spec: BenchSpec, step: Callable[[], torch.Tensor], device: torch.de
         loss = step()
         _sync(device)
         times.append(time.perf_counter() - start)
-    collectives = {
-        kind: {"count": count, "bytes": log.bytes_by_kind()[kind]}
-        for kind, count in log.counts().items()
-        if kind != "barrier"
-    }
+    collectives = {}
+    if log is not None:
+        nbytes = log.bytes_by_kind()
+        collectives = {k: {"count": n, "bytes": nbytes[k]} for k, n in log.counts().items() if k != "barrier"}
     peak = _peak_memory(device)
     return RankResult(times, peak, float(loss), collectives, max(peak - baseline, 0) if baseline else 0)
 
@@ -331,6 +338,72 @@ def run_mtk_accelerator(rank: int, world_size: int, spec: BenchSpec) -> dict:
     return _accelerator_loop(spec, Accelerator(parallel_config=ParallelConfig(tp_size=1, pp_size=1)))
 
 
+class _TorchStage(torch.nn.Module):
+    """A contiguous slice of an HF Llama-style decoder as one torch.distributed.pipelining stage: the embedding
+    on the first, the final norm and head on the last; rotary embeddings recomputed on each (HF's own
+    modules; causal attention without a mask)."""
+
+    def __init__(self, model, start: int, stop: int, first: bool, last: bool) -> None:
+        super().__init__()
+        base = model.model
+        self.embed = base.embed_tokens if first else None
+        self.rotary = base.rotary_emb
+        self.layers = torch.nn.ModuleList(base.layers[start:stop])
+        self.norm = base.norm if last else None
+        self.head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(x) if self.embed is not None else x  # [b, s, h]
+        positions = torch.arange(hidden.shape[1], device=hidden.device)[None]  # [1, s]
+        rotary = self.rotary(hidden, positions)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+        if self.head is not None and self.norm is not None:
+            return self.head(self.norm(hidden))  # [b, s, V]
+        return hidden
+
+
+def run_torch_pipelining(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """torch's own pipeline parallelism (``torch.distributed.pipelining``, 1F1B) on the same HF model cut into
+    ``spec.pp`` even stages: the pipeline peer (Llama-style decoders)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from mtk.pipeline.stages import stage_layer_counts
+
+    torch.set_num_threads(spec.threads)
+    device = _device()
+    model: Any = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
+    if not hasattr(model, "model") or not hasattr(model.model, "rotary_emb"):
+        raise RuntimeError(f"the torch.distributed.pipelining peer cuts Llama-style decoders, not {spec.model}")
+    counts = stage_layer_counts(len(model.model.layers), world_size)
+    start = sum(counts[:rank])
+    stage_module = _TorchStage(model, start, start + counts[rank], rank == 0, rank == world_size - 1).to(device)
+    stage_module.train()
+    optimizer = torch.optim.AdamW(stage_module.parameters(), lr=1e-4)
+    stage = PipelineStage(stage_module, rank, world_size, device)
+    vocab = model.config.vocab_size
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # HF's shifted causal LM loss
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), labels[:, 1:].reshape(-1))
+
+    schedule = Schedule1F1B(stage, n_microbatches=spec.micro_batches, loss_fn=loss_fn)
+    input_ids = _batch(spec, vocab, device)
+
+    def step() -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            schedule.step(input_ids)
+        elif rank == world_size - 1:
+            schedule.step(target=input_ids, losses=losses)
+        else:
+            schedule.step()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return torch.stack(losses).mean().detach() if losses else torch.zeros(())
+
+    return _measure(spec, step, device, count_calls=False).as_dict()
+
+
 def run_tp_plan(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """transformers' own tensor parallelism: ``from_pretrained(..., tp_plan="auto")`` (DTensor)."""
     from transformers import AutoModelForCausalLM
@@ -425,6 +498,7 @@ CONTENDERS: dict[str, tuple[Callable, Callable[[BenchSpec], int], Callable[[Benc
     "hf-all-threads": (run_hf, lambda s: 1, lambda s: os.cpu_count() or 1),
     "transformers-tp_plan": (run_tp_plan, lambda s: s.tp, lambda s: 1),
     "deepspeed-autotp": (run_autotp, lambda s: s.tp, lambda s: 1),
+    "torch-pipelining": (run_torch_pipelining, lambda s: s.pp, lambda s: 1),
     "deepspeed-zero1": (run_zero1, lambda s: s.dp, lambda s: 1),
     "deepspeed-zero2": (run_zero2, lambda s: s.dp, lambda s: 1),
 }

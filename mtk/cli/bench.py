@@ -120,8 +120,8 @@ def _pipeline_layers(args: argparse.Namespace, config) -> tuple[int, ...]:
 def run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     contenders = ["mtk"] + (PEERS if args.compare else [])
-    if args.compare and spec.pp > 1:
-        contenders = ["mtk", "hf-1thread", "hf-all-threads"]  # the TP peers have no pipeline
+    if args.compare and spec.pp > 1:  # the TP peers have no pipeline; torch's own pipelining is the peer
+        contenders = ["mtk", "torch-pipelining", "hf-1thread", "hf-all-threads"]
     if args.compare and spec.dp > 1:  # the data-parallel axis: DeepSpeed's ZeRO-1 and -2 over the same replicas
         contenders = ["mtk", "deepspeed-zero1", "deepspeed-zero2"]
     if args.compare and spec.tp == spec.pp == spec.dp == 1:  # TP = 1: mtk's overhead on accelerate's own loop

@@ -111,3 +111,18 @@ def test_bench_pipeline_with_an_uneven_split(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["spec"]["pipeline_layers"] == [3, 1]
     assert report["contenders"][0]["collectives"] == report["predicted_collectives"]
+
+
+def test_bench_pipeline_against_torch_pipelining(tmp_path, capsys):
+    """--compare with --pp: torch.distributed.pipelining (1F1B) on the same model cut the same way is the peer;
+    the same weights and micro-batches give the same loss."""
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", "tiny-llama", "--tp", "1", "--pp", "2", "--compare", "--batch", "4", "--seq",
+                 "16", "--steps", "1", "--rounds", "1", "--json", str(out)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0, text
+    contenders = {c["name"]: c for c in json.loads(out.read_text())["contenders"]}
+    assert list(contenders) == ["mtk", "mtk-one-stage", "torch-pipelining", "hf-1thread", "hf-all-threads"]
+    peer = contenders["torch-pipelining"]
+    assert peer["error"] is None and peer["processes"] == 2, peer
+    assert abs(peer["loss"] - contenders["mtk"]["loss"]) <= 1e-5 * abs(contenders["mtk"]["loss"])
