@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from mtk.bench.contenders import BenchSpec, _memory_by_kind
+from mtk.bench.measure import BenchSpec, track_memory_by_kind
 from mtk.bench.runner import run_bench
 from mtk.errors import run_main
 from mtk.spawn import run_distributed
@@ -113,7 +113,7 @@ def optimizer_state_worker(rank: int, world_size: int, model_name: str, distribu
         return loss.detach()
 
     step()
-    kinds = _memory_by_kind(model, optimizer, step)
+    kinds = track_memory_by_kind(model, optimizer, step)
     kinds["state"] = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values())
     return kinds
 

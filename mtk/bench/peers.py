@@ -1,0 +1,214 @@
+"""mtk's peers in ``mtk bench``: plain transformers, accelerate's own loop, transformers' ``tp_plan``, DeepSpeed
+AutoTP and ZeRO, and torch's ``torch.distributed.pipelining``, each on the same weights and batch as mtk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mtk.bench.measure import BenchSpec, bench_batch, bench_device, measure_model, measure_step
+from mtk.models import DTYPES, build_model, resolve_config
+
+__all__ = [
+    "run_accelerate",
+    "run_autotp",
+    "run_hf",
+    "run_mtk_accelerator",
+    "run_torch_pipelining",
+    "run_tp_plan",
+    "run_zero1",
+    "run_zero2",
+]
+
+
+def run_hf(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """Plain transformers on one process, ``spec.threads`` threads."""
+    torch.set_num_threads(spec.threads)
+    device = bench_device()
+    model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype]).to(device)
+    return measure_model(spec, model, device)
+
+
+def _accelerator_loop(spec: BenchSpec, accelerator) -> dict:
+    """One process, TP = 1: the loop a user writes with accelerate (prepare, backward, step)."""
+    model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    input_ids = bench_batch(spec, resolve_config(spec.model).vocab_size, accelerator.device)
+
+    def step() -> torch.Tensor:
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return measure_step(spec, step, accelerator.device).as_dict()
+
+
+def run_accelerate(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """Plain accelerate's ``Accelerator`` around the HF model (what mtk's TP = 1 must not be slower than)."""
+    from accelerate import Accelerator
+
+    torch.set_num_threads(spec.threads)
+    return _accelerator_loop(spec, Accelerator(cpu=bench_device().type == "cpu"))
+
+
+def run_mtk_accelerator(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """``mtk.Accelerator`` at TP = 1, PP = 1, DP = 1: the same loop, through mtk's conversion and wrappers."""
+    from mtk import Accelerator, ParallelConfig
+
+    torch.set_num_threads(spec.threads)
+    return _accelerator_loop(spec, Accelerator(parallel_config=ParallelConfig(tp_size=1, pp_size=1)))
+
+
+class _TorchStage(torch.nn.Module):
+    """A contiguous slice of an HF Llama-style decoder as one torch.distributed.pipelining stage: the embedding
+    on the first, the final norm and head on the last; rotary embeddings recomputed on each (HF's own
+    modules; causal attention without a mask)."""
+
+    def __init__(self, model, start: int, stop: int, first: bool, last: bool) -> None:
+        super().__init__()
+        base = model.model
+        self.embed = base.embed_tokens if first else None
+        self.rotary = base.rotary_emb
+        self.layers = torch.nn.ModuleList(base.layers[start:stop])
+        self.norm = base.norm if last else None
+        self.head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(x) if self.embed is not None else x  # [b, s, h]
+        positions = torch.arange(hidden.shape[1], device=hidden.device)[None]  # [1, s]
+        rotary = self.rotary(hidden, positions)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+        if self.head is not None and self.norm is not None:
+            return self.head(self.norm(hidden))  # [b, s, V]
+        return hidden
+
+
+def run_torch_pipelining(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """torch's own pipeline parallelism (``torch.distributed.pipelining``, 1F1B) on the same HF model cut into
+    ``spec.pp`` even stages: the pipeline peer (Llama-style decoders)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from mtk.pipeline.stages import stage_layer_counts
+
+    torch.set_num_threads(spec.threads)
+    device = bench_device()
+    model: Any = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
+    if not hasattr(model, "model") or not hasattr(model.model, "rotary_emb"):
+        raise RuntimeError(f"the torch.distributed.pipelining peer cuts Llama-style decoders, not {spec.model}")
+    counts = stage_layer_counts(len(model.model.layers), world_size)
+    start = sum(counts[:rank])
+    stage_module = _TorchStage(model, start, start + counts[rank], rank == 0, rank == world_size - 1).to(device)
+    stage_module.train()
+    optimizer = torch.optim.AdamW(stage_module.parameters(), lr=1e-4)
+    stage = PipelineStage(stage_module, rank, world_size, device)
+    vocab = model.config.vocab_size
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # HF's shifted causal LM loss
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), labels[:, 1:].reshape(-1))
+
+    schedule = Schedule1F1B(stage, n_microbatches=spec.micro_batches, loss_fn=loss_fn)
+    input_ids = bench_batch(spec, vocab, device)
+
+    def step() -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            schedule.step(input_ids)
+        elif rank == world_size - 1:
+            schedule.step(target=input_ids, losses=losses)
+        else:
+            schedule.step()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return torch.stack(losses).mean().detach() if losses else torch.zeros(())
+
+    return measure_step(spec, step, device, count_calls=False).as_dict()
+
+
+def run_tp_plan(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """transformers' own tensor parallelism: ``from_pretrained(..., tp_plan="auto")`` (DTensor)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(spec.threads)
+    device = bench_device()
+    assert spec.checkpoint_dir is not None, "the tp_plan contender loads the shared weights from a directory"
+    model = AutoModelForCausalLM.from_pretrained(
+        spec.checkpoint_dir, tp_plan="auto", dtype=DTYPES[spec.dtype], tp_size=spec.tp
+    )
+    return measure_model(spec, model, device)
+
+
+def run_autotp(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """DeepSpeed AutoTP (``"tensor_parallel": {"autotp_size": N}``) with ZeRO-1, as DeepSpeed documents it."""
+    import deepspeed
+
+    from mtk.integrations.deepspeed import remove_shm_buffers_at_exit
+
+    torch.set_num_threads(spec.threads)
+    device = bench_device()
+    model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
+    config = {
+        "train_micro_batch_size_per_gpu": spec.batch,
+        "gradient_accumulation_steps": 1,
+        "tensor_parallel": {"autotp_size": spec.tp},
+        "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "bf16": {"enabled": spec.dtype == "bf16"},
+        "steps_per_print": 10**9,
+    }
+    remove_shm_buffers_at_exit()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    input_ids = bench_batch(spec, resolve_config(spec.model).vocab_size, engine.device)
+
+    def step() -> torch.Tensor:
+        loss = engine(input_ids=input_ids, labels=input_ids).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    return measure_step(spec, step, device).as_dict()
+
+
+def run_zero(rank: int, world_size: int, spec: BenchSpec, stage: int) -> dict:
+    """DeepSpeed ZeRO stage ``stage`` over ``spec.dp`` data-parallel processes (torch AdamW), each on the same
+    batch as mtk's replicas: the data-parallel peer."""
+    import deepspeed
+
+    from mtk.integrations.deepspeed import remove_shm_buffers_at_exit
+
+    torch.set_num_threads(spec.threads)
+    device = bench_device()
+    model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
+    config = {
+        "train_micro_batch_size_per_gpu": spec.batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "bf16": {"enabled": spec.dtype == "bf16"},
+        "steps_per_print": 10**9,
+    }
+    remove_shm_buffers_at_exit()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    input_ids = bench_batch(spec, resolve_config(spec.model).vocab_size, engine.device)
+
+    def step() -> torch.Tensor:
+        loss = engine(input_ids=input_ids, labels=input_ids).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    return measure_step(spec, step, device).as_dict()
+
+
+def run_zero1(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    return run_zero(rank, world_size, spec, 1)
+
+
+def run_zero2(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    return run_zero(rank, world_size, spec, 2)
