@@ -144,8 +144,8 @@ def run_tp_plan(rank: int, world_size: int, spec: BenchSpec) -> dict:
     return measure_model(spec, model, device)
 
 
-def run_autotp(rank: int, world_size: int, spec: BenchSpec) -> dict:
-    """DeepSpeed AutoTP (``"tensor_parallel": {"autotp_size": N}``) with ZeRO-1, as DeepSpeed documents it."""
+def _deepspeed_run(spec: BenchSpec, zero_stage: int, **extra: Any) -> dict:
+    """The HF model under ``deepspeed.initialize`` (torch AdamW, ZeRO ``zero_stage``, ``extra`` config keys)."""
     import deepspeed
 
     from mtk.integrations.deepspeed import remove_shm_buffers_at_exit
@@ -156,11 +156,11 @@ def run_autotp(rank: int, world_size: int, spec: BenchSpec) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": spec.batch,
         "gradient_accumulation_steps": 1,
-        "tensor_parallel": {"autotp_size": spec.tp},
-        "zero_optimization": {"stage": 1},
+        "zero_optimization": {"stage": zero_stage},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
         "bf16": {"enabled": spec.dtype == "bf16"},
         "steps_per_print": 10**9,
+        **extra,
     }
     remove_shm_buffers_at_exit()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -173,37 +173,17 @@ def run_autotp(rank: int, world_size: int, spec: BenchSpec) -> dict:
         return loss.detach()
 
     return measure_step(spec, step, device).as_dict()
+
+
+def run_autotp(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """DeepSpeed AutoTP (``"tensor_parallel": {"autotp_size": N}``) with ZeRO-1, as DeepSpeed documents it."""
+    return _deepspeed_run(spec, 1, tensor_parallel={"autotp_size": spec.tp})
 
 
 def run_zero(rank: int, world_size: int, spec: BenchSpec, stage: int) -> dict:
-    """DeepSpeed ZeRO stage ``stage`` over ``spec.dp`` data-parallel processes (torch AdamW), each on the same
-    batch as mtk's replicas: the data-parallel peer."""
-    import deepspeed
-
-    from mtk.integrations.deepspeed import remove_shm_buffers_at_exit
-
-    torch.set_num_threads(spec.threads)
-    device = bench_device()
-    model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
-    config = {
-        "train_micro_batch_size_per_gpu": spec.batch,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-        "bf16": {"enabled": spec.dtype == "bf16"},
-        "steps_per_print": 10**9,
-    }
-    remove_shm_buffers_at_exit()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    input_ids = bench_batch(spec, resolve_config(spec.model).vocab_size, engine.device)
-
-    def step() -> torch.Tensor:
-        loss = engine(input_ids=input_ids, labels=input_ids).loss
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
-
-    return measure_step(spec, step, device).as_dict()
+    """DeepSpeed ZeRO stage ``stage`` over ``spec.dp`` data-parallel processes, each on the same batch as mtk's
+    replicas: the data-parallel peer."""
+    return _deepspeed_run(spec, stage)
 
 
 def run_zero1(rank: int, world_size: int, spec: BenchSpec) -> dict:
