@@ -290,8 +290,19 @@ def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp: int
 
 @functools.lru_cache(maxsize=1024)
 def _cached_phases(config_class: Any, config_json: str, settings: TraceSettings, seq: int, pp: int, rank: int):
+    from mtk.errors import MtkError, UnsupportedModelError
+
     config = config_class.from_dict(json.loads(config_json))
-    return _phases(_with_layers(config, 1 if pp == 1 else 2), settings, seq, pp, rank)  # one layer per stage
+    try:
+        return _phases(_with_layers(config, 1 if pp == 1 else 2), settings, seq, pp, rank)  # one layer per stage
+    except MtkError:
+        raise
+    except (RuntimeError, NotImplementedError, ValueError, TypeError) as err:  # data-dependent code, for one
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UnsupportedModelError(
+            f"{config.model_type}: mtk plan cannot trace this model on the meta device ({first[:160]}); "
+            f"measure a layout with `mtk bench --memory` instead"
+        ) from None
 
 
 def trace_rank(config: PretrainedConfig, settings: TraceSettings, seq: int, *, pipeline: bool = True) -> RankTrace:

@@ -189,3 +189,21 @@ def test_every_kind_of_rules_plans(tmp_path, capsys):
     assert any(e["layout"]["tp"] == 2 for e in rows[str(tmp_path / "moe")]), "experts split over TP"
     assert not any(e["layout"]["pp"] > 1 for e in rows["tiny-bert"])
     assert any(e["layout"]["sequence_parallel"] and e["layout"]["pp"] == 2 for e in rows["tiny-gpt2"])
+
+
+def test_a_model_the_meta_device_cannot_run_is_one_line(monkeypatch, capsys):
+    """A forward that reads its data (``.item()`` on meta) ends in one line naming the fallback, not a traceback."""
+    import mtk.planner.trace as trace
+
+    def reads_data(*args, **kwargs):
+        raise RuntimeError("Tensor.item() cannot be called on meta tensors")
+
+    monkeypatch.setattr(trace, "_phases", reads_data)
+    trace._cached_phases.cache_clear()
+    try:
+        assert main(["plan", "--model", "tiny-mistral", "--gpus", "2", "--seq_len", "32", "--global_batch", "4"]) == 2
+    finally:
+        trace._cached_phases.cache_clear()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "cannot trace this model on the meta device" in err and "mtk bench --memory" in err
