@@ -12,7 +12,7 @@ Each is read by ``from_env(env, **explicit)``. Precedence, highest first:
 1. an explicit value: an Accelerator argument (``parallel_config=``, ``run_settings=``) or a script
    flag (``--tp``, ``--pipeline_schedule``, ...), passed as ``explicit``;
 2. the launcher's environment: ``accelerate launch`` exports the ``megatron_lm_config`` block of the
-   YAML as ``MEGATRON_LM_*``; ``MTK_PIPELINE_SCHEDULE`` / ``MTK_PIPELINE_LAYERS`` fill the two
+   YAML as ``MEGATRON_LM_*``; ``MTK_PIPELINE_SCHEDULE`` / ``MTK_VIRTUAL_STAGES`` / ``MTK_PIPELINE_LAYERS`` fill the
    settings accelerate's schema has no key for;
 3. the defaults below.
 
@@ -31,12 +31,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtk.errors import ConfigError
+from mtk.pipeline.schedules import PIPELINE_SCHEDULES, check_schedule
 
 __all__ = ["PIPELINE_SCHEDULES", "ConfigError", "ParallelConfig", "RunSettings", "report_override"]
 
 logger = logging.getLogger("mtk")
 
-PIPELINE_SCHEDULES = ("1f1b", "afab")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 _TRUE = {"1", "true", "yes", "on"}
@@ -139,10 +139,12 @@ class RunSettings:
 
     Attributes:
         num_micro_batches: micro-batches per step for the pipeline schedule (``MEGATRON_LM_NUM_MICRO_BATCHES``).
-        pipeline_schedule: ``1f1b`` (PipeDream-flush: at most ``pp`` micro-batches of activations held)
-            or ``afab`` (all forwards, then all backwards) (``MTK_PIPELINE_SCHEDULE``).
-        pipeline_layers: decoder layers per stage, e.g. ``(3, 1)``; empty: as even as possible
-            (``MTK_PIPELINE_LAYERS``; checked against the model when it is cut).
+        pipeline_schedule: ``1f1b`` (PipeDream-flush: at most ``pp`` micro-batches of activations held),
+            ``afab`` (all forwards, then all backwards) or ``interleaved`` (Megatron's virtual pipeline:
+            ``virtual_stages`` model chunks per rank, a ``1/v`` bubble) (``MTK_PIPELINE_SCHEDULE``).
+        virtual_stages: model chunks per pipeline rank for ``interleaved`` (``MTK_VIRTUAL_STAGES``).
+        pipeline_layers: decoder layers per stage (per model chunk with virtual stages), e.g. ``(3, 1)``;
+            empty: as even as possible (``MTK_PIPELINE_LAYERS``; checked against the model when it is cut).
         sequence_parallel: split norm/dropout activations along the sequence inside TP groups
             (``MEGATRON_LM_SEQUENCE_PARALLELISM``).
         gradient_clipping: max global grad norm; 0 disables clipping (``MEGATRON_LM_GRADIENT_CLIPPING``).
@@ -169,6 +171,7 @@ class RunSettings:
     num_micro_batches: int = 1
     pipeline_schedule: str = "1f1b"
     pipeline_layers: tuple[int, ...] = ()
+    virtual_stages: int = 1
     sequence_parallel: bool = False
     gradient_clipping: float = 0.0
     eod_mask_loss: bool | None = None
@@ -193,6 +196,21 @@ class RunSettings:
         base, extra = divmod(rest, pp_size - 1)
         return (*(base + (stage < extra) for stage in range(pp_size - 1)), self.last_stage_layers)
 
+    def check_pipeline(self, pp_size: int) -> list[str]:
+        """Refuse (one line) a schedule this layout cannot run; returns lines to report for pipeline
+        settings that do nothing at ``pp_size = 1``."""
+        if pp_size == 1:
+            unused = {
+                "pipeline_schedule": self.pipeline_schedule if self.pipeline_schedule != "1f1b" else None,
+                "virtual_stages": self.virtual_stages if self.virtual_stages != 1 else None,
+                "pipeline_layers": ",".join(map(str, self.pipeline_layers)) or None,
+            }
+            return [f"mtk: {key}={value} does nothing at pp = 1" for key, value in unused.items() if value is not None]
+        problem = check_schedule(self.pipeline_schedule, pp_size, self.num_micro_batches, self.virtual_stages)
+        if problem:
+            raise ConfigError(problem)
+        return []
+
     @property
     def recompute(self) -> str | None:
         """The recompute granularity in force: ``None`` (off), ``full`` or ``selective``."""
@@ -205,9 +223,15 @@ class RunSettings:
             raise ConfigError(f"num_micro_batches must be a positive integer, got {self.num_micro_batches!r}")
         if self.gradient_clipping < 0:
             raise ConfigError(f"gradient_clipping must be >= 0 (0 disables it), got {self.gradient_clipping}")
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise ConfigError(f"virtual_stages must be a positive integer, got {self.virtual_stages!r}")
+        problem = check_schedule(self.pipeline_schedule, 1, 1, self.virtual_stages)
+        if problem:
+            raise ConfigError(problem)
+        if self.virtual_stages > 1 and self.last_stage_layers is not None:
             raise ConfigError(
-                f"pipeline schedule {self.pipeline_schedule!r} is unknown; use one of {PIPELINE_SCHEDULES}"
+                "decoder_last_pipeline_num_layers with virtual stages: give every model chunk's layers with "
+                "pipeline_layers instead"
             )
         if self.pipeline_layers and min(self.pipeline_layers) < 1:
             raise ConfigError(f"pipeline_layers {list(self.pipeline_layers)} must give every stage at least one layer")
@@ -235,6 +259,7 @@ class RunSettings:
             "num_micro_batches": ("MEGATRON_LM_NUM_MICRO_BATCHES", _parse_int),
             "pipeline_schedule": ("MTK_PIPELINE_SCHEDULE", _parse_word),
             "pipeline_layers": ("MTK_PIPELINE_LAYERS", _parse_int_list),
+            "virtual_stages": ("MTK_VIRTUAL_STAGES", _parse_int),
             "sequence_parallel": ("MEGATRON_LM_SEQUENCE_PARALLELISM", _parse_bool),
             "gradient_clipping": ("MEGATRON_LM_GRADIENT_CLIPPING", _parse_float),
             "eod_mask_loss": ("MEGATRON_LM_EOD_MASK_LOSS", _parse_bool),

@@ -57,6 +57,7 @@ def parallelize(
     *,
     plan: Plan | None = None,
     pipeline_layers: tuple[int, ...] = (),
+    virtual_stages: int = 1,
     logits: str = "auto",
     pad_vocab_to_multiple_of: int = 1,
     sequence_parallel: bool = False,
@@ -73,7 +74,9 @@ def parallelize(
         plan: rules to use; default: the registered plan for the model type, else the generic rules
             once they pass a parity check on a one-layer copy.
         pipeline_layers: decoder layers per stage (pp > 1); default: as even as possible
-            (:class:`~mtk.config.RunSettings` ``pipeline_layers`` is what the Accelerator passes).
+            (:class:`~mtk.config.RunSettings` ``pipeline_layers`` is what the Accelerator passes); with
+            ``virtual_stages`` > 1, one count per model chunk.
+        virtual_stages: model chunks per pipeline rank, for the interleaved schedule (1: one stage each).
         logits: ``auto`` (full logits when no labels are passed), ``full`` or ``shard``.
         pad_vocab_to_multiple_of: pad the vocabulary to a multiple of ``tp * this`` (never visible).
         sequence_parallel: split the activations between TP blocks along the sequence (Megatron's
@@ -91,7 +94,7 @@ def parallelize(
         pad_vocab_to_multiple_of=pad_vocab_to_multiple_of,
         sequence_parallel=sequence_parallel,
     )
-    stage = split_stages(model, parallel, plan, pipeline_layers) if parallel.pp_size > 1 else None
+    stage = split_stages(model, parallel, plan, pipeline_layers, virtual_stages) if parallel.pp_size > 1 else None
     rng = apply_regions(model, plan, parallel, sequence_parallel=sequence_parallel)
     record = Parallelized(plan, parallel.tp_size, stage, sequence_parallel, rng)
     setattr(model, _ATTRIBUTE, record)

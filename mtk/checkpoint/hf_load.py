@@ -84,11 +84,13 @@ def load_pretrained_tp(
     pad_vocab_to_multiple_of: int = 1,
     pipeline_layers: tuple[int, ...] = (),
     sequence_parallel: bool = False,
+    virtual_stages: int = 1,
 ) -> nn.Module:
     """A tensor-parallel HF model whose every parameter holds only this rank's slice of the checkpoint.
 
     With ``parallel.pp_size > 1`` the model is also cut to this rank's pipeline stage (``pipeline_layers``
-    per stage, else as even as possible) before anything is read, so a rank reads only its own stage's
+    per stage, else as even as possible; ``virtual_stages`` chunks per rank for the interleaved schedule)
+    before anything is read, so a rank reads only its own stage's
     layers (wrap it in :class:`~mtk.pipeline.engine.PipelineModel` to run it, or let
     ``mtk.Accelerator.prepare`` do that).
     """
@@ -106,6 +108,7 @@ def load_pretrained_tp(
         logits=logits,
         pad_vocab_to_multiple_of=pad_vocab_to_multiple_of,
         pipeline_layers=pipeline_layers,
+        virtual_stages=virtual_stages,
         sequence_parallel=sequence_parallel,
     )
     _fill_from_checkpoint(model, index, parallel.device, dtype, parallel.tp_group)

@@ -103,6 +103,8 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         ds_config = self.state.deepspeed_plugin.deepspeed_config if self.uses_deepspeed else None
         config = resolve_topology(parallel_config, ds_config)
         self.parallel = ParallelState.build(config.tp_size, config.pp_size, device=self.device)
+        for line in self.settings.check_pipeline(self.parallel.pp_size):
+            self.print(line)
         self._replaced_params: ReplacedParams = {}  # id(unconverted param) -> (weakref to it, its shard)
         # The data position, across epochs (accelerate's ``step`` restarts at every epoch end).
         self.micro_batches_seen = 0  # micro-batches each replica has consumed

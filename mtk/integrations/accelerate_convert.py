@@ -32,7 +32,10 @@ def convert_tracking(model: nn.Module, parallel: ParallelState, settings: RunSet
         before.setdefault(id(param), (weakref.ref(param), []))[1].append(name)
     layers = settings.layers_per_stage(cast(Any, model).config.num_hidden_layers, parallel.pp_size)
     sequence_parallel = settings.sequence_parallel and parallel.tp_size > 1
-    parallelize(model, parallel, pipeline_layers=layers, sequence_parallel=sequence_parallel)
+    virtual_stages = settings.virtual_stages if parallel.pp_size > 1 else 1
+    parallelize(
+        model, parallel, pipeline_layers=layers, virtual_stages=virtual_stages, sequence_parallel=sequence_parallel
+    )
     after = dict(model.named_parameters(remove_duplicate=False))
     return {old: (ref, next((after[n] for n in names if n in after), None)) for old, (ref, names) in before.items()}
 

@@ -57,11 +57,14 @@ class OverlappedReduction:
         """Buckets whose all-reduce has started."""
         return len(self._launched)
 
-    def arm(self) -> None:
-        """From now on, each parameter's next accumulated gradient is final for this step."""
+    def arm(self, params: list[nn.Parameter] | None = None) -> None:
+        """From now on, the next accumulated gradient of each of ``params`` (default: all) is final for this
+        step (a pipeline rank with several model chunks arms each chunk before its last backward)."""
         if group_size(self.group) == 1:
             return
-        self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
+        mine = {id(p) for p in self.params}
+        chosen = self.params if params is None else [p for p in params if id(p) in mine]
+        self._hooks += [p.register_post_accumulate_grad_hook(self._ready) for p in chosen]
 
     def _ready(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[id(param)]

@@ -35,8 +35,8 @@ from mtk.parallel.overlap import OverlappedReduction
 from mtk.parallel.parameters import param_info
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.p2p import StageLink
-from mtk.pipeline.schedules import schedule_order
-from mtk.pipeline.stages import StageInfo
+from mtk.pipeline.schedules import check_schedule, schedule_order, simulate
+from mtk.pipeline.stages import StageInfo, swapped
 
 __all__ = ["PipelineModel", "PipelineStats", "split_micro_batches"]
 
@@ -83,7 +83,8 @@ class PipelineModel(nn.Module):
         module: this rank's stage (an HF model after :func:`~mtk.convert.parallelize`).
         parallel: the topology (PP group for P2P, embedding and DP groups for gradient sync).
         num_micro_batches: micro-batches each batch is cut into.
-        schedule: ``1f1b`` or ``afab``.
+        schedule: ``1f1b``, ``afab`` or ``interleaved`` (which needs a model cut with ``virtual_stages``
+            chunks per rank by :func:`~mtk.convert.parallelize`).
     """
 
     def __init__(
@@ -98,8 +99,20 @@ class PipelineModel(nn.Module):
         self.info: StageInfo = record.stage
         self.num_micro_batches = num_micro_batches
         self.schedule = schedule
-        schedule_order(schedule, 1, 0, 1)  # an unknown name fails here, not mid-step
-        self.link = StageLink(parallel)
+        v = self.info.virtual_stages
+        if schedule == "interleaved" and v == 1:
+            raise ConfigError(
+                "the interleaved schedule needs a model cut into virtual stages: pass virtual_stages to "
+                "mtk.parallelize (mtk.Accelerator does, from RunSettings.virtual_stages)"
+            )
+        problem = check_schedule(schedule, parallel.pp_size, num_micro_batches, v)
+        if problem:
+            raise ConfigError(problem)  # here, not mid-step
+        simulate(schedule, parallel.pp_size, num_micro_batches, v)  # every receive meets its own message
+        self.link = StageLink(parallel, wrap_around=v > 1)
+        # While chunk c runs: the rank's other chunks pass through, the ends only where the model's are.
+        self._views = [self.info.chunk_view(hf_model(module), chunk) for chunk in range(v)]
+        self._chunk_params = self._params_by_chunk() if v > 1 else [None]
         # Set by the trainer: what to backpropagate for one micro-batch's share of the loss
         # (accelerate divides by gradient-accumulation steps, fp16 multiplies by the loss scale).
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
@@ -148,59 +161,63 @@ class PipelineModel(nn.Module):
         info, link, m = self.info, self.link, len(micro)
         dtype, device = cast(torch.dtype, cast(Any, self.module).dtype), micro[0]["input_ids"].device
         hidden = self.config.hidden_size
-        held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # micro-batch -> (stage input, output)
+        held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (chunk, mb) -> (input, output)
         losses: list[torch.Tensor] = []
         stats = PipelineStats(self.schedule if train else "forward", m)
         start, wait_before = time.perf_counter(), link.wait_s
+        model = hf_model(self.module)
 
-        def forward(i: int) -> None:
+        def forward(chunk: int, i: int) -> None:
             inputs = dict(micro[i])
             stage_input = None
-            if not info.is_first:
+            if not info.chunk_is_first(chunk):
                 shape = (*inputs["input_ids"].shape, hidden)  # [b, s, h]
                 stage_input = link.recv_forward(shape, dtype, device).requires_grad_(train)
-            output = self._stage_forward(inputs, stage_input)
-            if info.is_last:
+            with swapped(model, self._views[chunk]):
+                output = self._stage_forward(inputs, stage_input, info.chunk_is_last(chunk))
+            if info.chunk_is_last(chunk):
                 losses.append(output.detach())
             else:
                 link.send_forward(output.to(dtype))
             if train:
-                held[i] = (stage_input, output)
+                held[chunk, i] = (stage_input, output)
                 stats.max_in_flight = max(stats.max_in_flight, len(held))
 
         reduction = self._overlapped_reduction() if train else None
 
-        def backward(i: int) -> None:
-            if reduction is not None and i == m - 1:  # both schedules run micro-batch m - 1's backward last
-                reduction.arm()
-            stage_input, output = held.pop(i)
-            if info.is_last:
+        def backward(chunk: int, i: int) -> None:
+            if reduction is not None and i == m - 1:  # every schedule runs a chunk's micro-batch m - 1 last
+                reduction.arm(self._chunk_params[chunk])
+            stage_input, output = held.pop((chunk, i))
+            if info.chunk_is_last(chunk):
                 self.scale_loss(output / m).backward()
             else:
                 grad = link.recv_backward(tuple(output.shape), dtype, device)
                 torch.autograd.backward(output, grad.to(output.dtype))
-            if not info.is_first:
+            if not info.chunk_is_first(chunk):
                 assert stage_input is not None and stage_input.grad is not None
                 link.send_backward(stage_input.grad)
 
-        order = (
-            schedule_order(self.schedule, m, info.stage, info.num_stages) if train else [("F", i) for i in range(m)]
-        )
+        order = schedule_order(self.schedule, m, info.stage, info.num_stages, info.virtual_stages)
+        if not train:  # the forwards alone, in the schedule's order (they depend on forwards only)
+            order = [step for step in order if step.kind == "F"]
         context = torch.enable_grad() if train else torch.no_grad()
         with context:
-            for kind, index in order:
-                (forward if kind == "F" else backward)(index)
+            for step in order:
+                (forward if step.kind == "F" else backward)(step.chunk, step.micro_batch)
         link.flush()
         stats.total_s, stats.wait_s = time.perf_counter() - start, link.wait_s - wait_before
         self.stats = stats
         return losses
 
-    def _stage_forward(self, inputs: dict[str, torch.Tensor], stage_input: torch.Tensor | None) -> torch.Tensor:
-        """HF's own forward on this stage: the loss on the last stage, hidden states elsewhere."""
+    def _stage_forward(
+        self, inputs: dict[str, torch.Tensor], stage_input: torch.Tensor | None, last: bool
+    ) -> torch.Tensor:
+        """HF's own forward on this chunk: the loss on the model's last chunk, hidden states elsewhere."""
         if stage_input is not None:
             del inputs["input_ids"]
             inputs["inputs_embeds"] = stage_input
-        if self.info.is_last:
+        if last:
             loss = self.module(**inputs, use_cache=False).loss
             if loss is None:
                 raise ConfigError("the last pipeline stage computed no loss; pass labels")
@@ -209,6 +226,21 @@ class PipelineModel(nn.Module):
         inputs.pop("num_items_in_batch", None)
         decoder = cast(Any, hf_model(self.module)).base_model  # HF's, not a PeftModel's (its LoraModel)
         return decoder(**inputs, use_cache=False).last_hidden_state  # [b, s, h]
+
+    def _params_by_chunk(self) -> list[list[nn.Parameter] | None]:
+        """The parameters each chunk's backward makes final: its blocks', the head's on the last chunk,
+        everything else (the embeddings) on the first."""
+        info = self.info
+        chunk_of_layer = {index: c for c, layers in enumerate(info.chunks) for index in layers}
+        last_modules = tuple(name + "." for name, _ in info.last_modules)
+        chunks: list[list[nn.Parameter] | None] = [[] for _ in info.chunks]
+        for name, param in hf_model(self.module).named_parameters():
+            if name.startswith(info.layers_name + "."):
+                chunk = chunk_of_layer[int(name[len(info.layers_name) + 1 :].split(".")[0])]
+            else:
+                chunk = info.virtual_stages - 1 if name.startswith(last_modules) else 0
+            cast(list, chunks[chunk]).append(param)
+        return chunks
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean micro-batch loss of the last stage, on every stage."""

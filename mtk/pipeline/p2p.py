@@ -7,6 +7,11 @@ flow forward to the next stage, their gradients backward to the previous one; pe
 receiver) pair there is one direction of one kind, so messages need no tags. Every TP rank of a
 stage talks to the same TP rank of its neighbour.
 
+The interleaved schedule wraps around: the last rank's chunk ``c`` feeds the first rank's chunk
+``c + 1``, so the ring closes and with ``pp = 2`` both kinds share a pair. Messages then match by
+order alone (as NCCL's do); :func:`~mtk.pipeline.schedules.simulate` checks, before a schedule runs,
+that every receive meets the very message it waits for.
+
 Scatter-gather (Megatron's P2P optimization): the activations and gradients crossing a stage boundary are
 the same on every TP rank of a stage, so with TP > 1 each TP rank sends only its 1/TP slice of the
 flattened tensor and the receiving stage all-gathers the slices over its TP group (NVLink) — the link
@@ -34,11 +39,11 @@ class StageLink:
         wait_s: seconds spent blocked in receives (idle: the pipeline bubble, plus transfer time).
     """
 
-    def __init__(self, parallel: ParallelState) -> None:
+    def __init__(self, parallel: ParallelState, wrap_around: bool = False) -> None:
         self.group = parallel.pp_group
         ranks, stage = parallel.pp_ranks, parallel.pp_rank
-        self.prev_rank = ranks[stage - 1] if stage > 0 else None
-        self.next_rank = ranks[stage + 1] if stage < len(ranks) - 1 else None
+        self.prev_rank = ranks[stage - 1] if stage > 0 or wrap_around else None
+        self.next_rank = ranks[(stage + 1) % len(ranks)] if stage < len(ranks) - 1 or wrap_around else None
         self.tp_group, self.tp_rank, self.tp_size = parallel.tp_group, parallel.tp_rank, parallel.tp_size
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self.wait_s = 0.0

@@ -14,6 +14,8 @@ the two copies are summed over the embedding group before the optimizer step
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +25,7 @@ from mtk.parallel.parameters import set_param_info
 from mtk.parallel.state import ParallelState
 from mtk.plans.base import IDENTITY, REMOVE, ZEROS, Plan, UnsupportedModelError, compile_pattern
 
-__all__ = ["SkipLayer", "StageInfo", "split_stages", "stage_layer_counts"]
+__all__ = ["SkipLayer", "StageInfo", "split_stages", "stage_layer_counts", "swapped"]
 
 
 class SkipLayer(nn.Module):
@@ -74,38 +76,98 @@ class StageInfo:
     """What this rank's stage holds.
 
     Attributes:
-        stage, num_stages: this stage's index and the pipeline depth.
-        layers: indices of the decoder blocks this stage runs.
+        stage, num_stages: this rank's index and the pipeline depth.
+        chunks: the decoder blocks of each model chunk this rank runs, in order (one chunk, unless the
+            interleaved schedule gives the rank ``v`` non-adjacent ones: chunk ``c`` is the model's
+            ``c * num_stages + stage``-th).
         tied: names of this stage's copies of an input embedding tied to the LM head (both ends).
+        layers_name: the ``ModuleList`` of decoder blocks; first_modules / last_modules: the modules
+            only the model's first / last chunk runs, with what stands in for them elsewhere.
     """
 
     stage: int
     num_stages: int
-    layers: range
+    chunks: tuple[range, ...]
     tied: tuple[str, ...] = ()
+    layers_name: str = ""
+    first_modules: tuple[tuple[str, str], ...] = ()
+    last_modules: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Every decoder block this rank runs."""
+        return tuple(index for chunk in self.chunks for index in chunk)
+
+    @property
+    def virtual_stages(self) -> int:
+        return len(self.chunks)
 
     @property
     def is_first(self) -> bool:
+        """This rank holds the model's first chunk (the embeddings)."""
         return self.stage == 0
 
     @property
     def is_last(self) -> bool:
+        """This rank holds the model's last chunk (the head and the loss)."""
         return self.stage == self.num_stages - 1
+
+    def chunk_is_first(self, chunk: int) -> bool:
+        return self.is_first and chunk == 0
+
+    def chunk_is_last(self, chunk: int) -> bool:
+        return self.is_last and chunk == self.virtual_stages - 1
+
+    def chunk_view(self, model: nn.Module, chunk: int) -> dict[str, nn.Module]:
+        """What ``model`` (this rank's HF model) must run as while one chunk of several runs: the rank's
+        other blocks pass through, and the embeddings (the head and final norm) stand aside unless the
+        chunk is the model's first (last). Empty with one chunk: the model as cut is that chunk."""
+        if self.virtual_stages == 1:
+            return {}
+        view: dict[str, nn.Module] = {
+            f"{self.layers_name}.{index}": SkipLayer(index, self.stage)
+            for index in self.layers
+            if index not in self.chunks[chunk]
+        }
+        for owner, modules, runs in (
+            ("first", self.first_modules, not self.is_first or self.chunk_is_first(chunk)),
+            ("last", self.last_modules, not self.is_last or self.chunk_is_last(chunk)),
+        ):
+            if not runs:
+                for name, kind in modules:
+                    view[name] = _replacement(kind, name, model.get_submodule(name), owner)
+        return view
+
+
+@contextmanager
+def swapped(model: nn.Module, view: dict[str, nn.Module]) -> Iterator[None]:
+    """``model`` with the modules ``view`` names replaced, restored on exit (autograd keeps what ran)."""
+    kept = {name: model.get_submodule(name) for name in view}
+    for name, module in view.items():
+        _set_submodule(model, name, module)
+    try:
+        yield
+    finally:
+        for name, module in kept.items():
+            _set_submodule(model, name, module)
 
 
 def stage_layer_counts(num_layers: int, num_stages: int, requested: tuple[int, ...] = ()) -> list[int]:
-    """Decoder blocks per stage: ``requested`` if given, else as even as possible (earlier stages
-    take the remainder: the last stage also runs the head and the loss)."""
+    """Decoder blocks per stage (per model chunk with the interleaved schedule: ``num_stages`` is then
+    ``pp * v``): ``requested`` if given, else as even as possible (earlier stages take the remainder: the
+    last stage also runs the head and the loss)."""
     if requested:
         if len(requested) != num_stages or sum(requested) != num_layers or min(requested) < 1:
             raise UnsupportedModelError(
-                f"pipeline layers {list(requested)} must be {num_stages} positive counts summing to the model's "
+                f"pipeline layers {list(requested)} must be {num_stages} positive counts (one per stage, or per "
+                f"model chunk with virtual stages) summing to the model's "
                 f"{num_layers} layers"
             )
         return list(requested)
     if num_layers < num_stages:
         raise UnsupportedModelError(
-            f"the model has {num_layers} layers, fewer than pp = {num_stages} stages; use pp <= {num_layers}"
+            f"the model has {num_layers} layers, fewer than the {num_stages} pipeline stages (pp x virtual stages); "
+            f"use at most {num_layers}"
         )
     base, extra = divmod(num_layers, num_stages)
     return [base + (1 if stage < extra else 0) for stage in range(num_stages)]
@@ -139,10 +201,16 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def split_stages(
-    model: nn.Module, parallel: ParallelState, plan: Plan, layers_per_stage: tuple[int, ...] = ()
+    model: nn.Module,
+    parallel: ParallelState,
+    plan: Plan,
+    layers_per_stage: tuple[int, ...] = (),
+    virtual_stages: int = 1,
 ) -> StageInfo:
     """Keep only this rank's pipeline stage of ``model`` (in place); returns what the stage holds.
 
+    With ``virtual_stages = v`` the model is cut into ``pp * v`` chunks (``layers_per_stage``: one count
+    per chunk) and this rank keeps chunks ``pp_rank, pp_rank + pp, ...``, each under its HF layer index.
     Works on a materialized model (other stages' weights are freed) and on one on the meta device
     (nothing is allocated; the loader then reads only this stage's tensors).
     """
@@ -153,16 +221,20 @@ def split_stages(
             f"supports decoder LMs (Llama, Mistral, Qwen2/3, Phi-3, GPT-2); use pp = 1"
         )
     layers_name, layers = _find_layers(model, spec.layers)
-    counts = stage_layer_counts(len(layers), parallel.pp_size, layers_per_stage)
-    starts = [sum(counts[:s]) for s in range(parallel.pp_size)]
-    stage_of = [s for s, count in enumerate(counts) for _ in range(count)]
-    mine = range(starts[parallel.pp_rank], starts[parallel.pp_rank] + counts[parallel.pp_rank])
+    p = parallel.pp_size
+    counts = stage_layer_counts(len(layers), p * virtual_stages, layers_per_stage)
+    starts = [sum(counts[:k]) for k in range(len(counts))]
+    chunks = tuple(
+        range(starts[k], starts[k] + counts[k]) for k in range(parallel.pp_rank, len(counts), p)
+    )  # model chunk k runs on rank k % p
+    stage_of = [k % p for k, count in enumerate(counts) for _ in range(count)]
 
     names_of: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(param), []).append(name)
 
     replaced: dict[str, str] = {}  # module name -> "first" / "last" for modules another stage owns
+    owned: dict[str, list[tuple[str, str]]] = {"first": [], "last": []}
     outside = [(n, m) for n, m in model.named_modules() if n and not (n + ".").startswith(layers_name + ".")]
     for owner, rules, keep in (
         ("first", spec.first_stage, parallel.is_first_stage),
@@ -173,14 +245,16 @@ def split_stages(
             for name, module in outside:
                 if regex.match(name) and not any(name.startswith(r + ".") for r in replaced):
                     replaced[name] = owner
+                    owned[owner].append((name, kind))
                     if not keep:
                         _set_submodule(model, name, _replacement(kind, name, module, owner))
+    mine = {index for chunk in chunks for index in chunk}
     for index in range(len(layers)):
         if index not in mine:
             layers[index] = SkipLayer(index, stage_of[index])
 
-    tied = _mark_tied_copies(model, names_of, replaced, parallel) if parallel.pp_size > 1 else ()
-    return StageInfo(parallel.pp_rank, parallel.pp_size, mine, tied)
+    tied = _mark_tied_copies(model, names_of, replaced, parallel) if p > 1 else ()
+    return StageInfo(parallel.pp_rank, p, chunks, tied, layers_name, tuple(owned["first"]), tuple(owned["last"]))
 
 
 def _mark_tied_copies(

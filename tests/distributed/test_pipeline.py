@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig
+from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
 from mtk.convert import parallelize
 from mtk.models import build_model, builtin_config
@@ -20,15 +20,35 @@ from mtk.parallel.gather import gather_state_dict, iter_full_tensors
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.parameters import param_info
 from mtk.pipeline.engine import PipelineModel
+from mtk.pipeline.schedules import schedule_order
 from mtk.testing import assert_close_rel, run_distributed
 
 GLOBAL_BATCH, SEQ = 8, 12
 
 
-def four_layer_llama() -> LlamaConfig:
-    config = builtin_config("tiny-llama")
-    config.num_hidden_layers = 4
+def deeper(name: str, layers: int) -> LlamaConfig | Qwen2Config | GPT2Config:
+    """A built-in tiny model with more decoder layers (interleaving needs pp x v of them)."""
+    config = builtin_config(name)
+    config.num_hidden_layers = layers
+    if hasattr(config, "layer_types"):  # Qwen2 lists one attention type per layer
+        config.layer_types = [config.layer_types[0]] * layers
     return config
+
+
+MODELS = {
+    "four-layer-llama": lambda: deeper("tiny-llama", 4),
+    "eight-layer-llama": lambda: deeper("tiny-llama", 8),
+    "four-layer-gpt2": lambda: deeper("tiny-gpt2", 4),
+    "four-layer-qwen2": lambda: deeper("tiny-qwen2", 4),
+}
+
+
+def _max_in_flight(order) -> int:
+    held = peak = 0
+    for step in order:
+        held += 1 if step.kind == "F" else -1
+        peak = max(peak, held)
+    return peak
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -37,7 +57,7 @@ def _batch() -> dict[str, torch.Tensor]:
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
 
 
-def _pipeline_checks(rank, world_size, name, tp, pp, schedule, micro_batches, layers) -> dict:
+def _pipeline_checks(rank, world_size, name, tp, pp, schedule, micro_batches, layers, virtual=1) -> dict:
     state = ParallelState.build(tp_size=tp, pp_size=pp)
     reference = build_model(name, seed=0).eval()  # eval: no dropout; gradients still flow
     batch = _batch()
@@ -46,7 +66,7 @@ def _pipeline_checks(rank, world_size, name, tp, pp, schedule, micro_batches, la
     ref_grads = dict(reference.named_parameters())
     ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"), norm_type=2.0)
 
-    model = parallelize(copy.deepcopy(reference), state, pipeline_layers=layers)
+    model = parallelize(copy.deepcopy(reference), state, pipeline_layers=layers, virtual_stages=virtual)
     pipe = PipelineModel(model.eval(), state, micro_batches, schedule)
     pipe.syncs_this_call = lambda: True  # as mtk.Accelerator: the last backward starts the DP reduction
     share = GLOBAL_BATCH // state.dp_size
@@ -86,42 +106,54 @@ def _pipeline_checks(rank, world_size, name, tp, pp, schedule, micro_batches, la
 
 
 CASES = [
-    # name, tp, pp, dp, schedule, micro-batches per replica, layers per stage
-    ("tiny-llama", 1, 2, 1, "1f1b", 4, ()),
-    ("tiny-gpt2", 1, 2, 1, "1f1b", 2, ()),  # tied head, learned positions on the first stage only
-    ("tiny-qwen2", 2, 2, 1, "1f1b", 4, ()),  # tied head, vocab-parallel on both ends
-    ("four-layer-llama", 1, 4, 1, "1f1b", 8, ()),
-    ("four-layer-llama", 1, 2, 1, "1f1b", 2, (3, 1)),
-    ("tiny-llama", 2, 2, 2, "1f1b", 2, ()),  # 8 processes: TP x PP x DP
+    # name, tp, pp, dp, schedule, micro-batches per replica, layers per stage (per chunk), virtual stages
+    ("tiny-llama", 1, 2, 1, "1f1b", 4, (), 1),
+    ("tiny-gpt2", 1, 2, 1, "1f1b", 2, (), 1),  # tied head, learned positions on the first stage only
+    ("tiny-qwen2", 2, 2, 1, "1f1b", 4, (), 1),  # tied head, vocab-parallel on both ends
+    ("four-layer-llama", 1, 4, 1, "1f1b", 8, (), 1),
+    ("four-layer-llama", 1, 2, 1, "1f1b", 2, (3, 1), 1),
+    ("tiny-llama", 2, 2, 2, "1f1b", 2, (), 1),  # 8 processes: TP x PP x DP
+    # interleaved: v chunks per rank, the ring wraps from the last rank to the first
+    ("four-layer-llama", 1, 2, 1, "interleaved", 4, (), 2),
+    ("four-layer-gpt2", 1, 2, 1, "interleaved", 2, (), 2),  # positions and dropout stand aside on chunk 1
+    ("eight-layer-llama", 1, 4, 1, "interleaved", 8, (), 2),
+    ("eight-layer-llama", 1, 2, 1, "interleaved", 4, (1, 3, 2, 2), 2),  # uneven chunks
+    ("four-layer-qwen2", 2, 2, 2, "interleaved", 2, (), 2),  # tied, vocab-parallel, TP x PP x DP
 ]
 
 
-@pytest.mark.parametrize("name,tp,pp,dp,schedule,micro,layers", CASES)
-def test_pipeline_equals_single_process(name, tp, pp, dp, schedule, micro, layers):
-    spec = four_layer_llama() if name == "four-layer-llama" else name
+@pytest.mark.parametrize("name,tp,pp,dp,schedule,micro,layers,virtual", CASES)
+def test_pipeline_equals_single_process(name, tp, pp, dp, schedule, micro, layers, virtual):
+    spec = MODELS[name]() if name in MODELS else name
     results = run_distributed(
-        _pipeline_checks, world_size=tp * pp * dp, args=(spec, tp, pp, schedule, micro, layers), timeout=300
+        _pipeline_checks,
+        world_size=tp * pp * dp,
+        args=(spec, tp, pp, schedule, micro, layers, virtual),
+        timeout=300,
     )
     reference = build_model(spec, seed=0)
     names = {r["stage"]: r["compared"] for r in results}
     flat = [n for stage in sorted(names) for n in names[stage]]
     assert sorted(flat) == sorted(n for n, _ in reference.named_parameters()), "each parameter on exactly one stage"
     first_stage = max(r["max_in_flight"] for r in results if r["stage"] == 0)
-    # 1F1B holds at most pp micro-batches of activations on the first stage; AFAB holds all of them.
-    assert first_stage == (min(pp, micro) if schedule == "1f1b" else micro)
+    # 1F1B holds at most pp micro-batches of activations on the first stage; AFAB holds all of them;
+    # interleaved holds its warm-up's chunk passes (each 1/v of a stage).
+    assert first_stage == _max_in_flight(schedule_order(schedule, micro, 0, pp, virtual))
+    if schedule == "1f1b":
+        assert first_stage == min(pp, micro)
 
 
-def _overlap_vs_blocking(rank, world_size, name, micro_batches) -> dict:
+def _overlap_vs_blocking(rank, world_size, name, micro_batches, schedule, virtual) -> dict:
     """The same step twice on fresh copies: DP reduction overlapped with the last backward, and after the
     schedule; gradients must be equal bit for bit."""
     state = ParallelState.build(tp_size=1, pp_size=2)
-    reference = build_model(name, seed=0).eval()
+    reference = build_model(MODELS[name]() if name in MODELS else name, seed=0).eval()
     share = GLOBAL_BATCH // state.dp_size
     local = {k: v[state.dp_rank * share : (state.dp_rank + 1) * share] for k, v in _batch().items()}
     grads, launched = {}, 0
     for overlap in (True, False):
-        model = parallelize(copy.deepcopy(reference), state)
-        pipe = PipelineModel(model, state, micro_batches)
+        model = parallelize(copy.deepcopy(reference), state, virtual_stages=virtual)
+        pipe = PipelineModel(model, state, micro_batches, schedule)
         pipe.syncs_this_call = (lambda: True) if overlap else None
         pipe(**local)
         if overlap:
@@ -134,7 +166,14 @@ def _overlap_vs_blocking(rank, world_size, name, micro_batches) -> dict:
     return {"launched": launched}
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])  # tiny-qwen2: tied embeddings on both stages
-def test_overlapped_data_parallel_reduction_equals_the_blocking_one(name):
-    results = run_distributed(_overlap_vs_blocking, world_size=4, args=(name, 2), timeout=300)
+@pytest.mark.parametrize(
+    "name,schedule,virtual",
+    [
+        ("tiny-llama", "1f1b", 1),
+        ("tiny-qwen2", "1f1b", 1),  # tied embeddings on both stages
+        ("four-layer-qwen2", "interleaved", 2),  # each chunk's reduction starts at its own last backward
+    ],
+)
+def test_overlapped_data_parallel_reduction_equals_the_blocking_one(name, schedule, virtual):
+    results = run_distributed(_overlap_vs_blocking, world_size=4, args=(name, 2, schedule, virtual), timeout=300)
     assert all(r["launched"] >= 1 for r in results), "the reduction started inside backward"

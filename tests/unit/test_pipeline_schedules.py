@@ -2,15 +2,15 @@
 
 import pytest
 
-from mtk.pipeline.schedules import bubble_fraction, schedule_order
+from mtk.pipeline.schedules import Pass, bubble_fraction, schedule_order, simulate
 from mtk.pipeline.stages import stage_layer_counts
 from mtk.plans import UnsupportedModelError
 
 
 def _max_in_flight(order):
     held = peak = 0
-    for kind, _ in order:
-        held += 1 if kind == "F" else -1
+    for step in order:
+        held += 1 if step.kind == "F" else -1
         peak = max(peak, held)
     return peak
 
@@ -20,12 +20,12 @@ def test_every_micro_batch_runs_forward_then_backward_once(stages, micro):
     for name in ("afab", "1f1b"):
         for stage in range(stages):
             order = schedule_order(name, micro, stage, stages)
-            assert sorted(order) == sorted([("F", i) for i in range(micro)] + [("B", i) for i in range(micro)])
-            assert all(order.index(("F", i)) < order.index(("B", i)) for i in range(micro))
+            assert sorted(order) == sorted([Pass("F", i) for i in range(micro)] + [Pass("B", i) for i in range(micro)])
+            assert all(order.index(Pass("F", i)) < order.index(Pass("B", i)) for i in range(micro))
 
 
 def test_1f1b_bounds_activations_by_the_stages_after_this_one():
-    assert schedule_order("1f1b", 4, 0, 2) == [
+    assert [step[:2] for step in schedule_order("1f1b", 4, 0, 2)] == [
         ("F", 0),
         ("F", 1),
         ("B", 0),
@@ -35,7 +35,7 @@ def test_1f1b_bounds_activations_by_the_stages_after_this_one():
         ("B", 2),
         ("B", 3),
     ]
-    assert schedule_order("1f1b", 4, 1, 2) == [
+    assert [step[:2] for step in schedule_order("1f1b", 4, 1, 2)] == [
         ("F", 0),
         ("B", 0),
         ("F", 1),
@@ -54,6 +54,65 @@ def test_bubble_fraction_formula():
     assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
     assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
     assert bubble_fraction(1, 4) == 0
+    assert bubble_fraction(2, 4, 2) == pytest.approx(1 / 9)
+
+
+def test_interleaved_runs_every_chunk_of_every_micro_batch_in_megatron_order():
+    p, m, v = 2, 4, 2
+    for stage in range(p):
+        order = schedule_order("interleaved", m, stage, p, v)
+        passes = [Pass(kind, i, c) for kind in "FB" for i in range(m) for c in range(v)]
+        assert sorted(order) == sorted(passes)
+        assert all(order.index(Pass("F", i, c)) < order.index(Pass("B", i, c)) for i in range(m) for c in range(v))
+    # forwards: p micro-batches on chunk 0, the same on chunk 1, then the next p; backwards chunk-reversed
+    forwards = [step for step in schedule_order("interleaved", m, 0, p, v) if step.kind == "F"]
+    assert [(s.chunk, s.micro_batch) for s in forwards] == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+        (0, 2),
+        (0, 3),
+        (1, 2),
+        (1, 3),
+    ]
+    backwards = [step for step in schedule_order("interleaved", m, 0, p, v) if step.kind == "B"]
+    assert [(s.chunk, s.micro_batch) for s in backwards][:4] == [(1, 0), (1, 1), (0, 0), (0, 1)]
+    # warm-up: 2 (p - s - 1) + (v - 1) p forwards before the first backward
+    assert [step.kind for step in schedule_order("interleaved", m, 0, p, v)][:5] == ["F"] * 4 + ["F"]
+    assert [step.kind for step in schedule_order("interleaved", m, 1, p, v)][:3] == ["F", "F", "F"]
+
+
+@pytest.mark.parametrize("name,virtual", [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
+@pytest.mark.parametrize("stages", [2, 3, 4, 8])
+def test_schedules_run_without_deadlock_and_idle_as_the_formula_says(name, virtual, stages):
+    """On paper, with the engine's transfer rules: no deadlock, every receive meets its own message (the
+    ring's pp = 2 pair carries both kinds), and with equal pass times the bubble is the formula's."""
+    step = stages if name == "interleaved" else 1
+    for micro in range(step, 4 * stages + 1, step):
+        equal = simulate(name, stages, micro, virtual)
+        assert equal.idle[0] == pytest.approx(bubble_fraction(stages, micro, virtual))
+        simulate(name, stages, micro, virtual, forward_s=1.0, backward_s=2.5)  # unequal passes: still no deadlock
+
+
+def test_interleaving_divides_the_bubble():
+    one, two = simulate("1f1b", 2, 4), simulate("interleaved", 2, 4, 2)
+    assert two.step_s < one.step_s
+    assert two.idle[0] == pytest.approx(1 / 9) and one.idle[0] == pytest.approx(1 / 5)
+
+
+@pytest.mark.parametrize(
+    "name,stages,micro,virtual,message",
+    [
+        ("gpipe", 2, 4, 1, "unknown; use one of 1f1b, afab, interleaved"),
+        ("interleaved", 2, 3, 2, "3 micro-batches is not a multiple; use a multiple of 2"),
+        ("interleaved", 2, 4, 1, "needs virtual_stages >= 2"),
+        ("1f1b", 2, 4, 2, "needs the interleaved schedule"),
+    ],
+)
+def test_bad_schedules_are_one_line(name, stages, micro, virtual, message):
+    with pytest.raises(ValueError, match=message):
+        schedule_order(name, micro, 0, stages, virtual)
 
 
 def test_layers_are_split_evenly_unless_asked():
@@ -61,7 +120,8 @@ def test_layers_are_split_evenly_unless_asked():
     assert stage_layer_counts(5, 2) == [3, 2]
     assert stage_layer_counts(7, 4) == [2, 2, 2, 1]
     assert stage_layer_counts(4, 2, (3, 1)) == [3, 1]
-    with pytest.raises(UnsupportedModelError, match="fewer than pp = 4 stages"):
+    assert stage_layer_counts(8, 4, (1, 3, 2, 2)) == [1, 3, 2, 2]  # pp 2 x 2 virtual stages: one count per chunk
+    with pytest.raises(UnsupportedModelError, match="fewer than the 4 pipeline stages"):
         stage_layer_counts(2, 4)
     with pytest.raises(UnsupportedModelError, match="summing to the model's 4 layers"):
         stage_layer_counts(4, 2, (2, 1))
