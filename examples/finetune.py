@@ -99,13 +99,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--pipeline_schedule", choices=PIPELINE_SCHEDULES, help="pp > 1 (default: MTK_PIPELINE_SCHEDULE, else 1f1b)"
     )
+    parser.add_argument(
+        "--virtual_stages",
+        type=positive_int,
+        help="model chunks per pipeline rank for --pipeline_schedule interleaved (default: MTK_VIRTUAL_STAGES)",
+    )
     add_safety_arguments(parser)
     add_recompute_argument(parser)
     add_lora_arguments(parser)
     parser.add_argument(
         "--pipeline_layers",
         type=layer_counts,
-        help="decoder layers per stage, e.g. 3,1 (default: MTK_PIPELINE_LAYERS, else even)",
+        help="decoder layers per stage (per model chunk with --virtual_stages), e.g. 3,1 (default: "
+        "MTK_PIPELINE_LAYERS, else even)",
     )
     return parser.parse_args(argv)
 
@@ -123,6 +129,7 @@ def main(argv=None) -> None:
         run_settings=RunSettings.from_env(
             pipeline_schedule=args.pipeline_schedule,
             pipeline_layers=args.pipeline_layers,
+            virtual_stages=args.virtual_stages,
             gradient_clipping=args.max_grad_norm,
             recompute_granularity="full" if args.gradient_checkpointing else None,
         ),
@@ -142,6 +149,7 @@ def main(argv=None) -> None:
             parallel,
             dtype=dtype,
             pipeline_layers=settings.layers_per_stage(config.num_hidden_layers, parallel.pp_size),
+            virtual_stages=settings.virtual_stages if parallel.pp_size > 1 else 1,
             sequence_parallel=settings.sequence_parallel,
         )
         model.train()
@@ -225,8 +233,12 @@ def main(argv=None) -> None:
         accelerator.print(f"mtk: {resume} is at step {step}, --max_steps is {args.max_steps}: nothing left to do")
         accelerator.end_training()
         return
+    schedule = ""
+    if parallel.pp_size > 1:
+        chunks = f" x {settings.virtual_stages} chunks" if settings.virtual_stages > 1 else ""
+        schedule = f" ({settings.pipeline_schedule}{chunks}, {settings.num_micro_batches} micro-batches)"
     accelerator.print(
-        f"mtk: {config.model_type} tp={parallel.tp_size} pp={parallel.pp_size} dp={parallel.dp_size} "
+        f"mtk: {config.model_type} tp={parallel.tp_size} pp={parallel.pp_size}{schedule} dp={parallel.dp_size} "
         f"world={parallel.world_size}, global batch {global_batch} {'rows' if args.packing else 'examples'}, "
         f"steps {step}->{args.max_steps}"
     )

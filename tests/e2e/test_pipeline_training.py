@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from mtk.models import builtin_config
 from mtk.testing import assert_close_rel
 from tests.e2e.launch import accelerate_launch, assert_same_losses, one_line_error, step_losses
 
@@ -106,5 +107,106 @@ def test_bad_pipeline_input_is_one_clear_line(tmp_path, monkeypatch):
     )
     monkeypatch.setenv("MTK_PIPELINE_LAYERS", "2,1")
     out = accelerate_launch("finetune.py", "tp1_pp2", "--output_dir", str(tmp_path), check=False)
-    one_line_error(out, "pipeline layers [2, 1] must be 2 positive counts summing to the model's 2 layers")
+    one_line_error(
+        out,
+        "pipeline layers [2, 1] must be 2 positive counts (one per stage, or per model chunk with virtual stages) "
+        "summing to the model's 2 layers",
+    )
+    assert not list(tmp_path.glob("step_*")), "nothing that looks like a checkpoint"
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    """A 4-layer tied Qwen2 (pp 2 x 2 virtual stages: one layer per chunk) run on one process, saved at 3."""
+    root = tmp_path_factory.mktemp("interleaved")
+    config = builtin_config("tiny-qwen2")
+    config.num_hidden_layers, config.layer_types = 4, [config.layer_types[0]] * 4
+    model = root / "four-layer-qwen2.json"
+    model.write_text(config.to_json_string())
+    out = accelerate_launch(
+        "finetune.py",
+        "tp1",
+        "--model",
+        str(model),
+        "--output_dir",
+        str(root / "tp1"),
+        "--max_steps",
+        "6",
+        "--save_every",
+        "3",
+    )
+    return root, model, step_losses(out)
+
+
+INTERLEAVED = ("--pipeline_schedule", "interleaved", "--virtual_stages", "2")
+
+
+def test_interleaved_schedule_trains_resumes_and_reshards_like_one_process(four_layers, tmp_path):
+    """TP2 x PP2 with two chunks per rank (the ring wraps from the last rank to the first) logs the
+    one-process losses; its checkpoint resumes on one process (same HF-named files), and the
+    one-process checkpoint resumes interleaved at PP 2."""
+    root, model, tp1 = four_layers
+    out = accelerate_launch(
+        "finetune.py",
+        "tp2_pp2",
+        "--model",
+        str(model),
+        "--output_dir",
+        str(tmp_path / "il"),
+        "--max_steps",
+        "6",
+        "--save_every",
+        "3",
+        *INTERLEAVED,
+    )
+    assert "pp=2 (interleaved x 2 chunks, 4 micro-batches)" in out.stdout
+    assert_same_losses(step_losses(out), tp1, range(1, 7), "tp2_pp2 interleaved")
+    step3 = tmp_path / "il" / "step_3"
+    assert sorted(p.name for p in (step3 / "model").iterdir()) == [
+        f"tp{t:02d}-pp{p:02d}.safetensors" for t in range(2) for p in range(2)
+    ]
+    resumed = step_losses(
+        accelerate_launch(
+            "finetune.py",
+            "tp1",
+            "--model",
+            str(model),
+            "--output_dir",
+            str(tmp_path / "r1"),
+            "--max_steps",
+            "6",
+            "--resume",
+            str(step3),
+        )
+    )
+    assert_same_losses(resumed, tp1, [4, 5, 6], "interleaved checkpoint resumed on one process")
+    resumed = step_losses(
+        accelerate_launch(
+            "finetune.py",
+            "tp1_pp2",
+            "--model",
+            str(model),
+            "--output_dir",
+            str(tmp_path / "r2"),
+            "--max_steps",
+            "6",
+            "--resume",
+            str(root / "tp1" / "step_3"),
+            *INTERLEAVED,
+        )
+    )
+    assert_same_losses(resumed, tp1, [4, 5, 6], "one-process checkpoint resumed interleaved")
+
+
+def test_bad_interleaved_input_is_one_clear_line(four_layers, tmp_path):
+    _, model, _ = four_layers
+    base = ("finetune.py", "tp1_pp2", "--model", str(model), "--output_dir", str(tmp_path))
+    out = accelerate_launch(*base, "--pipeline_schedule", "interleaved", check=False)
+    one_line_error(out, "the interleaved schedule needs virtual_stages >= 2 (model chunks per pipeline rank), e.g. 2")
+    out = accelerate_launch(*base, *INTERLEAVED, "--batch_size", "6", "--pipeline_layers", "1,1,1,1", check=False)
+    one_line_error(out, "a batch of 6 sequences does not split into megatron_lm_num_micro_batches = 4")
+    out = accelerate_launch(*base, "--virtual_stages", "2", check=False)
+    one_line_error(out, "virtual_stages = 2 needs the interleaved schedule (pipeline_schedule interleaved)")
+    out = accelerate_launch(*base, *INTERLEAVED, "--pipeline_layers", "3,1", check=False)
+    one_line_error(out, "pipeline layers [3, 1] must be 4 positive counts (one per stage, or per model chunk")
     assert not list(tmp_path.glob("step_*")), "nothing that looks like a checkpoint"

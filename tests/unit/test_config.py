@@ -26,6 +26,21 @@ def test_pipeline_schedule_and_layers_come_from_mtk_variables():
     env = {"MEGATRON_LM_PP_DEGREE": "2", "MTK_PIPELINE_SCHEDULE": "AFAB", "MTK_PIPELINE_LAYERS": "3,1"}
     settings = RunSettings.from_env(env)
     assert (settings.pipeline_schedule, settings.pipeline_layers) == ("afab", (3, 1))
+    env = {"MTK_PIPELINE_SCHEDULE": "interleaved", "MTK_VIRTUAL_STAGES": "2", "MEGATRON_LM_NUM_MICRO_BATCHES": "4"}
+    settings = RunSettings.from_env(env)
+    assert (settings.pipeline_schedule, settings.virtual_stages) == ("interleaved", 2)
+    assert settings.check_pipeline(2) == []
+
+
+def test_pipeline_settings_are_checked_against_the_layout():
+    interleaved = RunSettings(pipeline_schedule="interleaved", virtual_stages=2, num_micro_batches=3)
+    with pytest.raises(ConfigError, match="3 micro-batches is not a multiple; use a multiple of 2"):
+        interleaved.check_pipeline(2)
+    assert interleaved.check_pipeline(1) == [
+        "mtk: pipeline_schedule=interleaved does nothing at pp = 1",
+        "mtk: virtual_stages=2 does nothing at pp = 1",
+    ]
+    assert RunSettings(pipeline_layers=(3, 1)).check_pipeline(1) == ["mtk: pipeline_layers=3,1 does nothing at pp = 1"]
 
 
 def test_defaults_without_variables():
@@ -55,6 +70,17 @@ def test_explicit_beats_environment_and_says_so(caplog):
         ({"MTK_PIPELINE_SCHEDULE": "gpipe"}, "pipeline schedule 'gpipe' is unknown; use one of"),
         ({"MTK_PIPELINE_LAYERS": "3;1"}, "MTK_PIPELINE_LAYERS='3;1' is not a comma-separated list of integers"),
         ({"MTK_PIPELINE_LAYERS": "4,0"}, "must give every stage at least one layer"),
+        ({"MTK_VIRTUAL_STAGES": "2"}, "virtual_stages = 2 needs the interleaved schedule"),
+        ({"MTK_PIPELINE_SCHEDULE": "interleaved"}, "the interleaved schedule needs virtual_stages >= 2"),
+        ({"MTK_PIPELINE_SCHEDULE": "interleaved", "MTK_VIRTUAL_STAGES": "0"}, "virtual_stages must be a positive"),
+        (
+            {
+                "MTK_PIPELINE_SCHEDULE": "interleaved",
+                "MTK_VIRTUAL_STAGES": "2",
+                "MEGATRON_LM_DECODER_LAST_PIPELINE_NUM_LAYERS": "1",
+            },
+            "decoder_last_pipeline_num_layers with virtual stages",
+        ),
         ({"MEGATRON_LM_NUM_MICRO_BATCHES": "0"}, "num_micro_batches must be a positive integer"),
         ({"MEGATRON_LM_EOD_MASK_LOSS": "sometimes"}, "is not a boolean"),
     ],
