@@ -57,7 +57,13 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     baseline = resident_memory(device)
     parallel = ParallelState.build(tp_size=spec.tp, pp_size=spec.pp, device=device)
     model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
-    parallelize(model, parallel, sequence_parallel=spec.sequence_parallel, pipeline_layers=spec.pipeline_layers)
+    parallelize(
+        model,
+        parallel,
+        sequence_parallel=spec.sequence_parallel,
+        pipeline_layers=spec.pipeline_layers,
+        virtual_stages=spec.virtual_stages,
+    )
     record = parallelized(model)
     enable_recompute(model, RunSettings(recompute_granularity=spec.recompute), record.rng if record else None)
 
@@ -79,10 +85,12 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
         return measured
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    pipe = PipelineModel(model, parallel, spec.micro_batches)
+    pipe = PipelineModel(model, parallel, spec.micro_batches, spec.pipeline_schedule)
+    schedules = []  # every call's PipelineStats; the last spec.steps are the timed ones
 
     def forward(**batch):
         out = pipe(**batch)
+        schedules.append(pipe.stats)
         pipe.finalize_grads()
         sync_sequence_parallel()
         return out
@@ -91,7 +99,9 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
         forward, optimizer, bench_batch(spec, cast(Any, model).config.vocab_size, device), backward=False
     )
     result = measure_step(spec, step, device, baseline)
-    result.pipeline_idle = pipe.stats.idle_fraction
+    timed = schedules[-spec.steps :]
+    result.pipeline_schedule_s = sum(s.total_s for s in timed)
+    result.pipeline_busy_s = result.pipeline_schedule_s - sum(s.wait_s for s in timed)
     result.model_state = count_model_state(model, optimizer)
     if spec.track_memory:  # MemTracker refuses modules run once per micro-batch: live bytes only
         result.memory_by_kind = live_peaks(model, optimizer, step)
@@ -119,7 +129,8 @@ def run_mtk_one_replica(rank: int, world_size: int, spec: BenchSpec) -> dict:
 
 def run_mtk_one_stage(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """mtk at the same TP with the whole model on one stage: what a pipeline's ideal is measured from."""
-    return run_mtk(rank, world_size, replace(spec, pp=1, micro_batches=1, pipeline_layers=()))
+    one_stage = replace(spec, pp=1, micro_batches=1, pipeline_layers=(), pipeline_schedule="1f1b", virtual_stages=1)
+    return run_mtk(rank, world_size, one_stage)
 
 
 # name -> (worker, processes for a spec, threads per process or None for the spec's)

@@ -58,7 +58,9 @@ class BenchSpec:
     dp: int = 1  # mtk only: data-parallel replicas (each the same batch); gradients averaged over them
     distributed_optimizer: bool = False  # mtk only: AdamW state sharded over the DP group
     checkpoint_dir: str | None = None  # the same weights as a local HF directory (for from_pretrained)
-    pipeline_layers: tuple[int, ...] = ()  # mtk only, pp > 1: decoder layers per stage (default: even)
+    pipeline_layers: tuple[int, ...] = ()  # mtk only, pp > 1: decoder layers per stage (chunk) (default: even)
+    pipeline_schedule: str = "1f1b"  # mtk only, pp > 1: afab, 1f1b or interleaved
+    virtual_stages: int = 1  # mtk only, interleaved: model chunks per pipeline rank
 
 
 @dataclass
@@ -72,7 +74,8 @@ class RankResult:
     memory_above_start: int = 0  # bytes: the peak above what the process held before the model was built
     memory_by_kind: dict[str, int] = field(default_factory=dict)  # bytes at the peak: param, grad, act, opt, ...
     model_state: dict[str, int] = field(default_factory=dict)  # bytes: weights, gradients, optimizer (AdamW moments)
-    pipeline_idle: float | None = None  # pp > 1: share of the last timed schedule spent waiting for neighbours
+    pipeline_busy_s: float | None = None  # pp > 1: the timed schedules' seconds not blocked on a neighbour
+    pipeline_schedule_s: float | None = None  # pp > 1: the timed schedules' seconds on this rank
     reduction_s: float | None = None  # dp > 1: one DP all-reduce of this rank's gradients, ranks started together
 
     def as_dict(self) -> dict:

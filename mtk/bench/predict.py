@@ -43,6 +43,7 @@ def predict_collectives(
     pp: int = 1,
     stage: int = 0,
     micro_batches: int = 1,
+    virtual_stages: int = 1,
     element_size: int = 4,
     loss_element_size: int = 4,
     sequence_parallel: bool = False,
@@ -61,8 +62,10 @@ def predict_collectives(
 
     With PP, ``batch`` is the step's batch, cut into ``micro_batches``; this stage's layers are
     ``stage_layers``, by default its even share (the remainder on earlier stages), P2P moves one
-    ``[b, s, h]`` tensor per micro-batch and direction at each stage boundary (with TP, each TP rank its
-    1/tp slice, all-gathered over TP by the receiver), and the loss is broadcast from the last stage.
+    ``[b, s, h]`` tensor per micro-batch and direction at each chunk boundary (with TP, each TP rank its
+    1/tp slice, all-gathered over TP by the receiver), and the loss is broadcast from the last stage. With
+    ``virtual_stages`` chunks per rank (interleaved), every chunk but the model's last sends forward and every
+    chunk but the model's first sends backward.
     """
     counts: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
@@ -97,7 +100,8 @@ def predict_collectives(
             counts["all_reduce"] += 2 * micro_batches
             nbytes["all_reduce"] += 3 * micro * seq * loss_element_size * micro_batches
     if pp > 1:
-        sends = (0 if last else micro_batches) + (0 if first else micro_batches)  # receives: as many
+        v = virtual_stages  # receives: as many as sends
+        sends = (v - (1 if last else 0)) * micro_batches + (v - (1 if first else 0)) * micro_batches
         scattered = tp > 1 and (micro * seq * hidden) % tp == 0  # each TP rank sends its 1/tp slice
         message = activation // tp if scattered else activation
         counts["send"] += sends

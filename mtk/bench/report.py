@@ -11,6 +11,7 @@ from typing import Any
 from mtk.bench.contenders import BenchSpec
 from mtk.bench.predict import Predicted
 from mtk.bench.runner import ContenderSummary
+from mtk.pipeline.schedules import bubble_fraction
 
 __all__ = ["collective_lines", "format_report", "report_dict", "write_json"]
 
@@ -49,7 +50,8 @@ def report_dict(spec: BenchSpec, summaries: list[ContenderSummary], predicted: P
             "peak_memory_per_rank": s.peak_memory,
             "memory_above_start_per_rank": s.memory_above_start,
             "memory_by_kind_per_rank": s.memory_by_kind,
-            "pipeline_idle_per_rank": s.pipeline_idle,
+            "pipeline_busy_s_per_rank": s.pipeline_busy_s,
+            "pipeline_schedule_s_per_rank": s.pipeline_schedule_s,
             "loss": s.loss,
             "collectives": s.collectives,
             "steps_timed": len(s.step_s),
@@ -91,20 +93,30 @@ def data_parallel_ideal(ours: ContenderSummary, one_replica: ContenderSummary) -
 
 
 def pipeline_ideal(spec: BenchSpec, ours: ContenderSummary, one_stage: ContenderSummary) -> dict:
-    """The pipeline against its ideal: the one-stage step split over ``p`` stages, plus the 1F1B bubble
-    ``(p - 1) / m`` of that (Megatron's formula); the measured idle share per stage next to the formula's
-    ``(p - 1) / (m + p - 1)``."""
-    p, m = spec.pp, spec.micro_batches
+    """The pipeline against its ideal: the one-stage step split over ``p`` stages, plus the bubble
+    ``(p - 1) / (v m)`` of that (Megatron's formula; ``v = 1`` but for the interleaved schedule).
+
+    Each stage's idle share is the part of the pipeline's schedule time (the longest rank's, every rank
+    starting together after the step's barrier) it did not compute: blocked on a neighbour, or done early.
+    A faster stage idles more; the bubble is the slowest stage's idle share (what the schedule itself
+    costs), held against the formula's ``(p - 1) / (v m + p - 1)``."""
+    p, m, v = spec.pp, spec.micro_batches, spec.virtual_stages
     assert ours.median_s is not None and one_stage.median_s is not None
-    ideal = one_stage.median_s / p * (1 + (p - 1) / m)
+    ideal = one_stage.median_s / p * (1 + (p - 1) / (v * m))
     per_stage = spec.tp * spec.dp
-    idle = list(ours.pipeline_idle)
+    busy, schedule = list(ours.pipeline_busy_s), [s for s in ours.pipeline_schedule_s if s is not None]
+    idle = [1 - b / max(schedule) if b is not None and schedule else None for b in busy]
+    per_stage_idle = [idle[stage * per_stage] for stage in range(p)] if len(idle) == p * per_stage else []
+    known = [x for x in per_stage_idle if x is not None]
     return {
         "one_stage_s": one_stage.median_s,
         "ideal_s": ideal,
         "measured_vs_ideal": ours.median_s / ideal,
-        "bubble_formula": (p - 1) / (m + p - 1),
-        "idle_per_stage": [idle[stage * per_stage] for stage in range(p)] if len(idle) == p * per_stage else [],
+        "schedule": spec.pipeline_schedule,
+        "virtual_stages": v,
+        "bubble_formula": bubble_fraction(p, m, v),
+        "idle_per_stage": per_stage_idle,
+        "bubble": min(known) if known else None,
     }
 
 
@@ -140,8 +152,11 @@ def format_report(report: dict) -> str:
         stages = " ".join(f"{x:.2f}" for x in pipeline["idle_per_stage"] if x is not None)
         out.append(
             f"pipeline: {ours['median_s'] if ours else 0:.3f} s/step against an ideal of {pipeline['ideal_s']:.3f} "
-            f"(one stage {pipeline['one_stage_s']:.3f} s / p x (1 + (p-1)/m)): {pipeline['measured_vs_ideal']:.2f}x; "
-            f"idle share per stage {stages} (formula (p-1)/(m+p-1) = {pipeline['bubble_formula']:.2f})"
+            f"(one stage {pipeline['one_stage_s']:.3f} s / p x (1 + (p-1)/(v m))): "
+            f"{pipeline['measured_vs_ideal']:.2f}x; "
+            f"{pipeline['schedule']} (v={pipeline['virtual_stages']}): idle share per stage {stages}, bubble (the "
+            f"slowest stage's) {pipeline['bubble'] or 0:.2f} against (p-1)/(v m+p-1) = "
+            f"{pipeline['bubble_formula']:.2f}"
         )
     if "accelerator_overhead" in report:
         ratio = report["accelerator_overhead"]

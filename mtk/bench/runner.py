@@ -38,7 +38,8 @@ class ContenderSummary:
     memory_above_start: list[int] = field(default_factory=list)  # per rank: the largest over rounds
     memory_by_kind: list[dict[str, int]] = field(default_factory=list)  # per rank, when tracked
     model_state: list[dict[str, int]] = field(default_factory=list)  # per rank: weights, gradients, optimizer
-    pipeline_idle: list[float | None] = field(default_factory=list)  # per rank, pp > 1: idle share (last round)
+    pipeline_busy_s: list[float | None] = field(default_factory=list)  # per rank, pp > 1: not waiting (last round)
+    pipeline_schedule_s: list[float | None] = field(default_factory=list)  # per rank, pp > 1: schedules (last round)
     reduction_s: list[float | None] = field(default_factory=list)  # per rank, dp > 1: one DP all-reduce (last round)
     loss: float | None = None
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)  # rank 0, one step
@@ -58,7 +59,8 @@ class ContenderSummary:
         self.peak_memory = [max(a, b) for a, b in zip(self.peak_memory, memory)] if self.peak_memory else memory
         self.memory_by_kind = [r["memory_by_kind"] for r in ranks]  # the last round's
         self.model_state = [r["model_state"] for r in ranks]
-        self.pipeline_idle = [r.get("pipeline_idle") for r in ranks]
+        self.pipeline_busy_s = [r.get("pipeline_busy_s") for r in ranks]
+        self.pipeline_schedule_s = [r.get("pipeline_schedule_s") for r in ranks]
         self.reduction_s = [r.get("reduction_s") for r in ranks]
         grown = [r["memory_above_start"] for r in ranks]
         old = self.memory_above_start
@@ -83,9 +85,17 @@ def predicted_for(spec: BenchSpec) -> Predicted:
         sequence_parallel_elements=sequence_parallel_elements(config) if spec.sequence_parallel else 0,
         recompute=spec.recompute,
         residual_dropout=has_residual_dropout(config),
-        stage_layers=spec.pipeline_layers[0] if spec.pipeline_layers else None,  # rank 0's stage
+        virtual_stages=spec.virtual_stages,
+        stage_layers=_first_rank_layers(layers, spec) if spec.pp > 1 else None,
         **data_parallel_traffic(config, spec),
     )
+
+
+def _first_rank_layers(layers: int, spec: BenchSpec) -> int:
+    """Decoder blocks on rank 0 (whose collectives the bench counts): its chunks' share of the split."""
+    from mtk.pipeline.stages import stage_layer_counts
+
+    return sum(stage_layer_counts(layers, spec.pp * spec.virtual_stages, spec.pipeline_layers)[:: spec.pp])
 
 
 def data_parallel_traffic(config, spec: BenchSpec) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from mtk.config import RECOMPUTE_GRANULARITIES
 from mtk.errors import MtkError
 from mtk.models import DTYPES, resolve_config
 from mtk.parallel.layout import Layout
+from mtk.pipeline.schedules import PIPELINE_SCHEDULES, check_schedule
 from mtk.plans import check_tp_size
 
 PEERS = ["hf-1thread", "hf-all-threads", "transformers-tp_plan", "deepspeed-autotp"]
@@ -33,7 +34,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     parser.add_argument("--micro_batches", type=int, help="pipeline micro-batches per step (default: the batch)")
     parser.add_argument(
-        "--pipeline_layers", help="decoder layers per stage, e.g. 3,1 (default: as even as possible; needs --pp > 1)"
+        "--pipeline_layers",
+        help="decoder layers per stage (per model chunk with --virtual_stages), e.g. 3,1 (default: as even as "
+        "possible; needs --pp > 1)",
+    )
+    parser.add_argument(
+        "--pipeline_schedule", choices=PIPELINE_SCHEDULES, default="1f1b", help="with --pp > 1 (default 1f1b)"
+    )
+    parser.add_argument(
+        "--virtual_stages", type=int, default=1, help="model chunks per rank, for --pipeline_schedule interleaved"
     )
     parser.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
     parser.add_argument("--seq", type=int, default=256, help="sequence length (default 256)")
@@ -81,9 +90,16 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         raise MtkError(f"--sequence_parallel splits --seq over --tp ranks: needs --tp > 1 dividing --seq {args.seq}")
     if args.batch % micro:
         raise MtkError(f"--batch {args.batch} does not split into --micro_batches {micro}; use a multiple of it")
+    if args.pp == 1 and (args.pipeline_schedule != "1f1b" or args.virtual_stages != 1):
+        raise MtkError("--pipeline_schedule and --virtual_stages choose how pipeline stages run: give --pp > 1")
+    problem = args.pp > 1 and check_schedule(args.pipeline_schedule, args.pp, micro, args.virtual_stages)
+    if problem:
+        raise MtkError(f"--pipeline_schedule {args.pipeline_schedule}: {problem}")
     layers = _pipeline_layers(args, config)
     return BenchSpec(
         pipeline_layers=layers,
+        pipeline_schedule=args.pipeline_schedule,
+        virtual_stages=args.virtual_stages,
         model=args.model,
         tp=args.tp,
         pp=args.pp,
@@ -101,7 +117,8 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
 
 
 def _pipeline_layers(args: argparse.Namespace, config) -> tuple[int, ...]:
-    """``--pipeline_layers 3,1``: one positive count per stage, summing to the model's layers (one line if not)."""
+    """``--pipeline_layers 3,1``: one positive count per stage (model chunk), summing to the model's layers (one line
+    if not)."""
     from mtk.pipeline.stages import stage_layer_counts
 
     if not args.pipeline_layers:
@@ -113,7 +130,7 @@ def _pipeline_layers(args: argparse.Namespace, config) -> tuple[int, ...]:
     except ValueError:
         raise MtkError(f"--pipeline_layers {args.pipeline_layers!r} is not a list of counts such as 3,1") from None
     layers = getattr(config, "num_hidden_layers", None) or config.n_layer
-    stage_layer_counts(layers, args.pp, counts)  # one line unless pp counts >= 1 summing to the layers
+    stage_layer_counts(layers, args.pp * args.virtual_stages, counts)  # one line unless counts >= 1 sum to the layers
     return counts
 
 

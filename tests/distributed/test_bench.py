@@ -3,6 +3,7 @@
 import json
 
 from mtk.cli.main import main
+from mtk.models import builtin_config
 
 
 def test_bench_counts_exactly_the_predicted_collectives(tmp_path, capsys):
@@ -30,6 +31,27 @@ def test_bench_pipeline_layout(tmp_path, capsys):
     pipeline = report["pipeline"]
     assert pipeline["ideal_s"] > 0 and pipeline["bubble_formula"] == 1 / 5, "(p - 1) / (m + p - 1) at p 2, m 4"
     assert len(pipeline["idle_per_stage"]) == 2 and all(0 <= x < 1 for x in pipeline["idle_per_stage"])
+    assert pipeline["bubble"] == min(pipeline["idle_per_stage"])
+
+
+def test_bench_interleaved_pipeline(tmp_path, capsys):
+    """Two chunks per rank: every chunk boundary sends (the ring wraps), counted equal to the prediction."""
+    config = builtin_config("tiny-llama")
+    config.num_hidden_layers = 4
+    model = tmp_path / "four-layer-llama.json"
+    model.write_text(config.to_json_string())
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", str(model), "--tp", "2", "--pp", "2", "--batch", "4", "--seq", "16",
+                 "--steps", "1", "--pipeline_schedule", "interleaved", "--virtual_stages", "2",
+                 "--json", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().out
+    report = json.loads(out.read_text())
+    collectives = report["contenders"][0]["collectives"]
+    assert collectives == report["predicted_collectives"]
+    assert collectives["send"]["count"] == 4 * 2 + 4, "rank 0: both chunks forward, its second chunk backward"
+    pipeline = report["pipeline"]
+    assert (pipeline["schedule"], pipeline["virtual_stages"]) == ("interleaved", 2)
+    assert pipeline["bubble_formula"] == 1 / 9, "(p - 1) / (v m + p - 1) at p 2, m 4, v 2"
 
 
 def test_bench_sequence_parallel_with_recompute(tmp_path, capsys):
