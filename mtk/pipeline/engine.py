@@ -34,7 +34,7 @@ from mtk.parallel.grads import all_reduce_coalesced
 from mtk.parallel.overlap import OverlappedReduction
 from mtk.parallel.parameters import param_info
 from mtk.parallel.state import ParallelState
-from mtk.pipeline.p2p import StageLink
+from mtk.pipeline.p2p import Posted, StageLink
 from mtk.pipeline.schedules import check_schedule, schedule_order, simulate
 from mtk.pipeline.stages import StageInfo, swapped
 
@@ -166,13 +166,35 @@ class PipelineModel(nn.Module):
         stats = PipelineStats(self.schedule if train else "forward", m)
         start, wait_before = time.perf_counter(), link.wait_s
         model = hf_model(self.module)
+        order = schedule_order(self.schedule, m, info.stage, info.num_stages, info.virtual_stages)
+        if not train:  # the forwards alone, in the schedule's order (they depend on forwards only)
+            order = [step for step in order if step.kind == "F"]
+        receives = [  # the passes that receive, in order: each is posted one receive early
+            k
+            for k, step in enumerate(order)
+            if not (info.chunk_is_first(step.chunk) if step.kind == "F" else info.chunk_is_last(step.chunk))
+        ]
+        posted: dict[int, Posted] = {}
 
-        def forward(chunk: int, i: int) -> None:
+        def receive(k: int) -> torch.Tensor:
+            """Pass ``k``'s input (activation or gradient); posts the next pass's receive before waiting."""
+            if k not in posted:
+                posted[k] = post(k)
+            later = [j for j in receives if j > k]
+            if later:
+                posted[later[0]] = post(later[0])
+            return link.wait(posted.pop(k))
+
+        def post(k: int) -> Posted:
+            step = order[k]
+            shape = (*micro[step.micro_batch]["input_ids"].shape, hidden)  # [b, s, h] both ways
+            return link.post(step.kind == "F", shape, dtype, device)
+
+        def forward(k: int, chunk: int, i: int) -> None:
             inputs = dict(micro[i])
             stage_input = None
             if not info.chunk_is_first(chunk):
-                shape = (*inputs["input_ids"].shape, hidden)  # [b, s, h]
-                stage_input = link.recv_forward(shape, dtype, device).requires_grad_(train)
+                stage_input = receive(k).requires_grad_(train)
             with swapped(model, self._views[chunk]):
                 output = self._stage_forward(inputs, stage_input, info.chunk_is_last(chunk))
             if info.chunk_is_last(chunk):
@@ -185,26 +207,22 @@ class PipelineModel(nn.Module):
 
         reduction = self._overlapped_reduction() if train else None
 
-        def backward(chunk: int, i: int) -> None:
+        def backward(k: int, chunk: int, i: int) -> None:
             if reduction is not None and i == m - 1:  # every schedule runs a chunk's micro-batch m - 1 last
                 reduction.arm(self._chunk_params[chunk])
             stage_input, output = held.pop((chunk, i))
             if info.chunk_is_last(chunk):
                 self.scale_loss(output / m).backward()
             else:
-                grad = link.recv_backward(tuple(output.shape), dtype, device)
-                torch.autograd.backward(output, grad.to(output.dtype))
+                torch.autograd.backward(output, receive(k).to(output.dtype))
             if not info.chunk_is_first(chunk):
                 assert stage_input is not None and stage_input.grad is not None
                 link.send_backward(stage_input.grad)
 
-        order = schedule_order(self.schedule, m, info.stage, info.num_stages, info.virtual_stages)
-        if not train:  # the forwards alone, in the schedule's order (they depend on forwards only)
-            order = [step for step in order if step.kind == "F"]
         context = torch.enable_grad() if train else torch.no_grad()
         with context:
-            for step in order:
-                (forward if step.kind == "F" else backward)(step.chunk, step.micro_batch)
+            for k, step in enumerate(order):
+                (forward if step.kind == "F" else backward)(k, step.chunk, step.micro_batch)
         link.flush()
         stats.total_s, stats.wait_s = time.perf_counter() - start, link.wait_s - wait_before
         self.stats = stats

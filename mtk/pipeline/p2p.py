@@ -1,8 +1,10 @@
 """Point-to-point transfers between adjacent pipeline stages over the PP group.
 
 Sends are non-blocking (``isend``; the tensor is kept alive until :meth:`StageLink.flush`), receives
-block. With that rule any schedule in which every receive is matched by a send issued earlier in the
-sender's own order cannot deadlock, in whichever order the two neighbours reach them. Activations
+block when their data is needed; the engine posts each one a pass early (:meth:`StageLink.post`,
+Megatron's overlapped P2P), so the transfer runs while the stage computes. With that rule any schedule
+in which every receive is matched by a send issued earlier in the sender's own order cannot deadlock,
+in whichever order the two neighbours reach them. Activations
 flow forward to the next stage, their gradients backward to the previous one; per (sender,
 receiver) pair there is one direction of one kind, so messages need no tags. Every TP rank of a
 stage talks to the same TP rank of its neighbour.
@@ -29,7 +31,14 @@ import torch.distributed as dist
 from mtk.parallel.comm import all_gather
 from mtk.parallel.state import ParallelState
 
-__all__ = ["StageLink"]
+__all__ = ["Posted", "StageLink"]
+
+
+class Posted:
+    """A receive posted before its data is needed: :meth:`StageLink.wait` returns the tensor."""
+
+    def __init__(self, work: dist.Work, buffer: torch.Tensor, shape: tuple[int, ...], scattered: bool) -> None:
+        self.work, self.buffer, self.shape, self.scattered = work, buffer, shape, scattered
 
 
 class StageLink:
@@ -59,34 +68,42 @@ class StageLink:
         assert work is not None  # a member of the group always gets a handle
         self._pending.append((work, tensor))
 
-    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int) -> torch.Tensor:
+    def _post(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int) -> Posted:
         numel = math.prod(shape)
         scattered = self._scattered(numel)
         buffer = torch.empty(numel // self.tp_size if scattered else shape, dtype=dtype, device=device)
-        start = time.perf_counter()
         work = dist.irecv(buffer, src=src, group=self.group)
         assert work is not None
-        work.wait()
+        return Posted(work, buffer, shape, scattered)
+
+    def wait(self, posted: Posted) -> torch.Tensor:
+        """The tensor of a posted receive, once it has arrived (the time blocked counts as waiting)."""
+        start = time.perf_counter()
+        posted.work.wait()
         self.wait_s += time.perf_counter() - start
-        if scattered:  # every TP rank received its slice: gather the whole over the TP group
-            return all_gather(buffer, self.tp_group, dim=0).reshape(shape)
-        return buffer
+        if posted.scattered:  # every TP rank received its slice: gather the whole over the TP group
+            return all_gather(posted.buffer, self.tp_group, dim=0).reshape(posted.shape)
+        return posted.buffer
+
+    def post(self, forward: bool, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Posted:
+        """Start receiving the next activation (``forward``) or gradient; receives complete in the order posted."""
+        src = self.prev_rank if forward else self.next_rank
+        assert src is not None, "the first stage receives nothing forward, the last nothing backward"
+        return self._post(shape, dtype, device, src)
 
     def send_forward(self, activation: torch.Tensor) -> None:
         assert self.next_rank is not None, "the last stage sends nothing forward"
         self._send(activation, self.next_rank)
 
     def recv_forward(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        assert self.prev_rank is not None, "the first stage receives nothing forward"
-        return self._recv(shape, dtype, device, self.prev_rank)
+        return self.wait(self.post(True, shape, dtype, device))
 
     def send_backward(self, grad: torch.Tensor) -> None:
         assert self.prev_rank is not None, "the first stage sends nothing backward"
         self._send(grad, self.prev_rank)
 
     def recv_backward(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        assert self.next_rank is not None, "the last stage receives nothing backward"
-        return self._recv(shape, dtype, device, self.next_rank)
+        return self.wait(self.post(False, shape, dtype, device))
 
     def flush(self) -> None:
         """Wait until every send has left (end of a schedule); frees the kept tensors."""
