@@ -1,13 +1,15 @@
-"""Measure the pipeline bubble: idle share of each stage's step, next to (p - 1) / (m + p - 1).
+"""Measure the pipeline bubble: idle share of each stage's step, next to (p - 1) / (v m + p - 1).
 
-    python examples/pipeline_bubble.py                       # PP=2, m = 1, 2, 4, 8, both schedules
-    python examples/pipeline_bubble.py --pp 2 --micro 4 8 16 --layers 8 --hidden 256
+    python examples/pipeline_bubble.py                       # PP=2, m = 1, 2, 4, 8: afab, 1f1b, interleaved
+    python examples/pipeline_bubble.py --pp 2 --micro 4 8 16 --layers 8 --hidden 256 --virtual_stages 2
 
-Each of ``pp`` processes (one thread each) runs one stage of a Llama built from the flags. A step is
-the full schedule (forward and backward of every micro-batch) on a fixed global batch; the bubble is
-the time a stage spends blocked receiving from a neighbour divided by its step time, median over
-steps, averaged over stages. The formula assumes equal forward/backward times on every stage; the
-last stage also runs the head and the loss, so measured values sit a little above it.
+Each of ``pp`` processes (one thread each) runs one stage of a Llama built from the flags (interleaved:
+``--virtual_stages`` chunks per stage, where ``m`` is a multiple of ``pp``). A step is the full schedule
+(forward and backward of every micro-batch) on a fixed global batch, every stage starting after a
+barrier. A stage's idle share is the part of the step (the slowest stage's schedule) it spent not
+computing — blocked on a neighbour, or done early; the bubble is the slowest stage's idle share (a
+faster stage also idles for the imbalance), median over steps. The formula assumes equal
+forward/backward times on every stage.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per setting (after one warm-up)")
+    parser.add_argument("--virtual_stages", type=int, default=2, help="chunks per stage for the interleaved rows")
     return parser.parse_args(argv)
 
 
@@ -55,10 +58,10 @@ def _config(args) -> LlamaConfig:
 def _measure(rank: int, world_size: int, args, schedule: str, micro: int) -> dict:
     parallel = ParallelState.build(pp_size=world_size)
     model = build_model(_config(args), seed=0)
-    parallelize(model, parallel)
+    parallelize(model, parallel, virtual_stages=args.virtual_stages if schedule == "interleaved" else 1)
     pipe = PipelineModel(model, parallel, micro, schedule)
     ids = torch.randint(0, 1024, (micro * args.micro_batch_size, args.seq), generator=torch.Generator().manual_seed(0))
-    idle, steps = [], []
+    busy, schedules = [], []
     for step in range(args.steps + 1):
         torch.distributed.barrier()
         start = time.perf_counter()
@@ -66,9 +69,9 @@ def _measure(rank: int, world_size: int, args, schedule: str, micro: int) -> dic
         elapsed = time.perf_counter() - start
         model.zero_grad(set_to_none=True)
         if step:  # the first step warms up allocations
-            idle.append(pipe.stats.idle_fraction)
-            steps.append(elapsed)
-    return {"idle": statistics.median(idle), "step_s": statistics.median(steps)}
+            busy.append(elapsed - pipe.stats.wait_s)
+            schedules.append(elapsed)
+    return {"busy_s": busy, "step_s": schedules}
 
 
 def main(argv=None) -> None:
@@ -79,13 +82,18 @@ def main(argv=None) -> None:
     )
     print(f"{'schedule':>8} {'m':>3} {'step s':>8} {'s/micro':>8} {'bubble':>7} {'formula':>8}  per stage")
     for micro in args.micro:
-        for schedule in ("afab", "1f1b"):
+        for schedule in ("afab", "1f1b", "interleaved"):
+            if schedule == "interleaved" and micro % args.pp:
+                continue
+            v = args.virtual_stages if schedule == "interleaved" else 1
             results = run_distributed(_measure, world_size=args.pp, args=(args, schedule, micro), timeout=600)
-            stages = [r["idle"] for r in results]
-            step = max(r["step_s"] for r in results)
+            steps = [max(times) for times in zip(*(r["step_s"] for r in results))]  # the slowest stage's
+            stages = [statistics.median(1 - b / s for b, s in zip(r["busy_s"], steps)) for r in results]
+            step = statistics.median(steps)
+            name = f"{schedule[:5]} v{v}" if v > 1 else schedule
             print(
-                f"{schedule:>8} {micro:>3} {step:>8.3f} {step / micro:>8.3f} {statistics.mean(stages):>7.1%} "
-                f"{bubble_fraction(args.pp, micro):>8.1%}  " + " ".join(f"{s:.1%}" for s in stages),
+                f"{name:>8} {micro:>3} {step:>8.3f} {step / micro:>8.3f} {min(stages):>7.1%} "
+                f"{bubble_fraction(args.pp, micro, v):>8.1%}  " + " ".join(f"{s:.1%}" for s in stages),
                 flush=True,
             )
 
