@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtk.parallel.async_tp import column_linear, enter_overlapped
 from mtk.parallel.comm import (
     Group,
     copy_to_tp,
@@ -173,15 +174,22 @@ class ColumnParallelLinear(ShardedModule):
 
     # forward = leave(local(enter(x))): a LoRA adapter (mtk.lora) adds its share between the steps, so it
     # rides on this layer's collectives instead of adding its own.
+    # True: the local product leaves its weight gradient to the input's entry (mtk.parallel.async_tp), which
+    # computes it while the input gradient is all-reduced.
+    defers_weight_gradient = True
+
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """X into the TP region: [b, s, in] (or [b, s/tp, in] with sequence parallelism) -> [b, s, in]."""
         if self.sequence_parallel:
             return gather_from_sequence(x, self.tp_group, self.sequence_dim)  # [b, s, in]
-        return copy_to_tp(x, self.tp_group) if self.copy_input else x  # backward: all-reduce dL/dX
+        if not self.copy_input:
+            return x
+        weights = [self.weight] if self.defers_weight_gradient else []
+        return enter_overlapped(x, self.tp_group, weights)  # backward: all-reduce dL/dX, overlapped
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output columns: [b, s, in] -> [b, s, out/tp]."""
-        return F.linear(x, self._weight_for_forward(), self.bias)
+        return column_linear(x, self.weight, self.bias, self.transposed)
 
     def leave(self, y: torch.Tensor) -> torch.Tensor:
         """[b, s, out/tp] -> [b, s, out] when ``gather_output`` (per-part order when fused), else as is."""
@@ -245,6 +253,8 @@ class KVReplicatedColumnLinear(ColumnParallelLinear):
         self.copies = self.tp_size // self.num_kv_heads
         head = self.tp_rank // self.copies
         return ((head * self.head_dim, (head + 1) * self.head_dim),), self.head_dim
+
+    defers_weight_gradient = False  # its weight gradient is all-reduced over the kv group in its own node
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
         weight = copy_to_tp(self._weight_for_forward(), self.kv_group)  # [head_dim, in]

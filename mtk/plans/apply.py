@@ -16,7 +16,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from mtk.parallel.comm import copy_to_tp, gather_from_sequence
+from mtk.parallel.async_tp import enter_overlapped
+from mtk.parallel.comm import gather_from_sequence
 from mtk.parallel.embedding import VocabParallelEmbedding
 from mtk.parallel.experts import split_experts
 from mtk.parallel.grads import share_params_across_tp
@@ -112,19 +113,21 @@ class CopyInputToTP:
     def __init__(self, argument: str, tp_group, sequence_parallel: bool = False) -> None:
         self.argument, self.tp_group, self.sequence_parallel = argument, tp_group, sequence_parallel
 
-    def _enter(self, x: torch.Tensor) -> torch.Tensor:
+    def _enter(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             return gather_from_sequence(x, self.tp_group)  # [b, s/tp, h] -> [b, s, h]
-        return copy_to_tp(x, self.tp_group)
+        columns = [m for m in module.modules() if isinstance(m, ColumnParallelLinear) and not m.copy_input]
+        weights = [cast(torch.Tensor, c.weight) for c in columns if c.defers_weight_gradient]
+        return enter_overlapped(x, self.tp_group, weights)  # the columns' weight gradients overlap the all-reduce
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args:
-            return (self._enter(args[0]), *args[1:]), kwargs
+            return (self._enter(module, args[0]), *args[1:]), kwargs
         if self.argument not in kwargs:
             raise UnsupportedModelError(
                 f"{type(module).__name__} was called without {self.argument!r}, the input its shared_inputs rule names"
             )
-        return args, {**kwargs, self.argument: self._enter(kwargs[self.argument])}
+        return args, {**kwargs, self.argument: self._enter(module, kwargs[self.argument])}
 
 
 def _embed_scale(module: nn.Module) -> float | None:
