@@ -7,6 +7,7 @@ on that rank (:mod:`mtk.bench.measure`).
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -82,6 +83,9 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
         measured = measure_model(spec, model.to(device), device, sync_grads, baseline, shard_over)
         if parallel.dp_size > 1:
             measured["reduction_s"] = _reduction_seconds(model, parallel.dp_group, device)
+        if parallel.tp_size > 1:
+            hidden = cast(Any, model).config.hidden_size
+            measured["activation_all_reduce_s"] = _activation_all_reduce_seconds(spec, hidden, parallel, device)
         return measured
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -106,6 +110,21 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     if spec.track_memory:  # MemTracker refuses modules run once per micro-batch: live bytes only
         result.memory_by_kind = live_peaks(model, optimizer, step)
     return result.as_dict()
+
+
+def _activation_all_reduce_seconds(spec: BenchSpec, hidden: int, parallel, device: torch.device) -> float:
+    """One TP all-reduce of a ``[b, s, h]`` activation, every rank starting together (median of 20): what the
+    TP floor charges per all-reduce."""
+    activation = torch.zeros(spec.batch, spec.seq, hidden, dtype=DTYPES[spec.dtype], device=device)  # [b, s, h]
+    dist.all_reduce(activation, group=parallel.tp_group)  # warm-up
+    times = []
+    for _ in range(20):
+        dist.barrier(group=parallel.tp_group)
+        start = time.perf_counter()
+        dist.all_reduce(activation, group=parallel.tp_group)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _reduction_seconds(model, group, device: torch.device) -> float:

@@ -77,6 +77,7 @@ class RankResult:
     pipeline_busy_s: float | None = None  # pp > 1: the timed schedules' seconds not blocked on a neighbour
     pipeline_schedule_s: float | None = None  # pp > 1: the timed schedules' seconds on this rank
     reduction_s: float | None = None  # dp > 1: one DP all-reduce of this rank's gradients, ranks started together
+    activation_all_reduce_s: float | None = None  # tp > 1: one TP all-reduce of a [b, s, h] activation (median)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -11,6 +11,7 @@ from typing import Any
 from mtk.bench.contenders import BenchSpec
 from mtk.bench.predict import Predicted
 from mtk.bench.runner import ContenderSummary
+from mtk.models import resolve_config
 from mtk.pipeline.schedules import bubble_fraction
 
 __all__ = ["collective_lines", "format_report", "report_dict", "write_json"]
@@ -72,10 +73,34 @@ def report_dict(spec: BenchSpec, summaries: list[ContenderSummary], predicted: P
     times = {s.name: s.median_s for s in summaries if s.median_s}
     if "mtk-accelerator" in times and "accelerate" in times:  # mtk.Accelerator at TP = 1 vs plain accelerate
         report["accelerator_overhead"] = times["mtk-accelerator"] / times["accelerate"]
+    one_thread = next((s for s in summaries if s.name == "hf-1thread" and s.median_s), None)
+    if spec.tp > 1 and spec.pp == spec.dp == 1 and ours is not None and ours.median_s and one_thread is not None:
+        report["tensor_parallel"] = tensor_parallel_floor(spec, ours, one_thread, predicted)
     one_replica = next((s for s in summaries if s.name == "mtk-one-replica" and s.median_s), None)
     if spec.dp > 1 and ours is not None and ours.median_s and one_replica is not None:
         report["data_parallel"] = data_parallel_ideal(ours, one_replica)
     return report
+
+
+def tensor_parallel_floor(
+    spec: BenchSpec, ours: ContenderSummary, one_thread: ContenderSummary, predicted: Predicted
+) -> dict:
+    """TP against its floor: the one-thread HF step split over ``tp`` ranks, plus the step's all-reduces
+    (their predicted bytes, as ``[b, s, h]`` activations) at the measured time of one, nothing overlapped."""
+    assert ours.median_s is not None and one_thread.median_s is not None
+    per_all_reduce = max((x for x in ours.activation_all_reduce_s if x is not None), default=0.0)
+    hidden = resolve_config(spec.model).hidden_size
+    activation = spec.batch * spec.seq * hidden * (2 if spec.dtype == "bf16" else 4)
+    all_reduces = predicted.nbytes["all_reduce"] / activation
+    floor = one_thread.median_s / spec.tp + all_reduces * per_all_reduce
+    return {
+        "one_thread_s": one_thread.median_s,
+        "activation_all_reduces": all_reduces,
+        "all_reduce_s": per_all_reduce,
+        "floor_s": floor,
+        "measured_vs_floor": ours.median_s / floor,
+        "best_vs_floor": (ours.min_s or ours.median_s) / floor,
+    }
 
 
 def data_parallel_ideal(ours: ContenderSummary, one_replica: ContenderSummary) -> dict:
@@ -157,6 +182,14 @@ def format_report(report: dict) -> str:
             f"{pipeline['schedule']} (v={pipeline['virtual_stages']}): idle share per stage {stages}, bubble (the "
             f"slowest stage's) {pipeline['bubble'] or 0:.2f} against (p-1)/(v m+p-1) = "
             f"{pipeline['bubble_formula']:.2f}"
+        )
+    floor = report.get("tensor_parallel")
+    if floor:
+        out.append(
+            f"tensor parallel: {ours['median_s'] if ours else 0:.3f} s/step against a floor of {floor['floor_s']:.3f} "
+            f"(plain HF 1 thread {floor['one_thread_s']:.3f} s / tp + {floor['activation_all_reduces']:.1f} "
+            f"all-reduces x {floor['all_reduce_s'] * 1e3:.2f} ms): {floor['measured_vs_floor']:.2f}x (best step "
+            f"{floor['best_vs_floor']:.2f}x)"
         )
     if "accelerator_overhead" in report:
         ratio = report["accelerator_overhead"]

@@ -41,6 +41,7 @@ class ContenderSummary:
     pipeline_busy_s: list[float | None] = field(default_factory=list)  # per rank, pp > 1: not waiting (last round)
     pipeline_schedule_s: list[float | None] = field(default_factory=list)  # per rank, pp > 1: schedules (last round)
     reduction_s: list[float | None] = field(default_factory=list)  # per rank, dp > 1: one DP all-reduce (last round)
+    activation_all_reduce_s: list[float | None] = field(default_factory=list)  # per rank, tp > 1 (last round)
     loss: float | None = None
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)  # rank 0, one step
     error: str | None = None
@@ -62,6 +63,7 @@ class ContenderSummary:
         self.pipeline_busy_s = [r.get("pipeline_busy_s") for r in ranks]
         self.pipeline_schedule_s = [r.get("pipeline_schedule_s") for r in ranks]
         self.reduction_s = [r.get("reduction_s") for r in ranks]
+        self.activation_all_reduce_s = [r.get("activation_all_reduce_s") for r in ranks]
         grown = [r["memory_above_start"] for r in ranks]
         old = self.memory_above_start
         self.memory_above_start = [max(a, b) for a, b in zip(old, grown)] if old else grown

@@ -42,15 +42,29 @@ MEMORY = {
 }
 
 
-def _summary(name, times, collectives=None, error=None):
+def _summary(name, times, collectives=None, error=None, **extra):
     summary = ContenderSummary(name, processes=2 if name == "mtk" else 1, threads=1)
     if error:
         summary.error = error
         return summary
     summary.add(
         [
-            {"step_s": times, "peak_memory": 300 * 2**20, "loss": 9.0, "collectives": collectives or {}, **MEMORY},
-            {"step_s": [t + 0.1 for t in times], "peak_memory": 310 * 2**20, "loss": 9.0, "collectives": {}, **MEMORY},
+            {
+                "step_s": times,
+                "peak_memory": 300 * 2**20,
+                "loss": 9.0,
+                "collectives": collectives or {},
+                **MEMORY,
+                **extra,
+            },
+            {
+                "step_s": [t + 0.1 for t in times],
+                "peak_memory": 310 * 2**20,
+                "loss": 9.0,
+                "collectives": {},
+                **MEMORY,
+                **extra,
+            },
         ]
     )
     return summary
@@ -61,7 +75,7 @@ def test_report_has_ratios_memory_and_collectives(tmp_path):
     predicted = predicted_for(spec)
     measured = {"all_reduce": {"count": 20, "bytes": predicted.nbytes["all_reduce"]}}
     summaries = [
-        _summary("mtk", [0.9, 1.0, 1.1], measured),
+        _summary("mtk", [0.9, 1.0, 1.1], measured, activation_all_reduce_s=0.002),
         _summary("hf-1thread", [1.9, 2.0, 2.1]),
         _summary("transformers-tp_plan", [], error="RuntimeError: no tp_plan"),
     ]
@@ -75,6 +89,11 @@ def test_report_has_ratios_memory_and_collectives(tmp_path):
     assert "0.52x" in text and "failed: RuntimeError: no tp_plan" in text
     assert "all_reduce" in text and "predicted   20 calls" in text and " ok" in text
     assert "busy 2%-4% of the time just before each launch" in text
+    floor = report["tensor_parallel"]  # plain HF's 1-thread step / tp + the step's all-reduces, none overlapped
+    assert floor["activation_all_reduces"] == pytest.approx(18 + 3 * 4 * 256 * 4 / 2**21)
+    assert floor["floor_s"] == pytest.approx(2.1 / 2 + floor["activation_all_reduces"] * 0.002)
+    assert floor["measured_vs_floor"] == pytest.approx(1.1 / floor["floor_s"])
+    assert "tensor parallel: 1.100 s/step against a floor of 1.086" in text
     write_json(report, tmp_path / "bench.json")
     assert json.loads((tmp_path / "bench.json").read_text())["contenders"][0]["name"] == "mtk"
 
