@@ -16,6 +16,7 @@ from mtk.parallel import (
     VocabParallelEmbedding,
     share_params_across_tp,
 )
+from mtk.parallel.async_tp import enter_overlapped, weight_gradients_of
 from mtk.parallel.comm import split
 from mtk.parallel.grads import sync_sequence_parallel_grads
 from mtk.parallel.trace import count_collectives
@@ -253,6 +254,35 @@ def _shared_param_checks(state: ParallelState) -> None:
     assert_close_rel(norm.bias.grad, norm_ref.bias.grad, "shared norm bias grad")
 
 
+def _overlapped_entry_checks(state: ParallelState) -> dict:
+    """Siblings sharing one entered input (one of them Conv1D-shaped, one used twice): the weight gradients
+    computed in the entry while its one all-reduce runs equal nn.Linear's."""
+    group = state.tp_group
+    torch.manual_seed(3)
+    first, second = nn.Linear(HIDDEN, FFN), nn.Linear(HIDDEN, FFN)
+    x_full = torch.randn(BATCH, SEQ, HIDDEN)
+    x = x_full.clone().requires_grad_()
+    up = [torch.randn(BATCH, SEQ, FFN, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3)]
+    ((first(x) * up[0]).sum() + (second(x) * up[1]).sum() + (first(x) * up[2]).sum()).backward()
+
+    col = ColumnParallelLinear(HIDDEN, FFN, tp_group=group, copy_input=False)
+    col.load_full(first.weight, first.bias)
+    conv = ColumnParallelLinear(HIDDEN, FFN, tp_group=group, copy_input=False, transposed=True)
+    conv.load_full(second.weight.t(), second.bias)
+    mine = x_full.clone().requires_grad_()
+    with count_collectives() as forward:
+        entered = enter_overlapped(mine, group, [col.weight, conv.weight])
+        outputs = [col(entered), conv(entered), col(entered)]
+    with count_collectives() as backward:
+        sum((y * split(u, group, dim=-1)).sum() for y, u in zip(outputs, up)).backward()
+    assert_close_rel(mine.grad, x.grad, "entered input grad")
+    assert_close_rel(col.weight.grad, col.shard(first.weight.grad), "deferred weight grad, used twice")
+    assert_close_rel(conv.weight.grad, conv.shard(second.weight.grad.t()), "deferred Conv1D weight grad")
+    assert_close_rel(col.bias.grad, col.shard(first.bias.grad, "bias"), "bias grad")
+    assert weight_gradients_of(entered).compute(col.weight) is None, "nothing left behind"
+    return {"forward": forward.counts(), "backward": backward.counts()}
+
+
 def _all_layer_checks(rank: int, world_size: int) -> dict:
     state = ParallelState.build(tp_size=world_size)
     assert state.tp_size == world_size
@@ -265,6 +295,7 @@ def _all_layer_checks(rank: int, world_size: int) -> dict:
         "sp": _sequence_parallel_checks(state),
         "embedding": _embedding_checks(state),
         "kv_backward": _kv_replicated_checks(state),
+        "overlapped": _overlapped_entry_checks(state),
     }
 
 
@@ -283,4 +314,6 @@ def test_parallel_layers_match_reference(tp):
         assert result["embedding"]["backward"] == {}
         # input-grad all-reduce over TP + one weight and one bias grad all-reduce over the kv copies
         assert result["kv_backward"] == {"all_reduce": 3}
+        # three column products on one entered input: still one all-reduce, in backward only
+        assert result["overlapped"] == {"forward": {}, "backward": {"all_reduce": 1}}
         assert result["embedding"]["padded"] == -(-37 // (2 * tp)) * 2 * tp  # next multiple of tp*pad
