@@ -117,6 +117,7 @@ CASES = [
     ("four-layer-llama", 1, 2, 1, "interleaved", 4, (), 2),
     ("four-layer-gpt2", 1, 2, 1, "interleaved", 2, (), 2),  # positions and dropout stand aside on chunk 1
     ("eight-layer-llama", 1, 4, 1, "interleaved", 8, (), 2),
+    ("eight-layer-llama", 2, 4, 1, "interleaved", 4, (), 2),  # 8 processes: TP x PP, the ring over 4 stages
     ("eight-layer-llama", 1, 2, 1, "interleaved", 4, (1, 3, 2, 2), 2),  # uneven chunks
     ("four-layer-qwen2", 2, 2, 2, "interleaved", 2, (), 2),  # tied, vocab-parallel, TP x PP x DP
 ]

@@ -196,6 +196,16 @@ def test_interleaved_schedule_trains_resumes_and_reshards_like_one_process(four_
         )
     )
     assert_same_losses(resumed, tp1, [4, 5, 6], "one-process checkpoint resumed interleaved")
+    for name, checkpoint in (("il", step3), ("tp1", root / "tp1" / "step_3")):
+        out = subprocess.run(
+            ["mtk", "export", str(checkpoint), str(tmp_path / f"export-{name}")], capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export-il")(ids).logits
+        expected = AutoModelForCausalLM.from_pretrained(tmp_path / "export-tp1")(ids).logits
+    assert_close_rel(exported, expected, "exported interleaved checkpoint vs exported one-process checkpoint")
 
 
 def test_bad_interleaved_input_is_one_clear_line(four_layers, tmp_path):
