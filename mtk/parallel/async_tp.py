@@ -46,7 +46,7 @@ class WeightGradients:
             x2, g2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])  # [tokens, in], [tokens, out]
             part = x2.t().mm(g2) if transposed else g2.t().mm(x2)  # [in, out] (Conv1D) or [out, in]
             total = part if total is None else total + part
-        return total
+        return None if total is None else total.to(weight.dtype)  # under autocast: the low-precision product
 
 
 class _EnterOverlapped(torch.autograd.Function):
@@ -74,10 +74,15 @@ class _ColumnLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, transposed: bool, gradients: WeightGradients):
+        ctx.key = id(weight)  # the parameter itself; activation recompute may unpack a new alias of it
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # as autocast runs F.linear: every operand in its dtype
+            dtype = torch.get_autocast_dtype(device)
+            x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
         ctx.save_for_backward(x, weight)
         ctx.transposed, ctx.gradients, ctx.has_bias = transposed, gradients, bias is not None
-        ctx.key = id(weight)  # the parameter itself; activation recompute may unpack a new alias of it
-        return F.linear(x, weight.t() if transposed else weight, bias)  # [b, s, out/tp]
+        with torch.autocast(device, enabled=False):
+            return F.linear(x, weight.t() if transposed else weight, bias)  # [b, s, out/tp]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -174,15 +174,15 @@ class PipelineModel(nn.Module):
             for k, step in enumerate(order)
             if not (info.chunk_is_first(step.chunk) if step.kind == "F" else info.chunk_is_last(step.chunk))
         ]
+        next_receive = dict(zip(receives, receives[1:]))
         posted: dict[int, Posted] = {}
 
         def receive(k: int) -> torch.Tensor:
             """Pass ``k``'s input (activation or gradient); posts the next pass's receive before waiting."""
             if k not in posted:
                 posted[k] = post(k)
-            later = [j for j in receives if j > k]
-            if later:
-                posted[later[0]] = post(later[0])
+            if k in next_receive:
+                posted[next_receive[k]] = post(next_receive[k])
             return link.wait(posted.pop(k))
 
         def post(k: int) -> Posted:

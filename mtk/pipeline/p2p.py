@@ -68,14 +68,6 @@ class StageLink:
         assert work is not None  # a member of the group always gets a handle
         self._pending.append((work, tensor))
 
-    def _post(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int) -> Posted:
-        numel = math.prod(shape)
-        scattered = self._scattered(numel)
-        buffer = torch.empty(numel // self.tp_size if scattered else shape, dtype=dtype, device=device)
-        work = dist.irecv(buffer, src=src, group=self.group)
-        assert work is not None
-        return Posted(work, buffer, shape, scattered)
-
     def wait(self, posted: Posted) -> torch.Tensor:
         """The tensor of a posted receive, once it has arrived (the time blocked counts as waiting)."""
         start = time.perf_counter()
@@ -89,21 +81,20 @@ class StageLink:
         """Start receiving the next activation (``forward``) or gradient; receives complete in the order posted."""
         src = self.prev_rank if forward else self.next_rank
         assert src is not None, "the first stage receives nothing forward, the last nothing backward"
-        return self._post(shape, dtype, device, src)
+        numel = math.prod(shape)
+        scattered = self._scattered(numel)
+        buffer = torch.empty(numel // self.tp_size if scattered else shape, dtype=dtype, device=device)
+        work = dist.irecv(buffer, src=src, group=self.group)
+        assert work is not None
+        return Posted(work, buffer, shape, scattered)
 
     def send_forward(self, activation: torch.Tensor) -> None:
         assert self.next_rank is not None, "the last stage sends nothing forward"
         self._send(activation, self.next_rank)
 
-    def recv_forward(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.wait(self.post(True, shape, dtype, device))
-
     def send_backward(self, grad: torch.Tensor) -> None:
         assert self.prev_rank is not None, "the first stage sends nothing backward"
         self._send(grad, self.prev_rank)
-
-    def recv_backward(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.wait(self.post(False, shape, dtype, device))
 
     def flush(self) -> None:
         """Wait until every send has left (end of a schedule); frees the kept tensors."""

@@ -49,7 +49,7 @@ def _kill_during_a_save(process: subprocess.Popen, out_dir, step: int, rng: rand
     started, done = out_dir / f"step_{step}.incomplete", out_dir / f"step_{step}"
     while not (started.exists() or done.exists()) and time.monotonic() < deadline:  # (a busy machine may miss it)
         time.sleep(0.0005)
-    time.sleep(rng.uniform(0.0, 0.02))
+    time.sleep(rng.uniform(0.0, 0.01))  # a save of this tiny model lasts tens of ms, less on a fast machine
     for pid in (process.pid, *workers):
         with contextlib.suppress(ProcessLookupError):  # (it may have finished first)
             os.kill(pid, signal.SIGKILL)
