@@ -280,6 +280,19 @@ def _overlapped_entry_checks(state: ParallelState) -> dict:
     assert_close_rel(conv.weight.grad, conv.shard(second.weight.grad.t()), "deferred Conv1D weight grad")
     assert_close_rel(col.bias.grad, col.shard(first.bias.grad, "bias"), "bias grad")
     assert weight_gradients_of(entered).compute(col.weight) is None, "nothing left behind"
+
+    # under bf16 autocast the product runs in bf16 as nn.Linear's does; the weight gradient comes back fp32
+    first.zero_grad()
+    col.zero_grad()
+    x = x_full.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # backward outside it, as accelerate runs it
+        expected = (first(x).float() * up[0]).sum()
+        y = col(enter_overlapped(x_full.clone().requires_grad_(), group, [col.weight]))
+    expected.backward()
+    assert y.dtype == torch.bfloat16
+    (y.float() * split(up[0], group, dim=-1)).sum().backward()
+    assert col.weight.grad.dtype == torch.float32
+    assert_close_rel(col.weight.grad, col.shard(first.weight.grad), "bf16 deferred weight grad", tol=2e-2)
     return {"forward": forward.counts(), "backward": backward.counts()}
 
 
