@@ -14,6 +14,7 @@ before: sibling columns sharing an input (q, k, v; gate, up) still share it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,12 +77,13 @@ class _ColumnLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, transposed: bool, gradients: WeightGradients):
         ctx.key = id(weight)  # the parameter itself; activation recompute may unpack a new alias of it
         device = x.device.type
-        if torch.is_autocast_enabled(device):  # as autocast runs F.linear: every operand in its dtype
+        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)  # (not on meta)
+        if autocast:  # as autocast runs F.linear: every operand in its dtype, saved so for backward
             dtype = torch.get_autocast_dtype(device)
             x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
         ctx.save_for_backward(x, weight)
         ctx.transposed, ctx.gradients, ctx.has_bias = transposed, gradients, bias is not None
-        with torch.autocast(device, enabled=False):
+        with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
             return F.linear(x, weight.t() if transposed else weight, bias)  # [b, s, out/tp]
 
     @staticmethod
