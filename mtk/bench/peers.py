@@ -91,9 +91,11 @@ class _TorchStage(torch.nn.Module):
 
 
 def run_torch_pipelining(rank: int, world_size: int, spec: BenchSpec) -> dict:
-    """torch's own pipeline parallelism (``torch.distributed.pipelining``, 1F1B) on the same HF model cut into
-    ``spec.pp`` even stages: the pipeline peer (Llama-style decoders)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    """torch's own pipeline parallelism (``torch.distributed.pipelining``) on the same HF model cut as mtk cuts
+    it (``spec.pipeline_layers``, else even), with the same schedule: ``Schedule1F1B``, ``ScheduleGPipe`` for
+    afab, ``ScheduleInterleaved1F1B`` over ``spec.virtual_stages`` stages per rank: the pipeline peer
+    (Llama-style decoders)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     from mtk.pipeline.stages import stage_layer_counts
 
@@ -102,18 +104,24 @@ def run_torch_pipelining(rank: int, world_size: int, spec: BenchSpec) -> dict:
     model: Any = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
     if not hasattr(model, "model") or not hasattr(model.model, "rotary_emb"):
         raise RuntimeError(f"the torch.distributed.pipelining peer cuts Llama-style decoders, not {spec.model}")
-    counts = stage_layer_counts(len(model.model.layers), world_size)
-    start = sum(counts[:rank])
-    stage_module = _TorchStage(model, start, start + counts[rank], rank == 0, rank == world_size - 1).to(device)
-    stage_module.train()
-    optimizer = torch.optim.AdamW(stage_module.parameters(), lr=1e-4)
-    stage = PipelineStage(stage_module, rank, world_size, device)
+    chunks = world_size * spec.virtual_stages  # model chunk k runs on rank k % world_size, as in mtk
+    counts = stage_layer_counts(len(model.model.layers), chunks, spec.pipeline_layers)
+    modules = [
+        _TorchStage(model, sum(counts[:k]), sum(counts[: k + 1]), k == 0, k == chunks - 1).to(device).train()
+        for k in range(rank, chunks, world_size)
+    ]
+    optimizer = torch.optim.AdamW([p for module in modules for p in module.parameters()], lr=1e-4)
+    stages: list[Any] = [PipelineStage(m, k, chunks, device) for m, k in zip(modules, range(rank, chunks, world_size))]
     vocab = model.config.vocab_size
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # HF's shifted causal LM loss
         return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), labels[:, 1:].reshape(-1))
 
-    schedule = Schedule1F1B(stage, n_microbatches=spec.micro_batches, loss_fn=loss_fn)
+    if spec.pipeline_schedule == "interleaved":
+        schedule: Any = ScheduleInterleaved1F1B(stages, n_microbatches=spec.micro_batches, loss_fn=loss_fn)
+    else:
+        single = ScheduleGPipe if spec.pipeline_schedule == "afab" else Schedule1F1B
+        schedule = single(stages[0], n_microbatches=spec.micro_batches, loss_fn=loss_fn)
     input_ids = bench_batch(spec, vocab, device)
 
     def step() -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from mtk.cli.main import main
 from mtk.models import builtin_config
 
@@ -135,12 +137,19 @@ def test_bench_pipeline_with_an_uneven_split(tmp_path, capsys):
     assert report["contenders"][0]["collectives"] == report["predicted_collectives"]
 
 
-def test_bench_pipeline_against_torch_pipelining(tmp_path, capsys):
-    """--compare with --pp: torch.distributed.pipelining (1F1B) on the same model cut the same way is the peer;
-    the same weights and micro-batches give the same loss."""
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_bench_pipeline_against_torch_pipelining(tmp_path, capsys, schedule):
+    """--compare with --pp: torch.distributed.pipelining on the same model cut the same way, with the same
+    schedule (Schedule1F1B, ScheduleInterleaved1F1B), is the peer; the same weights and micro-batches give
+    the same loss."""
+    config = builtin_config("tiny-llama")
+    config.num_hidden_layers = 4
+    model = tmp_path / "four-layer-llama.json"
+    model.write_text(config.to_json_string())
+    chunks = ["--pipeline_schedule", "interleaved", "--virtual_stages", "2"] if schedule == "interleaved" else []
     out = tmp_path / "bench.json"
-    code = main(["bench", "--model", "tiny-llama", "--tp", "1", "--pp", "2", "--compare", "--batch", "4", "--seq",
-                 "16", "--steps", "1", "--rounds", "1", "--json", str(out)])  # fmt: skip
+    code = main(["bench", "--model", str(model), "--tp", "1", "--pp", "2", "--compare", "--batch", "4", "--seq",
+                 "16", "--steps", "1", "--rounds", "1", *chunks, "--json", str(out)])  # fmt: skip
     text = capsys.readouterr().out
     assert code == 0, text
     contenders = {c["name"]: c for c in json.loads(out.read_text())["contenders"]}
