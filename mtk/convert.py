@@ -95,7 +95,8 @@ def parallelize(
         sequence_parallel=sequence_parallel,
     )
     stage = split_stages(model, parallel, plan, pipeline_layers, virtual_stages) if parallel.pp_size > 1 else None
-    rng = apply_regions(model, plan, parallel, sequence_parallel=sequence_parallel)
+    chunks = stage.chunks if stage is not None and stage.virtual_stages > 1 else ()
+    rng = apply_regions(model, plan, parallel, sequence_parallel=sequence_parallel, chunks=chunks)
     record = Parallelized(plan, parallel.tp_size, stage, sequence_parallel, rng)
     setattr(model, _ATTRIBUTE, record)
     return model

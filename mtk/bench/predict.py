@@ -82,7 +82,8 @@ def predict_collectives(
         # never needed). Selective recompute reruns the same collectives: only matmul outputs are kept.
         reruns = (2 if residual_dropout else 1) * layers if recompute else 0
         if sequence_parallel:
-            gathers = (2 * layers + 2 * layers + 2 + (2 * layers if recompute else 0)) * micro_batches
+            ends_of_runs = 2 * (virtual_stages if pp > 1 else 1)  # each chunk's blocks gather where they end and begin
+            gathers = (2 * layers + 2 * layers + ends_of_runs + (2 * layers if recompute else 0)) * micro_batches
             scatters = (2 * layers + 2 * layers + reruns) * micro_batches
             counts["all_gather"] += gathers
             nbytes["all_gather"] += gathers * activation // tp

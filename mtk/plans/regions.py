@@ -102,9 +102,17 @@ def _matching(model: nn.Module, patterns: tuple[str, ...]) -> list[tuple[str, nn
 
 
 def apply_regions(
-    model: nn.Module, plan: Plan, parallel: ParallelState, *, sequence_parallel: bool = False
+    model: nn.Module,
+    plan: Plan,
+    parallel: ParallelState,
+    *,
+    sequence_parallel: bool = False,
+    chunks: tuple[range, ...] = (),
 ) -> RNGStreams:
-    """Install the sequence-parallel region (when asked) and the random streams; returns the streams."""
+    """Install the sequence-parallel region (when asked) and the random streams; returns the streams.
+
+    ``chunks``: the block indices of each model chunk this pipeline rank runs (interleaved schedule); each
+    chunk's blocks are a region of their own, since what crosses between chunks is the whole sequence."""
     streams = tp_streams(parallel)
     if parallel.tp_size == 1:
         return streams
@@ -115,8 +123,10 @@ def apply_regions(
                 f"sequence parallelism: the {plan.name} rules name no list of transformer blocks; "
                 "turn megatron_lm_sequence_parallelism off for this model"
             )
-        blocks[0].register_forward_pre_hook(_SplitSequence(parallel.tp_group), with_kwargs=True)
-        blocks[-1].register_forward_hook(_GatherSequence(parallel.tp_group))
+        runs = [blocks[sum(map(len, chunks[:c])) :][: len(chunk)] for c, chunk in enumerate(chunks)] or [blocks]
+        for run in runs:  # blocks in index order, chunk after chunk
+            run[0].register_forward_pre_hook(_SplitSequence(parallel.tp_group), with_kwargs=True)
+            run[-1].register_forward_hook(_GatherSequence(parallel.tp_group))
         for block in blocks:
             for param in block.parameters():
                 info = param_info(param)

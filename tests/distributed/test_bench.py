@@ -36,8 +36,10 @@ def test_bench_pipeline_layout(tmp_path, capsys):
     assert pipeline["bubble"] == min(pipeline["idle_per_stage"])
 
 
-def test_bench_interleaved_pipeline(tmp_path, capsys):
-    """Two chunks per rank: every chunk boundary sends (the ring wraps), counted equal to the prediction."""
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_bench_interleaved_pipeline(tmp_path, capsys, sequence_parallel):
+    """Two chunks per rank: every chunk boundary sends (the ring wraps), counted equal to the prediction; with
+    sequence parallelism each chunk's blocks are a region of their own."""
     config = builtin_config("tiny-llama")
     config.num_hidden_layers = 4
     model = tmp_path / "four-layer-llama.json"
@@ -45,7 +47,7 @@ def test_bench_interleaved_pipeline(tmp_path, capsys):
     out = tmp_path / "bench.json"
     code = main(["bench", "--model", str(model), "--tp", "2", "--pp", "2", "--batch", "4", "--seq", "16",
                  "--steps", "1", "--pipeline_schedule", "interleaved", "--virtual_stages", "2",
-                 "--json", str(out)])  # fmt: skip
+                 *(["--sequence_parallel"] if sequence_parallel else []), "--json", str(out)])  # fmt: skip
     assert code == 0, capsys.readouterr().out
     report = json.loads(out.read_text())
     collectives = report["contenders"][0]["collectives"]

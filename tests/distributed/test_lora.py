@@ -118,13 +118,18 @@ def _batch(rows: int = 4, seq: int = 8) -> dict[str, torch.Tensor]:
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
 
 
-def _layout_checks(rank: int, world_size: int, tp: int, pp: int) -> int:
-    """TP x PP through the pipeline engine, or TP x DP through DDP: the adapters' gradients equal PEFT's."""
+def _layout_checks(rank: int, world_size: int, tp: int, pp: int, virtual: int = 1) -> int:
+    """TP x PP through the pipeline engine (interleaved with ``virtual`` > 1 chunks per rank), or TP x DP
+    through DDP: the adapters' gradients equal PEFT's."""
+    from mtk.models import builtin_config
     from mtk.pipeline.engine import PipelineModel
 
     state = ParallelState.build(tp_size=tp, pp_size=pp)
-    hf = build_model("tiny-llama", seed=0).eval()
-    model = get_peft_model(parallelize(copy.deepcopy(hf), state), _config(["q_proj", "v_proj", "o_proj", "down_proj"]))
+    config = builtin_config("tiny-llama")
+    config.num_hidden_layers = 2 * virtual
+    hf = build_model(config, seed=0).eval()
+    cut = parallelize(copy.deepcopy(hf), state, virtual_stages=virtual)
+    model = get_peft_model(cut, _config(["q_proj", "v_proj", "o_proj", "down_proj"]))
     reference = reference_for(hf, model, state)
     batch = _batch()
     expected = reference(**batch)
@@ -132,7 +137,7 @@ def _layout_checks(rank: int, world_size: int, tp: int, pp: int) -> int:
     share = len(batch["input_ids"]) // state.dp_size
     local = {k: v[state.dp_rank * share : (state.dp_rank + 1) * share] for k, v in batch.items()}
     if pp > 1:
-        pipe = PipelineModel(model, state, num_micro_batches=2)
+        pipe = PipelineModel(model, state, num_micro_batches=2, schedule="interleaved" if virtual > 1 else "1f1b")
         loss = pipe(**local).loss
         pipe.finalize_grads()
     else:
@@ -150,12 +155,12 @@ def _layout_checks(rank: int, world_size: int, tp: int, pp: int) -> int:
     return len(grads)
 
 
-@pytest.mark.parametrize("tp,pp,dp", [(2, 2, 1), (2, 1, 2)])
-def test_lora_pipeline_and_data_parallel_equal_peft(tp, pp, dp):
-    counts = run_distributed(_layout_checks, world_size=tp * pp * dp, args=(tp, pp))
+@pytest.mark.parametrize("tp,pp,dp,virtual", [(2, 2, 1, 1), (2, 1, 2, 1), (2, 2, 1, 2)])
+def test_lora_pipeline_and_data_parallel_equal_peft(tp, pp, dp, virtual):
+    counts = run_distributed(_layout_checks, world_size=tp * pp * dp, args=(tp, pp, virtual))
     assert all(count > 0 for count in counts)
     if pp > 1:  # each stage holds (and compares) only its own layers' adapters
-        assert counts[0] < 2 * 4 * 2  # 2 layers x 4 targets x (A, B) in the whole model
+        assert counts[0] < 2 * virtual * 4 * 2  # 2v layers x 4 targets x (A, B) in the whole model
 
 
 def _train_and_save(rank: int, world_size: int, root: str) -> dict:

@@ -13,14 +13,17 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
-from mtk.convert import parallelize
+from mtk.config import RunSettings
+from mtk.convert import parallelize, parallelized
 from mtk.models import build_model, builtin_config
 from mtk.parallel import ParallelState
 from mtk.parallel.gather import gather_state_dict, iter_full_tensors
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
+from mtk.parallel.grads import sync_sequence_parallel_grads
 from mtk.parallel.parameters import param_info
 from mtk.pipeline.engine import PipelineModel
 from mtk.pipeline.schedules import schedule_order
+from mtk.recompute import enable_recompute
 from mtk.testing import assert_close_rel, run_distributed
 
 GLOBAL_BATCH, SEQ = 8, 12
@@ -57,7 +60,9 @@ def _batch() -> dict[str, torch.Tensor]:
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
 
 
-def _pipeline_checks(rank, world_size, name, tp, pp, schedule, micro_batches, layers, virtual=1) -> dict:
+def _pipeline_checks(
+    rank, world_size, name, tp, pp, schedule, micro_batches, layers, virtual=1, recompute=None, sequence_parallel=False
+) -> dict:
     state = ParallelState.build(tp_size=tp, pp_size=pp)
     reference = build_model(name, seed=0).eval()  # eval: no dropout; gradients still flow
     batch = _batch()
@@ -66,7 +71,15 @@ def _pipeline_checks(rank, world_size, name, tp, pp, schedule, micro_batches, la
     ref_grads = dict(reference.named_parameters())
     ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"), norm_type=2.0)
 
-    model = parallelize(copy.deepcopy(reference), state, pipeline_layers=layers, virtual_stages=virtual)
+    model = parallelize(
+        copy.deepcopy(reference),
+        state,
+        pipeline_layers=layers,
+        virtual_stages=virtual,
+        sequence_parallel=sequence_parallel,
+    )
+    record = parallelized(model)
+    enable_recompute(model, RunSettings(recompute_granularity=recompute), record.rng)
     pipe = PipelineModel(model.eval(), state, micro_batches, schedule)
     pipe.syncs_this_call = lambda: True  # as mtk.Accelerator: the last backward starts the DP reduction
     share = GLOBAL_BATCH // state.dp_size
@@ -74,6 +87,8 @@ def _pipeline_checks(rank, world_size, name, tp, pp, schedule, micro_batches, la
     loss = pipe(**local).loss
     in_flight = pipe.stats.max_in_flight
     pipe.finalize_grads()
+    if sequence_parallel:  # what mtk.Accelerator does after backward
+        sync_sequence_parallel_grads(model, state.tp_group)
     mean_loss = loss.clone().reshape(1)
     if state.dp_size > 1:
         dist.all_reduce(mean_loss, group=state.dp_group)
@@ -142,6 +157,19 @@ def test_pipeline_equals_single_process(name, tp, pp, dp, schedule, micro, layer
     assert first_stage == _max_in_flight(schedule_order(schedule, micro, 0, pp, virtual))
     if schedule == "1f1b":
         assert first_stage == min(pp, micro)
+
+
+@pytest.mark.parametrize("recompute,sequence_parallel", [("full", False), ("selective", True)])
+def test_interleaved_with_recompute_and_sequence_parallel(recompute, sequence_parallel):
+    """The chunk views swap modules in and out between forward and backward: activation recompute reruns
+    the blocks that ran, and sequence parallelism's split activations cross the ring."""
+    results = run_distributed(
+        _pipeline_checks,
+        world_size=4,
+        args=(MODELS["four-layer-llama"](), 2, 2, "interleaved", 4, (), 2, recompute, sequence_parallel),
+        timeout=300,
+    )
+    assert {r["stage"] for r in results} == {0, 1}
 
 
 def _overlap_vs_blocking(rank, world_size, name, micro_batches, schedule, virtual) -> dict:
