@@ -105,7 +105,7 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     result = measure_step(spec, step, device, baseline)
     timed = schedules[-spec.steps :]
     result.pipeline_schedule_s = sum(s.total_s for s in timed)
-    result.pipeline_busy_s = result.pipeline_schedule_s - sum(s.wait_s for s in timed)
+    result.pipeline_busy_s = sum(s.busy_s for s in timed)
     result.model_state = count_model_state(model, optimizer)
     if spec.track_memory:  # MemTracker refuses modules run once per micro-batch: live bytes only
         result.memory_by_kind = live_peaks(model, optimizer, step)

@@ -46,7 +46,8 @@ class PipelineStats:
     """What the last schedule did on this rank (for tests, benchmarks and the bubble measurement).
 
     Attributes:
-        max_in_flight: most micro-batches whose activations were held at once (forwarded, not yet backwarded).
+        max_in_flight: most micro-batches whose activations were held at once (forwarded, not yet backwarded;
+            with the interleaved schedule, passes of one chunk: each holds ``1/v`` of the stage's activations).
         wait_s: seconds blocked receiving from a neighbour stage; total_s: the whole schedule.
     """
 
@@ -57,8 +58,9 @@ class PipelineStats:
     total_s: float = 0.0
 
     @property
-    def idle_fraction(self) -> float:
-        return self.wait_s / self.total_s if self.total_s else 0.0
+    def busy_s(self) -> float:
+        """Seconds of the schedule this rank was not blocked on a neighbour."""
+        return self.total_s - self.wait_s
 
 
 def split_micro_batches(batch: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
