@@ -40,7 +40,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per setting (after one warm-up)")
     parser.add_argument("--virtual_stages", type=int, default=2, help="chunks per stage for the interleaved rows")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.virtual_stages < 2:
+        parser.error(f"--virtual_stages {args.virtual_stages}: the interleaved rows need at least 2 chunks per stage")
+    return args
 
 
 def _config(args) -> LlamaConfig:
