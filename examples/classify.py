@@ -32,8 +32,8 @@ from mtk.data import ByteTokenizer, load_data, pad_id_of, tokenizer_for
 from mtk.errors import DataError, run_main
 from mtk.models import build_model, resolve_config
 from mtk.parallel.grad_norm import check_finite
-from mtk.plans import check_tp_size
-from mtk.signals import ExitSignal
+from mtk.rules import check_tp_size
+from mtk.training.signals import ExitSignal
 
 HERE = Path(__file__).resolve().parent
 

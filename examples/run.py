@@ -41,7 +41,6 @@ from mtk.config import RunSettings
 from mtk.convert import parallelize, parallelized
 from mtk.data import FORMATS, LOSS_ON, eval_batches, loss_tokens, tokenizer_for, training_data
 from mtk.errors import DataError, run_main
-from mtk.evaluation import evaluate
 from mtk.integrations.deepspeed import (
     deepspeed_config,
     load_deepspeed_checkpoint,
@@ -54,10 +53,11 @@ from mtk.models import build_model, check_seq_len, resolve_config
 from mtk.parallel.comm import all_reduce
 from mtk.parallel.grad_norm import check_finite
 from mtk.parallel.placement import placement
+from mtk.parallel.recompute import enable_recompute
 from mtk.parallel.state import ParallelState
-from mtk.plans import check_tp_size
-from mtk.recompute import enable_recompute
-from mtk.signals import ExitSignal
+from mtk.rules import check_tp_size
+from mtk.training.evaluation import evaluate
+from mtk.training.signals import ExitSignal
 
 HERE = Path(__file__).resolve().parent
 

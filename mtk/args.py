@@ -91,7 +91,7 @@ def collective_timeout(args: argparse.Namespace) -> timedelta:
 
 
 def add_recompute_argument(parser: argparse.ArgumentParser) -> None:
-    """``--gradient_checkpointing``: HF's name for full recompute of every block (:mod:`mtk.recompute`)."""
+    """``--gradient_checkpointing``: HF's name for full recompute of every block (:mod:`mtk.parallel.recompute`)."""
     parser.add_argument(
         "--gradient_checkpointing",
         action="store_true",

@@ -3,7 +3,7 @@
 Converting by the rules (tensor parallelism) and cutting into pipeline stages happen together, once,
 here; the Accelerator, the HF-directory loader, the bench and the examples all call this function.
 What it did is attached to the model as one record, :class:`Parallelized` (``parallelized(model)``):
-the :class:`~mtk.plans.base.Plan` that converted it and the stage it holds.
+the :class:`~mtk.rules.base.RuleSet` that converted it and the stage it holds.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from torch import nn
 from mtk.parallel.random import RNGStreams
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.stages import StageInfo, split_stages
-from mtk.plans import Plan, check_tp_size, parallelize_with, resolve_plan
-from mtk.plans.regions import apply_regions
+from mtk.rules import RuleSet, check_tp_size, parallelize_with, resolve_rules
+from mtk.rules.regions import apply_regions
 
 __all__ = ["Parallelized", "parallelize", "parallelized"]
 
@@ -28,14 +28,14 @@ class Parallelized:
     """What :func:`parallelize` did to a model.
 
     Attributes:
-        plan: the rules that converted it (a family's, or the parity-checked generic ones).
+        rule_set: the rules that converted it (a family's, or the parity-checked generic ones).
         tp_size: the tensor-parallel degree its shards were cut for.
         stage: the pipeline stage it holds; ``None`` when it was not cut (pp = 1).
-        sequence_parallel: its blocks run on sequence-split activations (:mod:`mtk.plans.regions`).
+        sequence_parallel: its blocks run on sequence-split activations (:mod:`mtk.rules.regions`).
         rng: the random streams its dropouts draw from (the TP stream is checkpointed with the model).
     """
 
-    plan: Plan
+    rule_set: RuleSet
     tp_size: int
     stage: StageInfo | None
     sequence_parallel: bool = False
@@ -55,7 +55,7 @@ def parallelize(
     model: nn.Module,
     parallel: ParallelState,
     *,
-    plan: Plan | None = None,
+    rule_set: RuleSet | None = None,
     pipeline_layers: tuple[int, ...] = (),
     virtual_stages: int = 1,
     logits: str = "auto",
@@ -71,7 +71,7 @@ def parallelize(
     Args:
         model: an HF ``PreTrainedModel``.
         parallel: this process's topology.
-        plan: rules to use; default: the registered plan for the model type, else the generic rules
+        rule_set: rules to use; default: the registered rules for the model type, else the generic rules
             once they pass a parity check on a one-layer copy.
         pipeline_layers: decoder layers per stage (pp > 1); default: as even as possible
             (:class:`~mtk.config.RunSettings` ``pipeline_layers`` is what the Accelerator passes); with
@@ -84,19 +84,19 @@ def parallelize(
             by :func:`~mtk.parallel.grads.sync_sequence_parallel_grads` after backward).
     """
     check_tp_size(model.config, parallel.tp_size)  # one clear line before any rank builds anything
-    plan = plan or resolve_plan(model, parallel)
+    rule_set = rule_set or resolve_rules(model, parallel)
     sequence_parallel = sequence_parallel and parallel.tp_size > 1
     parallelize_with(
         model,
         parallel,
-        plan,
+        rule_set,
         logits=logits,
         pad_vocab_to_multiple_of=pad_vocab_to_multiple_of,
         sequence_parallel=sequence_parallel,
     )
-    stage = split_stages(model, parallel, plan, pipeline_layers, virtual_stages) if parallel.pp_size > 1 else None
+    stage = split_stages(model, parallel, rule_set, pipeline_layers, virtual_stages) if parallel.pp_size > 1 else None
     chunks = stage.chunks if stage is not None and stage.virtual_stages > 1 else ()
-    rng = apply_regions(model, plan, parallel, sequence_parallel=sequence_parallel, chunks=chunks)
-    record = Parallelized(plan, parallel.tp_size, stage, sequence_parallel, rng)
+    rng = apply_regions(model, rule_set, parallel, sequence_parallel=sequence_parallel, chunks=chunks)
+    record = Parallelized(rule_set, parallel.tp_size, stage, sequence_parallel, rng)
     setattr(model, _ATTRIBUTE, record)
     return model

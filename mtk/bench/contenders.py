@@ -49,9 +49,9 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     from mtk.config import RunSettings
     from mtk.convert import parallelize, parallelized
     from mtk.parallel.grads import all_reduce_coalesced, sync_sequence_parallel_grads
+    from mtk.parallel.recompute import enable_recompute
     from mtk.parallel.state import ParallelState
     from mtk.pipeline.engine import PipelineModel
-    from mtk.recompute import enable_recompute
 
     torch.set_num_threads(spec.threads)
     device = bench_device()

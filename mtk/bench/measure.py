@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mtk.parallel.trace import count_collectives
+from mtk.parallel.collective_count import count_collectives
 
 __all__ = [
     "BenchSpec",

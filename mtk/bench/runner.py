@@ -121,19 +121,19 @@ def local_numels(config, tp: int) -> list[int]:
     import torch
 
     from mtk.models import auto_class_for
-    from mtk.plans.base import COLUMN, KV_COLUMN, LM_HEAD, ROW, VOCAB
-    from mtk.plans.registry import find_plan
+    from mtk.rules.base import COLUMN, KV_COLUMN, LM_HEAD, ROW, VOCAB
+    from mtk.rules.registry import find_rules
 
-    plan = find_plan(config)
-    if plan is None:
+    rule_set = find_rules(config)
+    if rule_set is None:
         raise ValueError(f"{config.model_type}: the bench predicts data-parallel traffic for registered families only")
-    counts = plan.head_counts(config)
+    counts = rule_set.head_counts(config)
     with torch.device("meta"):
         model = auto_class_for(config).from_config(config)
     numels = []
     for name, param in model.named_parameters():
         module_name, _, attr = name.rpartition(".")
-        rule, rows = plan.rule_for(module_name), param.shape[0]
+        rule, rows = rule_set.rule_for(module_name), param.shape[0]
         style = rule.style if rule else None
         if style in (VOCAB, LM_HEAD) and attr == "weight":
             numels.append(-(-rows // tp) * param[0].numel())  # rows padded to a multiple of tp
@@ -165,25 +165,25 @@ def _sequence_parallel_elements(config_class: Any, config_json: str) -> int:
     import torch
 
     from mtk.models import auto_class_for
-    from mtk.plans.base import ROW
-    from mtk.plans.regions import local_blocks
-    from mtk.plans.registry import find_plan
+    from mtk.rules.base import ROW
+    from mtk.rules.regions import local_blocks
+    from mtk.rules.registry import find_rules
 
     config = config_class.from_dict(json.loads(config_json))
     for key in ("num_hidden_layers", "n_layer"):
         if hasattr(config, key):
             setattr(config, key, 1)
-    plan = find_plan(config)
-    if plan is None:
+    rule_set = find_rules(config)
+    if rule_set is None:
         return 0
     with torch.device("meta"):
         model = auto_class_for(config).from_config(config)
-    block = local_blocks(model, plan)[0]
+    block = local_blocks(model, rule_set)[0]
     prefix = next(name for name, module in model.named_modules() if module is block)
     per_block = 0
     for name, param in block.named_parameters():
         module_name, _, attr = f"{prefix}.{name}".rpartition(".")
-        rule = plan.rule_for(module_name)
+        rule = rule_set.rule_for(module_name)
         if rule is None or (rule.style == ROW and attr == "bias"):
             per_block += param.numel()
     return per_block

@@ -1,7 +1,7 @@
 """A checkpoint's ``metadata.json`` as a typed, versioned record: :class:`CheckpointMeta`.
 
 It records the topology that wrote the checkpoint (so a resume can reshard), the library versions,
-the model (class, plan, config: enough for ``mtk export``), the data position, which engine wrote it,
+the model (class, rules, config: enough for ``mtk export``), the data position, which engine wrote it,
 the run that wrote it, and every other file's size and checksum (:mod:`~mtk.checkpoint.integrity`).
 It is written last: a directory without it is not a checkpoint.
 """
@@ -45,7 +45,7 @@ class CheckpointMeta:
         step: optimizer steps completed when it was written.
         topology: the layout that wrote it.
         versions: mtk, torch, transformers, accelerate.
-        model: ``{"class", "plan", "config"}`` of the model.
+        model: ``{"class", "rules", "config"}`` of the model.
         data: the data position (micro-batches seen, samples per micro-batch, loader epochs).
         engine: ``"deepspeed"`` when DeepSpeed's state sits in ``deepspeed/``; else ``None``.
         zero_stage: DeepSpeed's ZeRO stage, with that engine.

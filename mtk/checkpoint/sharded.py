@@ -74,7 +74,7 @@ def _model_record(model: nn.Module) -> dict[str, Any]:
     record = parallelized(model)
     return {
         "class": type(hf_model(model)).__name__,
-        "plan": record.plan.name if record else None,
+        "rules": record.rule_set.name if record else None,
         "config": cast(Any, model).config.to_dict() if hasattr(model, "config") else None,
         **({"adapters": adapter_configs(model)} if is_peft_model(model) else {}),
     }

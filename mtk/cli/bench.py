@@ -12,7 +12,7 @@ from mtk.errors import MtkError
 from mtk.models import DTYPES, resolve_config
 from mtk.parallel.layout import Layout
 from mtk.pipeline.schedules import PIPELINE_SCHEDULES, check_schedule
-from mtk.plans import check_tp_size
+from mtk.rules import check_tp_size
 
 PEERS = ["hf-1thread", "hf-all-threads", "transformers-tp_plan", "deepspeed-autotp"]
 

@@ -100,7 +100,7 @@ def request_from_args(args: argparse.Namespace) -> Request:
 
 def _check_fixed_degrees(request: Request) -> None:
     """One line for a --tp / --pp the rules refuse, naming the ones they allow."""
-    from mtk.plans import check_tp_size
+    from mtk.rules import check_tp_size
 
     cluster, config = request.cluster, request.config
     if request.tp:

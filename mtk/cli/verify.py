@@ -10,10 +10,10 @@ import transformers
 
 from mtk.errors import MtkError
 from mtk.models import resolve_config
-from mtk.plans import check_tp_size
+from mtk.rules import check_tp_size
 from mtk.spawn import DistributedTestError, run_distributed
-from mtk.sweep import SweepRow, causal_lm_types, sweep_worker, tp_plan_types
 from mtk.verify import VERIFY_DTYPES, verify_worker
+from mtk.verify.sweep import SweepRow, causal_lm_types, sweep_worker, tp_plan_types
 
 # fp32: mtk and HF are each about HF's rounding error away from the fp64 truth, in their own directions
 ROUNDING_FACTOR = 2.0
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         ("loss", max(r.loss for r in results), ""),
         ("gradients", worst.grads, f"({worst.num_params} parameters; worst: {worst.worst_param})"),
     ]
-    print(f"  model {worst.model_class}, rules: {worst.plan}")
+    print(f"  model {worst.model_class}, rules: {worst.rule_set}")
     passed = True
     for name, error, note in rows:
         bar = max(tolerance, ROUNDING_FACTOR * floor[name]) if name in floor else tolerance

@@ -1,5 +1,6 @@
 """Megatron-style tensor parallelism: topology, differentiable collectives, layers, loss, RNG."""
 
+from mtk.parallel.collective_count import count_collectives
 from mtk.parallel.comm import (
     copy_to_tp,
     gather_from_sequence,
@@ -18,7 +19,6 @@ from mtk.parallel.parameters import ParamInfo, param_info, set_param_info
 from mtk.parallel.random import TP_STREAM, RNGStreams, seed_everything_parallel
 from mtk.parallel.sharding import ShardSpec
 from mtk.parallel.state import ParallelState, default_device, init_distributed
-from mtk.parallel.trace import count_collectives
 
 __all__ = [
     "ColumnParallelLinear",

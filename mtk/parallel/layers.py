@@ -80,7 +80,7 @@ class ColumnParallelLinear(ShardedModule):
     forward. In backward each rank only sees its slice of dL/dY, so dL/dX is a sum of per-rank
     partials -> one all-reduce (``copy_to_tp``). ``copy_input=False`` when the caller already copied X
     to the TP region for several columns at once (HF's separate q/k/v: one all-reduce, as a fused QKV;
-    see :class:`~mtk.plans.base.SharedInput`). With sequence parallelism, X arrives split along the
+    see :class:`~mtk.rules.base.SharedInput`). With sequence parallelism, X arrives split along the
     sequence and is all-gathered instead (its backward is a reduce-scatter).
 
     ``output_sizes`` describes a fused projection (``[q, k, v]``, ``[gate, up]``): each part is split

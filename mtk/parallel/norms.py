@@ -4,7 +4,7 @@
 only its columns ``x_r``: the sum of squares is all-reduced (``sum_r |x_r|^2``, one ``[b, s, 1]`` all-reduce)
 and each rank normalizes its own columns with its slice of ``w``. Every rank uses the summed value, so its
 gradient is summed over TP in backward too (``copy_to_tp`` then ``reduce_from_tp``: all-reduce both ways).
-This keeps the heads split through attention, where HF's plan gathers the projection for the norm.
+This keeps the heads split through attention, where HF's tp plan gathers the projection for the norm.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Cut an HF decoder into pipeline stages, in place, by the plan's :class:`~mtk.plans.base.PipelineSpec`.
+"""Cut an HF decoder into pipeline stages, in place, by the rule set's :class:`~mtk.rules.base.PipelineSpec`.
 
 Every stage keeps the HF model object and runs HF's own forward: the decoder blocks of other stages
 become :class:`SkipLayer` pass-throughs (the ``ModuleList`` keeps its length, so per-layer config
@@ -23,7 +23,7 @@ from torch import nn
 
 from mtk.parallel.parameters import set_param_info
 from mtk.parallel.state import ParallelState
-from mtk.plans.base import IDENTITY, REMOVE, ZEROS, Plan, UnsupportedModelError, compile_pattern
+from mtk.rules.base import IDENTITY, REMOVE, ZEROS, RuleSet, UnsupportedModelError, compile_pattern
 
 __all__ = ["SkipLayer", "StageInfo", "split_stages", "stage_layer_counts", "swapped"]
 
@@ -203,7 +203,7 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 def split_stages(
     model: nn.Module,
     parallel: ParallelState,
-    plan: Plan,
+    rule_set: RuleSet,
     layers_per_stage: tuple[int, ...] = (),
     virtual_stages: int = 1,
 ) -> StageInfo:
@@ -214,10 +214,10 @@ def split_stages(
     Works on a materialized model (other stages' weights are freed) and on one on the meta device
     (nothing is allocated; the loader then reads only this stage's tensors).
     """
-    spec = plan.pipeline
+    spec = rule_set.pipeline
     if spec is None:
         raise UnsupportedModelError(
-            f"{type(model).__name__}: the {plan.name} rules define no pipeline stages; pipeline parallelism "
+            f"{type(model).__name__}: the {rule_set.name} rules define no pipeline stages; pipeline parallelism "
             f"supports decoder LMs (Llama, Mistral, Qwen2/3, Phi-3, GPT-2); use pp = 1"
         )
     layers_name, layers = _find_layers(model, spec.layers)

@@ -3,7 +3,7 @@
 A layout is TP x PP x DP with a micro-batch size, sequence parallelism, activation recomputation and the
 optimizer's sharding (mtk's distributed optimizer under accelerate; ZeRO 1/2/3 under DeepSpeed, which runs
 TP x ZeRO-DP without a pipeline). The rules mtk enforces when it runs are the rules here: TP divides the
-heads (:func:`mtk.plans.check_tp_size`) and stays inside a node, PP divides the layers, DP divides the
+heads (:func:`mtk.rules.check_tp_size`) and stays inside a node, PP divides the layers, DP divides the
 global batch, SP needs TP > 1 and a sequence TP divides (and accelerate).
 
 Recomputation and SP only ever add time or save memory, so for each layout the planner keeps the first
@@ -270,7 +270,7 @@ def _divisors(n: int) -> list[int]:
 
 def valid_tp_sizes(request: Request) -> list[int]:
     """TP sizes that divide the heads (mtk's own check) and a node's GPUs."""
-    from mtk.plans import check_tp_size
+    from mtk.rules import check_tp_size
 
     sizes = []
     for tp in _divisors(request.cluster.gpus_per_node):
@@ -283,19 +283,19 @@ def valid_tp_sizes(request: Request) -> list[int]:
 
 
 def _sequence_parallel_rules(config: PretrainedConfig, tp: int) -> bool:
-    """Whether the plan mtk picks names the shared inputs sequence parallelism gathers (hand-written plans do;
+    """Whether the rules mtk picks name the shared inputs sequence parallelism gathers (hand-written plans do;
     transformers' tp plans and the generic rules do not, and mtk refuses SP with them)."""
-    from mtk.plans.registry import find_plan
+    from mtk.rules.registry import find_rules
 
-    plan = find_plan(config, tp)
-    return plan is not None and bool(plan.shared_inputs)
+    rule_set = find_rules(config, tp)
+    return rule_set is not None and bool(rule_set.shared_inputs)
 
 
 def _pipeline_supported(config: PretrainedConfig) -> bool:
-    from mtk.plans.registry import find_plan
+    from mtk.rules.registry import find_rules
 
-    plan = find_plan(config)
-    return plan is not None and plan.pipeline is not None
+    rule_set = find_rules(config)
+    return rule_set is not None and rule_set.pipeline is not None
 
 
 def layouts(request: Request) -> Iterator[Candidate]:

@@ -184,16 +184,16 @@ def _meta_model(config: PretrainedConfig, settings: TraceSettings, pp: int, pp_r
     from mtk.convert import parallelize
     from mtk.models import DTYPES, auto_class_for
     from mtk.parallel.state import ParallelState
-    from mtk.plans.generic import GENERIC
-    from mtk.plans.registry import find_plan
+    from mtk.rules.generic import GENERIC
+    from mtk.rules.registry import find_rules
 
     parallel = ParallelState.build(tp_size=settings.tp, pp_size=pp, device=torch.device("cpu"))
     with torch.device("meta"):
         model = auto_class_for(config).from_config(config, dtype=DTYPES[settings.dtype])
-    # the plan mtk would pick, without the parity run that HF-derived and generic rules pass at training
-    # time (it needs real numbers; `mtk verify` is where a plan's exactness is checked)
-    plan = find_plan(config, settings.tp) or GENERIC
-    parallelize(model, parallel, plan=plan, sequence_parallel=settings.sequence_parallel)
+    # the rules mtk would pick, without the parity run that HF-derived and generic rules pass at training
+    # time (it needs real numbers; `mtk verify` is where the rules' exactness is checked)
+    rule_set = find_rules(config, settings.tp) or GENERIC
+    parallelize(model, parallel, rule_set=rule_set, sequence_parallel=settings.sequence_parallel)
     if settings.lora_r:
         from peft import LoraConfig
 
@@ -239,8 +239,8 @@ def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp: int
     from mtk.config import RunSettings
     from mtk.convert import parallelized
     from mtk.lora.model import hf_model
-    from mtk.plans.regions import local_blocks
-    from mtk.recompute import enable_recompute
+    from mtk.parallel.recompute import enable_recompute
+    from mtk.rules.regions import local_blocks
 
     with (
         fake_process_group(settings.tp * pp, rank=pp_rank * settings.tp),
@@ -252,7 +252,7 @@ def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp: int
         hf = hf_model(model)
         record = parallelized(hf)
         assert record is not None
-        blocks = local_blocks(hf, record.plan)
+        blocks = local_blocks(hf, record.rule_set)
         before, layer, after = _parameters(model, blocks[0] if blocks else None)
         enable_recompute(hf, RunSettings(recompute_granularity=settings.recompute), record.rng)
         model.train()

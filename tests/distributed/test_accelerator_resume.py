@@ -1,14 +1,14 @@
 """Exact resume with accelerate's default DataLoader settings (no seedable sampler), at DP=2.
 
 accelerate does not checkpoint a shuffled ``RandomSampler``'s generator; ``mtk.Accelerator.load_state``
-re-draws the completed epochs' orders (``mtk.integrations.shuffle``), so a run stopped in its third
+re-draws the completed epochs' orders (``mtk.integrations.accelerate.shuffle``), so a run stopped in its third
 epoch continues with the batches the uninterrupted run saw. The pure function is checked too.
 """
 
 import torch
 from torch.utils.data import DataLoader
 
-from mtk.integrations.shuffle import replay_shuffles
+from mtk.integrations.accelerate.shuffle import replay_shuffles
 from mtk.testing import run_distributed
 
 EPOCH_BATCHES, STOP_AT, TOTAL = 6, 15, 18  # micro-batches per epoch (per replica), where to stop, where to end

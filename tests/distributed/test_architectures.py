@@ -13,9 +13,9 @@ import torch
 from mtk.convert import parallelize, parallelized
 from mtk.models import build_model, resolve_config
 from mtk.parallel import ParallelState
+from mtk.parallel.collective_count import count_collectives
 from mtk.parallel.gather import iter_full_tensors
 from mtk.parallel.layers import KVReplicatedColumnLinear
-from mtk.parallel.trace import count_collectives
 from mtk.testing import assert_close_rel, run_distributed
 
 BATCH, SEQ = 2, 12
@@ -60,8 +60,13 @@ def _architecture_checks(rank: int, world_size: int, name) -> dict:
         compared += 1
     assert compared == len(ref_grads), "same parameters, same names (tied weights counted once)"
     kv_replicated = any(isinstance(m, KVReplicatedColumnLinear) for m in model.modules())
-    plan = record.plan.name if (record := parallelized(model)) else None
-    return {"collectives": dict(log.counts()), "kv_replicated": kv_replicated, "params": compared, "plan": plan}
+    rule_set = record.rule_set.name if (record := parallelized(model)) else None
+    return {
+        "collectives": dict(log.counts()),
+        "kv_replicated": kv_replicated,
+        "params": compared,
+        "rules": rule_set,
+    }
 
 
 ARCHITECTURES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-phi3", "tiny-gpt2", "tiny-bert"]

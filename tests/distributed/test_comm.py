@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from mtk.parallel import comm
+from mtk.parallel.collective_count import count_collectives
 from mtk.parallel.state import ParallelState
-from mtk.parallel.trace import count_collectives
 from mtk.testing import assert_close_rel, run_distributed
 
 B, S, H = 2, 8, 12

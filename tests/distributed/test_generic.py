@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, FalconConfig, Olmo2Config, OlmoCo
 from mtk.convert import parallelize
 from mtk.models import build_model
 from mtk.parallel import Layout, ParallelState
-from mtk.plans import UnsupportedModelError
+from mtk.rules import UnsupportedModelError
 from mtk.testing import run_distributed
 from tests.distributed.test_architectures import _architecture_checks
 
@@ -32,11 +32,11 @@ def test_generic_rules_convert_stablelm_exactly():
 
 
 def test_olmo2_norms_over_split_heads_are_exact():
-    """OLMo2 normalizes q and k over *all* heads: transformers' tp plan gathers q/k/v for that; mtk's plan keeps
+    """OLMo2 normalizes q and k over *all* heads: transformers' tp plan gathers q/k/v for that; mtk's rules keep
     the heads split and all-reduces each norm's sum of squares (SplitRMSNorm), exactly."""
     result = run_distributed(_architecture_checks, world_size=2, args=(Olmo2Config(**SMALL),))[0]
     assert result["params"] > 0
-    assert result["plan"] == "olmo2"
+    assert result["rules"] == "olmo2"
 
 
 def _convert_or_error(rank: int, world_size: int, config) -> str:
@@ -60,7 +60,7 @@ def _convert_or_error(rank: int, world_size: int, config) -> str:
 def test_unfit_architectures_get_a_clear_error(config, expected):
     for message in run_distributed(_convert_or_error, world_size=2, args=(config,)):
         assert expected in message
-        assert "mtk/plans/" in message and "\n" not in message
+        assert "mtk/rules/" in message and "\n" not in message
 
 
 def _fake_state(tp: int) -> ParallelState:

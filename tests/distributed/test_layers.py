@@ -17,9 +17,9 @@ from mtk.parallel import (
     share_params_across_tp,
 )
 from mtk.parallel.async_tp import enter_overlapped, weight_gradients_of
+from mtk.parallel.collective_count import count_collectives
 from mtk.parallel.comm import split
 from mtk.parallel.grads import sync_sequence_parallel_grads
-from mtk.parallel.trace import count_collectives
 from mtk.testing import assert_close_rel, run_distributed
 
 HIDDEN, FFN, BATCH, SEQ = 16, 24, 3, 8

@@ -17,8 +17,8 @@ from mtk.convert import parallelize
 from mtk.lora import get_peft_model
 from mtk.models import build_model
 from mtk.parallel import ParallelState
+from mtk.parallel.collective_count import count_collectives
 from mtk.parallel.gather import full_shape_and_spec, gather_full_tensor, gather_state_dict
-from mtk.parallel.trace import count_collectives
 from mtk.testing import assert_close_rel, run_distributed
 from tests.distributed.test_architectures import ARCHITECTURES, _inputs
 

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from mtk.parallel import ParallelState, vocab_parallel_cross_entropy
+from mtk.parallel.collective_count import count_collectives
 from mtk.parallel.comm import split
-from mtk.parallel.trace import count_collectives
 from mtk.testing import assert_close_rel, run_distributed
 
 BATCH, SEQ = 3, 6

@@ -21,9 +21,9 @@ from mtk.parallel.gather import gather_state_dict, iter_full_tensors
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sync_sequence_parallel_grads
 from mtk.parallel.parameters import param_info
+from mtk.parallel.recompute import enable_recompute
 from mtk.pipeline.engine import PipelineModel
 from mtk.pipeline.schedules import schedule_order
-from mtk.recompute import enable_recompute
 from mtk.testing import assert_close_rel, run_distributed
 
 GLOBAL_BATCH, SEQ = 8, 12

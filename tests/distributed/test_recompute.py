@@ -16,7 +16,7 @@ from mtk.models import build_model, resolve_config
 from mtk.parallel import ParallelState
 from mtk.parallel.comm import all_gather
 from mtk.parallel.grads import sync_sequence_parallel_grads
-from mtk.recompute import enable_recompute, recomputed_blocks
+from mtk.parallel.recompute import enable_recompute, recomputed_blocks
 from mtk.testing import assert_close_rel, run_distributed
 
 DROPOUT = {

@@ -15,10 +15,10 @@ from mtk.convert import parallelize
 from mtk.errors import ConfigError
 from mtk.models import build_model
 from mtk.parallel import ParallelState
+from mtk.parallel.collective_count import count_collectives
 from mtk.parallel.gather import iter_full_tensors
 from mtk.parallel.grads import sync_sequence_parallel_grads
 from mtk.parallel.parameters import param_info
-from mtk.parallel.trace import count_collectives
 from mtk.testing import assert_close_rel, run_distributed
 from tests.distributed.test_architectures import ARCHITECTURES, _inputs
 

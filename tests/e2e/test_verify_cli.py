@@ -65,7 +65,7 @@ def test_verify_moe_directory_read_through_transformers_conversion(tmp_path):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from mtk.sweep import tiny_config
+    from mtk.verify.sweep import tiny_config
 
     config = tiny_config("mixtral")
     config._attn_implementation = "sdpa"

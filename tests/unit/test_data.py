@@ -195,7 +195,7 @@ def test_evaluate_is_the_token_mean_of_one_process(tokenizer):
     from transformers import AutoModelForCausalLM
 
     from mtk.data import eval_batches
-    from mtk.evaluation import evaluate
+    from mtk.training.evaluation import evaluate
 
     config = builtin_config("tiny-llama")
     config.vocab_size = len(tokenizer)

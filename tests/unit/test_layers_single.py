@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from mtk.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from mtk.parallel.trace import count_collectives
+from mtk.parallel.collective_count import count_collectives
 
 
 def test_tp1_layers_equal_torch_and_issue_no_collectives():

@@ -8,7 +8,7 @@ import pytest
 
 from mtk.config import RunSettings
 from mtk.errors import ConfigError
-from mtk.integrations.megatron_keys import MEGATRON_KEYS, check_megatron_environment
+from mtk.integrations.accelerate.megatron_keys import MEGATRON_KEYS, check_megatron_environment
 
 
 def test_every_variable_accelerate_exports_is_in_the_table():

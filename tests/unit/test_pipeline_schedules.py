@@ -4,7 +4,7 @@ import pytest
 
 from mtk.pipeline.schedules import Pass, bubble_fraction, schedule_order, simulate
 from mtk.pipeline.stages import stage_layer_counts
-from mtk.plans import UnsupportedModelError
+from mtk.rules import UnsupportedModelError
 
 
 def _max_in_flight(order):

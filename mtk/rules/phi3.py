@@ -5,8 +5,8 @@ Phi-3's attention reads the head counts from its config in forward, so each atte
 shallow config copy with the per-rank counts (the model's own config stays whole, for export).
 """
 
-from mtk.plans.base import COLUMN, LM_HEAD, ROW, VOCAB, AttrFix, HeadCounts, Plan, Rule, SharedInput
-from mtk.plans.llama import LLAMA_PIPELINE, llama_head_counts
+from mtk.rules.base import COLUMN, LM_HEAD, ROW, VOCAB, AttrFix, HeadCounts, Rule, RuleSet, SharedInput
+from mtk.rules.llama import LLAMA_PIPELINE, llama_head_counts
 
 
 def phi3_head_counts(config) -> HeadCounts:
@@ -19,7 +19,7 @@ def _qkv_parts(config) -> list[int]:
     return [counts.num_heads * counts.head_dim] + [counts.num_kv_heads * counts.head_dim] * 2
 
 
-PHI3 = Plan(
+PHI3 = RuleSet(
     name="phi3",
     model_types=("phi3",),
     rules=(

@@ -12,7 +12,7 @@ rotary (Phi), a fused per-head qkv (GPT-NeoX). TP=4 replicates the 2 kv heads.
 import pytest
 
 from mtk.spawn import run_distributed
-from mtk.sweep import sweep_worker
+from mtk.verify.sweep import sweep_worker
 
 SUBSET = [
     *("cohere", "granite", "flex_olmo", "glm4", "apertus"),
@@ -57,7 +57,7 @@ def _round_trip(rank: int, world_size: int, model_type: str) -> None:
     from mtk.models import build_model
     from mtk.parallel import ParallelState
     from mtk.parallel.gather import gather_state_dict
-    from mtk.sweep import tiny_config
+    from mtk.verify.sweep import tiny_config
 
     state = ParallelState.build(tp_size=world_size)
     reference = build_model(tiny_config(model_type), seed=0)
@@ -75,7 +75,7 @@ def test_moe_state_dict_round_trip():
 @pytest.mark.parametrize("model_type", ["cohere", "gemma2", "mixtral"])
 def test_hf_plan_pipelines_equal_single_process(model_type):
     """TP=2 x PP=2 through the stages HF's base_model_pp_plan names (embedding -> layers -> norm)."""
-    from mtk.sweep import tiny_config
+    from mtk.verify.sweep import tiny_config
     from tests.distributed.test_pipeline import _pipeline_checks
 
     config = tiny_config(model_type)

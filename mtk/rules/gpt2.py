@@ -7,7 +7,7 @@ Pipeline stages after the first see ``wpe`` as zeros and ``drop`` as identity: t
 already added positions and applied dropout to the activations it sends.
 """
 
-from mtk.plans.base import (
+from mtk.rules.base import (
     COLUMN,
     IDENTITY,
     LM_HEAD,
@@ -18,8 +18,8 @@ from mtk.plans.base import (
     AttrFix,
     HeadCounts,
     PipelineSpec,
-    Plan,
     Rule,
+    RuleSet,
     SharedInput,
 )
 
@@ -30,7 +30,7 @@ def gpt2_head_counts(config) -> HeadCounts:
     )
 
 
-GPT2 = Plan(
+GPT2 = RuleSet(
     name="gpt2",
     model_types=("gpt2",),
     rules=(

@@ -33,7 +33,7 @@ from mtk.parallel.comm import Group, gather_from_sequence, group_size, scatter_t
 from mtk.parallel.parameters import param_info, set_param_info
 from mtk.parallel.random import DEFAULT_STREAM, TP_SEED_OFFSET, TP_STREAM, ForkAround, RNGStreams
 from mtk.parallel.state import ParallelState
-from mtk.plans.base import Plan, UnsupportedModelError, compile_pattern
+from mtk.rules.base import RuleSet, UnsupportedModelError, compile_pattern
 
 __all__ = ["local_blocks", "apply_regions", "tp_streams"]
 
@@ -46,13 +46,13 @@ def tp_streams(parallel: ParallelState) -> RNGStreams:
     return streams
 
 
-def local_blocks(model: nn.Module, plan: Plan) -> list[nn.Module]:
+def local_blocks(model: nn.Module, rule_set: RuleSet) -> list[nn.Module]:
     """The transformer blocks this rank runs (another pipeline stage's are pass-throughs)."""
     from mtk.pipeline.stages import SkipLayer  # mtk.pipeline imports the plans: import at call time
 
-    if plan.blocks is None:
+    if rule_set.blocks is None:
         return []
-    regex = compile_pattern(plan.blocks)
+    regex = compile_pattern(rule_set.blocks)
     lists = [m for n, m in model.named_modules() if n and regex.match(n) and isinstance(m, nn.ModuleList)]
     if len(lists) != 1:
         return []
@@ -103,7 +103,7 @@ def _matching(model: nn.Module, patterns: tuple[str, ...]) -> list[tuple[str, nn
 
 def apply_regions(
     model: nn.Module,
-    plan: Plan,
+    rule_set: RuleSet,
     parallel: ParallelState,
     *,
     sequence_parallel: bool = False,
@@ -116,11 +116,11 @@ def apply_regions(
     streams = tp_streams(parallel)
     if parallel.tp_size == 1:
         return streams
-    blocks = local_blocks(model, plan)
+    blocks = local_blocks(model, rule_set)
     if sequence_parallel:
         if not blocks:
             raise UnsupportedModelError(
-                f"sequence parallelism: the {plan.name} rules name no list of transformer blocks; "
+                f"sequence parallelism: the {rule_set.name} rules name no list of transformer blocks; "
                 "turn megatron_lm_sequence_parallelism off for this model"
             )
         runs = [blocks[sum(map(len, chunks[:c])) :][: len(chunk)] for c, chunk in enumerate(chunks)] or [blocks]
@@ -134,10 +134,10 @@ def apply_regions(
                     set_param_info(param, sequence_parallel=True)
             ForkAround(streams, TP_STREAM).register(block)  # every activation in a block is split
         return streams
-    for _, module in _matching(model, plan.split_random):
+    for _, module in _matching(model, rule_set.split_random):
         ForkAround(streams, TP_STREAM).register(module)
-    split_names = [n for n, _ in _matching(model, plan.split_random)]
-    for name, module in _matching(model, plan.residual_dropouts):
+    split_names = [n for n, _ in _matching(model, rule_set.split_random)]
+    for name, module in _matching(model, rule_set.residual_dropouts):
         if any(name.startswith(s + ".") for s in split_names):
             ForkAround(streams, DEFAULT_STREAM).register(module)  # replicated input inside a TP-forked module
     return streams

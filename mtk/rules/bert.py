@@ -4,7 +4,7 @@ vocabulary. Position and token-type embeddings, LayerNorms, the pooler and task 
 computed by HF as usual.
 """
 
-from mtk.plans.base import COLUMN, ROW, VOCAB, AttrFix, HeadCounts, Plan, Rule, SharedInput
+from mtk.rules.base import COLUMN, ROW, VOCAB, AttrFix, HeadCounts, Rule, RuleSet, SharedInput
 
 
 def bert_head_counts(config) -> HeadCounts:
@@ -12,7 +12,7 @@ def bert_head_counts(config) -> HeadCounts:
     return HeadCounts(heads, heads, config.hidden_size // heads, config.intermediate_size)
 
 
-BERT = Plan(
+BERT = RuleSet(
     name="bert",
     model_types=("bert",),
     rules=(

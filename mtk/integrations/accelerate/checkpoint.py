@@ -20,8 +20,8 @@ import torch
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.errors import CheckpointError, ConfigError
+from mtk.integrations.accelerate.shuffle import replay_shuffles
 from mtk.integrations.deepspeed import load_deepspeed_checkpoint, save_deepspeed_checkpoint
-from mtk.integrations.shuffle import replay_shuffles
 from mtk.parallel.state import ParallelState
 
 if TYPE_CHECKING:  # the mixin is checked as part of accelerate's Accelerator

@@ -23,7 +23,7 @@ from mtk.errors import CheckpointError
 from mtk.models import DTYPES, ModelSpecError, auto_class_for, build_model, resolve_config
 from mtk.parallel.gather import iter_full_tensors
 from mtk.parallel.state import ParallelState
-from mtk.plans import UnsupportedModelError
+from mtk.rules import UnsupportedModelError
 from mtk.testing import max_rel_error
 
 __all__ = ["VERIFY_DTYPES", "VerifyResult", "verify_worker"]
@@ -34,7 +34,7 @@ class VerifyResult:
     """What one rank measured; ``error`` is set instead when the model could not be converted."""
 
     model_class: str = ""
-    plan: str = ""
+    rule_set: str = ""
     logits: float = 0.0
     loss: float = 0.0
     grads: float = 0.0
@@ -145,7 +145,7 @@ def verify_worker(
     grad_scale = max(p.grad.abs().max().item() for p in ref_grads.values() if p.grad is not None)
     result = VerifyResult(
         model_class=type(reference).__name__,
-        plan=record.plan.name if (record := parallelized(model)) else "?",
+        rule_set=record.rule_set.name if (record := parallelized(model)) else "?",
         logits=max_rel_error(logits.double(), ref_logits.double()),
         loss=max_rel_error(out.loss.double(), ref_out.loss.double()),
     )
@@ -184,7 +184,7 @@ def pipeline_verify_worker(
     grad_scale = max(p.grad.abs().max().item() for p in ref_grads.values() if p.grad is not None)
     result = VerifyResult(
         model_class=type(reference).__name__,
-        plan=record.plan.name if (record := parallelized(model)) else "?",
+        rule_set=record.rule_set.name if (record := parallelized(model)) else "?",
         logits=float("nan"),  # the schedule returns the loss only
         loss=max_rel_error(loss.double(), ref_out.loss.double()),
     )

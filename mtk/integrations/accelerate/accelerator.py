@@ -5,8 +5,8 @@ with pp > 1 cuts it to this rank's stage, returning a :class:`~mtk.pipeline.engi
 forward runs the micro-batch schedule, as accelerate's Megatron-LM integration does), and everything
 that depends on which processes hold what follows the Megatron layout instead of treating every
 process as a replica: data and DDP over DP, clipping by the true global norm, metrics over DP
-(:mod:`~mtk.integrations.accelerate_collectives`), sharded atomic checkpoints
-(:mod:`~mtk.integrations.accelerate_checkpoint`). docs/training.md lists every accelerate API and what
+(:mod:`~mtk.integrations.accelerate.collectives`), sharded atomic checkpoints
+(:mod:`~mtk.integrations.accelerate.checkpoint`). docs/training.md lists every accelerate API and what
 mtk does with it; docs/architecture.md where the TP/PP sizes come from. Accelerate's own Megatron
 plugin (NVIDIA's Megatron-LM package) is not used.
 """
@@ -25,17 +25,17 @@ from torch import nn
 from mtk.config import ParallelConfig, RunSettings
 from mtk.convert import parallelized
 from mtk.errors import ConfigError
-from mtk.integrations.accelerate_checkpoint import ShardedCheckpointing
-from mtk.integrations.accelerate_collectives import DataParallelCollectives
-from mtk.integrations.accelerate_convert import ReplacedParams, convert_tracking, repoint
-from mtk.integrations.accelerate_deepspeed import deepspeed_initialize_with_mpu, replace_accelerated_schedulers
-from mtk.integrations.accelerate_init import apply_timeout, gloo_for_deepspeed, megatron_plugin_off, resolve_topology
+from mtk.integrations.accelerate.checkpoint import ShardedCheckpointing
+from mtk.integrations.accelerate.collectives import DataParallelCollectives
+from mtk.integrations.accelerate.convert import ReplacedParams, convert_tracking, repoint
+from mtk.integrations.accelerate.deepspeed import deepspeed_initialize_with_mpu, replace_accelerated_schedulers
+from mtk.integrations.accelerate.init import apply_timeout, gloo_for_deepspeed, megatron_plugin_off, resolve_topology
+from mtk.integrations.accelerate.megatron_keys import act_on_model, check_engine, check_megatron_environment
+from mtk.integrations.accelerate.scheduler import DataParallelScheduler
 from mtk.integrations.deepspeed import (
     remove_shm_buffers_at_exit,
     zero3_gathered,
 )
-from mtk.integrations.megatron_keys import act_on_model, check_engine, check_megatron_environment
-from mtk.integrations.scheduler import DataParallelScheduler
 from mtk.parallel.distributed_optimizer import shard_optimizer
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_

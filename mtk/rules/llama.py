@@ -6,7 +6,7 @@ local head count from the projection's width (``view(..., -1, head_dim)``); only
 ``num_key_value_groups`` needs a per-rank value.
 """
 
-from mtk.plans.base import (
+from mtk.rules.base import (
     COLUMN,
     IDENTITY,
     KV_COLUMN,
@@ -18,8 +18,8 @@ from mtk.plans.base import (
     AttrFix,
     HeadCounts,
     PipelineSpec,
-    Plan,
     Rule,
+    RuleSet,
     SharedInput,
 )
 
@@ -39,7 +39,7 @@ LLAMA_PIPELINE = PipelineSpec(
     last_stage=(("**.norm", IDENTITY), ("lm_head", REMOVE)),
 )
 
-LLAMA = Plan(
+LLAMA = RuleSet(
     name="llama",
     model_types=("llama", "mistral", "qwen2", "qwen3"),
     rules=(

@@ -1,4 +1,4 @@
-"""Which plan serves a model (:func:`resolve_plan`); :func:`mtk.convert.parallelize` applies it.
+"""Which rules serve a model (:func:`resolve_rules`); :func:`mtk.convert.parallelize` applies it.
 
 Registered family plans are chosen by ``config.model_type``. A model no family names is tried with
 the generic rules, but only after they pass a parity check: a one-layer random copy of the model is
@@ -15,45 +15,45 @@ from torch import nn
 
 from mtk.parallel.comm import all_reduce
 from mtk.parallel.state import ParallelState
-from mtk.plans.apply import parallelize_with
-from mtk.plans.base import Plan, UnsupportedModelError
-from mtk.plans.bert import BERT
-from mtk.plans.generic import GENERIC
-from mtk.plans.gpt2 import GPT2
-from mtk.plans.hf_plan import hf_plan
-from mtk.plans.llama import LLAMA
-from mtk.plans.olmo2 import OLMO2
-from mtk.plans.phi3 import PHI3
+from mtk.rules.apply import parallelize_with
+from mtk.rules.base import RuleSet, UnsupportedModelError
+from mtk.rules.bert import BERT
+from mtk.rules.from_tp_plan import rules_from_tp_plan
+from mtk.rules.generic import GENERIC
+from mtk.rules.gpt2 import GPT2
+from mtk.rules.llama import LLAMA
+from mtk.rules.olmo2 import OLMO2
+from mtk.rules.phi3 import PHI3
 
-__all__ = ["PLANS", "check_tp_size", "find_plan", "register_plan", "resolve_plan"]
+__all__ = ["RULE_SETS", "check_tp_size", "find_rules", "register_rules", "resolve_rules"]
 
-PLANS: list[Plan] = [LLAMA, GPT2, BERT, PHI3, OLMO2]
+RULE_SETS: list[RuleSet] = [LLAMA, GPT2, BERT, PHI3, OLMO2]
 PARITY_TOLERANCE = 1e-4  # one layer in fp32 on random weights; real mismatches are O(1)
 
-_HOW_TO_ADD = "add a plan under mtk/plans/ and register it (docs/architectures.md, 'Adding an architecture')"
+_HOW_TO_ADD = "add a rule file under mtk/rules/ and register it (docs/architectures.md, 'Adding an architecture')"
 
 
-def register_plan(plan: Plan) -> None:
-    """Make ``plan`` serve its ``model_types`` (a later registration wins)."""
-    PLANS.insert(0, plan)
+def register_rules(rule_set: RuleSet) -> None:
+    """Make ``rule_set`` serve its ``model_types`` (a later registration wins)."""
+    RULE_SETS.insert(0, rule_set)
 
 
-def find_plan(config, tp_size: int | None = None) -> Plan | None:
-    """The registered (hand-written) plan for ``config.model_type``, else the one transformers' own
-    ``base_model_tp_plan`` gives (:mod:`mtk.plans.hf_plan`), else ``None``. With ``tp_size``, a hand plan
+def find_rules(config, tp_size: int | None = None) -> RuleSet | None:
+    """The registered (hand-written) rules for ``config.model_type``, else the ones transformers' own
+    ``base_model_tp_plan`` gives (:mod:`mtk.rules.from_tp_plan`), else ``None``. With ``tp_size``, hand-written rules
     that cannot take it gives way to HF's when that one can (OLMo2's split norms need split kv heads; HF's
     plan gathers and takes any tp the heads allow)."""
-    hand = next((plan for plan in PLANS if config.model_type in plan.model_types), None)
+    hand = next((rule_set for rule_set in RULE_SETS if config.model_type in rule_set.model_types), None)
     if hand is not None and (tp_size is None or hand.head_counts(config).problem(tp_size) is None):
         return hand
-    from_hf = hf_plan(config)[0]
+    from_hf = rules_from_tp_plan(config)[0]
     if hand is not None and (from_hf is None or from_hf.head_counts(config).problem(tp_size or 1) is not None):
-        return hand  # neither takes this tp: the hand plan's line says why
+        return hand  # neither takes this tp: the hand rule set's line says why
     return from_hf
 
 
-def _is_registered(plan: Plan) -> bool:
-    return any(plan is known for known in PLANS)
+def _is_registered(rule_set: RuleSet) -> bool:
+    return any(rule_set is known for known in RULE_SETS)
 
 
 def check_tp_size(config, tp_size: int) -> None:
@@ -61,11 +61,11 @@ def check_tp_size(config, tp_size: int) -> None:
 
     Cheap (config only): call it before launching processes or building groups.
     """
-    plan = find_plan(config, tp_size)
+    rule_set = find_rules(config, tp_size)
     try:
-        counts = (plan or GENERIC).head_counts(config)
+        counts = (rule_set or GENERIC).head_counts(config)
     except AttributeError as err:  # the generic rules read decoder-style config fields (T5 has none)
-        families = sorted({t for known in PLANS for t in known.model_types})
+        families = sorted({t for known in RULE_SETS for t in known.model_types})
         raise UnsupportedModelError(
             f"{config.model_type}: mtk has no rules for this architecture and the generic ones do not fit it "
             f"({err}); supported: {', '.join(families)} and decoder models like them (docs/architectures.md, "
@@ -86,8 +86,8 @@ def _one_layer_config(config):
     return small
 
 
-def _check_parity(model_class: type, config, parallel: ParallelState, plan: Plan = GENERIC) -> None:
-    """Convert a one-layer random copy with ``plan`` (the generic rules, or ones derived from HF's tp plan);
+def _check_parity(model_class: type, config, parallel: ParallelState, rule_set: RuleSet = GENERIC) -> None:
+    """Convert a one-layer random copy with ``rule_set`` (the generic rules, or ones derived from HF's tp plan);
     raise unless its logits match."""
     small = _one_layer_config(config)
     small._attn_implementation = "eager"
@@ -100,7 +100,7 @@ def _check_parity(model_class: type, config, parallel: ParallelState, plan: Plan
         torch.random.set_rng_state(generator_state)
     converted = copy.deepcopy(reference)
     try:
-        parallelize_with(converted, parallel, plan)
+        parallelize_with(converted, parallel, rule_set)
     except UnsupportedModelError as err:
         raise UnsupportedModelError(f"no rules for model_type {config.model_type!r} ({err}); {_HOW_TO_ADD}") from None
     with torch.no_grad():
@@ -111,27 +111,27 @@ def _check_parity(model_class: type, config, parallel: ParallelState, plan: Plan
         except RuntimeError as err:  # e.g. a norm over all heads fed one rank's heads: shapes disagree
             first_line = str(err).strip().splitlines()[0]
             raise UnsupportedModelError(
-                f"no rules for model_type {config.model_type!r}: the {plan.name} rules convert {model_class.__name__} "
-                f"but its forward then fails ({first_line}); {_HOW_TO_ADD}"
+                f"no rules for model_type {config.model_type!r}: the {rule_set.name} rules convert "
+                f"{model_class.__name__} but its forward then fails ({first_line}); {_HOW_TO_ADD}"
             ) from None
     if dist.is_initialized():
         all_reduce(error, parallel.tp_group, op=dist.ReduceOp.MAX)  # every rank decides the same way
     if not error.item() <= PARITY_TOLERANCE:
         raise UnsupportedModelError(
-            f"no rules for model_type {config.model_type!r}: the {plan.name} rules convert "
+            f"no rules for model_type {config.model_type!r}: the {rule_set.name} rules convert "
             f"{model_class.__name__} but its logits differ from the original (relative error {error.item():.1e}); "
             f"{_HOW_TO_ADD}"
         )
 
 
-def resolve_plan(model: nn.Module, parallel: ParallelState) -> Plan:
-    """The plan that converts ``model``: its family's, else the one from transformers' tp plan, else the
+def resolve_rules(model: nn.Module, parallel: ParallelState) -> RuleSet:
+    """The rules that convert ``model``: its family's, else the one from transformers' tp plan, else the
     generic rules; the last two once they pass a parity check on a one-layer random copy (collective over
     the TP group)."""
-    plan = find_plan(model.config, parallel.tp_size)
-    if plan is not None and _is_registered(plan):
-        return plan
-    candidate = plan or GENERIC
+    rule_set = find_rules(model.config, parallel.tp_size)
+    if rule_set is not None and _is_registered(rule_set):
+        return rule_set
+    candidate = rule_set or GENERIC
     problem = candidate.head_counts(model.config).problem(parallel.tp_size)
     if problem is None:  # sizes first: a clear size error beats a parity run that cannot pass
         _check_parity(type(model), model.config, parallel, candidate)

@@ -1,8 +1,8 @@
 """Layer-replacement rules as data: module-name patterns mapped to a parallel style.
 
-A :class:`Plan` is a small value: which modules of an HF architecture become which parallel layer,
+A :class:`RuleSet` is a small value: which modules of an HF architecture become which parallel layer,
 which attributes of HF's own modules change (heads per rank), and how to read head counts from the
-config for validation. One generic function (:func:`mtk.convert.parallelize`) applies any plan,
+config for validation. One generic function (:func:`mtk.convert.parallelize`) applies any rule set,
 and HF's forward code (rotary, sdpa/eager attention, masks) keeps running on the converted modules.
 
 Patterns name modules by their dotted path: ``*`` matches one path component, a leading ``**.``
@@ -31,7 +31,7 @@ __all__ = [
     "AttrFix",
     "HeadCounts",
     "PipelineSpec",
-    "Plan",
+    "RuleSet",
     "Rule",
     "SharedInput",
     "UnsupportedModelError",
@@ -184,12 +184,12 @@ class PipelineSpec:
 
 
 @dataclass(frozen=True)
-class Plan:
+class RuleSet:
     """Everything mtk needs to know to make one architecture family tensor-parallel.
 
     Attributes:
         name: family name shown in messages.
-        model_types: HF ``config.model_type`` values this plan serves.
+        model_types: HF ``config.model_type`` values these rules serve.
         rules: module-name rules, first match wins.
         attr_fixes: attribute fix-ups on HF's own modules after conversion.
         head_counts: reads the sizes TP must divide from the config.
@@ -222,7 +222,7 @@ class Plan:
 
     @property
     def blocks(self) -> str | None:
-        """Pattern of the ``nn.ModuleList`` of transformer blocks, if the plan knows it."""
+        """Pattern of the ``nn.ModuleList`` of transformer blocks, if the rules know it."""
         return self.layers or (self.pipeline.layers if self.pipeline else None)
 
     def rule_for(self, name: str) -> Rule | None:

@@ -80,12 +80,12 @@ def tiny_config(model_type: str) -> Any:
 
 
 def _source(config: Any, tp_size: int) -> str:
-    from mtk.plans.registry import PLANS, find_plan
+    from mtk.rules.registry import RULE_SETS, find_rules
 
-    plan = find_plan(config, tp_size)
-    if plan is None:
+    rule_set = find_rules(config, tp_size)
+    if rule_set is None:
         return "generic"
-    return "hand" if any(plan is known for known in PLANS) else "HF plan"
+    return "hand" if any(rule_set is known for known in RULE_SETS) else "HF rule_set"
 
 
 def _too_big(config: Any) -> str:
@@ -104,7 +104,7 @@ def sweep_worker(
 ) -> list[SweepRow]:
     """Run in each of ``world_size`` processes; returns this rank's row per model type. With ``pp > 1`` the
     models run cut into stages by the 1F1B schedule (loss and gradients compared; TP = world / pp)."""
-    from mtk.plans.hf_plan import hf_plan
+    from mtk.rules.from_tp_plan import rules_from_tp_plan
 
     rows = []
     for model_type in types:
@@ -117,8 +117,8 @@ def sweep_worker(
             rows.append(SweepRow(model_type, "not built", reason=f"tiny config: {str(err).splitlines()[0][:120]}"))
             continue
         source = _source(config, world_size // pp)
-        if source == "generic" and hf_plan(config)[1] and "does not split" in hf_plan(config)[1]:
-            rows.append(SweepRow(model_type, "refused", source, reason=hf_plan(config)[1]))  # MoE, MLA, ...
+        if source == "generic" and rules_from_tp_plan(config)[1] and "does not split" in rules_from_tp_plan(config)[1]:
+            rows.append(SweepRow(model_type, "refused", source, reason=rules_from_tp_plan(config)[1]))  # MoE, MLA, ...
             continue
         if too_big:
             rows.append(SweepRow(model_type, "not built", source, reason=too_big))

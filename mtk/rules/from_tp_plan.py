@@ -18,18 +18,18 @@ HF style                        mtk
 ``embedding_rowwise``           vocabulary-parallel embedding
 ==============================  ==========================================================================
 
-The input embedding (the pp plan's first module) is always vocabulary-parallel and the causal-LM head
+The input embedding (the pp rule set's first module) is always vocabulary-parallel and the causal-LM head
 (``lm_head`` in the model class's ``_tp_plan``) vocabulary-parallel with mtk's loss, which never gathers the
 logits. Any other style (MoE experts, MLA projections, ...) makes :func:`hf_plan` say why it cannot, and the
-registry falls back to the generic rules. Every plan built here passes the same one-layer parity check as the
-generic rules before it converts a model (:func:`mtk.plans.registry.resolve_plan`).
+registry falls back to the generic rules. Every rule_set built here passes the same one-layer parity check as the
+generic rules before it converts a model (:func:`mtk.rules.registry.resolve_rules`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from mtk.plans.base import (
+from mtk.rules.base import (
     COLUMN,
     EXPERTS,
     IDENTITY,
@@ -41,12 +41,12 @@ from mtk.plans.base import (
     VOCAB,
     AttrFix,
     PipelineSpec,
-    Plan,
     Rule,
+    RuleSet,
 )
-from mtk.plans.llama import llama_head_counts
+from mtk.rules.llama import llama_head_counts
 
-__all__ = ["SUPPORTED_STYLES", "hf_plan"]
+__all__ = ["SUPPORTED_STYLES", "rules_from_tp_plan"]
 
 KV_NAMES = ("k_proj", "v_proj", "key", "value", "k", "v")
 SUPPORTED_STYLES = (
@@ -99,8 +99,8 @@ def _pipeline(pp_plan: dict[str, Any]) -> PipelineSpec | None:
     )
 
 
-def hf_plan(config: Any) -> tuple[Plan | None, str]:
-    """The plan HF's metadata gives ``config``'s architecture, or ``(None, why not)``."""
+def rules_from_tp_plan(config: Any) -> tuple[RuleSet | None, str]:
+    """The rules HF's metadata gives ``config``'s architecture, or ``(None, why not)``."""
     tp_plan: dict[str, str] = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not tp_plan:
         return None, f"{config.model_type} ships no base_model_tp_plan"
@@ -114,7 +114,7 @@ def hf_plan(config: Any) -> tuple[Plan | None, str]:
     embedding = next(iter(pp_plan), "embed_tokens")
     rules = [_rule(pattern, style) for pattern, style in tp_plan.items()]
     # A learnable activation between a split column and its row (Apertus' xIELU) sees this rank's columns
-    # only: its parameters' gradients are partial sums (HF's plan leaves them replicated, unsummed).
+    # only: its parameters' gradients are partial sums (HF's tp plan leaves them replicated, unsummed).
     split_mlps = {p.rpartition(".")[0] for p, s in tp_plan.items() if s in ("colwise", "packed_colwise")}
     rules += [Rule(f"**.{parent}.act_fn", TP_SHARED, optional=True) for parent in sorted(split_mlps)]
     if not any(rule.matches(f"model.{embedding}") for rule in rules):
@@ -133,7 +133,7 @@ def hf_plan(config: Any) -> tuple[Plan | None, str]:
             ("num_key_value_heads", lambda ctx: ctx.kv_local),
         )
     )
-    plan = Plan(
+    rule_set = RuleSet(
         name=f"{config.model_type} (transformers' base_model_tp_plan)",
         model_types=(config.model_type,),
         rules=tuple(rules),
@@ -143,4 +143,4 @@ def hf_plan(config: Any) -> tuple[Plan | None, str]:
         pipeline=_pipeline(pp_plan) if pp_plan else None,
         split_random=tuple(f"**.{parent}" for parent in split_heads),
     )
-    return plan, ""
+    return rule_set, ""

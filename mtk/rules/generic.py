@@ -4,10 +4,10 @@ It is never trusted blindly: :func:`mtk.convert.parallelize` first converts a on
 copy of the model with it and compares logits with the unconverted copy; only on a match is it used.
 """
 
-from mtk.plans.base import COLUMN, KV_COLUMN, LM_HEAD, ROW, VOCAB, AttrFix, Plan, Rule
-from mtk.plans.llama import llama_head_counts
+from mtk.rules.base import COLUMN, KV_COLUMN, LM_HEAD, ROW, VOCAB, AttrFix, Rule, RuleSet
+from mtk.rules.llama import llama_head_counts
 
-GENERIC = Plan(
+GENERIC = RuleSet(
     name="generic (q_proj/k_proj/v_proj/o_proj, gate_proj/up_proj/down_proj)",
     model_types=(),
     rules=(

@@ -7,8 +7,8 @@ weight. kv heads must be split, not replicated: a replicated kv head would count
 copy.
 """
 
-from mtk.plans.base import SPLIT_NORM, HeadCounts, Plan, Rule
-from mtk.plans.llama import LLAMA, llama_head_counts
+from mtk.rules.base import SPLIT_NORM, HeadCounts, Rule, RuleSet
+from mtk.rules.llama import LLAMA, llama_head_counts
 
 
 def olmo2_head_counts(config) -> HeadCounts:
@@ -25,7 +25,7 @@ def olmo2_head_counts(config) -> HeadCounts:
 
 _NORMS = (Rule("**.layers.*.self_attn.q_norm", SPLIT_NORM), Rule("**.layers.*.self_attn.k_norm", SPLIT_NORM))
 
-OLMO2 = Plan(
+OLMO2 = RuleSet(
     name="olmo2",
     model_types=("olmo2", "olmo3"),
     rules=_NORMS + tuple(rule for rule in LLAMA.rules if "_norm" not in rule.pattern),

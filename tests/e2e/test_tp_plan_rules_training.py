@@ -21,7 +21,7 @@ def gemma2_dir(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from mtk.models import VOCAB
-    from mtk.sweep import tiny_config
+    from mtk.verify.sweep import tiny_config
 
     config = tiny_config("gemma2")
     config.vocab_size = VOCAB  # the byte tokenizer's (the directory ships no tokenizer)

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 from accelerate.scheduler import AcceleratedScheduler
 
-from mtk.integrations.scheduler import DataParallelScheduler
+from mtk.integrations.accelerate.scheduler import DataParallelScheduler
 from mtk.parallel.state import ParallelState
 
 __all__ = ["deepspeed_initialize_with_mpu", "replace_accelerated_schedulers"]

@@ -1,6 +1,6 @@
-"""Apply a :class:`~mtk.plans.base.Plan` to an HF model: the one generic conversion function.
+"""Apply a :class:`~mtk.rules.base.RuleSet` to an HF model: the one generic conversion function.
 
-``parallelize_with(model, state, plan)`` replaces the modules the rules name by parallel layers holding this
+``parallelize_with(model, state, rule_set)`` replaces the modules the rules name by parallel layers holding this
 rank's shard, fixes per-rank attributes, keeps tied embeddings tied, and installs the vocab-parallel
 loss. A model on the meta device is converted without allocating anything (its shards are then
 filled by :func:`mtk.checkpoint.hf_load.load_pretrained_tp`); a materialized model has each shard
@@ -25,7 +25,7 @@ from mtk.parallel.layers import ColumnParallelLinear, KVReplicatedColumnLinear, 
 from mtk.parallel.norms import SplitRMSNorm
 from mtk.parallel.parameters import copy_param_info
 from mtk.parallel.state import ParallelState
-from mtk.plans.base import (
+from mtk.rules.base import (
     COLUMN,
     EXPERTS,
     KV_COLUMN,
@@ -35,18 +35,18 @@ from mtk.plans.base import (
     TP_SHARED,
     VOCAB,
     HeadCounts,
-    Plan,
     Rule,
+    RuleSet,
     UnsupportedModelError,
     compile_pattern,
 )
-from mtk.plans.lm_head import LogitsGatherHook, VocabParallelCausalLMLoss
+from mtk.rules.lm_head import LogitsGatherHook, VocabParallelCausalLMLoss
 
-__all__ = ["PlanContext", "materialize_", "parallelize_with"]
+__all__ = ["RuleContext", "materialize_", "parallelize_with"]
 
 
 @dataclass(frozen=True)
-class PlanContext:
+class RuleContext:
     """Per-rank sizes the rules and attribute fix-ups are written in."""
 
     config: object
@@ -104,7 +104,7 @@ def _linear_dims(module: nn.Module, name: str) -> tuple[int, int, bool, bool]:
 
 
 class CopyInputToTP:
-    """Forward pre-hook of a :class:`~mtk.plans.base.SharedInput` module: its input enters the TP
+    """Forward pre-hook of a :class:`~mtk.rules.base.SharedInput` module: its input enters the TP
     region once (``copy_to_tp``: identity forward, one all-reduce of the summed input gradient in
     backward) for all the column-parallel layers it feeds, which then skip their own copy. Under
     sequence parallelism the input arrives split along the sequence and is all-gathered instead
@@ -145,7 +145,7 @@ def _build(
     rule: Rule,
     module: nn.Module,
     name: str,
-    ctx: PlanContext,
+    ctx: RuleContext,
     parallel: ParallelState,
     pad: int,
     copy_input: bool,
@@ -251,27 +251,27 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 def parallelize_with(
     model: nn.Module,
     parallel: ParallelState,
-    plan: Plan,
+    rule_set: RuleSet,
     *,
     logits: str = "auto",
     pad_vocab_to_multiple_of: int = 1,
     sequence_parallel: bool = False,
 ) -> nn.Module:
-    """Convert ``model`` in place with an explicit ``plan`` (no plan lookup, no parity check).
+    """Convert ``model`` in place with an explicit ``rule_set`` (no rules lookup, no parity check).
 
     ``sequence_parallel``: row-parallel layers reduce-scatter along the sequence and shared inputs
-    all-gather it (:func:`mtk.plans.regions.apply_regions` then splits the blocks' input).
+    all-gather it (:func:`mtk.rules.regions.apply_regions` then splits the blocks' input).
     """
     sequence_parallel = sequence_parallel and parallel.tp_size > 1
     config = model.config
-    counts = plan.head_counts(config)
+    counts = rule_set.head_counts(config)
     problem = counts.problem(parallel.tp_size)
     if problem:
         raise UnsupportedModelError(
             f"{type(model).__name__}: {problem}; valid tp sizes for this model: {counts.valid_tp_sizes(limit=64)}"
         )
-    ctx = PlanContext(config=config, tp_size=parallel.tp_size, counts=counts)
-    embed_pattern = compile_pattern(plan.embedding) if plan.embedding else None
+    ctx = RuleContext(config=config, tp_size=parallel.tp_size, counts=counts)
+    embed_pattern = compile_pattern(rule_set.embedding) if rule_set.embedding else None
     modules = dict(model.named_modules())
     old_embedding = next((m.weight for n, m in modules.items() if embed_pattern and embed_pattern.match(n)), None)
     tied_heads = [
@@ -280,12 +280,12 @@ def parallelize_with(
         if old_embedding is not None and getattr(m, "weight", None) is old_embedding and not _matches(embed_pattern, n)
     ]
 
-    shared = {n: s for n in modules for s in plan.shared_inputs if s.matches(n)} if parallel.tp_size > 1 else {}
+    shared = {n: s for n in modules for s in rule_set.shared_inputs if s.matches(n)} if parallel.tp_size > 1 else {}
     matched: set[str] = set()
     converted: dict[str, ShardedModule] = {}
     styles: dict[str, str] = {}  # converted module -> its rule's style
     for name, module in modules.items():
-        rule = plan.rule_for(name) if name else None
+        rule = rule_set.rule_for(name) if name else None
         if rule is None:
             continue
         matched.add(rule.pattern)
@@ -299,22 +299,23 @@ def parallelize_with(
         fed_by_shared = rule.style in (COLUMN, KV_COLUMN) and any(name.startswith(p + ".") for p in shared)
         if sequence_parallel and rule.style in (COLUMN, KV_COLUMN) and not fed_by_shared:
             raise UnsupportedModelError(
-                f"sequence parallelism: {name} is a column-parallel layer whose module is not in the {plan.name} "
-                "plan's shared_inputs, so nothing gathers its sequence; turn sequence parallelism off for this model"
+                f"sequence parallelism: {name} is a column-parallel layer whose module is not in the "
+                f"{rule_set.name} rules' shared_inputs, so nothing gathers its sequence; turn sequence parallelism "
+                "off for this model"
             )
         new = _build(rule, module, name, ctx, parallel, pad_vocab_to_multiple_of, not fed_by_shared, sequence_parallel)
         _copy_shards(new, module)
         styles[name] = rule.style
         _set_submodule(model, name, new)
         converted[name] = new
-    missing = [r.pattern for r in plan.rules if not r.optional and r.pattern not in matched]
+    missing = [r.pattern for r in rule_set.rules if not r.optional and r.pattern not in matched]
     if missing:
         raise UnsupportedModelError(
-            f"{type(model).__name__}: the {plan.name} rules {missing} match no module; this model needs its own rule "
-            f"file under mtk/plans/ (docs/architectures.md, 'Adding an architecture')"
+            f"{type(model).__name__}: the {rule_set.name} rules {missing} match no module; this model needs its own "
+            f"rule file under mtk/rules/ (docs/architectures.md, 'Adding an architecture')"
         )
     if parallel.tp_size > 1 and not any(style in (COLUMN, KV_COLUMN, ROW, EXPERTS) for style in styles.values()):
-        raise UnsupportedModelError(f"{type(model).__name__}: the {plan.name} rules split no linear layer here")
+        raise UnsupportedModelError(f"{type(model).__name__}: the {rule_set.name} rules split no linear layer here")
     untied = [n for n in tied_heads if n not in converted]
     if untied:
         raise UnsupportedModelError(f"{untied} are tied to the input embedding but no rule splits them")
@@ -323,7 +324,7 @@ def parallelize_with(
         modules[name].register_forward_pre_hook(hook, with_kwargs=True)
     _retie_embeddings(model, converted, styles, old_embedding, tied_heads)
     for name, module in model.named_modules():
-        for fix in plan.attr_fixes:
+        for fix in rule_set.attr_fixes:
             if fix.matches(name) and hasattr(module, fix.attr):
                 setattr(module, fix.attr, fix.value(ctx))
     heads = [cast(ColumnParallelLinear, m) for n, m in converted.items() if styles[n] == LM_HEAD]

@@ -1,0 +1,21 @@
+"""Per-architecture tensor-parallel rules as data, how a model finds its rules, and the function that applies one."""
+
+from mtk.rules.apply import RuleContext, materialize_, parallelize_with
+from mtk.rules.base import AttrFix, HeadCounts, Rule, RuleSet, UnsupportedModelError
+from mtk.rules.registry import RULE_SETS, check_tp_size, find_rules, register_rules, resolve_rules
+
+__all__ = [
+    "RULE_SETS",
+    "AttrFix",
+    "HeadCounts",
+    "RuleSet",
+    "RuleContext",
+    "Rule",
+    "UnsupportedModelError",
+    "check_tp_size",
+    "find_rules",
+    "materialize_",
+    "parallelize_with",
+    "register_rules",
+    "resolve_rules",
+]
