@@ -56,7 +56,7 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     torch.set_num_threads(spec.threads)
     device = bench_device()
     baseline = resident_memory(device)
-    parallel = ParallelState.build(tp_size=spec.tp, pp_size=spec.pp, device=device)
+    parallel = ParallelState.build(tp_size=spec.tp_size, pp_size=spec.pp_size, device=device)
     model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
     parallelize(
         model,
@@ -78,7 +78,7 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
             [p.grad for p in model.parameters() if p.grad is not None], parallel.dp_group, average=True
         )
 
-    if spec.pp == 1:
+    if spec.pp_size == 1:
         shard_over = parallel.dp_group if spec.distributed_optimizer else None
         measured = measure_model(spec, model.to(device), device, sync_grads, baseline, shard_over)
         if parallel.dp_size > 1:
@@ -143,27 +143,29 @@ def _reduction_seconds(model, group, device: torch.device) -> float:
 
 def run_mtk_one_replica(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """mtk at the same TP x PP as one data-parallel replica: what a DP layout's ideal is measured from."""
-    return run_mtk(rank, world_size, replace(spec, dp=1, distributed_optimizer=False))
+    return run_mtk(rank, world_size, replace(spec, dp_size=1, distributed_optimizer=False))
 
 
 def run_mtk_one_stage(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """mtk at the same TP with the whole model on one stage: what a pipeline's ideal is measured from."""
-    one_stage = replace(spec, pp=1, micro_batches=1, pipeline_layers=(), pipeline_schedule="1f1b", virtual_stages=1)
+    one_stage = replace(
+        spec, pp_size=1, micro_batches=1, pipeline_layers=(), pipeline_schedule="1f1b", virtual_stages=1
+    )
     return run_mtk(rank, world_size, one_stage)
 
 
 # name -> (worker, processes for a spec, threads per process or None for the spec's)
 CONTENDERS: dict[str, tuple[Callable, Callable[[BenchSpec], int], Callable[[BenchSpec], int]]] = {
-    "mtk": (run_mtk, lambda s: s.tp * s.pp * s.dp, lambda s: 1),
-    "mtk-one-stage": (run_mtk_one_stage, lambda s: s.tp * s.dp, lambda s: 1),
-    "mtk-one-replica": (run_mtk_one_replica, lambda s: s.tp * s.pp, lambda s: 1),
+    "mtk": (run_mtk, lambda s: s.tp_size * s.pp_size * s.dp_size, lambda s: 1),
+    "mtk-one-stage": (run_mtk_one_stage, lambda s: s.tp_size * s.dp_size, lambda s: 1),
+    "mtk-one-replica": (run_mtk_one_replica, lambda s: s.tp_size * s.pp_size, lambda s: 1),
     "hf-1thread": (run_hf, lambda s: 1, lambda s: 1),
     "accelerate": (run_accelerate, lambda s: 1, lambda s: 1),
     "mtk-accelerator": (run_mtk_accelerator, lambda s: 1, lambda s: 1),
     "hf-all-threads": (run_hf, lambda s: 1, lambda s: os.cpu_count() or 1),
-    "transformers-tp_plan": (run_tp_plan, lambda s: s.tp, lambda s: 1),
-    "deepspeed-autotp": (run_autotp, lambda s: s.tp, lambda s: 1),
-    "torch-pipelining": (run_torch_pipelining, lambda s: s.pp, lambda s: 1),
-    "deepspeed-zero1": (run_zero1, lambda s: s.dp, lambda s: 1),
-    "deepspeed-zero2": (run_zero2, lambda s: s.dp, lambda s: 1),
+    "transformers-tp_plan": (run_tp_plan, lambda s: s.tp_size, lambda s: 1),
+    "deepspeed-autotp": (run_autotp, lambda s: s.tp_size, lambda s: 1),
+    "torch-pipelining": (run_torch_pipelining, lambda s: s.pp_size, lambda s: 1),
+    "deepspeed-zero1": (run_zero1, lambda s: s.dp_size, lambda s: 1),
+    "deepspeed-zero2": (run_zero2, lambda s: s.dp_size, lambda s: 1),
 }

@@ -42,8 +42,8 @@ class BenchSpec:
     """What every contender runs: the model, the layout and the batch."""
 
     model: str
-    tp: int
-    pp: int
+    tp_size: int
+    pp_size: int
     batch: int
     seq: int
     steps: int
@@ -55,7 +55,7 @@ class BenchSpec:
     sequence_parallel: bool = False  # mtk only: Megatron's sequence parallelism
     recompute: str | None = None  # mtk only: "full" or "selective" activation recomputation
     track_memory: bool = False  # mtk only: one more step under torch's MemTracker (memory by kind)
-    dp: int = 1  # mtk only: data-parallel replicas (each the same batch); gradients averaged over them
+    dp_size: int = 1  # mtk only: data-parallel replicas (each the same batch); gradients averaged over them
     distributed_optimizer: bool = False  # mtk only: AdamW state sharded over the DP group
     checkpoint_dir: str | None = None  # the same weights as a local HF directory (for from_pretrained)
     pipeline_layers: tuple[int, ...] = ()  # mtk only, pp > 1: decoder layers per stage (chunk) (default: even)

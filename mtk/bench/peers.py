@@ -147,7 +147,7 @@ def run_tp_plan(rank: int, world_size: int, spec: BenchSpec) -> dict:
     device = bench_device()
     assert spec.checkpoint_dir is not None, "the tp_plan contender loads the shared weights from a directory"
     model = AutoModelForCausalLM.from_pretrained(
-        spec.checkpoint_dir, tp_plan="auto", dtype=DTYPES[spec.dtype], tp_size=spec.tp
+        spec.checkpoint_dir, tp_plan="auto", dtype=DTYPES[spec.dtype], tp_size=spec.tp_size
     )
     return measure_model(spec, model, device)
 
@@ -185,11 +185,11 @@ def _deepspeed_run(spec: BenchSpec, zero_stage: int, **extra: Any) -> dict:
 
 def run_autotp(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """DeepSpeed AutoTP (``"tensor_parallel": {"autotp_size": N}``) with ZeRO-1, as DeepSpeed documents it."""
-    return _deepspeed_run(spec, 1, tensor_parallel={"autotp_size": spec.tp})
+    return _deepspeed_run(spec, 1, tensor_parallel={"autotp_size": spec.tp_size})
 
 
 def run_zero(rank: int, world_size: int, spec: BenchSpec, stage: int) -> dict:
-    """DeepSpeed ZeRO stage ``stage`` over ``spec.dp`` data-parallel processes, each on the same batch as mtk's
+    """DeepSpeed ZeRO stage ``stage`` over ``spec.dp_size`` data-parallel processes, each on the same batch as mtk's
     replicas: the data-parallel peer."""
     return _deepspeed_run(spec, stage)
 

@@ -38,9 +38,9 @@ def predict_collectives(
     hidden: int,
     batch: int,
     seq: int,
-    tp: int,
+    tp_size: int,
     *,
-    pp: int = 1,
+    pp_size: int = 1,
     stage: int = 0,
     micro_batches: int = 1,
     virtual_stages: int = 1,
@@ -67,6 +67,7 @@ def predict_collectives(
     ``virtual_stages`` chunks per rank (interleaved), every chunk but the model's last sends forward and every
     chunk but the model's first sends backward.
     """
+    tp, pp = tp_size, pp_size
     counts: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
     first, last = stage == 0, stage == pp - 1

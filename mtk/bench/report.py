@@ -68,16 +68,22 @@ def report_dict(spec: BenchSpec, summaries: list[ContenderSummary], predicted: P
         "contenders": rows,
     }
     one_stage = next((s for s in summaries if s.name == "mtk-one-stage" and s.median_s), None)
-    if spec.pp > 1 and ours is not None and ours.median_s and one_stage is not None:
+    if spec.pp_size > 1 and ours is not None and ours.median_s and one_stage is not None:
         report["pipeline"] = pipeline_ideal(spec, ours, one_stage)
     times = {s.name: s.median_s for s in summaries if s.median_s}
     if "mtk-accelerator" in times and "accelerate" in times:  # mtk.Accelerator at TP = 1 vs plain accelerate
         report["accelerator_overhead"] = times["mtk-accelerator"] / times["accelerate"]
     one_thread = next((s for s in summaries if s.name == "hf-1thread" and s.median_s), None)
-    if spec.tp > 1 and spec.pp == spec.dp == 1 and ours is not None and ours.median_s and one_thread is not None:
+    if (
+        spec.tp_size > 1
+        and spec.pp_size == spec.dp_size == 1
+        and ours is not None
+        and ours.median_s
+        and one_thread is not None
+    ):
         report["tensor_parallel"] = tensor_parallel_floor(spec, ours, one_thread, predicted)
     one_replica = next((s for s in summaries if s.name == "mtk-one-replica" and s.median_s), None)
-    if spec.dp > 1 and ours is not None and ours.median_s and one_replica is not None:
+    if spec.dp_size > 1 and ours is not None and ours.median_s and one_replica is not None:
         report["data_parallel"] = data_parallel_ideal(ours, one_replica)
     return report
 
@@ -92,7 +98,7 @@ def tensor_parallel_floor(
     hidden = resolve_config(spec.model).hidden_size
     activation = spec.batch * spec.seq * hidden * (2 if spec.dtype == "bf16" else 4)
     all_reduces = predicted.nbytes["all_reduce"] / activation
-    floor = one_thread.median_s / spec.tp + all_reduces * per_all_reduce
+    floor = one_thread.median_s / spec.tp_size + all_reduces * per_all_reduce
     return {
         "one_thread_s": one_thread.median_s,
         "activation_all_reduces": all_reduces,
@@ -125,10 +131,10 @@ def pipeline_ideal(spec: BenchSpec, ours: ContenderSummary, one_stage: Contender
     starting together after the step's barrier) it did not compute: blocked on a neighbour, or done early.
     A faster stage idles more; the bubble is the slowest stage's idle share (what the schedule itself
     costs), held against the formula's ``(p - 1) / (v m + p - 1)``."""
-    p, m, v = spec.pp, spec.micro_batches, spec.virtual_stages
+    p, m, v = spec.pp_size, spec.micro_batches, spec.virtual_stages
     assert ours.median_s is not None and one_stage.median_s is not None
     ideal = one_stage.median_s / p * (1 + (p - 1) / (v * m))
-    per_stage = spec.tp * spec.dp
+    per_stage = spec.tp_size * spec.dp_size
     busy, schedule = list(ours.pipeline_busy_s), [s for s in ours.pipeline_schedule_s if s is not None]
     idle = [1 - b / max(schedule) if b is not None and schedule else None for b in busy]
     per_stage_idle = [idle[stage * per_stage] for stage in range(p)] if len(idle) == p * per_stage else []
@@ -148,7 +154,7 @@ def pipeline_ideal(spec: BenchSpec, ours: ContenderSummary, one_stage: Contender
 def format_report(report: dict) -> str:
     spec = report["spec"]
     out = [
-        f"mtk bench: {spec['model']} tp={spec['tp']} pp={spec['pp']} batch {spec['batch']} x seq {spec['seq']}, "
+        f"mtk bench: {spec['model']} tp={spec['tp_size']} pp={spec['pp_size']} batch {spec['batch']} x seq {spec['seq']}, "
         f"{spec['dtype']}, {spec['steps']} timed steps per round",
         f"{'contender':<22} {'procs x thr':>11} {'median s':>9} {'min s':>7} {'tokens/s':>9} "
         f"{'peak mem/rank':>14} {'mtk time ratio':>15}",

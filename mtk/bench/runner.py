@@ -79,16 +79,16 @@ def predicted_for(spec: BenchSpec) -> Predicted:
         config.hidden_size,
         spec.batch,
         spec.seq,
-        spec.tp,
-        pp=spec.pp,
+        spec.tp_size,
+        pp_size=spec.pp_size,
         micro_batches=spec.micro_batches,
         element_size=2 if spec.dtype == "bf16" else 4,
-        sequence_parallel=spec.sequence_parallel and spec.tp > 1,
+        sequence_parallel=spec.sequence_parallel and spec.tp_size > 1,
         sequence_parallel_elements=sequence_parallel_elements(config) if spec.sequence_parallel else 0,
         recompute=spec.recompute,
         residual_dropout=has_residual_dropout(config),
         virtual_stages=spec.virtual_stages,
-        stage_layers=_first_rank_layers(layers, spec) if spec.pp > 1 else None,
+        stage_layers=_first_rank_layers(layers, spec) if spec.pp_size > 1 else None,
         **data_parallel_traffic(config, spec),
     )
 
@@ -97,7 +97,7 @@ def _first_rank_layers(layers: int, spec: BenchSpec) -> int:
     """Decoder blocks on rank 0 (whose collectives the bench counts): its chunks' share of the split."""
     from mtk.pipeline.stages import stage_layer_counts
 
-    return sum(stage_layer_counts(layers, spec.pp * spec.virtual_stages, spec.pipeline_layers)[:: spec.pp])
+    return sum(stage_layer_counts(layers, spec.pp_size * spec.virtual_stages, spec.pipeline_layers)[:: spec.pp_size])
 
 
 def data_parallel_traffic(config, spec: BenchSpec) -> dict[str, Any]:
@@ -105,12 +105,12 @@ def data_parallel_traffic(config, spec: BenchSpec) -> dict[str, Any]:
     optimizer, the all-gather rounds (the same assignment ``shard_optimizer`` makes)."""
     from mtk.parallel.distributed_optimizer import all_gather_rounds, assign_owners
 
-    if spec.dp == 1:
+    if spec.dp_size == 1:
         return {}
-    numels = local_numels(config, spec.tp)
+    numels = local_numels(config, spec.tp_size)
     traffic: dict[str, Any] = {"dp_gradient_elements": sum(numels)}
     if spec.distributed_optimizer:
-        rounds = all_gather_rounds(numels, assign_owners(numels, spec.dp), spec.dp)
+        rounds = all_gather_rounds(numels, assign_owners(numels, spec.dp_size), spec.dp_size)
         traffic["all_gather_widths"] = tuple(max(sum(numels[i] for i in p) for p in pieces) for pieces in rounds)
     return traffic
 

@@ -6,7 +6,7 @@ the shards of any layout; ``export`` writes an HF directory from them.
 """
 
 from mtk.checkpoint.hf_load import load_pretrained_tp, safetensors_index
-from mtk.checkpoint.meta import CheckpointMeta, Topology, read_metadata
+from mtk.checkpoint.meta import CheckpointMeta, read_metadata
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.errors import CheckpointError
 
@@ -14,7 +14,6 @@ __all__ = [
     "CheckpointError",
     "CheckpointMeta",
     "CheckpointPaths",
-    "Topology",
     "load_pretrained_tp",
     "read_metadata",
     "safetensors_index",

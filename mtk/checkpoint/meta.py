@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from mtk.checkpoint.paths import CheckpointPaths
-from mtk.errors import CheckpointError
+from mtk.errors import CheckpointError, LayoutError
+from mtk.parallel.layout import Layout
 
-__all__ = ["FORMAT", "RUN_ID", "CheckpointMeta", "Topology", "read_metadata"]
+__all__ = ["FORMAT", "RUN_ID", "CheckpointMeta", "read_metadata"]
 
 FORMAT = "mtk-checkpoint/2"
 _READABLE = ("mtk-checkpoint/1", FORMAT)  # 1: the same layout, without run identity and checksums
@@ -27,14 +28,16 @@ _READABLE = ("mtk-checkpoint/1", FORMAT)  # 1: the same layout, without run iden
 RUN_ID = uuid.uuid4().hex
 
 
-@dataclass(frozen=True)
-class Topology:
-    """The layout that wrote a checkpoint."""
+def _layout_record(layout: Layout) -> dict[str, int]:
+    """The layout as ``metadata.json`` spells it (the format's keys, older than the ``*_size`` names)."""
+    return {"world": layout.world_size, "tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size}
 
-    world: int
-    tp: int
-    pp: int
-    dp: int
+
+def _layout_from_record(record: dict[str, int]) -> Layout:
+    layout = Layout(world_size=record["world"], tp_size=record["tp"], pp_size=record["pp"])
+    if layout.dp_size != record["dp"]:
+        raise ValueError(f"topology {record} is not a rank grid: world / (tp * pp) != dp")
+    return layout
 
 
 @dataclass
@@ -58,7 +61,7 @@ class CheckpointMeta:
     """
 
     step: int
-    topology: Topology
+    topology: Layout
     versions: dict[str, str] = field(default_factory=dict)
     model: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
@@ -73,6 +76,7 @@ class CheckpointMeta:
     def to_json(self) -> str:
         record = dataclasses.asdict(self)
         record.pop("rng")
+        record["topology"] = _layout_record(self.topology)
         return json.dumps(record, indent=1, default=str)
 
     @classmethod
@@ -86,11 +90,11 @@ class CheckpointMeta:
                 raise CheckpointError(f"{where} has format {record.get('format')!r}, expected {FORMAT!r}")
             known = {f.name for f in dataclasses.fields(cls)} - {"rng"}
             values = {key: value for key, value in record.items() if key in known}
-            values["topology"] = Topology(**record["topology"])
+            values["topology"] = _layout_from_record(record["topology"])
             return cls(**values)
         except CheckpointError:
             raise
-        except (ValueError, TypeError, KeyError) as err:
+        except (ValueError, TypeError, KeyError, LayoutError) as err:
             raise CheckpointError(
                 f"{where} is not valid mtk checkpoint metadata ({err}); the file is damaged"
             ) from None

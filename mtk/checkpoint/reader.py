@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from mtk.checkpoint.meta import Topology
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.safetensors_slices import SafetensorsFile, open_safetensors
 from mtk.errors import CheckpointError
+from mtk.parallel.layout import Layout
 from mtk.parallel.sharding import ShardSpec, merge_shards
 
 __all__ = ["ShardedCheckpointReader"]
@@ -26,10 +26,10 @@ __all__ = ["ShardedCheckpointReader"]
 class ShardedCheckpointReader:
     """Reads full tensors from ``<checkpoint>/model`` (and ``/optimizer``) shard files."""
 
-    def __init__(self, directory: str | Path, topology: Topology) -> None:
+    def __init__(self, directory: str | Path, topology: Layout) -> None:
         self.directory = Path(directory)
         self.paths = CheckpointPaths(self.directory)
-        self.ranks = [(t, p) for p in range(topology.pp) for t in range(topology.tp)]
+        self.ranks = [(t, p) for p in range(topology.pp_size) for t in range(topology.tp_size)]
         self.model_files = [self.paths.weights(t, p) for t, p in self.ranks]
         self._handles = [open_safetensors(path) for path in self.model_files]
         self.pieces: dict[str, list[tuple[SafetensorsFile, ShardSpec]]] = {}

@@ -42,7 +42,7 @@ def _set_rng_state(states: dict[str, Any]) -> None:
 
 def restore_rng(paths: CheckpointPaths, meta: CheckpointMeta, parallel: ParallelState) -> dict[str, Any]:
     """Set this rank's RNG states from the checkpoint (rank 0's when the world size changed)."""
-    same_world = meta.topology.world == parallel.world_size
+    same_world = meta.topology.world_size == parallel.world_size
     rng = torch.load(paths.rng(parallel.rank if same_world else 0), weights_only=True)
     _set_rng_state(rng)
     return rng

@@ -24,7 +24,7 @@ from torch import nn
 from mtk.checkpoint.atomic import atomic_dir, write_synced
 from mtk.checkpoint.base_model import base_record, check_base
 from mtk.checkpoint.integrity import Checksums, checksum_files, read_verified
-from mtk.checkpoint.meta import FORMAT, RUN_ID, CheckpointMeta, Topology, read_metadata
+from mtk.checkpoint.meta import FORMAT, RUN_ID, CheckpointMeta, read_metadata
 from mtk.checkpoint.optimizer import load_optimizer, reshard_optimizer, save_optimizer, saved_optimizer_groups
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.reader import ShardedCheckpointReader
@@ -34,6 +34,7 @@ from mtk.convert import parallelized
 from mtk.errors import CheckpointError
 from mtk.lora.model import adapter_configs, hf_model, is_peft_model
 from mtk.parallel.distributed_optimizer import full_optimizer_state
+from mtk.parallel.layout import Layout
 from mtk.parallel.state import ParallelState
 
 __all__ = [
@@ -66,8 +67,8 @@ def _versions() -> dict[str, str]:
     }
 
 
-def topology_of(parallel: ParallelState) -> Topology:
-    return Topology(world=parallel.world_size, tp=parallel.tp_size, pp=parallel.pp_size, dp=parallel.dp_size)
+def topology_of(parallel: ParallelState) -> Layout:
+    return parallel.layout
 
 
 def _model_record(model: nn.Module) -> dict[str, Any]:
@@ -164,7 +165,7 @@ def load_checkpoint(
     saved = meta.topology
     check_base(str(directory), meta.base_model, model, parallel)  # collective
     with full_optimizer_state(optimizers, gather=False):  # every rank loads all, then keeps its own share
-        if (saved.tp, saved.pp) == (parallel.tp_size, parallel.pp_size):
+        if (saved.tp_size, saved.pp_size) == (parallel.tp_size, parallel.pp_size):
             load_weights(model, paths.weights(parallel.tp_rank, parallel.pp_rank))
             for i, optimizer in enumerate(optimizers):
                 load_optimizer(model, optimizer, paths.optimizer(parallel.tp_rank, parallel.pp_rank, i))
@@ -174,7 +175,7 @@ def load_checkpoint(
             with ShardedCheckpointReader(directory, saved) as reader:
                 reshard_weights(model, reader)
                 for optimizer in optimizers:
-                    reshard_optimizer(model, optimizer, reader, saved_optimizer_groups(paths, saved.pp))
+                    reshard_optimizer(model, optimizer, reader, saved_optimizer_groups(paths, saved.pp_size))
     load_schedulers(paths, schedulers)
     meta.rng = restore_rng(paths, meta, parallel)
     restore_streams(model, meta, parallel)

@@ -101,8 +101,8 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         pipeline_schedule=args.pipeline_schedule,
         virtual_stages=args.virtual_stages,
         model=args.model,
-        tp=args.tp,
-        pp=args.pp,
+        tp_size=args.tp,
+        pp_size=args.pp,
         batch=args.batch,
         seq=args.seq,
         steps=args.steps,
@@ -110,7 +110,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         micro_batches=micro,
         sequence_parallel=args.sequence_parallel,
         recompute=args.recompute,
-        dp=args.dp,
+        dp_size=args.dp,
         distributed_optimizer=args.distributed_optimizer,
         track_memory=args.memory,
     )
@@ -137,20 +137,22 @@ def _pipeline_layers(args: argparse.Namespace, config) -> tuple[int, ...]:
 def run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     contenders = ["mtk"] + (PEERS if args.compare else [])
-    if args.compare and spec.pp > 1:  # the TP peers have no pipeline; torch's own pipelining is the peer
+    if args.compare and spec.pp_size > 1:  # the TP peers have no pipeline; torch's own pipelining is the peer
         contenders = ["mtk", "torch-pipelining", "hf-1thread", "hf-all-threads"]
-    if args.compare and spec.dp > 1:  # the data-parallel axis: DeepSpeed's ZeRO-1 and -2 over the same replicas
+    if args.compare and spec.dp_size > 1:  # the data-parallel axis: DeepSpeed's ZeRO-1 and -2 over the same replicas
         contenders = ["mtk", "deepspeed-zero1", "deepspeed-zero2"]
-    if args.compare and spec.tp == spec.pp == spec.dp == 1:  # TP = 1: mtk's overhead on accelerate's own loop
+    if (
+        args.compare and spec.tp_size == spec.pp_size == spec.dp_size == 1
+    ):  # TP = 1: mtk's overhead on accelerate's own loop
         contenders = ["mtk", "mtk-accelerator", "accelerate", "hf-1thread", "hf-all-threads"]
-    if spec.pp > 1:
+    if spec.pp_size > 1:
         contenders.insert(1, "mtk-one-stage")  # the pipeline's ideal is measured from it
-    if spec.dp > 1:
+    if spec.dp_size > 1:
         contenders.insert(1, "mtk-one-replica")  # and data parallelism's
     rounds = args.rounds or (3 if args.compare else 1)
     assert set(contenders) <= set(CONTENDERS)
     print(
-        f"mtk bench: {spec.model} tp={spec.tp} pp={spec.pp}, {', '.join(contenders)}, {rounds} round(s)",
+        f"mtk bench: {spec.model} tp={spec.tp_size} pp={spec.pp_size}, {', '.join(contenders)}, {rounds} round(s)",
         flush=True,
     )
     summaries, busy = run_bench(

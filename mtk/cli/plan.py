@@ -89,8 +89,8 @@ def request_from_args(args: argparse.Namespace) -> Request:
         engines=ENGINES[args.engine],
         offload=args.offload,
         reserve=args.reserve,
-        tp=args.tp,
-        pp=args.pp,
+        tp_size=args.tp,
+        pp_size=args.pp,
         device=args.device,
         every_setting=args.all,
     )
@@ -103,18 +103,18 @@ def _check_fixed_degrees(request: Request) -> None:
     from mtk.rules import check_tp_size
 
     cluster, config = request.cluster, request.config
-    if request.tp:
-        check_tp_size(config, request.tp)  # heads: one line naming the valid sizes
-        if cluster.gpus_per_node % request.tp or request.tp > cluster.gpus:
+    if request.tp_size:
+        check_tp_size(config, request.tp_size)  # heads: one line naming the valid sizes
+        if cluster.gpus_per_node % request.tp_size or request.tp_size > cluster.gpus:
             raise ConfigError(
-                f"--tp {request.tp} does not fit inside a node of {cluster.gpus_per_node} GPUs (TP all-reduces every "
-                f"layer and stays on NVLink); valid here: {valid_tp_sizes(request)}"
+                f"--tp {request.tp_size} does not fit inside a node of {cluster.gpus_per_node} GPUs (TP "
+                f"all-reduces every layer and stays on NVLink); valid here: {valid_tp_sizes(request)}"
             )
-    if request.pp:
+    if request.pp_size:
         layers = getattr(config, "num_hidden_layers", None) or config.n_layer
-        if layers % request.pp:
+        if layers % request.pp_size:
             valid = [p for p in range(1, layers + 1) if layers % p == 0]
-            raise ConfigError(f"--pp {request.pp} does not divide the model's {layers} layers; valid: {valid}")
+            raise ConfigError(f"--pp {request.pp_size} does not divide the model's {layers} layers; valid: {valid}")
 
 
 def _describe(request: Request, lora: str) -> str:

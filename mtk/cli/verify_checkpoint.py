@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     meta = read_verified(args.checkpoint)
-    where = f"step {meta.step}, tp={meta.topology.tp} pp={meta.topology.pp} dp={meta.topology.dp}"
+    where = f"step {meta.step}, tp={meta.topology.tp_size} pp={meta.topology.pp_size} dp={meta.topology.dp_size}"
     if not meta.files:
         print(f"{args.checkpoint}: {meta.format} has no checksums; only its metadata was read ({where})")
         return 0

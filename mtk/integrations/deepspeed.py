@@ -147,9 +147,9 @@ def load_deepspeed_checkpoint(
     saved = meta.topology
     if meta.engine != "deepspeed":
         raise CheckpointError(f"{directory} was not written by the DeepSpeed engine; resume it with the same engine")
-    if (saved.tp, saved.pp, saved.dp) != (parallel.tp_size, parallel.pp_size, parallel.dp_size):
+    if (saved.tp_size, saved.pp_size, saved.dp_size) != (parallel.tp_size, parallel.pp_size, parallel.dp_size):
         raise CheckpointError(
-            f"{directory} was written at tp={saved.tp} pp={saved.pp} dp={saved.dp}, this run is "
+            f"{directory} was written at tp={saved.tp_size} pp={saved.pp_size} dp={saved.dp_size}, this run is "
             f"tp={parallel.tp_size} pp={parallel.pp_size} dp={parallel.dp_size}; a DeepSpeed checkpoint resumes at "
             f"the same layout (export it with `mtk export` to change layouts)"
         )

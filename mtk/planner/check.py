@@ -22,15 +22,19 @@ from mtk.planner.search import Candidate, Estimate, Request, estimate, rank_memo
 # full recompute, selective recompute, TP x DP with the distributed optimizer, TP x PP in a 1F1B steady state,
 # a pipeline that never leaves its warm-up, and a model whose attention dropout takes torch's math path on CPU.
 CHECKED_LAYOUTS: dict[str, dict] = {
-    "tp2": dict(model="bench-llama", tp=2, pp=1, batch=2, seq=256),
+    "tp2": dict(model="bench-llama", tp_size=2, pp_size=1, batch=2, seq=256),
     "tp2 sp recompute=full": dict(
-        model="bench-llama", tp=2, pp=1, batch=2, seq=256, sequence_parallel=True, recompute="full"
+        model="bench-llama", tp_size=2, pp_size=1, batch=2, seq=256, sequence_parallel=True, recompute="full"
     ),
-    "tp2 recompute=selective": dict(model="bench-llama", tp=2, pp=1, batch=2, seq=256, recompute="selective"),
-    "tp2 dp2 distopt": dict(model="bench-llama", tp=2, pp=1, dp=2, batch=2, seq=256, distributed_optimizer=True),
-    "tp2 pp2 m=4 (1F1B steady)": dict(model="bench-llama", tp=2, pp=2, batch=4, seq=256, micro_batches=4),
-    "pp2 m=2 (warm-up only)": dict(model="bench-llama", tp=1, pp=2, batch=2, seq=256, micro_batches=2),
-    "tiny-gpt2 tp2 (dropout)": dict(model="tiny-gpt2", tp=2, pp=1, batch=4, seq=128),
+    "tp2 recompute=selective": dict(
+        model="bench-llama", tp_size=2, pp_size=1, batch=2, seq=256, recompute="selective"
+    ),
+    "tp2 dp2 distopt": dict(
+        model="bench-llama", tp_size=2, pp_size=1, dp_size=2, batch=2, seq=256, distributed_optimizer=True
+    ),
+    "tp2 pp2 m=4 (1F1B steady)": dict(model="bench-llama", tp_size=2, pp_size=2, batch=4, seq=256, micro_batches=4),
+    "pp2 m=2 (warm-up only)": dict(model="bench-llama", tp_size=1, pp_size=2, batch=2, seq=256, micro_batches=2),
+    "tiny-gpt2 tp2 (dropout)": dict(model="tiny-gpt2", tp_size=2, pp_size=1, batch=4, seq=128),
 }
 
 __all__ = ["CHECKED_LAYOUTS", "RankCheck", "check_lines", "check_ranks", "planned_collectives", "planned_for"]
@@ -53,12 +57,12 @@ def _request_and_candidate(spec: BenchSpec, device: str) -> tuple[Request, Candi
             "--memory compares with mtk plan, whose bf16 is mixed precision (fp32 weights); the bench's "
             f"--dtype {spec.dtype} is pure {spec.dtype}: use --dtype fp32"
         )
-    world = spec.tp * spec.pp * spec.dp
+    world = spec.tp_size * spec.pp_size * spec.dp_size
     request = Request(
         config=resolve_config(spec.model),
         cluster=Cluster(gpus=world, gpu_memory=2**50),
         seq=spec.seq,
-        global_batch=spec.batch * spec.dp,
+        global_batch=spec.batch * spec.dp_size,
         dtype="fp32",
         engines=("accelerate",),
         reserve=0,
@@ -66,10 +70,10 @@ def _request_and_candidate(spec: BenchSpec, device: str) -> tuple[Request, Candi
         ddp=False,
     )
     candidate = Candidate(
-        tp=spec.tp,
-        pp=spec.pp,
-        dp=spec.dp,
-        micro_batch=spec.batch // spec.micro_batches,
+        tp_size=spec.tp_size,
+        pp_size=spec.pp_size,
+        dp_size=spec.dp_size,
+        micro_batch_size=spec.batch // spec.micro_batches,
         micro_batches=spec.micro_batches,
         sequence_parallel=spec.sequence_parallel,
         recompute=spec.recompute,
@@ -104,7 +108,7 @@ def check_ranks(spec: BenchSpec, summary: ContenderSummary, device: str) -> list
     request, candidate = _request_and_candidate(spec, device)
     checks = []
     for rank, (kinds, state) in enumerate(zip(summary.memory_by_kind, summary.model_state)):
-        stage, dp_rank = divmod(rank // spec.tp, spec.dp)  # ranks: TP fastest, then DP, then PP
+        stage, dp_rank = divmod(rank // spec.tp_size, spec.dp_size)  # ranks: TP fastest, then DP, then PP
         predicted = rank_memory(request, candidate, stage, dp_rank)
         measured = kinds.get("max_allocated") or kinds.get("live_peak") or kinds["total"]
         checks.append(RankCheck(rank, stage, predicted, measured, dict(state)))

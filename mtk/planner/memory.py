@@ -48,7 +48,7 @@ class Training:
     engine: str = "accelerate"  # accelerate or deepspeed
     sharding: str = "none"  # none, distopt (accelerate), zero1, zero2, zero3 (deepspeed)
     offload: bool = False  # deepspeed: optimizer state (and master weights) in CPU memory
-    dp: int = 1
+    dp_size: int = 1
     lora: bool = False  # the frozen base stays in ``dtype``; adapters train in fp32
     ddp: bool = False  # accelerate at pp = 1: DDP's buckets hold a copy of the gradients all step
 
@@ -105,20 +105,21 @@ def stage_memory(
     *,
     layers: int,
     stage: int = 0,
-    pp: int = 1,
-    micro_batch: int = 1,
+    pp_size: int = 1,
+    micro_batch_size: int = 1,
     micro_batches: int = 1,
     dp_rank: int | None = None,
 ) -> RankMemory:
     """Peak bytes of a TP rank of pipeline stage ``stage`` holding ``layers`` decoder layers.
 
-    ``micro_batch`` sequences of ``trace.seq`` tokens per forward; ``micro_batches`` forwards per optimizer
+    ``micro_batch_size`` sequences of ``trace.seq`` tokens per forward; ``micro_batches`` forwards per optimizer
     step (pipeline micro-batches, or gradient accumulation at ``pp = 1``). ``dp_rank``: whose share of a
     sharded optimizer (default: the largest).
     """
+    pp, micro_batch = pp_size, micro_batch_size
     params = stage_parameters(trace, layers, stage, pp)
     trainable, frozen = sum(params.trainable), params.frozen
-    dp = training.dp
+    dp = training.dp_size
     bf16_deepspeed = training.dtype == "bf16" and training.engine == "deepspeed"
     weight_size = 2 if bf16_deepspeed else 4
     base_size = 2 if training.dtype == "bf16" else 4  # a frozen LoRA base stays in --dtype

@@ -48,8 +48,8 @@ class Request:
     engines: tuple[str, ...] = ("accelerate", "deepspeed")
     offload: bool = False
     reserve: int = 2 * 2**30  # per GPU: CUDA context, communicator buffers, allocator slack
-    tp: int | None = None
-    pp: int | None = None
+    tp_size: int | None = None
+    pp_size: int | None = None
     device: str = "cuda"  # attention kernels of this device (``cpu`` for the validation on this machine)
     ddp: bool = True  # accelerate at pp = 1 reduces through DDP's buckets (False: one coalesced all-reduce)
     every_setting: bool = False
@@ -59,10 +59,10 @@ class Request:
 class Candidate:
     """One layout and its training options."""
 
-    tp: int
-    pp: int
-    dp: int
-    micro_batch: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    micro_batch_size: int
     micro_batches: int  # per optimizer step: pipeline micro-batches, or gradient accumulation at pp = 1
     sequence_parallel: bool = False
     recompute: str | None = None
@@ -72,7 +72,10 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        parts = [f"tp{self.tp} pp{self.pp} dp{self.dp}", f"{self.micro_batch}x{self.micro_batches}"]
+        parts = [
+            f"tp{self.tp_size} pp{self.pp_size} dp{self.dp_size}",
+            f"{self.micro_batch_size}x{self.micro_batches}",
+        ]
         if self.sequence_parallel:
             parts.append("sp")
         if self.recompute:
@@ -100,10 +103,10 @@ class Estimate:
         c = self.candidate
         return {
             "layout": {
-                "tp": c.tp,
-                "pp": c.pp,
-                "dp": c.dp,
-                "micro_batch": c.micro_batch,
+                "tp_size": c.tp_size,
+                "pp_size": c.pp_size,
+                "dp_size": c.dp_size,
+                "micro_batch_size": c.micro_batch_size,
                 "micro_batches": c.micro_batches,
                 "sequence_parallel": c.sequence_parallel,
                 "recompute": c.recompute,
@@ -133,7 +136,7 @@ def _activation_size(request: Request, candidate: Candidate) -> int:
 
 def _trace_settings(request: Request, candidate: Candidate) -> TraceSettings:
     return TraceSettings(
-        tp=candidate.tp,
+        tp_size=candidate.tp_size,
         sequence_parallel=candidate.sequence_parallel,
         recompute=candidate.recompute,
         lora_r=request.lora_r,
@@ -145,11 +148,11 @@ def _trace_settings(request: Request, candidate: Candidate) -> TraceSettings:
 def estimate(request: Request, candidate: Candidate) -> Estimate:
     """Memory of every stage (the fullest is reported), traffic and step time of one candidate."""
     config, c = request.config, candidate
-    trace = trace_rank(config, _trace_settings(request, c), request.seq, pipeline=c.pp > 1)
-    counts = stage_layer_counts(_layers(config), c.pp)
-    memories = [rank_memory(request, c, s) for s in range(c.pp)]
-    stage = max(range(c.pp), key=lambda s: memories[s].peak)
-    numels = list(stage_parameters(trace, counts[stage], stage, c.pp).trainable)
+    trace = trace_rank(config, _trace_settings(request, c), request.seq, pipeline=c.pp_size > 1)
+    counts = stage_layer_counts(_layers(config), c.pp_size)
+    memories = [rank_memory(request, c, s) for s in range(c.pp_size)]
+    stage = max(range(c.pp_size), key=lambda s: memories[s].peak)
+    numels = list(stage_parameters(trace, counts[stage], stage, c.pp_size).trainable)
     traffic, collectives = _traffic(request, c, stage, numels)
     time = _step_time(request, c, max(counts), traffic)
     fits = memories[stage].peak <= request.cluster.gpu_memory - request.reserve
@@ -160,23 +163,23 @@ def estimate(request: Request, candidate: Candidate) -> Estimate:
 def rank_memory(request: Request, candidate: Candidate, stage: int, dp_rank: int | None = None) -> RankMemory:
     """A TP rank of pipeline stage ``stage`` (of DP rank ``dp_rank``; default: the fullest one)."""
     c = candidate
-    trace = trace_rank(request.config, _trace_settings(request, c), request.seq, pipeline=c.pp > 1)
+    trace = trace_rank(request.config, _trace_settings(request, c), request.seq, pipeline=c.pp_size > 1)
     training = Training(
         dtype=request.dtype,
         engine=c.engine,
         sharding=c.sharding,
         offload=c.offload,
-        dp=c.dp,
+        dp_size=c.dp_size,
         lora=request.lora_r > 0,
-        ddp=request.ddp and c.engine == "accelerate" and c.pp == 1,
+        ddp=request.ddp and c.engine == "accelerate" and c.pp_size == 1,
     )
     return stage_memory(
         trace,
         training,
-        layers=stage_layer_counts(_layers(request.config), c.pp)[stage],
+        layers=stage_layer_counts(_layers(request.config), c.pp_size)[stage],
         stage=stage,
-        pp=c.pp,
-        micro_batch=c.micro_batch,
+        pp_size=c.pp_size,
+        micro_batch_size=c.micro_batch_size,
         micro_batches=c.micro_batches,
         dp_rank=dp_rank,
     )
@@ -184,9 +187,11 @@ def rank_memory(request: Request, candidate: Candidate, stage: int, dp_rank: int
 
 def stage_collectives(request: Request, candidate: Candidate, stage: int) -> dict[str, dict[str, int]]:
     """The collectives mtk issues per step on a TP rank of pipeline stage ``stage``, by kind."""
-    trace = trace_rank(request.config, _trace_settings(request, candidate), request.seq, pipeline=candidate.pp > 1)
-    layers = stage_layer_counts(_layers(request.config), candidate.pp)[stage]
-    numels = list(stage_parameters(trace, layers, stage, candidate.pp).trainable)
+    trace = trace_rank(
+        request.config, _trace_settings(request, candidate), request.seq, pipeline=candidate.pp_size > 1
+    )
+    layers = stage_layer_counts(_layers(request.config), candidate.pp_size)[stage]
+    numels = list(stage_parameters(trace, layers, stage, candidate.pp_size).trainable)
     return _traffic(request, candidate, stage, numels)[1]
 
 
@@ -200,10 +205,10 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int]) -> t
     predicted = predict_collectives(
         _layers(config),
         config.hidden_size,
-        c.micro_batch * c.micro_batches,
+        c.micro_batch_size * c.micro_batches,
         request.seq,
-        c.tp,
-        pp=c.pp,
+        c.tp_size,
+        pp_size=c.pp_size,
         stage=stage,
         micro_batches=c.micro_batches,
         element_size=_activation_size(request, c),
@@ -212,23 +217,23 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int]) -> t
         recompute=c.recompute,
         residual_dropout=has_residual_dropout(config),
     )
-    layout = Layout(world_size=c.tp * c.pp * c.dp, tp_size=c.tp, pp_size=c.pp)
+    layout = Layout(world_size=c.tp_size * c.pp_size * c.dp_size, tp_size=c.tp_size, pp_size=c.pp_size)
     tp_group, pp_group, dp_group = (layout.groups(kind)[0] for kind in ("tp", "pp", "dp"))
     tp_kinds = ("all_reduce", "all_gather", "reduce_scatter")
     tp_bytes = sum(predicted.nbytes[k] for k in tp_kinds)
-    tp_s = sum(collective_seconds(k, predicted.nbytes[k], c.tp, cluster.bandwidth(tp_group)) for k in tp_kinds)
+    tp_s = sum(collective_seconds(k, predicted.nbytes[k], c.tp_size, cluster.bandwidth(tp_group)) for k in tp_kinds)
     pp_bytes = predicted.nbytes["send"]
-    pp_s = collective_seconds("send", pp_bytes, c.pp, cluster.bandwidth(pp_group[:2])) if c.pp > 1 else 0.0
+    pp_s = collective_seconds("send", pp_bytes, c.pp_size, cluster.bandwidth(pp_group[:2])) if c.pp_size > 1 else 0.0
     grad_size = 2 if (request.dtype == "bf16" and c.engine == "deepspeed") else 4
-    dp_bytes = sum(numels) * grad_size if c.dp > 1 else 0
-    dp_s = collective_seconds("all_reduce", dp_bytes, c.dp, cluster.bandwidth(dp_group))
+    dp_bytes = sum(numels) * grad_size if c.dp_size > 1 else 0
+    dp_s = collective_seconds("all_reduce", dp_bytes, c.dp_size, cluster.bandwidth(dp_group))
     if c.sharding == "zero3":
         dp_s *= 1.5  # parameters gathered for forward and again for backward (ZeRO paper)
-    gathers = _gather_widths(numels, c.dp) if c.sharding == "distopt" else ()
+    gathers = _gather_widths(numels, c.dp_size) if c.sharding == "distopt" else ()
     for width in gathers:  # the distributed optimizer's all-gather rounds of the updated weights
-        dp_s += collective_seconds("all_gather", width * 4, c.dp, cluster.bandwidth(dp_group))
-    if c.dp > 1 and c.engine == "accelerate":  # one coalesced all-reduce; under PP, buckets from backward
-        buckets = gradient_buckets([(n * grad_size, torch.float32) for n in numels]) if c.pp > 1 else [[]]
+        dp_s += collective_seconds("all_gather", width * 4, c.dp_size, cluster.bandwidth(dp_group))
+    if c.dp_size > 1 and c.engine == "accelerate":  # one coalesced all-reduce; under PP, buckets from backward
+        buckets = gradient_buckets([(n * grad_size, torch.float32) for n in numels]) if c.pp_size > 1 else [[]]
         predicted.counts["all_reduce"] += len(buckets)
         predicted.nbytes["all_reduce"] += dp_bytes
         for width in gathers:
@@ -241,14 +246,14 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int]) -> t
 def _step_time(request: Request, c: Candidate, stage_layers: int, traffic: Traffic) -> StepTime:
     """The roofline of the slowest stage (``stage_layers`` decoder layers): module docstring of timing.py."""
     size = model_size(request.config)
-    tokens = c.micro_batch * c.micro_batches * request.seq  # per replica and step
+    tokens = c.micro_batch_size * c.micro_batches * request.seq  # per replica and step
     flops = flops_per_token(size, request.seq, lora=request.lora_r > 0, recompute=c.recompute)
-    compute = flops * tokens * stage_layers / size.layers / c.tp / request.cluster.peak_flops
+    compute = flops * tokens * stage_layers / size.layers / c.tp_size / request.cluster.peak_flops
     stage_s = compute + traffic.tp_wire_s
-    bubble_fraction = (c.pp - 1) / c.micro_batches
+    bubble_fraction = (c.pp_size - 1) / c.micro_batches
     # DDP / DeepSpeed reduce during the whole backward; a pipeline during its last micro-batch's backward;
     # the distributed optimizer's all-gather comes after the step
-    backward = 2 / 3 * compute / (c.micro_batches if c.pp > 1 else 1)
+    backward = 2 / 3 * compute / (c.micro_batches if c.pp_size > 1 else 1)
     dp_exposed = traffic.dp_wire_s if c.sharding == "distopt" else max(0.0, traffic.dp_wire_s - backward)
     total = stage_s * (1 + bubble_fraction) + traffic.pp_wire_s + dp_exposed
     return StepTime(
@@ -301,11 +306,11 @@ def _pipeline_supported(config: PretrainedConfig) -> bool:
 def layouts(request: Request) -> Iterator[Candidate]:
     """Every (tp, pp, dp, micro-batch, engine, sharding) the rules allow, before SP and recompute."""
     cluster, layers = request.cluster, _layers(request.config)
-    tps = [request.tp] if request.tp else valid_tp_sizes(request)
+    tps = [request.tp_size] if request.tp_size else valid_tp_sizes(request)
     pipeline = _pipeline_supported(request.config)
     for tp in tps:
         for pp in _divisors(cluster.gpus // tp):
-            if (request.pp and pp != request.pp) or layers % pp or (pp > 1 and not pipeline):
+            if (request.pp_size and pp != request.pp_size) or layers % pp or (pp > 1 and not pipeline):
                 continue
             dp = cluster.gpus // (tp * pp)
             if request.global_batch % dp:
@@ -329,10 +334,10 @@ def layouts(request: Request) -> Iterator[Candidate]:
 def _settings(request: Request, candidate: Candidate, most_recompute: int) -> Iterator[Candidate]:
     """The candidate's SP / recompute variants, cheapest in time first, up to ``RECOMPUTE_ORDER[most_recompute]``."""
     sp_allowed = (
-        candidate.tp > 1
+        candidate.tp_size > 1
         and candidate.engine == "accelerate"
-        and request.seq % candidate.tp == 0
-        and _sequence_parallel_rules(request.config, candidate.tp)
+        and request.seq % candidate.tp_size == 0
+        and _sequence_parallel_rules(request.config, candidate.tp_size)
     )
     sps = (True, False) if (sp_allowed and request.every_setting) else ((True,) if sp_allowed else (False,))
     for recompute in RECOMPUTE_ORDER[: most_recompute + 1]:
@@ -350,7 +355,7 @@ def plan(request: Request) -> list[Estimate]:
     results: list[Estimate] = []
     most: dict[tuple, int] = {}  # layout without its micro-batch -> most recompute a smaller micro-batch needed
     for layout in layouts(request):
-        key = (layout.tp, layout.pp, layout.dp, layout.engine, layout.sharding, layout.offload)
+        key = (layout.tp_size, layout.pp_size, layout.dp_size, layout.engine, layout.sharding, layout.offload)
         if key in most and most[key] < 0:
             continue  # a smaller micro-batch already fit nowhere
         smallest: Estimate | None = None

@@ -47,7 +47,7 @@ _KINDS = ("param", "grad", "opt", "act", "temp")
 class TraceSettings:
     """What changes a TP rank's memory per layer: the layout's TP side and the training options."""
 
-    tp: int
+    tp_size: int
     sequence_parallel: bool = False
     recompute: str | None = None  # None, "selective" or "full"
     lora_r: int = 0  # LoRA rank on every linear mtk splits (0: full fine-tuning)
@@ -187,12 +187,12 @@ def _meta_model(config: PretrainedConfig, settings: TraceSettings, pp: int, pp_r
     from mtk.rules.generic import GENERIC
     from mtk.rules.registry import find_rules
 
-    parallel = ParallelState.build(tp_size=settings.tp, pp_size=pp, device=torch.device("cpu"))
+    parallel = ParallelState.build(tp_size=settings.tp_size, pp_size=pp, device=torch.device("cpu"))
     with torch.device("meta"):
         model = auto_class_for(config).from_config(config, dtype=DTYPES[settings.dtype])
     # the rules mtk would pick, without the parity run that HF-derived and generic rules pass at training
     # time (it needs real numbers; `mtk verify` is where the rules' exactness is checked)
-    rule_set = find_rules(config, settings.tp) or GENERIC
+    rule_set = find_rules(config, settings.tp_size) or GENERIC
     parallelize(model, parallel, rule_set=rule_set, sequence_parallel=settings.sequence_parallel)
     if settings.lora_r:
         from peft import LoraConfig
@@ -243,7 +243,7 @@ def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp: int
     from mtk.rules.regions import local_blocks
 
     with (
-        fake_process_group(settings.tp * pp, rank=pp_rank * settings.tp),
+        fake_process_group(settings.tp_size * pp, rank=pp_rank * settings.tp_size),
         _meta_replacements(settings.device),
         warnings.catch_warnings(),
     ):

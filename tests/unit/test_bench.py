@@ -23,13 +23,13 @@ def test_prediction_follows_the_megatron_math():
 
 
 def test_pipeline_prediction_per_stage():
-    first = predict_collectives(4, 64, 8, 16, 1, pp=2, stage=0, micro_batches=4)
-    last = predict_collectives(4, 64, 8, 16, 1, pp=2, stage=1, micro_batches=4)
+    first = predict_collectives(4, 64, 8, 16, 1, pp_size=2, stage=0, micro_batches=4)
+    last = predict_collectives(4, 64, 8, 16, 1, pp_size=2, stage=1, micro_batches=4)
     activation = 2 * 16 * 64 * 4
     assert first.counts == {"send": 4, "recv": 4, "broadcast": 1}
     assert first.nbytes["send"] == 4 * activation
     assert last.counts == first.counts
-    with_tp = predict_collectives(4, 64, 8, 16, 2, pp=2, stage=1, micro_batches=4)
+    with_tp = predict_collectives(4, 64, 8, 16, 2, pp_size=2, stage=1, micro_batches=4)
     assert with_tp.counts["all_reduce"] == 4 * (4 * 2 + 1) + 2 * 4, "2 layers, head grad, loss, per micro-batch"
     assert with_tp.nbytes["send"] == 4 * activation // 2, "scatter-gather: each TP rank sends half"
     assert with_tp.counts["all_gather"] == 4 and with_tp.nbytes["all_gather"] == 4 * activation // 2
@@ -71,7 +71,7 @@ def _summary(name, times, collectives=None, error=None, **extra):
 
 
 def test_report_has_ratios_memory_and_collectives(tmp_path):
-    spec = BenchSpec(model="bench-llama", tp=2, pp=1, batch=4, seq=256, steps=3)
+    spec = BenchSpec(model="bench-llama", tp_size=2, pp_size=1, batch=4, seq=256, steps=3)
     predicted = predicted_for(spec)
     measured = {"all_reduce": {"count": 20, "bytes": predicted.nbytes["all_reduce"]}}
     summaries = [

@@ -50,18 +50,18 @@ def test_json_option(capsys):
 
 def test_json_has_every_setting_and_layout(plan_8b_json):
     estimates = plan_8b_json["estimates"]
-    layouts = {(e["layout"]["tp"], e["layout"]["pp"], e["layout"]["dp"]) for e in estimates}
+    layouts = {(e["layout"]["tp_size"], e["layout"]["pp_size"], e["layout"]["dp_size"]) for e in estimates}
     assert (8, 1, 1) in layouts and (1, 8, 1) in layouts and (2, 2, 2) in layouts and (1, 1, 8) in layouts
     assert {e["layout"]["recompute"] for e in estimates} == {None, "selective", "full"}
     assert {e["layout"]["sharding"] for e in estimates} == {"none", "distopt", "zero1", "zero2", "zero3"}
-    assert not any(e["layout"]["engine"] == "deepspeed" and e["layout"]["pp"] > 1 for e in estimates)
+    assert not any(e["layout"]["engine"] == "deepspeed" and e["layout"]["pp_size"] > 1 for e in estimates)
     assert not any(e["layout"]["sequence_parallel"] and e["layout"]["engine"] == "deepspeed" for e in estimates)
     assert any(not e["fits"] for e in estimates) and any(e["fits"] for e in estimates)
     for e in estimates:
         memory = e["memory_bytes"]
         parts = ("weights", "gradients", "optimizer", "activations", "buffers")
         assert memory["peak"] <= sum(memory[k] for k in parts)
-        assert len(e["memory_bytes_per_stage"]) == e["layout"]["pp"]
+        assert len(e["memory_bytes_per_stage"]) == e["layout"]["pp_size"]
 
 
 def _find(estimates, **layout):
@@ -71,7 +71,7 @@ def _find(estimates, **layout):
 def test_model_state_is_16_bytes_per_parameter_for_mixed_precision_adam(plan_8b_json):
     """ZeRO paper, section 3.1: 16 bytes per parameter for mixed-precision Adam (accelerate's autocast: fp32
     weights 4 + gradients 4 + moments 8), summed over the 8 stages of one replica."""
-    e = _find(plan_8b_json["estimates"], tp=1, pp=8, dp=1, engine="accelerate", sharding="none")
+    e = _find(plan_8b_json["estimates"], tp_size=1, pp_size=8, dp_size=1, engine="accelerate", sharding="none")
     stages = e["memory_bytes_per_stage"]
     assert sum(m["weights"] + m["gradients"] + m["optimizer"] for m in stages) == 16 * PARAMS_8B
 
@@ -81,15 +81,15 @@ def test_zero2_model_state_is_deepspeeds_own_estimate(plan_8b_json):
     and fp32 gradients, fp32 master weights and moments sharded)."""
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    e = _find(plan_8b_json["estimates"], tp=1, pp=1, dp=8, engine="deepspeed", sharding="zero2")
+    e = _find(plan_8b_json["estimates"], tp_size=1, pp_size=1, dp_size=8, engine="deepspeed", sharding="zero2")
     memory = e["memory_bytes"]
     _, expected = estimate_zero2_model_states_mem_needs(PARAMS_8B, num_gpus_per_node=8, cpu_offload=False)
     assert abs(memory["weights"] + memory["gradients"] + memory["optimizer"] - expected) <= 8
 
 
 def test_zero_stages_shard_what_the_paper_says(plan_8b_json):
-    zero = {s: _find(plan_8b_json["estimates"], tp=1, pp=1, dp=8, micro_batch=1, sharding=s, recompute=None)
-            for s in ("zero1", "zero2", "zero3")}  # fmt: skip
+    one_replica_each = dict(tp_size=1, pp_size=1, dp_size=8, micro_batch_size=1, recompute=None)
+    zero = {s: _find(plan_8b_json["estimates"], sharding=s, **one_replica_each) for s in ("zero1", "zero2", "zero3")}
     one, two, three = (zero[s]["memory_bytes"] for s in ("zero1", "zero2", "zero3"))
     assert one["optimizer"] == two["optimizer"] == three["optimizer"]
     assert two["gradients"] * 8 >= one["gradients"] > two["gradients"] and two["weights"] == one["weights"]
@@ -97,7 +97,9 @@ def test_zero_stages_shard_what_the_paper_says(plan_8b_json):
 
 
 def test_pipeline_first_stage_holds_the_most_micro_batches(plan_8b_json):
-    e = _find(plan_8b_json["estimates"], tp=1, pp=8, dp=1, micro_batch=1, recompute=None, sharding="none")
+    e = _find(
+        plan_8b_json["estimates"], tp_size=1, pp_size=8, dp_size=1, micro_batch_size=1, recompute=None, sharding="none"
+    )
     activations = [m["activations"] for m in e["memory_bytes_per_stage"]]
     assert activations[0] > activations[3] > activations[6], "1F1B: stage s keeps min(m, p - s) micro-batches"
 
@@ -186,9 +188,9 @@ def test_every_kind_of_rules_plans(tmp_path, capsys):
         rows[model] = json.loads(capsys.readouterr().out)["estimates"]
         assert rows[model] and all(e["memory_bytes"]["peak"] > e["memory_bytes"]["weights"] > 0 for e in rows[model])
     assert not any(e["layout"]["sequence_parallel"] for e in rows[str(tmp_path / "moe")])
-    assert any(e["layout"]["tp"] == 2 for e in rows[str(tmp_path / "moe")]), "experts split over TP"
-    assert not any(e["layout"]["pp"] > 1 for e in rows["tiny-bert"])
-    assert any(e["layout"]["sequence_parallel"] and e["layout"]["pp"] == 2 for e in rows["tiny-gpt2"])
+    assert any(e["layout"]["tp_size"] == 2 for e in rows[str(tmp_path / "moe")]), "experts split over TP"
+    assert not any(e["layout"]["pp_size"] > 1 for e in rows["tiny-bert"])
+    assert any(e["layout"]["sequence_parallel"] and e["layout"]["pp_size"] == 2 for e in rows["tiny-gpt2"])
 
 
 def test_a_model_the_meta_device_cannot_run_is_one_line(monkeypatch, capsys):

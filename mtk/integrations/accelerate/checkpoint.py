@@ -171,7 +171,7 @@ class ShardedCheckpointing(_Host):
         self.completed_steps = meta.step
         self.micro_batches_seen = self._rescaled_position(data)
         self.step = data.get("accelerate_step", 0)
-        self._rescale_schedulers(meta.topology.dp)
+        self._rescale_schedulers(meta.topology.dp_size)
         if self.scaler is not None and "scaler" in meta.rng:
             self.scaler.load_state_dict(meta.rng["scaler"])
         for dataloader, iteration in zip(self._dataloaders, data.get("dataloader_iterations", [])):
