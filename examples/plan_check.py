@@ -1,6 +1,6 @@
 """Hold ``mtk plan`` against measured runs: per rank, the predicted peak memory next to the measured one.
 
-    python examples/plan_check.py                  # every layout of mtk.planner.check.CHECKED_LAYOUTS
+    python examples/plan_check.py                  # every layout of mtk.bench.plan_check.CHECKED_LAYOUTS
     python examples/plan_check.py --json out.json
 
 Each layout runs ``mtk bench``'s mtk contender (fp32; gloo on CPU, NCCL on CUDA) with the live-byte counter on
@@ -14,9 +14,9 @@ import argparse
 import json
 
 from mtk.bench.contenders import BenchSpec
+from mtk.bench.plan_check import CHECKED_LAYOUTS, check_ranks, planned_collectives
 from mtk.bench.runner import run_bench
 from mtk.parallel.state import default_device
-from mtk.planner.check import CHECKED_LAYOUTS, check_ranks, planned_collectives
 
 
 def main(argv=None) -> None:

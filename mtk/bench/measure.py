@@ -154,9 +154,9 @@ def track_memory_by_kind(model, optimizer, step: Callable[[], torch.Tensor]) -> 
 
 
 def live_peaks(model, optimizer, step: Callable[[], torch.Tensor]) -> dict[str, int]:
-    """The most bytes live at once during one step (:class:`~mtk.bench.live_memory.LiveMemory`) and, on
+    """The most bytes live at once during one step (:class:`~mtk.planner.live_memory.LiveMemory`) and, on
     CUDA, the allocator's own max allocated over the same step."""
-    from mtk.bench.live_memory import LiveMemory
+    from mtk.planner.live_memory import LiveMemory
 
     device = next(model.parameters()).device
     if device.type == "cuda":

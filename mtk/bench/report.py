@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from mtk.bench.contenders import BenchSpec
-from mtk.bench.predict import Predicted
 from mtk.bench.runner import ContenderSummary
 from mtk.models import resolve_config
 from mtk.pipeline.schedules import bubble_fraction
+from mtk.planner.collectives import Predicted
 
 __all__ = ["collective_lines", "format_report", "report_dict", "write_json"]
 
@@ -154,7 +154,8 @@ def pipeline_ideal(spec: BenchSpec, ours: ContenderSummary, one_stage: Contender
 def format_report(report: dict) -> str:
     spec = report["spec"]
     out = [
-        f"mtk bench: {spec['model']} tp={spec['tp_size']} pp={spec['pp_size']} batch {spec['batch']} x seq {spec['seq']}, "
+        f"mtk bench: {spec['model']} tp={spec['tp_size']} pp={spec['pp_size']} "
+        f"batch {spec['batch']} x seq {spec['seq']}, "
         f"{spec['dtype']}, {spec['steps']} timed steps per round",
         f"{'contender':<22} {'procs x thr':>11} {'median s':>9} {'min s':>7} {'tokens/s':>9} "
         f"{'peak mem/rank':>14} {'mtk time ratio':>15}",

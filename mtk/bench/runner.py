@@ -9,7 +9,6 @@ work took from the contenders.
 
 from __future__ import annotations
 
-import functools
 import os
 import statistics
 import tempfile
@@ -19,8 +18,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from mtk.bench.contenders import CONTENDERS, BenchSpec
-from mtk.bench.predict import Predicted, predict_collectives
 from mtk.models import build_model, resolve_config
+from mtk.pipeline.stages import stage_layer_counts
+from mtk.planner.collectives import Predicted, predict_collectives
+from mtk.planner.shapes import data_parallel_traffic, has_residual_dropout, sequence_parallel_elements
 from mtk.spawn import DistributedTestError, run_distributed
 
 __all__ = ["ContenderSummary", "machine_busy_fraction", "run_bench"]
@@ -84,109 +85,18 @@ def predicted_for(spec: BenchSpec) -> Predicted:
         micro_batches=spec.micro_batches,
         element_size=2 if spec.dtype == "bf16" else 4,
         sequence_parallel=spec.sequence_parallel and spec.tp_size > 1,
-        sequence_parallel_elements=sequence_parallel_elements(config) if spec.sequence_parallel else 0,
+        sequence_parallel_elements=sequence_parallel_elements(config, spec.tp_size) if spec.sequence_parallel else 0,
         recompute=spec.recompute,
         residual_dropout=has_residual_dropout(config),
         virtual_stages=spec.virtual_stages,
         stage_layers=_first_rank_layers(layers, spec) if spec.pp_size > 1 else None,
-        **data_parallel_traffic(config, spec),
+        **data_parallel_traffic(config, spec.tp_size, spec.dp_size, spec.distributed_optimizer),
     )
 
 
 def _first_rank_layers(layers: int, spec: BenchSpec) -> int:
     """Decoder blocks on rank 0 (whose collectives the bench counts): its chunks' share of the split."""
-    from mtk.pipeline.stages import stage_layer_counts
-
     return sum(stage_layer_counts(layers, spec.pp_size * spec.virtual_stages, spec.pipeline_layers)[:: spec.pp_size])
-
-
-def data_parallel_traffic(config, spec: BenchSpec) -> dict[str, Any]:
-    """``predict_collectives``' DP arguments: this rank's gradient elements and, with the distributed
-    optimizer, the all-gather rounds (the same assignment ``shard_optimizer`` makes)."""
-    from mtk.parallel.distributed_optimizer import all_gather_rounds, assign_owners
-
-    if spec.dp_size == 1:
-        return {}
-    numels = local_numels(config, spec.tp_size)
-    traffic: dict[str, Any] = {"dp_gradient_elements": sum(numels)}
-    if spec.distributed_optimizer:
-        rounds = all_gather_rounds(numels, assign_owners(numels, spec.dp_size), spec.dp_size)
-        traffic["all_gather_widths"] = tuple(max(sum(numels[i] for i in p) for p in pieces) for pieces in rounds)
-    return traffic
-
-
-def local_numels(config, tp: int) -> list[int]:
-    """Elements of each of a TP rank's parameters, in the converted model's order, from the rules alone
-    (a meta-device copy of the HF model; nothing is allocated)."""
-    import torch
-
-    from mtk.models import auto_class_for
-    from mtk.rules.base import COLUMN, KV_COLUMN, LM_HEAD, ROW, VOCAB
-    from mtk.rules.registry import find_rules
-
-    rule_set = find_rules(config)
-    if rule_set is None:
-        raise ValueError(f"{config.model_type}: the bench predicts data-parallel traffic for registered families only")
-    counts = rule_set.head_counts(config)
-    with torch.device("meta"):
-        model = auto_class_for(config).from_config(config)
-    numels = []
-    for name, param in model.named_parameters():
-        module_name, _, attr = name.rpartition(".")
-        rule, rows = rule_set.rule_for(module_name), param.shape[0]
-        style = rule.style if rule else None
-        if style in (VOCAB, LM_HEAD) and attr == "weight":
-            numels.append(-(-rows // tp) * param[0].numel())  # rows padded to a multiple of tp
-        elif style == KV_COLUMN and counts.num_kv_heads % tp:  # one kv head per rank
-            numels.append(param.numel() // counts.num_kv_heads)
-        elif style in (COLUMN, KV_COLUMN, LM_HEAD) or (style == ROW and attr == "weight"):
-            numels.append(param.numel() // tp)
-        else:
-            numels.append(param.numel())
-    return numels
-
-
-def has_residual_dropout(config) -> bool:
-    """Whether a residual dropout with p > 0 follows the blocks' row-parallel layers."""
-    return any(getattr(config, name, 0) or 0 for name in ("resid_pdrop", "hidden_dropout_prob", "hidden_dropout"))
-
-
-def sequence_parallel_elements(config) -> int:
-    """Elements of one block's replicated parameters (norm weights, row biases): what sequence
-    parallelism sums over TP after backward. Counted on a meta-device copy of the model (one layer)."""
-    config_class: Any = type(config)
-    return _sequence_parallel_elements(config_class, config.to_json_string(use_diff=False))
-
-
-@functools.lru_cache(maxsize=16)
-def _sequence_parallel_elements(config_class: Any, config_json: str) -> int:
-    import json
-
-    import torch
-
-    from mtk.models import auto_class_for
-    from mtk.rules.base import ROW
-    from mtk.rules.regions import local_blocks
-    from mtk.rules.registry import find_rules
-
-    config = config_class.from_dict(json.loads(config_json))
-    for key in ("num_hidden_layers", "n_layer"):
-        if hasattr(config, key):
-            setattr(config, key, 1)
-    rule_set = find_rules(config)
-    if rule_set is None:
-        return 0
-    with torch.device("meta"):
-        model = auto_class_for(config).from_config(config)
-    block = local_blocks(model, rule_set)[0]
-    prefix = next(name for name, module in model.named_modules() if module is block)
-    per_block = 0
-    for name, param in block.named_parameters():
-        module_name, _, attr = f"{prefix}.{name}".rpartition(".")
-        rule = rule_set.rule_for(module_name)
-        if rule is None or (rule.style == ROW and attr == "bias"):
-            per_block += param.numel()
-    return per_block
 
 
 def run_bench(

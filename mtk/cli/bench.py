@@ -162,8 +162,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(report))
     ours = next(s for s in summaries if s.name == "mtk")
     if args.memory and ours.error is None:
+        from mtk.bench.plan_check import check_lines, check_ranks
         from mtk.parallel.state import default_device
-        from mtk.planner.check import check_lines, check_ranks
 
         checks = check_ranks(spec, ours, default_device().type)
         print("peak memory per rank (mtk), measured vs mtk plan:")

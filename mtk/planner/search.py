@@ -19,13 +19,14 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import PretrainedConfig
 
-from mtk.bench.predict import predict_collectives
 from mtk.errors import MtkError
 from mtk.parallel.layout import Layout
 from mtk.parallel.overlap import gradient_buckets
 from mtk.pipeline.stages import stage_layer_counts
 from mtk.planner.cluster import Cluster
+from mtk.planner.collectives import predict_collectives
 from mtk.planner.memory import RankMemory, Training, stage_memory, stage_parameters
+from mtk.planner.shapes import has_residual_dropout, sequence_parallel_elements
 from mtk.planner.timing import StepTime, Traffic, collective_seconds, flops_per_token, model_size
 from mtk.planner.trace import TraceSettings, trace_rank
 
@@ -199,8 +200,6 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int]) -> t
     """Bytes per step of stage ``stage`` by group, their time on the wire, and mtk's collectives by kind
     (what ``mtk bench`` counts: TP and PP from :func:`predict_collectives`, the DP reduction and the
     distributed optimizer's all-gather rounds; DeepSpeed's own ZeRO calls are not mtk's)."""
-    from mtk.bench.runner import has_residual_dropout, sequence_parallel_elements
-
     config, cluster = request.config, request.cluster
     predicted = predict_collectives(
         _layers(config),
@@ -213,7 +212,7 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int]) -> t
         micro_batches=c.micro_batches,
         element_size=_activation_size(request, c),
         sequence_parallel=c.sequence_parallel,
-        sequence_parallel_elements=sequence_parallel_elements(config) if c.sequence_parallel else 0,
+        sequence_parallel_elements=sequence_parallel_elements(config, c.tp_size) if c.sequence_parallel else 0,
         recompute=c.recompute,
         residual_dropout=has_residual_dropout(config),
     )

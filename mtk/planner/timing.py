@@ -1,6 +1,6 @@
 """Communication per step and a roofline step time for one layout.
 
-Communication is what mtk issues, from :func:`mtk.bench.predict.predict_collectives` (the prediction the
+Communication is what mtk issues, from :func:`mtk.planner.collectives.predict_collectives` (the prediction the
 bench checks against counted collectives): TP all-reduces / all-gathers / reduce-scatters, the pipeline's
 sends and receives, and the DP gradient reduction. Times are bytes on the wire over the link the group
 sits on: a ring all-reduce moves ``2 (n-1)/n`` of its buffer per rank, an all-gather ``(n-1)`` inputs, a

@@ -5,7 +5,7 @@ attention kernel; a model with a gated MLP, GQA, biases, q/k norms or a fused ke
 planner does not guess: it builds the model from its config on the meta device (no weights, nothing
 allocated), converts it with mtk's own rules inside a fake process group of ``tp`` ranks (collectives do
 nothing), and runs its forward and backward counting live bytes (activations and temporaries apart from
-gradients) when the forward ends and at the peak (:class:`~mtk.bench.live_memory.LiveMemory`, the counter
+gradients) when the forward ends and at the peak (:class:`~mtk.planner.live_memory.LiveMemory`, the counter
 ``mtk bench`` measures real runs with). Parameters and AdamW state are counted from the converted model's
 own tensors. The live bytes around the first decoder layer's forward give what one layer keeps; the rest of
 the model (embedding, final norm, head, vocab-parallel loss) holds the remainder, and a stage's depth is then
@@ -33,12 +33,24 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from peft import LoraConfig
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from mtk.bench.live_memory import LiveMemory
+from mtk.config import RunSettings
+from mtk.convert import parallelize, parallelized
+from mtk.errors import MtkError, UnsupportedModelError
+from mtk.lora import get_peft_model
+from mtk.lora.model import hf_model
+from mtk.models import DTYPES, auto_class_for
+from mtk.parallel.recompute import enable_recompute
+from mtk.parallel.state import ParallelState
+from mtk.planner.live_memory import LiveMemory
+from mtk.rules.generic import GENERIC
+from mtk.rules.regions import local_blocks
+from mtk.rules.registry import find_rules
 
-__all__ = ["RankTrace", "TraceSettings", "trace_rank"]
+__all__ = ["RankTrace", "TraceSettings", "fake_process_group", "meta_model", "trace_rank", "with_layers"]
 
 _KINDS = ("param", "grad", "opt", "act", "temp")
 
@@ -166,7 +178,7 @@ def _meta_replacements(device: str) -> Iterator[None]:
         masking.find_packed_sequence_indices = saved_packed
 
 
-def _with_layers(config: PretrainedConfig, layers: int) -> PretrainedConfig:
+def with_layers(config: PretrainedConfig, layers: int) -> PretrainedConfig:
     config = copy.deepcopy(config)
     config.pad_token_id = None  # GPT-2 looks for it in the batch (data the meta device does not have)
     for name in ("num_hidden_layers", "n_layer", "num_layers"):
@@ -179,14 +191,8 @@ def _with_layers(config: PretrainedConfig, layers: int) -> PretrainedConfig:
     return config
 
 
-def _meta_model(config: PretrainedConfig, settings: TraceSettings, pp: int, pp_rank: int):
+def meta_model(config: PretrainedConfig, settings: TraceSettings, pp: int, pp_rank: int) -> nn.Module:
     """The converted model of TP rank 0 of stage ``pp_rank`` on the meta device (inside a fake group)."""
-    from mtk.convert import parallelize
-    from mtk.models import DTYPES, auto_class_for
-    from mtk.parallel.state import ParallelState
-    from mtk.rules.generic import GENERIC
-    from mtk.rules.registry import find_rules
-
     parallel = ParallelState.build(tp_size=settings.tp_size, pp_size=pp, device=torch.device("cpu"))
     with torch.device("meta"):
         model = auto_class_for(config).from_config(config, dtype=DTYPES[settings.dtype])
@@ -195,10 +201,6 @@ def _meta_model(config: PretrainedConfig, settings: TraceSettings, pp: int, pp_r
     rule_set = find_rules(config, settings.tp_size) or GENERIC
     parallelize(model, parallel, rule_set=rule_set, sequence_parallel=settings.sequence_parallel)
     if settings.lora_r:
-        from peft import LoraConfig
-
-        from mtk.lora import get_peft_model
-
         lora = LoraConfig(r=settings.lora_r, lora_alpha=2 * settings.lora_r, target_modules="all-linear")
         with torch.device("meta"):
             model = get_peft_model(model, lora, report=lambda line: None)  # the user's run reports its targets
@@ -206,10 +208,6 @@ def _meta_model(config: PretrainedConfig, settings: TraceSettings, pp: int, pp_r
 
 
 def _is_causal(config: PretrainedConfig) -> bool:
-    from transformers import AutoModelForCausalLM
-
-    from mtk.models import auto_class_for
-
     return auto_class_for(config) is AutoModelForCausalLM
 
 
@@ -236,19 +234,13 @@ def _parameters(model, block: nn.Module | None) -> tuple[Parameters, Parameters,
 
 def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp: int, pp_rank: int) -> Phases:
     """Trace forward and backward of TP rank 0 of stage ``pp_rank`` on a ``1 x seq`` batch."""
-    from mtk.config import RunSettings
-    from mtk.convert import parallelized
-    from mtk.lora.model import hf_model
-    from mtk.parallel.recompute import enable_recompute
-    from mtk.rules.regions import local_blocks
-
     with (
         fake_process_group(settings.tp_size * pp, rank=pp_rank * settings.tp_size),
         _meta_replacements(settings.device),
         warnings.catch_warnings(),
     ):
         warnings.simplefilter("ignore")  # transformers' and PEFT's notes belong to a real run, not to a trace
-        model = _meta_model(config, settings, pp, pp_rank)
+        model = meta_model(config, settings, pp, pp_rank)
         hf = hf_model(model)
         record = parallelized(hf)
         assert record is not None
@@ -290,11 +282,9 @@ def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp: int
 
 @functools.lru_cache(maxsize=1024)
 def _cached_phases(config_class: Any, config_json: str, settings: TraceSettings, seq: int, pp: int, rank: int):
-    from mtk.errors import MtkError, UnsupportedModelError
-
     config = config_class.from_dict(json.loads(config_json))
     try:
-        return _phases(_with_layers(config, 1 if pp == 1 else 2), settings, seq, pp, rank)  # one layer per stage
+        return _phases(with_layers(config, 1 if pp == 1 else 2), settings, seq, pp, rank)  # one layer per stage
     except MtkError:
         raise
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as err:  # data-dependent code, for one

@@ -8,8 +8,8 @@ planner traces the same model on the meta device and composes the layout's memor
 import pytest
 
 from mtk.bench.contenders import BenchSpec
+from mtk.bench.plan_check import CHECKED_LAYOUTS, check_ranks, planned_collectives
 from mtk.bench.runner import run_bench
-from mtk.planner.check import CHECKED_LAYOUTS, check_ranks, planned_collectives
 
 pytestmark = pytest.mark.distributed
 

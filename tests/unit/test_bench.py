@@ -5,10 +5,10 @@ import json
 import pytest
 
 from mtk.bench.contenders import BenchSpec
-from mtk.bench.predict import predict_collectives
 from mtk.bench.report import format_report, report_dict, write_json
 from mtk.bench.runner import ContenderSummary, predicted_for
 from mtk.cli.main import main
+from mtk.planner.collectives import predict_collectives
 
 
 def test_prediction_follows_the_megatron_math():

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from mtk.bench.runner import local_numels
 from mtk.cli.main import main
 from mtk.models import resolve_config
 from mtk.planner.cluster import Cluster, parse_bytes
 from mtk.planner.search import Request, plan
-from mtk.planner.trace import TraceSettings, _phases, _with_layers, trace_rank
+from mtk.planner.shapes import local_numels
+from mtk.planner.trace import TraceSettings, _phases, trace_rank, with_layers
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
 LLAMA_8B = str(CONFIGS / "llama-3-8b" / "config.json")
@@ -157,7 +157,7 @@ def test_one_layer_keeps_what_a_second_layer_adds(model, settings):
     """The live bytes around the first layer's forward equal the two-layer model's minus the one-layer's."""
     config = resolve_config(model)
     trace = trace_rank(config, settings, 64, pipeline=False)
-    assert _phases(_with_layers(config, 2), settings, 64, 1, 0).saved - trace.whole.saved == trace.layer_saved > 0
+    assert _phases(with_layers(config, 2), settings, 64, 1, 0).saved - trace.whole.saved == trace.layer_saved > 0
 
 
 @pytest.mark.parametrize("model, tp", [("tiny-llama", 2), ("tiny-qwen2", 2), ("bench-llama", 4), ("tiny-gpt2", 2)])
