@@ -29,10 +29,11 @@ from mtk import Accelerator
 from mtk.args import ArgumentParser, add_safety_arguments, collective_timeout, positive_float, positive_int
 from mtk.checkpoint.resume import add_resume_arguments, start_point
 from mtk.data import ByteTokenizer, load_data, pad_id_of, tokenizer_for
-from mtk.errors import DataError, run_main
+from mtk.errors import DataError
 from mtk.models import build_model, resolve_config
 from mtk.parallel.grad_norm import check_finite
 from mtk.rules import check_tp_size
+from mtk.training.entry import run_main
 from mtk.training.signals import ExitSignal
 
 HERE = Path(__file__).resolve().parent

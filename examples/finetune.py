@@ -40,13 +40,14 @@ from mtk.checkpoint import load_pretrained_tp
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.config import PIPELINE_SCHEDULES, RunSettings
 from mtk.data import FORMATS, LOSS_ON, eval_batches, loss_tokens, tokenizer_for, training_data
-from mtk.errors import DataError, run_main
+from mtk.errors import DataError
 from mtk.lora import get_peft_model
 from mtk.lora.options import add_lora_arguments, base_dtype, lora_config
 from mtk.models import build_model, check_seq_len, resolve_config
 from mtk.parallel.grad_norm import check_finite
 from mtk.parallel.placement import placement
 from mtk.rules import check_tp_size
+from mtk.training.entry import run_main
 from mtk.training.evaluation import evaluate, peak_memory_mib
 from mtk.training.signals import ExitSignal
 

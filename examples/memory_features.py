@@ -20,8 +20,8 @@ import torch
 
 from mtk.bench.measure import BenchSpec, track_memory_by_kind
 from mtk.bench.runner import run_bench
-from mtk.errors import run_main
 from mtk.spawn import run_distributed
+from mtk.training.entry import run_main
 
 SETTINGS = {  # name -> (sequence_parallel, recompute)
     "baseline": (False, None),

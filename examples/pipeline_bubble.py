@@ -22,12 +22,12 @@ import torch
 from transformers import LlamaConfig
 
 from mtk.convert import parallelize
-from mtk.errors import run_main
 from mtk.models import build_model
 from mtk.parallel import ParallelState
 from mtk.pipeline.engine import PipelineModel
 from mtk.pipeline.schedules import bubble_fraction
 from mtk.spawn import run_distributed
+from mtk.training.entry import run_main
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -38,9 +38,9 @@ from mtk.args import (
 from mtk.checkpoint import load_pretrained_tp
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.config import RunSettings
-from mtk.convert import parallelize, parallelized
+from mtk.convert import parallelize
 from mtk.data import FORMATS, LOSS_ON, eval_batches, loss_tokens, tokenizer_for, training_data
-from mtk.errors import DataError, run_main
+from mtk.errors import DataError
 from mtk.integrations.deepspeed import (
     deepspeed_config,
     load_deepspeed_checkpoint,
@@ -54,8 +54,10 @@ from mtk.parallel.comm import all_reduce
 from mtk.parallel.grad_norm import check_finite
 from mtk.parallel.placement import placement
 from mtk.parallel.recompute import enable_recompute
+from mtk.parallel.record import parallelized
 from mtk.parallel.state import ParallelState
 from mtk.rules import check_tp_size
+from mtk.training.entry import run_main
 from mtk.training.evaluation import evaluate
 from mtk.training.signals import ExitSignal
 

@@ -31,9 +31,29 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtk.errors import ConfigError
-from mtk.pipeline.schedules import PIPELINE_SCHEDULES, check_schedule
 
-__all__ = ["PIPELINE_SCHEDULES", "ConfigError", "ParallelConfig", "RunSettings", "report_override"]
+__all__ = ["PIPELINE_SCHEDULES", "ConfigError", "ParallelConfig", "RunSettings", "check_schedule", "report_override"]
+
+PIPELINE_SCHEDULES = ("1f1b", "afab", "interleaved")
+
+
+def check_schedule(name: str, num_stages: int, num_micro_batches: int, virtual_stages: int) -> str | None:
+    """What is wrong with running ``name`` at this layout (one line), or ``None``."""
+    if name not in PIPELINE_SCHEDULES:
+        return f"pipeline schedule {name!r} is unknown; use one of {', '.join(PIPELINE_SCHEDULES)}"
+    if name != "interleaved":
+        if virtual_stages != 1:
+            return f"virtual_stages = {virtual_stages} needs the interleaved schedule (pipeline_schedule interleaved)"
+        return None
+    if virtual_stages < 2:
+        return "the interleaved schedule needs virtual_stages >= 2 (model chunks per pipeline rank), e.g. 2"
+    if num_micro_batches % num_stages:
+        return (
+            f"the interleaved schedule sends micro-batches through the chunks in groups of pp = {num_stages}: "
+            f"{num_micro_batches} micro-batches is not a multiple; use a multiple of {num_stages}"
+        )
+    return None
+
 
 logger = logging.getLogger("mtk")
 

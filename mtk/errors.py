@@ -1,17 +1,9 @@
 """Every error mtk raises for bad input (a layout, a config, a model, a checkpoint, data), in one place.
 
 Each carries a one-line message saying what is wrong and what is allowed. Entry points catch
-:class:`MtkError` and print ``<prog>: error: <message>`` with a non-zero exit, never a traceback.
+:class:`MtkError` and print ``<prog>: error: <message>`` with a non-zero exit, never a traceback
+(:func:`mtk.training.entry.run_main` for scripts, ``mtk``'s dispatcher for its subcommands).
 """
-
-import hashlib
-import os
-import re
-import sys
-import time
-from collections.abc import Callable
-
-from tqdm.auto import tqdm
 
 __all__ = [
     "CheckpointError",
@@ -22,7 +14,6 @@ __all__ = [
     "MtkError",
     "TrainingError",
     "UnsupportedModelError",
-    "run_main",
 ]
 
 
@@ -56,101 +47,3 @@ class DataError(MtkError):
 
 class TrainingError(MtkError):
     """A run that cannot go on safely (e.g. non-finite gradients); stopped before it is saved."""
-
-
-def _first_report(message: str) -> bool:
-    """Whether no other rank has reported this exact message yet (so this rank prints it).
-
-    The first rank to fail with a message claims it with an atomic compare-and-set on the process
-    group's store (not a collective: the other ranks may be anywhere); later ranks with the same
-    message stay quiet, ranks with a different one print theirs. Without a process group, rank 0 reports for all
-    (before ``init_process_group`` every rank checks the same arguments).
-    """
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        return int(os.environ.get("RANK", "0")) == 0
-    me = os.environ.get("RANK", "0")
-    key = "mtk/error/" + hashlib.sha1(message.encode()).hexdigest()  # one key per distinct message
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        first = store.compare_set(key, "", me)  # sets it to this rank only if no rank has yet
-    except Exception:  # a store that is gone (its host rank exited): say it rather than nothing
-        return True
-    return first == me.encode()
-
-
-def run_main(main: Callable[[], None], prog: str) -> None:
-    """Run a script's ``main``; bad input becomes ``<prog>: error: <message>`` and exit status 2, without a
-    traceback. Whichever rank hits it reports it (with its rank when it is not 0), each distinct
-    message once, so a file only rank 3 reads is named even though rank 0 is fine.
-
-    A collective that fails because a peer died or stopped answering (a hang past the process
-    group's timeout) is one line too, printed by the first rank that sees it, exit status 1: the
-    rank that caused it has printed its own error.
-    """
-    try:
-        main()
-    except MtkError as err:
-        _report(prog, str(err), str(err))
-        sys.exit(2)
-    except Exception as err:
-        detail = _peer_failure(err)
-        if detail is None:
-            raise
-        _report(
-            prog,
-            f"a collective failed ({detail}): another rank exited or stopped answering (its error, if "
-            f"any, is above); collectives wait {_timeout_text()} for a peer",
-            key="peer failure",
-        )
-        sys.exit(1)
-
-
-def _report(prog: str, message: str, key: str) -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    if _first_report(key):
-        where = f"[rank {rank}] " if rank else ""
-        tqdm.write(f"{prog}: error: {where}{message}", file=sys.stderr)  # on its own line, even under a bar
-    if rank == 0 and _hosts_the_store():
-        time.sleep(_GRACE_S)  # the store dies with this process: give failing peers time to report
-
-
-# How gloo and NCCL word a collective that lost its peer (gloo raises a plain RuntimeError).
-_PEER_LOST = (
-    "Timed out waiting",
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "collective operation timeout",
-)
-
-
-def _peer_failure(err: Exception) -> str | None:
-    """The gist of a collective's error when a peer died or hung, else ``None`` (a bug: keep the traceback)."""
-    import torch.distributed as dist
-
-    text = str(err).strip()
-    if not isinstance(err, dist.DistError) and not (
-        isinstance(err, RuntimeError) and any(sign in text for sign in _PEER_LOST)
-    ):
-        return None
-    first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(err).__name__)  # "[pair.cc:553] "
-    return first.split(". This is typically")[0].rstrip(".")
-
-
-def _timeout_text() -> str:
-    from mtk.parallel.state import group_timeout
-
-    timeout = group_timeout()
-    return f"{timeout.total_seconds():g} s" if timeout is not None else "torch's default time"
-
-
-_GRACE_S = 2.0
-
-
-def _hosts_the_store() -> bool:
-    """Rank 0 hosts the process group's store unless torchrun's agent does (accelerate launch, torchrun)."""
-    import torch.distributed as dist
-
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    return dist.is_available() and dist.is_initialized() and not agent

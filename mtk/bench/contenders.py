@@ -39,20 +39,20 @@ from mtk.bench.peers import (
     run_zero1,
     run_zero2,
 )
+from mtk.config import RunSettings
+from mtk.convert import parallelize
 from mtk.models import DTYPES, build_model
+from mtk.parallel.grads import all_reduce_coalesced, sync_sequence_parallel_grads
+from mtk.parallel.recompute import enable_recompute
+from mtk.parallel.record import parallelized
+from mtk.parallel.state import ParallelState
+from mtk.pipeline.engine import PipelineModel
 
 __all__ = ["BenchSpec", "RankResult", "CONTENDERS", "run_mtk"]
 
 
 def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """mtk: the HF model converted by the rules (TP), cut into stages (PP)."""
-    from mtk.config import RunSettings
-    from mtk.convert import parallelize, parallelized
-    from mtk.parallel.grads import all_reduce_coalesced, sync_sequence_parallel_grads
-    from mtk.parallel.recompute import enable_recompute
-    from mtk.parallel.state import ParallelState
-    from mtk.pipeline.engine import PipelineModel
-
     torch.set_num_threads(spec.threads)
     device = bench_device()
     baseline = resident_memory(device)
@@ -130,8 +130,6 @@ def _activation_all_reduce_seconds(spec: BenchSpec, hidden: int, parallel, devic
 def _reduction_seconds(model, group, device: torch.device) -> float:
     """The DP average of a buffer the size of this rank's gradients, every rank starting together: the
     reduction a data-parallel step adds to one replica's step."""
-    from mtk.parallel.grads import all_reduce_coalesced
-
     buffers = [torch.zeros_like(p) for p in model.parameters() if p.requires_grad]
     all_reduce_coalesced(buffers, group, average=True)  # warm-up (connections, allocation)
     dist.barrier()

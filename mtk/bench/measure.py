@@ -20,6 +20,9 @@ import torch
 import torch.distributed as dist
 
 from mtk.parallel.collective_count import count_collectives
+from mtk.parallel.distributed_optimizer import shard_optimizer
+from mtk.parallel.state import default_device
+from mtk.planner.live_memory import LiveMemory
 
 __all__ = [
     "BenchSpec",
@@ -156,8 +159,6 @@ def track_memory_by_kind(model, optimizer, step: Callable[[], torch.Tensor]) -> 
 def live_peaks(model, optimizer, step: Callable[[], torch.Tensor]) -> dict[str, int]:
     """The most bytes live at once during one step (:class:`~mtk.planner.live_memory.LiveMemory`) and, on
     CUDA, the allocator's own max allocated over the same step."""
-    from mtk.planner.live_memory import LiveMemory
-
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -215,8 +216,6 @@ def measure_model(
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if shard_over is not None:
-        from mtk.parallel.distributed_optimizer import shard_optimizer
-
         shard_optimizer(optimizer, shard_over)
     step = train_step(
         model, optimizer, bench_batch(spec, model.config.vocab_size, device), after_backward=after_backward
@@ -230,6 +229,4 @@ def measure_model(
 
 
 def bench_device() -> torch.device:
-    from mtk.parallel.state import default_device
-
     return default_device(int(os.environ.get("LOCAL_RANK", "0")))

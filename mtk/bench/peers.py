@@ -9,7 +9,11 @@ from typing import Any
 import torch
 
 from mtk.bench.measure import BenchSpec, bench_batch, bench_device, measure_model, measure_step
+from mtk.config import ParallelConfig
+from mtk.integrations.accelerate import Accelerator
+from mtk.integrations.deepspeed import remove_shm_buffers_at_exit
 from mtk.models import DTYPES, build_model, resolve_config
+from mtk.pipeline.stages import stage_layer_counts
 
 __all__ = [
     "run_accelerate",
@@ -59,8 +63,6 @@ def run_accelerate(rank: int, world_size: int, spec: BenchSpec) -> dict:
 
 def run_mtk_accelerator(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """``mtk.Accelerator`` at TP = 1, PP = 1, DP = 1: the same loop, through mtk's conversion and wrappers."""
-    from mtk import Accelerator, ParallelConfig
-
     torch.set_num_threads(spec.threads)
     return _accelerator_loop(spec, Accelerator(parallel_config=ParallelConfig(tp_size=1, pp_size=1)))
 
@@ -96,8 +98,6 @@ def run_torch_pipelining(rank: int, world_size: int, spec: BenchSpec) -> dict:
     afab, ``ScheduleInterleaved1F1B`` over ``spec.virtual_stages`` stages per rank: the pipeline peer
     (Llama-style decoders)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
-    from mtk.pipeline.stages import stage_layer_counts
 
     torch.set_num_threads(spec.threads)
     device = bench_device()
@@ -155,8 +155,6 @@ def run_tp_plan(rank: int, world_size: int, spec: BenchSpec) -> dict:
 def _deepspeed_run(spec: BenchSpec, zero_stage: int, **extra: Any) -> dict:
     """The HF model under ``deepspeed.initialize`` (torch AdamW, ZeRO ``zero_stage``, ``extra`` config keys)."""
     import deepspeed
-
-    from mtk.integrations.deepspeed import remove_shm_buffers_at_exit
 
     torch.set_num_threads(spec.threads)
     device = bench_device()

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from mtk.errors import CheckpointError
-from mtk.lora import is_peft_model
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.parameters import param_info
+from mtk.parallel.record import is_peft_model
 from mtk.parallel.state import ParallelState
 
 __all__ = ["base_record", "check_base", "checkpointed_parameters", "differs", "fingerprint"]

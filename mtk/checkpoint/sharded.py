@@ -14,6 +14,7 @@ filesystem.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, cast
 
@@ -30,11 +31,11 @@ from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.reader import ShardedCheckpointReader
 from mtk.checkpoint.rng import restore_rng, rng_state
 from mtk.checkpoint.weights import load_weights, reshard_weights, save_weights
-from mtk.convert import parallelized
 from mtk.errors import CheckpointError
-from mtk.lora.model import adapter_configs, hf_model, is_peft_model
+from mtk.lora.model import adapter_configs
 from mtk.parallel.distributed_optimizer import full_optimizer_state
 from mtk.parallel.layout import Layout
+from mtk.parallel.record import hf_model, is_peft_model, parallelized
 from mtk.parallel.state import ParallelState
 
 __all__ = [
@@ -54,17 +55,7 @@ def _barrier() -> None:
 
 
 def _versions() -> dict[str, str]:
-    import accelerate
-    import transformers
-
-    import mtk
-
-    return {
-        "mtk": mtk.__version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "accelerate": accelerate.__version__,
-    }
+    return {name: version(name) for name in ("mtk", "torch", "transformers", "accelerate")}
 
 
 def topology_of(parallel: ParallelState) -> Layout:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 
 from mtk.bench.contenders import CONTENDERS, BenchSpec
+from mtk.bench.plan_check import check_lines, check_ranks
 from mtk.bench.report import format_report, report_dict, write_json
 from mtk.bench.runner import predicted_for, run_bench
-from mtk.config import RECOMPUTE_GRANULARITIES
+from mtk.config import PIPELINE_SCHEDULES, RECOMPUTE_GRANULARITIES, check_schedule
 from mtk.errors import MtkError
 from mtk.models import DTYPES, resolve_config
 from mtk.parallel.layout import Layout
-from mtk.pipeline.schedules import PIPELINE_SCHEDULES, check_schedule
+from mtk.parallel.state import default_device
+from mtk.pipeline.stages import stage_layer_counts
 from mtk.rules import check_tp_size
 
 PEERS = ["hf-1thread", "hf-all-threads", "transformers-tp_plan", "deepspeed-autotp"]
@@ -119,8 +121,6 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
 def _pipeline_layers(args: argparse.Namespace, config) -> tuple[int, ...]:
     """``--pipeline_layers 3,1``: one positive count per stage (model chunk), summing to the model's layers (one line
     if not)."""
-    from mtk.pipeline.stages import stage_layer_counts
-
     if not args.pipeline_layers:
         return ()
     if args.pp == 1:
@@ -162,9 +162,6 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(report))
     ours = next(s for s in summaries if s.name == "mtk")
     if args.memory and ours.error is None:
-        from mtk.bench.plan_check import check_lines, check_ranks
-        from mtk.parallel.state import default_device
-
         checks = check_ranks(spec, ours, default_device().type)
         print("peak memory per rank (mtk), measured vs mtk plan:")
         print("\n".join(check_lines(checks)))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from mtk.checkpoint.adapter_export import export_adapter, export_merged
 from mtk.checkpoint.export import export_checkpoint
 from mtk.errors import ConfigError
-from mtk.lora.export import export_adapter, export_merged
 from mtk.models import DTYPES
 
 

@@ -11,6 +11,8 @@ from mtk.errors import ConfigError, MtkError
 from mtk.models import check_seq_len, resolve_config
 from mtk.planner.cluster import INFINIBAND_GBPS, NVLINK_GBPS, PEAK_TFLOPS, Cluster, parse_bytes
 from mtk.planner.search import Estimate, Request, plan, valid_tp_sizes
+from mtk.planner.timing import model_size
+from mtk.rules import check_tp_size
 
 ENGINES = {"any": ("accelerate", "deepspeed"), "accelerate": ("accelerate",), "deepspeed": ("deepspeed",)}
 GIB = 2**30
@@ -100,8 +102,6 @@ def request_from_args(args: argparse.Namespace) -> Request:
 
 def _check_fixed_degrees(request: Request) -> None:
     """One line for a --tp / --pp the rules refuse, naming the ones they allow."""
-    from mtk.rules import check_tp_size
-
     cluster, config = request.cluster, request.config
     if request.tp_size:
         check_tp_size(config, request.tp_size)  # heads: one line naming the valid sizes
@@ -118,8 +118,6 @@ def _check_fixed_degrees(request: Request) -> None:
 
 
 def _describe(request: Request, lora: str) -> str:
-    from mtk.planner.timing import model_size
-
     cluster = request.cluster
     size = model_size(request.config)
     return (

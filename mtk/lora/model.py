@@ -18,23 +18,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mtk.convert import parallelized
 from mtk.errors import ConfigError
+from mtk.lora.layers import SEED_ATTRIBUTE, ParallelLoraLinear
 from mtk.parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardedModule
+from mtk.parallel.record import hf_model, is_peft_model, parallelized
 
 __all__ = ["adapter_configs", "get_peft_model", "hf_model", "is_peft_model", "split_linear_names"]
 
 ALL_LINEAR = "all-linear"
-
-
-def is_peft_model(model: nn.Module) -> bool:
-    """A PEFT ``PeftModel`` (duck-typed: the training path never needs to import peft)."""
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
-
-
-def hf_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside a ``PeftModel`` (with its LoRA layers); any other model as is."""
-    return cast(Any, model).get_base_model() if is_peft_model(model) else model
 
 
 def adapter_configs(model: nn.Module) -> dict[str, dict[str, Any]]:
@@ -129,8 +120,6 @@ def get_peft_model(model: nn.Module, config: Any, adapter_name: str = "default",
     ``load_pretrained_tp``) and before building the optimizer; the Accelerator's ``prepare`` takes the result.
     """
     import peft
-
-    from mtk.lora.layers import SEED_ATTRIBUTE, ParallelLoraLinear
 
     record = parallelized(model)
     if record is None:

@@ -27,15 +27,14 @@ import torch.distributed as dist
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from mtk.config import ConfigError
-from mtk.convert import parallelized
-from mtk.lora.model import hf_model
+from mtk.config import ConfigError, check_schedule
 from mtk.parallel.grads import all_reduce_coalesced
 from mtk.parallel.overlap import OverlappedReduction
 from mtk.parallel.parameters import param_info
+from mtk.parallel.record import hf_model, parallelized
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.p2p import Posted, StageLink
-from mtk.pipeline.schedules import check_schedule, schedule_order, simulate
+from mtk.pipeline.schedules import schedule_order, simulate
 from mtk.pipeline.stages import StageInfo, swapped
 
 __all__ = ["PipelineModel", "PipelineStats", "split_micro_batches"]

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import cast
 
+from mtk.parallel.distributed_optimizer import assign_owners
 from mtk.planner.trace import Parameters, Phases, RankTrace
 
 __all__ = ["RankMemory", "Training", "stage_memory", "stage_parameters"]
@@ -92,8 +93,6 @@ def _stage_phases(trace: RankTrace, stage: int, pp: int) -> Phases | None:
 def _owned(numels: tuple[int, ...], dp: int, dp_rank: int | None) -> int:
     """Elements whose optimizer state DP rank ``dp_rank`` keeps under mtk's distributed optimizer (``None``:
     the most loaded rank)."""
-    from mtk.parallel.distributed_optimizer import assign_owners
-
     owners = assign_owners(list(numels), dp)
     loads = [sum(n for n, owner in zip(numels, owners) if owner == rank) for rank in range(dp)]
     return max(loads) if dp_rank is None else loads[dp_rank]

@@ -20,6 +20,7 @@ import torch
 from transformers import PretrainedConfig
 
 from mtk.errors import MtkError
+from mtk.parallel.distributed_optimizer import all_gather_rounds, assign_owners
 from mtk.parallel.layout import Layout
 from mtk.parallel.overlap import gradient_buckets
 from mtk.pipeline.stages import stage_layer_counts
@@ -29,6 +30,8 @@ from mtk.planner.memory import RankMemory, Training, stage_memory, stage_paramet
 from mtk.planner.shapes import has_residual_dropout, sequence_parallel_elements
 from mtk.planner.timing import StepTime, Traffic, collective_seconds, flops_per_token, model_size
 from mtk.planner.trace import TraceSettings, trace_rank
+from mtk.rules import check_tp_size
+from mtk.rules.registry import find_rules
 
 __all__ = ["Candidate", "Estimate", "Request", "estimate", "plan", "rank_memory", "stage_collectives"]
 
@@ -262,8 +265,6 @@ def _step_time(request: Request, c: Candidate, stage_layers: int, traffic: Traff
 
 def _gather_widths(numels: list[int], dp: int) -> tuple[int, ...]:
     """Elements each rank contributes per all-gather round of mtk's distributed optimizer."""
-    from mtk.parallel.distributed_optimizer import all_gather_rounds, assign_owners
-
     rounds = all_gather_rounds(numels, assign_owners(numels, dp), dp)
     return tuple(max(sum(numels[i] for i in pieces) for pieces in per_rank) for per_rank in rounds)
 
@@ -274,8 +275,6 @@ def _divisors(n: int) -> list[int]:
 
 def valid_tp_sizes(request: Request) -> list[int]:
     """TP sizes that divide the heads (mtk's own check) and a node's GPUs."""
-    from mtk.rules import check_tp_size
-
     sizes = []
     for tp in _divisors(request.cluster.gpus_per_node):
         try:
@@ -289,15 +288,11 @@ def valid_tp_sizes(request: Request) -> list[int]:
 def _sequence_parallel_rules(config: PretrainedConfig, tp: int) -> bool:
     """Whether the rules mtk picks name the shared inputs sequence parallelism gathers (hand-written plans do;
     transformers' tp plans and the generic rules do not, and mtk refuses SP with them)."""
-    from mtk.rules.registry import find_rules
-
     rule_set = find_rules(config, tp)
     return rule_set is not None and bool(rule_set.shared_inputs)
 
 
 def _pipeline_supported(config: PretrainedConfig) -> bool:
-    from mtk.rules.registry import find_rules
-
     rule_set = find_rules(config)
     return rule_set is not None and rule_set.pipeline is not None
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from mtk.parallel.distributed_optimizer import all_gather_rounds, assign_owners
 from mtk.parallel.parameters import param_info
 from mtk.planner.trace import TraceSettings, fake_process_group, meta_model, with_layers
 
@@ -64,7 +65,6 @@ def data_parallel_traffic(
     """:func:`~mtk.planner.collectives.predict_collectives`' DP arguments for a one-stage replica: this rank's
     gradient elements and, with the distributed optimizer, the all-gather rounds (the same assignment
     ``shard_optimizer`` makes)."""
-    from mtk.parallel.distributed_optimizer import all_gather_rounds, assign_owners
 
     if dp_size == 1:
         return {}

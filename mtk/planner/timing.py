@@ -23,6 +23,8 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from mtk.models import auto_class_for
+
 __all__ = ["ModelSize", "StepTime", "Traffic", "model_size"]
 
 
@@ -42,8 +44,6 @@ def _size(config_class: Any, config_json: str) -> ModelSize:
     import json
 
     import torch
-
-    from mtk.models import auto_class_for
 
     config = config_class.from_dict(json.loads(config_json))
     with torch.device("meta"):

@@ -38,16 +38,16 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from mtk.config import RunSettings
-from mtk.convert import parallelize, parallelized
+from mtk.convert import parallelize
+from mtk.convert.regions import local_blocks
 from mtk.errors import MtkError, UnsupportedModelError
 from mtk.lora import get_peft_model
-from mtk.lora.model import hf_model
 from mtk.models import DTYPES, auto_class_for
 from mtk.parallel.recompute import enable_recompute
+from mtk.parallel.record import hf_model, parallelized
 from mtk.parallel.state import ParallelState
 from mtk.planner.live_memory import LiveMemory
 from mtk.rules.generic import GENERIC
-from mtk.rules.regions import local_blocks
 from mtk.rules.registry import find_rules
 
 __all__ = ["RankTrace", "TraceSettings", "fake_process_group", "meta_model", "trace_rank", "with_layers"]

@@ -260,7 +260,7 @@ def parallelize_with(
     """Convert ``model`` in place with an explicit ``rule_set`` (no rules lookup, no parity check).
 
     ``sequence_parallel``: row-parallel layers reduce-scatter along the sequence and shared inputs
-    all-gather it (:func:`mtk.rules.regions.apply_regions` then splits the blocks' input).
+    all-gather it (:func:`mtk.convert.regions.apply_regions` then splits the blocks' input).
     """
     sequence_parallel = sequence_parallel and parallel.tp_size > 1
     config = model.config

@@ -18,11 +18,14 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from mtk.checkpoint.hf_load import load_pretrained_tp
-from mtk.convert import parallelize, parallelized
+from mtk.convert import parallelize
 from mtk.errors import CheckpointError
 from mtk.models import DTYPES, ModelSpecError, auto_class_for, build_model, resolve_config
 from mtk.parallel.gather import iter_full_tensors
+from mtk.parallel.parameters import param_info
+from mtk.parallel.record import parallelized
 from mtk.parallel.state import ParallelState
+from mtk.pipeline.engine import PipelineModel
 from mtk.rules import UnsupportedModelError
 from mtk.testing import max_rel_error
 
@@ -166,8 +169,6 @@ def pipeline_verify_worker(
 ) -> VerifyResult:
     """The model cut into ``pp_size`` stages (TP = world / pp inside each) and run by the 1F1B schedule: its
     loss and every gradient (gathered over TP, on the stage that owns it) against the unconverted model."""
-    from mtk.parallel.parameters import param_info
-    from mtk.pipeline.engine import PipelineModel
 
     parallel = ParallelState.build(tp_size=world_size // pp_size, pp_size=pp_size)
     try:

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from mtk.rules.from_tp_plan import rules_from_tp_plan
+from mtk.rules.registry import RULE_SETS, find_rules
 from mtk.verify import pipeline_verify_worker, verify_worker
 
 __all__ = ["SweepRow", "causal_lm_types", "sweep_worker", "tiny_config", "tp_plan_types"]
@@ -80,8 +82,6 @@ def tiny_config(model_type: str) -> Any:
 
 
 def _source(config: Any, tp_size: int) -> str:
-    from mtk.rules.registry import RULE_SETS, find_rules
-
     rule_set = find_rules(config, tp_size)
     if rule_set is None:
         return "generic"
@@ -104,7 +104,6 @@ def sweep_worker(
 ) -> list[SweepRow]:
     """Run in each of ``world_size`` processes; returns this rank's row per model type. With ``pp > 1`` the
     models run cut into stages by the 1F1B schedule (loss and gradients compared; TP = world / pp)."""
-    from mtk.rules.from_tp_plan import rules_from_tp_plan
 
     rows = []
     for model_type in types:

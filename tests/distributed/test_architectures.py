@@ -10,12 +10,13 @@ import copy
 import pytest
 import torch
 
-from mtk.convert import parallelize, parallelized
+from mtk.convert import parallelize
 from mtk.models import build_model, resolve_config
 from mtk.parallel import ParallelState
 from mtk.parallel.collective_count import count_collectives
 from mtk.parallel.gather import iter_full_tensors
 from mtk.parallel.layers import KVReplicatedColumnLinear
+from mtk.parallel.record import parallelized
 from mtk.testing import assert_close_rel, run_distributed
 
 BATCH, SEQ = 2, 12

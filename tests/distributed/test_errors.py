@@ -6,8 +6,9 @@ import io
 import time
 from datetime import timedelta
 
-from mtk.errors import DataError, run_main
+from mtk.errors import DataError
 from mtk.testing import run_distributed
+from mtk.training.entry import run_main
 
 MESSAGES = {0: "the same problem", 1: "a file only rank 1 reads is damaged", 2: "the same problem"}
 

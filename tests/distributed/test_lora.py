@@ -206,8 +206,8 @@ def test_adapter_checkpoint_export_reproduces_logits(tmp_path):
     trained TP=2 model's logits; merging into another base is refused and leaves nothing behind."""
     from peft import PeftModel
 
+    from mtk.checkpoint.adapter_export import export_adapter, export_merged
     from mtk.errors import CheckpointError
-    from mtk.lora.export import export_adapter, export_merged
 
     results = run_distributed(_train_and_save, world_size=2, args=(str(tmp_path),))
     assert results[0]["stored"] == 2 * 7 * 2  # 2 layers x 7 linears x (A, B)

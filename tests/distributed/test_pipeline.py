@@ -14,7 +14,7 @@ import torch.distributed as dist
 from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
 from mtk.config import RunSettings
-from mtk.convert import parallelize, parallelized
+from mtk.convert import parallelize
 from mtk.models import build_model, builtin_config
 from mtk.parallel import ParallelState
 from mtk.parallel.gather import gather_state_dict, iter_full_tensors
@@ -22,6 +22,7 @@ from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sync_sequence_parallel_grads
 from mtk.parallel.parameters import param_info
 from mtk.parallel.recompute import enable_recompute
+from mtk.parallel.record import parallelized
 from mtk.pipeline.engine import PipelineModel
 from mtk.pipeline.schedules import schedule_order
 from mtk.testing import assert_close_rel, run_distributed

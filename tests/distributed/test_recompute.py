@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from mtk.config import RunSettings
-from mtk.convert import parallelize, parallelized
+from mtk.convert import parallelize
 from mtk.models import build_model, resolve_config
 from mtk.parallel import ParallelState
 from mtk.parallel.comm import all_gather
 from mtk.parallel.grads import sync_sequence_parallel_grads
 from mtk.parallel.recompute import enable_recompute, recomputed_blocks
+from mtk.parallel.record import parallelized
 from mtk.testing import assert_close_rel, run_distributed
 
 DROPOUT = {

@@ -16,9 +16,9 @@ import pytest
 from mtk.checkpoint.sharded import save_checkpoint
 from mtk.cli.main import main as mtk_main
 from mtk.convert import parallelize
-from mtk.errors import run_main
 from mtk.models import build_model
 from mtk.parallel import ParallelState
+from mtk.training.entry import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mtk.errors import _peer_failure, run_main
+from mtk.training.entry import _peer_failure, run_main
 
 CLOSED = (
     "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "

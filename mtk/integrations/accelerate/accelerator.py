@@ -23,7 +23,6 @@ from accelerate.data_loader import prepare_data_loader
 from torch import nn
 
 from mtk.config import ParallelConfig, RunSettings
-from mtk.convert import parallelized
 from mtk.errors import ConfigError
 from mtk.integrations.accelerate.checkpoint import ShardedCheckpointing
 from mtk.integrations.accelerate.collectives import DataParallelCollectives
@@ -36,10 +35,12 @@ from mtk.integrations.deepspeed import (
     remove_shm_buffers_at_exit,
     zero3_gathered,
 )
+from mtk.parallel.amp import TPGradScaler
 from mtk.parallel.distributed_optimizer import shard_optimizer
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sync_sequence_parallel_grads
+from mtk.parallel.record import parallelized
 from mtk.parallel.state import ParallelState, default_device
 from mtk.pipeline.engine import PipelineModel
 
@@ -111,8 +112,6 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         self.completed_steps = 0  # optimizer steps
         self.checkpoint_tokenizer = None  # saved into <checkpoint>/tokenizer, so `mtk export` ships it
         if self.scaler is not None:  # fp16: every model-parallel rank must agree on skipping a step
-            from mtk.parallel.amp import TPGradScaler
-
             self.scaler = TPGradScaler.from_scaler(self.scaler, self.parallel)
 
     # ------------------------------------------------------------------------- layout, as accelerate names it

@@ -16,9 +16,9 @@ from typing import Any, cast
 from torch import nn
 
 from mtk.config import RunSettings
-from mtk.convert import parallelized
 from mtk.errors import ConfigError
 from mtk.parallel.recompute import enable_recompute
+from mtk.parallel.record import parallelized
 
 __all__ = ["ATTENTION_BACKENDS", "MEGATRON_KEYS", "act_on_model", "check_engine", "check_megatron_environment"]
 

@@ -8,47 +8,15 @@ the :class:`~mtk.rules.base.RuleSet` that converted it and the stage it holds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from torch import nn
 
-from mtk.parallel.random import RNGStreams
+from mtk.convert.regions import apply_regions
+from mtk.parallel.record import Parallelized, attach
 from mtk.parallel.state import ParallelState
-from mtk.pipeline.stages import StageInfo, split_stages
+from mtk.pipeline.stages import split_stages
 from mtk.rules import RuleSet, check_tp_size, parallelize_with, resolve_rules
-from mtk.rules.regions import apply_regions
 
-__all__ = ["Parallelized", "parallelize", "parallelized"]
-
-_ATTRIBUTE = "mtk_parallelized"
-
-
-@dataclass(frozen=True)
-class Parallelized:
-    """What :func:`parallelize` did to a model.
-
-    Attributes:
-        rule_set: the rules that converted it (a family's, or the parity-checked generic ones).
-        tp_size: the tensor-parallel degree its shards were cut for.
-        stage: the pipeline stage it holds; ``None`` when it was not cut (pp = 1).
-        sequence_parallel: its blocks run on sequence-split activations (:mod:`mtk.rules.regions`).
-        rng: the random streams its dropouts draw from (the TP stream is checkpointed with the model).
-    """
-
-    rule_set: RuleSet
-    tp_size: int
-    stage: StageInfo | None
-    sequence_parallel: bool = False
-    rng: RNGStreams | None = field(default=None, compare=False)
-
-    @property
-    def pp_size(self) -> int:
-        return self.stage.num_stages if self.stage else 1
-
-
-def parallelized(model: nn.Module) -> Parallelized | None:
-    """The record :func:`parallelize` attached to ``model``, or ``None`` for a model it never saw."""
-    return getattr(model, _ATTRIBUTE, None)
+__all__ = ["parallelize"]
 
 
 def parallelize(
@@ -97,6 +65,5 @@ def parallelize(
     stage = split_stages(model, parallel, rule_set, pipeline_layers, virtual_stages) if parallel.pp_size > 1 else None
     chunks = stage.chunks if stage is not None and stage.virtual_stages > 1 else ()
     rng = apply_regions(model, rule_set, parallel, sequence_parallel=sequence_parallel, chunks=chunks)
-    record = Parallelized(rule_set, parallel.tp_size, stage, sequence_parallel, rng)
-    setattr(model, _ATTRIBUTE, record)
+    attach(model, Parallelized(rule_set, parallel.tp_size, stage, sequence_parallel, rng))
     return model

@@ -33,6 +33,7 @@ from mtk.parallel.comm import Group, gather_from_sequence, group_size, scatter_t
 from mtk.parallel.parameters import param_info, set_param_info
 from mtk.parallel.random import DEFAULT_STREAM, TP_SEED_OFFSET, TP_STREAM, ForkAround, RNGStreams
 from mtk.parallel.state import ParallelState
+from mtk.pipeline.stages import SkipLayer
 from mtk.rules.base import RuleSet, UnsupportedModelError, compile_pattern
 
 __all__ = ["local_blocks", "apply_regions", "tp_streams"]
@@ -48,8 +49,6 @@ def tp_streams(parallel: ParallelState) -> RNGStreams:
 
 def local_blocks(model: nn.Module, rule_set: RuleSet) -> list[nn.Module]:
     """The transformer blocks this rank runs (another pipeline stage's are pass-throughs)."""
-    from mtk.pipeline.stages import SkipLayer  # mtk.pipeline imports the plans: import at call time
-
     if rule_set.blocks is None:
         return []
     regex = compile_pattern(rule_set.blocks)
