@@ -18,7 +18,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from mtk.checkpoint.base_model import differs, fingerprint
-from mtk.checkpoint.export import check_new_directory, copy_tokenizer, staged_directory
+from mtk.checkpoint.export import check_new_directory, copy_tokenizer, drop_auto_map, staged_directory
 from mtk.checkpoint.integrity import read_verified
 from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.reader import ShardedCheckpointReader
@@ -93,7 +93,7 @@ def export_adapter(checkpoint: str | Path, out_dir: str | Path, *, verify: bool 
     check_new_directory(out)
     with staged_directory(out) as tmp:
         _write_adapters(checkpoint, meta, tmp, verify)
-        copy_tokenizer(checkpoint, tmp)
+        copy_tokenizer(checkpoint, meta, tmp)
     return out
 
 
@@ -144,7 +144,8 @@ def export_merged(
             file.unlink() if file.is_file() else file.rmdir()
         adapter_dir.rmdir()
         merged.save_pretrained(tmp, max_shard_size=max_shard_size)
-        copy_tokenizer(checkpoint, tmp)
+        drop_auto_map(tmp / "config.json")
+        copy_tokenizer(checkpoint, meta, tmp)
         if verify:
             reloaded = _hf_class(meta).from_pretrained(tmp, dtype=DTYPES[dtype] if dtype else torch.float32)
             state, expected = reloaded.state_dict(), merged.state_dict()

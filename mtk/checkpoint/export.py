@@ -26,14 +26,22 @@ from tqdm.auto import tqdm
 
 from mtk.checkpoint.atomic import fsync_dir, fsync_tree
 from mtk.checkpoint.hf_load import INDEX_FILE, SINGLE_FILE
-from mtk.checkpoint.integrity import read_verified
+from mtk.checkpoint.integrity import contained, list_files, read_verified
 from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.reader import ShardedCheckpointReader
 from mtk.errors import CheckpointError
 from mtk.models import DTYPES
 
-__all__ = ["DTYPES", "check_new_directory", "copy_tokenizer", "export_checkpoint", "parse_size", "staged_directory"]
+__all__ = [
+    "DTYPES",
+    "check_new_directory",
+    "copy_tokenizer",
+    "drop_auto_map",
+    "export_checkpoint",
+    "parse_size",
+    "staged_directory",
+]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -131,23 +139,41 @@ def export_checkpoint(
         raise CheckpointError(f"{checkpoint} records no model config; it cannot be exported as an HF directory")
     with staged_directory(out) as tmp, ShardedCheckpointReader(checkpoint, meta.topology) as reader:
         _write_weights(reader, tmp, torch_dtype, limit, progress)
-        config = transformers.AutoConfig.for_model(**config_dict)
+        config = transformers.AutoConfig.for_model(**{k: v for k, v in config_dict.items() if k != "auto_map"})
         config.architectures = [meta.model["class"]]
         if torch_dtype is not None:
             config.dtype = torch_dtype
         config.save_pretrained(tmp)
-        copy_tokenizer(checkpoint, tmp)
+        copy_tokenizer(checkpoint, meta, tmp)
         if verify:
             _verify(tmp, meta, reader, torch_dtype)
     return out
 
 
-def copy_tokenizer(checkpoint: str | Path, out: Path) -> None:
-    """The tokenizer files the run saved in the checkpoint, if any, into ``out``."""
-    tokenizer_dir = CheckpointPaths(checkpoint).tokenizer
-    if tokenizer_dir.is_dir():
-        for file in tokenizer_dir.iterdir():
-            shutil.copy2(file, out / file.name)
+def copy_tokenizer(checkpoint: str | Path, meta: CheckpointMeta, out: Path) -> None:
+    """The tokenizer files the run saved in the checkpoint, if any, into ``out``: only files the metadata lists
+    (verified, inside the checkpoint), never code (``*.py``) and never an ``auto_map`` that would make a loader
+    run code mtk did not write."""
+    root = Path(checkpoint)
+    tokenizer = CheckpointPaths(root).tokenizer.name
+    names = meta.files or {f"{tokenizer}/{name}": {} for name in list_files(root / tokenizer)}  # format 1: unlisted
+    for name in sorted(names):
+        if name.startswith(f"{tokenizer}/") and name.count("/") == 1 and not name.endswith(".py"):
+            target = out / name.split("/", 1)[1]
+            shutil.copy2(contained(root, name), target)
+            if target.suffix == ".json":
+                drop_auto_map(target)
+
+
+def drop_auto_map(path: Path) -> None:
+    """Remove ``auto_map`` (custom code to import) from a config or tokenizer config JSON written by an export."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(record, dict) and "auto_map" in record:
+        del record["auto_map"]
+        path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
 def check_new_directory(out: Path) -> None:

@@ -28,14 +28,16 @@ import torch.distributed as dist
 import xxhash
 
 from mtk.checkpoint.atomic import MARKER, fsync_dir
-from mtk.checkpoint.meta import CheckpointMeta, read_metadata
+from mtk.checkpoint.meta import FIRST_FORMAT, CheckpointMeta, read_metadata
 from mtk.errors import CheckpointError
 
 __all__ = [
     "ALGORITHM",
     "Checksums",
     "checksum_files",
+    "contained",
     "file_checksum",
+    "links",
     "list_files",
     "read_verified",
     "verify_files",
@@ -48,9 +50,50 @@ _T = TypeVar("_T")
 
 def list_files(root: Path) -> list[str]:
     """Every regular file under ``root`` but the metadata (and mtk's in-progress marker), as sorted POSIX
-    paths relative to it."""
+    paths relative to it. Symbolic links are not followed (:func:`links` names them)."""
     skip = {_METADATA, MARKER}
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name not in skip)
+    files = []
+    for directory, _, names in os.walk(root):  # never descends into a linked directory
+        for name in names:
+            path = Path(directory) / name
+            if name not in skip and path.is_file() and not path.is_symlink():
+                files.append(path.relative_to(root).as_posix())
+    return sorted(files)
+
+
+def links(root: Path) -> list[str]:
+    """The symbolic links under ``root`` (files or directories), relative to it: a checkpoint holds only its own
+    files, so a link in it, wherever it points, is refused rather than followed."""
+    found = []
+    for directory, subdirs, names in os.walk(root):
+        found += [
+            (Path(directory) / n).relative_to(root).as_posix()
+            for n in subdirs + names
+            if (Path(directory) / n).is_symlink()
+        ]
+    return sorted(found)
+
+
+def contained(root: Path, name: str) -> Path:
+    """``root / name`` for a file name the metadata lists, after checking that it stays inside the checkpoint
+    (relative, no ``..``, no link on the way); one clear error that names only the entry otherwise, never
+    anything about the file it would point at."""
+    parts = Path(name).parts
+    inside = bool(parts) and not Path(name).is_absolute() and ".." not in parts and "\\" not in name
+    path = root / name
+    if inside:
+        walked = root
+        for part in parts:
+            walked = walked / part
+            if walked.is_symlink():
+                inside = False
+                break
+    if not inside:
+        raise CheckpointError(
+            f"{root}/metadata.json lists {name!r}, which is not a file inside the checkpoint; the metadata is "
+            "damaged or crafted: use another checkpoint"
+        )
+    return path
 
 
 def file_checksum(path: Path, *, sync: bool = False) -> str:
@@ -135,7 +178,10 @@ def checksum_files(root: Path, done: Checksums | None = None) -> dict[str, dict[
 
 
 def _problem(root: Path, name: str, record: dict[str, Any]) -> str | None:
-    path = root / name
+    try:
+        path = contained(root, name)
+    except CheckpointError as err:
+        return str(err)
     if not path.is_file():
         return f"{path} is missing"
     size = path.stat().st_size
@@ -158,6 +204,7 @@ def verify_files(root: Path, recorded: dict[str, dict[str, Any]]) -> list[str]:
     mine = [p for p in _each(lambda name: _problem(root, name, recorded[name]), _share(names)) if p]
     if not dist.is_initialized() or dist.get_rank() == 0:
         mine += [f"{root / name} is not part of the checkpoint" for name in list_files(root) if name not in recorded]
+        mine += [f"{root / name} is a symbolic link; a checkpoint holds only its own files" for name in links(root)]
     return [problem for part in _gather(mine) for problem in part]
 
 
@@ -165,9 +212,15 @@ def read_verified(directory: str | Path) -> CheckpointMeta:
     """The metadata of a complete checkpoint whose every file matches it; else one clear error.
 
     Collective when a process group exists (every rank raises the same error). A checkpoint of the
-    first format (before checksums) is read unverified.
+    first format (before checksums) is read unverified; one of a later format that lists no files is refused
+    (mtk never writes one: its weights are always listed).
     """
     meta = read_metadata(directory)
+    if meta.format != FIRST_FORMAT and not meta.files:
+        raise CheckpointError(
+            f"{directory}/metadata.json lists no files, so nothing in the checkpoint can be verified; the metadata "
+            "is damaged or crafted: use another checkpoint"
+        )
     if meta.files:
         problems = verify_files(Path(directory), meta.files)
         if problems:

@@ -19,10 +19,11 @@ from mtk.checkpoint.paths import CheckpointPaths
 from mtk.errors import CheckpointError, LayoutError
 from mtk.parallel.layout import Layout
 
-__all__ = ["FORMAT", "RUN_ID", "CheckpointMeta", "read_metadata"]
+__all__ = ["FIRST_FORMAT", "FORMAT", "RUN_ID", "CheckpointMeta", "read_metadata"]
 
 FORMAT = "mtk-checkpoint/2"
-_READABLE = ("mtk-checkpoint/1", FORMAT)  # 1: the same layout, without run identity and checksums
+FIRST_FORMAT = "mtk-checkpoint/1"  # the same layout, without run identity and checksums
+_READABLE = (FIRST_FORMAT, FORMAT)
 
 # This process's run: rank 0's is recorded in every checkpoint it writes (a fresh id per launch).
 RUN_ID = uuid.uuid4().hex

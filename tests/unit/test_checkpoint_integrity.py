@@ -9,6 +9,7 @@ import torch
 from mtk.checkpoint import CheckpointError
 from mtk.checkpoint.atomic import MARKER
 from mtk.checkpoint.export import export_checkpoint
+from mtk.checkpoint.integrity import file_checksum
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.cli.main import main as mtk_main
 from mtk.convert import parallelize
@@ -134,3 +135,79 @@ def test_export_leaves_other_files_alone(saved, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(CheckpointError, match="is a file; export into a new directory"):
         export_checkpoint(saved, tmp_path / "file", progress=False)
+
+
+def _rewrite_metadata(directory, change):
+    meta = json.loads((directory / "metadata.json").read_text())
+    change(meta)
+    (directory / "metadata.json").write_text(json.dumps(meta))
+
+
+def _refusals(directory, trained, tmp_path, capsys) -> list[str]:
+    """What resume, export and verify-checkpoint each say of ``directory`` (each must refuse it)."""
+    said = []
+    for read in (lambda: _load(directory, trained), lambda: export_checkpoint(directory, tmp_path / "out")):
+        with pytest.raises(CheckpointError) as err:
+            read()
+        said.append(str(err.value))
+    code, _, err_text = _verify_cli(directory, capsys)
+    assert code == 2 and "\n" not in err_text.strip()
+    return said + [err_text]
+
+
+@pytest.mark.parametrize(
+    "entry",
+    ["../outside.bin", "/etc/hostname", "model/../../outside.bin"],
+    ids=["parent", "absolute", "parent-inside-a-path"],
+)
+def test_metadata_cannot_name_a_file_outside_the_checkpoint(saved, trained, tmp_path, capsys, entry):
+    """A listed path that leaves the checkpoint is refused by name, never read, hashed or measured: the
+    message says nothing of the outside file (its size), whatever it is."""
+    (saved.parent / "outside.bin").write_bytes(b"x" * 1234)
+    _rewrite_metadata(saved, lambda meta: meta["files"].update({entry: {"bytes": 1, "xxh3_128": "0" * 32}}))
+    for message in _refusals(saved, trained, tmp_path, capsys):
+        assert "not a file inside the checkpoint" in message and "1234" not in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_link_inside_a_checkpoint_is_refused_not_followed(saved, trained, tmp_path, capsys):
+    """A tokenizer/ that links to another folder (whose files are then listed, checksums and all) is refused:
+    verify-checkpoint does not call it ok and export copies nothing from the link's target."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "secret.txt").write_text("not the checkpoint's")
+    (saved / "tokenizer").symlink_to(elsewhere, target_is_directory=True)
+    record = {"bytes": 20, "xxh3_128": file_checksum(elsewhere / "secret.txt")}
+    _rewrite_metadata(saved, lambda meta: meta["files"].update({"tokenizer/secret.txt": record}))
+    for message in _refusals(saved, trained, tmp_path, capsys):
+        assert "tokenizer" in message and ("symbolic link" in message or "not a file inside" in message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_metadata_that_lists_no_files_is_refused(saved, trained, tmp_path, capsys):
+    _rewrite_metadata(saved, lambda meta: meta.update(files={}))
+    for message in _refusals(saved, trained, tmp_path, capsys):
+        assert "lists no files" in message
+
+
+def test_export_copies_no_code_and_no_auto_map(tmp_path, trained):
+    """A checkpoint whose tokenizer carries a .py file and an auto_map (and whose model config names one)
+    exports without either: a loader of the export never runs code mtk did not write."""
+    parallel, model, optimizer = trained
+    directory = tmp_path / "step_1"
+    model.config.auto_map = {"AutoModelForCausalLM": "modeling_evil.EvilModel"}
+    try:
+
+        def write_tokenizer(root):  # what a tokenizer with custom code saves
+            (root / "tokenizer").mkdir()
+            auto_map = {"auto_map": {"AutoTokenizer": ["evil.T", None]}}
+            (root / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(auto_map))
+            (root / "tokenizer" / "evil.py").write_text("raise SystemExit('ran')\n")
+
+        save_checkpoint(directory, parallel, model, [optimizer], [], step=1, writers=[write_tokenizer])
+    finally:
+        del model.config.auto_map
+    out = export_checkpoint(directory, tmp_path / "out")
+    assert not list(out.glob("*.py"))
+    assert "auto_map" not in json.loads((out / "config.json").read_text())
+    assert "auto_map" not in json.loads((out / "tokenizer_config.json").read_text())
