@@ -90,7 +90,7 @@ def export_adapter(checkpoint: str | Path, out_dir: str | Path, *, verify: bool 
     """A PEFT adapter directory from an adapter-only checkpoint; returns it."""
     meta = _adapter_meta(checkpoint)
     out = Path(out_dir)
-    check_new_directory(out)
+    check_new_directory(out, checkpoint)
     with staged_directory(out) as tmp:
         _write_adapters(checkpoint, meta, tmp, verify)
         copy_tokenizer(checkpoint, meta, tmp)
@@ -123,7 +123,7 @@ def export_merged(
 
     meta = _adapter_meta(checkpoint)
     out = Path(out_dir)
-    check_new_directory(out)
+    check_new_directory(out, checkpoint)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
     directory = _base_directory(meta, base)

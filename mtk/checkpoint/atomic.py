@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from mtk.errors import CheckpointError
 
 __all__ = [
@@ -27,7 +29,9 @@ __all__ = [
     "fsync_tree",
     "incomplete_path",
     "is_ours",
+    "refuse_link",
     "remove_ours",
+    "storage_reason",
     "write_synced",
 ]
 
@@ -40,13 +44,13 @@ def incomplete_path(final: Path) -> Path:
 
 
 def is_ours(directory: Path) -> bool:
-    """Whether ``directory`` is a side directory mtk created (it holds mtk's marker)."""
-    return (directory / MARKER).is_file()
+    """Whether ``directory`` is a side directory mtk created (it holds mtk's marker; a link never is)."""
+    return not directory.is_symlink() and (directory / MARKER).is_file()
 
 
 def _check_ours(directory: Path) -> None:
     """Refuse (one line) a side directory mtk did not create."""
-    if directory.exists() and not (directory.is_dir() and is_ours(directory)):
+    if (directory.exists() or directory.is_symlink()) and not (directory.is_dir() and is_ours(directory)):
         raise CheckpointError(
             f"{directory} exists and was not created by mtk; move it away (mtk writes and replaces its own "
             f"{directory.name} here)"
@@ -60,8 +64,29 @@ def remove_ours(directory: Path) -> None:
         shutil.rmtree(directory)
 
 
+def refuse_link(path: Path, what: str = "mtk does not replace or remove links") -> None:
+    """One line for a symbolic link where mtk would write or remove a directory: it acts on the link's target
+    never, on the link only when it made it, which it never does."""
+    if path.is_symlink():
+        raise CheckpointError(f"{path} is a symbolic link; {what}: remove the link or use another directory")
+
+
+def storage_reason(err: BaseException) -> str | None:
+    """Why a write failed, when the storage refused it (full, read-only, gone), in any library's words; else
+    ``None`` (a bug: keep its traceback). torch reports a failed write as a RuntimeError, safetensors as its own
+    error type, the OS as an OSError."""
+    if isinstance(err, OSError):
+        return err.strerror or str(err)
+    if isinstance(err, SafetensorError) or (
+        isinstance(err, RuntimeError) and any(s in str(err) for s in ("write failed", "failed writing"))
+    ):
+        return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return None
+
+
 def _check_replaceable(final: Path) -> None:
-    """``final`` may be replaced only if it is empty or a checkpoint (mtk's metadata.json is in it)."""
+    """``final`` may be replaced only if it is empty or a checkpoint (mtk's metadata.json is in it), not a link."""
+    refuse_link(final)
     if final.exists() and not (final.is_dir() and (not any(final.iterdir()) or (final / "metadata.json").is_file())):
         raise CheckpointError(
             f"{final} exists and is not an mtk checkpoint; mtk will not replace it, save to another directory"
@@ -136,9 +161,12 @@ def atomic_dir(final: str | Path, *, owner: bool = True, barrier: Callable[[], N
             (tmp / MARKER).touch()
         barrier()
         yield tmp
-    except OSError as err:  # a read-only or full disk: one line naming it, on whichever rank hit it
+    except (OSError, SafetensorError, RuntimeError) as err:  # a read-only or full disk: one line, whichever rank
+        reason = storage_reason(err)
+        if reason is None:
+            raise
         raise CheckpointError(
-            f"cannot write checkpoint {final}: {err.strerror or err}; the previous checkpoints are untouched "
+            f"cannot write checkpoint {final}: {reason}; the previous checkpoints are untouched "
             f"(choose a writable --output_dir with free space)"
         ) from None
     barrier()

@@ -12,6 +12,7 @@ removed, ever.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -24,7 +25,7 @@ import transformers
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from mtk.checkpoint.atomic import fsync_dir, fsync_tree
+from mtk.checkpoint.atomic import fsync_dir, fsync_tree, refuse_link, storage_reason
 from mtk.checkpoint.hf_load import INDEX_FILE, SINGLE_FILE
 from mtk.checkpoint.integrity import contained, list_files, read_verified
 from mtk.checkpoint.meta import CheckpointMeta
@@ -124,7 +125,7 @@ def export_checkpoint(
     """Merge ``checkpoint`` into an HF directory at ``out_dir``; returns it. Nothing is left on failure."""
     meta = read_verified(checkpoint)  # every shard matches its checksum: a damaged input is named, not exported
     out = Path(out_dir)
-    check_new_directory(out)
+    check_new_directory(out, checkpoint)
     if meta.base_model is not None:
         raise CheckpointError(
             f"{checkpoint} holds only LoRA adapters: export them with --adapter (a PEFT directory) or --merge "
@@ -176,11 +177,30 @@ def drop_auto_map(path: Path) -> None:
         path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
-def check_new_directory(out: Path) -> None:
+def check_new_directory(out: Path, source: str | Path | None = None) -> None:
+    """``out`` is somewhere an export may create: not a file, not a link, not a non-empty directory, and not
+    inside the checkpoint it reads (which would then no longer verify)."""
+    refuse_link(out, "export into a new directory")
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} is a file; export into a new directory")
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out} already exists and is not empty; export into a new directory")
+    if source is not None and out.resolve().is_relative_to(Path(source).resolve()):
+        raise CheckpointError(f"{out} is inside the checkpoint {source}; export into a directory outside it")
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux says it (setting it, even briefly, would race
+    with the threads that write files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 @contextmanager
@@ -190,12 +210,18 @@ def staged_directory(out: Path) -> Iterator[Path]:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.", suffix=".incomplete", dir=out.parent))
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp's is private (0700); the export is a directory like mkdir's
     except OSError as err:
         raise CheckpointError(f"cannot write {out}: {err.strerror or err}; choose a writable directory") from None
     try:
         yield tmp
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        reason = storage_reason(err)
+        if reason is not None:
+            raise CheckpointError(
+                f"cannot write {out}: {reason}; nothing was written (free space or choose another directory)"
+            ) from None
         raise
     fsync_tree(tmp)
     if out.exists():

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mtk.checkpoint.atomic import refuse_link
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.errors import CheckpointError
 
@@ -66,8 +67,10 @@ def resolve_resume(output_dir: str | Path, resume: str | None, overwrite: bool) 
 
 def remove_checkpoints(output_dir: str | Path) -> list[str]:
     """Remove the complete mtk checkpoints ``step_N`` under ``output_dir`` (nothing else); their names."""
-    removed = []
-    for _, folder in complete_checkpoints(output_dir):
+    removed, folders = [], [folder for _, folder in complete_checkpoints(output_dir)]
+    for folder in folders:  # all checked before any is removed
+        refuse_link(folder, "--overwrite removes only the checkpoints mtk wrote here, never through a link")
+    for folder in folders:
         shutil.rmtree(folder)
         removed.append(folder.name)
     return removed

@@ -1,15 +1,20 @@
 """Checkpoints prove their integrity: checksums in the metadata, checked by resume, export and
 ``mtk verify-checkpoint``; mtk never removes a directory it did not create."""
 
+import errno
 import json
+import os
+import stat
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from mtk.checkpoint import CheckpointError
 from mtk.checkpoint.atomic import MARKER
 from mtk.checkpoint.export import export_checkpoint
 from mtk.checkpoint.integrity import file_checksum
+from mtk.checkpoint.resume import remove_checkpoints
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.cli.main import main as mtk_main
 from mtk.convert import parallelize
@@ -211,3 +216,67 @@ def test_export_copies_no_code_and_no_auto_map(tmp_path, trained):
     assert not list(out.glob("*.py"))
     assert "auto_map" not in json.loads((out / "config.json").read_text())
     assert "auto_map" not in json.loads((out / "tokenizer_config.json").read_text())
+
+
+def test_a_linked_step_is_never_written_through(saved, trained, tmp_path):
+    """A step_N that is a link to a checkpoint elsewhere: saving over it and --overwrite refuse in one line,
+    and nothing (no partial marker, no removal) happens inside the link's target."""
+    parallel, model, optimizer = trained
+    runs = tmp_path / "ckpts"
+    runs.mkdir()
+    (runs / "step_2").symlink_to(saved, target_is_directory=True)
+    before = sorted(p.name for p in saved.rglob("*"))
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        save_checkpoint(runs / "step_2", parallel, model, [optimizer], [], step=2)
+    with pytest.raises(CheckpointError, match="is a symbolic link; --overwrite removes only"):
+        remove_checkpoints(runs)
+    assert sorted(p.name for p in saved.rglob("*")) == before and (runs / "step_2").is_symlink()
+    assert not (runs / "step_2.incomplete").exists()
+
+
+def test_export_refuses_links_and_its_own_checkpoint_and_makes_an_ordinary_directory(saved, tmp_path):
+    """An export target that is a link, or inside the checkpoint it reads, is refused before anything is
+    written (no staging directory is left); a new export is a directory as mkdir makes one (umask applied)."""
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target", target_is_directory=True)
+    with pytest.raises(CheckpointError, match="is a symbolic link; export into a new directory"):
+        export_checkpoint(saved, tmp_path / "link", progress=False)
+    with pytest.raises(CheckpointError, match="is inside the checkpoint"):
+        export_checkpoint(saved, saved / "hf", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", saved.name, "target"]
+    old = os.umask(0o027)
+    try:
+        out = export_checkpoint(saved, tmp_path / "hf", progress=False, verify=False)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })"),
+        RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file data/0"),
+    ],
+    ids=["os", "safetensors", "torch"],
+)
+def test_storage_errors_of_any_library_are_one_line_and_keep_older_checkpoints(
+    saved, trained, tmp_path, monkeypatch, failure
+):
+    """A full or read-only disk, in the words of the OS, safetensors or torch, stops a save or an export with
+    one line; the previous checkpoint stays complete and no partial directory is published."""
+    parallel, model, optimizer = trained
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr("mtk.checkpoint.weights.save_file", fail)
+    with pytest.raises(CheckpointError, match="cannot write checkpoint .*step_2.*previous checkpoints are untouched"):
+        save_checkpoint(saved, parallel, model, [optimizer], [], step=2)
+    monkeypatch.undo()
+    assert _load(saved, trained) is not None  # still complete and verified
+    monkeypatch.setattr("mtk.checkpoint.export.save_file", fail)
+    with pytest.raises(CheckpointError, match="cannot write .*hf: .*nothing was written"):
+        export_checkpoint(saved, tmp_path / "hf", progress=False)
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob("hf.*"))
