@@ -74,11 +74,20 @@ def test_dropout_run_resumes_exactly(dropout_model, tmp_path):
     assert full[4] != no_dropout[4], "dropout is on: the check would prove nothing otherwise"
 
 
-def test_a_key_mtk_cannot_honour_is_one_line(tmp_path):
-    """Every other refusal is a unit test of the key table (tests/unit/test_megatron_keys.py)."""
-    config = _yaml(tmp_path, "tp2", optimizer_cpu_offload=True)
+@pytest.mark.parametrize(
+    "key, message",
+    [
+        ("optimizer_cpu_offload", "megatron_lm_optimizer_cpu_offload: True is not supported"),
+        ("sequence_paralellism", "'megatron_lm_sequence_paralellism' is unknown to accelerate, which drops it"),
+    ],
+    ids=["refused", "misspelt"],
+)
+def test_a_key_mtk_cannot_honour_or_accelerate_drops_is_one_line(tmp_path, key, message):
+    """A misspelt key never reaches the workers' environment: mtk reads the launcher's YAML for it. Every other
+    refusal is a unit test of the key table (tests/unit/test_megatron_keys.py)."""
+    config = _yaml(tmp_path, "tp2", **{key: True})
     out = accelerate_launch("finetune.py", config, "--max_steps", "1", check=False)
-    one_line_error(out, "megatron_lm_optimizer_cpu_offload: True is not supported")
+    one_line_error(out, message)
 
 
 def test_distributed_optimizer_logs_the_tp1_losses_and_resumes_without_it(llama_tp1, tmp_path):

@@ -8,6 +8,7 @@ import pytest
 
 from mtk.config import RunSettings
 from mtk.errors import ConfigError
+from mtk.integrations.accelerate.launcher import accelerate_megatron_keys, check_launcher_keys, config_file_from_argv
 from mtk.integrations.accelerate.megatron_keys import MEGATRON_KEYS, check_megatron_environment
 
 
@@ -84,3 +85,34 @@ def test_last_stage_layers():
         settings.layers_per_stage(1, 2)
     with pytest.raises(ConfigError, match="give one of them"):
         RunSettings(pipeline_layers=(2, 2), last_stage_layers=1)
+
+
+def test_every_key_accelerates_launcher_parses_is_in_the_table():
+    """A key accelerate parses but never exports would be dropped between the YAML and mtk."""
+    parsed = {key.removeprefix("megatron_lm_").upper() for key in accelerate_megatron_keys()}
+    assert len(parsed) > 20 and parsed <= set(MEGATRON_KEYS), sorted(parsed - set(MEGATRON_KEYS))
+
+
+def test_the_launchers_config_file_is_read_from_its_command_line(tmp_path):
+    cwd = tmp_path
+    argv = ["/usr/bin/python3", "/usr/bin/accelerate", "launch", "--config_file", "cfg/tp2.yaml", "train.py", "--x"]
+    assert config_file_from_argv(argv, cwd) == cwd / "cfg/tp2.yaml"
+    assert config_file_from_argv(["accelerate", "launch", "--config-file=/abs/a.yaml", "t.py"], cwd) == Path(
+        "/abs/a.yaml"
+    )
+    default = config_file_from_argv(["accelerate", "launch", "t.py", "--config_file", "not-ours.yaml"], cwd)
+    assert default is not None and default.name == "default_config.yaml", "the script's own flag is not the launcher's"
+    assert config_file_from_argv(["python", "-m", "torch.distributed.run", "t.py"], cwd) is None
+
+
+def test_a_misspelt_key_in_the_yaml_is_refused_by_name(tmp_path):
+    config = tmp_path / "tp2.yaml"
+    config.write_text("distributed_type: MEGATRON_LM\nmegatron_lm_config:\n  megatron_lm_tp_degree: 2\n"
+                      "  megatron_lm_sequence_paralellism: true\n")  # fmt: skip
+    with pytest.raises(
+        ConfigError, match="'megatron_lm_sequence_paralellism' is unknown.*megatron_lm_sequence_parallelism"
+    ):
+        check_launcher_keys(config)
+    config.write_text("megatron_lm_config:\n  megatron_lm_tp_degree: 2\n  megatron_lm_sequence_parallelism: true\n")
+    check_launcher_keys(config)  # every key known: nothing to say
+    check_launcher_keys(None)  # no launcher seen (torchrun, another OS): the environment check alone

@@ -17,6 +17,7 @@ from torch import nn
 
 from mtk.config import RunSettings
 from mtk.errors import ConfigError
+from mtk.integrations.accelerate.launcher import check_launcher_keys, launcher_config_file
 from mtk.parallel.recompute import enable_recompute
 from mtk.parallel.record import parallelized
 
@@ -122,6 +123,7 @@ def check_megatron_environment(env: Mapping[str, str], report: Callable[[str], N
             f"megatron_lm_attention_backend: {backend!r} is unknown; use one of {list(ATTENTION_BACKENDS)}"
         )
     if env.get("ACCELERATE_USE_MEGATRON_LM", "").lower() == "true":
+        check_launcher_keys(launcher_config_file())
         tp, pp = env.get(PREFIX + "TP_DEGREE", "1"), env.get(PREFIX + "PP_DEGREE", "1")
         if tp == "1" and pp == "1":
             report(
