@@ -28,7 +28,7 @@ from transformers import AutoModelForSequenceClassification
 from mtk import Accelerator
 from mtk.args import ArgumentParser, add_safety_arguments, collective_timeout, positive_float, positive_int
 from mtk.checkpoint.resume import add_resume_arguments, start_point
-from mtk.data import ByteTokenizer, load_data, pad_id_of, tokenizer_for
+from mtk.data import ByteTokenizer, add_tokenizer_argument, load_data, pad_id_of, tokenizer_for
 from mtk.errors import DataError
 from mtk.models import build_model, resolve_config
 from mtk.parallel.grad_norm import check_finite
@@ -42,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-bert", help="built-in BERT config name or local HF directory")
+    add_tokenizer_argument(parser)
     parser.add_argument(
         "--data", default=str(HERE / "data" / "sentiment.csv"), help="local rows with text and label columns"
     )
@@ -106,7 +107,7 @@ def main(argv=None) -> None:
         kwargs_handlers=[InitProcessGroupKwargs(timeout=collective_timeout(args))],
     )
     set_seed(args.seed)
-    tokenizer = tokenizer_for(args.model)
+    tokenizer = tokenizer_for(args.model, args.tokenizer, resolve_config(args.model).vocab_size)
     raw = load_data(args.data)
     if args.eval_data:
         train_rows, eval_rows = raw, load_data(args.eval_data, "--eval_data")

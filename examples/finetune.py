@@ -39,7 +39,7 @@ from mtk.args import (
 from mtk.checkpoint import load_pretrained_tp
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.config import PIPELINE_SCHEDULES, RunSettings
-from mtk.data import FORMATS, LOSS_ON, eval_batches, loss_tokens, tokenizer_for, training_data
+from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, eval_batches, loss_tokens, tokenizer_for, training_data
 from mtk.errors import DataError
 from mtk.lora import get_peft_model
 from mtk.lora.options import add_lora_arguments, base_dtype, lora_config
@@ -64,6 +64,7 @@ def layer_counts(text: str) -> tuple[int, ...]:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-llama", help="built-in config name or local HF directory")
+    add_tokenizer_argument(parser)
     parser.add_argument(
         "--data",
         default=str(HERE / "data" / "sample.jsonl"),
@@ -158,8 +159,8 @@ def main(argv=None) -> None:
         model = build_model(args.model, seed=args.seed, dtype=dtype or torch.float32)  # same at every layout
     if lora:  # PEFT's LoRA on the parallel layers: only the adapters train, checkpoint and export
         model = get_peft_model(accelerator.parallelize(model), lora, report=accelerator.print)
-    tokenizer = tokenizer_for(args.model)
-    if hasattr(tokenizer, "save_pretrained") and Path(args.model).is_dir():
+    tokenizer = tokenizer_for(args.model, args.tokenizer, model.config.vocab_size)
+    if Path(args.model).is_dir() or args.tokenizer:
         accelerator.checkpoint_tokenizer = tokenizer  # checkpoints (and `mtk export`) carry it
     # sequence parallelism splits every row over the TP ranks: rows are a multiple of tp long
     multiple = parallel.tp_size if settings.sequence_parallel else 1

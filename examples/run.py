@@ -39,7 +39,7 @@ from mtk.checkpoint import load_pretrained_tp
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.config import RunSettings
 from mtk.convert import parallelize
-from mtk.data import FORMATS, LOSS_ON, eval_batches, loss_tokens, tokenizer_for, training_data
+from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, eval_batches, loss_tokens, tokenizer_for, training_data
 from mtk.errors import DataError
 from mtk.integrations.deepspeed import (
     deepspeed_config,
@@ -67,6 +67,7 @@ HERE = Path(__file__).resolve().parent
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-llama", help="built-in config name or local HF directory")
+    add_tokenizer_argument(parser)
     parser.add_argument(
         "--data",
         default=str(HERE / "data" / "sample.jsonl"),
@@ -146,7 +147,7 @@ def main(argv=None) -> None:
         mpu=parallel,
     )
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    tokenizer = tokenizer_for(args.model)
+    tokenizer = tokenizer_for(args.model, args.tokenizer, model.config.vocab_size)
     dataset, collate, report = training_data(
         args.data, tokenizer, args.seq_len, packing=args.packing, loss_on=args.loss_on
     )

@@ -114,32 +114,48 @@ def add_resume_arguments(parser: argparse.ArgumentParser, example: str = "ckpts/
 class ResumeGuard:
     """The options a resumed run must share with the run it continues, checked when it resumes.
 
-    They decide which data comes next (``--data``, ``--seq_len``, ``--seed``, ``--model``): changing one
-    on resume would silently train on a different stream than the checkpoint's data position means.
-    Registered with accelerate's ``register_for_checkpointing``, so it is saved in every checkpoint
-    and compared by ``load_state``; a change is one line naming the option.
+    Some decide which data comes next (``--data``, ``--seq_len``, ``--seed``, ``--model``, packing): changing one
+    on resume would silently train on a different stream than the checkpoint's data position means. Others
+    decide what the checkpoint's adapters are (``--lora_*``, ``--base_dtype``): a LoRA checkpoint resumed with
+    another alpha or targets would silently train another model. Registered with accelerate's
+    ``register_for_checkpointing``, so it is saved in every checkpoint and compared by ``load_state``; a change is
+    one line naming the option. Paths are compared as the files they name (``dir/`` and ``./dir`` are ``dir``).
     """
 
     # the scripts' options that decide which data comes next
     DATA_OPTIONS = ("model", "data", "seq_len", "seed", "packing", "loss_on")
+    # the options that decide what the trained adapters are
+    MODEL_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "base_dtype")
+    _PATHS = ("model", "data")
 
     def __init__(self, **options: Any) -> None:
-        self.options = options
+        self.options = {key: _normalized(value) if key in self._PATHS else value for key, value in options.items()}
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ResumeGuard:
-        """The guard of a training script's parsed options (those of ``DATA_OPTIONS`` it has)."""
-        return cls(**{name: getattr(args, name) for name in cls.DATA_OPTIONS if hasattr(args, name)})
+        """The guard of a training script's parsed options (those of the two lists it has)."""
+        names = (*cls.DATA_OPTIONS, *cls.MODEL_OPTIONS)
+        return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.options)
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
+        saved = {key: _normalized(value) if key in self._PATHS else value for key, value in saved.items()}
+        # a checkpoint from before an option was guarded says nothing about it: nothing to compare
         changed = [
             f"--{key} {saved[key]} -> {value}" for key, value in self.options.items() if saved.get(key, value) != value
         ]
         if changed:
             raise CheckpointError(
                 f"this run changes {', '.join(changed)} from the checkpoint it resumes, which would continue on "
-                f"different data; resume with the same options, or start a new run in another --output_dir"
+                f"different data or another model; resume with the same options, or start a new run in another "
+                f"--output_dir"
             )
+
+
+def _normalized(value: Any) -> Any:
+    """A path option as the file it names (absolute, no trailing slash) when it exists; any other value as is."""
+    if isinstance(value, str) and value and Path(value).exists():
+        return str(Path(value).resolve())
+    return value

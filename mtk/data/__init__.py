@@ -16,14 +16,16 @@ from datasets import Dataset
 from mtk.data.batching import PadToLongest, eval_batches, loss_tokens, pack
 from mtk.data.formats import IGNORE_INDEX, LOSS_ON, TokenizeReport, detect_format, tokenize_examples
 from mtk.data.sources import FORMATS, load_data
-from mtk.data.tokenizers import ByteTokenizer, tokenizer_for
+from mtk.data.tokenizers import BYTES, ByteTokenizer, add_tokenizer_argument, tokenizer_for
 from mtk.errors import DataError
 
 __all__ = [
     "FORMATS",
     "IGNORE_INDEX",
     "LOSS_ON",
+    "BYTES",
     "ByteTokenizer",
+    "add_tokenizer_argument",
     "DataError",
     "PadToLongest",
     "TokenizeReport",

@@ -12,7 +12,7 @@ from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
 from mtk.errors import DataError
 
-__all__ = ["FORMATS", "load_data"]
+__all__ = ["COMPRESSIONS", "FORMATS", "load_data"]
 
 # file suffix -> the ``datasets`` builder that reads it
 FORMATS = {
@@ -34,6 +34,29 @@ def _quiet_datasets() -> Iterator[None]:
         yield
     finally:
         datasets.logging.set_verbosity(level)
+
+
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")  # datasets decompresses these by their suffix
+
+
+def _kind(path: Path) -> str | None:
+    """The ``datasets`` builder for a data file, by suffix in any case, under one compression suffix or none."""
+    suffixes = [s.lower() for s in path.suffixes[-2:]]
+    if suffixes and suffixes[-1] in COMPRESSIONS:
+        suffixes = suffixes[:-1]
+    return FORMATS.get(suffixes[-1]) if suffixes else None
+
+
+def _data_files(path: Path, option: str) -> list[Path]:
+    """Every file of a folder (hidden ones aside): each must be a data file; none is skipped without a word."""
+    files = sorted(p for p in path.iterdir() if not p.name.startswith("."))
+    unknown = [p.name for p in files if p.is_file() and _kind(p) is None]
+    if unknown:
+        raise DataError(
+            f"{option} {path} holds {unknown[0]!r}, which is not a data file ({'/'.join(FORMATS)}, optionally "
+            f"{'/'.join(COMPRESSIONS)}); move it out or point {option} at the files"
+        )
+    return [p for p in files if p.is_file()]
 
 
 def _saved_dataset(path: Path) -> bool:
@@ -63,12 +86,12 @@ def load_data(path: str | Path, option: str = "--data") -> Dataset:
             saved = saved["train"]
         dataset = saved
     else:
-        files = sorted(p for p in path.iterdir() if p.suffix in FORMATS) if path.is_dir() else [path]
+        files = _data_files(path, option) if path.is_dir() else [path]
         if not files or not all(p.is_file() for p in files):
             raise DataError(
                 f"{option} {path} does not exist or holds no {'/'.join(FORMATS)} files (or a save_to_disk dataset)"
             )
-        kinds = {FORMATS.get(p.suffix) for p in files}
+        kinds = {_kind(p) for p in files}
         if None in kinds or len(kinds) > 1:
             raise DataError(f"{option} {path}: use files of one kind among {sorted(FORMATS)}")
         kind = kinds.pop()

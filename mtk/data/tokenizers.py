@@ -1,16 +1,26 @@
-"""Tokenizers for the examples: a model directory's own, or bytes for the built-in configs.
+"""Tokenizers for the examples: a model directory's own, ``--tokenizer``'s, or bytes for the built-in configs.
 
 There is no tokenizer hub here, so built-in models use :class:`ByteTokenizer` (UTF-8 bytes + 3
 special ids, the 259-token vocabulary of the tiny configs). A local model directory with tokenizer
-files uses its own tokenizer through ``AutoTokenizer`` (no remote code), chat template included.
+files uses its own tokenizer through ``AutoTokenizer`` (no remote code), chat template included. A local
+model directory without one is refused unless ``--tokenizer`` names one (a directory, or ``bytes``): falling
+back to bytes would train a real 32k-vocabulary model on byte ids without a word.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ByteTokenizer", "tokenizer_for"]
+from mtk.errors import DataError
+
+__all__ = ["BYTES", "ByteTokenizer", "add_tokenizer_argument", "tokenizer_for"]
+
+BYTES = "bytes"  # --tokenizer bytes: the byte tokenizer, asked for by name
+_FILES = ("tokenizer.json", "tokenizer_config.json")
+_BYTE_FILE = "byte_tokenizer.json"  # what ByteTokenizer.save_pretrained writes, so a saved model names it
 
 
 class ByteTokenizer:
@@ -27,14 +37,39 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """Nothing to write: the byte mapping is fixed (kept for the save_pretrained idiom)."""
+        """A one-line record that this directory's model reads bytes (the mapping itself is fixed)."""
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        record = {"tokenizer": "mtk bytes", "vocab_size": self.vocab_size}
+        (Path(directory) / _BYTE_FILE).write_text(json.dumps(record) + "\n")
 
 
-def tokenizer_for(model_spec: str) -> Any:
-    """The model directory's own tokenizer if it has one, else the byte tokenizer."""
-    path = Path(model_spec)
-    if path.is_dir() and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+def add_tokenizer_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tokenizer",
+        help="a local tokenizer directory, or 'bytes' (UTF-8 bytes, 259 ids); default: the --model directory's own "
+        "(bytes for the built-in configs)",
+    )
+
+
+def tokenizer_for(model_spec: str, tokenizer: str | None = None, vocab_size: int | None = None) -> Any:
+    """``tokenizer`` (a local directory, or ``bytes``) if given; else the model directory's own; the byte tokenizer
+    for a built-in config, which is made for it. A model directory without a tokenizer is one line, and so is the
+    byte tokenizer on a model whose vocabulary (``vocab_size``) cannot hold its 259 ids."""
+    source = Path(tokenizer or model_spec)
+    if tokenizer == BYTES or (tokenizer is None and not source.is_dir()) or (source / _BYTE_FILE).is_file():
+        if vocab_size is not None and vocab_size < ByteTokenizer.vocab_size:
+            raise DataError(
+                f"the byte tokenizer's ids go up to {ByteTokenizer.vocab_size - 1} but the model has {vocab_size} "
+                f"embeddings; pass --tokenizer DIR with the model's own tokenizer"
+            )
+        return ByteTokenizer()
+    if source.is_dir() and any((source / name).is_file() for name in _FILES):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-    return ByteTokenizer()
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    if tokenizer is not None:
+        raise DataError(f"--tokenizer {tokenizer} is not a directory with {' or '.join(_FILES)}, nor 'bytes'")
+    raise DataError(
+        f"--model {model_spec} has no tokenizer ({' or '.join(_FILES)}); pass --tokenizer DIR (a local tokenizer "
+        f"directory) or --tokenizer bytes (UTF-8 bytes, for a model trained on them)"
+    )

@@ -64,7 +64,7 @@ def dropout_model(tmp_path_factory) -> Path:
 
 
 def test_dropout_run_resumes_exactly(dropout_model, tmp_path):
-    args = ("--model", str(dropout_model), "--max_steps", "4", "--save_every", "2")
+    args = ("--model", str(dropout_model), "--tokenizer", "bytes", "--max_steps", "4", "--save_every", "2")
     full = finetune("tp2_sp_recompute", tmp_path / "full", *args)
     rng = torch.load(tmp_path / "full" / "step_2" / "rng" / "rank00001.pt", weights_only=True)
     assert "tensor-parallel" in rng["streams"], "the TP dropout stream is checkpointed"

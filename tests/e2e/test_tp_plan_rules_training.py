@@ -31,7 +31,7 @@ def gemma2_dir(tmp_path_factory):
     return path
 
 
-ARGS = ("--seq_len", "64", "--max_steps", "4", "--save_every", "2")
+ARGS = ("--seq_len", "64", "--max_steps", "4", "--save_every", "2", "--tokenizer", "bytes")  # the dir has no tokenizer
 
 
 def test_gemma2_trains_exactly_at_every_layout(tmp_path, gemma2_dir):

@@ -14,7 +14,7 @@ from mtk.checkpoint import CheckpointError
 from mtk.checkpoint.atomic import MARKER
 from mtk.checkpoint.export import export_checkpoint
 from mtk.checkpoint.integrity import file_checksum
-from mtk.checkpoint.resume import remove_checkpoints
+from mtk.checkpoint.resume import ResumeGuard, remove_checkpoints
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.cli.main import main as mtk_main
 from mtk.convert import parallelize
@@ -280,3 +280,15 @@ def test_storage_errors_of_any_library_are_one_line_and_keep_older_checkpoints(
     with pytest.raises(CheckpointError, match="cannot write .*hf: .*nothing was written"):
         export_checkpoint(saved, tmp_path / "hf", progress=False)
     assert not (tmp_path / "hf").exists() and not list(tmp_path.glob("hf.*"))
+
+
+def test_a_resume_must_keep_the_options_that_decide_the_data_and_the_adapters(tmp_path):
+    """--lora_alpha (or any --lora_* option) changed on resume is refused like a changed --seq_len; a model path
+    written another way (``dir/``, ``./dir``) is the same model."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    saved = ResumeGuard(model=f"{model_dir}/", seq_len=128, lora_r=8, lora_alpha=16.0).state_dict()
+    ResumeGuard(model=str(model_dir), seq_len=128, lora_r=8, lora_alpha=16.0).load_state_dict(saved)
+    with pytest.raises(CheckpointError, match="changes --lora_alpha 16.0 -> 32.0 from the checkpoint"):
+        ResumeGuard(model=str(model_dir), seq_len=128, lora_r=8, lora_alpha=32.0).load_state_dict(saved)
+    ResumeGuard(model=str(model_dir), seq_len=128, lora_r=8, lora_alpha=16.0, packing=True).load_state_dict(saved)

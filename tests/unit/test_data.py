@@ -1,6 +1,7 @@
 """Chat/instruction data: every format, prompt masking, packing (exact against unpacked), padding, and bad
 input as one line. A BPE tokenizer with a ChatML template is trained here in a second: no download."""
 
+import gzip
 import json
 
 import pytest
@@ -15,6 +16,7 @@ from mtk.data import (
     loss_tokens,
     pack,
     tokenize_examples,
+    tokenizer_for,
     training_data,
 )
 from mtk.errors import DataError
@@ -123,6 +125,20 @@ def test_local_sources_folder_parquet_and_save_to_disk(tmp_path, capsys):
     assert "Failed to load JSON" not in capsys.readouterr().err, "datasets' own ERROR line is not repeated"
 
 
+def test_a_folder_skips_no_file_without_a_word(tmp_path):
+    """Suffixes in any case and compressed files are read; any other file (but a hidden one) is one line."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(json.dumps({"text": TEXTS[0]}) + "\n")
+    (folder / "B.JSONL").write_text(json.dumps({"text": TEXTS[1]}) + "\n")
+    (folder / "c.jsonl.gz").write_bytes(gzip.compress((json.dumps({"text": TEXTS[2]}) + "\n").encode()))
+    (folder / ".DS_Store").write_bytes(b"\0")
+    assert sorted(load_data(folder)["text"]) == sorted(TEXTS[:3])
+    (folder / "notes.md").write_text("# not data")
+    with pytest.raises(DataError, match="holds 'notes.md', which is not a data file"):
+        load_data(folder)
+
+
 def test_packing_restarts_positions_and_masks_each_example_start(tokenizer):
     examples, _ = tokenize_examples(Dataset.from_dict({"text": TEXTS}), tokenizer, 64)
     lengths = [len(ids) for ids in examples["input_ids"]]
@@ -209,3 +225,20 @@ def test_evaluate_is_the_token_mean_of_one_process(tokenizer):
         expected = model(**whole, use_cache=False).loss.item()  # HF's mean over every labelled token
     assert_close_rel(torch.tensor(scores["eval/loss"]), torch.tensor(expected), "eval loss")
     assert model.training, "evaluate leaves the model as it found it"
+
+
+def test_a_model_directory_without_a_tokenizer_is_refused_unless_one_is_named(tmp_path):
+    """Falling back to bytes would train a real model on byte ids without a word: a directory without tokenizer
+    files needs --tokenizer (a directory, or bytes); bytes on a vocabulary too small for its ids is refused too."""
+    model = tmp_path / "model"
+    model.mkdir()
+    with pytest.raises(DataError, match="has no tokenizer .*pass --tokenizer DIR .* or --tokenizer bytes"):
+        tokenizer_for(str(model))
+    assert isinstance(tokenizer_for(str(model), "bytes", vocab_size=259), ByteTokenizer)
+    with pytest.raises(DataError, match="ids go up to 258 but the model has 100 embeddings"):
+        tokenizer_for(str(model), "bytes", vocab_size=100)
+    with pytest.raises(DataError, match="--tokenizer nowhere is not a directory"):
+        tokenizer_for(str(model), "nowhere")
+    assert isinstance(tokenizer_for("tiny-llama"), ByteTokenizer), "built-in configs are made for bytes"
+    ByteTokenizer().save_pretrained(model)  # a saved byte-tokenizer model names its tokenizer
+    assert isinstance(tokenizer_for(str(model)), ByteTokenizer)
