@@ -41,6 +41,7 @@ from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.config import PIPELINE_SCHEDULES, RunSettings
 from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, eval_batches, loss_tokens, tokenizer_for, training_data
 from mtk.errors import DataError
+from mtk.integrations.accelerate.save import check_target, save_pretrained
 from mtk.lora import get_peft_model
 from mtk.lora.options import add_lora_arguments, base_dtype, lora_config
 from mtk.models import build_model, check_seq_len, resolve_config
@@ -120,6 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.save_model:
+        check_target(args.save_model)  # before hours of training, not after
     accelerator = Accelerator(
         gradient_accumulation_steps=args.grad_accum,
         log_with="tensorboard",
@@ -324,14 +327,8 @@ def main(argv=None) -> None:
     progress.close()
     if saved_step != step:
         accelerator.save_state(f"{args.output_dir}/step_{step}")
-    if args.save_model and not stopped:
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(
-            args.save_model,
-            is_main_process=accelerator.is_main_process,
-            state_dict=accelerator.get_state_dict(model),
-            save_function=accelerator.save,
-        )
+    if args.save_model and not stopped:  # the HF directory: save_pretrained of the gathered model, staged
+        save_pretrained(accelerator, model, args.save_model, tokenizer)
     peaks = peak_memory_mib(accelerator.device)
     accelerator.print(f"mtk: peak memory per rank (MiB): {' '.join(f'{p:.0f}' for p in peaks)}")
     accelerator.end_training()

@@ -18,6 +18,8 @@ from mtk.checkpoint.resume import ResumeGuard, remove_checkpoints
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.cli.main import main as mtk_main
 from mtk.convert import parallelize
+from mtk.data import ByteTokenizer
+from mtk.integrations.accelerate.save import check_target, save_pretrained
 from mtk.models import build_model
 from mtk.parallel import ParallelState
 
@@ -292,3 +294,34 @@ def test_a_resume_must_keep_the_options_that_decide_the_data_and_the_adapters(tm
     with pytest.raises(CheckpointError, match="changes --lora_alpha 16.0 -> 32.0 from the checkpoint"):
         ResumeGuard(model=str(model_dir), seq_len=128, lora_r=8, lora_alpha=32.0).load_state_dict(saved)
     ResumeGuard(model=str(model_dir), seq_len=128, lora_r=8, lora_alpha=16.0, packing=True).load_state_dict(saved)
+
+
+class _OneProcess:
+    """What save_pretrained asks of an Accelerator, for one process."""
+
+    is_main_process = True
+
+    def get_state_dict(self, model):
+        return model.state_dict()
+
+    def unwrap_model(self, model):
+        return model
+
+
+def test_save_model_never_deletes_or_silently_skips(tmp_path):
+    """--save_model into a folder holding a user's weight shards is refused before training (transformers' clean-up
+    would delete them), and so is a file or a link; a new directory gets the model and the tokenizer, whole."""
+    theirs = tmp_path / "mine"
+    theirs.mkdir()
+    (theirs / "model-00001-of-00003.safetensors").write_bytes(b"user's")
+    with pytest.raises(CheckpointError, match="already exists and is not empty"):
+        check_target(theirs)
+    assert (theirs / "model-00001-of-00003.safetensors").read_bytes() == b"user's"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="is a file"):
+        check_target(tmp_path / "file")
+    out = save_pretrained(_OneProcess(), build_model("tiny-llama"), tmp_path / "hf", ByteTokenizer())
+    assert sorted(p.name for p in out.iterdir()) == [
+        "byte_tokenizer.json", "config.json", "generation_config.json", "model.safetensors"
+    ]  # fmt: skip
+    assert not list(tmp_path.glob("hf.*.incomplete"))
