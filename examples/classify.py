@@ -67,8 +67,19 @@ def label_ids(train: Dataset, evaluation: Dataset) -> dict[Any, int]:
         missing = {"text", "label"} - set(rows.column_names)
         if missing:
             raise DataError(f"{name} has columns {rows.column_names}; classification needs 'text' and 'label'")
+    for name, rows in (("--data", train), ("--eval_data", evaluation)):
+        for row, label in enumerate(rows["label"], start=1):
+            if label is None or (isinstance(label, str) and not label.strip()):
+                raise DataError(f"{name} row {row} has no label; every row needs one")
+            if isinstance(label, float) or isinstance(label, bool) or not isinstance(label, (int, str)):
+                raise DataError(f"{name} row {row} has label {label!r}; labels are names or integer ids 0..K-1")
     values = set(train["label"]) | set(evaluation["label"])
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    if len(values) < 2:
+        raise DataError(
+            f"the data has one label ({next(iter(values))!r}): nothing to classify (a one-label head would train as "
+            "a regression); give rows of at least two labels"
+        )
+    if all(isinstance(v, int) for v in values):
         if min(values) < 0:
             raise DataError(f"label ids must be 0..K-1, got {min(values)}; or give the labels as names")
         return {v: v for v in range(max(values) + 1)}

@@ -8,6 +8,7 @@ launch (layouts, damaged shards on one rank, resume) are in tests/e2e and tests/
 
 import importlib.util
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 from mtk.checkpoint.sharded import save_checkpoint
 from mtk.cli.main import main as mtk_main
 from mtk.convert import parallelize
+from mtk.errors import DataError
 from mtk.models import build_model
 from mtk.parallel import ParallelState
 from mtk.training.entry import run_main
@@ -213,3 +215,22 @@ def test_unreadable_data_is_one_line(tmp_path, content, message):
     with pytest.raises(DataError, match=message) as err:
         load_data(tmp_path / "data.jsonl")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "labels, message",
+    [
+        (["pos", None, "neg"], "--data row 2 has no label"),
+        (["pos", " ", "neg"], "--data row 2 has no label"),
+        ([1.0, 0.0, 1.0], "--data row 1 has label 1.0; labels are names or integer ids"),
+        (["pos", "pos", "pos"], "the data has one label ('pos'): nothing to classify"),
+    ],
+    ids=["empty-cell", "blank", "float", "one-label"],
+)
+def test_classification_labels_are_checked(labels, message):
+    """An empty label cell is not a class named None, and a one-label file does not train as a regression."""
+    from datasets import Dataset
+
+    train = Dataset.from_dict({"text": ["a", "b", "c"], "label": labels})
+    with pytest.raises(DataError, match=re.escape(message)):
+        EXAMPLES["classify"].label_ids(train, train)
