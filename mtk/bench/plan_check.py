@@ -18,9 +18,9 @@ from mtk.planner.cluster import Cluster
 from mtk.planner.memory import RankMemory
 from mtk.planner.search import Candidate, Estimate, Request, estimate, rank_memory, stage_collectives
 
-# Layouts the planner is checked on (tests/distributed/test_plan_check.py, examples/plan_check.py): TP, SP with
-# full recompute, selective recompute, TP x DP with the distributed optimizer, TP x PP in a 1F1B steady state,
-# a pipeline that never leaves its warm-up, and a model whose attention dropout takes torch's math path on CPU.
+# Layouts the planner is checked on (tests/distributed/test_plan_check.py, examples/benchmarks/plan_check.py): TP,
+# SP with full recompute, selective recompute, TP x DP with the distributed optimizer, TP x PP in a 1F1B steady
+# state, a pipeline that never leaves its warm-up, and a model whose attention dropout takes torch's math path on CPU.
 CHECKED_LAYOUTS: dict[str, dict] = {
     "tp2": dict(model="bench-llama", tp_size=2, pp_size=1, batch=2, seq=256),
     "tp2 sp recompute=full": dict(

@@ -12,7 +12,8 @@ hand): a checksum against damage and mix-ups, not a signature against an attacke
 memory map of the file just written (still in the page cache), at ~14 GB/s, on threads (xxhash releases
 the GIL): the big files a rank writes itself are hashed in the background while it writes the next
 (:class:`Checksums`), the rest by a thread per core at the end. Integrity costs a few percent of a
-save (docs/reliability.md, ``examples/checkpoint_integrity_cost.py``); SHA-256 would cost a quarter of it.
+save (docs/reliability.md, ``examples/benchmarks/checkpoint_integrity_cost.py``); SHA-256 would cost a quarter
+of it.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_load_memory_example_runs_on_a_tiny_model():
     out = subprocess.run(
-        [sys.executable, "examples/load_memory.py", "--model", "tiny-llama", "--tp", "2"],
+        [sys.executable, "examples/benchmarks/load_memory.py", "--model", "tiny-llama", "--tp", "2"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = sorted([*ROOT.glob("mtk/**/*.py"), *ROOT.glob("examples/*.py"), *ROOT.glob("docs/*.md"), ROOT / "README.md"])
+SOURCES = sorted(
+    [*ROOT.glob("mtk/**/*.py"), *ROOT.glob("examples/**/*.py"), *ROOT.glob("examples/**/*.md")]
+    + [*ROOT.glob("docs/*.md"), ROOT / "README.md"]
+)
 PATH = re.compile(
     r"(?<![\w/.])((?:mtk|docs|tests|examples|accelerate_configs|ds_configs)/[\w/.\-]*\.(?:py|md|yaml|json))(?![\w])"
 )

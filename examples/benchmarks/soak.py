@@ -1,6 +1,6 @@
 """Soak test: a long TP=2 run saving often, with the workers' resident memory sampled as it goes.
 
-    python examples/soak.py                       # 1000 steps of the tiny Llama, a checkpoint every 50
+    python examples/benchmarks/soak.py                       # 1000 steps of the tiny Llama, a checkpoint every 50
 
 Memory that grows with steps or saves (a leaked tensor, an accumulating list, a file handle per save)
 shows as a rising RSS; a healthy run is flat after warm-up. Prints the workers' RSS at the first
@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository root: examples/benchmarks/soak.py
 
 
 def _workers() -> list[int]:

@@ -1,6 +1,6 @@
 """What checkpoint integrity costs: a save and a load with it against the same save and load without it.
 
-    python examples/checkpoint_integrity_cost.py            # a ~100 MB checkpoint (weights + AdamW state)
+    python examples/benchmarks/checkpoint_integrity_cost.py            # a ~100 MB checkpoint (weights + AdamW state)
 
 One process: a Llama of ~8.7M parameters is saved with mtk's ``save_checkpoint`` (which hashes and
 fsyncs every file, see mtk/checkpoint/integrity.py) and loaded back (which checks every checksum), then

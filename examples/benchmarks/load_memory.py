@@ -1,7 +1,7 @@
 """Peak memory of loading a model: full HF load vs each rank of an mtk TP load (slices only).
 
-    python examples/load_memory.py                       # llama-200m (~216M params, 0.87 GB fp32), tp 2
-    python examples/load_memory.py --model tiny-llama    # seconds, for a smoke test
+    python examples/benchmarks/load_memory.py                       # llama-200m (~216M params, 0.87 GB fp32), tp 2
+    python examples/benchmarks/load_memory.py --model tiny-llama    # seconds, for a smoke test
 
 Each measurement runs in fresh processes and reports peak RSS (``ru_maxrss``), next to the peak of a
 process that only imports torch, transformers and mtk, so the difference is what loading cost. Every

@@ -1,7 +1,7 @@
 """Per-rank memory of one training step with sequence parallelism and activation recomputation on and off.
 
-    python examples/memory_features.py                       # bench-llama, TP=2, batch 2 x seq 1024
-    python examples/memory_features.py --seq 2048 --json mem.json
+    python examples/benchmarks/memory_features.py                       # bench-llama, TP=2, batch 2 x seq 1024
+    python examples/benchmarks/memory_features.py --seq 2048 --json mem.json
 
 Each setting runs ``mtk bench``'s mtk contender (a real TP run with an AdamW step) in fresh processes and
 reports, for rank 0: the live bytes at the step's peak by kind, from torch's MemTracker (activations,

@@ -1,7 +1,7 @@
 """Hold ``mtk plan`` against measured runs: per rank, the predicted peak memory next to the measured one.
 
-    python examples/plan_check.py                  # every layout of mtk.bench.plan_check.CHECKED_LAYOUTS
-    python examples/plan_check.py --json out.json
+    python examples/benchmarks/plan_check.py                  # every layout of mtk.bench.plan_check.CHECKED_LAYOUTS
+    python examples/benchmarks/plan_check.py --json out.json
 
 Each layout runs ``mtk bench``'s mtk contender (fp32; gloo on CPU, NCCL on CUDA) with the live-byte counter on
 (max allocated on CUDA) and compares each rank with the planner's prediction for its stage; the model state

@@ -1,7 +1,7 @@
 """Measure the pipeline bubble: idle share of each stage's step, next to (p - 1) / (v m + p - 1).
 
-    python examples/pipeline_bubble.py                       # PP=2, m = 1, 2, 4, 8: afab, 1f1b, interleaved
-    python examples/pipeline_bubble.py --pp 2 --micro 4 8 16 --layers 8 --hidden 256 --virtual_stages 2
+    python examples/benchmarks/pipeline_bubble.py                       # PP=2, m = 1, 2, 4, 8: afab, 1f1b, interleaved
+    python examples/benchmarks/pipeline_bubble.py --pp 2 --micro 4 8 16 --layers 8 --hidden 256 --virtual_stages 2
 
 Each of ``pp`` processes (one thread each) runs one stage of a Llama built from the flags (interleaved:
 ``--virtual_stages`` chunks per stage, where ``m`` is a multiple of ``pp``). A step is the full schedule
