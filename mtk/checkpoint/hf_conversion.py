@@ -77,12 +77,14 @@ def _plan(operations: list) -> int | None:
     raise CheckpointError(f"transformers converts this checkpoint with {names}; mtk reads only merged expert lists")
 
 
-def converted_tensors(model_type: str, keys: list[str], open_slice: Callable[[str], Slicer]) -> dict[str, Any]:
+def converted_tensors(lookup: tuple[str, ...], keys: list[str], open_slice: Callable[[str], Slicer]) -> dict[str, Any]:
     """``{model tensor name: MergedSlicer, or the checkpoint key it is renamed from}`` for the keys that
-    transformers' conversion mapping for ``model_type`` changes; ``{}`` when it has none."""
+    transformers' conversion mapping changes; ``{}`` when it has none. ``lookup``: the model's class name, then
+    its ``model_type`` (transformers' own order: GPT-NeoX's ``embed_out`` -> ``lm_head`` is registered under
+    ``GPTNeoXForCausalLM``)."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-    transforms = get_checkpoint_conversion_mapping(model_type) or []
+    transforms: list[Any] = next((found for name in lookup if (found := get_checkpoint_conversion_mapping(name))), [])
     if not transforms:
         return {}
     renamed: dict[str, str] = {}

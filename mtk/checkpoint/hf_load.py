@@ -127,9 +127,8 @@ def _fill_from_checkpoint(
     with ExitStack() as stack:
         handles = {path: stack.enter_context(open_safetensors(path)) for path in sorted(set(index.values()))}
         # tensors transformers assembles while loading (MoE experts stored per expert): read from their sources
-        converted = converted_tensors(
-            cast(Any, model).config.model_type, list(index), lambda key: handles[index[key]].get_slice(key)
-        )
+        lookup = (type(model).__name__, cast(Any, model).config.model_type)
+        converted = converted_tensors(lookup, list(index), lambda key: handles[index[key]].get_slice(key))
         for name, param in list(model.named_parameters()):  # one name per tied group
             source = converted.get(name) or converted.get(name.partition(".")[2] if prefix else "")
             if isinstance(source, str):  # renamed only: read it under its checkpoint name

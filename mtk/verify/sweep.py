@@ -1,16 +1,24 @@
 """``mtk verify --all``: every causal-LM architecture of the installed transformers that ships a
-``base_model_tp_plan``, built tiny and random, converted at TP=N and compared with the unconverted model.
+``base_model_tp_plan``, built tiny and random, saved as an HF directory, loaded from it by mtk at TP=N (reading
+only each rank's slices, as users load models) and compared with transformers' own ``from_pretrained`` of it.
 
 One set of N processes runs the whole sweep (:func:`sweep_worker`), one architecture after another; an
-architecture that cannot be built tiny, or that mtk refuses, is a row with the reason, never a crash.
+architecture that cannot be built tiny, or that mtk refuses, is a row with the reason, never a crash. Verifying
+from disk, not from a model built in memory, is what found GPT-NeoX's head stored as ``embed_out``.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from mtk.models import build_model
 from mtk.rules.from_tp_plan import rules_from_tp_plan
 from mtk.rules.registry import RULE_SETS, find_rules
 from mtk.verify import pipeline_verify_worker, verify_worker
@@ -85,7 +93,7 @@ def _source(config: Any, tp_size: int) -> str:
     rule_set = find_rules(config, tp_size)
     if rule_set is None:
         return "generic"
-    return "hand" if any(rule_set is known for known in RULE_SETS) else "HF rule_set"
+    return "hand" if any(rule_set is known for known in RULE_SETS) else "HF tp_plan"
 
 
 def _too_big(config: Any) -> str:
@@ -106,6 +114,10 @@ def sweep_worker(
     models run cut into stages by the 1F1B schedule (loss and gradients compared; TP = world / pp)."""
 
     rows = []
+    shared = [tempfile.mkdtemp(prefix="mtk-verify-all-") if rank == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(shared, src=0)
+    root = Path(str(shared[0]))
     for model_type in types:
         if rank == 0:
             print(f"mtk verify --all: {model_type}", flush=True)
@@ -127,7 +139,7 @@ def sweep_worker(
                 config.output_router_logits = False  # the load-balancing loss needs every stage's router logits
                 result = pipeline_verify_worker(rank, world_size, config, pp)
             else:
-                result = verify_worker(rank, world_size, config, dtype, 2, 12, 0)
+                result = verify_worker(rank, world_size, _saved(config, root / model_type, rank), dtype, 2, 12, 0)
         except Exception as err:  # the model's own forward fails on the tiny config (or after conversion)
             rows.append(SweepRow(model_type, "not built", source, reason=str(err).splitlines()[0][:160]))
             continue
@@ -137,4 +149,18 @@ def sweep_worker(
         worst = max(x for x in (result.logits, result.loss, result.grads) if x == x)  # NaN: not measured (pp)
         status = "exact" if worst <= tolerance else "differs"
         rows.append(SweepRow(model_type, status, source, result.logits, result.loss, result.grads, result.worst_param))
+    if dist.is_initialized():
+        dist.barrier()  # every rank has read every directory
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
     return rows
+
+
+def _saved(config: Any, directory: Path, rank: int) -> str:
+    """The tiny random model as an HF directory: rank 0 writes it, every rank reads it once it is complete."""
+    if rank == 0:
+        model: Any = build_model(config, seed=0)
+        model.save_pretrained(directory)
+    if dist.is_initialized():
+        dist.barrier()
+    return str(directory)

@@ -1,12 +1,13 @@
 """Architectures converted by the plan transformers ships (``base_model_tp_plan``), no mtk code of their own.
 
 A representative subset of ``mtk verify --all`` (the full sweep is a command: docs/architectures.md), one
-architecture per style or quirk, each exact vs the unconverted model in fp32 (logits, loss, every gradient):
+architecture per style or quirk, each saved as an HF directory, loaded from it by mtk (only each rank's slices) and
+exact vs transformers' ``from_pretrained`` of it in fp32 (logits, loss, every gradient):
 plain colwise/rowwise (Cohere, Granite), gathered q/k/v before whole-projection q/k norms (FlexOlmo, GLM-4;
 OLMo2 at TP=4, where its own plan's split norms cannot take replicated kv heads),
 per-head norms ``replicated_with_grad_allreduce`` and a learnable activation between column and row
 (Apertus), scaled embeddings and softcapping (Gemma 2/3), LayerNorm with biases (StarCoder2), partial
-rotary (Phi), a fused per-head qkv (GPT-NeoX). TP=4 replicates the 2 kv heads.
+rotary (Phi), a fused per-head qkv and a head stored as ``embed_out`` (GPT-NeoX). TP=4 replicates the 2 kv heads.
 """
 
 import pytest
@@ -24,7 +25,7 @@ SUBSET = [
 def test_hf_plans_are_exact(tp):
     types = SUBSET if tp == 2 else ["cohere", "olmo2", "gemma3_text"]
     rows = run_distributed(sweep_worker, world_size=tp, args=(types, 1e-5), timeout=600)[0]
-    assert [(r.model_type, r.status, r.source) for r in rows] == [(t, "exact", "HF plan") for t in types], [
+    assert [(r.model_type, r.status, r.source) for r in rows] == [(t, "exact", "HF tp_plan") for t in types], [
         (r.model_type, r.status, r.reason) for r in rows if r.status != "exact"
     ]
 
