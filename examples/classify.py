@@ -68,7 +68,7 @@ def label_ids(train: Dataset, evaluation: Dataset) -> dict[Any, int]:
         if missing:
             raise DataError(f"{name} has columns {rows.column_names}; classification needs 'text' and 'label'")
     for name, rows in (("--data", train), ("--eval_data", evaluation)):
-        for row, label in enumerate(rows["label"], start=1):
+        for row, label in enumerate(rows["label"]):  # 0-based, as mtk.data names rows
             if label is None or (isinstance(label, str) and not label.strip()):
                 raise DataError(f"{name} row {row} has no label; every row needs one")
             if isinstance(label, float) or isinstance(label, bool) or not isinstance(label, (int, str)):
@@ -135,7 +135,11 @@ def main(argv=None) -> None:
     names = {i: str(label) for label, i in ids.items()}
     if Path(args.model).is_dir():  # a real encoder; the classification head starts fresh (same on every rank)
         model = AutoModelForSequenceClassification.from_pretrained(
-            args.model, num_labels=len(ids), id2label=names, label2id={v: k for k, v in names.items()}
+            args.model,
+            num_labels=len(ids),
+            id2label=names,
+            label2id={v: k for k, v in names.items()},
+            use_safetensors=True,  # weights from safetensors only (a pickle can run code when loaded)
         )
         accelerator.checkpoint_tokenizer = tokenizer  # checkpoints (and `mtk export`) carry it
     else:

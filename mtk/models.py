@@ -38,6 +38,7 @@ __all__ = [
     "builtin_config",
     "build_model",
     "check_seq_len",
+    "check_weights",
     "resolve_config",
 ]
 
@@ -121,13 +122,48 @@ def resolve_config(spec: str | PretrainedConfig) -> PretrainedConfig:
         return builtin_config(spec)
     path = Path(spec)
     if path.is_file() and path.suffix == ".json":  # a config.json alone: enough to plan, not to load weights
-        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+        return _config_from(path)
     if not (path / "config.json").is_file():
         raise ModelSpecError(
             f"--model {spec!r} is neither a built-in config ({', '.join(BUILTIN)}), a local directory "
             f"with a config.json, nor a config .json file"
         )
-    return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    check_weights(path)
+    return _config_from(path)
+
+
+def _config_from(path: Path) -> PretrainedConfig:
+    """transformers' config of a local directory or file, never running its code: a config that needs code
+    (``auto_map`` with a model type transformers does not ship) or that transformers cannot read is one line."""
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (ValueError, KeyError, OSError) as err:
+        custom = "custom code" in str(err) or "trust_remote_code" in str(err)
+        reason = (
+            "it needs the custom code its auto_map names, and mtk runs no code from a model directory"
+            if custom
+            else str(err).strip().splitlines()[0][:160]
+        )
+        raise ModelSpecError(
+            f"--model {path}: transformers cannot read its config ({reason}); use a model whose "
+            "architecture transformers ships"
+        ) from None
+
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def check_weights(directory: Path) -> None:
+    """Refuse (one line) a model directory whose weights exist only as pickles: mtk reads weights from safetensors
+    only (a pickle can run code when it is loaded)."""
+    if not directory.is_dir() or any(directory.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for p in directory.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickles:
+        raise ModelSpecError(
+            f"--model {directory} holds its weights only as pickles ({', '.join(pickles[:3])}); mtk loads weights "
+            "from safetensors only: convert them (transformers' save_pretrained writes safetensors) and try again"
+        )
 
 
 def check_seq_len(config: PretrainedConfig, seq_len: int) -> None:

@@ -127,7 +127,7 @@ def export_merged(
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
     directory = _base_directory(meta, base)
-    model = _hf_class(meta).from_pretrained(directory, dtype=torch.float32)
+    model = _hf_class(meta).from_pretrained(directory, dtype=torch.float32, use_safetensors=True)
     assert meta.base_model is not None
     if differs(meta.base_model["fingerprint"], fingerprint(model)):
         raise CheckpointError(

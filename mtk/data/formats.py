@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from datasets import Dataset
+from jinja2 import TemplateError
 
 from mtk.errors import DataError
 
@@ -78,8 +79,17 @@ def _check_messages(messages: Any, row: int, source: str) -> None:
             raise DataError(f"{source} row {row}: unknown role {turn['role']!r}; allowed: {', '.join(ROLES)}")
 
 
-def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def _render(tokenizer: Any, messages: list[dict], row: int, source: str, generation_prompt: bool = False) -> str:
+    """The conversation through the tokenizer's chat template (transformers renders it in Jinja's sandbox); a
+    template that refuses it (roles that must alternate, a first turn it does not allow) or that tries to leave
+    the sandbox is one line naming the row."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except TemplateError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataError(
+            f"{source} row {row}: the tokenizer's chat template refuses this conversation ({first})"
+        ) from None
 
 
 def _conversation(tokenizer: Any, messages: list[dict], loss_on: str, row: int, source: str) -> tuple[list, list]:
@@ -90,14 +100,14 @@ def _conversation(tokenizer: Any, messages: list[dict], loss_on: str, row: int, 
     through it; tokens are labelled by where their characters fall, so any template works as long as
     it renders a conversation prefix by prefix.
     """
-    text = _render(tokenizer, messages)
+    text = _render(tokenizer, messages, row, source)
     spans = []
     if loss_on == "assistant":
         for i, turn in enumerate(messages):
             if turn["role"] != "assistant":
                 continue
-            start = _render(tokenizer, messages[:i], generation_prompt=True)
-            end = _render(tokenizer, messages[: i + 1])
+            start = _render(tokenizer, messages[:i], row, source, generation_prompt=True)
+            end = _render(tokenizer, messages[: i + 1], row, source)
             if not (text.startswith(start) and text.startswith(end)):
                 raise DataError(
                     f"{source} row {row}: the tokenizer's chat template does not render the conversation prefix by "

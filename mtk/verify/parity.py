@@ -92,7 +92,7 @@ def _batch(config, batch: int, seq: int, seed: int) -> dict[str, Any]:
 def _models(spec: str | PretrainedConfig, parallel: ParallelState, dtype: torch.dtype, seed: int):
     if isinstance(spec, str) and Path(spec).is_dir():
         config = resolve_config(spec)
-        reference = auto_class_for(config).from_pretrained(spec, dtype=dtype)
+        reference = auto_class_for(config).from_pretrained(spec, dtype=dtype, use_safetensors=True)
         return reference.eval(), load_pretrained_tp(spec, parallel, dtype=dtype).eval()
     reference = build_model(spec, seed=seed, dtype=dtype).eval()
     return reference, parallelize(copy.deepcopy(reference), parallel).eval()

@@ -18,7 +18,7 @@ from mtk.checkpoint.sharded import save_checkpoint
 from mtk.cli.main import main as mtk_main
 from mtk.convert import parallelize
 from mtk.errors import DataError
-from mtk.models import build_model
+from mtk.models import ModelSpecError, build_model, resolve_config
 from mtk.parallel import ParallelState
 from mtk.training.entry import run_main
 
@@ -220,9 +220,9 @@ def test_unreadable_data_is_one_line(tmp_path, content, message):
 @pytest.mark.parametrize(
     "labels, message",
     [
-        (["pos", None, "neg"], "--data row 2 has no label"),
-        (["pos", " ", "neg"], "--data row 2 has no label"),
-        ([1.0, 0.0, 1.0], "--data row 1 has label 1.0; labels are names or integer ids"),
+        (["pos", None, "neg"], "--data row 1 has no label"),
+        (["pos", " ", "neg"], "--data row 1 has no label"),
+        ([1.0, 0.0, 1.0], "--data row 0 has label 1.0; labels are names or integer ids"),
         (["pos", "pos", "pos"], "the data has one label ('pos'): nothing to classify"),
     ],
     ids=["empty-cell", "blank", "float", "one-label"],
@@ -234,3 +234,23 @@ def test_classification_labels_are_checked(labels, message):
     train = Dataset.from_dict({"text": ["a", "b", "c"], "label": labels})
     with pytest.raises(DataError, match=re.escape(message)):
         EXAMPLES["classify"].label_ids(train, train)
+
+
+def test_model_directories_that_need_code_or_hold_pickles_are_one_line(tmp_path):
+    """mtk runs no code from a model directory and reads weights from safetensors only: a config whose model type
+    needs its auto_map's code, and a directory whose weights are only pickles, are refused in one line."""
+    custom = tmp_path / "custom"
+    custom.mkdir()
+    record = {
+        **resolve_config("tiny-llama").to_dict(),
+        "model_type": "evil",
+        "auto_map": {"AutoConfig": "c.EvilConfig"},
+    }
+    (custom / "config.json").write_text(json.dumps(record))
+    with pytest.raises(ModelSpecError, match="needs the custom code its auto_map names"):
+        resolve_config(str(custom))
+    pickled = tmp_path / "pickled"
+    resolve_config("tiny-llama").save_pretrained(pickled)
+    (pickled / "pytorch_model.bin").write_bytes(b"not opened")
+    with pytest.raises(ModelSpecError, match=r"holds its weights only as pickles \(pytorch_model.bin\)"):
+        resolve_config(str(pickled))

@@ -1,8 +1,10 @@
 """Chat/instruction data: every format, prompt masking, packing (exact against unpacked), padding, and bad
 input as one line. A BPE tokenizer with a ChatML template is trained here in a second: no download."""
 
+import copy
 import gzip
 import json
+import re
 
 import pytest
 import torch
@@ -242,3 +244,25 @@ def test_a_model_directory_without_a_tokenizer_is_refused_unless_one_is_named(tm
     assert isinstance(tokenizer_for("tiny-llama"), ByteTokenizer), "built-in configs are made for bytes"
     ByteTokenizer().save_pretrained(model)  # a saved byte-tokenizer model names its tokenizer
     assert isinstance(tokenizer_for(str(model)), ByteTokenizer)
+
+
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        ("{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('Conversation must start with the user') }}"
+         "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}", "row 0: the tokenizer's chat template "
+         "refuses this conversation (Conversation must start with the user)"),
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "row 0: the tokenizer's chat template refuses this"),
+    ],
+    ids=["refused-by-the-template", "escaping-the-sandbox"],
+)  # fmt: skip
+def test_a_chat_template_that_refuses_a_row_is_one_line_naming_it(tokenizer, template, message):
+    """transformers renders templates in Jinja's sandbox: its refusals (a template's raise_exception, an attribute
+    the sandbox forbids) are one line naming the row, not a traceback."""
+    chat = copy.copy(tokenizer)
+    chat.chat_template = template
+    rows = Dataset.from_list(
+        [{"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]}]
+    )
+    with pytest.raises(DataError, match=re.escape(message)):
+        tokenize_examples(rows, chat, 64)
