@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
 from mtk.errors import DataError
@@ -106,4 +107,23 @@ def load_data(path: str | Path, option: str = "--data") -> Dataset:
             ) from None
     if len(dataset) == 0:
         raise DataError(f"{option} {path} has no rows")
+    _check_text(dataset, path, option)
     return dataset
+
+
+def _check_text(dataset: Dataset, path: Path, option: str) -> None:
+    """Every string is UTF-8 (the JSON reader keeps invalid bytes, which only fail when a row is read, deep in
+    tokenization): one pass of Arrow's own validation, and the first bad row named when it fails."""
+    try:
+        dataset.data.validate(full=True)
+    except pa.ArrowInvalid:
+        row = next((i for i in range(len(dataset)) if not _decodes(dataset, i)), "?")
+        raise DataError(f"{option} {path} row {row} is not UTF-8 text; re-encode the file as UTF-8") from None
+
+
+def _decodes(dataset: Dataset, index: int) -> bool:
+    try:
+        dataset[index]
+    except UnicodeDecodeError:
+        return False
+    return True

@@ -127,6 +127,15 @@ def test_local_sources_folder_parquet_and_save_to_disk(tmp_path, capsys):
     assert "Failed to load JSON" not in capsys.readouterr().err, "datasets' own ERROR line is not repeated"
 
 
+def test_bytes_that_are_not_utf8_are_one_line_naming_the_row(tmp_path):
+    for name, data in (("bad.jsonl", b'{"text": "ok"}\n{"text": "\xff"}\n'), ("bad.txt", b"ok\n\xff\xfe\n")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(DataError, match="is not UTF-8|could not be read as text .*utf-8"):
+            load_data(tmp_path / name)
+    with pytest.raises(DataError, match="bad.jsonl row 1 is not UTF-8 text"):
+        load_data(tmp_path / "bad.jsonl")
+
+
 def test_a_folder_skips_no_file_without_a_word(tmp_path):
     """Suffixes in any case and compressed files are read; any other file (but a hidden one) is one line."""
     folder = tmp_path / "mixed"
