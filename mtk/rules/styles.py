@@ -89,6 +89,12 @@ def _linear_dims(module: nn.Module, name: str) -> tuple[int, int, bool, bool]:
     raise UnsupportedModelError(f"{name} is a {type(module).__name__}; a linear rule needs nn.Linear or Conv1D")
 
 
+def _linear_args(module: nn.Module, name: str, ctx: BuildContext) -> tuple[tuple[int, int, bool], dict[str, Any]]:
+    """``(in_features, out_features, bias)`` and the keywords every parallel linear replacing ``module`` takes."""
+    n_in, n_out, bias, transposed = _linear_dims(module, name)
+    return (n_in, n_out, bias), {"tp_group": ctx.parallel.tp_group, "transposed": transposed, **_meta(module)}
+
+
 class ColumnStyle(ParallelStyle):
     """``Y = X A^T``: A's output rows split across ranks, each part of a fused projection (``rule.parts``) on its
     own. Exact: every rank computes whole output features, a slice of Y; backward all-reduces dL/dX (once per
@@ -99,17 +105,10 @@ class ColumnStyle(ParallelStyle):
 
     def build(self, module: nn.Module, name: str, rule: Rule, ctx: BuildContext) -> nn.Module | None:
         copy_input = ctx.column_copies_input(name)
-        n_in, n_out, bias, transposed = _linear_dims(module, name)
+        args, kwargs = _linear_args(module, name, ctx)
+        parts = rule.parts(ctx.sizes.config) if rule.parts else None
         return ColumnParallelLinear(
-            n_in,
-            n_out,
-            bias,
-            tp_group=ctx.parallel.tp_group,
-            output_sizes=rule.parts(ctx.sizes.config) if rule.parts else None,
-            transposed=transposed,
-            gather_output=rule.gather_output,
-            copy_input=copy_input,
-            **_meta(module),
+            *args, output_sizes=parts, gather_output=rule.gather_output, copy_input=copy_input, **kwargs
         )
 
 
@@ -124,18 +123,9 @@ class KVColumnStyle(ColumnStyle):
         if ctx.sizes.kv_copies == 1:
             return super().build(module, name, rule, ctx)
         copy_input = ctx.column_copies_input(name)
-        n_in, _, bias, transposed = _linear_dims(module, name)
-        return KVReplicatedColumnLinear(
-            n_in,
-            ctx.sizes.counts.num_kv_heads,
-            ctx.sizes.head_dim,
-            bias,
-            tp_group=ctx.parallel.tp_group,
-            kv_group=ctx.parallel.tp_subgroup(ctx.sizes.kv_copies),
-            transposed=transposed,
-            copy_input=copy_input,
-            **_meta(module),
-        )
+        (n_in, _, bias), kwargs = _linear_args(module, name, ctx)
+        kwargs.update(kv_group=ctx.parallel.tp_subgroup(ctx.sizes.kv_copies), copy_input=copy_input)
+        return KVReplicatedColumnLinear(n_in, ctx.sizes.counts.num_kv_heads, ctx.sizes.head_dim, bias, **kwargs)
 
 
 class RowStyle(ParallelStyle):
@@ -147,16 +137,9 @@ class RowStyle(ParallelStyle):
     splits_linear = True
 
     def build(self, module: nn.Module, name: str, rule: Rule, ctx: BuildContext) -> nn.Module | None:
-        n_in, n_out, bias, transposed = _linear_dims(module, name)
+        args, kwargs = _linear_args(module, name, ctx)
         return RowParallelLinear(
-            n_in,
-            n_out,
-            bias,
-            tp_group=ctx.parallel.tp_group,
-            input_is_parallel=not rule.split_input,
-            transposed=transposed,
-            sequence_parallel=ctx.sequence_parallel,
-            **_meta(module),
+            *args, input_is_parallel=not rule.split_input, sequence_parallel=ctx.sequence_parallel, **kwargs
         )
 
 
@@ -199,17 +182,9 @@ class LMHeadStyle(ParallelStyle):
     name = "lm_head"
 
     def build(self, module: nn.Module, name: str, rule: Rule, ctx: BuildContext) -> nn.Module | None:
-        n_in, n_out, bias, transposed = _linear_dims(module, name)
-        return ColumnParallelLinear(
-            n_in,
-            n_out,
-            bias,
-            tp_group=ctx.parallel.tp_group,
-            pad_to_multiple_of=ctx.pad_vocab_to_multiple_of,
-            transposed=transposed,
-            gather_output=rule.gather_output,
-            **_meta(module),
-        )
+        args, kwargs = _linear_args(module, name, ctx)
+        pad = ctx.pad_vocab_to_multiple_of
+        return ColumnParallelLinear(*args, pad_to_multiple_of=pad, gather_output=rule.gather_output, **kwargs)
 
 
 class TPSharedStyle(ParallelStyle):
