@@ -62,8 +62,16 @@ class ParallelStyle(abc.ABC):
     def __repr__(self) -> str:
         return self.name
 
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        """A copied or unpickled registered style is the registered instance (rules compare styles by identity)."""
+        return (_registered, (self.name,)) if STYLES.get(self.name) is self else super().__reduce__()
+
 
 STYLES: dict[str, ParallelStyle] = {}
+
+
+def _registered(name: str) -> ParallelStyle:
+    return STYLES[name]
 
 
 def register_style(style: ParallelStyle) -> ParallelStyle:

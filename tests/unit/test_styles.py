@@ -1,5 +1,7 @@
 """Parallel styles are objects: rules name them (or their registered names), and a new style is one class."""
 
+import copy
+import pickle
 from dataclasses import replace
 
 import pytest
@@ -15,6 +17,7 @@ from mtk.rules.styles import COLUMN, STYLES, ParallelStyle, register_style
 
 def test_rules_name_a_style_by_object_or_by_name():
     assert Rule("**.q_proj", "column").style is COLUMN is Rule("**.q_proj", COLUMN).style
+    assert copy.deepcopy(COLUMN) is COLUMN is pickle.loads(pickle.dumps(COLUMN))  # compared by identity
     with pytest.raises(ValueError, match=r"unknown style 'colum'; expected one of \('column', 'kv_column'"):
         Rule("**.q_proj", "colum")
 
