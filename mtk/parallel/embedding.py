@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtk.parallel.comm import Group, group_rank, group_size, reduce_from_tp, reduce_scatter_to_sequence
+from mtk.parallel.comm import Group, reduce_from_tp, reduce_scatter_to_sequence
 from mtk.parallel.layers import ShardedModule
 from mtk.parallel.parameters import mark_tensor_parallel
 from mtk.parallel.sharding import ShardSpec
@@ -45,9 +45,7 @@ class VocabParallelEmbedding(ShardedModule):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.tp_group = tp_group
-        self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
+        super().__init__(tp_group, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.embed_scale = embed_scale
         self.num_embeddings_padded = padded_vocab_size(num_embeddings, self.tp_size, pad_to_multiple_of)
@@ -57,8 +55,6 @@ class VocabParallelEmbedding(ShardedModule):
         self.padding_idx = padding_idx
         in_range = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
         self.local_padding_idx = padding_idx - self.vocab_start if in_range and padding_idx is not None else None
-        self.sequence_parallel = sequence_parallel and self.tp_size > 1
-        self.sequence_dim = sequence_dim
         self.weight = nn.Parameter(torch.empty(self.vocab_per_rank, embedding_dim, device=device, dtype=dtype))
         mark_tensor_parallel(self.weight, partition_dim=0)
         if self.weight.device.type != "meta":

@@ -46,7 +46,24 @@ __all__ = [
 
 
 class ShardedModule(nn.Module, abc.ABC):
-    """A module whose parameters are shards of full tensors described by :meth:`shard_spec`."""
+    """A module whose parameters are shards of full tensors described by :meth:`shard_spec`.
+
+    It receives its TP group in the constructor (``tp_size``, ``tp_rank`` read from it once); sequence
+    parallelism is on only when the group has more than one rank.
+    """
+
+    def __init__(self, tp_group: Group, *, sequence_parallel: bool = False, sequence_dim: int = 1) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        self.sequence_dim = sequence_dim
+
+    def per_rank(self, size: int, what: str) -> int:
+        """``size / tp``, or a one-line error naming ``what`` when tp does not divide ``size``."""
+        if size % self.tp_size:
+            raise ValueError(f"{type(self).__name__}: {what} {size} is not divisible by tp = {self.tp_size}")
+        return size // self.tp_size
 
     @abc.abstractmethod
     def shard_spec(self, name: str) -> ShardSpec:
@@ -105,16 +122,12 @@ class ColumnParallelLinear(ShardedModule):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.tp_group = tp_group
-        self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
+        super().__init__(tp_group, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
         self.copy_input = copy_input
         self.in_features, self.out_features = in_features, out_features
         self.output_sizes = list(output_sizes) if output_sizes else [out_features]
         self.pad_to_multiple_of = pad_to_multiple_of
         self.gather_output, self.transposed = gather_output, transposed
-        self.sequence_parallel = sequence_parallel and self.tp_size > 1
-        self.sequence_dim = sequence_dim
         self._ranges, self.out_local = self._local_rows()
         shape = (in_features, self.out_local) if transposed else (self.out_local, in_features)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
@@ -142,9 +155,7 @@ class ColumnParallelLinear(ShardedModule):
             return ((start, max(start, stop)),), per_rank
         ranges, offset = [], 0
         for size in self.output_sizes:
-            if size % self.tp_size:
-                raise ValueError(f"{name}: output size {size} is not divisible by tp = {self.tp_size}")
-            per_rank = size // self.tp_size
+            per_rank = self.per_rank(size, "output size")
             ranges.append((offset + self.tp_rank * per_rank, offset + (self.tp_rank + 1) * per_rank))
             offset += size
         return tuple(ranges), sum(stop - start for start, stop in ranges)
@@ -290,18 +301,10 @@ class RowParallelLinear(ShardedModule):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.tp_group = tp_group
-        self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
-        if in_features % self.tp_size:
-            raise ValueError(
-                f"{type(self).__name__}: in_features {in_features} is not divisible by tp = {self.tp_size}"
-            )
+        super().__init__(tp_group, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
         self.in_features, self.out_features = in_features, out_features
-        self.in_local = in_features // self.tp_size
+        self.in_local = self.per_rank(in_features, "in_features")
         self.input_is_parallel, self.transposed = input_is_parallel, transposed
-        self.sequence_parallel = sequence_parallel and self.tp_size > 1
-        self.sequence_dim = sequence_dim
         shape = (self.in_local, out_features) if transposed else (out_features, self.in_local)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         mark_tensor_parallel(self.weight, partition_dim=0 if transposed else 1)

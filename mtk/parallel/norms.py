@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mtk.parallel.comm import Group, copy_to_tp, group_rank, group_size, reduce_from_tp
+from mtk.parallel.comm import Group, copy_to_tp, reduce_from_tp
 from mtk.parallel.layers import ShardedModule
 from mtk.parallel.parameters import mark_tensor_parallel
 from mtk.parallel.sharding import ShardSpec
@@ -32,13 +32,9 @@ class SplitRMSNorm(ShardedModule):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.tp_group = tp_group
-        self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
-        if hidden_size % self.tp_size:
-            raise ValueError(f"SplitRMSNorm: width {hidden_size} is not divisible by tp = {self.tp_size}")
+        super().__init__(tp_group)
         self.hidden_size, self.variance_epsilon = hidden_size, eps
-        self.local = hidden_size // self.tp_size
+        self.local = self.per_rank(hidden_size, "width")
         self.weight = nn.Parameter(torch.ones(self.local, device=device, dtype=dtype))
         mark_tensor_parallel(self.weight, partition_dim=0)
 

@@ -144,12 +144,12 @@ def swapped(model: nn.Module, view: dict[str, nn.Module]) -> Iterator[None]:
     """``model`` with the modules ``view`` names replaced, restored on exit (autograd keeps what ran)."""
     kept = {name: model.get_submodule(name) for name in view}
     for name, module in view.items():
-        _set_submodule(model, name, module)
+        model.set_submodule(name, module)
     try:
         yield
     finally:
         for name, module in kept.items():
-            _set_submodule(model, name, module)
+            model.set_submodule(name, module)
 
 
 def stage_layer_counts(num_layers: int, num_stages: int, requested: tuple[int, ...] = ()) -> list[int]:
@@ -193,11 +193,6 @@ def _replacement(kind: str, name: str, module: nn.Module, owner: str) -> nn.Modu
         return ZeroEmbedding(module.embedding_dim, module.weight.dtype)
     assert kind == REMOVE
     return OnOtherStage(name, owner)
-
-
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
 def split_stages(
@@ -247,7 +242,7 @@ def split_stages(
                     replaced[name] = owner
                     owned[owner].append((name, kind))
                     if not keep:
-                        _set_submodule(model, name, _replacement(kind, name, module, owner))
+                        model.set_submodule(name, _replacement(kind, name, module, owner))
     mine = {index for chunk in chunks for index in chunk}
     for index in range(len(layers)):
         if index not in mine:

@@ -3,11 +3,13 @@
 from mtk.rules.apply import RuleContext, materialize_, parallelize_with
 from mtk.rules.base import AttrFix, HeadCounts, Rule, RuleSet, UnsupportedModelError
 from mtk.rules.registry import RULE_SETS, check_tp_size, find_rules, register_rules, resolve_rules
+from mtk.rules.styles import ParallelStyle, register_style
 
 __all__ = [
     "RULE_SETS",
     "AttrFix",
     "HeadCounts",
+    "ParallelStyle",
     "RuleSet",
     "RuleContext",
     "Rule",
@@ -17,5 +19,6 @@ __all__ = [
     "materialize_",
     "parallelize_with",
     "register_rules",
+    "register_style",
     "resolve_rules",
 ]

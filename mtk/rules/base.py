@@ -18,6 +18,18 @@ from functools import cache
 from typing import Any
 
 from mtk.errors import UnsupportedModelError
+from mtk.rules.styles import (
+    COLUMN,
+    EXPERTS,
+    KV_COLUMN,
+    LM_HEAD,
+    ROW,
+    SPLIT_NORM,
+    STYLES,
+    TP_SHARED,
+    VOCAB,
+    ParallelStyle,
+)
 
 __all__ = [
     "COLUMN",
@@ -25,11 +37,13 @@ __all__ = [
     "KV_COLUMN",
     "LM_HEAD",
     "ROW",
+    "STYLES",
     "SPLIT_NORM",
     "TP_SHARED",
     "VOCAB",
     "AttrFix",
     "HeadCounts",
+    "ParallelStyle",
     "PipelineSpec",
     "RuleSet",
     "Rule",
@@ -37,17 +51,6 @@ __all__ = [
     "UnsupportedModelError",
     "compile_pattern",
 ]
-
-# Parallel styles a rule can ask for.
-COLUMN = "column"  # split output features (q/k/v, gate/up, fused parts with ``parts``)
-KV_COLUMN = "kv_column"  # k/v projection: split by kv heads, or one kv head per rank when tp > n_kv
-ROW = "row"  # split input features (o_proj, down_proj); all-reduce after
-VOCAB = "vocab"  # vocabulary-parallel input embedding
-LM_HEAD = "lm_head"  # vocabulary-parallel output projection (tied to VOCAB when the model ties them)
-TP_SHARED = "tp_shared"  # replicated params applied to split heads (per-head q/k norms): grads summed over TP
-EXPERTS = "experts"  # MoE experts as 3D tensors: each expert's MLP split in place (mtk.parallel.experts)
-SPLIT_NORM = "split_norm"  # an RMSNorm over a split projection (OLMo2's q/k norms): sum of squares all-reduced
-STYLES = (COLUMN, KV_COLUMN, ROW, VOCAB, LM_HEAD, TP_SHARED, EXPERTS, SPLIT_NORM)
 
 # What a module that belongs to another pipeline stage becomes on this one.
 REMOVE = "remove"  # dropped: the input embedding (later stages pass ``inputs_embeds``) or the LM head
@@ -103,7 +106,7 @@ class Rule:
 
     Attributes:
         pattern: module path pattern (``*`` one component, leading ``**.`` any prefix).
-        style: one of the STYLES.
+        style: a :class:`~mtk.rules.styles.ParallelStyle` (``COLUMN``, ``ROW``, ...) or a registered style's name.
         parts: for a fused column: the sizes of its parts, from the config (e.g. ``[E, E, E]`` for
             GPT-2's ``c_attn``), so each part is split on its own.
         gather_output: gather the column's output (a head whose HF loss needs full logits).
@@ -112,15 +115,17 @@ class Rule:
     """
 
     pattern: str
-    style: str
+    style: ParallelStyle
     parts: Callable[[Any], list[int]] | None = None
     gather_output: bool = False
     optional: bool = False
     split_input: bool = False
 
     def __post_init__(self) -> None:
-        if self.style not in STYLES:
-            raise ValueError(f"unknown style {self.style!r}; expected one of {STYLES}")
+        style = STYLES.get(self.style, self.style) if isinstance(self.style, str) else self.style
+        if not isinstance(style, ParallelStyle):
+            raise ValueError(f"unknown style {self.style!r}; expected one of {tuple(STYLES)}")
+        object.__setattr__(self, "style", style)  # a name becomes its registered style
 
     def matches(self, name: str) -> bool:
         return compile_pattern(self.pattern).match(name) is not None

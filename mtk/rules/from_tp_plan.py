@@ -27,6 +27,7 @@ generic rules before it converts a model (:func:`mtk.rules.registry.resolve_rule
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from mtk.rules.base import (
@@ -49,38 +50,33 @@ from mtk.rules.llama import llama_head_counts
 __all__ = ["SUPPORTED_STYLES", "rules_from_tp_plan"]
 
 KV_NAMES = ("k_proj", "v_proj", "key", "value", "k", "v")
-SUPPORTED_STYLES = (
-    "colwise",
-    "rowwise",
-    "packed_colwise",
-    "colwise_gather_output",
-    "rowwise_split_input",
-    "replicated_with_grad_allreduce",
-    "embedding_rowwise",
-    "moe_tp_experts",
-)
+
+
+def _gate_up_parts(config: Any) -> list[int]:
+    return [config.intermediate_size] * 2
+
+
+# HF style -> the options of mtk's rule for it
+_RULE_OPTIONS: dict[str, dict[str, Any]] = {
+    "colwise": {"style": COLUMN},  # a k/v projection: KV_COLUMN (_rule)
+    "rowwise": {"style": ROW},
+    "packed_colwise": {"style": COLUMN, "parts": _gate_up_parts},  # a fused gate/up: each half split on its own
+    "colwise_gather_output": {"style": COLUMN, "gather_output": True},
+    "rowwise_split_input": {"style": ROW, "split_input": True},
+    "replicated_with_grad_allreduce": {"style": TP_SHARED},
+    "embedding_rowwise": {"style": VOCAB},
+    "moe_tp_experts": {"style": EXPERTS},
+}
+SUPPORTED_STYLES = tuple(_RULE_OPTIONS)
 
 
 def _rule(pattern: str, style: str) -> Rule:
     """mtk's rule for one entry of HF's tp plan (a style :data:`SUPPORTED_STYLES` lists). Optional: a hybrid
     model's attention rules match only its attention layers (at least one split layer is required)."""
-    pattern = f"**.{pattern}"
-    last = pattern.rpartition(".")[2]
-    if style == "colwise":
-        return Rule(pattern, KV_COLUMN if last in KV_NAMES else COLUMN, optional=True)
-    if style == "packed_colwise":  # a fused gate/up projection: each half split on its own
-        return Rule(pattern, COLUMN, parts=lambda config: [config.intermediate_size] * 2, optional=True)
-    if style == "colwise_gather_output":
-        return Rule(pattern, COLUMN, gather_output=True, optional=True)
-    if style == "rowwise_split_input":
-        return Rule(pattern, ROW, split_input=True, optional=True)
-    if style == "replicated_with_grad_allreduce":
-        return Rule(pattern, TP_SHARED, optional=True)
-    if style == "embedding_rowwise":
-        return Rule(pattern, VOCAB, optional=True)
-    if style == "moe_tp_experts":
-        return Rule(pattern, EXPERTS, optional=True)
-    return Rule(pattern, ROW, optional=True)
+    rule = Rule(f"**.{pattern}", optional=True, **_RULE_OPTIONS[style])
+    if style == "colwise" and pattern.rpartition(".")[2] in KV_NAMES:  # by kv heads, replicated when tp > kv
+        return replace(rule, style=KV_COLUMN)
+    return rule
 
 
 def _pipeline(pp_plan: dict[str, Any]) -> PipelineSpec | None:
