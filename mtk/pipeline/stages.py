@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from mtk.parallel.parameters import set_param_info
-from mtk.pipeline.balance import head_layers, stage_layer_counts
 from mtk.parallel.state import ParallelState
+from mtk.pipeline.balance import head_layers, stage_layer_counts
 from mtk.rules.base import IDENTITY, REMOVE, ZEROS, RuleSet, UnsupportedModelError, compile_pattern
 
 __all__ = ["SkipLayer", "StageInfo", "split_stages", "stage_layer_counts", "swapped"]
@@ -191,7 +191,8 @@ def split_stages(
 
     ``layers_per_stage``: decoder blocks per stage, default :mod:`mtk.pipeline.balance`'s split (the last
     stage's LM head counted as layers). With ``virtual_stages = v`` the model is cut into ``pp * v`` chunks
-    (``layers_per_stage``: one count per chunk) and this rank keeps chunks ``pp_rank, pp_rank + pp, ...``, each under its HF layer index.
+    (``layers_per_stage``: one count per chunk) and this rank keeps chunks ``pp_rank, pp_rank + pp, ...``,
+    each under its HF layer index.
     Works on a materialized model (other stages' weights are freed) and on one on the meta device
     (nothing is allocated; the loader then reads only this stage's tensors).
     """
