@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -204,7 +205,7 @@ def split_stages(
         )
     layers_name, layers = _find_layers(model, spec.layers)
     p = parallel.pp_size
-    head = 0 if layers_per_stage else head_layers(model.config)  # the default split weighs the LM head
+    head = 0 if layers_per_stage else head_layers(cast(Any, model).config)  # the default split weighs the LM head
     counts = stage_layer_counts(len(layers), p * virtual_stages, layers_per_stage, head)
     starts = [sum(counts[:k]) for k in range(len(counts))]
     chunks = tuple(
