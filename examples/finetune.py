@@ -114,7 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--pipeline_layers",
         type=layer_counts,
         help="decoder layers per stage (per model chunk with --virtual_stages), e.g. 3,1 (default: "
-        "MTK_PIPELINE_LAYERS, else even)",
+        "MTK_PIPELINE_LAYERS, else even with the LM head counted as layers of the last stage)",
     )
     return parser.parse_args(argv)
 

@@ -164,7 +164,8 @@ class RunSettings:
             ``virtual_stages`` model chunks per rank, a ``1/v`` bubble) (``MTK_PIPELINE_SCHEDULE``).
         virtual_stages: model chunks per pipeline rank for ``interleaved`` (``MTK_VIRTUAL_STAGES``).
         pipeline_layers: decoder layers per stage (per model chunk with virtual stages), e.g. ``(3, 1)``;
-            empty: as even as possible (``MTK_PIPELINE_LAYERS``; checked against the model when it is cut).
+            empty: even with the LM head counted as layers of the last stage (:mod:`mtk.pipeline.balance`)
+            (``MTK_PIPELINE_LAYERS``; checked against the model when it is cut).
         sequence_parallel: split norm/dropout activations along the sequence inside TP groups
             (``MEGATRON_LM_SEQUENCE_PARALLELISM``).
         gradient_clipping: max global grad norm; 0 disables clipping (``MEGATRON_LM_GRADIENT_CLIPPING``).
@@ -204,7 +205,8 @@ class RunSettings:
 
     def layers_per_stage(self, num_layers: int, pp_size: int) -> tuple[int, ...]:
         """Decoder blocks per stage as asked (``pipeline_layers``, or ``last_stage_layers`` with the rest
-        as even as possible, earlier stages taking the remainder); ``()``: the default even split."""
+        as even as possible, earlier stages taking the remainder); ``()``: mtk's default split, the LM head
+        counted as layers of the last stage (:mod:`mtk.pipeline.balance`)."""
         if self.pipeline_layers or self.last_stage_layers is None or pp_size == 1:
             return self.pipeline_layers
         rest = num_layers - self.last_stage_layers

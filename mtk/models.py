@@ -8,6 +8,7 @@ an odd size, so vocabulary padding is exercised at every TP degree.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ __all__ = [
     "check_seq_len",
     "check_weights",
     "resolve_config",
+    "with_layers",
 ]
 
 # The dtype names mtk's options take (--dtype of mtk verify, mtk export, mtk bench).
@@ -175,6 +177,21 @@ def check_seq_len(config: PretrainedConfig, seq_len: int) -> None:
             f"--seq_len {seq_len} is longer than the model's {limit} positions (max_position_embeddings); "
             f"use at most {limit}"
         )
+
+
+def with_layers(config: PretrainedConfig, layers: int) -> PretrainedConfig:
+    """A copy of ``config`` with ``layers`` decoder layers, for a model built on the meta device (per-layer lists
+    such as sliding-window layer types keep the new depth; no pad token, which GPT-2 looks for in the batch)."""
+    config = copy.deepcopy(config)
+    config.pad_token_id = None
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        if hasattr(config, name):
+            setattr(config, name, layers)
+    for name in ("layer_types", "mlp_layer_types"):
+        value = getattr(config, name, None)
+        if isinstance(value, list) and value:
+            setattr(config, name, (value * layers)[:layers])
+    return config
 
 
 def auto_class_for(config: PretrainedConfig):

@@ -61,7 +61,7 @@ class BenchSpec:
     dp_size: int = 1  # mtk only: data-parallel replicas (each the same batch); gradients averaged over them
     distributed_optimizer: bool = False  # mtk only: AdamW state sharded over the DP group
     checkpoint_dir: str | None = None  # the same weights as a local HF directory (for from_pretrained)
-    pipeline_layers: tuple[int, ...] = ()  # mtk only, pp > 1: decoder layers per stage (chunk) (default: even)
+    pipeline_layers: tuple[int, ...] = ()  # mtk only, pp > 1: decoder layers per stage (chunk) (default: mtk's)
     pipeline_schedule: str = "1f1b"  # mtk only, pp > 1: afab, 1f1b or interleaved
     virtual_stages: int = 1  # mtk only, interleaved: model chunks per pipeline rank
 

@@ -13,7 +13,7 @@ from mtk.config import ParallelConfig
 from mtk.integrations.accelerate import Accelerator
 from mtk.integrations.deepspeed import remove_shm_buffers_at_exit
 from mtk.models import DTYPES, build_model, resolve_config
-from mtk.pipeline.stages import stage_layer_counts
+from mtk.pipeline.balance import layer_counts
 
 __all__ = [
     "run_accelerate",
@@ -94,9 +94,9 @@ class _TorchStage(torch.nn.Module):
 
 def run_torch_pipelining(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """torch's own pipeline parallelism (``torch.distributed.pipelining``) on the same HF model cut as mtk cuts
-    it (``spec.pipeline_layers``, else even), with the same schedule: ``Schedule1F1B``, ``ScheduleGPipe`` for
-    afab, ``ScheduleInterleaved1F1B`` over ``spec.virtual_stages`` stages per rank: the pipeline peer
-    (Llama-style decoders)."""
+    it (``spec.pipeline_layers``, else mtk's default split), with the same schedule: ``Schedule1F1B``,
+    ``ScheduleGPipe`` for afab, ``ScheduleInterleaved1F1B`` over ``spec.virtual_stages`` stages per rank: the
+    pipeline peer (Llama-style decoders)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     torch.set_num_threads(spec.threads)
@@ -105,7 +105,7 @@ def run_torch_pipelining(rank: int, world_size: int, spec: BenchSpec) -> dict:
     if not hasattr(model, "model") or not hasattr(model.model, "rotary_emb"):
         raise RuntimeError(f"the torch.distributed.pipelining peer cuts Llama-style decoders, not {spec.model}")
     chunks = world_size * spec.virtual_stages  # model chunk k runs on rank k % world_size, as in mtk
-    counts = stage_layer_counts(len(model.model.layers), chunks, spec.pipeline_layers)
+    counts = layer_counts(model.config, chunks, spec.pipeline_layers)
     modules = [
         _TorchStage(model, sum(counts[:k]), sum(counts[: k + 1]), k == 0, k == chunks - 1).to(device).train()
         for k in range(rank, chunks, world_size)

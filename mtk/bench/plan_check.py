@@ -75,6 +75,8 @@ def _request_and_candidate(spec: BenchSpec, device: str) -> tuple[Request, Candi
         dp_size=spec.dp_size,
         micro_batch_size=spec.batch // spec.micro_batches,
         micro_batches=spec.micro_batches,
+        virtual_stages=spec.virtual_stages,
+        pipeline_layers=spec.pipeline_layers,
         sequence_parallel=spec.sequence_parallel,
         recompute=spec.recompute,
         sharding="distopt" if spec.distributed_optimizer else "none",

@@ -11,7 +11,7 @@ from typing import Any
 from mtk.bench.contenders import BenchSpec
 from mtk.bench.runner import ContenderSummary
 from mtk.models import resolve_config
-from mtk.pipeline.schedules import bubble_fraction
+from mtk.pipeline.schedules import bubble_fraction, bubble_overhead
 from mtk.planner.collectives import Predicted
 
 __all__ = ["collective_lines", "format_report", "report_dict", "write_json"]
@@ -124,16 +124,16 @@ def data_parallel_ideal(ours: ContenderSummary, one_replica: ContenderSummary) -
 
 
 def pipeline_ideal(spec: BenchSpec, ours: ContenderSummary, one_stage: ContenderSummary) -> dict:
-    """The pipeline against its ideal: the one-stage step split over ``p`` stages, plus the bubble
-    ``(p - 1) / (v m)`` of that (Megatron's formula; ``v = 1`` but for the interleaved schedule).
+    """The pipeline against its ideal: the one-stage step split over ``p`` stages, plus its bubble overhead
+    ``(p - 1) / (v m)`` (Megatron's formula; ``v = 1`` but for the interleaved schedule).
 
     Each stage's idle share is the part of the pipeline's schedule time (the longest rank's, every rank
     starting together after the step's barrier) it did not compute: blocked on a neighbour, or done early.
-    A faster stage idles more; the bubble is the slowest stage's idle share (what the schedule itself
+    A faster stage idles more; the bubble fraction is the slowest stage's idle share (what the schedule itself
     costs), held against the formula's ``(p - 1) / (v m + p - 1)``."""
     p, m, v = spec.pp_size, spec.micro_batches, spec.virtual_stages
     assert ours.median_s is not None and one_stage.median_s is not None
-    ideal = one_stage.median_s / p * (1 + (p - 1) / (v * m))
+    ideal = one_stage.median_s / p * (1 + bubble_overhead(p, m, v))
     per_stage = spec.tp_size * spec.dp_size
     busy, schedule = list(ours.pipeline_busy_s), [s for s in ours.pipeline_schedule_s if s is not None]
     idle = [1 - b / max(schedule) if b is not None and schedule else None for b in busy]
@@ -145,9 +145,9 @@ def pipeline_ideal(spec: BenchSpec, ours: ContenderSummary, one_stage: Contender
         "measured_vs_ideal": ours.median_s / ideal,
         "schedule": spec.pipeline_schedule,
         "virtual_stages": v,
-        "bubble_formula": bubble_fraction(p, m, v),
+        "bubble_fraction_formula": bubble_fraction(p, m, v),
         "idle_per_stage": per_stage_idle,
-        "bubble": min(known) if known else None,
+        "bubble_fraction": min(known) if known else None,
     }
 
 
@@ -186,9 +186,9 @@ def format_report(report: dict) -> str:
             f"pipeline: {ours['median_s'] if ours else 0:.3f} s/step against an ideal of {pipeline['ideal_s']:.3f} "
             f"(one stage {pipeline['one_stage_s']:.3f} s / p x (1 + (p-1)/(v m))): "
             f"{pipeline['measured_vs_ideal']:.2f}x; "
-            f"{pipeline['schedule']} (v={pipeline['virtual_stages']}): idle share per stage {stages}, bubble (the "
-            f"slowest stage's) {pipeline['bubble'] or 0:.2f} against (p-1)/(v m+p-1) = "
-            f"{pipeline['bubble_formula']:.2f}"
+            f"{pipeline['schedule']} (v={pipeline['virtual_stages']}): idle share per stage {stages}, bubble fraction "
+            f"(the slowest stage's) {pipeline['bubble_fraction'] or 0:.2f} against (p-1)/(v m+p-1) = "
+            f"{pipeline['bubble_fraction_formula']:.2f}"
         )
     floor = report.get("tensor_parallel")
     if floor:

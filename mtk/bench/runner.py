@@ -19,7 +19,7 @@ from typing import Any, cast
 
 from mtk.bench.contenders import CONTENDERS, BenchSpec
 from mtk.models import build_model, resolve_config
-from mtk.pipeline.stages import stage_layer_counts
+from mtk.pipeline.balance import layer_counts, rank_layers
 from mtk.planner.collectives import Predicted, predict_collectives
 from mtk.planner.shapes import data_parallel_traffic, has_residual_dropout, sequence_parallel_elements
 from mtk.spawn import DistributedTestError, run_distributed
@@ -89,14 +89,16 @@ def predicted_for(spec: BenchSpec) -> Predicted:
         recompute=spec.recompute,
         residual_dropout=has_residual_dropout(config),
         virtual_stages=spec.virtual_stages,
-        stage_layers=_first_rank_layers(layers, spec) if spec.pp_size > 1 else None,
+        stage_layers=_first_rank_layers(config, spec) if spec.pp_size > 1 else None,
         **data_parallel_traffic(config, spec.tp_size, spec.dp_size, spec.distributed_optimizer),
     )
 
 
-def _first_rank_layers(layers: int, spec: BenchSpec) -> int:
-    """Decoder blocks on rank 0 (whose collectives the bench counts): its chunks' share of the split."""
-    return sum(stage_layer_counts(layers, spec.pp_size * spec.virtual_stages, spec.pipeline_layers)[:: spec.pp_size])
+def _first_rank_layers(config, spec: BenchSpec) -> int:
+    """Decoder blocks on rank 0 (whose collectives the bench counts): its chunks' share of the split the run
+    uses (``spec.pipeline_layers``, else mtk's default)."""
+    counts = layer_counts(config, spec.pp_size * spec.virtual_stages, spec.pipeline_layers)
+    return rank_layers(counts, spec.pp_size)[0]
 
 
 def run_bench(

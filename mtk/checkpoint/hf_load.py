@@ -89,10 +89,9 @@ def load_pretrained_tp(
     """A tensor-parallel HF model whose every parameter holds only this rank's slice of the checkpoint.
 
     With ``parallel.pp_size > 1`` the model is also cut to this rank's pipeline stage (``pipeline_layers``
-    per stage, else as even as possible; ``virtual_stages`` chunks per rank for the interleaved schedule)
-    before anything is read, so a rank reads only its own stage's
-    layers (wrap it in :class:`~mtk.pipeline.engine.PipelineModel` to run it, or let
-    ``mtk.Accelerator.prepare`` do that).
+    per stage, else :mod:`mtk.pipeline.balance`'s default; ``virtual_stages`` chunks per rank for the
+    interleaved schedule) before anything is read, so a rank reads only its own stage's layers (wrap it in
+    :class:`~mtk.pipeline.engine.PipelineModel` to run it, or let ``mtk.Accelerator.prepare`` do that).
     """
     directory = Path(directory)
     if not directory.is_dir():

@@ -37,8 +37,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--micro_batches", type=int, help="pipeline micro-batches per step (default: the batch)")
     parser.add_argument(
         "--pipeline_layers",
-        help="decoder layers per stage (per model chunk with --virtual_stages), e.g. 3,1 (default: as even as "
-        "possible; needs --pp > 1)",
+        help="decoder layers per stage (per model chunk with --virtual_stages), e.g. 3,1 (default: even with the "
+        "LM head counted as layers of the last stage; needs --pp > 1)",
     )
     parser.add_argument(
         "--pipeline_schedule", choices=PIPELINE_SCHEDULES, default="1f1b", help="with --pp > 1 (default 1f1b)"

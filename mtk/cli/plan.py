@@ -133,7 +133,7 @@ def format_table(estimates: list[Estimate], top: int) -> str:
     unit, size = ("GiB", GIB) if max((e.memory.peak for e in rows), default=0) >= GIB else ("MiB", 2**20)
     head = (
         f"{'#':>3}  {'layout':<40} {'engine':<10} {'weights':>7} {'grads':>6} {'optim':>6} {'act':>6} "
-        f"{'buffers':>7} {'peak':>6} | {'TP':>7} {'PP':>6} {'DP':>6} | {'bubble':>6} {'step s':>8} {'tokens/s':>9}"
+        f"{'buffers':>7} {'peak':>6} | {'TP':>7} {'PP':>6} {'DP':>6} | {'bubble+':>7} {'step s':>8} {'tokens/s':>9}"
     )
     lines = [f"(memory and traffic in {unit})", head, "-" * len(head)]
     for index, e in enumerate(rows, 1):
@@ -142,7 +142,7 @@ def format_table(estimates: list[Estimate], top: int) -> str:
             f"{index:>3}  {e.candidate.label:<40} {e.candidate.engine:<10} {m.weights / size:>7.1f} "
             f"{m.gradients / size:>6.1f} {m.optimizer / size:>6.1f} {m.activations / size:>6.1f} "
             f"{m.buffers / size:>7.1f} {m.peak / size:>6.1f} | {t.tp / size:>7.1f} {t.pp / size:>6.2f} "
-            f"{t.dp / size:>6.1f} | {e.time.bubble_fraction:>6.2f} {e.time.total:>8.3g} {e.tokens_per_s:>9.0f}"
+            f"{t.dp / size:>6.1f} | {e.time.bubble_overhead:>7.2f} {e.time.total:>8.3g} {e.tokens_per_s:>9.0f}"
             + ("" if e.fits else "  *")
         )
     return "\n".join(lines)

@@ -41,9 +41,9 @@ def parallelize(
         parallel: this process's topology.
         rule_set: rules to use; default: the registered rules for the model type, else the generic rules
             once they pass a parity check on a one-layer copy.
-        pipeline_layers: decoder layers per stage (pp > 1); default: as even as possible
-            (:class:`~mtk.config.RunSettings` ``pipeline_layers`` is what the Accelerator passes); with
-            ``virtual_stages`` > 1, one count per model chunk.
+        pipeline_layers: decoder layers per stage (pp > 1); default: even with the LM head counted as layers
+            of the last stage (:mod:`mtk.pipeline.balance`; :class:`~mtk.config.RunSettings` ``pipeline_layers``
+            is what the Accelerator passes); with ``virtual_stages`` > 1, one count per model chunk.
         virtual_stages: model chunks per pipeline rank, for the interleaved schedule (1: one stage each).
         logits: ``auto`` (full logits when no labels are passed), ``full`` or ``shard``.
         pad_vocab_to_multiple_of: pad the vocabulary to a multiple of ``tp * this`` (never visible).

@@ -17,7 +17,16 @@ model chunk ``c`` (which receive, compute and send) are given by the engine. Wit
   multiple of ``p``.
 
 AFAB and 1F1B idle ``(p - 1)`` forward+backward slots per stage out of ``m + p - 1``; interleaving
-makes a slot ``1/v`` as long, so the idle share is ``(p - 1) / (v m + p - 1)``.
+makes a slot ``1/v`` as long. Two quantities, two names:
+
+- :func:`bubble_fraction`: the idle share of the schedule's time, ``(p - 1) / (v m + p - 1)`` (what a
+  measurement of a stage's idle time, or :func:`simulate`, gives);
+- :func:`bubble_overhead`: the idle time over the compute time, ``(p - 1) / (v m)``: a stage computing for
+  ``t`` runs a step of ``t (1 + bubble_overhead)`` (what the planner and the bench's ideal add to a stage's
+  compute).
+
+:func:`peak_in_flight` counts the micro-batches (chunk passes) whose activations a rank holds at once in its
+order: the planner's activation memory.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ __all__ = [
     "Pass",
     "Simulation",
     "bubble_fraction",
+    "bubble_overhead",
+    "peak_in_flight",
     "schedule_order",
     "simulate",
 ]
@@ -79,8 +90,26 @@ def _one_forward_one_backward(forwards: list[Pass], backwards: list[Pass], warmu
 
 
 def bubble_fraction(num_stages: int, num_micro_batches: int, virtual_stages: int = 1) -> float:
-    """Idle share of a stage's step when forward and backward times are equal across stages."""
+    """Idle share of the schedule's time, ``(p - 1) / (v m + p - 1)``, when forward and backward times are
+    equal across stages."""
     return (num_stages - 1) / (virtual_stages * num_micro_batches + num_stages - 1)
+
+
+def bubble_overhead(num_stages: int, num_micro_batches: int, virtual_stages: int = 1) -> float:
+    """Idle time over compute time, ``(p - 1) / (v m)``: the schedule takes ``1 + this`` times a stage's
+    compute (Megatron's bubble; ``bubble_fraction = overhead / (1 + overhead)``)."""
+    return (num_stages - 1) / (virtual_stages * num_micro_batches)
+
+
+def peak_in_flight(name: str, num_micro_batches: int, stage: int, num_stages: int, virtual_stages: int = 1) -> int:
+    """Most passes (of one micro-batch through one of the rank's chunks) whose activations ``stage`` holds at
+    once: forwards run whose backward has not. 1F1B: ``min(m, p - s)``; AFAB: ``m``; interleaved:
+    ``2 (p - s - 1) + (v - 1) p`` warm-up forwards plus one (``m v`` when ``m = p``), each ``1/v`` of a stage."""
+    held = peak = 0
+    for step in schedule_order(name, num_micro_batches, stage, num_stages, virtual_stages):
+        held += 1 if step.kind == "F" else -1
+        peak = max(peak, held)
+    return peak
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from mtk.parallel.parameters import set_param_info
 from mtk.parallel.state import ParallelState
+from mtk.pipeline.balance import head_layers, stage_layer_counts
 from mtk.rules.base import IDENTITY, REMOVE, ZEROS, RuleSet, UnsupportedModelError, compile_pattern
 
 __all__ = ["SkipLayer", "StageInfo", "split_stages", "stage_layer_counts", "swapped"]
@@ -152,27 +154,6 @@ def swapped(model: nn.Module, view: dict[str, nn.Module]) -> Iterator[None]:
             model.set_submodule(name, module)
 
 
-def stage_layer_counts(num_layers: int, num_stages: int, requested: tuple[int, ...] = ()) -> list[int]:
-    """Decoder blocks per stage (per model chunk with the interleaved schedule: ``num_stages`` is then
-    ``pp * v``): ``requested`` if given, else as even as possible (earlier stages take the remainder: the
-    last stage also runs the head and the loss)."""
-    if requested:
-        if len(requested) != num_stages or sum(requested) != num_layers or min(requested) < 1:
-            raise UnsupportedModelError(
-                f"pipeline layers {list(requested)} must be {num_stages} positive counts (one per stage, or per "
-                f"model chunk with virtual stages) summing to the model's "
-                f"{num_layers} layers"
-            )
-        return list(requested)
-    if num_layers < num_stages:
-        raise UnsupportedModelError(
-            f"the model has {num_layers} layers, fewer than the {num_stages} pipeline stages (pp x virtual stages); "
-            f"use at most {num_layers}"
-        )
-    base, extra = divmod(num_layers, num_stages)
-    return [base + (1 if stage < extra else 0) for stage in range(num_stages)]
-
-
 def _find_layers(model: nn.Module, pattern: str) -> tuple[str, nn.ModuleList]:
     regex = compile_pattern(pattern)
     found = [(n, m) for n, m in model.named_modules() if n and regex.match(n) and isinstance(m, nn.ModuleList)]
@@ -204,8 +185,10 @@ def split_stages(
 ) -> StageInfo:
     """Keep only this rank's pipeline stage of ``model`` (in place); returns what the stage holds.
 
-    With ``virtual_stages = v`` the model is cut into ``pp * v`` chunks (``layers_per_stage``: one count
-    per chunk) and this rank keeps chunks ``pp_rank, pp_rank + pp, ...``, each under its HF layer index.
+    ``layers_per_stage``: decoder blocks per stage, default :mod:`mtk.pipeline.balance`'s split (the last
+    stage's LM head counted as layers). With ``virtual_stages = v`` the model is cut into ``pp * v`` chunks
+    (``layers_per_stage``: one count per chunk) and this rank keeps chunks ``pp_rank, pp_rank + pp, ...``,
+    each under its HF layer index.
     Works on a materialized model (other stages' weights are freed) and on one on the meta device
     (nothing is allocated; the loader then reads only this stage's tensors).
     """
@@ -217,7 +200,8 @@ def split_stages(
         )
     layers_name, layers = _find_layers(model, spec.layers)
     p = parallel.pp_size
-    counts = stage_layer_counts(len(layers), p * virtual_stages, layers_per_stage)
+    head = 0 if layers_per_stage else head_layers(cast(Any, model).config)  # the default split weighs the LM head
+    counts = stage_layer_counts(len(layers), p * virtual_stages, layers_per_stage, head)
     starts = [sum(counts[:k]) for k in range(len(counts))]
     chunks = tuple(
         range(starts[k], starts[k] + counts[k]) for k in range(parallel.pp_rank, len(counts), p)

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from mtk.pipeline.balance import rank_layers, stage_layer_counts
+
 __all__ = ["Predicted", "predict_collectives"]
 
 
@@ -61,7 +63,8 @@ def predict_collectives(
     rank's input, in elements).
 
     With PP, ``batch`` is the step's batch, cut into ``micro_batches``; this stage's layers are
-    ``stage_layers``, by default its even share (the remainder on earlier stages), P2P moves one
+    ``stage_layers`` (:func:`mtk.pipeline.balance.layer_counts` gives the model's split; by default the
+    layers' even share, the remainder on earlier stages: a model whose LM head weighs nothing), P2P moves one
     ``[b, s, h]`` tensor per micro-batch and direction at each chunk boundary (with TP, each TP rank its
     1/tp slice, all-gathered over TP by the receiver), and the loss is broadcast from the last stage. With
     ``virtual_stages`` chunks per rank (interleaved), every chunk but the model's last sends forward and every
@@ -71,8 +74,8 @@ def predict_collectives(
     counts: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
     first, last = stage == 0, stage == pp - 1
-    base, extra = divmod(num_layers, pp)
-    layers = base + (1 if stage < extra else 0) if stage_layers is None else stage_layers
+    layers = rank_layers(stage_layer_counts(num_layers, pp * virtual_stages), pp)[stage]
+    layers = layers if stage_layers is None else stage_layers
     micro = batch // micro_batches
     activation = micro * seq * hidden * element_size  # one [b, s, h] tensor of a micro-batch
     if tp > 1:

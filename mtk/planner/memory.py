@@ -3,8 +3,10 @@
 A rank's peak is its model state plus the larger of two moments of the step:
 
 - **forward/backward**: the activations the stage keeps for every micro-batch in flight (1F1B: stage ``s``
-  of ``p`` holds ``min(m, p - s)``), plus what backward allocates on top of them for one micro-batch (the
-  logits' gradient, a recomputed block), plus the gradients live then (all of them once an earlier
+  of ``p`` holds ``min(m, p - s)``; interleaved over ``v`` chunks: ``2 (p - s - 1) + (v - 1) p + 1`` chunk
+  passes of ``1/v`` of the stage each, the schedule's own order counted by
+  :func:`~mtk.pipeline.schedules.peak_in_flight`), plus what backward allocates on top of them for one
+  micro-batch (the logits' gradient, a recomputed block), plus the gradients live then (all of them once an earlier
   micro-batch has run backward; with one micro-batch only those the trace saw at its peak);
 - **gradient reduction and optimizer step**: every gradient, plus the flat copies mtk's own DP reduction
   all-reduces (a pipeline's buckets, the bench's coalesced call; DDP's buckets instead live all step) and
@@ -33,6 +35,7 @@ from dataclasses import asdict, dataclass
 from typing import cast
 
 from mtk.parallel.distributed_optimizer import assign_owners
+from mtk.pipeline.schedules import peak_in_flight
 from mtk.planner.trace import Parameters, Phases, RankTrace
 
 __all__ = ["RankMemory", "Training", "stage_memory", "stage_parameters"]
@@ -107,12 +110,14 @@ def stage_memory(
     pp_size: int = 1,
     micro_batch_size: int = 1,
     micro_batches: int = 1,
+    virtual_stages: int = 1,
     dp_rank: int | None = None,
 ) -> RankMemory:
     """Peak bytes of a TP rank of pipeline stage ``stage`` holding ``layers`` decoder layers.
 
     ``micro_batch_size`` sequences of ``trace.seq`` tokens per forward; ``micro_batches`` forwards per optimizer
-    step (pipeline micro-batches, or gradient accumulation at ``pp = 1``). ``dp_rank``: whose share of a
+    step (pipeline micro-batches, or gradient accumulation at ``pp = 1``); ``virtual_stages`` > 1: the
+    interleaved schedule over that many chunks per rank (1F1B otherwise). ``dp_rank``: whose share of a
     sharded optimizer (default: the largest).
     """
     pp, micro_batch = pp_size, micro_batch_size
@@ -146,14 +151,16 @@ def stage_memory(
     rest_saved = phases.saved - trace.layer_saved
     saved = max(rest_saved, 0) + layers * trace.layer_saved  # one sequence
     transient = phases.peak - phases.saved
-    in_flight = min(micro_batches, pp - stage) if pp > 1 else 1
-    activations = micro_batch * (in_flight * saved + transient)
+    v = virtual_stages
+    schedule = "interleaved" if v > 1 else "1f1b"
+    in_flight = peak_in_flight(schedule, micro_batches, stage, pp, v) if pp > 1 else 1  # chunk passes
+    activations = micro_batch * (in_flight * saved // v + transient)  # a chunk pass keeps 1/v of the stage's
     trace_grad_bytes = sum(phases.before.trainable + phases.layer.trainable + phases.after.trainable)
     trace_grad_bytes *= _trace_size(trace)
     # Every gradient is live at the most-in-flight moment once a backward ran before it: accumulation at
     # pp = 1, a 1F1B steady state (m > p - s); else only those backward had made when the trace peaked.
     partial = int(gradients * phases.grad_at_peak / max(trace_grad_bytes, 1))
-    grads_live = gradients if micro_batches > in_flight else partial
+    grads_live = gradients if micro_batches * v > in_flight else partial
 
     reduction = 0  # the gradient reduction's own memory, live while every gradient is
     if dp > 1 and training.engine == "accelerate":

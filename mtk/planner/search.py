@@ -1,10 +1,14 @@
 """Enumerate the layouts of a model on a cluster, estimate each, keep those that fit, fastest first.
 
-A layout is TP x PP x DP with a micro-batch size, sequence parallelism, activation recomputation and the
-optimizer's sharding (mtk's distributed optimizer under accelerate; ZeRO 1/2/3 under DeepSpeed, which runs
-TP x ZeRO-DP without a pipeline). The rules mtk enforces when it runs are the rules here: TP divides the
-heads (:func:`mtk.rules.check_tp_size`) and stays inside a node, PP divides the layers, DP divides the
-global batch, SP needs TP > 1 and a sequence TP divides (and accelerate).
+A layout is TP x PP x DP with a micro-batch size, the pipeline schedule (1F1B, or interleaved 1F1B over ``v``
+model chunks per rank), sequence parallelism, activation recomputation and the optimizer's sharding (mtk's
+distributed optimizer under accelerate; ZeRO 1/2/3 under DeepSpeed, which runs TP x ZeRO-DP without a
+pipeline). The rules mtk enforces when it runs are the rules here: TP divides the heads
+(:func:`mtk.rules.check_tp_size`) and stays inside a node, PP divides the layers, interleaving needs the
+layers to divide into ``p v`` chunks (Megatron's constraint) and ``m`` a multiple of ``p``
+(:func:`mtk.config.check_schedule`), DP divides the global batch, SP needs TP > 1 and a sequence TP divides
+(and accelerate). Stages hold the layers mtk's runtime gives them (:func:`mtk.pipeline.balance.layer_counts`:
+the last stage's LM head counted as layers), and the step is timed on the slowest rank, head included.
 
 Recomputation and SP only ever add time or save memory, so for each layout the planner keeps the first
 setting that fits in this order: no recompute, selective, full (SP on where it may be, since it costs no
@@ -19,11 +23,13 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import PretrainedConfig
 
+from mtk.config import check_schedule
 from mtk.errors import MtkError
 from mtk.parallel.distributed_optimizer import all_gather_rounds, assign_owners
 from mtk.parallel.layout import Layout
 from mtk.parallel.overlap import gradient_buckets
-from mtk.pipeline.stages import stage_layer_counts
+from mtk.pipeline.balance import head_weight, layer_counts, rank_layers
+from mtk.pipeline.schedules import bubble_overhead
 from mtk.planner.cluster import Cluster
 from mtk.planner.collectives import predict_collectives
 from mtk.planner.memory import RankMemory, Training, stage_memory, stage_parameters
@@ -73,6 +79,8 @@ class Candidate:
     engine: str = "accelerate"
     sharding: str = "none"
     offload: bool = False
+    virtual_stages: int = 1  # > 1: the interleaved schedule over this many model chunks per pipeline rank
+    pipeline_layers: tuple[int, ...] = ()  # decoder layers per stage (chunk) as given; (): mtk's default split
 
     @property
     def label(self) -> str:
@@ -80,6 +88,8 @@ class Candidate:
             f"tp{self.tp_size} pp{self.pp_size} dp{self.dp_size}",
             f"{self.micro_batch_size}x{self.micro_batches}",
         ]
+        if self.virtual_stages > 1:
+            parts.append(f"v{self.virtual_stages}")
         if self.sequence_parallel:
             parts.append("sp")
         if self.recompute:
@@ -112,6 +122,7 @@ class Estimate:
                 "dp_size": c.dp_size,
                 "micro_batch_size": c.micro_batch_size,
                 "micro_batches": c.micro_batches,
+                "virtual_stages": c.virtual_stages,
                 "sequence_parallel": c.sequence_parallel,
                 "recompute": c.recompute,
                 "engine": c.engine,
@@ -134,6 +145,11 @@ def _layers(config: PretrainedConfig) -> int:
     return getattr(config, "num_hidden_layers", None) or config.n_layer
 
 
+def _rank_layers(config: PretrainedConfig, c: Candidate) -> list[int]:
+    """Decoder layers per pipeline rank, as mtk's runtime splits them."""
+    return rank_layers(layer_counts(config, c.pp_size * c.virtual_stages, c.pipeline_layers), c.pp_size)
+
+
 def _activation_size(request: Request, candidate: Candidate) -> int:
     return 2 if request.dtype == "bf16" else 4
 
@@ -153,12 +169,12 @@ def estimate(request: Request, candidate: Candidate) -> Estimate:
     """Memory of every stage (the fullest is reported), traffic and step time of one candidate."""
     config, c = request.config, candidate
     trace = trace_rank(config, _trace_settings(request, c), request.seq, pipeline=c.pp_size > 1)
-    counts = stage_layer_counts(_layers(config), c.pp_size)
+    counts = _rank_layers(config, c)
     memories = [rank_memory(request, c, s) for s in range(c.pp_size)]
     stage = max(range(c.pp_size), key=lambda s: memories[s].peak)
     numels = list(stage_parameters(trace, counts[stage], stage, c.pp_size).trainable)
     traffic, collectives = _traffic(request, c, stage, numels)
-    time = _step_time(request, c, max(counts), traffic)
+    time = _step_time(request, c, counts, traffic)
     fits = memories[stage].peak <= request.cluster.gpu_memory - request.reserve
     tokens_per_s = request.global_batch * request.seq / time.total
     return Estimate(c, memories[stage], stage, traffic, time, fits, tokens_per_s, collectives, tuple(memories))
@@ -180,11 +196,12 @@ def rank_memory(request: Request, candidate: Candidate, stage: int, dp_rank: int
     return stage_memory(
         trace,
         training,
-        layers=stage_layer_counts(_layers(request.config), c.pp_size)[stage],
+        layers=_rank_layers(request.config, c)[stage],
         stage=stage,
         pp_size=c.pp_size,
         micro_batch_size=c.micro_batch_size,
         micro_batches=c.micro_batches,
+        virtual_stages=c.virtual_stages,
         dp_rank=dp_rank,
     )
 
@@ -194,7 +211,7 @@ def stage_collectives(request: Request, candidate: Candidate, stage: int) -> dic
     trace = trace_rank(
         request.config, _trace_settings(request, candidate), request.seq, pipeline=candidate.pp_size > 1
     )
-    layers = stage_layer_counts(_layers(request.config), candidate.pp_size)[stage]
+    layers = _rank_layers(request.config, candidate)[stage]
     numels = list(stage_parameters(trace, layers, stage, candidate.pp_size).trainable)
     return _traffic(request, candidate, stage, numels)[1]
 
@@ -213,6 +230,8 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int]) -> t
         pp_size=c.pp_size,
         stage=stage,
         micro_batches=c.micro_batches,
+        virtual_stages=c.virtual_stages,
+        stage_layers=_rank_layers(config, c)[stage],
         element_size=_activation_size(request, c),
         sequence_parallel=c.sequence_parallel,
         sequence_parallel_elements=sequence_parallel_elements(config, c.tp_size) if c.sequence_parallel else 0,
@@ -245,22 +264,23 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int]) -> t
     return Traffic(tp_bytes, pp_bytes, dp_bytes, tp_s, pp_s, dp_s), collectives
 
 
-def _step_time(request: Request, c: Candidate, stage_layers: int, traffic: Traffic) -> StepTime:
-    """The roofline of the slowest stage (``stage_layers`` decoder layers): module docstring of timing.py."""
+def _step_time(request: Request, c: Candidate, rank_layers: list[int], traffic: Traffic) -> StepTime:
+    """The roofline of the slowest rank (``rank_layers``: decoder layers per pipeline rank; the last also runs
+    the LM head, :func:`~mtk.pipeline.balance.head_weight` layers of work): module docstring of timing.py."""
     size = model_size(request.config)
     tokens = c.micro_batch_size * c.micro_batches * request.seq  # per replica and step
     flops = flops_per_token(size, request.seq, lora=request.lora_r > 0, recompute=c.recompute)
-    compute = flops * tokens * stage_layers / size.layers / c.tp_size / request.cluster.peak_flops
+    head = head_weight(request.config)
+    slowest = max(layers + (head if rank == c.pp_size - 1 else 0) for rank, layers in enumerate(rank_layers))
+    compute = flops * tokens * slowest / (size.layers + head) / c.tp_size / request.cluster.peak_flops
     stage_s = compute + traffic.tp_wire_s
-    bubble_fraction = (c.pp_size - 1) / c.micro_batches
+    bubble = bubble_overhead(c.pp_size, c.micro_batches, c.virtual_stages)
     # DDP / DeepSpeed reduce during the whole backward; a pipeline during its last micro-batch's backward;
     # the distributed optimizer's all-gather comes after the step
     backward = 2 / 3 * compute / (c.micro_batches if c.pp_size > 1 else 1)
     dp_exposed = traffic.dp_wire_s if c.sharding == "distopt" else max(0.0, traffic.dp_wire_s - backward)
-    total = stage_s * (1 + bubble_fraction) + traffic.pp_wire_s + dp_exposed
-    return StepTime(
-        compute, traffic.tp_wire_s, stage_s * bubble_fraction, traffic.pp_wire_s, dp_exposed, total, bubble_fraction
-    )
+    total = stage_s * (1 + bubble) + traffic.pp_wire_s + dp_exposed
+    return StepTime(compute, traffic.tp_wire_s, stage_s * bubble, traffic.pp_wire_s, dp_exposed, total, bubble)
 
 
 def _gather_widths(numels: list[int], dp: int) -> tuple[int, ...]:
@@ -315,14 +335,24 @@ def layouts(request: Request) -> Iterator[Candidate]:
                     continue
                 shape = Candidate(tp, pp, dp, micro_batch, replica_batch // micro_batch)
                 if "accelerate" in request.engines:
-                    yield shape
-                    if dp > 1:
-                        yield replace(shape, sharding="distopt")
+                    for virtual in _virtual_stages(layers, pp, shape.micro_batches):
+                        yield replace(shape, virtual_stages=virtual)
+                        if dp > 1:
+                            yield replace(shape, virtual_stages=virtual, sharding="distopt")
                 if "deepspeed" in request.engines and pp == 1:
                     for offload in (False, True) if request.offload else (False,):
                         for stage in ("zero1", "zero2", "zero3"):
                             if dp > 1 or offload:  # ZeRO at DP = 1 only saves memory by offloading
                                 yield replace(shape, engine="deepspeed", sharding=stage, offload=offload)
+
+
+def _virtual_stages(layers: int, pp: int, micro_batches: int) -> list[int]:
+    """1 (1F1B), then every ``v`` the interleaved schedule can run: ``p v`` chunks dividing the layers, ``m`` a
+    multiple of ``p``."""
+    if pp == 1:
+        return [1]
+    chunked = [v for v in range(2, layers // pp + 1) if layers % (pp * v) == 0]
+    return [1] + [v for v in chunked if check_schedule("interleaved", pp, micro_batches, v) is None]
 
 
 def _settings(request: Request, candidate: Candidate, most_recompute: int) -> Iterator[Candidate]:
@@ -349,7 +379,15 @@ def plan(request: Request) -> list[Estimate]:
     results: list[Estimate] = []
     most: dict[tuple, int] = {}  # layout without its micro-batch -> most recompute a smaller micro-batch needed
     for layout in layouts(request):
-        key = (layout.tp_size, layout.pp_size, layout.dp_size, layout.engine, layout.sharding, layout.offload)
+        key = (
+            layout.tp_size,
+            layout.pp_size,
+            layout.dp_size,
+            layout.virtual_stages,
+            layout.engine,
+            layout.sharding,
+            layout.offload,
+        )
         if key in most and most[key] < 0:
             continue  # a smaller micro-batch already fit nowhere
         smallest: Estimate | None = None

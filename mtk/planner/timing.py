@@ -8,10 +8,13 @@ reduce-scatter ``(n-1)/n`` of its input.
 
 The step time is a roofline, not a simulation: compute at the GPU's peak FLOP/s (``6 N`` FLOPs per token for
 the matmuls, ``4 N`` with a frozen LoRA base, ``+ 2 N`` for full recompute, plus ``12 L s q`` for attention
-scores, ``q`` the query width), TP communication not overlapped (mtk waits for each all-reduce), the
-pipeline bubble ``(p - 1) / m`` of a stage's step on top, blocking P2P, and the DP reduction exposed
-beyond the backward it overlaps (DDP / DeepSpeed at ``pp = 1``: two thirds of the compute; a pipeline:
-its last micro-batch's backward; the distributed optimizer's all-gather: none). It ranks layouts; the
+scores, ``q`` the query width) on the slowest pipeline rank (its decoder layers, plus the LM head's
+:func:`~mtk.pipeline.balance.head_weight` layers on the last), TP communication not overlapped (mtk waits for
+each all-reduce), the pipeline's bubble overhead ``(p - 1) / (v m)`` of a stage's step on top
+(:func:`~mtk.pipeline.schedules.bubble_overhead`; ``v`` chunks per rank with the interleaved schedule),
+blocking P2P, and the DP reduction exposed beyond the backward it overlaps (DDP / DeepSpeed at ``pp = 1``:
+two thirds of the compute; a pipeline: its last micro-batch's backward; the distributed optimizer's
+all-gather: none). It ranks layouts; the
 absolute figure is a lower bound a real run approaches, not a promise.
 """
 
@@ -79,7 +82,8 @@ class Traffic:
 
 @dataclass(frozen=True)
 class StepTime:
-    """Seconds of one optimizer step on the slowest stage."""
+    """Seconds of one optimizer step on the slowest stage (``bubble``: the pipeline's idle seconds), and the
+    bubble overhead behind it: idle time over the stage's time, ``(p - 1) / (v m)``."""
 
     compute: float
     tp_communication: float
@@ -87,7 +91,7 @@ class StepTime:
     p2p: float
     dp_exposed: float
     total: float
-    bubble_fraction: float
+    bubble_overhead: float
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

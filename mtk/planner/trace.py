@@ -22,7 +22,6 @@ What the meta device cannot do itself is replaced for the trace, nowhere else:
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import json
 import warnings
@@ -42,7 +41,7 @@ from mtk.convert import parallelize
 from mtk.convert.regions import local_blocks
 from mtk.errors import MtkError, UnsupportedModelError
 from mtk.lora import get_peft_model
-from mtk.models import DTYPES, auto_class_for
+from mtk.models import DTYPES, auto_class_for, with_layers
 from mtk.parallel.recompute import enable_recompute
 from mtk.parallel.record import hf_model, parallelized
 from mtk.parallel.state import ParallelState
@@ -176,19 +175,6 @@ def _meta_replacements(device: str) -> Iterator[None]:
     finally:
         F.scaled_dot_product_attention = saved_sdpa
         masking.find_packed_sequence_indices = saved_packed
-
-
-def with_layers(config: PretrainedConfig, layers: int) -> PretrainedConfig:
-    config = copy.deepcopy(config)
-    config.pad_token_id = None  # GPT-2 looks for it in the batch (data the meta device does not have)
-    for name in ("num_hidden_layers", "n_layer", "num_layers"):
-        if hasattr(config, name):
-            setattr(config, name, layers)
-    for name in ("layer_types", "mlp_layer_types"):  # per-layer lists must keep the new depth
-        value = getattr(config, name, None)
-        if isinstance(value, list) and value:
-            setattr(config, name, (value * layers)[:layers])
-    return config
 
 
 def meta_model(config: PretrainedConfig, settings: TraceSettings, pp: int, pp_rank: int) -> nn.Module:

@@ -31,9 +31,10 @@ def test_bench_pipeline_layout(tmp_path, capsys):
     assert report["contenders"][0]["collectives"] == report["predicted_collectives"]
     assert [c["name"] for c in report["contenders"]] == ["mtk", "mtk-one-stage"], "the ideal's reference runs too"
     pipeline = report["pipeline"]
-    assert pipeline["ideal_s"] > 0 and pipeline["bubble_formula"] == 1 / 5, "(p - 1) / (m + p - 1) at p 2, m 4"
+    assert pipeline["ideal_s"] > 0
+    assert pipeline["bubble_fraction_formula"] == 1 / 5, "(p - 1) / (m + p - 1) at p 2, m 4"
     assert len(pipeline["idle_per_stage"]) == 2 and all(0 <= x < 1 for x in pipeline["idle_per_stage"])
-    assert pipeline["bubble"] == min(pipeline["idle_per_stage"])
+    assert pipeline["bubble_fraction"] == min(pipeline["idle_per_stage"])
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -55,7 +56,7 @@ def test_bench_interleaved_pipeline(tmp_path, capsys, sequence_parallel):
     assert collectives["send"]["count"] == 4 * 2 + 4, "rank 0: both chunks forward, its second chunk backward"
     pipeline = report["pipeline"]
     assert (pipeline["schedule"], pipeline["virtual_stages"]) == ("interleaved", 2)
-    assert pipeline["bubble_formula"] == 1 / 9, "(p - 1) / (v m + p - 1) at p 2, m 4, v 2"
+    assert pipeline["bubble_fraction_formula"] == 1 / 9, "(p - 1) / (v m + p - 1) at p 2, m 4, v 2"
 
 
 def test_bench_sequence_parallel_with_recompute(tmp_path, capsys):

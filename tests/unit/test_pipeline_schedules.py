@@ -2,7 +2,14 @@
 
 import pytest
 
-from mtk.pipeline.schedules import Pass, bubble_fraction, schedule_order, simulate
+from mtk.pipeline.schedules import (
+    Pass,
+    bubble_fraction,
+    bubble_overhead,
+    peak_in_flight,
+    schedule_order,
+    simulate,
+)
 from mtk.pipeline.stages import stage_layer_counts
 from mtk.rules import UnsupportedModelError
 
@@ -55,6 +62,32 @@ def test_bubble_fraction_formula():
     assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
     assert bubble_fraction(1, 4) == 0
     assert bubble_fraction(2, 4, 2) == pytest.approx(1 / 9)
+
+
+@pytest.mark.parametrize("stages,micro,virtual", [(2, 4, 1), (4, 8, 1), (2, 4, 2), (4, 8, 3), (1, 4, 1)])
+def test_bubble_overhead_is_idle_over_compute(stages, micro, virtual):
+    """``(p - 1) / (v m)``: the simulated step is the compute times ``1 + overhead``; the fraction is its share."""
+    overhead = bubble_overhead(stages, micro, virtual)
+    assert overhead == pytest.approx((stages - 1) / (virtual * micro))
+    assert bubble_fraction(stages, micro, virtual) == pytest.approx(overhead / (1 + overhead))
+    if stages > 1:
+        name = "interleaved" if virtual > 1 else "1f1b"
+        assert simulate(name, stages, micro, virtual).step_s == pytest.approx(2 * micro * (1 + overhead))
+
+
+@pytest.mark.parametrize("stages,virtual", [(2, 2), (4, 2), (4, 3), (8, 2)])
+def test_peak_in_flight_counts_the_schedules_own_order(stages, virtual):
+    """1F1B: ``min(m, p - s)``; AFAB: ``m``; interleaved: Megatron's warm-up ``2 (p - s - 1) + (v - 1) p``
+    forwards plus one chunk pass (every forward when ``m = p``)."""
+    for micro in range(stages, 4 * stages + 1, stages):
+        for stage in range(stages):
+            assert peak_in_flight("1f1b", micro, stage, stages) == min(micro, stages - stage)
+            assert peak_in_flight("afab", micro, stage, stages) == micro
+            warmup = micro * virtual if micro == stages else 2 * (stages - stage - 1) + (virtual - 1) * stages
+            expected = min(micro * virtual, warmup + 1)
+            assert peak_in_flight("interleaved", micro, stage, stages, virtual) == expected
+            order = schedule_order("interleaved", micro, stage, stages, virtual)
+            assert _max_in_flight(order) == expected
 
 
 def test_interleaved_runs_every_chunk_of_every_micro_batch_in_megatron_order():

@@ -8,8 +8,9 @@ import pytest
 
 from mtk.cli.main import main
 from mtk.models import resolve_config
+from mtk.pipeline.schedules import bubble_overhead
 from mtk.planner.cluster import Cluster, parse_bytes
-from mtk.planner.search import Request, plan
+from mtk.planner.search import Candidate, Request, estimate, plan
 from mtk.planner.shapes import local_numels
 from mtk.planner.trace import TraceSettings, _phases, trace_rank, with_layers
 
@@ -102,6 +103,38 @@ def test_pipeline_first_stage_holds_the_most_micro_batches(plan_8b_json):
     )
     activations = [m["activations"] for m in e["memory_bytes_per_stage"]]
     assert activations[0] > activations[3] > activations[6], "1F1B: stage s keeps min(m, p - s) micro-batches"
+
+
+def test_interleaved_candidates_where_the_layers_divide_into_chunks(plan_8b_json):
+    """Megatron's constraints (``p v`` chunks dividing the 32 layers, ``m`` a multiple of ``p``), accelerate only;
+    each has the smaller bubble overhead ``(p - 1) / (v m)``, holds more activations on the first stage (its
+    warm-up) and, on the first stage, sends ``2 v - 1`` times the P2P bytes of its 1F1B twin (every chunk sends
+    forward, all but the model's first backward)."""
+    estimates = plan_8b_json["estimates"]
+    interleaved = [e for e in estimates if e["layout"]["virtual_stages"] > 1]
+    assert {e["layout"]["virtual_stages"] for e in interleaved} >= {2, 4}
+    for e in interleaved:
+        layout = e["layout"]
+        pp, v, m = layout["pp_size"], layout["virtual_stages"], layout["micro_batches"]
+        assert 32 % (pp * v) == 0 and m % pp == 0 and layout["engine"] == "accelerate"
+        assert e["step_s"]["bubble_overhead"] == pytest.approx(bubble_overhead(pp, m, v)) and f" v{v}" in e["label"]
+    twin = dict(tp_size=1, pp_size=2, dp_size=4, micro_batch_size=1, recompute=None, sharding="none")
+    one = _find(estimates, virtual_stages=1, **twin)
+    two = _find(estimates, virtual_stages=2, **twin)
+    assert two["step_s"]["bubble_overhead"] == one["step_s"]["bubble_overhead"] / 2 == 1 / 32
+    assert two["memory_bytes_per_stage"][0]["activations"] > one["memory_bytes_per_stage"][0]["activations"]
+    assert two["fullest_stage"] == one["fullest_stage"] == 0
+    assert two["communication_bytes"]["pp"] == 3 * one["communication_bytes"]["pp"]
+
+
+def test_stages_hold_the_runtimes_split_and_the_slowest_is_timed():
+    """bench-llama at PP 2 runs 3 + 1 layers (its head weighs 1.45 layers): the planner's stages hold exactly
+    those parameters, and the step is the first stage's 3 layers against 1 + 1.45 on the last."""
+    request = Request(resolve_config("bench-llama"), Cluster(2), 256, 4, dtype="fp32", engines=("accelerate",))
+    result = estimate(request, Candidate(tp_size=1, pp_size=2, dp_size=1, micro_batch_size=1, micro_batches=4))
+    embedding, layer, head = 8192 * 512, 512 * 1536 + 3 * 512 * 1376 + 2 * 512, 8192 * 512
+    assert [m.weights for m in result.stages] == [4 * (embedding + 3 * layer), 4 * (layer + 512 + head)]
+    assert result.time.bubble_overhead == pytest.approx(1 / 4)
 
 
 def test_lora_keeps_a_frozen_bf16_base_and_fp32_adapters(capsys):
