@@ -32,10 +32,9 @@ from mtk.checkpoint.reader import ShardedCheckpointReader
 from mtk.checkpoint.rng import restore_rng, rng_state
 from mtk.checkpoint.weights import load_weights, reshard_weights, save_weights
 from mtk.errors import CheckpointError
-from mtk.lora.model import adapter_configs
 from mtk.parallel.distributed_optimizer import full_optimizer_state
 from mtk.parallel.layout import Layout
-from mtk.parallel.record import hf_model, is_peft_model, parallelized
+from mtk.parallel.record import adapter_configs, hf_model, is_peft_model, parallelized
 from mtk.parallel.state import ParallelState
 
 __all__ = [

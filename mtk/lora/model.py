@@ -11,7 +11,6 @@ clear line each) and then calls PEFT's own ``get_peft_model``. The result is an 
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any, cast
 
 import torch
@@ -19,22 +18,12 @@ import torch.distributed as dist
 from torch import nn
 
 from mtk.errors import ConfigError
-from mtk.lora.layers import SEED_ATTRIBUTE, ParallelLoraLinear
 from mtk.parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardedModule
-from mtk.parallel.record import hf_model, is_peft_model, parallelized
+from mtk.parallel.record import adapter_configs, hf_model, is_peft_model, parallelized
 
 __all__ = ["adapter_configs", "get_peft_model", "hf_model", "is_peft_model", "split_linear_names"]
 
 ALL_LINEAR = "all-linear"
-
-
-def adapter_configs(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """A ``PeftModel``'s adapter configs by adapter name, as JSON (what ``adapter_config.json`` holds)."""
-    configs = {}
-    for name, config in cast(Any, model).peft_config.items():
-        record = config.to_dict()
-        configs[name] = {k: sorted(v) if isinstance(v, set) else v for k, v in record.items()}
-    return json.loads(json.dumps(configs, default=str))
 
 
 def split_linear_names(model: nn.Module) -> dict[str, nn.Module]:
@@ -119,7 +108,9 @@ def get_peft_model(model: nn.Module, config: Any, adapter_name: str = "default",
     Only LoRA (``LoraConfig``) is supported. Call it on every rank, after :func:`~mtk.convert.parallelize` (or
     ``load_pretrained_tp``) and before building the optimizer; the Accelerator's ``prepare`` takes the result.
     """
-    import peft
+    import peft  # PEFT (and mtk's layers built on it) load only when a run asks for LoRA: ~1-2 s of start-up
+
+    from mtk.lora.layers import SEED_ATTRIBUTE, ParallelLoraLinear
 
     record = parallelized(model)
     if record is None:

@@ -9,6 +9,7 @@ are named for the type checker only, so reading a record imports nothing above `
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from mtk.pipeline.stages import StageInfo
     from mtk.rules.base import RuleSet
 
-__all__ = ["Parallelized", "attach", "hf_model", "is_peft_model", "parallelized"]
+__all__ = ["Parallelized", "adapter_configs", "attach", "hf_model", "is_peft_model", "parallelized"]
 
 _ATTRIBUTE = "mtk_parallelized"
 
@@ -66,3 +67,12 @@ def is_peft_model(model: nn.Module) -> bool:
 def hf_model(model: nn.Module) -> nn.Module:
     """The transformers model inside a ``PeftModel`` (with its LoRA layers); any other model as is."""
     return cast(Any, model).get_base_model() if is_peft_model(model) else model
+
+
+def adapter_configs(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """A ``PeftModel``'s adapter configs by adapter name, as JSON (what ``adapter_config.json`` holds)."""
+    configs = {}
+    for name, config in cast(Any, model).peft_config.items():
+        record = config.to_dict()
+        configs[name] = {k: sorted(v) if isinstance(v, set) else v for k, v in record.items()}
+    return json.loads(json.dumps(configs, default=str))
