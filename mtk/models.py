@@ -163,8 +163,9 @@ def check_weights(directory: Path) -> None:
     pickles = sorted(p.name for p in directory.iterdir() if p.suffix in _PICKLE_SUFFIXES)
     if pickles:
         raise ModelSpecError(
-            f"--model {directory} holds its weights only as pickles ({', '.join(pickles[:3])}); mtk loads weights "
-            "from safetensors only: convert them (transformers' save_pretrained writes safetensors) and try again"
+            f"--model {directory} holds its weights only as pickles ({', '.join(pickles[:3])}); mtk loads safetensors "
+            "only (a pickle can run code when it is loaded): re-save the model with save_pretrained(..., "
+            "safe_serialization=True)"
         )
 
 

@@ -22,7 +22,7 @@ from mtk.checkpoint.hf_conversion import converted_tensors
 from mtk.checkpoint.safetensors_slices import open_safetensors
 from mtk.convert import parallelize
 from mtk.errors import CheckpointError
-from mtk.models import ModelSpecError, auto_class_for, resolve_config
+from mtk.models import ModelSpecError, auto_class_for, check_weights, resolve_config
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.grads import sum_grad_over_tp
 from mtk.parallel.parameters import copy_param_info, param_info
@@ -51,11 +51,7 @@ def safetensors_index(directory: str | Path) -> dict[str, Path]:
     if (directory / SINGLE_FILE).is_file():
         with open_safetensors(directory / SINGLE_FILE) as handle:
             return {name: directory / SINGLE_FILE for name in handle.keys()}
-    if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
-        raise CheckpointError(
-            f"{directory} has only pickled weights (.bin/.pt); mtk loads safetensors only: re-save the model with "
-            f"save_pretrained(..., safe_serialization=True)"
-        )
+    check_weights(directory)  # only pickles: one line saying so
     raise CheckpointError(f"{directory} has no {SINGLE_FILE} or {INDEX_FILE}")
 
 
