@@ -39,6 +39,11 @@ def _seconds(item: pytest.Item) -> float:
     return FILE_SECONDS.get(relative, FOLDER_SECONDS.get(path.parent.name, 1))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist reorders files by test count: keep this order
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         folder = Path(str(item.fspath)).parent.name
