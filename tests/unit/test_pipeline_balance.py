@@ -3,9 +3,14 @@
 import itertools
 
 import pytest
+import torch
 
-from mtk.models import builtin_config, resolve_config
+from mtk.convert import parallelize
+from mtk.models import auto_class_for, builtin_config, resolve_config
+from mtk.parallel.record import parallelized
+from mtk.parallel.state import ParallelState
 from mtk.pipeline.balance import head_layers, head_weight, layer_counts, rank_layers, stage_layer_counts
+from mtk.planner.trace import fake_process_group
 from mtk.rules import UnsupportedModelError
 
 BENCH_LLAMA_8 = "examples/configs/bench-llama-8-layers/config.json"
@@ -85,3 +90,20 @@ def test_interleaved_ranks_hold_their_chunks():
     assert rank_layers([3, 2, 2, 1], 2) == [5, 3]
     assert rank_layers([2, 2], 2) == [2, 2]
     assert rank_layers([4], 1) == [4]
+
+
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_the_runtime_cuts_where_the_planner_predicts(virtual):
+    """``split_stages`` (what a run does, here on the meta device in a fake group of 2 ranks) holds the layers
+    :func:`layer_counts` gives: bench-llama's 3 + 1 at PP 2; with 2 chunks per rank, 4 layers split 1 each."""
+    config = resolve_config("bench-llama")
+    counts = layer_counts(config, 2 * virtual)
+    assert counts == ([3, 1] if virtual == 1 else [1, 1, 1, 1])
+    for rank in range(2):
+        with fake_process_group(2, rank=rank):
+            with torch.device("meta"):
+                model = auto_class_for(config).from_config(config)
+            parallelize(model, ParallelState.build(pp_size=2, device=torch.device("cpu")), virtual_stages=virtual)
+            stage = parallelized(model).stage
+        starts = [sum(counts[:k]) for k in range(len(counts))]
+        assert stage.chunks == tuple(range(starts[k], starts[k] + counts[k]) for k in range(rank, 2 * virtual, 2))
