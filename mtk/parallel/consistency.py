@@ -28,6 +28,7 @@ When the ranks already agree, nothing changes but the cost.
 from __future__ import annotations
 
 import copy
+import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -82,8 +83,8 @@ def broadcast_batch(batch: Any, group: Group, src: int, device: torch.device) ->
     """The source rank's ``batch`` on every rank of ``group`` (``src``: its global rank).
 
     ``batch``: tensors, possibly inside dicts (``BatchEncoding`` included), lists and tuples, and any
-    picklable values. The structure, shapes, dtypes and non-tensor values travel first (one
-    ``broadcast_object_list``), then one flat buffer per dtype on ``device``. The source gets its own
+    picklable values. The structure, shapes, dtypes and non-tensor values travel first (pickled: two
+    broadcasts), then one flat buffer per dtype on ``device``. The source gets its own
     ``batch`` back untouched; a receiver gets tensors on ``device`` (or on the CPU where the source's were).
     """
     if group_size(group) == 1:
@@ -96,9 +97,7 @@ def broadcast_batch(batch: Any, group: Group, src: int, device: torch.device) ->
         on_device = tensor.device.type == device.type
         return _Slot(len(tensors) - 1, tuple(tensor.shape), tensor.dtype, on_device)
 
-    box = [_map(batch, slot, torch.Tensor) if is_src else None]
-    dist.broadcast_object_list(box, src=src, group=group, device=device)
-    skeleton = box[0]
+    skeleton = _broadcast_object(_map(batch, slot, torch.Tensor) if is_src else None, group, src, device)
     slots: list[_Slot] = []
     _map(skeleton, slots.append, _Slot)
     received: dict[int, torch.Tensor] = {}
@@ -116,6 +115,18 @@ def broadcast_batch(batch: Any, group: Group, src: int, device: torch.device) ->
     if is_src:
         return batch
     return _map(skeleton, lambda s: received[s.index], _Slot)
+
+
+def _broadcast_object(obj: Any, group: Group, src: int, device: torch.device) -> Any:
+    """``obj`` of the source, pickled: its length, then its bytes (what ``broadcast_object_list`` does, through
+    the public ``broadcast`` so that :func:`~mtk.parallel.collective_count.count_collectives` sees both)."""
+    is_src = dist.get_rank() == src
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if is_src else None
+    length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.long, device=device)
+    dist.broadcast(length, src=src, group=group)
+    data = payload.to(device) if payload is not None else torch.empty(int(length), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=src, group=group)
+    return obj if is_src else pickle.loads(data.cpu().numpy().tobytes())
 
 
 class BroadcastBatches:
@@ -206,7 +217,7 @@ def agree_weights(model: nn.Module, group: Group, src: int, device: torch.device
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         high, low = both[: len(named)], -both[len(named) :]
         differs = (high != low).any(dim=1).tolist()
-        for (name, tensor), differ in zip(named, differs):
+        for (_, tensor), differ in zip(named, differs):
             if differ:
                 on_device = tensor.to(device)
                 dist.broadcast(on_device, src=src, group=group)
