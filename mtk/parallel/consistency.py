@@ -10,7 +10,7 @@ mtk does the same over the model-parallel group, from its source rank (TP rank 0
 ==========================  ===================================================  ================================
 what                        how                                                  cost
 ==========================  ===================================================  ================================
-the batch                   :class:`BroadcastBatches`: the source's batch,       per batch: 2 broadcasts (keys,
+the batch                   :func:`broadcast_batches`: the source's batch,       per batch: 2 broadcasts (keys,
                             whatever each rank's loader drew                     shapes, dtypes, non-tensors) + 1
                                                                                  per tensor dtype (token ids,
                                                                                  masks, labels: 1)
@@ -41,7 +41,7 @@ from mtk.errors import TrainingError
 from mtk.parallel.comm import Group, group_size
 from mtk.parallel.random import _get_state, _set_state
 
-__all__ = ["BroadcastBatches", "agree_rng", "agree_weights", "broadcast_batch", "check_same_loss"]
+__all__ = ["BroadcastBatches", "agree_rng", "agree_weights", "broadcast_batch", "broadcast_batches", "check_same_loss"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,22 @@ def _broadcast_object(obj: Any, group: Group, src: int, device: torch.device) ->
     return obj if is_src else pickle.loads(data.cpu().numpy().tobytes())
 
 
+def broadcast_batches(own: Iterator[Any], group: Group, src: int, device: torch.device) -> Iterator[Any]:
+    """The source rank's batches, drawn in step with this rank's own iterator ``own`` (which is still consumed,
+    batch for batch). Ends when the source's ends; a rank whose iterator ends at another batch is one line."""
+    while True:
+        batch = next(own, _EndOfData())
+        agreed = broadcast_batch(batch, group, src, device)
+        if isinstance(agreed, _EndOfData) != isinstance(batch, _EndOfData):
+            raise TrainingError(
+                f"the DataLoader yields a different number of batches on rank {dist.get_rank()} than on rank {src}, "
+                "ranks of one model replica: give every rank of a replica the same dataset"
+            )
+        if isinstance(agreed, _EndOfData):
+            return
+        yield agreed
+
+
 class BroadcastBatches:
     """An iterable of batches (a prepared DataLoader) whose every batch is the model-parallel source rank's.
 
@@ -142,18 +158,7 @@ class BroadcastBatches:
         self.loader, self.group, self.src, self.device = loader, group, src, device
 
     def __iter__(self) -> Iterator[Any]:
-        own = iter(self.loader)
-        while True:
-            batch = next(own, _EndOfData())
-            agreed = broadcast_batch(batch, self.group, self.src, self.device)
-            if isinstance(agreed, _EndOfData) != isinstance(batch, _EndOfData):
-                raise TrainingError(
-                    f"the DataLoader yields a different number of batches on rank {dist.get_rank()} than on rank "
-                    f"{self.src}, ranks of one model replica: give every rank of a replica the same dataset"
-                )
-            if isinstance(agreed, _EndOfData):
-                return
-            yield agreed
+        return broadcast_batches(iter(self.loader), self.group, self.src, self.device)
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]

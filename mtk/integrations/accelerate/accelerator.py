@@ -26,6 +26,7 @@ from torch import nn
 from mtk.config import ParallelConfig, RunSettings
 from mtk.convert.regions import reseed_tp_stream
 from mtk.errors import ConfigError
+from mtk.integrations.accelerate.batches import broadcasting, unwrapped
 from mtk.integrations.accelerate.checkpoint import ShardedCheckpointing
 from mtk.integrations.accelerate.collectives import DataParallelCollectives
 from mtk.integrations.accelerate.convert import ReplacedParams, convert_tracking, repoint
@@ -38,7 +39,7 @@ from mtk.integrations.deepspeed import (
     zero3_gathered,
 )
 from mtk.parallel.amp import TPGradScaler
-from mtk.parallel.consistency import BroadcastBatches, agree_rng, agree_weights, check_same_loss
+from mtk.parallel.consistency import agree_rng, agree_weights, check_same_loss
 from mtk.parallel.distributed_optimizer import shard_optimizer
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
@@ -282,9 +283,8 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         """accelerate's, sharded over the data-parallel replicas; with tp x pp > 1 every batch is the replica's
-        source rank's (:class:`~mtk.parallel.consistency.BroadcastBatches`: what Megatron's ``broadcast_data``
-        does), however each rank's loader draws. accelerate keeps the loader itself; the caller gets the
-        broadcasting view of it."""
+        source rank's (:mod:`~mtk.integrations.accelerate.batches`: what Megatron's ``broadcast_data`` does),
+        however each rank's loader draws."""
         if getattr(data_loader, "_is_accelerate_prepared", False):
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
         prepared = prepare_data_loader(
@@ -303,20 +303,19 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
             non_blocking=self.non_blocking,
             use_stateful_dataloader=self.use_stateful_dataloader,
         )
+        prepared = self._broadcasting(prepared)
         self._dataloaders.append(prepared)
-        return self._broadcasting(prepared)
+        return prepared
 
     def _broadcasting(self, loader):
         """``loader`` whose batches come from the model-parallel source rank (itself when tp x pp = 1)."""
         if self.parallel.tp_size * self.parallel.pp_size == 1:
             return loader
-        return BroadcastBatches(loader, self.parallel.mp_group, self.parallel.mp_src_rank, self.parallel.device)
+        return broadcasting(loader, self.parallel.mp_group, self.parallel.mp_src_rank, self.parallel.device)
 
     def skip_first_batches(self, dataloader, num_batches: int = 0):
-        """accelerate's, on the loader itself; still the source rank's batches with tp x pp > 1."""
-        if isinstance(dataloader, BroadcastBatches):
-            return self._broadcasting(super().skip_first_batches(dataloader.loader, num_batches))
-        return super().skip_first_batches(dataloader, num_batches)
+        """accelerate's; with tp x pp > 1 the skipping loader, too, yields the source rank's batches."""
+        return self._broadcasting(super().skip_first_batches(unwrapped(dataloader), num_batches))
 
     # ----------------------------------------------------------------------------------- training
     @contextmanager
