@@ -7,20 +7,15 @@ weights, or training is silently wrong (a user who seeds per process, as acceler
 batch from the TP source rank (``broadcast_data``) so that it need not rely on the ranks agreeing;
 mtk does the same over the model-parallel group, from its source rank (TP rank 0 of the first stage):
 
-==========================  ===================================================  ================================
-what                        how                                                  cost
-==========================  ===================================================  ================================
-the batch                   :func:`broadcast_batches`: the source's batch,       per batch: 2 broadcasts (keys,
-                            whatever each rank's loader drew                     shapes, dtypes, non-tensors) + 1
-                                                                                 per tensor dtype (token ids,
-                                                                                 masks, labels: 1)
-the replicated-region RNG   :func:`agree_rng`: the source's CPU (and device)     once, at conversion: 1 broadcast
-and the TP stream's seed    generator state, hence its ``initial_seed``
-the weights (materialized)  :func:`agree_weights`: a fingerprint all-reduce;     once: 1 all-reduce; a broadcast
-                            rank 0's weights broadcast where they differ          per differing tensor
-the loss                    :func:`check_same_loss`: one line when the ranks     per backward: 1 all-reduce of 2
-                            backpropagate different losses                        numbers
-==========================  ===================================================  ================================
+- the batch: :func:`broadcast_batches` yields the source's batch, whatever each rank's loader drew. Per
+  batch: 2 broadcasts (structure, shapes, dtypes and non-tensor entries, pickled) + 1 per tensor dtype
+  (token ids, mask and labels: 1).
+- the replicated-region RNG and the TP stream's seed: :func:`agree_rng` gives every rank the source's CPU
+  (and device) generator state, hence its ``initial_seed``. Once, before conversion: 1 broadcast.
+- the weights (materialized): :func:`agree_weights`, a fingerprint all-reduce; the source's tensors are
+  broadcast where they differ. Once: 1 all-reduce, and a broadcast per differing tensor.
+- the loss: :func:`check_same_loss`, one line when the ranks backpropagate different losses. Per
+  backward: 1 all-reduce of 2 numbers.
 
 When the ranks already agree, nothing changes but the cost.
 """
@@ -230,7 +225,7 @@ def agree_weights(model: nn.Module, group: Group, src: int, device: torch.device
     return [name for (name, _), differ in zip(named, differs) if differ]
 
 
-def check_same_loss(loss: torch.Tensor, group: Group) -> None:
+def check_same_loss(loss: torch.Tensor, group: Group, device: torch.device) -> None:
     """One line when the ranks of ``group`` (one model replica) backpropagate different losses.
 
     They compute on the same batch and weights, so their losses are bitwise equal; a difference means
@@ -239,7 +234,7 @@ def check_same_loss(loss: torch.Tensor, group: Group) -> None:
     """
     if group_size(group) == 1:
         return
-    value = loss.detach().reshape(-1)[:1].double()
+    value = loss.detach().reshape(-1)[:1].to(device, torch.float64)
     both = torch.cat([value, -value])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     high, low = both[0].item(), -both[1].item()

@@ -155,10 +155,10 @@ def _broadcast(rank, world_size):
         list(uneven)  # rank 0 ends after two batches; rank 1 gets its end marker in place of a third
 
     with count_collectives() as log:
-        check_same_loss(torch.tensor(2.5), group)  # the same loss: no word
+        check_same_loss(torch.tensor(2.5), group, device)  # the same loss: no word
     assert log.counts() == {"all_reduce": 1}, log.counts()
     with pytest.raises(TrainingError, match="backpropagate different losses"):
-        check_same_loss(torch.tensor(float(rank)), group)
+        check_same_loss(torch.tensor(float(rank)), group, device)
     return True
 
 

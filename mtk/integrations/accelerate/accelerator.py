@@ -331,7 +331,7 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         """``loss.backward()`` as accelerate does it; for a pipelined model the schedule already ran
         the backward passes, and only the gradient sync (tied embeddings, data parallel) is left. With
         tp x pp > 1 the ranks of a replica must backpropagate the same loss (one line if not)."""
-        check_same_loss(loss, self.parallel.mp_group)
+        check_same_loss(loss, self.parallel.mp_group, self.parallel.device)
         pipelines = [m for m in self._models if isinstance(m, PipelineModel)]
         if not pipelines:
             super().backward(loss, **kwargs)
