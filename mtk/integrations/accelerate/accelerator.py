@@ -14,7 +14,6 @@ plugin (NVIDIA's Megatron-LM package) is not used.
 from __future__ import annotations
 
 import os
-import weakref
 from contextlib import contextmanager
 from typing import Any
 
@@ -50,6 +49,9 @@ from mtk.parallel.state import ParallelState, default_device
 from mtk.pipeline.engine import PipelineModel
 
 __all__ = ["Accelerator", "DataParallelScheduler"]
+
+_AGREED = "_mtk_ranks_agreed"  # set on a model once its ranks agreed on weights and generators (as accelerate marks
+# what it prepared), so prepare() and accelerate's prepare_model, which sees the model again, agree once
 
 
 class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAccelerator):
@@ -112,7 +114,6 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         for line in self.settings.check_pipeline(self.parallel.pp_size):
             self.print(line)
         self._replaced_params: ReplacedParams = {}  # id(unconverted param) -> (weakref to it, its shard)
-        self._agreed: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models converted after the ranks agreed
         # The data position, across epochs (accelerate's ``step`` restarts at every epoch end).
         self.micro_batches_seen = 0  # micro-batches each replica has consumed
         self.completed_steps = 0  # optimizer steps
@@ -165,16 +166,16 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
                     f"megatron_lm_sequence_parallelism={sequence_parallel}: pass the run's setting to "
                     "load_pretrained_tp"
                 )
-            if model not in self._agreed:  # converted elsewhere (load_pretrained_tp), before the ranks agreed
+            if not getattr(model, _AGREED, False):  # converted elsewhere (load_pretrained_tp), before the ranks agreed
                 self._agree_rng()
                 if record.rng is not None:
                     reseed_tp_stream(record.rng, self.parallel)
-                self._agreed.add(model)
+                setattr(model, _AGREED, True)
             act_on_model(model, self.settings, self.print)
             return self._pipelined(model), {}
-        if model not in self._agreed:  # prepare() converts, then accelerate's prepare_model comes here again
+        if not getattr(model, _AGREED, False):  # prepare() converts, then accelerate's prepare_model comes here again
             self._agree(model)
-            self._agreed.add(model)
+            setattr(model, _AGREED, True)
         if not hasattr(model, "config"):
             if self.parallel.pp_size > 1:
                 raise ConfigError("pipeline parallelism (pp > 1) needs an HF model with a config")
@@ -188,7 +189,7 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         that LoRA adapters can be added to its parallel layers (:func:`mtk.lora.get_peft_model`)."""
         if parallelized(model) is None:
             self._agree(model)
-            self._agreed.add(model)
+            setattr(model, _AGREED, True)
             self._replaced_params.update(convert_tracking(model, self.parallel, self.settings))
         return model
 
