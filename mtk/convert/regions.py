@@ -36,15 +36,27 @@ from mtk.parallel.state import ParallelState
 from mtk.pipeline.stages import SkipLayer
 from mtk.rules.base import RuleSet, UnsupportedModelError, compile_pattern
 
-__all__ = ["local_blocks", "apply_regions", "tp_streams"]
+__all__ = ["local_blocks", "apply_regions", "reseed_tp_stream", "tp_streams"]
 
 
 def tp_streams(parallel: ParallelState) -> RNGStreams:
     """The default stream plus a per-TP-rank one seeded from the user's seed (``torch.initial_seed()``,
-    what ``set_seed`` set), so the same seed gives the same masks at every run."""
+    what ``set_seed`` set), so the same seed gives the same masks at every run. ``mtk.Accelerator`` first
+    gives every rank of a replica its source rank's generators (:func:`~mtk.parallel.consistency.agree_rng`),
+    so a per-process seed (``set_seed(seed, device_specific=True)``) draws what a common one would."""
     streams = RNGStreams(parallel.device)
-    streams.add(TP_STREAM, torch.initial_seed() + TP_SEED_OFFSET + parallel.tp_rank)
+    streams.add(TP_STREAM, _tp_seed(parallel))
     return streams
+
+
+def reseed_tp_stream(streams: RNGStreams, parallel: ParallelState) -> None:
+    """Seed an existing TP stream again from today's ``torch.initial_seed()`` (a model converted before the
+    replica's ranks agreed on their generators, e.g. by ``load_pretrained_tp``)."""
+    streams.reseed(TP_STREAM, _tp_seed(parallel))
+
+
+def _tp_seed(parallel: ParallelState) -> int:
+    return torch.initial_seed() + TP_SEED_OFFSET + parallel.tp_rank
 
 
 def local_blocks(model: nn.Module, rule_set: RuleSet) -> list[nn.Module]:

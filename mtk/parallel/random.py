@@ -78,6 +78,13 @@ class RNGStreams:
         self._states[name] = _get_state(self.device)
         _set_state(self.device, saved)
 
+    def reseed(self, name: str, seed: int) -> None:
+        """Seed the parked stream ``name`` again with ``seed`` (as :meth:`add` did)."""
+        if name not in self._states:
+            raise KeyError(f"RNG stream {name!r} is not parked here; parked streams: {sorted(self._states)}")
+        del self._states[name]
+        self.add(name, seed)
+
     @contextmanager
     def fork(self, name: str = TP_STREAM) -> Iterator[None]:
         """Draw from stream ``name`` inside the block; the stream active before resumes afterwards."""

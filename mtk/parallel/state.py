@@ -222,6 +222,12 @@ class ParallelState:
         return self.layout.dp_size
 
     @property
+    def mp_src_rank(self) -> int:
+        """Global rank of the model-parallel group's source (TP rank 0 of the first stage): what the other
+        ranks of this replica take their batch and replicated-region RNG from (:mod:`mtk.parallel.consistency`)."""
+        return self.mp_ranks[0]
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 

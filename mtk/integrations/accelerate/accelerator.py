@@ -18,12 +18,15 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator as _AccelerateAccelerator
 from accelerate.data_loader import prepare_data_loader
 from torch import nn
 
 from mtk.config import ParallelConfig, RunSettings
+from mtk.convert.regions import reseed_tp_stream
 from mtk.errors import ConfigError
+from mtk.integrations.accelerate.batches import broadcasting, unwrapped
 from mtk.integrations.accelerate.checkpoint import ShardedCheckpointing
 from mtk.integrations.accelerate.collectives import DataParallelCollectives
 from mtk.integrations.accelerate.convert import ReplacedParams, convert_tracking, repoint
@@ -36,6 +39,7 @@ from mtk.integrations.deepspeed import (
     zero3_gathered,
 )
 from mtk.parallel.amp import TPGradScaler
+from mtk.parallel.consistency import agree_rng, agree_weights, check_same_loss
 from mtk.parallel.distributed_optimizer import shard_optimizer
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
@@ -45,6 +49,9 @@ from mtk.parallel.state import ParallelState, default_device
 from mtk.pipeline.engine import PipelineModel
 
 __all__ = ["Accelerator", "DataParallelScheduler"]
+
+_AGREED = "_mtk_ranks_agreed"  # set on a model once its ranks agreed on weights and generators (as accelerate marks
+# what it prepared), so prepare() and accelerate's prepare_model, which sees the model again, agree once
 
 
 class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAccelerator):
@@ -159,8 +166,16 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
                     f"megatron_lm_sequence_parallelism={sequence_parallel}: pass the run's setting to "
                     "load_pretrained_tp"
                 )
+            if not getattr(model, _AGREED, False):  # converted elsewhere (load_pretrained_tp), before the ranks agreed
+                self._agree_rng()
+                if record.rng is not None:
+                    reseed_tp_stream(record.rng, self.parallel)
+                setattr(model, _AGREED, True)
             act_on_model(model, self.settings, self.print)
             return self._pipelined(model), {}
+        if not getattr(model, _AGREED, False):  # prepare() converts, then accelerate's prepare_model comes here again
+            self._agree(model)
+            setattr(model, _AGREED, True)
         if not hasattr(model, "config"):
             if self.parallel.pp_size > 1:
                 raise ConfigError("pipeline parallelism (pp > 1) needs an HF model with a config")
@@ -173,8 +188,26 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         """The HF model made parallel for this run now instead of in ``prepare`` (in place; returns it), so
         that LoRA adapters can be added to its parallel layers (:func:`mtk.lora.get_peft_model`)."""
         if parallelized(model) is None:
+            self._agree(model)
+            setattr(model, _AGREED, True)
             self._replaced_params.update(convert_tracking(model, self.parallel, self.settings))
         return model
+
+    def _agree(self, model: nn.Module) -> None:
+        """Before conversion: every rank holds rank 0's weights and its replica's source generators
+        (:mod:`mtk.parallel.consistency`), whatever each process seeded."""
+        world = dist.group.WORLD if dist.is_initialized() else None
+        differed = agree_weights(model, world, 0, self.parallel.device)
+        if differed:
+            self.print(
+                f"mtk: the model's weights differed between processes ({len(differed)} tensors, e.g. {differed[0]}: "
+                "built from a per-process seed?); every process now holds process 0's"
+            )
+        self._agree_rng()
+
+    def _agree_rng(self) -> None:
+        """The replica's source generators (so replicated-region dropout and the TP stream's seed agree)."""
+        agree_rng(self.parallel.mp_group, self.parallel.mp_src_rank, self.parallel.device)
 
     def _pipelined(self, model: nn.Module) -> nn.Module:
         """With pp > 1, the stage wrapped in the schedule-running :class:`PipelineModel`."""
@@ -257,6 +290,9 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         return prepared
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        """accelerate's, sharded over the data-parallel replicas; with tp x pp > 1 every batch is the replica's
+        source rank's (:mod:`~mtk.integrations.accelerate.batches`: what Megatron's ``broadcast_data`` does),
+        however each rank's loader draws."""
         if getattr(data_loader, "_is_accelerate_prepared", False):
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
         prepared = prepare_data_loader(
@@ -275,8 +311,19 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
             non_blocking=self.non_blocking,
             use_stateful_dataloader=self.use_stateful_dataloader,
         )
+        prepared = self._broadcasting(prepared)
         self._dataloaders.append(prepared)
         return prepared
+
+    def _broadcasting(self, loader):
+        """``loader`` whose batches come from the model-parallel source rank (itself when tp x pp = 1)."""
+        if self.parallel.tp_size * self.parallel.pp_size == 1:
+            return loader
+        return broadcasting(loader, self.parallel.mp_group, self.parallel.mp_src_rank, self.parallel.device)
+
+    def skip_first_batches(self, dataloader, num_batches: int = 0):
+        """accelerate's; with tp x pp > 1 the skipping loader, too, yields the source rank's batches."""
+        return self._broadcasting(super().skip_first_batches(unwrapped(dataloader), num_batches))
 
     # ----------------------------------------------------------------------------------- training
     @contextmanager
@@ -290,7 +337,9 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward()`` as accelerate does it; for a pipelined model the schedule already ran
-        the backward passes, and only the gradient sync (tied embeddings, data parallel) is left."""
+        the backward passes, and only the gradient sync (tied embeddings, data parallel) is left. With
+        tp x pp > 1 the ranks of a replica must backpropagate the same loss (one line if not)."""
+        check_same_loss(loss, self.parallel.mp_group, self.parallel.device)
         pipelines = [m for m in self._models if isinstance(m, PipelineModel)]
         if not pipelines:
             super().backward(loss, **kwargs)

@@ -1,0 +1,166 @@
+"""The ranks of one model replica compute on the same batch, dropout stream and weights, whatever each process
+seeded (issue 31): a plain accelerate loop that seeds as accelerate documents for multi-process runs,
+``set_seed(0, device_specific=True)``, builds GPT-2 from its config and shuffles with the global generator
+trains at TP=2 (and TP2 x PP2) exactly as one process does, with fixed-length and padded variable-length
+batches; the batch broadcast itself and the loss check are tested on their own.
+"""
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from mtk.testing import assert_close_rel, run_distributed
+
+STEPS = 2
+
+
+def _train(rank, world_size, tp_size, pp_size, padded, device_specific, attn_pdrop, dropout):
+    """Two SGD steps of tiny GPT-2 in a plain accelerate loop: the losses; the first step's full gradients of this
+    stage (TP rank 0); the weights before and after (rank 0)."""
+    from accelerate.utils import set_seed
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM
+
+    from mtk import Accelerator, ParallelConfig
+    from mtk.config import RunSettings
+    from mtk.models import builtin_config
+    from mtk.parallel.gather import iter_full_tensors
+    from mtk.parallel.parameters import param_info
+
+    settings = RunSettings(num_micro_batches=2) if pp_size > 1 else RunSettings()
+    accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=tp_size, pp_size=pp_size), run_settings=settings)
+    set_seed(0, device_specific=device_specific)  # as users do: after the Accelerator, before model and data
+    config = builtin_config("tiny-gpt2")
+    config.attn_pdrop, config.resid_pdrop, config.embd_pdrop = attn_pdrop, dropout, dropout
+    model = AutoModelForCausalLM.from_config(config)  # initialized from this process's seed
+    data_gen = torch.Generator().manual_seed(1)  # the data set itself is the same everywhere
+    lengths = torch.randint(4, 17, (16,), generator=data_gen) if padded else torch.full((16,), 16)
+    data = [torch.randint(0, 256, (int(n),), generator=data_gen) for n in lengths]
+
+    def collate(seqs):
+        ids = torch.full((len(seqs), max(len(s) for s in seqs)), config.pad_token_id)
+        mask = torch.zeros_like(ids)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)], mask[i, : len(s)] = s, 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    loader = DataLoader(data, batch_size=4, shuffle=True, collate_fn=collate)  # shuffled by the global generator
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    model.train()
+    before = _numpy(accelerator.get_state_dict(model))
+    losses, grads = [], {}
+    for batch in loader:
+        num_items = (batch["labels"][:, 1:] != -100).sum()
+        loss = model(**batch, num_items_in_batch=num_items).loss
+        accelerator.backward(loss)
+        if not losses:
+            stage = accelerator.unwrap_model(model)
+            for name, grad in iter_full_tensors(stage, accelerator.parallel.tp_group, grads=True):
+                if not param_info(stage.get_parameter(name)).pipeline_duplicate:
+                    grads[name] = grad.numpy()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if len(losses) == STEPS:
+            break
+    after = _numpy(accelerator.get_state_dict(model))
+    return losses, grads if accelerator.parallel.tp_rank == 0 else None, (before, after) if rank == 0 else None
+
+
+def _numpy(state):
+    return {name: tensor.numpy() for name, tensor in state.items()}  # plain pickles back to the test
+
+
+def _assert_trains_as(results, reference):
+    ref_losses, ref_grads, (ref_before, ref_after) = reference
+    for rank, (losses, _, _) in enumerate(results):
+        assert_close_rel(torch.tensor(losses), torch.tensor(ref_losses), f"rank {rank} losses")
+    grads = {name: grad for _, stage, _ in results if stage is not None for name, grad in stage.items()}
+    assert sorted(grads) == sorted(ref_grads)
+    scale = max(abs(g).max() for g in ref_grads.values())
+    for name, grad in grads.items():  # near-zero gradients are judged against the model's largest
+        assert_close_rel(grad, ref_grads[name], f"{name} gradient", scale_floor=1e-3 * scale)
+    before, after = results[0][2]
+    assert sorted(before) == sorted(ref_before)
+    for name in ref_before:
+        assert (before[name] == ref_before[name]).all(), f"{name}: initial weights differ from process 0's"
+        assert_close_rel(after[name], ref_after[name], f"{name} after {STEPS} steps")
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["fixed-length", "padded"])
+def test_tp2_with_device_specific_seeds_trains_as_one_process(padded):
+    # attention dropout draws from the per-TP-rank stream (Megatron's), which one process cannot reproduce;
+    # the residual and embedding dropouts are the replicated regions, drawn from the shared default stream
+    reference = run_distributed(_train, world_size=1, args=(1, 1, padded, True, 0.0, 0.1))[0]
+    results = run_distributed(_train, world_size=2, args=(2, 1, padded, True, 0.0, 0.1))
+    _assert_trains_as(results, reference)
+
+
+def test_tp2_with_device_specific_seeds_draws_what_a_common_seed_draws():
+    # every dropout on, the TP stream included: it derives from the source rank's seed
+    common = run_distributed(_train, world_size=2, args=(2, 1, True, False, 0.1, 0.1))
+    specific = run_distributed(_train, world_size=2, args=(2, 1, True, True, 0.1, 0.1))
+    assert common[0][0] == specific[0][0] == specific[1][0], (common[0][0], specific[0][0])
+    for name, array in common[0][2][1].items():
+        assert (array == specific[0][2][1][name]).all(), name
+
+
+def test_tp2_pp2_with_device_specific_seeds_trains_as_one_process():
+    # no dropout: micro-batches draw their masks in another order than one whole-batch forward
+    reference = run_distributed(_train, world_size=1, args=(1, 1, True, True, 0.0, 0.0))[0]
+    results = run_distributed(_train, world_size=4, args=(2, 2, True, True, 0.0, 0.0))
+    _assert_trains_as(results, reference)
+
+
+def _broadcast(rank, world_size):
+    import torch.distributed as dist
+
+    from mtk.errors import TrainingError
+    from mtk.parallel.collective_count import count_collectives
+    from mtk.parallel.consistency import BroadcastBatches, broadcast_batch, check_same_loss
+    from mtk.parallel.state import ParallelState
+
+    parallel = ParallelState.build(tp_size=2)
+    group, src, device = parallel.mp_group, parallel.mp_src_rank, parallel.device
+    batch = {
+        "input_ids": torch.full((2, 3 + rank), rank),  # a different shape on each rank
+        "scores": torch.rand(4) + rank,
+        "mask": torch.tensor([True, rank == 0]),
+        "nested": [torch.arange(rank + 1).double(), ("name", rank)],
+        "meta": {"source": f"rank {rank}"},
+    }
+    with count_collectives() as log:
+        agreed = broadcast_batch(batch, group, src, device)
+    if rank == 0:
+        assert agreed is batch  # the source keeps its own batch
+    else:
+        assert sorted(agreed) == sorted(batch)
+        assert torch.equal(agreed["input_ids"], torch.zeros(2, 3, dtype=torch.long))
+        assert torch.equal(agreed["mask"], torch.tensor([True, True]))
+        assert torch.equal(agreed["nested"][0], torch.zeros(1, dtype=torch.float64))
+        assert agreed["nested"][1] == ("name", 0) and agreed["meta"] == {"source": "rank 0"}
+        assert agreed["scores"].dtype == torch.float32 and agreed["mask"].dtype == torch.bool
+    # structure and non-tensors (pickled: its length, its bytes), then one buffer per dtype (4 here)
+    assert log.counts() == {"broadcast": 2 + 4}, log.counts()
+    scores = [torch.zeros(1) for _ in range(world_size)]
+    dist.all_gather(scores, agreed["scores"][:1].contiguous())
+    assert scores[0] == scores[1]
+
+    loader = [{"x": torch.tensor([rank, i])} for i in range(3)]
+    assert [b["x"].tolist() for b in BroadcastBatches(loader, group, src, device)] == [[0, 0], [0, 1], [0, 2]]
+    uneven = BroadcastBatches(loader[: 2 + rank], group, src, device)  # rank 1's loader has one batch more
+    with pytest.raises(TrainingError, match="different number of batches") if rank == 1 else nullcontext():
+        list(uneven)  # rank 0 ends after two batches; rank 1 gets its end marker in place of a third
+
+    with count_collectives() as log:
+        check_same_loss(torch.tensor(2.5), group, device)  # the same loss: no word
+    assert log.counts() == {"all_reduce": 1}, log.counts()
+    with pytest.raises(TrainingError, match="backpropagate different losses"):
+        check_same_loss(torch.tensor(float(rank)), group, device)
+    return True
+
+
+def test_broadcast_batch_and_the_checks():
+    assert run_distributed(_broadcast, world_size=2) == [True, True]
