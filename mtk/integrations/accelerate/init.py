@@ -76,9 +76,12 @@ def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | N
         launcher = dataclasses.replace(launcher, tp_size=json_tp)
     config = explicit or launcher
     if explicit is not None:
-        for field in ("tp_size", "pp_size"):
-            if getattr(explicit, field) != getattr(launcher, field):
-                source = "the DeepSpeed JSON's mtk block" if field == "tp_size" and json_tp else "the launcher"
+        variables = {"tp_size": "MEGATRON_LM_TP_DEGREE", "pp_size": "MEGATRON_LM_PP_DEGREE"}
+        for field, variable in variables.items():
+            from_json = field == "tp_size" and bool(json_tp)
+            given = from_json or os.environ.get(variable, "") != ""  # a default is nothing to override
+            if given and getattr(explicit, field) != getattr(launcher, field):
+                source = "the DeepSpeed JSON's mtk block" if from_json else variable
                 report_override(field, getattr(explicit, field), source, getattr(launcher, field))
     if deepspeed_config is not None and config.pp_size > 1:
         raise ConfigError("pipeline parallelism does not run under DeepSpeed; use a megatron_lm_config YAML")
