@@ -27,7 +27,12 @@ from mtk.errors import ConfigError
 from mtk.integrations.accelerate.checkpoint import ShardedCheckpointing
 from mtk.integrations.accelerate.collectives import DataParallelCollectives
 from mtk.integrations.accelerate.convert import ReplacedParams, convert_tracking, repoint
-from mtk.integrations.accelerate.deepspeed import deepspeed_initialize_with_mpu, replace_accelerated_schedulers
+from mtk.integrations.accelerate.deepspeed import (
+    deepspeed_initialize_with_mpu,
+    reconcile_accelerate_batch,
+    replace_accelerated_schedulers,
+    user_batch_fields,
+)
 from mtk.integrations.accelerate.init import apply_timeout, gloo_for_deepspeed, megatron_plugin_off, resolve_topology
 from mtk.integrations.accelerate.megatron_keys import act_on_model, check_engine, check_megatron_environment
 from mtk.integrations.accelerate.scheduler import DataParallelScheduler
@@ -76,6 +81,10 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
                 "parallel_config=mtk.ParallelConfig(tp_size=..., pp_size=...) instead"
             )
         self.settings = run_settings or RunSettings.from_env()
+        # None: not given (accelerate's 1, or under DeepSpeed what the JSON's batch fields give)
+        if kwargs.get("gradient_accumulation_steps") is None:
+            kwargs.pop("gradient_accumulation_steps", None)
+        self._explicit_accumulation: int | None = kwargs.get("gradient_accumulation_steps")
         on_cpu = default_device().type == "cpu"
         self.uses_deepspeed = (
             os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or "deepspeed_plugin" in kwargs
@@ -102,6 +111,8 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         check_megatron_environment(os.environ, self.print)
         check_engine(self.settings, deepspeed=self.uses_deepspeed)
         ds_config = self.state.deepspeed_plugin.deepspeed_config if self.uses_deepspeed else None
+        if self.uses_deepspeed:  # as the user's JSON states them, before accelerate fills anything in
+            self.deepspeed_batch_fields = user_batch_fields(self.state.deepspeed_plugin)
         config = resolve_topology(parallel_config, ds_config)
         self.parallel = ParallelState.build(config.tp_size, config.pp_size, device=self.device)
         for line in self.settings.check_pipeline(self.parallel.pp_size):
@@ -193,7 +204,8 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
                 repoint(obj, self._replaced_params)
         if not self.uses_deepspeed:
             return super().prepare(*args, device_placement=device_placement)
-        with deepspeed_initialize_with_mpu(self.parallel):
+        reconcile_accelerate_batch(self, tuple(args), self._explicit_accumulation)
+        with deepspeed_initialize_with_mpu(self.parallel, self.deepspeed_batch_fields[1]):
             prepared = super().prepare(*args, device_placement=device_placement)
         return replace_accelerated_schedulers(self, prepared)
 

@@ -1,0 +1,127 @@
+"""DeepSpeed's batch fields reconciled with the flags: train_batch_size = micro x accumulation x DP (DP from
+mtk's topology), the missing ones derived as DeepSpeed derives them, an override one line, a refusal one line."""
+
+import json
+
+import pytest
+
+from mtk.config import ConfigError
+from mtk.integrations.deepspeed import deepspeed_config
+from mtk.integrations.deepspeed_batch import BatchSizes, dp_layout, reconcile_batch
+
+pytestmark = pytest.mark.unit
+
+TB, MB, GA = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
+
+
+def sizes(config, dp=2, **flags):
+    batch, note = reconcile_batch(config, dp, **flags)
+    return (batch.global_batch, batch.micro, batch.accumulation), note
+
+
+def test_only_train_batch_size_accumulates_once():
+    assert sizes({TB: 32}) == ((32, 16, 1), None)
+    assert sizes({TB: 32}, micro=4) == ((32, 4, 4), None)  # the flag's micro-batch, accumulation derived
+    assert sizes({TB: 32}, accumulation=4) == ((32, 4, 4), None)  # the flag's accumulation, micro derived
+
+
+def test_only_the_micro_batch_accumulates_once():
+    assert sizes({MB: 8}) == ((16, 8, 1), None)
+    assert sizes({MB: 8}, dp=4) == ((32, 8, 1), None)
+
+
+def test_micro_and_accumulation_give_the_global_batch():
+    assert sizes({MB: 4, GA: 4}) == ((32, 4, 4), None)
+
+
+def test_train_batch_and_one_other_derive_the_third():
+    assert sizes({TB: 32, MB: 8}) == ((32, 8, 2), None)
+    assert sizes({TB: 32, GA: 2}) == ((32, 8, 2), None)
+
+
+def test_three_that_agree_are_used():
+    assert sizes({TB: 32, MB: 8, GA: 2}) == ((32, 8, 2), None)
+    assert sizes({TB: 32, MB: 8, GA: 2}, micro=8, accumulation=2) == ((32, 8, 2), None)  # flags that agree
+
+
+def test_three_that_disagree_are_one_line_naming_dp():
+    with pytest.raises(ConfigError) as err:
+        reconcile_batch({TB: 32, MB: 8, GA: 1}, 2, where="ds.json", layout=dp_layout(4, 2))
+    assert str(err.value) == (
+        "ds.json: train_batch_size 32 != train_micro_batch_size_per_gpu 8 x gradient_accumulation_steps 1 x dp 2 = "
+        "16 (dp = world 4 / tp 2); give two of the three (the third is derived), or values that agree"
+    )
+    with pytest.raises(ConfigError, match="train_batch_size 32 != "):  # flags do not hide a JSON at odds with itself
+        reconcile_batch({TB: 32, MB: 8, GA: 1}, 2, micro=8)
+
+
+def test_a_flag_that_disagrees_overrides_in_one_line():
+    (batch, note) = sizes({MB: 4, GA: 4}, accumulation=1)
+    assert batch == (8, 4, 1)
+    assert note == (
+        "mtk: --grad_accum 1 overrides gradient_accumulation_steps 4 in the DeepSpeed JSON: "
+        "global batch 8 = micro 4 x accumulation 1 x dp 2"
+    )
+    (batch, note) = sizes({MB: 8, GA: 1}, micro=4, accumulation=2)
+    assert batch == (16, 4, 2)
+    assert note is not None and "--batch_size 4 overrides train_micro_batch_size_per_gpu 8; --grad_accum 2" in note
+
+
+def test_train_batch_size_follows_the_flags_and_says_so():
+    (batch, note) = sizes({TB: 32, MB: 8}, accumulation=1)
+    assert batch == (16, 8, 1)
+    assert note == (
+        "mtk: train_batch_size 32 -> 16 (follows --grad_accum) in the DeepSpeed JSON: "
+        "global batch 16 = micro 8 x accumulation 1 x dp 2"
+    )
+    (batch, note) = sizes({TB: 32, MB: 8, GA: 2}, micro=4)
+    assert batch == (16, 4, 2) and note is not None and note.count("\n") == 0
+    assert "--batch_size 4 overrides train_micro_batch_size_per_gpu 8; train_batch_size 32 -> 16" in note
+
+
+def test_flags_fill_a_json_that_gives_none():
+    assert sizes({}, micro=4, accumulation=2) == ((16, 4, 2), None)
+    assert sizes({}, micro=4) == ((8, 4, 1), None)
+
+
+def test_a_global_batch_that_does_not_divide_names_what_would():
+    with pytest.raises(ConfigError) as err:
+        reconcile_batch({TB: 30}, 4, where="ds.json")
+    assert str(err.value).startswith("ds.json: train_batch_size 30 is not a multiple of dp 4 = 4; allowed: 4, 8, 12")
+    with pytest.raises(ConfigError, match=r"train_batch_size 32 is not a multiple of --batch_size 3 x dp 2 = 6; "):
+        reconcile_batch({TB: 32}, 2, micro=3)
+
+
+def test_no_batch_size_at_all_is_one_line():
+    with pytest.raises(ConfigError, match="gives no batch size .* or pass --batch_size"):
+        reconcile_batch({GA: 2}, 2)
+
+
+def test_auto_is_a_value_not_given():
+    auto = {TB: "auto", MB: "auto", GA: "auto"}
+    assert sizes(auto, micro=4) == ((8, 4, 1), None)
+    assert sizes(auto, micro=4, accumulation=2) == ((16, 4, 2), None)
+    assert sizes({TB: 64, MB: "auto", GA: "auto"}, micro=8) == ((64, 8, 4), None)
+    with pytest.raises(ConfigError, match="gives no batch size"):
+        reconcile_batch(auto, 2)
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, "8", True])
+def test_a_value_that_is_no_batch_size_is_one_line(value):
+    with pytest.raises(ConfigError, match=f'"{MB}": .* must be a positive integer or "auto"'):
+        reconcile_batch({MB: value}, 2)
+
+
+def test_dp_is_the_data_parallel_size_not_the_process_count():
+    assert BatchSizes(micro=4, accumulation=2, dp_size=2).global_batch == 16  # e.g. world 8 / (tp 2 x pp 2)
+    assert dp_layout(8, 2, 2) == " (dp = world 8 / (tp 2 x pp 2))"
+
+
+def test_deepspeed_config_writes_all_three_and_keeps_train_batch_size(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({TB: 32, "zero_optimization": {"stage": 2}}))
+    lines = []
+    config, batch = deepspeed_config(path, 2, micro_batch=4, report=lines.append)
+    assert (config[TB], config[MB], config[GA]) == (32, 4, 4) and batch.accumulation == 4 and lines == []
+    config, _ = deepspeed_config(path, 2, micro_batch=4, grad_accum=1, report=lines.append)
+    assert (config[TB], config[MB], config[GA]) == (8, 4, 1) and len(lines) == 1
