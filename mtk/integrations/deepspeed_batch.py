@@ -64,6 +64,11 @@ def dp_layout(world_size: int, tp_size: int, pp_size: int = 1) -> str:
     return f" (dp = world {world_size} / {model})"
 
 
+def _says(flag: str, value: int) -> str:
+    """``--grad_accum 2``, or ``flag`` with the value in its ``{}``: ``Accelerator(gradient_accumulation_steps=2)``."""
+    return flag.format(value) if "{}" in flag else f"{flag} {value}"
+
+
 def _json_value(config: Mapping[str, Any], key: str, where: str) -> int | None:
     value = config.get(key)
     if value is None or value == "auto":
@@ -101,7 +106,8 @@ def reconcile_batch(
         config: the DeepSpeed JSON (read only); its batch fields may be integers, ``"auto"`` or absent.
         dp_size: data-parallel replicas (world / (tp x pp)).
         micro, accumulation: the script's explicit values (``None``: not given).
-        micro_flag, accumulation_flag, where: how messages name the flags and the JSON.
+        micro_flag, accumulation_flag, where: how messages name the flags (the value follows, or fills a ``{}``)
+            and the JSON.
         layout: how DP came about, for messages (e.g. ``" (dp = world 4 / tp 2)"``).
 
     Raises:
@@ -119,13 +125,13 @@ def reconcile_batch(
     for key, flag, value in ((MICRO, micro_flag, micro), (ACCUMULATION, accumulation_flag, accumulation)):
         if value is None:
             continue
-        flags.append(flag)
+        flags.append(_says(flag, value))
         if stated[key] is not None and stated[key] != value:
-            overrides.append(f"{flag} {value} overrides {key} {stated[key]}")
+            overrides.append(f"{flags[-1]} overrides {key} {stated[key]}")
         stated[key] = value
     train_batch, mb, ga = stated[TRAIN_BATCH], stated[MICRO], stated[ACCUMULATION]
-    mb_says = f"{micro_flag} {mb}" if micro is not None else f"{MICRO} {mb}"
-    ga_says = f"{accumulation_flag} {ga}" if accumulation is not None else f"{ACCUMULATION} {ga}"
+    mb_says = _says(micro_flag, mb) if micro is not None and mb is not None else f"{MICRO} {mb}"
+    ga_says = _says(accumulation_flag, ga) if accumulation is not None and ga is not None else f"{ACCUMULATION} {ga}"
     if train_batch is None:
         if mb is None:
             raise ConfigError(

@@ -71,12 +71,28 @@ def test_train_batch_size_follows_the_flags_and_says_so():
     (batch, note) = sizes({TB: 32, MB: 8}, accumulation=1)
     assert batch == (16, 8, 1)
     assert note == (
-        "mtk: train_batch_size 32 -> 16 (follows --grad_accum) in the DeepSpeed JSON: "
+        "mtk: train_batch_size 32 -> 16 (follows --grad_accum 1) in the DeepSpeed JSON: "
         "global batch 16 = micro 8 x accumulation 1 x dp 2"
     )
     (batch, note) = sizes({TB: 32, MB: 8, GA: 2}, micro=4)
     assert batch == (16, 4, 2) and note is not None and note.count("\n") == 0
     assert "--batch_size 4 overrides train_micro_batch_size_per_gpu 8; train_batch_size 32 -> 16" in note
+
+
+def test_accelerate_names_its_own_flags():
+    _, note = reconcile_batch(
+        {MB: "auto", GA: 4},
+        2,
+        micro=1,
+        accumulation=1,
+        micro_flag="the DataLoader's batch_size {}",
+        accumulation_flag="Accelerator(gradient_accumulation_steps={})",
+        where="ds.json",
+    )
+    assert note == (
+        "mtk: Accelerator(gradient_accumulation_steps=1) overrides gradient_accumulation_steps 4 in ds.json: "
+        "global batch 2 = micro 1 x accumulation 1 x dp 2"
+    )
 
 
 def test_flags_fill_a_json_that_gives_none():
