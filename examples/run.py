@@ -8,8 +8,10 @@
 DeepSpeed's launcher and argument conventions (``--deepspeed``, ``--deepspeed_config``,
 ``--local_rank``); the training options are those of examples/finetune.py. The TP size comes from
 ``--tp`` (default: ``MEGATRON_LM_TP_DEGREE``, else 1); the data-parallel size is world / tp, and ZeRO
-partitions over it. Micro-batch and accumulation come from the JSON unless --batch_size/--grad_accum
-are given. Tensorboard scalars go to ``<output_dir>/runs`` as in finetune.py.
+partitions over it. The JSON's train_batch_size, train_micro_batch_size_per_gpu and
+gradient_accumulation_steps follow DeepSpeed's rule (global = micro x accumulation x dp);
+--batch_size/--grad_accum override theirs, in one line (README, "Batch sizes"). Tensorboard scalars go to
+``<output_dir>/runs`` as in finetune.py.
 """
 
 from __future__ import annotations
