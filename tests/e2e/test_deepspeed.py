@@ -232,6 +232,22 @@ def test_deepspeed_through_accelerate_yaml(reference, tmp_path):
         assert_close_rel(resumed[step], first[step], f"accelerate + ZeRO-2 loss at step {step} after resume")
 
 
+def test_accelerate_steps_and_weights_tokens_with_the_json_accumulation(reference, tmp_path):
+    """Through accelerate, the JSON's gradient_accumulation_steps (no --grad_accum) is the one the engine steps with
+    and the one finetune.py weights tokens by: micro 2 x accumulation 2 x dp 2 gives the losses of global batch 8
+    (before, the loop took 1 while the engine took the JSON's, and logged the loss x accumulation)."""
+    config = json.loads((ROOT / "ds_configs" / "accelerate_zero2_tp2.json").read_text())
+    write_json(tmp_path / "ds.json", **{**config, "gradient_accumulation_steps": 2})
+    yaml = (ROOT / "accelerate_configs" / "tp2_dp2_zero2.yaml").read_text()
+    (tmp_path / "ds.yaml").write_text(yaml.replace("ds_configs/accelerate_zero2_tp2.json", str(tmp_path / "ds.json")))
+    out = accelerate_launch("finetune.py", str(tmp_path / "ds.yaml"), "--batch_size", "2", "--max_steps", "6",
+                            "--output_dir", str(tmp_path / "out"))  # fmt: skip
+    assert "global batch 8 examples" in out.stdout + out.stderr
+    losses = step_losses(out)
+    for step in range(1, 7):
+        assert_close_rel(losses[step], reference[step], f"accelerate + JSON accumulation 2: loss at step {step}")
+
+
 def test_a_non_finite_deepspeed_step_stops_the_run_before_it_is_saved(tmp_path):
     """DeepSpeed steps before mtk sees the norm (no skipping in fp32): the run stops at that step, unsaved."""
     out = deepspeed_run(2, "zero2", "--lr", "1e30", "--warmup_steps", "0", "--max_steps", "4", "--save_every", "1",
