@@ -64,7 +64,7 @@ def dp_layout(world_size: int, tp_size: int, pp_size: int = 1) -> str:
     return f" (dp = world {world_size} / {model})"
 
 
-def _says(flag: str, value: int) -> str:
+def _says(flag: str, value: int | str) -> str:
     """``--grad_accum 2``, or ``flag`` with the value in its ``{}``: ``Accelerator(gradient_accumulation_steps=2)``."""
     return flag.format(value) if "{}" in flag else f"{flag} {value}"
 
@@ -136,7 +136,7 @@ def reconcile_batch(
         if mb is None:
             raise ConfigError(
                 f"{where} gives no batch size ({MICRO} and {TRAIN_BATCH} absent or 'auto'): set one of them to an "
-                f"integer, or pass {micro_flag}"
+                f"integer, or pass {_says(micro_flag, 'N')}"
             )
         batch = BatchSizes(mb, ga or 1, dp_size)
     elif mb is not None and ga is not None:

@@ -109,7 +109,7 @@ def test_a_global_batch_that_does_not_divide_names_what_would():
 
 
 def test_no_batch_size_at_all_is_one_line():
-    with pytest.raises(ConfigError, match="gives no batch size .* or pass --batch_size"):
+    with pytest.raises(ConfigError, match="gives no batch size .* or pass --batch_size N$"):
         reconcile_batch({GA: 2}, 2)
 
 

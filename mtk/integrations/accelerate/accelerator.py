@@ -62,7 +62,10 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
             launcher's variables (:class:`~mtk.config.RunSettings`).
         *args, **kwargs: as ``accelerate.Accelerator``, with accelerate's defaults. ``cpu`` defaults to
             True on machines without an accelerator, which is what makes accelerate join the processes
-            with gloo.
+            with gloo. ``gradient_accumulation_steps=None`` is not given: accelerate's 1, or under DeepSpeed
+            what the JSON's batch fields give; under DeepSpeed, after ``prepare``, the attribute is the
+            accumulation the engine steps with (``reconcile_batch``; a given value that overrides the
+            JSON's is reported in one line).
     """
 
     scaler: Any  # accelerate's GradScaler (mtk's TP-aware one under fp16), or None
@@ -111,7 +114,7 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         check_megatron_environment(os.environ, self.print)
         check_engine(self.settings, deepspeed=self.uses_deepspeed)
         ds_config = self.state.deepspeed_plugin.deepspeed_config if self.uses_deepspeed else None
-        if self.uses_deepspeed:  # as the user's JSON states them, before accelerate fills anything in
+        if self.uses_deepspeed:  # as the user's JSON states them (accelerate's plugin has filled in some)
             self.deepspeed_batch_fields = user_batch_fields(self.state.deepspeed_plugin)
         config = resolve_topology(parallel_config, ds_config)
         self.parallel = ParallelState.build(config.tp_size, config.pp_size, device=self.device)
