@@ -220,9 +220,10 @@ def initialization_cleanup(where: str) -> Iterator[None]:
         raise
 
 
-def check_precision(config: dict[str, Any], where: str) -> None:
-    """One line instead of DeepSpeed's traceback when the JSON asks for fp16 where DeepSpeed has none
-    (a CPU): it says what runs there (bf16, fp32)."""
+def check_precision(config: dict[str, Any], where: str, *, accelerate: bool = False) -> None:
+    """One line instead of DeepSpeed's traceback when the config asks for fp16 where DeepSpeed has none
+    (a CPU): it says what runs there (bf16, fp32), in the words of the path used (``accelerate``: its
+    ``mixed_precision``, which fills the JSON's ``"fp16"`` block)."""
     from deepspeed.accelerator import get_accelerator
 
     fp16 = config.get("fp16")
@@ -231,9 +232,14 @@ def check_precision(config: dict[str, Any], where: str) -> None:
     accelerator = get_accelerator()
     if accelerator.is_fp16_supported():
         return
-    works = ['bf16 ("bf16": {"enabled": true})'] if accelerator.is_bf16_supported() else []
-    works.append('fp32 (no fp16 block, or "enabled": false)')
+    if accelerate:
+        asked = 'fp16 (mixed_precision fp16, or the JSON\'s "fp16": {"enabled": true})'
+        bf16, fp32 = "bf16 (mixed_precision bf16)", 'fp32 (mixed_precision no, "fp16" not enabled)'
+    else:
+        asked = '"fp16": {"enabled": true}'
+        bf16, fp32 = 'bf16 ("bf16": {"enabled": true})', 'fp32 (no fp16 block, or "enabled": false)'
+    works = [bf16, fp32] if accelerator.is_bf16_supported() else [fp32]
     raise ConfigError(
-        f'{where}: "fp16": {{"enabled": true}} does not run under DeepSpeed on {accelerator.device_name()} '
-        f"(no fp16 there); use {' or '.join(works)}"
+        f"{where}: {asked} does not run under DeepSpeed on {accelerator.device_name()} (no fp16 there); "
+        f"use {' or '.join(works)}"
     )

@@ -1,12 +1,16 @@
 """DeepSpeed's batch fields reconciled with the flags: train_batch_size = micro x accumulation x DP (DP from
-mtk's topology), the missing ones derived as DeepSpeed derives them, an override one line, a refusal one line."""
+mtk's topology), the missing ones derived as DeepSpeed derives them, an override one line, a refusal one line.
+Also fp16 where DeepSpeed has none, and a failed ``deepspeed.initialize``: one line, no /dev/shm left behind."""
 
 import json
+import os
+import re
+from pathlib import Path
 
 import pytest
 
 from mtk.config import ConfigError
-from mtk.integrations.deepspeed import deepspeed_config
+from mtk.integrations.deepspeed import check_precision, deepspeed_config, initialization_cleanup
 from mtk.integrations.deepspeed_batch import BatchSizes, dp_layout, reconcile_batch
 
 pytestmark = pytest.mark.unit
@@ -141,3 +145,47 @@ def test_deepspeed_config_writes_all_three_and_keeps_train_batch_size(tmp_path):
     assert (config[TB], config[MB], config[GA]) == (32, 4, 4) and batch.accumulation == 4 and lines == []
     config, _ = deepspeed_config(path, 2, micro_batch=4, grad_accum=1, report=lines.append)
     assert (config[TB], config[MB], config[GA]) == (8, 4, 1) and len(lines) == 1
+
+
+def test_fp16_where_deepspeed_has_none_is_one_line_naming_what_runs():
+    pytest.importorskip("deepspeed")
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().is_fp16_supported():
+        pytest.skip("DeepSpeed runs fp16 on this machine")
+    check_precision({"fp16": {"enabled": False}, "bf16": {"enabled": True}}, "ds.json")  # bf16 passes
+    with pytest.raises(ConfigError) as err:
+        check_precision({"fp16": {"enabled": True}}, "ds.json")
+    assert re.fullmatch(
+        r'ds\.json: "fp16": \{"enabled": true\} does not run under DeepSpeed on \w+ \(no fp16 there\); use '
+        r'(bf16 \("bf16": \{"enabled": true\}\) or )?fp32 \(no fp16 block, or "enabled": false\)',
+        str(err.value),
+    ), str(err.value)
+    with pytest.raises(ConfigError, match=r"mixed_precision fp16.* use bf16 \(mixed_precision bf16\) or fp32"):
+        check_precision({"fp16": {"enabled": True}}, "ds.json", accelerate=True)
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+@pytest.mark.parametrize(
+    "error", [AssertionError("Micro batch size per gpu: 0 has to be greater than 0"), OSError("x")]
+)
+def test_a_failed_initialize_removes_the_jobs_shm_buffers(monkeypatch, error):
+    """Every local rank's buffer of this job (port), not another job's; DeepSpeed's config refusal is one line."""
+    port = str(40000 + os.getpid() % 20000)
+    monkeypatch.setenv("MASTER_PORT", port)
+    ours = [Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_{rank}") for rank in (0, 1)]
+    other = Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}1_0")
+    for path in [*ours, other]:
+        path.write_bytes(b"")
+    try:
+        with pytest.raises(ConfigError if isinstance(error, AssertionError) else OSError) as raised:
+            with initialization_cleanup("ds.json"):
+                raise error
+        assert not any(path.exists() for path in ours) and other.exists()
+        if isinstance(error, AssertionError):
+            assert str(raised.value) == (
+                "ds.json: DeepSpeed refused the config: Micro batch size per gpu: 0 has to be greater than 0"
+            )
+    finally:
+        for path in [*ours, other]:
+            path.unlink(missing_ok=True)

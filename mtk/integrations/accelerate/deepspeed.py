@@ -87,7 +87,7 @@ def deepspeed_initialize_with_mpu(parallel: ParallelState, where: str) -> Iterat
         config = kwargs.get("config_params") or kwargs.get("config")
         if isinstance(config, dict):
             config.pop("mtk", None)
-            check_precision(config, where)
+            check_precision(config, where, accelerate=True)
         kwargs["mpu"] = parallel
         with initialization_cleanup(where):
             return original(*args, **kwargs)
