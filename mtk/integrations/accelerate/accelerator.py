@@ -115,7 +115,8 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         check_engine(self.settings, deepspeed=self.uses_deepspeed)
         ds_config = self.state.deepspeed_plugin.deepspeed_config if self.uses_deepspeed else None
         if self.uses_deepspeed:  # as the user's JSON states them (accelerate's plugin has filled in some)
-            self.deepspeed_batch_fields = user_batch_fields(self.state.deepspeed_plugin)
+            passed_in = any(kwargs.get(key) is not None for key in ("deepspeed_plugin", "deepspeed_plugins"))
+            self.deepspeed_batch_fields = user_batch_fields(self.state.deepspeed_plugin, from_launcher=not passed_in)
         config = resolve_topology(parallel_config, ds_config)
         self.parallel = ParallelState.build(config.tp_size, config.pp_size, device=self.device)
         for line in self.settings.check_pipeline(self.parallel.pp_size):

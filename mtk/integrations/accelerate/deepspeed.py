@@ -26,13 +26,14 @@ __all__ = [
 ]
 
 
-def user_batch_fields(plugin) -> tuple[dict[str, Any], str]:
+def user_batch_fields(plugin, from_launcher: bool = True) -> tuple[dict[str, Any], str]:
     """The batch fields as the user's DeepSpeed JSON states them, and how messages name it.
 
     accelerate's plugin writes ``gradient_accumulation_steps: 1`` into a config that has none, which
-    would hide that DeepSpeed (and mtk) derive it from ``train_batch_size``: the file is read again.
+    would hide that DeepSpeed (and mtk) derive it from ``train_batch_size``: the launcher's file is read
+    again (``from_launcher``: the plugin was built from it, not passed in by the script).
     """
-    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if from_launcher else None
     if path and Path(path).is_file():
         try:
             raw = json.loads(Path(path).read_text())
@@ -48,7 +49,8 @@ def reconcile_accelerate_batch(accelerator, args: tuple, explicit_accumulation: 
     """Before accelerate prepares a model under DeepSpeed: the JSON's batch fields reconciled with the
     DataLoader's ``batch_size`` and ``Accelerator(gradient_accumulation_steps=...)`` by
     :func:`~mtk.integrations.deepspeed_batch.reconcile_batch` (DP from mtk's topology), written into the
-    plugin's config, and the accumulation accelerate's ``accumulate`` counts made the engine's."""
+    plugin's config, and accelerate's own accumulation count (what ``accumulate`` and ``sync_gradients``
+    follow) set to the engine's."""
     if not any(isinstance(obj, nn.Module) for obj in args):
         return
     plugin, parallel = accelerator.state.deepspeed_plugin, accelerator.parallel
