@@ -16,6 +16,7 @@ import atexit
 import contextlib
 import json
 import os
+import signal
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -187,7 +188,9 @@ def remove_shm_buffers_at_exit() -> None:
 
     On CPU, DeepSpeed's shared-memory all-reduce op creates one buffer file (tens of MiB, in RAM)
     per rank and port and never removes it: a machine that runs many jobs fills ``/dev/shm`` until
-    new processes fail to load torch. Unlinking at exit is safe: peers keep their mappings.
+    new processes fail to load torch. Unlinking at exit is safe: peers keep their mappings. A launcher
+    stops the other ranks of a failed job with SIGTERM, which would end the process without exit
+    handlers: unless the script handles SIGTERM itself (mtk's ``ExitSignal``, later), it exits instead.
     """
     rank = os.environ.get("RANK")
     if rank is None:
@@ -197,7 +200,12 @@ def remove_shm_buffers_at_exit() -> None:
         for path in _shm_buffers(rank):
             path.unlink(missing_ok=True)
 
+    def exit_on_sigterm(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
     atexit.register(remove)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, exit_on_sigterm)
 
 
 @contextlib.contextmanager

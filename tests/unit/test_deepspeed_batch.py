@@ -5,6 +5,9 @@ Also fp16 where DeepSpeed has none, and a failed ``deepspeed.initialize``: one l
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -189,3 +192,26 @@ def test_a_failed_initialize_removes_the_jobs_shm_buffers(monkeypatch, error):
     finally:
         for path in [*ours, other]:
             path.unlink(missing_ok=True)
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_a_rank_the_launcher_stops_with_sigterm_removes_its_shm_buffer(tmp_path):
+    """The launcher stops the other ranks of a failed job with SIGTERM: their exit handlers still run."""
+    port = str(40000 + (os.getpid() + 7) % 20000)
+    buffer = Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_3")
+    buffer.write_bytes(b"")
+    script = (
+        "import os, signal, time\n"
+        "from mtk.integrations.deepspeed import remove_shm_buffers_at_exit\n"
+        "remove_shm_buffers_at_exit()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(30)\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "MASTER_PORT": port, "RANK": "3", "PYTHONPATH": root}
+    try:
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 128 + signal.SIGTERM, out.stderr[-2000:]
+        assert not buffer.exists()
+    finally:
+        buffer.unlink(missing_ok=True)
