@@ -93,7 +93,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lr", type=positive_float, default=3e-3)
     parser.add_argument("--warmup_steps", type=non_negative_int, default=5)
     parser.add_argument("--batch_size", type=positive_int, default=8, help="micro-batch per data-parallel replica")
-    parser.add_argument("--grad_accum", type=positive_int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument(
+        "--grad_accum",
+        type=positive_int,
+        help="micro-batches per optimizer step (default 1; under DeepSpeed what the JSON's batch fields give)",
+    )
     parser.add_argument("--seq_len", type=positive_int, default=128, help="longest example (longer ones are cut)")
     parser.add_argument(
         "--max_grad_norm", type=positive_float, help="default: megatron_lm_gradient_clipping, else 1.0"
@@ -213,13 +217,15 @@ def main(argv=None) -> None:
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    global_batch = args.batch_size * parallel.dp_size * args.grad_accum  # sequences per optimizer step
+    accum = accelerator.gradient_accumulation_steps  # --grad_accum, or under DeepSpeed the JSON's: the engine's
+    global_batch = args.batch_size * parallel.dp_size * accum  # sequences per optimizer step
     hparams = {k: v for k, v in vars(args).items() if v is not None}
     accelerator.init_trackers(
         "runs",
         config={
             **hparams,
             "global_batch_size": global_batch,
+            "gradient_accumulation_steps": accum,
             "tp": parallel.tp_size,
             "pp": parallel.pp_size,
             "dp": parallel.dp_size,
@@ -268,12 +274,12 @@ def main(argv=None) -> None:
         batches = iter(accelerator.skip_first_batches(loader, skip) if skip else loader)
         # One optimizer step's micro-batches at a time: the loss divides by the number of labelled tokens
         # in the whole global batch (every micro-batch, every DP replica), which is known only then.
-        while window := list(itertools.islice(batches, args.grad_accum)):
+        while window := list(itertools.islice(batches, accum)):
             labelled = accelerator.reduce(sum(loss_tokens(b) for b in window), "sum")  # over DP
             # HF's convention: a call's loss is its summed token losses / num_items_in_batch. Accelerate
             # divides by grad_accum and DP averages: each micro-batch gets the global count / (accum x dp),
             # so the mean over micro-batches and replicas is the mean over the global batch's tokens.
-            num_items = labelled.float() / (args.grad_accum * parallel.dp_size)
+            num_items = labelled.float() / (accum * parallel.dp_size)
             for batch in window:
                 with accelerator.accumulate(model):
                     # With pp > 1 this call runs the pipeline schedule (forward and backward over
@@ -294,7 +300,7 @@ def main(argv=None) -> None:
                 continue
             step += 1
             # mean over micro-batches and DP of losses weighted as above = the global batch's token mean
-            mean_loss = accelerator.reduce(loss_sum / args.grad_accum, "mean").item()
+            mean_loss = accelerator.reduce(loss_sum / accum, "mean").item()
             elapsed, tic = time.perf_counter() - tic, time.perf_counter()
             processed = sum(b["input_ids"].numel() for b in window) * parallel.dp_size  # padding included
             accelerator.log(

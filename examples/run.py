@@ -8,8 +8,10 @@
 DeepSpeed's launcher and argument conventions (``--deepspeed``, ``--deepspeed_config``,
 ``--local_rank``); the training options are those of examples/finetune.py. The TP size comes from
 ``--tp`` (default: ``MEGATRON_LM_TP_DEGREE``, else 1); the data-parallel size is world / tp, and ZeRO
-partitions over it. Micro-batch and accumulation come from the JSON unless --batch_size/--grad_accum
-are given. Tensorboard scalars go to ``<output_dir>/runs`` as in finetune.py.
+partitions over it. The JSON's train_batch_size, train_micro_batch_size_per_gpu and
+gradient_accumulation_steps follow DeepSpeed's rule (global = micro x accumulation x dp);
+--batch_size/--grad_accum override theirs, in one line (README, "Batch sizes"). Tensorboard scalars go to
+``<output_dir>/runs`` as in finetune.py.
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ from mtk.convert import parallelize
 from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, eval_batches, loss_tokens, tokenizer_for, training_data
 from mtk.errors import DataError
 from mtk.integrations.deepspeed import (
+    check_precision,
     deepspeed_config,
+    initialization_cleanup,
     load_deepspeed_checkpoint,
     remove_shm_buffers_at_exit,
     save_deepspeed_checkpoint,
 )
+from mtk.integrations.deepspeed_batch import dp_layout
 from mtk.lora import get_peft_model
 from mtk.lora.options import add_lora_arguments, base_dtype, lora_config
 from mtk.models import build_model, check_seq_len, resolve_config
@@ -116,7 +121,16 @@ def main(argv=None) -> None:
     config = resolve_config(args.model)
     check_tp_size(config, parallel.tp_size)
     check_seq_len(config, args.seq_len)
-    ds_config = deepspeed_config(args.deepspeed_config, micro_batch=args.batch_size, grad_accum=args.grad_accum)
+    # the JSON's batch fields with --batch_size/--grad_accum: one set of numbers (an override is one line)
+    ds_config, _ = deepspeed_config(
+        args.deepspeed_config,
+        parallel.dp_size,
+        micro_batch=args.batch_size,
+        grad_accum=args.grad_accum,
+        layout=dp_layout(parallel.world_size, parallel.tp_size, parallel.pp_size),
+        report=lambda line: print(line, flush=True) if parallel.rank == 0 else None,
+    )
+    check_precision(ds_config, args.deepspeed_config)  # fp16 where DeepSpeed has none: one line
     ds_config.setdefault("optimizer", {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}})
     ds_config["optimizer"].setdefault("params", {}).setdefault("torch_adam", True)
     lora = lora_config(args)
@@ -139,13 +153,14 @@ def main(argv=None) -> None:
         )
 
     remove_shm_buffers_at_exit()  # DeepSpeed's CPU shared-memory buffers outlive the job otherwise
-    engine, _, _, scheduler = deepspeed.initialize(
-        model=model,
-        model_parameters=[p for p in model.parameters() if p.requires_grad],  # all, or the adapters
-        lr_scheduler=lr_schedule,
-        config=ds_config,
-        mpu=parallel,
-    )
+    with initialization_cleanup(args.deepspeed_config):  # a failure removes them now; bad config: one line
+        engine, _, _, scheduler = deepspeed.initialize(
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],  # all, or the adapters
+            lr_scheduler=lr_schedule,
+            config=ds_config,
+            mpu=parallel,
+        )
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     tokenizer = tokenizer_for(args.model, args.tokenizer, model.config.vocab_size)
     dataset, collate, report = training_data(

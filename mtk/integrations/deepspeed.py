@@ -13,9 +13,11 @@ optimizer, scheduler, module) sits inside, in ``step_N/deepspeed/``, and is rest
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
-from collections.abc import Sequence
+import signal
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +31,13 @@ from mtk.checkpoint.rng import restore_rng
 from mtk.checkpoint.sharded import load_schedulers, restore_streams, save_checkpoint
 from mtk.config import ConfigError
 from mtk.errors import CheckpointError
+from mtk.integrations.deepspeed_batch import BatchSizes, reconcile_batch
 from mtk.parallel.state import ParallelState
 
 __all__ = [
+    "check_precision",
     "deepspeed_config",
+    "initialization_cleanup",
     "load_deepspeed_checkpoint",
     "save_deepspeed_checkpoint",
     "tp_size_from_config",
@@ -44,15 +49,20 @@ _DS_TAG = "state"
 
 def deepspeed_config(
     path: str | Path,
+    dp_size: int,
     *,
     micro_batch: int | None = None,
     grad_accum: int | None = None,
     gradient_clipping: float | None = None,
-) -> dict[str, Any]:
-    """The user's DeepSpeed JSON, with command-line overrides; ``train_batch_size`` is left to DeepSpeed.
+    layout: str = "",
+    report: Callable[[str], None] = print,
+) -> tuple[dict[str, Any], BatchSizes]:
+    """The user's DeepSpeed JSON with its three batch fields reconciled with the flags (see
+    :func:`~mtk.integrations.deepspeed_batch.reconcile_batch`: a JSON value a flag overrides is reported
+    through ``report``, in one line), and the batch it describes.
 
-    DeepSpeed derives the global batch as micro-batch x accumulation x *data-parallel* size (from
-    the mpu), so TP ranks are not counted as replicas.
+    DeepSpeed checks ``train_batch_size`` = micro-batch x accumulation x *data-parallel* size (from the
+    mpu), so TP ranks are not counted as replicas.
     """
     path = Path(path)
     if not path.is_file():
@@ -61,19 +71,22 @@ def deepspeed_config(
         config = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(f"--deepspeed_config {path} is not valid JSON ({err})") from None
-    if micro_batch is not None:
-        config["train_micro_batch_size_per_gpu"] = micro_batch
-    if grad_accum is not None:
-        config["gradient_accumulation_steps"] = grad_accum
-    if gradient_clipping is not None:
-        config["gradient_clipping"] = gradient_clipping
-    config.pop("train_batch_size", None)
+    if not isinstance(config, dict):
+        raise ConfigError(f"--deepspeed_config {path} is not a JSON object")
     if "tensor_parallel" in config:
         raise ConfigError(
             f"{path}: 'tensor_parallel' turns on DeepSpeed's own AutoTP; mtk does tensor parallelism: remove it "
             f"and pass --tp N"
         )
-    return config
+    batch, note = reconcile_batch(
+        config, dp_size, micro=micro_batch, accumulation=grad_accum, where=str(path), layout=layout
+    )
+    if note:
+        report(note)
+    batch.apply(config)
+    if gradient_clipping is not None:
+        config["gradient_clipping"] = gradient_clipping
+    return config, batch
 
 
 def tp_size_from_config(config: dict[str, Any]) -> int | None:
@@ -94,8 +107,6 @@ def tp_size_from_config(config: dict[str, Any]) -> int | None:
 
 def zero3_gathered(engine) -> Any:
     """Context in which ZeRO-3's partitioned parameters are whole again on each rank (else a no-op)."""
-    import contextlib
-
     import deepspeed
 
     if engine.zero_optimization_stage() == 3:
@@ -163,19 +174,80 @@ def load_deepspeed_checkpoint(
     return meta
 
 
+def _shm_buffers(rank: str | None) -> list[Path]:
+    """This job's ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`` files on this node:
+    this rank's, or every local rank's (``rank=None``)."""
+    port = os.environ.get("MASTER_PORT")
+    if port is None or not Path("/dev/shm").is_dir():
+        return []
+    return list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_{rank or '*'}"))
+
+
 def remove_shm_buffers_at_exit() -> None:
     """Unlink this rank's ``/dev/shm/deepspeed_allreduce_buffer_*`` when the process exits.
 
     On CPU, DeepSpeed's shared-memory all-reduce op creates one buffer file (tens of MiB, in RAM)
     per rank and port and never removes it: a machine that runs many jobs fills ``/dev/shm`` until
-    new processes fail to load torch. Unlinking at exit is safe: peers keep their mappings.
+    new processes fail to load torch. Unlinking at exit is safe: peers keep their mappings. A launcher
+    stops the other ranks of a failed job with SIGTERM, which would end the process without exit
+    handlers: unless the script handles SIGTERM itself (mtk's ``ExitSignal``, later), it exits instead.
     """
-    port, rank = os.environ.get("MASTER_PORT"), os.environ.get("RANK")
-    if port is None or rank is None or not Path("/dev/shm").is_dir():
+    rank = os.environ.get("RANK")
+    if rank is None:
         return
 
     def remove() -> None:
-        for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_{rank}"):
+        for path in _shm_buffers(rank):
             path.unlink(missing_ok=True)
 
+    def exit_on_sigterm(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
     atexit.register(remove)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, exit_on_sigterm)
+
+
+@contextlib.contextmanager
+def initialization_cleanup(where: str) -> Iterator[None]:
+    """Around ``deepspeed.initialize``: if it fails (any exception), every local rank's shared-memory
+    buffer of this job is unlinked at once, and a config DeepSpeed refuses is one line naming ``where``.
+
+    At-exit removal is not enough there: the launcher kills the other ranks when one fails, and a killed
+    rank runs no exit handlers. Once any rank is past DeepSpeed's comm setup, every local rank has created
+    its buffer (the setup waits for all of them), so the failing rank can remove them all; the job is over.
+    """
+    try:
+        yield
+    except BaseException as err:
+        for path in _shm_buffers(None):
+            path.unlink(missing_ok=True)
+        if isinstance(err, AssertionError | ValueError):  # DeepSpeed's config checks (pydantic's are ValueErrors)
+            message = " ".join(str(err).split()) or type(err).__name__
+            raise ConfigError(f"{where}: DeepSpeed refused the config: {message}") from None
+        raise
+
+
+def check_precision(config: dict[str, Any], where: str, *, accelerate: bool = False) -> None:
+    """One line instead of DeepSpeed's traceback when the config asks for fp16 where DeepSpeed has none
+    (a CPU): it says what runs there (bf16, fp32), in the words of the path used (``accelerate``: its
+    ``mixed_precision``, which fills the JSON's ``"fp16"`` block)."""
+    from deepspeed.accelerator import get_accelerator
+
+    fp16 = config.get("fp16")
+    if not isinstance(fp16, dict) or fp16.get("enabled") is not True:
+        return
+    accelerator = get_accelerator()
+    if accelerator.is_fp16_supported():
+        return
+    if accelerate:
+        asked = 'fp16 (mixed_precision fp16, or the JSON\'s "fp16": {"enabled": true})'
+        bf16, fp32 = "bf16 (mixed_precision bf16)", 'fp32 (mixed_precision no, "fp16" not enabled)'
+    else:
+        asked = '"fp16": {"enabled": true}'
+        bf16, fp32 = 'bf16 ("bf16": {"enabled": true})', 'fp32 (no fp16 block, or "enabled": false)'
+    works = [bf16, fp32] if accelerator.is_bf16_supported() else [fp32]
+    raise ConfigError(
+        f"{where}: {asked} does not run under DeepSpeed on {accelerator.device_name()} (no fp16 there); "
+        f"use {' or '.join(works)}"
+    )

@@ -5,8 +5,10 @@ at TP=2 x DP=2 and ZeRO-3 at TP=1 x DP=2 reproduce the non-ZeRO losses of the sa
 batch (fp32, <= 1e-5). The first DeepSpeed run on a machine compiles a CPU comm op (~1 minute).
 """
 
+import json
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -25,7 +27,7 @@ def deepspeed_run(processes: int, config: str, *args: str, check: bool = True) -
         "examples/run.py",
         "--deepspeed",
         "--deepspeed_config",
-        f"ds_configs/{config}.json",
+        config if config.endswith(".json") else f"ds_configs/{config}.json",
         *args,
     ]
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -156,6 +158,37 @@ def test_deepspeed_gradient_accumulation_equals_the_larger_batch(reference, tmp_
         assert_close_rel(losses[step], reference[step], f"ZeRO-2 2x2 accumulation loss at step {step}")
 
 
+def write_json(path: Path, **fields) -> str:
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "steps_per_print": 1000000, **fields}))
+    return str(path)
+
+
+def test_a_json_accumulation_the_flag_overrides_is_one_line_and_the_same_run(reference, tmp_path):
+    """--grad_accum beats the JSON's gradient_accumulation_steps, says so in one line, and the engine, the loader
+    and the token weighting all use it: the losses are those of global batch 8."""
+    config = write_json(tmp_path / "ds.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=4)
+    out = deepspeed_run(2, config, "--batch_size", "4", "--grad_accum", "1", "--max_steps", "6",
+                        "--output_dir", str(tmp_path / "out"))  # fmt: skip
+    lines = [line for line in out.stdout.splitlines() if line.startswith("mtk: --grad_accum")]
+    assert lines == [
+        f"mtk: --grad_accum 1 overrides gradient_accumulation_steps 4 in {config}: global batch 8 = micro 4 x "
+        "accumulation 1 x dp 2 (dp = world 2 / tp 1)"
+    ], out.stdout[-2000:]
+    losses = step_losses(out)
+    for step in range(1, 7):
+        assert_close_rel(losses[step], reference[step], f"JSON accumulation overridden: loss at step {step}")
+
+
+def test_a_json_with_only_train_batch_size_runs_that_global_batch(reference, tmp_path):
+    """DeepSpeed's derivation with DP from the mpu: train_batch_size 8 at --batch_size 2 and dp 2 accumulates 2."""
+    config = write_json(tmp_path / "ds.json", train_batch_size=8)
+    out = deepspeed_run(2, config, "--batch_size", "2", "--max_steps", "6", "--output_dir", str(tmp_path / "out"))
+    assert "global batch 8 examples" in out.stdout, out.stdout[-2000:]
+    losses = step_losses(out)
+    for step in range(1, 7):
+        assert_close_rel(losses[step], reference[step], f"train_batch_size only: loss at step {step}")
+
+
 def test_deepspeed_bf16_trains(tmp_path):
     losses = step_losses(
         deepspeed_run(
@@ -197,6 +230,22 @@ def test_deepspeed_through_accelerate_yaml(reference, tmp_path):
     assert sorted(resumed) == [4, 5, 6]
     for step in (4, 5, 6):
         assert_close_rel(resumed[step], first[step], f"accelerate + ZeRO-2 loss at step {step} after resume")
+
+
+def test_accelerate_steps_and_weights_tokens_with_the_json_accumulation(reference, tmp_path):
+    """Through accelerate, the JSON's gradient_accumulation_steps (no --grad_accum) is the one the engine steps with
+    and the one finetune.py weights tokens by: micro 2 x accumulation 2 x dp 2 gives the losses of global batch 8
+    (before, the loop took 1 while the engine took the JSON's, and logged the loss x accumulation)."""
+    config = json.loads((ROOT / "ds_configs" / "accelerate_zero2_tp2.json").read_text())
+    write_json(tmp_path / "ds.json", **{**config, "gradient_accumulation_steps": 2})
+    yaml = (ROOT / "accelerate_configs" / "tp2_dp2_zero2.yaml").read_text()
+    (tmp_path / "ds.yaml").write_text(yaml.replace("ds_configs/accelerate_zero2_tp2.json", str(tmp_path / "ds.json")))
+    out = accelerate_launch("finetune.py", str(tmp_path / "ds.yaml"), "--batch_size", "2", "--max_steps", "6",
+                            "--output_dir", str(tmp_path / "out"))  # fmt: skip
+    assert "global batch 8 examples" in out.stdout + out.stderr
+    losses = step_losses(out)
+    for step in range(1, 7):
+        assert_close_rel(losses[step], reference[step], f"accelerate + JSON accumulation 2: loss at step {step}")
 
 
 def test_a_non_finite_deepspeed_step_stops_the_run_before_it_is_saved(tmp_path):

@@ -30,7 +30,12 @@ from mtk.integrations.accelerate.batches import broadcasting, unwrapped
 from mtk.integrations.accelerate.checkpoint import ShardedCheckpointing
 from mtk.integrations.accelerate.collectives import DataParallelCollectives
 from mtk.integrations.accelerate.convert import ReplacedParams, convert_tracking, repoint
-from mtk.integrations.accelerate.deepspeed import deepspeed_initialize_with_mpu, replace_accelerated_schedulers
+from mtk.integrations.accelerate.deepspeed import (
+    deepspeed_initialize_with_mpu,
+    reconcile_accelerate_batch,
+    replace_accelerated_schedulers,
+    user_batch_fields,
+)
 from mtk.integrations.accelerate.init import apply_timeout, gloo_for_deepspeed, megatron_plugin_off, resolve_topology
 from mtk.integrations.accelerate.megatron_keys import act_on_model, check_engine, check_megatron_environment
 from mtk.integrations.accelerate.scheduler import DataParallelScheduler
@@ -64,7 +69,10 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
             launcher's variables (:class:`~mtk.config.RunSettings`).
         *args, **kwargs: as ``accelerate.Accelerator``, with accelerate's defaults. ``cpu`` defaults to
             True on machines without an accelerator, which is what makes accelerate join the processes
-            with gloo.
+            with gloo. ``gradient_accumulation_steps=None`` is not given: accelerate's 1, or under DeepSpeed
+            what the JSON's batch fields give; under DeepSpeed, after ``prepare``, the attribute is the
+            accumulation the engine steps with (``reconcile_batch``; a given value that overrides the
+            JSON's is reported in one line).
     """
 
     scaler: Any  # accelerate's GradScaler (mtk's TP-aware one under fp16), or None
@@ -83,6 +91,10 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
                 "parallel_config=mtk.ParallelConfig(tp_size=..., pp_size=...) instead"
             )
         self.settings = run_settings or RunSettings.from_env()
+        # None: not given (accelerate's 1, or under DeepSpeed what the JSON's batch fields give)
+        if kwargs.get("gradient_accumulation_steps") is None:
+            kwargs.pop("gradient_accumulation_steps", None)
+        self._explicit_accumulation: int | None = kwargs.get("gradient_accumulation_steps")
         on_cpu = default_device().type == "cpu"
         self.uses_deepspeed = (
             os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or "deepspeed_plugin" in kwargs
@@ -109,6 +121,9 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         check_megatron_environment(os.environ, self.print)
         check_engine(self.settings, deepspeed=self.uses_deepspeed)
         ds_config = self.state.deepspeed_plugin.deepspeed_config if self.uses_deepspeed else None
+        if self.uses_deepspeed:  # as the user's JSON states them (accelerate's plugin has filled in some)
+            passed_in = any(kwargs.get(key) is not None for key in ("deepspeed_plugin", "deepspeed_plugins"))
+            self.deepspeed_batch_fields = user_batch_fields(self.state.deepspeed_plugin, from_launcher=not passed_in)
         config = resolve_topology(parallel_config, ds_config)
         self.parallel = ParallelState.build(config.tp_size, config.pp_size, device=self.device)
         for line in self.settings.check_pipeline(self.parallel.pp_size):
@@ -226,7 +241,8 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
                 repoint(obj, self._replaced_params)
         if not self.uses_deepspeed:
             return super().prepare(*args, device_placement=device_placement)
-        with deepspeed_initialize_with_mpu(self.parallel):
+        reconcile_accelerate_batch(self, tuple(args), self._explicit_accumulation)
+        with deepspeed_initialize_with_mpu(self.parallel, self.deepspeed_batch_fields[1]):
             prepared = super().prepare(*args, device_placement=device_placement)
         return replace_accelerated_schedulers(self, prepared)
 

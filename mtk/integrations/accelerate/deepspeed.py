@@ -2,37 +2,97 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 from accelerate.scheduler import AcceleratedScheduler
+from torch import nn
+from torch.utils.data import DataLoader
 
 from mtk.integrations.accelerate.scheduler import DataParallelScheduler
+from mtk.integrations.deepspeed import check_precision, initialization_cleanup
+from mtk.integrations.deepspeed_batch import BATCH_FIELDS, dp_layout, reconcile_batch
 from mtk.parallel.state import ParallelState
 
-__all__ = ["deepspeed_initialize_with_mpu", "replace_accelerated_schedulers"]
+__all__ = [
+    "deepspeed_initialize_with_mpu",
+    "reconcile_accelerate_batch",
+    "replace_accelerated_schedulers",
+    "user_batch_fields",
+]
+
+
+def user_batch_fields(plugin, from_launcher: bool = True) -> tuple[dict[str, Any], str]:
+    """The batch fields as the user's DeepSpeed JSON states them, and how messages name it.
+
+    accelerate's plugin writes ``gradient_accumulation_steps: 1`` into a config that has none, which
+    would hide that DeepSpeed (and mtk) derive it from ``train_batch_size``: the launcher's file is read
+    again (``from_launcher``: the plugin was built from it, not passed in by the script).
+    """
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if from_launcher else None
+    if path and Path(path).is_file():
+        try:
+            raw = json.loads(Path(path).read_text())
+        except json.JSONDecodeError:
+            raw = None
+        if isinstance(raw, dict):
+            return {key: raw[key] for key in BATCH_FIELDS if key in raw}, path
+    config = plugin.deepspeed_config
+    return {key: config[key] for key in BATCH_FIELDS if key in config}, "the DeepSpeed config"
+
+
+def reconcile_accelerate_batch(accelerator, args: tuple, explicit_accumulation: int | None) -> None:
+    """Before accelerate prepares a model under DeepSpeed: the JSON's batch fields reconciled with the
+    DataLoader's ``batch_size`` and ``Accelerator(gradient_accumulation_steps=...)`` by
+    :func:`~mtk.integrations.deepspeed_batch.reconcile_batch` (DP from mtk's topology), written into the
+    plugin's config, and accelerate's own accumulation count (what ``accumulate`` and ``sync_gradients``
+    follow) set to the engine's."""
+    if not any(isinstance(obj, nn.Module) for obj in args):
+        return
+    plugin, parallel = accelerator.state.deepspeed_plugin, accelerator.parallel
+    sizes = [obj.batch_size for obj in args if isinstance(obj, DataLoader) and obj.batch_size is not None]
+    micro = (min(sizes) if plugin.is_train_batch_min else max(sizes)) if sizes else None
+    if micro is not None and accelerator.split_batches:
+        micro //= parallel.dp_size
+    fields, where = accelerator.deepspeed_batch_fields
+    batch, note = reconcile_batch(
+        fields,
+        parallel.dp_size,
+        micro=micro,
+        accumulation=explicit_accumulation,
+        micro_flag="the DataLoader's batch_size {}",
+        accumulation_flag="Accelerator(gradient_accumulation_steps={})",
+        where=where,
+        layout=dp_layout(parallel.world_size, parallel.tp_size, parallel.pp_size),
+    )
+    if note:
+        accelerator.print(note)
+    batch.apply(plugin.deepspeed_config)
+    accelerator.gradient_accumulation_steps = batch.accumulation
 
 
 @contextmanager
-def deepspeed_initialize_with_mpu(parallel: ParallelState) -> Iterator[None]:
-    """accelerate calls ``deepspeed.initialize`` without an mpu and counts every process as a data
-    replica in ``train_batch_size``; with mtk's topology as the mpu ZeRO shards over the DP group
-    only, and the global batch is micro-batch x accumulation x DP."""
+def deepspeed_initialize_with_mpu(parallel: ParallelState, where: str) -> Iterator[None]:
+    """accelerate calls ``deepspeed.initialize`` without an mpu; with mtk's topology as the mpu ZeRO
+    shards over the DP group only (the batch fields were reconciled by :func:`reconcile_accelerate_batch`).
+    fp16 where DeepSpeed has none, and a config DeepSpeed refuses, are one line; a failure removes the
+    job's shared-memory buffers."""
     import deepspeed
 
     original = deepspeed.initialize
 
     def initialize(*args, **kwargs):
         config = kwargs.get("config_params") or kwargs.get("config")
-        if isinstance(config, dict) and "train_micro_batch_size_per_gpu" in config:
-            micro, accumulation = (
-                config["train_micro_batch_size_per_gpu"],
-                config.get("gradient_accumulation_steps", 1),
-            )
-            config["train_batch_size"] = micro * accumulation * parallel.dp_size
+        if isinstance(config, dict):
             config.pop("mtk", None)
+            check_precision(config, where, accelerate=True)
         kwargs["mpu"] = parallel
-        return original(*args, **kwargs)
+        with initialization_cleanup(where):
+            return original(*args, **kwargs)
 
     deepspeed.initialize = initialize
     try:

@@ -1,0 +1,217 @@
+"""DeepSpeed's batch fields reconciled with the flags: train_batch_size = micro x accumulation x DP (DP from
+mtk's topology), the missing ones derived as DeepSpeed derives them, an override one line, a refusal one line.
+Also fp16 where DeepSpeed has none, and a failed ``deepspeed.initialize``: one line, no /dev/shm left behind."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mtk.config import ConfigError
+from mtk.integrations.deepspeed import check_precision, deepspeed_config, initialization_cleanup
+from mtk.integrations.deepspeed_batch import BatchSizes, dp_layout, reconcile_batch
+
+pytestmark = pytest.mark.unit
+
+TB, MB, GA = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
+
+
+def sizes(config, dp=2, **flags):
+    batch, note = reconcile_batch(config, dp, **flags)
+    return (batch.global_batch, batch.micro, batch.accumulation), note
+
+
+def test_only_train_batch_size_accumulates_once():
+    assert sizes({TB: 32}) == ((32, 16, 1), None)
+    assert sizes({TB: 32}, micro=4) == ((32, 4, 4), None)  # the flag's micro-batch, accumulation derived
+    assert sizes({TB: 32}, accumulation=4) == ((32, 4, 4), None)  # the flag's accumulation, micro derived
+
+
+def test_only_the_micro_batch_accumulates_once():
+    assert sizes({MB: 8}) == ((16, 8, 1), None)
+    assert sizes({MB: 8}, dp=4) == ((32, 8, 1), None)
+
+
+def test_micro_and_accumulation_give_the_global_batch():
+    assert sizes({MB: 4, GA: 4}) == ((32, 4, 4), None)
+
+
+def test_train_batch_and_one_other_derive_the_third():
+    assert sizes({TB: 32, MB: 8}) == ((32, 8, 2), None)
+    assert sizes({TB: 32, GA: 2}) == ((32, 8, 2), None)
+
+
+def test_three_that_agree_are_used():
+    assert sizes({TB: 32, MB: 8, GA: 2}) == ((32, 8, 2), None)
+    assert sizes({TB: 32, MB: 8, GA: 2}, micro=8, accumulation=2) == ((32, 8, 2), None)  # flags that agree
+
+
+def test_three_that_disagree_are_one_line_naming_dp():
+    with pytest.raises(ConfigError) as err:
+        reconcile_batch({TB: 32, MB: 8, GA: 1}, 2, where="ds.json", layout=dp_layout(4, 2))
+    assert str(err.value) == (
+        "ds.json: train_batch_size 32 != train_micro_batch_size_per_gpu 8 x gradient_accumulation_steps 1 x dp 2 = "
+        "16 (dp = world 4 / tp 2); give two of the three (the third is derived), or values that agree"
+    )
+    with pytest.raises(ConfigError, match="train_batch_size 32 != "):  # flags do not hide a JSON at odds with itself
+        reconcile_batch({TB: 32, MB: 8, GA: 1}, 2, micro=8)
+
+
+def test_a_flag_that_disagrees_overrides_in_one_line():
+    (batch, note) = sizes({MB: 4, GA: 4}, accumulation=1)
+    assert batch == (8, 4, 1)
+    assert note == (
+        "mtk: --grad_accum 1 overrides gradient_accumulation_steps 4 in the DeepSpeed JSON: "
+        "global batch 8 = micro 4 x accumulation 1 x dp 2"
+    )
+    (batch, note) = sizes({MB: 8, GA: 1}, micro=4, accumulation=2)
+    assert batch == (16, 4, 2)
+    assert note is not None and "--batch_size 4 overrides train_micro_batch_size_per_gpu 8; --grad_accum 2" in note
+
+
+def test_train_batch_size_follows_the_flags_and_says_so():
+    (batch, note) = sizes({TB: 32, MB: 8}, accumulation=1)
+    assert batch == (16, 8, 1)
+    assert note == (
+        "mtk: train_batch_size 32 -> 16 (follows --grad_accum 1) in the DeepSpeed JSON: "
+        "global batch 16 = micro 8 x accumulation 1 x dp 2"
+    )
+    (batch, note) = sizes({TB: 32, MB: 8, GA: 2}, micro=4)
+    assert batch == (16, 4, 2) and note is not None and note.count("\n") == 0
+    assert "--batch_size 4 overrides train_micro_batch_size_per_gpu 8; train_batch_size 32 -> 16" in note
+
+
+def test_accelerate_names_its_own_flags():
+    _, note = reconcile_batch(
+        {MB: "auto", GA: 4},
+        2,
+        micro=1,
+        accumulation=1,
+        micro_flag="the DataLoader's batch_size {}",
+        accumulation_flag="Accelerator(gradient_accumulation_steps={})",
+        where="ds.json",
+    )
+    assert note == (
+        "mtk: Accelerator(gradient_accumulation_steps=1) overrides gradient_accumulation_steps 4 in ds.json: "
+        "global batch 2 = micro 1 x accumulation 1 x dp 2"
+    )
+
+
+def test_flags_fill_a_json_that_gives_none():
+    assert sizes({}, micro=4, accumulation=2) == ((16, 4, 2), None)
+    assert sizes({}, micro=4) == ((8, 4, 1), None)
+
+
+def test_a_global_batch_that_does_not_divide_names_what_would():
+    with pytest.raises(ConfigError) as err:
+        reconcile_batch({TB: 30}, 4, where="ds.json")
+    assert str(err.value).startswith("ds.json: train_batch_size 30 is not a multiple of dp 4 = 4; allowed: 4, 8, 12")
+    with pytest.raises(ConfigError, match=r"train_batch_size 32 is not a multiple of --batch_size 3 x dp 2 = 6; "):
+        reconcile_batch({TB: 32}, 2, micro=3)
+
+
+def test_no_batch_size_at_all_is_one_line():
+    with pytest.raises(ConfigError, match="gives no batch size .* or pass --batch_size N$"):
+        reconcile_batch({GA: 2}, 2)
+
+
+def test_auto_is_a_value_not_given():
+    auto = {TB: "auto", MB: "auto", GA: "auto"}
+    assert sizes(auto, micro=4) == ((8, 4, 1), None)
+    assert sizes(auto, micro=4, accumulation=2) == ((16, 4, 2), None)
+    assert sizes({TB: 64, MB: "auto", GA: "auto"}, micro=8) == ((64, 8, 4), None)
+    with pytest.raises(ConfigError, match="gives no batch size"):
+        reconcile_batch(auto, 2)
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, "8", True])
+def test_a_value_that_is_no_batch_size_is_one_line(value):
+    with pytest.raises(ConfigError, match=f'"{MB}": .* must be a positive integer or "auto"'):
+        reconcile_batch({MB: value}, 2)
+
+
+def test_dp_is_the_data_parallel_size_not_the_process_count():
+    assert BatchSizes(micro=4, accumulation=2, dp_size=2).global_batch == 16  # e.g. world 8 / (tp 2 x pp 2)
+    assert dp_layout(8, 2, 2) == " (dp = world 8 / (tp 2 x pp 2))"
+
+
+def test_deepspeed_config_writes_all_three_and_keeps_train_batch_size(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({TB: 32, "zero_optimization": {"stage": 2}}))
+    lines = []
+    config, batch = deepspeed_config(path, 2, micro_batch=4, report=lines.append)
+    assert (config[TB], config[MB], config[GA]) == (32, 4, 4) and batch.accumulation == 4 and lines == []
+    config, _ = deepspeed_config(path, 2, micro_batch=4, grad_accum=1, report=lines.append)
+    assert (config[TB], config[MB], config[GA]) == (8, 4, 1) and len(lines) == 1
+
+
+def test_fp16_where_deepspeed_has_none_is_one_line_naming_what_runs():
+    pytest.importorskip("deepspeed")
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().is_fp16_supported():
+        pytest.skip("DeepSpeed runs fp16 on this machine")
+    check_precision({"fp16": {"enabled": False}, "bf16": {"enabled": True}}, "ds.json")  # bf16 passes
+    with pytest.raises(ConfigError) as err:
+        check_precision({"fp16": {"enabled": True}}, "ds.json")
+    assert re.fullmatch(
+        r'ds\.json: "fp16": \{"enabled": true\} does not run under DeepSpeed on \w+ \(no fp16 there\); use '
+        r'(bf16 \("bf16": \{"enabled": true\}\) or )?fp32 \(no fp16 block, or "enabled": false\)',
+        str(err.value),
+    ), str(err.value)
+    with pytest.raises(ConfigError, match=r"mixed_precision fp16.* use bf16 \(mixed_precision bf16\) or fp32"):
+        check_precision({"fp16": {"enabled": True}}, "ds.json", accelerate=True)
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+@pytest.mark.parametrize(
+    "error", [AssertionError("Micro batch size per gpu: 0 has to be greater than 0"), OSError("x")]
+)
+def test_a_failed_initialize_removes_the_jobs_shm_buffers(monkeypatch, error):
+    """Every local rank's buffer of this job (port), not another job's; DeepSpeed's config refusal is one line."""
+    port = str(40000 + os.getpid() % 20000)
+    monkeypatch.setenv("MASTER_PORT", port)
+    ours = [Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_{rank}") for rank in (0, 1)]
+    other = Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}1_0")
+    for path in [*ours, other]:
+        path.write_bytes(b"")
+    try:
+        with pytest.raises(ConfigError if isinstance(error, AssertionError) else OSError) as raised:
+            with initialization_cleanup("ds.json"):
+                raise error
+        assert not any(path.exists() for path in ours) and other.exists()
+        if isinstance(error, AssertionError):
+            assert str(raised.value) == (
+                "ds.json: DeepSpeed refused the config: Micro batch size per gpu: 0 has to be greater than 0"
+            )
+    finally:
+        for path in [*ours, other]:
+            path.unlink(missing_ok=True)
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_a_rank_the_launcher_stops_with_sigterm_removes_its_shm_buffer(tmp_path):
+    """The launcher stops the other ranks of a failed job with SIGTERM: their exit handlers still run."""
+    port = str(40000 + (os.getpid() + 7) % 20000)
+    buffer = Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_3")
+    buffer.write_bytes(b"")
+    script = (
+        "import os, signal, time\n"
+        "from mtk.integrations.deepspeed import remove_shm_buffers_at_exit\n"
+        "remove_shm_buffers_at_exit()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(30)\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "MASTER_PORT": port, "RANK": "3", "PYTHONPATH": root}
+    try:
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 128 + signal.SIGTERM, out.stderr[-2000:]
+        assert not buffer.exists()
+    finally:
+        buffer.unlink(missing_ok=True)
