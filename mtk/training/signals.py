@@ -9,11 +9,17 @@ rank stops at the same step, none is left waiting in a collective, and the run s
 
 One request often arrives more than once: a terminal's Ctrl-C or SLURM's signal reaches every process of
 the job while torchrun's agent (``accelerate launch``) forwards the one it got to every worker's process
-group. Signals within :data:`DUPLICATE_S` of the first are that same request. A signal after that is a
-second request, "stop now": the rank says so in one line and dies of that signal (no traceback, no
+group. Signals that *arrive* within :data:`DUPLICATE_S` of the first are that same request. A signal after
+that is a second request, "stop now": the rank says so in one line and dies of that signal (no traceback, no
 ``KeyboardInterrupt`` inside a collective), leaving at most a ``step_N.incomplete`` that the next save
 removes, never a checkpoint that looks complete. torchrun answers a second Ctrl-C to the launcher by
 sending its workers SIGTERM, which is such a second request.
+
+Arrival times are taken by a watcher thread woken through :func:`signal.set_wakeup_fd` (Python's C-level
+handler writes each signal's number there as it arrives): a Python handler runs only when the main thread
+is back in Python, which may be seconds later (inside a collective waiting for a slow rank), and would make
+one request delivered twice look like two. The same thread carries out "stop now", so it is prompt even
+while the main thread waits in a collective.
 
 Workers also ask the kernel for SIGTERM when their launcher dies (``PR_SET_PDEATHSIG`` on Linux), so a
 launcher killed with SIGKILL does not leave them training and writing checkpoints on their own: they
@@ -22,10 +28,12 @@ save at the next step boundary and exit.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 from types import FrameType
 
@@ -52,7 +60,10 @@ def _die_with_parent() -> None:
 
 class ExitSignal:
     """SIGTERM/SIGINT (and the launcher's death) as a request to save and exit at a step boundary; a second
-    request (more than ``duplicate_s`` after the first) stops the process at once, without saving."""
+    request (arriving more than ``duplicate_s`` after the first) stops the process at once, without saving.
+
+    Build it in the main thread (Python installs signal handlers there only), once per process.
+    """
 
     def __init__(
         self,
@@ -63,17 +74,31 @@ class ExitSignal:
         self.device = device
         self.duplicate_s = duplicate_s
         self.received: int | None = None
-        self._first_at = 0.0
+        read, write = os.pipe()
+        os.set_blocking(write, False)  # a full pipe drops a byte rather than block a signal handler
+        chained = signal.set_wakeup_fd(write, warn_on_full_buffer=False)  # (asyncio's, if any, still gets its bytes)
         for sig in signals:
             signal.signal(sig, self._record)
+        watcher = threading.Thread(target=self._watch, args=(read, chained, set(signals)), daemon=True)
+        watcher.start()
         _die_with_parent()
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        now = time.monotonic()
-        if self.received is None:
-            self.received, self._first_at = signum, now
-        elif now - self._first_at > self.duplicate_s:  # not another delivery of the first: "stop now"
-            _stop_now(signum)
+        self.received = self.received or signum  # read by requested(); the watcher decides about "stop now"
+
+    def _watch(self, read: int, chained: int, signals: set[int]) -> None:
+        """Time each signal as it arrives; one more than ``duplicate_s`` after the first means "stop now"."""
+        first: float | None = None
+        while arrived := os.read(read, 64):
+            now = time.monotonic()
+            if chained >= 0:
+                with contextlib.suppress(OSError):
+                    os.write(chained, arrived)
+            for signum in (s for s in arrived if s in signals):
+                if first is None:
+                    first = now
+                elif now - first > self.duplicate_s:
+                    _stop_now(signum)
 
     @property
     def name(self) -> str:
@@ -89,13 +114,16 @@ class ExitSignal:
 
 def _stop_now(signum: int) -> None:
     """Die of ``signum`` (as an interrupted program does: the launcher and the shell see which), after one line
-    from rank 0. Only async-signal-safe calls: this may run in the middle of a print or a save."""
+    from rank 0. Runs in the watcher thread, where Python cannot change a handler: libc's ``signal`` restores the
+    default action (terminate the process), whatever the main thread is doing."""
     if os.environ.get("RANK", "0") == "0":
         name = signal.Signals(signum).name
         line = (
             f"mtk: {name} again: stopped at once, without saving; --resume auto continues from the newest checkpoint\n"
         )
         os.write(2, line.encode())
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-    os._exit(128 + signum)  # (only if the signal was blocked)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).signal(signum, ctypes.c_void_p(0))  # SIG_DFL
+        os.kill(os.getpid(), signum)
+        time.sleep(1.0)  # (the signal ends the process before this returns)
+    os._exit(128 + signum)  # no libc signal() (not POSIX): exit with the shell's status for that signal

@@ -66,6 +66,38 @@ def test_one_request_delivered_twice_is_one_request():
         assert "Traceback" not in done.stderr and "again" not in done.stderr
 
 
+_BLOCKED_IN_C = """
+    import ctypes, signal, time
+    from mtk.training.signals import ExitSignal
+    exit_signal = ExitSignal()
+    signal.siginterrupt(signal.SIGINT, False)  # a read in C stays blocked through a signal (SA_RESTART)
+    print("ready", flush=True)
+    while not exit_signal.received:
+        time.sleep(0.01)
+    print("blocked", flush=True)
+    ctypes.CDLL(None).read(0, ctypes.create_string_buffer(1), 1)  # no Python handler runs until it returns
+    time.sleep(0.5)
+    print(f"requested {exit_signal.requested()} by {exit_signal.name}", flush=True)
+"""
+
+
+def test_a_duplicate_whose_handler_runs_late_is_still_a_duplicate():
+    """The main thread waits in C (a collective for a slow rank) when the launcher's forward arrives: Python runs
+    that handler seconds later, but the signal arrived 0.2 s after the first, so it is the same request."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_BLOCKED_IN_C)], env={**os.environ, "PYTHONPATH": ROOT, "RANK": "0"},
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert process.stdout.readline() == "ready\n"
+    process.send_signal(signal.SIGINT)
+    assert process.stdout.readline() == "blocked\n"
+    time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    time.sleep(2.0)  # the main thread is still in C: its handler for the second signal has not run
+    out, err = process.communicate("x", timeout=60)
+    assert process.returncode == 0 and out == "requested True by SIGINT\n" and err == "", (out, err)
+
+
 @pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
 def test_a_second_request_stops_at_once_in_one_line(second):
     """A second Ctrl-C (torchrun turns a second one to the launcher into SIGTERM to its workers)."""
