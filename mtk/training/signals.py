@@ -126,4 +126,4 @@ def _stop_now(signum: int) -> None:
         ctypes.CDLL(None).signal(signum, ctypes.c_void_p(0))  # SIG_DFL
         os.kill(os.getpid(), signum)
         time.sleep(1.0)  # (the signal ends the process before this returns)
-    os._exit(128 + signum)  # no libc signal() (not POSIX): exit with the shell's status for that signal
+    os._exit(128 + signum)  # (no libc through ctypes): exit with the shell's status for that signal
