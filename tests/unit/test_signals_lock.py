@@ -177,3 +177,17 @@ def test_start_point_locks_before_anything_else(tmp_path):
     _, err = other.communicate(timeout=60)
     assert other.returncode == 1 and f"is in use by another run (pid {os.getpid()} on host" in err
     unlock_output_dir(Args.output_dir)
+
+
+def test_a_ctrl_c_during_start_up_is_one_line_and_status_130(capsys, monkeypatch):
+    """Before the script's ExitSignal is installed, Ctrl-C raises KeyboardInterrupt: no traceback for it."""
+    from mtk.training.entry import run_main
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as stopped:
+        run_main(interrupted, "finetune.py")
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err == "finetune.py: interrupted (SIGINT); stopped without saving\n"
