@@ -144,6 +144,8 @@ def main(argv=None) -> None:
         ),
     )
     parallel, settings = accelerator.parallel, accelerator.settings
+    # SIGTERM/SIGINT from here on: save at the next step boundary and exit (a second one: stop at once)
+    exit_signal = ExitSignal(accelerator.device)
     accelerator.print(placement(parallel).describe())  # which node each rank is on; TP groups inside nodes
     resume = start_point(args, main_process=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
     config = resolve_config(args.model)
@@ -254,16 +256,23 @@ def main(argv=None) -> None:
         f"steps {step}->{args.max_steps}"
     )
 
-    def run_evaluation(at_step: int) -> None:
-        scores = evaluate(model, evaluation, accelerator.device, lambda t: accelerator.reduce(t, "sum"))
+    def run_evaluation(at_step: int) -> bool:
+        """Evaluate and log; ``False`` when a signal cut the evaluation short (then nothing is logged)."""
+        scores = evaluate(
+            model, evaluation, accelerator.device, lambda t: accelerator.reduce(t, "sum"), stop=exit_signal.requested
+        )
+        if scores is None:
+            accelerator.print(f"mtk: {exit_signal.name}: the evaluation at step {at_step} stopped early, not logged")
+            return False
         accelerator.log(scores, step=at_step)
         eval_loss, perplexity = scores["eval/loss"], scores["eval/perplexity"]
         if accelerator.is_main_process:  # on its own line, under the progress bar
             tqdm.write(f"eval at step {at_step}: loss {eval_loss!r} perplexity {perplexity:.3f}")
+        return True
 
-    if evaluation and step == 0:  # the starting point, for comparison
-        run_evaluation(0)
-    exit_signal = ExitSignal(accelerator.device)  # SIGTERM/SIGINT: save at the next step boundary and exit
+    if evaluation and step == 0 and not run_evaluation(0):  # the starting point, for comparison
+        accelerator.end_training()  # stopped before the first step: nothing to save
+        return
     saved_step, stopped = step, False
     progress = tqdm(total=args.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
     micro_batches_per_epoch = len(loader)
@@ -319,8 +328,8 @@ def main(argv=None) -> None:
             progress.set_postfix(loss=f"{mean_loss:.3f}")
             loss_sum.zero_()
             if evaluation and ((args.eval_every and step % args.eval_every == 0) or step == args.max_steps):
-                run_evaluation(step)
-            stopped = exit_signal.requested()  # agreed over all ranks
+                run_evaluation(step)  # a signal stops it early; the check below then stops the run
+            stopped = exit_signal.requested()  # agreed over all ranks: all stop (and save) at this step
             if (args.save_every and step % args.save_every == 0) or stopped:
                 accelerator.save_state(f"{args.output_dir}/step_{step}")
                 saved_step = step

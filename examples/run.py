@@ -218,17 +218,31 @@ def main(argv=None) -> None:
             flush=True,
         )
 
-    def run_evaluation(at_step: int) -> None:
-        scores = evaluate(engine, evaluation, engine.device, lambda t: all_reduce(t, parallel.dp_group))
+    # SIGTERM/SIGINT: save at the next step boundary and exit (a second one: stop at once)
+    exit_signal = ExitSignal(engine.device)
+
+    def run_evaluation(at_step: int) -> bool:
+        """Evaluate and log; ``False`` when a signal cut the evaluation short (then nothing is logged)."""
+        scores = evaluate(
+            engine, evaluation, engine.device, lambda t: all_reduce(t, parallel.dp_group), stop=exit_signal.requested
+        )
+        if scores is None:
+            if parallel.rank == 0:
+                print(
+                    f"mtk: {exit_signal.name}: the evaluation at step {at_step} stopped early, not logged", flush=True
+                )
+            return False
         if writer is not None:
             for name, value in scores.items():
                 writer.add_scalar(name, value, at_step)
             eval_loss, perplexity = scores["eval/loss"], scores["eval/perplexity"]
             print(f"eval at step {at_step}: loss {eval_loss!r} perplexity {perplexity:.3f}", flush=True)
+        return True
 
-    if evaluation and step == 0:  # the starting point, for comparison
-        run_evaluation(0)
-    exit_signal = ExitSignal(engine.device)  # SIGTERM/SIGINT: save at the next step boundary and exit
+    if evaluation and step == 0 and not run_evaluation(0):  # the starting point, for comparison
+        if writer is not None:  # stopped before the first step: nothing to save
+            writer.close()
+        return
     saved_step, stopped = step, False
     loss_sum, tic = torch.zeros(1), time.perf_counter()
     while step < args.max_steps and not stopped:
@@ -266,8 +280,8 @@ def main(argv=None) -> None:
                 print(f"step {step} loss {mean.item()!r}", flush=True)
             loss_sum.zero_()
             if evaluation and ((args.eval_every and step % args.eval_every == 0) or step == args.max_steps):
-                run_evaluation(step)
-            stopped = exit_signal.requested()  # agreed over all ranks
+                run_evaluation(step)  # a signal stops it early; the check below then stops the run
+            stopped = exit_signal.requested()  # agreed over all ranks: all stop (and save) at this step
             if (args.save_every and step % args.save_every == 0) or stopped:
                 save_deepspeed_checkpoint(f"{args.output_dir}/step_{step}", engine, parallel, position(micro_batches))
                 saved_step = step

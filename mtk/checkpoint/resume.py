@@ -4,7 +4,8 @@ mix with an earlier run's checkpoints in the same folder.
 A fresh run into an output directory that already holds complete checkpoints would replace some
 ``step_N`` and leave others, two runs in one folder. So it is refused unless the user says which they
 mean: ``--resume auto`` (continue from the newest complete checkpoint, e.g. a requeued job) or
-``--overwrite`` (start over; the earlier run's checkpoints, which mtk wrote, are removed first).
+``--overwrite`` (start over; the earlier run's checkpoints, which mtk wrote, are removed first). Two runs at
+once in one folder are refused too: the main process locks it first (:mod:`mtk.checkpoint.lock`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from mtk.checkpoint.atomic import refuse_link
+from mtk.checkpoint.lock import lock_output_dir
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.errors import CheckpointError
 
@@ -82,12 +86,14 @@ def start_point(
     """Resolve ``--resume``/``--overwrite`` (:func:`add_resume_arguments`) and ``--output_dir`` for a training
     script on every rank; returns the checkpoint to load.
 
-    With ``--overwrite`` the main process removes the earlier run's checkpoints (and says so) while the
-    others wait at ``barrier``.
+    First the main process (rank 0 of the job) locks ``--output_dir`` for the run's lifetime; when another
+    run holds it, every rank refuses with the same line before any of them writes. With ``--overwrite`` the
+    main process removes the earlier run's checkpoints (and says so) while the others wait at ``barrier``.
     """
     output_dir, resume, overwrite = args.output_dir, args.resume, args.overwrite
     if overwrite and resume is not None:
         raise CheckpointError("--overwrite starts a run over and cannot be combined with --resume; choose one")
+    _claim(output_dir, main_process)
     start = resolve_resume(output_dir, resume, overwrite)
     if resume == AUTO and main_process:
         found = f"resuming from {start}" if start else f"no checkpoint in {output_dir}, starting fresh"
@@ -97,6 +103,22 @@ def start_point(
             print(f"mtk: --overwrite: removed {', '.join(removed)} of an earlier run in {output_dir}", flush=True)
         barrier()
     return start
+
+
+def _claim(output_dir: str | Path, main_process: bool) -> None:
+    """The main process locks ``output_dir``; its refusal, if any, is raised on every rank."""
+    refusal = None
+    if main_process:
+        try:
+            lock_output_dir(output_dir)
+        except CheckpointError as err:
+            refusal = str(err)
+    if dist.is_available() and dist.is_initialized():  # the main process is rank 0 (accelerate's, DeepSpeed's)
+        shared = [refusal]
+        dist.broadcast_object_list(shared, src=0)
+        refusal = shared[0]
+    if refusal:
+        raise CheckpointError(refusal)
 
 
 def add_resume_arguments(parser: argparse.ArgumentParser, example: str = "ckpts/step_20") -> None:

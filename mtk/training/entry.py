@@ -1,5 +1,6 @@
 """How a training script's ``main`` runs on every rank: bad input is one line and exit status 2 from whichever
-rank meets it, a collective that lost its peer one line and exit status 1, never a traceback from mtk."""
+rank meets it, a collective that lost its peer one line and exit status 1, a Ctrl-C during start-up one line and
+exit status 130, never a traceback from mtk."""
 
 import hashlib
 import os
@@ -49,6 +50,10 @@ def run_main(main: Callable[[], None], prog: str) -> None:
     """
     try:
         main()
+    except KeyboardInterrupt:  # Ctrl-C before the script's ExitSignal took over (start-up): no traceback
+        if os.environ.get("RANK", "0") == "0":
+            tqdm.write(f"{prog}: interrupted (SIGINT); stopped without saving", file=sys.stderr)
+        sys.exit(130)  # the shell's status for a program that SIGINT stopped
     except MtkError as err:
         _report(prog, str(err), str(err))
         sys.exit(2)

@@ -1,13 +1,25 @@
-"""Stop a run cleanly when asked: save a checkpoint at the next step boundary, then exit.
+"""Stop a run cleanly when asked: save a checkpoint at the next step boundary, then exit; asked twice, stop at once.
 
 Schedulers (SLURM, Kubernetes) send SIGTERM some time before they kill a job; a user presses Ctrl-C
 (SIGINT). Megatron's exit-signal handler answers by saving and exiting; :class:`ExitSignal` does the
-same for mtk's scripts. The handler only records the signal (nothing else is safe inside a handler);
-the training loop calls :meth:`ExitSignal.requested` once per optimizer step, which agrees over all
-ranks (a signal may reach only some of them), and then saves and leaves the loop. A second SIGINT gets
-the default behaviour (a second Ctrl-C stops at once); a second SIGTERM does not, because one
-preemption often delivers several (SLURM signals every process of the step and torchrun forwards its
-own; a dying launcher adds the parent-death signal), and the save must not die of them.
+same for mtk's scripts. The handler only records the signal; the training loop calls
+:meth:`ExitSignal.requested` once per optimizer step (and evaluation once per batch), which agrees over
+all ranks (a signal may reach only some of them, or reach them at different points of a step), so every
+rank stops at the same step, none is left waiting in a collective, and the run saves there.
+
+One request often arrives more than once: a terminal's Ctrl-C or SLURM's signal reaches every process of
+the job while torchrun's agent (``accelerate launch``) forwards the one it got to every worker's process
+group. Signals that *arrive* within :data:`DUPLICATE_S` of the first are that same request. A signal after
+that is a second request, "stop now": the rank says so in one line and dies of that signal (no traceback, no
+``KeyboardInterrupt`` inside a collective), leaving at most a ``step_N.incomplete`` that the next save
+removes, never a checkpoint that looks complete. torchrun answers a second Ctrl-C to the launcher by
+sending its workers SIGTERM, which is such a second request.
+
+Arrival times are taken by a watcher thread woken through :func:`signal.set_wakeup_fd` (Python's C-level
+handler writes each signal's number there as it arrives): a Python handler runs only when the main thread
+is back in Python, which may be seconds later (inside a collective waiting for a slow rank), and would make
+one request delivered twice look like two. The same thread carries out "stop now", so it is prompt even
+while the main thread waits in a collective.
 
 Workers also ask the kernel for SIGTERM when their launcher dies (``PR_SET_PDEATHSIG`` on Linux), so a
 launcher killed with SIGKILL does not leave them training and writing checkpoints on their own: they
@@ -16,17 +28,25 @@ save at the next step boundary and exit.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
 import signal
 import sys
+import threading
+import time
 from types import FrameType
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ExitSignal"]
+__all__ = ["DUPLICATE_S", "ExitSignal"]
 
 _PR_SET_PDEATHSIG = 1
+
+# How far apart the deliveries of one request may arrive (the scheduler's and the launcher's forward, on a
+# loaded machine); a human's second Ctrl-C after a save began comes later than this.
+DUPLICATE_S = 1.0
 
 
 def _die_with_parent() -> None:
@@ -39,26 +59,71 @@ def _die_with_parent() -> None:
 
 
 class ExitSignal:
-    """SIGTERM/SIGINT (and the launcher's death) as a request to save and exit at a step boundary."""
+    """SIGTERM/SIGINT (and the launcher's death) as a request to save and exit at a step boundary; a second
+    request (arriving more than ``duplicate_s`` after the first) stops the process at once, without saving.
 
-    def __init__(self, device: torch.device | str = "cpu", signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
+    Build it in the main thread (Python installs signal handlers there only), once per process.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT),
+        duplicate_s: float = DUPLICATE_S,
+    ):
         self.device = device
+        self.duplicate_s = duplicate_s
         self.received: int | None = None
-        self._previous = {sig: signal.signal(sig, self._record) for sig in signals}
+        read, write = os.pipe()
+        os.set_blocking(write, False)  # a full pipe drops a byte rather than block a signal handler
+        chained = signal.set_wakeup_fd(write, warn_on_full_buffer=False)  # (asyncio's, if any, still gets its bytes)
+        for sig in signals:
+            signal.signal(sig, self._record)
+        watcher = threading.Thread(target=self._watch, args=(read, chained, set(signals)), daemon=True)
+        watcher.start()
         _die_with_parent()
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        self.received = self.received or signum
-        if signum == signal.SIGINT:  # the next Ctrl-C acts as it would have
-            signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
+        self.received = self.received or signum  # read by requested(); the watcher decides about "stop now"
+
+    def _watch(self, read: int, chained: int, signals: set[int]) -> None:
+        """Time each signal as it arrives; one more than ``duplicate_s`` after the first means "stop now"."""
+        first: float | None = None
+        while arrived := os.read(read, 64):
+            now = time.monotonic()
+            if chained >= 0:
+                with contextlib.suppress(OSError):
+                    os.write(chained, arrived)
+            for signum in (s for s in arrived if s in signals):
+                if first is None:
+                    first = now
+                elif now - first > self.duplicate_s:
+                    _stop_now(signum)
 
     @property
     def name(self) -> str:
         return signal.Signals(self.received).name if self.received else "a signal on another rank"
 
     def requested(self) -> bool:
-        """Whether any rank received a signal. Collective over all ranks: call it once per step on each."""
+        """Whether any rank received a signal. Collective over all ranks: call it at the same points on each."""
         flag = torch.tensor([1.0 if self.received else 0.0], device=self.device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def _stop_now(signum: int) -> None:
+    """Die of ``signum`` (as an interrupted program does: the launcher and the shell see which), after one line
+    from rank 0. Runs in the watcher thread, where Python cannot change a handler: libc's ``signal`` restores the
+    default action (terminate the process), whatever the main thread is doing."""
+    if os.environ.get("RANK", "0") == "0":
+        name = signal.Signals(signum).name
+        line = (
+            f"mtk: {name} again: stopped at once, without saving; --resume auto continues from the newest checkpoint\n"
+        )
+        os.write(2, line.encode())
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).signal(signum, ctypes.c_void_p(0))  # SIG_DFL
+        os.kill(os.getpid(), signum)
+        time.sleep(1.0)  # (the signal ends the process before this returns)
+    os._exit(128 + signum)  # (no libc through ctypes): exit with the shell's status for that signal
