@@ -209,7 +209,7 @@ def agree_weights(model: nn.Module, group: Group, src: int, device: torch.device
     with torch.no_grad():
         prints = torch.stack(
             [
-                torch.stack([t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64)]).to(device)
+                torch.stack([(v := t.double()).sum(), torch.linalg.vector_norm(v)]).to(device)  # ints too
                 for _, t in named
             ]
         )  # [tensors, 2]

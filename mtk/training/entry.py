@@ -74,7 +74,10 @@ def _report(prog: str, message: str, key: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if _first_report(key):
         where = f"[rank {rank}] " if rank else ""
-        tqdm.write(f"{prog}: error: {where}{message}", file=sys.stderr)  # on its own line, even under a bar
+        # tqdm.write clears this process's bar; rank 0's bar on the shared stream is another process's, so another
+        # rank starts a fresh line first (a half-drawn bar would otherwise open the error's line)
+        start = "\n" if rank else ""
+        tqdm.write(f"{start}{prog}: error: {where}{message}", file=sys.stderr)
     if rank == 0 and _hosts_the_store():
         time.sleep(_GRACE_S)  # the store dies with this process: give failing peers time to report
 
