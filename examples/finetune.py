@@ -221,7 +221,9 @@ def main(argv=None) -> None:
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     accum = accelerator.gradient_accumulation_steps  # --grad_accum, or under DeepSpeed the JSON's: the engine's
     global_batch = args.batch_size * parallel.dp_size * accum  # sequences per optimizer step
-    hparams = {k: v for k, v in vars(args).items() if v is not None}
+    hparams = {
+        k: ",".join(map(str, v)) if isinstance(v, tuple) else v for k, v in vars(args).items() if v is not None
+    }  # tensorboard takes scalars and strings
     accelerator.init_trackers(
         "runs",
         config={

@@ -128,8 +128,8 @@ def test_a_fresh_run_never_mixes_with_an_earlier_runs_checkpoints(llama_tp1, tmp
     shutil.copytree(llama_tp1.dir, run)
     (run / "notes.txt").write_text("mine")
 
-    def checkpoint_files():  # (tensorboard's runs/ gets a new event file from every launch)
-        files = [p for p in run.rglob("*") if "runs" not in p.relative_to(run).parts]
+    def checkpoint_files():  # (tensorboard's runs/ gets a new event file, the run lock a new owner, every launch)
+        files = [p for p in run.rglob("*") if "runs" not in p.relative_to(run).parts and p.name != ".mtk-run.lock"]
         return sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in files)
 
     before = checkpoint_files()
