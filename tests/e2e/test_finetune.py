@@ -145,7 +145,7 @@ def test_a_fresh_run_never_mixes_with_an_earlier_runs_checkpoints(llama_tp1, tmp
     one_line_error(out, "this run changes --seq_len 128 -> 32 from the checkpoint it resumes")
     out = launch("tp1", "--max_steps", "1", "--output_dir", str(run), "--overwrite")
     assert "removed step_3, step_6 of an earlier run" in out.stdout
-    assert sorted(p.name for p in run.iterdir()) == ["notes.txt", "runs", "step_1"]
+    assert sorted(p.name for p in run.iterdir()) == [".mtk-run.lock", "notes.txt", "runs", "step_1"]  # the lock stays
 
 
 def test_sigterm_saves_at_the_next_step_and_stops(tmp_path):
