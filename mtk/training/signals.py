@@ -89,6 +89,7 @@ class ExitSignal:
     def _watch(self, read: int, chained: int, signals: set[int]) -> None:
         """Time each signal as it arrives; one more than ``duplicate_s`` after the first means "stop now"."""
         first: float | None = None
+        first_signum = 0
         while arrived := os.read(read, 64):
             now = time.monotonic()
             if chained >= 0:
@@ -96,9 +97,9 @@ class ExitSignal:
                     os.write(chained, arrived)
             for signum in (s for s in arrived if s in signals):
                 if first is None:
-                    first = now
+                    first, first_signum = now, signum
                 elif now - first > self.duplicate_s:
-                    _stop_now(signum)
+                    _stop_now(signum, first_signum)
 
     @property
     def name(self) -> str:
@@ -112,14 +113,16 @@ class ExitSignal:
         return bool(flag.item())
 
 
-def _stop_now(signum: int) -> None:
+def _stop_now(signum: int, first_signum: int) -> None:
     """Die of ``signum`` (as an interrupted program does: the launcher and the shell see which), after one line
     from rank 0. Runs in the watcher thread, where Python cannot change a handler: libc's ``signal`` restores the
     default action (terminate the process), whatever the main thread is doing."""
     if os.environ.get("RANK", "0") == "0":
-        name = signal.Signals(signum).name
+        name, first = signal.Signals(signum).name, signal.Signals(first_signum).name
+        # (torchrun turns a second Ctrl-C into SIGTERM for its workers; which delivery comes first is a race)
+        again = "again" if name == first else f"after {first}"
         line = (
-            f"mtk: {name} again: stopped at once, without saving; --resume auto continues from the newest checkpoint\n"
+            f"mtk: {name} {again}: stopped at once, without saving; --resume auto continues from the newest checkpoint\n"
         )
         os.write(2, line.encode())
     with contextlib.suppress(OSError, AttributeError):

@@ -111,9 +111,12 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback_or_a_complete_looking
     output = _finish(job, seen)
     assert job.returncode != 0
     _no_worker_traceback(output)
-    assert _mtk_lines(output) == [
-        "mtk: SIGINT again: stopped at once, without saving; --resume auto continues from the newest checkpoint"
-    ], output[-3000:]
+    # the second Ctrl-C reaches each worker directly and as torchrun's SIGTERM, in either order
+    stopped = "stopped at once, without saving; --resume auto continues from the newest checkpoint"
+    assert _mtk_lines(output) in (
+        [f"mtk: SIGINT again: {stopped}"],
+        [f"mtk: SIGTERM after SIGINT: {stopped}"],
+    ), output[-3000:]
     for folder in out_dir.glob("step_*"):  # step_1 (saved before), perhaps a step_2.incomplete: nothing else
         assert folder.name.endswith(".incomplete") or CheckpointPaths(folder).metadata.is_file(), folder
     read_verified(out_dir / "step_1")  # complete: every file matches its checksum
