@@ -121,9 +121,8 @@ def _stop_now(signum: int, first_signum: int) -> None:
         name, first = signal.Signals(signum).name, signal.Signals(first_signum).name
         # (torchrun turns a second Ctrl-C into SIGTERM for its workers; which delivery comes first is a race)
         again = "again" if name == first else f"after {first}"
-        line = (
-            f"mtk: {name} {again}: stopped at once, without saving; --resume auto continues from the newest checkpoint\n"
-        )
+        stopped = "stopped at once, without saving; --resume auto continues from the newest checkpoint"
+        line = f"mtk: {name} {again}: {stopped}\n"
         os.write(2, line.encode())
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).signal(signum, ctypes.c_void_p(0))  # SIG_DFL
