@@ -12,7 +12,7 @@ from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.parallel.state import ParallelState
 
-__all__ = ["restore_rng", "rng_state"]
+__all__ = ["restore_rng", "rng_state", "set_rng_state"]
 
 
 def rng_state(extra: dict[str, Any]) -> dict[str, Any]:
@@ -29,7 +29,7 @@ def rng_state(extra: dict[str, Any]) -> dict[str, Any]:
     return states
 
 
-def _set_rng_state(states: dict[str, Any]) -> None:
+def set_rng_state(states: dict[str, Any]) -> None:
     random.setstate(states["python"])
     kind, keys, pos, has_gauss, cached = states["numpy"]
     np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
@@ -44,5 +44,5 @@ def restore_rng(paths: CheckpointPaths, meta: CheckpointMeta, parallel: Parallel
     """Set this rank's RNG states from the checkpoint (rank 0's when the world size changed)."""
     same_world = meta.topology.world_size == parallel.world_size
     rng = torch.load(paths.rng(parallel.rank if same_world else 0), weights_only=True)
-    _set_rng_state(rng)
+    set_rng_state(rng)
     return rng

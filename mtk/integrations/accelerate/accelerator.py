@@ -97,7 +97,9 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         self._explicit_accumulation: int | None = kwargs.get("gradient_accumulation_steps")
         on_cpu = default_device().type == "cpu"
         self.uses_deepspeed = (
-            os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or "deepspeed_plugin" in kwargs
+            os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+            or kwargs.get("deepspeed_plugin") is not None
+            or kwargs.get("deepspeed_plugins") is not None
         )
         if self.uses_deepspeed:
             remove_shm_buffers_at_exit()
@@ -133,6 +135,9 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         self.micro_batches_seen = 0  # micro-batches each replica has consumed
         self.completed_steps = 0  # optimizer steps
         self.checkpoint_tokenizer = None  # saved into <checkpoint>/tokenizer, so `mtk export` ships it
+        # What a pipelined model backpropagates per batch, times its loss: None is accelerate's 1 / accumulation
+        # steps; a trainer that scales the loss itself (transformers' Trainer: token counts, DP size) sets it.
+        self.pipeline_loss_factor: float | None = None
         if self.scaler is not None:  # fp16: every model-parallel rank must agree on skipping a step
             self.scaler = TPGradScaler.from_scaler(self.scaler, self.parallel)
 
@@ -287,8 +292,10 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         return model
 
     def _scale_pipeline_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """What ``backward`` would backpropagate: averaged over accumulation steps, fp16-scaled."""
-        loss = loss / self.gradient_accumulation_steps
+        """What ``backward`` would backpropagate: averaged over accumulation steps (or times the trainer's
+        ``pipeline_loss_factor``), fp16-scaled."""
+        factor = self.pipeline_loss_factor
+        loss = loss / self.gradient_accumulation_steps if factor is None else loss * factor
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
     def prepare_scheduler(self, scheduler):

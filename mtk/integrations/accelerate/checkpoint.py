@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,10 +62,18 @@ class ShardedCheckpointing(_Host):
         schedulers = [getattr(s, "scheduler", s) for s in self._schedulers]
         return model, optimizers, schedulers
 
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs) -> str:
+    def save_state(
+        self,
+        output_dir: str | None = None,
+        safe_serialization: bool = True,
+        *,
+        writers: Sequence[Callable[[Path], None]] = (),
+        **kwargs,
+    ) -> str:
         """Write ``output_dir`` atomically. Without one: ``<project_dir>/checkpoints/checkpoint_<i>`` under
         accelerate's ``automatic_checkpoint_naming`` (keeping at most ``total_limit``), else
-        ``<project_dir>/checkpoints/step_<completed_steps>``."""
+        ``<project_dir>/checkpoints/step_<completed_steps>``. ``writers`` add files of the caller's (a trainer's
+        state) on the main process, inside the checkpoint before it is checksummed and marked complete."""
         if not safe_serialization:
             raise ConfigError("mtk checkpoints are safetensors only; save_state(safe_serialization=False) is refused")
         if kwargs:
@@ -84,8 +92,11 @@ class ShardedCheckpointing(_Host):
             "accelerate_step": self.step,
             "dataloader_iterations": [getattr(dl, "iteration", 0) for dl in self._dataloaders],
         }
-        writers = [self._write_tokenizer] if self.checkpoint_tokenizer is not None else []
-        writers.append(self._write_custom_objects)
+        writers = [
+            *([self._write_tokenizer] if self.checkpoint_tokenizer is not None else []),
+            self._write_custom_objects,
+            *writers,
+        ]
         if self.uses_deepspeed:  # DeepSpeed's (partitioned) state inside, mtk's weights beside it
             save_deepspeed_checkpoint(
                 output_dir, self._deepspeed_engine, self.parallel, data, schedulers=schedulers, writers=writers

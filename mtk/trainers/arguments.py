@@ -1,0 +1,95 @@
+"""Which ``TrainingArguments`` (and TRL config) fields mtk's trainers act on, and one line for each it refuses.
+
+transformers' ``Trainer`` reads 114 fields. Most keep their meaning under mtk because mtk implements the API they
+go through (the optimizer and scheduler, clipping, logging, evaluation, data loading over the data-parallel
+replicas). The ones below would, under tensor or pipeline parallelism, build a second parallel layout, bypass
+mtk's vocab-parallel head or its recompute, or save something mtk cannot restore exactly; each is refused in one
+line naming what to use instead, rather than accepted and silently wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mtk.config import RunSettings
+from mtk.errors import ConfigError
+
+__all__ = ["check_training_arguments", "clipping_report"]
+
+
+def _refusals(args: Any) -> list[str]:
+    problems = []
+    if getattr(args, "fsdp", None):
+        problems.append(
+            f"TrainingArguments.fsdp={args.fsdp!r}: FSDP next to mtk's tensor/pipeline parallelism is not supported "
+            "yet; shard over data parallelism with DeepSpeed ZeRO (deepspeed=...) or "
+            "megatron_lm_use_distributed_optimizer"
+        )
+    if getattr(args, "parallelism_config", None) is not None:
+        problems.append(
+            "TrainingArguments.parallelism_config: mtk takes its layout from the accelerate config's "
+            'megatron_lm_config block (or the DeepSpeed JSON\'s "mtk" block); remove parallelism_config'
+        )
+    if getattr(args, "torch_compile", False):
+        problems.append(
+            "TrainingArguments.torch_compile=True: mtk's parallel layers are not compiled yet; leave it off"
+        )
+    if getattr(args, "use_liger_kernel", False):
+        problems.append(
+            "TrainingArguments.use_liger_kernel=True: Liger's kernels replace the layers mtk makes parallel; "
+            "leave it off"
+        )
+    if getattr(args, "neftune_noise_alpha", None) is not None:
+        problems.append(
+            "TrainingArguments.neftune_noise_alpha: NEFTune's embedding noise is not made tensor-parallel by mtk "
+            "yet; leave it unset"
+        )
+    if getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False):
+        problems.append(
+            "TrainingArguments.gradient_checkpointing: under mtk, recompute is megatron_lm_recompute_activations "
+            "(and _granularity/_method) in the accelerate config; leave gradient_checkpointing off"
+        )
+    if getattr(args, "save_only_model", False):
+        problems.append(
+            "TrainingArguments.save_only_model=True: mtk's checkpoints always hold what resumes exactly (weights, "
+            "optimizer, scheduler, RNG); leave it off, and use trainer.save_model() for weights alone"
+        )
+    if getattr(args, "save_on_each_node", False):
+        problems.append(
+            "TrainingArguments.save_on_each_node=True: each rank writes its own shard of one checkpoint; leave it off"
+        )
+    if getattr(args, "enable_jit_checkpoint", False):
+        problems.append(
+            "TrainingArguments.enable_jit_checkpoint=True: mtk saves on SIGTERM at the next step boundary on its own "
+            "terms only in its scripts; leave it off"
+        )
+    if getattr(args, "label_smoothing_factor", 0.0):
+        problems.append(
+            "TrainingArguments.label_smoothing_factor: label smoothing needs the full logits on every rank, which "
+            "mtk's vocab-parallel head never builds; set it to 0"
+        )
+    if getattr(args, "n_gpu", 1) > 1:
+        problems.append(
+            "several GPUs visible to one process (torch.nn.DataParallel): launch one process per GPU with "
+            "accelerate launch"
+        )
+    return problems
+
+
+def check_training_arguments(args: Any) -> None:
+    """Raise :class:`ConfigError` naming the first field mtk cannot honour (one line)."""
+    problems = _refusals(args)
+    if problems:
+        raise ConfigError(problems[0])
+
+
+def clipping_report(args: Any, settings: RunSettings) -> str | None:
+    """The line saying which clipping wins when the launcher's ``megatron_lm_gradient_clipping`` and
+    ``TrainingArguments.max_grad_norm`` disagree (the Trainer clips; mtk's scripts read the launcher's)."""
+    launcher = settings.gradient_clipping
+    if not launcher or launcher == args.max_grad_norm:
+        return None
+    return (
+        f"mtk: the Trainer clips at TrainingArguments.max_grad_norm={args.max_grad_norm}; the accelerate config's "
+        f"megatron_lm_gradient_clipping={launcher} is not used"
+    )

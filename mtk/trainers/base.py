@@ -1,0 +1,260 @@
+"""transformers' ``Trainer`` on mtk's layout: what changes when its processes are TP x PP x DP instead of replicas.
+
+The Trainer builds its ``Accelerator`` itself, so :class:`ParallelTrainerMixin` has it build ``mtk.Accelerator``
+(same arguments; the layout comes from the accelerate config's ``megatron_lm_config`` or the DeepSpeed JSON's
+``"mtk"`` block) and converts the model right after, before any optimizer, fused head or PEFT adapter sees its
+parameters. The rest follows from what the Trainer assumes about its processes:
+
+- **Sizes.** The Trainer divides the world by :meth:`get_tp_size` to find its data-parallel size (the batch
+  size it logs, the ``x DP`` it multiplies a token-weighted loss by); under mtk every TP and PP rank of a
+  replica shares its batch, so that divisor is ``tp x pp``. mtk's ``gather`` already spans only the replicas,
+  so the token count of a step is not divided again (:meth:`_get_num_items_in_batch`).
+- **Pipelines.** A pipelined model runs its backward inside its forward, so the factor the Trainer applies to
+  the loss afterwards (``x DP`` for token-weighted losses, ``/ accumulation`` otherwise) is handed to it before
+  (:meth:`training_step`).
+- **Checkpoints.** ``checkpoint-N/`` is mtk's sharded, checksummed checkpoint (each rank's weights, optimizer,
+  RNG and TP dropout stream; the scheduler; the tokenizer) with the Trainer's ``trainer_state.json`` inside it,
+  written atomically; resuming loads it at this run's layout (resharding when TP/PP changed) and restores the
+  RNG where the Trainer restores its own, after the skipped batches. ``save_model`` writes one merged HF
+  safetensors directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers.trainer as hf_trainer
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
+
+from mtk.checkpoint.integrity import read_verified
+from mtk.checkpoint.rng import rng_state, set_rng_state
+from mtk.errors import ConfigError
+from mtk.integrations.accelerate import Accelerator
+from mtk.integrations.accelerate.save import save_pretrained
+from mtk.parallel.record import is_peft_model
+from mtk.parallel.state import default_device
+from mtk.pipeline.engine import PipelineModel
+from mtk.trainers.arguments import check_training_arguments, clipping_report
+
+__all__ = ["ParallelTrainerMixin"]
+
+# Names a saved HF model directory holds that could clash with folders (a PEFT adapter config is a file too).
+_MODEL_FOLDERS = ("config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json")
+
+
+def _mtk_accelerator(**kwargs: Any) -> Accelerator:
+    """``mtk.Accelerator`` from the arguments the Trainer passes accelerate's (``None`` meaning "not used")."""
+    for key in ("deepspeed_plugin", "fsdp_plugin", "parallelism_config"):
+        if kwargs.get(key) is None:
+            kwargs.pop(key, None)
+    if "fsdp_plugin" in kwargs:
+        raise ConfigError("an FSDP plugin next to mtk's tensor/pipeline parallelism is not supported yet")
+    return Accelerator(**kwargs)
+
+
+@contextlib.contextmanager
+def _in_trainer_module(**names: Any) -> Iterator[None]:
+    """transformers' trainer module sees ``names`` (its ``Accelerator``, its ``skip_first_batches``) while the
+    block runs: the Trainer builds and calls them by those module-level names, with no hook to pass others."""
+    saved = {name: getattr(hf_trainer, name) for name in names}
+    for name, value in names.items():
+        setattr(hf_trainer, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(hf_trainer, name, value)
+
+
+class ParallelTrainerMixin:
+    """Put before transformers' or TRL's trainer class: ``class Trainer(ParallelTrainerMixin, transformers.Trainer)``.
+
+    See the module docstring for what it changes and why.
+    """
+
+    accelerator: Accelerator
+    args: Any
+    model: Any
+    state: Any
+    control: Any
+    callback_handler: Any
+    processing_class: Any
+    lr_scheduler: Any
+    hp_search_backend: Any
+    _counting_tokens: bool = False
+    _resumed_rng: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------------------ accelerator and model
+    def create_accelerator_and_postprocess(self) -> None:
+        check_training_arguments(self.args)
+        if default_device().type == "cpu" and not self.args.use_cpu:
+            # Without use_cpu, TrainingArguments' device set-up on a machine without an accelerator sees one
+            # process and resets accelerate's shared state to it; mtk.Accelerator joins the processes with gloo.
+            self.args.use_cpu = True
+            self.args.__dict__.pop("_setup_devices", None)  # (a cached_property: set up again, with use_cpu)
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) == 0:
+                print("mtk: no accelerator on this machine: TrainingArguments.use_cpu set to True (gloo)")
+        self.args._setup_devices  # before the Accelerator: TrainingArguments' set-up resets accelerate's state
+        with _in_trainer_module(Accelerator=_mtk_accelerator):
+            super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        line = clipping_report(self.args, self.accelerator.settings)
+        if line:
+            self.accelerator.print(line)
+        if self.model is not None:
+            self._parallelize(self.model)
+
+    def _parallelize(self, model: Any) -> None:
+        if is_peft_model(model):
+            raise ConfigError(
+                "a PEFT model given to mtk's trainers: pass the base model and peft_config=, or build the adapters "
+                "with mtk.lora.get_peft_model after accelerator.parallelize"
+            )
+        self.accelerator.parallelize(model)
+
+    def _tokenizer(self) -> Any:
+        """The processing class's tokenizer (a processor's own), if it can be saved."""
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        return tokenizer if hasattr(tokenizer, "save_pretrained") else None
+
+    def call_model_init(self, trial: Any = None) -> Any:
+        model = super().call_model_init(trial)  # type: ignore[misc]
+        if getattr(self, "accelerator", None) is not None:
+            self._parallelize(model)
+        return model
+
+    # ----------------------------------------------------------------------------------------- sizes
+    def get_tp_size(self) -> int:
+        """Ranks that share one batch: the replica's TP x PP ranks (1 while counting tokens, see below)."""
+        if self._counting_tokens:
+            return 1
+        parallel = self.accelerator.parallel
+        return parallel.tp_size * parallel.pp_size
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+        """The Trainer's count of label tokens over the step, summed over the data-parallel replicas. It divides
+        by the TP size because accelerate's gather repeats a replica's count on each of its ranks; mtk's gather
+        spans the replicas only, so that division is not made (and no float division is undone)."""
+        self._counting_tokens = True
+        try:
+            return super()._get_num_items_in_batch(batch_samples, device)  # type: ignore[misc]
+        finally:
+            self._counting_tokens = False
+
+    # ---------------------------------------------------------------------------------------- training
+    def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        if isinstance(model, PipelineModel):
+            self.accelerator.pipeline_loss_factor = self._pipeline_loss_factor(num_items_in_batch)
+        return super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
+
+    def _pipeline_loss_factor(self, num_items_in_batch: Any) -> float:
+        """What ``Trainer.compute_loss`` and ``training_step`` multiply the model's loss by before backward."""
+        trainer: Any = self
+        if trainer.compute_loss_func is not None or trainer.label_smoother is not None:
+            raise ConfigError(
+                "with pp > 1 the loss is computed and backpropagated inside the pipeline: compute_loss_func and "
+                "label smoothing are not supported there"
+            )
+        factor = 1.0
+        token_weighted = trainer.model_accepts_loss_kwargs and num_items_in_batch is not None
+        if self.args.average_tokens_across_devices and token_weighted:
+            factor *= self.accelerator.num_processes // self.get_tp_size()
+        scaled_for_accumulation = trainer.loss_is_scaled_for_ga
+        if scaled_for_accumulation is None:
+            scaled_for_accumulation = token_weighted
+        if not scaled_for_accumulation:
+            factor /= trainer.current_gradient_accumulation_steps
+        return factor
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's, skipping resumed batches through ``mtk.Accelerator`` (whose loaders broadcast each
+        batch from the replica's source rank); checkpoints carry the tokenizer, so ``mtk export`` ships it."""
+        self.accelerator.checkpoint_tokenizer = self._tokenizer()
+        with _in_trainer_module(skip_first_batches=self.accelerator.skip_first_batches):
+            return super().train(*args, **kwargs)  # type: ignore[misc]
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        scheduler = super().create_scheduler(num_training_steps, optimizer)  # type: ignore[misc]
+        custom = self.accelerator._custom_objects
+        custom[:] = [obj for obj in custom if not isinstance(obj, torch.optim.lr_scheduler.LRScheduler)]
+        self.accelerator.register_for_checkpointing(scheduler)  # saved and restored inside mtk's checkpoint
+        return scheduler
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """``checkpoint-N/``: mtk's sharded checkpoint with the Trainer's state inside it, written atomically."""
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()  # type: ignore[attr-defined]
+        run_dir = self._get_output_dir(trial=trial)  # type: ignore[attr-defined]
+        output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        saved_best = (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
+        if self.args.save_strategy in saved_best and self.state.best_global_step:
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if os.path.exists(best):
+                self.state.best_model_checkpoint = best
+        for callback in [*self.callback_handler.callbacks, self.control]:
+            if isinstance(callback, ExportableState):
+                name, state = type(callback).__name__, callback.state()
+                if isinstance(self.state.stateful_callbacks.get(name), list):
+                    self.state.stateful_callbacks[name].append(state)
+                else:
+                    self.state.stateful_callbacks[name] = state
+        self.accelerator.save_state(output_dir, writers=[self._write_trainer_state])
+        if self.args.should_save:
+            hf_trainer.rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+
+    def _write_trainer_state(self, directory: Path) -> None:
+        self.state.save_to_json(str(directory / hf_trainer.TRAINER_STATE_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Checked now (one line if it is not a complete mtk checkpoint); loaded once the model is prepared."""
+        read_verified(resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Weights, optimizer, scheduler, scaler and RNG from mtk's checkpoint, resharded to this layout."""
+        if checkpoint is None:
+            return
+        self.accelerator.load_state(checkpoint)
+        self._resumed_rng = rng_state({})  # restored again where the Trainer restores RNG (after skipping)
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        """Restored by :meth:`_load_optimizer_and_scheduler` (mtk's checkpoint holds the TP-aware scaler)."""
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """Saved by :meth:`_save_checkpoint` (every rank's RNG and TP stream are in mtk's checkpoint)."""
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if checkpoint is not None and self._resumed_rng is not None:
+            set_rng_state(self._resumed_rng)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """One merged HF safetensors directory (and the tokenizer) that ``from_pretrained`` loads; collective.
+
+        Into a directory that already holds files (the Trainer's output directory, with its checkpoints and logs)
+        the model is written whole beside them first, then its files are moved in, replacing only files of the
+        same names (a previous save's): nothing else there is touched."""
+        target = Path(output_dir if output_dir is not None else self.args.output_dir)
+        tokenizer = self._tokenizer()
+        if not (target.is_dir() and any(target.iterdir())):
+            save_pretrained(self.accelerator, self.model, target, tokenizer)
+            return
+        blocking = [name for name in _MODEL_FOLDERS if (target / name).is_dir()]
+        if blocking:
+            raise ConfigError(f"save_model: {target / blocking[0]} is a directory; save into a new directory")
+        staged = target / f".mtk-save-model-{self.state.global_step}.incomplete"
+        save_pretrained(self.accelerator, self.model, staged, tokenizer)
+        if self.accelerator.is_main_process:
+            for item in sorted(staged.iterdir()):
+                os.replace(item, target / item.name)
+            staged.rmdir()
+        self.accelerator.wait_for_everyone()

@@ -1,0 +1,109 @@
+"""One transformers ``Trainer`` run on a tiny Llama, by transformers' own class or by mtk's (``--trainer``).
+
+The same script is the single-process (or plain ``torchrun``) reference and the mtk run under ``accelerate launch``
+at any layout: it writes the Trainer's ``log_history`` (loss, grad_norm, learning_rate, eval_loss per step) to
+``<output_dir>/log_history.json`` for the test to compare. Examples have uneven lengths, padding and
+prompt tokens without loss, so token weighting over accumulation and replicas matters.
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import transformers
+from datasets import Dataset
+from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+VOCAB = 101  # not a multiple of the TP size: the vocabulary is padded
+
+
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config)
+
+
+def examples(count: int, seed: int) -> Dataset:
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(count):
+        length = int(torch.randint(5, 18, (), generator=generator))
+        ids = torch.randint(1, VOCAB, (length,), generator=generator).tolist()
+        prompt = int(torch.randint(1, 4, (), generator=generator))
+        rows.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return Dataset.from_list(rows)
+
+
+def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Right-padded batch: pad id 0, no loss and no attention on padding."""
+    width = max(len(row["input_ids"]) for row in rows)
+    batch = {"input_ids": [], "labels": [], "attention_mask": []}
+    for row in rows:
+        pad = width - len(row["input_ids"])
+        batch["input_ids"].append(row["input_ids"] + [0] * pad)
+        batch["labels"].append(row["labels"] + [-100] * pad)
+        batch["attention_mask"].append([1] * len(row["input_ids"]) + [0] * pad)
+    return {key: torch.tensor(value) for key, value in batch.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trainer", choices=["hf", "mtk"], required=True)
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--max_steps", type=int, default=4)
+    parser.add_argument("--grad_accum", type=int, default=2)
+    parser.add_argument("--save_steps", type=int, default=0)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--save_model", action="store_true")
+    args = parser.parse_args()
+    if args.trainer == "mtk":
+        from mtk.trainers import Trainer
+    else:
+        Trainer = transformers.Trainer
+    training = TrainingArguments(
+        output_dir=args.output_dir,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        gradient_accumulation_steps=args.grad_accum,
+        max_steps=args.max_steps,
+        learning_rate=1e-2,
+        weight_decay=0.01,
+        warmup_steps=1,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = Trainer(
+        model=model(),
+        args=training,
+        data_collator=collate,
+        train_dataset=examples(48, seed=1),
+        eval_dataset=examples(12, seed=2),
+    )
+    trainer.train(resume_from_checkpoint=args.resume)
+    if args.save_model:
+        trainer.save_model(os.path.join(args.output_dir, "final"))
+    if trainer.is_world_process_zero():
+        Path(args.output_dir, "log_history.json").write_text(json.dumps(trainer.state.log_history))
+
+
+if __name__ == "__main__":
+    main()
