@@ -171,6 +171,14 @@ class ParallelTrainerMixin:
             factor /= trainer.current_gradient_accumulation_steps
         return factor
 
+    def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
+        """The pipeline-running model for evaluation too (the Trainer evaluates ``self.model``, this rank's stage,
+        when it finds it unwrapped)."""
+        wrapped = getattr(self, "model_wrapped", None)
+        if isinstance(wrapped, PipelineModel) and model is self.model:
+            return wrapped
+        return super()._wrap_model(model, training, dataloader)  # type: ignore[misc]
+
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's, skipping resumed batches through ``mtk.Accelerator`` (whose loaders broadcast each
         batch from the replica's source rank); checkpoints carry the tokenizer, so ``mtk export`` ships it."""
