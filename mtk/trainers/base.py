@@ -212,6 +212,7 @@ class ParallelTrainerMixin:
                     self.state.stateful_callbacks[name].append(state)
                 else:
                     self.state.stateful_callbacks[name] = state
+        self.accelerator.completed_steps = self.state.global_step  # the step mtk's metadata records
         self.accelerator.save_state(output_dir, writers=[self._write_trainer_state])
         if self.args.should_save:
             hf_trainer.rotate_checkpoints(

@@ -11,7 +11,13 @@ STEP_LINE = re.compile(r"step (\d+) loss (\S+)")
 
 
 def accelerate_launch(
-    script: str, config: str, *args: str, launcher_args: tuple = (), check: bool = True, timeout: int = 600
+    script: str,
+    config: str,
+    *args: str,
+    launcher_args: tuple = (),
+    check: bool = True,
+    timeout: int = 600,
+    env: dict | None = None,
 ) -> subprocess.CompletedProcess:
     """``accelerate launch --config_file <config> [launcher_args] <script> [args]`` from the repo root.
 
@@ -30,7 +36,7 @@ def accelerate_launch(
         script if "/" in script else f"examples/{script}",
         *args,
     ]
-    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     if check:
         assert out.returncode == 0, _workers_story(out.stderr)
     return out

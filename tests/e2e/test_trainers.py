@@ -1,0 +1,155 @@
+"""``mtk.trainers.Trainer`` under ``accelerate launch`` logs transformers' own Trainer's numbers at every layout.
+
+Each run is ``tests/e2e/trainer_script.py``: a tiny Llama (vocabulary 101, padded under TP), uneven examples with
+padding and prompt tokens without loss, accumulation 2, clipping, warm-up, evaluation every 2 steps. The
+reference is the same script with transformers' class on one process (TP/PP layouts) or on 2 plain ``torchrun``
+processes (layouts with DP = 2). Every logged ``loss``, ``grad_norm``, ``learning_rate`` and ``eval_loss`` must
+agree within the exactness bar; checkpoints resume exactly at the same layout and at another one, and
+``save_model`` writes what ``from_pretrained`` loads.
+"""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from mtk.checkpoint.integrity import read_verified
+from mtk.spawn import free_port
+from mtk.testing import assert_close_rel
+from tests.e2e.launch import ROOT, accelerate_launch
+
+SCRIPT = "tests/e2e/trainer_script.py"
+LOGGED = ("loss", "grad_norm", "learning_rate", "eval_loss")
+
+
+def _history(out_dir: Path) -> list[dict]:
+    return json.loads((out_dir / "log_history.json").read_text())
+
+
+def _hf_run(out_dir: Path, processes: int) -> list[dict]:
+    """transformers' Trainer: one process, or ``processes`` plain torchrun workers (CPU, gloo)."""
+    if processes == 1:
+        command = ["python", SCRIPT]
+    else:
+        command = ["torchrun", "--nproc_per_node", str(processes), "--master_port", str(free_port()), SCRIPT]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    args = ["--trainer", "hf", "--output_dir", str(out_dir), "--save_model"]
+    done = subprocess.run([*command, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return _history(out_dir)
+
+
+def _mtk_run(config: str, out_dir: Path, *args: str, env: dict | None = None) -> list[dict]:
+    launch = accelerate_launch(SCRIPT, config, "--trainer", "mtk", "--output_dir", str(out_dir), *args, env=env)
+    assert "Traceback" not in launch.stderr, launch.stderr[-3000:]
+    return _history(out_dir)
+
+
+def assert_same_history(actual: list[dict], expected: list[dict], what: str, steps=None) -> None:
+    """Every logged number of ``expected`` (at ``steps``, default all) within the bar in ``actual``."""
+    want = [entry for entry in expected if steps is None or entry["step"] in steps]
+    got = [entry for entry in actual if steps is None or entry["step"] in steps]
+    assert [(e["step"], sorted(set(e) & set(LOGGED))) for e in got] == [
+        (e["step"], sorted(set(e) & set(LOGGED))) for e in want
+    ], (got, want)
+    for mine, theirs in zip(got, want):
+        for key in set(theirs) & set(LOGGED):
+            assert_close_rel(mine[key], theirs[key], f"{what}: {key} at step {theirs['step']}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """transformers' Trainer on one process and on two (DP = 2): histories and final-model directories."""
+    root = tmp_path_factory.mktemp("trainer_reference")
+    return {
+        1: (_hf_run(root / "dp1", 1), root / "dp1"),
+        2: (_hf_run(root / "dp2", 2), root / "dp2"),
+    }
+
+
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("trainer_tp2")
+    _mtk_run("tp2", out, "--save_steps", "2", "--save_model")
+    return out
+
+
+def test_tp2_logs_the_trainers_numbers_and_saves_what_from_pretrained_loads(reference, tp2_run):
+    history, hf_dir = reference[1]
+    assert_same_history(_history(tp2_run), history, "TP=2")
+    ours = load_file(tp2_run / "final" / "model.safetensors")
+    theirs = load_file(hf_dir / "final" / "model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:
+        assert_close_rel(ours[name], theirs[name], f"saved {name}")
+
+
+def test_checkpoint_n_is_a_verified_mtk_checkpoint_with_the_trainer_state_inside(tp2_run):
+    checkpoint = tp2_run / "checkpoint-2"
+    meta = read_verified(checkpoint)
+    assert meta.step == 2 and meta.topology.tp_size == 2
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 2
+    assert "trainer_state.json" in meta.files  # listed and checksummed with the shards
+    exported = tp2_run.parent / "exported_checkpoint_2"
+    done = subprocess.run(
+        ["mtk", "export", str(checkpoint), str(exported)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (exported / "config.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "config, resume_at", [("tp2", "tp2"), ("tp2", "single process")], ids=["same layout", "tp2 to tp1"]
+)
+def test_resume_from_checkpoint_n_continues_exactly(reference, tp2_run, tmp_path, config, resume_at):
+    history, _ = reference[1]
+    out = tmp_path / "resumed"
+    out.mkdir()
+    checkpoint = str(tp2_run / "checkpoint-2")
+    if resume_at == "single process":
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        command = ["python", SCRIPT, "--trainer", "mtk", "--output_dir", str(out), "--resume", checkpoint]
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        resumed = _history(out)
+    else:
+        resumed = _mtk_run(config, out, "--resume", checkpoint)
+    assert_same_history(resumed, history, f"resumed at {resume_at}", steps={3, 4})
+
+
+@pytest.mark.parametrize(
+    "config, env, dp",
+    [
+        ("tp2_dp2", {}, 2),
+        ("tp2_pp2", {}, 1),
+        ("tp1_pp2", {"MTK_PIPELINE_SCHEDULE": "interleaved", "MTK_VIRTUAL_STAGES": "2"}, 1),
+    ],
+    ids=["tp2_dp2", "tp2_pp2", "pp2_interleaved"],
+)
+def test_layouts_log_the_trainers_numbers(reference, tmp_path, config, env, dp):
+    history, _ = reference[dp]
+    ours = _mtk_run(config, tmp_path / "run", env={**os.environ, **env})
+    assert_same_history(ours, history, config + (" interleaved" if env else ""))
+
+
+def test_a_refused_training_argument_is_one_line(tmp_path):
+    """Accepted-and-ignored is not an option: what mtk cannot honour stops the run, naming the field."""
+    script = tmp_path / "refused.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from mtk.errors import ConfigError\n"
+        "from mtk.trainers import Trainer\n"
+        "from transformers import TrainingArguments\n"
+        "from tests.e2e.trainer_script import model\n"
+        f"args = TrainingArguments(output_dir={str(tmp_path / 'out')!r}, torch_compile=True, report_to=[])\n"
+        "try:\n"
+        "    Trainer(model=model(), args=args)\n"
+        "except ConfigError as err:\n"
+        "    print('refused:', err)\n"
+    )
+    done = subprocess.run(["python", str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "refused: TrainingArguments.torch_compile=True" in done.stdout, done.stderr[-2000:]
