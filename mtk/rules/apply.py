@@ -31,7 +31,7 @@ from mtk.rules.base import (
     UnsupportedModelError,
     compile_pattern,
 )
-from mtk.rules.lm_head import LogitsGatherHook, VocabParallelCausalLMLoss
+from mtk.rules.lm_head import LogitsGatherHook, VocabParallelCausalLMLoss, attach_logits_hook
 
 __all__ = ["BuildContext", "RuleContext", "materialize_", "parallelize_with"]
 
@@ -267,7 +267,7 @@ def _install_vocab_parallel_loss(
     head = next((m for m in heads if not m.gather_output), None)
     if head is not None:
         cast(Any, model).loss_function = VocabParallelCausalLMLoss(head)
-        model.register_forward_hook(LogitsGatherHook(head, logits), with_kwargs=True)
+        attach_logits_hook(model, LogitsGatherHook(head, logits))
 
 
 def _retie_embeddings(

@@ -2,22 +2,39 @@
 
 HF's causal-LM classes compute their loss through ``self.loss_function`` (a settable property), so
 mtk installs :class:`VocabParallelCausalLMLoss` there: HF's own forward then computes the loss from
-vocab-parallel logits with two O(b*s) all-reduces. The logits a caller *sees* are gathered (and the
-TP padding cut off) only when asked: by default when no labels are passed (evaluation, generation).
+vocab-parallel logits with two O(b*s) all-reduces.
+
+What a caller reads as ``outputs.logits`` is never a vocabulary shard passed off as the logits. ``auto``
+(the default): without labels (evaluation, generation) the full ``[..., V]`` logits, gathered with the TP
+padding cut off; with labels none (``logits=None``, as Megatron returns only the loss), since gathering
+them would build the full vocabulary on every rank in every training step. ``full``: always the full
+logits (a caller that takes accuracy from the training forward's logits). ``shard``: the documented opt-in
+to this rank's ``[..., V_padded/tp]`` columns, for code that reduces over the vocabulary itself
+(:func:`gather_logits` makes them whole). :func:`logits_mode` switches a converted model for a block.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from mtk.parallel.comm import gather_from_tp
 from mtk.parallel.layers import ColumnParallelLinear
 from mtk.parallel.loss import vocab_parallel_cross_entropy
 
-__all__ = ["LOGITS_MODES", "LogitsGatherHook", "VocabParallelCausalLMLoss", "gather_logits"]
+__all__ = [
+    "LOGITS_MODES",
+    "LogitsGatherHook",
+    "VocabParallelCausalLMLoss",
+    "attach_logits_hook",
+    "gather_logits",
+    "logits_mode",
+]
 
 LOGITS_MODES = ("auto", "full", "shard")
 
@@ -71,10 +88,11 @@ class VocabParallelCausalLMLoss:
 
 
 class LogitsGatherHook:
-    """Forward hook on the top-level model that replaces vocab-parallel logits by full logits.
+    """Forward hook on the top-level model that replaces vocab-parallel logits by what the mode says.
 
-    ``mode``: ``auto`` gathers when no ``labels`` were passed; ``full`` always; ``shard`` never (the
-    caller gets ``[..., V_padded/tp]`` and can call :func:`gather_logits`).
+    ``mode``: ``auto`` gathers when no ``labels`` were passed and drops them (``None``) when labels were;
+    ``full`` always gathers; ``shard`` never (the caller gets ``[..., V_padded/tp]`` and can call
+    :func:`gather_logits`).
     """
 
     def __init__(self, head: ColumnParallelLinear, mode: str = "auto") -> None:
@@ -84,11 +102,42 @@ class LogitsGatherHook:
 
     def __call__(self, module, args, kwargs, output):
         has_labels = kwargs.get("labels") is not None
-        if self.mode == "shard" or (self.mode == "auto" and has_labels):
+        if self.mode == "shard":
             return None
         if isinstance(output, tuple):  # return_dict=False: (loss, logits, ...) or (logits, ...)
             index = 1 if has_labels else 0
+            if self.mode == "auto" and has_labels:
+                return output[:index] + output[index + 1 :]  # as HF's tuples drop what is None
             return output[:index] + (gather_logits(output[index], self.head),) + output[index + 1 :]
         if getattr(output, "logits", None) is not None:
-            output.logits = gather_logits(output.logits, self.head)
+            if self.mode == "auto" and has_labels:
+                output.logits = None
+            else:
+                output.logits = gather_logits(output.logits, self.head)
         return output
+
+
+_HOOK = "_mtk_logits_hook"  # the converted model's LogitsGatherHook, for logits_mode
+
+
+def attach_logits_hook(model: nn.Module, hook: LogitsGatherHook) -> None:
+    """Register ``hook`` on ``model`` and remember it (:func:`logits_mode` finds it there)."""
+    model.register_forward_hook(hook, with_kwargs=True)
+    setattr(model, _HOOK, hook)
+
+
+@contextmanager
+def logits_mode(model: nn.Module, mode: str) -> Iterator[None]:
+    """``model``'s logits mode (``auto``, ``full`` or ``shard``) for the block; nothing to do for a model
+    whose head is not vocab-parallel (its logits are whole already)."""
+    if mode not in LOGITS_MODES:
+        raise ValueError(f"logits mode must be one of {LOGITS_MODES}, got {mode!r}")
+    hook = next((getattr(m, _HOOK) for m in model.modules() if hasattr(m, _HOOK)), None)
+    if hook is None:
+        yield
+        return
+    saved, hook.mode = hook.mode, mode
+    try:
+        yield
+    finally:
+        hook.mode = saved

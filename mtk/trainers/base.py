@@ -40,6 +40,7 @@ from mtk.integrations.accelerate.save import save_pretrained
 from mtk.parallel.record import is_peft_model
 from mtk.parallel.state import default_device
 from mtk.pipeline.engine import PipelineModel
+from mtk.rules.lm_head import logits_mode
 from mtk.trainers.arguments import check_training_arguments, clipping_report
 
 __all__ = ["ParallelTrainerMixin"]
@@ -100,7 +101,7 @@ class ParallelTrainerMixin:
             self.args.__dict__.pop("_setup_devices", None)  # (a cached_property: set up again, with use_cpu)
             if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) == 0:
                 print("mtk: no accelerator on this machine: TrainingArguments.use_cpu set to True (gloo)")
-        self.args._setup_devices  # before the Accelerator: TrainingArguments' set-up resets accelerate's state
+        _ = self.args.device  # set up before the Accelerator: TrainingArguments resets accelerate's state there
         with _in_trainer_module(Accelerator=_mtk_accelerator):
             super().create_accelerator_and_postprocess()  # type: ignore[misc]
         line = clipping_report(self.args, self.accelerator.settings)
@@ -178,6 +179,21 @@ class ParallelTrainerMixin:
         if isinstance(wrapped, PipelineModel) and model is self.model:
             return wrapped
         return super()._wrap_model(model, training, dataloader)  # type: ignore[misc]
+
+    def prediction_step(
+        self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None
+    ) -> Any:
+        """The Trainer's, with the full logits when the evaluation asks for them (``compute_metrics``): a
+        forward with labels otherwise returns none under TP (:mod:`mtk.rules.lm_head`)."""
+        if prediction_loss_only:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)  # type: ignore[misc]
+        if isinstance(model, PipelineModel):
+            raise ConfigError(
+                "with pp > 1 evaluation computes the loss only, and compute_metrics needs the logits: evaluate "
+                "without compute_metrics (or at pp = 1)"
+            )
+        with logits_mode(self.model, "full"):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)  # type: ignore[misc]
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's, skipping resumed batches through ``mtk.Accelerator`` (whose loaders broadcast each

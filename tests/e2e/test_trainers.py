@@ -22,21 +22,21 @@ from mtk.testing import assert_close_rel
 from tests.e2e.launch import ROOT, accelerate_launch
 
 SCRIPT = "tests/e2e/trainer_script.py"
-LOGGED = ("loss", "grad_norm", "learning_rate", "eval_loss")
+LOGGED = ("loss", "grad_norm", "learning_rate", "eval_loss", "eval_accuracy")
 
 
 def _history(out_dir: Path) -> list[dict]:
     return json.loads((out_dir / "log_history.json").read_text())
 
 
-def _hf_run(out_dir: Path, processes: int) -> list[dict]:
+def _hf_run(out_dir: Path, processes: int, *extra: str) -> list[dict]:
     """transformers' Trainer: one process, or ``processes`` plain torchrun workers (CPU, gloo)."""
     if processes == 1:
         command = ["python", SCRIPT]
     else:
         command = ["torchrun", "--nproc_per_node", str(processes), "--master_port", str(free_port()), SCRIPT]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    args = ["--trainer", "hf", "--output_dir", str(out_dir), "--save_model"]
+    args = ["--trainer", "hf", "--output_dir", str(out_dir), "--save_model", *extra]
     done = subprocess.run([*command, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return _history(out_dir)
@@ -67,18 +67,21 @@ def reference(tmp_path_factory) -> dict:
     return {
         1: (_hf_run(root / "dp1", 1), root / "dp1"),
         2: (_hf_run(root / "dp2", 2), root / "dp2"),
+        "metrics": (_hf_run(root / "metrics", 1, "--metrics"), root / "metrics"),
     }
 
 
 @pytest.fixture(scope="module")
 def tp2_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("trainer_tp2")
-    _mtk_run("tp2", out, "--save_steps", "2", "--save_model")
+    _mtk_run("tp2", out, "--save_steps", "2", "--save_model", "--metrics")
     return out
 
 
 def test_tp2_logs_the_trainers_numbers_and_saves_what_from_pretrained_loads(reference, tp2_run):
-    history, hf_dir = reference[1]
+    """compute_metrics gets the full logits (token accuracy equal to transformers'), never a vocabulary shard."""
+    history, hf_dir = reference["metrics"]
+    assert any("eval_accuracy" in entry for entry in history)
     assert_same_history(_history(tp2_run), history, "TP=2")
     ours = load_file(tp2_run / "final" / "model.safetensors")
     theirs = load_file(hf_dir / "final" / "model.safetensors")

@@ -58,6 +58,15 @@ def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
     return {key: torch.tensor(value) for key, value in batch.items()}
 
 
+def token_accuracy(prediction) -> dict[str, float]:
+    """Next-token accuracy over the evaluation's label tokens, from the full logits (argmax over the vocabulary)."""
+    logits, labels = torch.as_tensor(prediction.predictions), torch.as_tensor(prediction.label_ids)
+    assert logits.shape[-1] == VOCAB, logits.shape  # never a vocabulary shard
+    predicted, target = logits[:, :-1].argmax(-1), labels[:, 1:]
+    counted = target != -100
+    return {"accuracy": ((predicted == target) & counted).sum().item() / counted.sum().item()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=["hf", "mtk"], required=True)
@@ -67,6 +76,7 @@ def main() -> None:
     parser.add_argument("--save_steps", type=int, default=0)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--save_model", action="store_true")
+    parser.add_argument("--metrics", action="store_true", help="evaluate token accuracy from the logits too")
     args = parser.parse_args()
     if args.trainer == "mtk":
         from mtk.trainers import Trainer
@@ -97,6 +107,7 @@ def main() -> None:
         data_collator=collate,
         train_dataset=examples(48, seed=1),
         eval_dataset=examples(12, seed=2),
+        compute_metrics=token_accuracy if args.metrics else None,
     )
     trainer.train(resume_from_checkpoint=args.resume)
     if args.save_model:

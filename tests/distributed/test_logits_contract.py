@@ -1,0 +1,52 @@
+"""No caller reads a vocabulary shard as the logits (TP = 2, a vocabulary of 101 padded to 102).
+
+``auto``: full logits without labels, ``None`` with labels (the loss alone, as Megatron); ``full``: always the
+full logits; ``shard``: the documented opt-in to this rank's columns; ``logits_mode`` switches for a block.
+"""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from mtk.convert import parallelize
+from mtk.parallel import ParallelState
+from mtk.rules.lm_head import logits_mode
+from mtk.testing import assert_close_rel, run_distributed
+
+VOCAB = 101
+
+
+def _model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def _contract(rank: int, world_size: int) -> None:
+    reference, model = _model(), _model()
+    parallelize(model, ParallelState.build(tp_size=world_size))
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(input_ids=ids, labels=ids)
+        plain = model(input_ids=ids)
+        assert_close_rel(plain.logits, expected.logits, "logits without labels")
+        with_labels = model(input_ids=ids, labels=ids)
+        assert with_labels.logits is None  # auto: the loss alone, never half a vocabulary
+        assert_close_rel(with_labels.loss, expected.loss, "loss")
+        as_tuple = model(input_ids=ids, labels=ids, return_dict=False)
+        assert len(as_tuple) == len(reference(input_ids=ids, labels=ids, return_dict=False)) - 1
+        with logits_mode(model, "full"):
+            full = model(input_ids=ids, labels=ids)
+        assert_close_rel(full.logits, expected.logits, "full logits with labels")
+        assert model(input_ids=ids, labels=ids).logits is None  # the mode is back to auto after the block
+        with logits_mode(model, "shard"):
+            shard = model(input_ids=ids).logits
+        assert shard.shape == (2, 11, 102 // world_size)
+        assert_close_rel(shard[..., : min(VOCAB - 51 * rank, 51)], expected.logits[..., 51 * rank : 51 * (rank + 1)],
+                         "this rank's columns")  # fmt: skip
+
+
+def test_logits_are_full_or_none_never_a_shard():
+    run_distributed(_contract, world_size=2)
