@@ -22,8 +22,10 @@ parameters. The rest follows from what the Trainer assumes about its processes:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,41 @@ def _in_trainer_module(**names: Any) -> Iterator[None]:
             setattr(hf_trainer, name, value)
 
 
+def _derive_global_batch(args: Any) -> None:
+    """An ``"auto"`` ``train_batch_size`` is left for mtk to derive. transformers fills it with world size x
+    micro-batch x accumulation when the arguments are made, before any layout is known; under TP and PP only the
+    data-parallel replicas multiply the batch, which mtk's DeepSpeed set-up derives from the other two fields."""
+    given = args.deepspeed
+    if isinstance(given, str):
+        given = json.loads(Path(given).read_text())
+    if given.get("train_batch_size", "auto") != "auto":
+        return  # the user's number: mtk checks it against the layout (one line if it disagrees)
+    for config in (
+        getattr(args.hf_deepspeed_config, "config", None),
+        getattr(args.deepspeed_plugin, "deepspeed_config", None),
+    ):
+        if isinstance(config, dict):
+            config.pop("train_batch_size", None)
+
+
+def _deepspeed_processes_on_cpu(args: Any) -> None:
+    """DeepSpeed on a machine without an accelerator joins the processes with gloo (as ``mtk.Accelerator`` does);
+    TrainingArguments' own set-up would ask for DeepSpeed's default backend and see a single process. The state
+    is built here and the arguments are told to use it (their ``use_configured_state``)."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    saved = os.environ.get("ACCELERATE_USE_DEEPSPEED")
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    try:
+        PartialState(backend="gloo", timeout=timedelta(seconds=args.ddp_timeout))
+    finally:
+        if saved is None:
+            del os.environ["ACCELERATE_USE_DEEPSPEED"]
+    args.accelerator_config.use_configured_state = True
+    args.__dict__.pop("_setup_devices", None)
+
+
 class ParallelTrainerMixin:
     """Put before transformers' or TRL's trainer class: ``class Trainer(ParallelTrainerMixin, transformers.Trainer)``.
 
@@ -94,13 +131,17 @@ class ParallelTrainerMixin:
     # ------------------------------------------------------------------------------ accelerator and model
     def create_accelerator_and_postprocess(self) -> None:
         check_training_arguments(self.args)
-        if default_device().type == "cpu" and not self.args.use_cpu:
+        if default_device().type == "cpu" and not self.args.use_cpu and not self.args.deepspeed:
             # Without use_cpu, TrainingArguments' device set-up on a machine without an accelerator sees one
             # process and resets accelerate's shared state to it; mtk.Accelerator joins the processes with gloo.
             self.args.use_cpu = True
             self.args.__dict__.pop("_setup_devices", None)  # (a cached_property: set up again, with use_cpu)
             if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) == 0:
                 print("mtk: no accelerator on this machine: TrainingArguments.use_cpu set to True (gloo)")
+        if self.args.deepspeed:
+            _derive_global_batch(self.args)
+            if default_device().type == "cpu":
+                _deepspeed_processes_on_cpu(self.args)
         _ = self.args.device  # set up before the Accelerator: TrainingArguments resets accelerate's state there
         with _in_trainer_module(Accelerator=_mtk_accelerator):
             super().create_accelerator_and_postprocess()  # type: ignore[misc]

@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--save_steps", type=int, default=0)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--save_model", action="store_true")
+    parser.add_argument("--deepspeed", default=None, help="a DeepSpeed JSON (TrainingArguments.deepspeed)")
     parser.add_argument("--metrics", action="store_true", help="evaluate token accuracy from the logits too")
     args = parser.parse_args()
     if args.trainer == "mtk":
@@ -100,6 +101,7 @@ def main() -> None:
         report_to=[],
         disable_tqdm=True,
         seed=0,
+        deepspeed=args.deepspeed,
     )
     trainer = Trainer(
         model=model(),
