@@ -1,0 +1,67 @@
+"""TRL's ``SFTTrainer`` and ``DPOTrainer`` on mtk's layout: the same constructors and configs.
+
+TRL computes its log-probabilities, entropy and token accuracy with a fused LM head that multiplies the hidden
+states by ``lm_head.weight`` directly; under TP that weight is this rank's slice of the vocabulary, so mtk puts its
+vocab-parallel head in its place (:mod:`mtk.rules.fused_head`) once TRL has added its own. The rest of TRL's
+arithmetic already holds under mtk: its metrics gather over ``accelerator.gather_for_metrics`` (the data-parallel
+replicas under mtk) and its ``get_tp_size`` scaling is the Trainer's (:mod:`mtk.trainers.base`).
+
+What is not exact yet is refused in one line: PEFT through ``peft_config`` or a ``PeftModel`` (use
+``mtk.lora.get_peft_model`` with ``mtk.Accelerator``), DPO with ``pp > 1`` (each chosen/rejected pair must stay in
+one micro-batch and the loss is not a sum over tokens), and SFT's ``dft`` loss with ``pp > 1``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trl
+
+from mtk.errors import ConfigError
+from mtk.rules.fused_head import replace_trl_fused_head
+from mtk.trainers.base import ParallelTrainerMixin
+
+__all__ = ["DPOTrainer", "SFTTrainer"]
+
+
+def _refuse_peft(kwargs: dict[str, Any], trainer: str) -> None:
+    if kwargs.get("peft_config") is not None:
+        raise ConfigError(
+            f"mtk.trainers.{trainer} with peft_config: mtk's sharded LoRA is not wired into TRL's trainers yet; "
+            "train LoRA with mtk.Accelerator and mtk.lora.get_peft_model, or drop peft_config"
+        )
+
+
+class SFTTrainer(ParallelTrainerMixin, trl.SFTTrainer):
+    """TRL's ``SFTTrainer`` (``SFTConfig``) at any TP x PP x DP layout."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _refuse_peft(kwargs, "SFTTrainer")
+        super().__init__(*args, **kwargs)
+        parallel = self.accelerator.parallel
+        if parallel.pp_size > 1 and self.args.loss_type != "nll":
+            raise ConfigError(
+                f"SFTConfig.loss_type={self.args.loss_type!r} with pp > 1: the pipeline backpropagates the model's "
+                "own token-mean loss; use loss_type='nll' or pp = 1"
+            )
+        replace_trl_fused_head(self.model)
+
+
+class DPOTrainer(ParallelTrainerMixin, trl.DPOTrainer):
+    """TRL's ``DPOTrainer`` (``DPOConfig``) at any TP x DP layout; the reference model is converted to the same
+    layout (a frozen copy, as TRL keeps one)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _refuse_peft(kwargs, "DPOTrainer")
+        super().__init__(*args, **kwargs)
+        if self.accelerator.parallel.pp_size > 1:
+            raise ConfigError(
+                "mtk.trainers.DPOTrainer with pp > 1: DPO's loss needs each chosen/rejected pair's whole sequence "
+                "log-probabilities, which the pipeline does not return yet; use TP and DP (pp = 1)"
+            )
+        replace_trl_fused_head(self.model)
+        if self.ref_model is not None:
+            replace_trl_fused_head(self.ref_model)
+            # TRL prepared it for evaluation; it is frozen and not part of the checkpoint (as in TRL's own)
+            models = self.accelerator._models
+            models[:] = [m for m in models if m is not self.ref_model]
