@@ -1,13 +1,15 @@
-"""TRL's per-token statistics over vocab-parallel logits.
+"""TRL's per-token statistics over vocab-parallel logits, and TRL's fused LM head on a converted model.
 
 One spawn per TP size runs every check: the statistics against plain torch on the full vocabulary (padding
 with junk in it, ignored targets, the last real column, argmax ties across ranks, TRL's logit transform),
-their gradients and collective counts.
+their gradients and collective counts; at TP=2 also the fused forward of a converted tiny Llama against TRL's
+own ``add_fused_lm_head`` on the unconverted model: every output field, the loss and every gradient.
 """
 
 import pytest
 import torch
 
+from mtk.errors import ConfigError
 from mtk.parallel import ParallelState
 from mtk.parallel.collective_count import count_collectives
 from mtk.parallel.comm import split
@@ -100,12 +102,134 @@ def _stats_checks(state: ParallelState) -> dict:
     return counts
 
 
+def _tiny_llama(seed: int, **config_overrides):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=101,  # padded to 102 at tp=2
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **config_overrides,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50)  # logits of a few units, not ~0.1: peaked distributions, a softcap that bites
+    return model
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 101, (2, 12), generator=generator)
+    ids[0, 5] = 100  # a label at the last real column
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0  # right padding
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :3] = -100  # a prompt
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def _objective(out):
+    """The loss plus an entropy bonus, so the entropy's gradient is checked too (GRPO's)."""
+    entropy = 0.0 if out.entropy is None else 0.1 * out.entropy.sum() / out.label_mask.sum().clamp(min=1)
+    return out.loss + entropy
+
+
+def _compare_fused(model, reference, state, inputs, what: str) -> None:
+    """``model(**inputs, fused_lm_head=True)`` (converted) vs the same call on ``reference`` (TRL's)."""
+    from mtk.parallel.gather import iter_full_tensors
+
+    for m in (model, reference):
+        m.zero_grad(set_to_none=True)
+    ref = reference(**inputs, fused_lm_head=True)
+    _objective(ref).backward()
+    out = model(**inputs, fused_lm_head=True)
+    _objective(out).backward()
+    assert type(out) is type(ref), what
+    assert_close_rel(out.loss, ref.loss, f"{what}: loss")
+    for name in STATISTICS[:-1]:
+        if getattr(ref, name) is None:
+            assert getattr(out, name) is None, f"{what}: {name}"
+        else:
+            assert_close_rel(getattr(out, name), getattr(ref, name), f"{what}: {name}")
+    for name in ("is_top1", "label_mask"):
+        assert torch.equal(getattr(out, name), getattr(ref, name)), f"{what}: {name}"
+    assert out.aux_loss is None and ref.aux_loss is None, what
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    compared = 0
+    for name, grad in iter_full_tensors(model, state.tp_group, grads=True):
+        assert_close_rel(grad, ref_grads[name], f"{what}: grad of {name}", scale_floor=1e-3 * max(scale, 1e-30))
+        compared += 1
+    assert compared == len(ref_grads), what
+
+
+def _fused_head_checks(accelerator) -> None:
+    from trl.trainer.utils import add_fused_lm_head
+
+    from mtk.convert import parallelize
+    from mtk.rules import add_vocab_parallel_fused_head
+
+    state = accelerator.parallel
+    batch = _batch()
+    every = tuple(STATISTICS)
+
+    # TRL's head added after conversion (through mtk), defaults but every output
+    reference = _tiny_llama(0)
+    model = parallelize(_tiny_llama(0), state)
+    add_fused_lm_head(reference, outputs=every)
+    add_vocab_parallel_fused_head(model, outputs=every)
+    _compare_fused(model, reference, state, {**batch, "num_items_in_batch": torch.tensor(17)}, "after")
+    plain_ref, plain = reference(**batch), model(**batch)  # without fused_lm_head: the model's own forward
+    assert_close_rel(plain.loss, plain_ref.loss, "plain forward loss")
+    fused = model(**batch, fused_lm_head=True)
+    assert_close_rel(fused.loss, plain.loss, "TRL: at temperature 1 the fused loss is the model's own")
+    all_ignored = {**batch, "labels": torch.full_like(batch["labels"], -100)}
+    _compare_fused(model, reference, state, all_ignored, "all labels ignored")
+    shifted = {k: v for k, v in batch.items() if k != "labels"}
+    shifted["shift_labels"] = torch.cat([batch["labels"][:, 1:], torch.full((2, 1), -100)], dim=1)
+    _compare_fused(model, reference, state, shifted, "shift_labels")
+
+    # As TRL's trainers do: the user converts, the trainer's __init__ adds TRL's head, train() prepares
+    model = accelerator.parallelize(_tiny_llama(0))
+    add_fused_lm_head(model, outputs=every)
+    model = accelerator.prepare(model)
+    _compare_fused(model, reference, state, batch, "prepared")
+
+    # TRL's head added before conversion, with a temperature, a softcap and a logit scale read from the config
+    options = dict(final_logit_softcapping=3.0, logit_scale=0.5)
+    reference = _tiny_llama(0, **options)
+    model = _tiny_llama(0, **options)
+    for m in (reference, model):
+        add_fused_lm_head(m, temperature=0.7, outputs=("log_probs", "entropy", "is_top1"))
+    parallelize(model, state)
+    _compare_fused(model, reference, state, batch, "before, T=0.7, softcap, scale")
+
+    # TRL's head added after conversion and never replaced: refused, not computed over a shard
+    model = parallelize(_tiny_llama(0), state)
+    add_fused_lm_head(model)
+    with pytest.raises(ConfigError, match="vocabulary shard"):
+        model(**batch, fused_lm_head=True)
+
+
 def _checks(rank: int, world_size: int) -> dict:
-    return _stats_checks(ParallelState.build(tp_size=world_size))
+    if world_size != 2:
+        return _stats_checks(ParallelState.build(tp_size=world_size))
+    from mtk import Accelerator, ParallelConfig
+
+    accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=2))
+    counts = _stats_checks(accelerator.parallel)
+    _fused_head_checks(accelerator)
+    return counts
 
 
 @pytest.mark.parametrize("tp", [2, 3])
-def test_token_stats_match_the_full_vocabulary(tp):
+def test_token_stats_and_fused_head_match_the_full_vocabulary(tp):
     for counts in run_distributed(_checks, world_size=tp):
         for what, (forward, backward, log_probs_only) in counts.items():
             # cross-entropy (max; sum_exp and target) + moments (max, before-target max; sums): O(tokens) each
