@@ -3,7 +3,8 @@
 One spawn per TP size runs every check: the statistics against plain torch on the full vocabulary (padding
 with junk in it, ignored targets, the last real column, argmax ties across ranks, TRL's logit transform),
 their gradients and collective counts; at TP=2 also the fused forward of a converted tiny Llama against TRL's
-own ``add_fused_lm_head`` on the unconverted model: every output field, the loss and every gradient.
+own ``add_fused_lm_head`` on the unconverted model (and a tiny Mixtral for the load-balancing loss): every
+output field, the loss and every gradient.
 """
 
 import pytest
@@ -102,10 +103,14 @@ def _stats_checks(state: ParallelState) -> dict:
     return counts
 
 
-def _tiny_llama(seed: int, **config_overrides):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def _tiny_llama(seed: int, moe: bool = False, **config_overrides):
+    """A Llama (or, with ``moe``, a Mixtral whose forward adds the load-balancing loss) of 2 tiny layers."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
 
-    config = LlamaConfig(
+    if moe:
+        config_overrides.update(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True)
+        config_overrides.update(router_aux_loss_coef=0.5)
+    config = (MixtralConfig if moe else LlamaConfig)(
         vocab_size=101,  # padded to 102 at tp=2
         hidden_size=32,
         intermediate_size=64,
@@ -157,9 +162,13 @@ def _compare_fused(model, reference, state, inputs, what: str) -> None:
             assert getattr(out, name) is None, f"{what}: {name}"
         else:
             assert_close_rel(getattr(out, name), getattr(ref, name), f"{what}: {name}")
-    for name in ("is_top1", "label_mask"):
+    assert (out.is_top1 is None) == (ref.is_top1 is None), what
+    for name in ("is_top1", "label_mask") if ref.is_top1 is not None else ("label_mask",):
         assert torch.equal(getattr(out, name), getattr(ref, name)), f"{what}: {name}"
-    assert out.aux_loss is None and ref.aux_loss is None, what
+    if ref.aux_loss is None:
+        assert out.aux_loss is None, what
+    else:
+        assert_close_rel(out.aux_loss, ref.aux_loss, f"{what}: aux_loss")
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}
     scale = max(g.abs().max().item() for g in ref_grads.values())
     compared = 0
@@ -209,6 +218,13 @@ def _fused_head_checks(accelerator) -> None:
         add_fused_lm_head(m, temperature=0.7, outputs=("log_probs", "entropy", "is_top1"))
     parallelize(model, state)
     _compare_fused(model, reference, state, batch, "before, T=0.7, softcap, scale")
+
+    # MoE: the load-balancing loss joins the loss (the experts are split over TP, the router is not)
+    reference, model = _tiny_llama(0, moe=True), _tiny_llama(0, moe=True)
+    for m in (reference, model):
+        add_fused_lm_head(m, outputs=("log_probs", "entropy"))
+    parallelize(model, state)
+    _compare_fused(model, reference, state, batch, "MoE")
 
     # TRL's head added after conversion and never replaced: refused, not computed over a shard
     model = parallelize(_tiny_llama(0), state)
