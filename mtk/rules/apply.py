@@ -31,6 +31,7 @@ from mtk.rules.base import (
     UnsupportedModelError,
     compile_pattern,
 )
+from mtk.rules.fused_head import FusedHeadGuard, needs_vocab_parallel_head, replace_trl_fused_head
 from mtk.rules.lm_head import LogitsGatherHook, VocabParallelCausalLMLoss, attach_logits_hook
 
 __all__ = ["BuildContext", "RuleContext", "materialize_", "parallelize_with"]
@@ -200,6 +201,7 @@ def parallelize_with(
     _retie_embeddings(model, converted, rules, old_embedding, tied_heads)
     _fix_attributes(model, rule_set, ctx.sizes)
     _install_vocab_parallel_loss(model, converted, rules, logits)
+    _take_over_fused_head(model)
     return model
 
 
@@ -268,6 +270,15 @@ def _install_vocab_parallel_loss(
     if head is not None:
         cast(Any, model).loss_function = VocabParallelCausalLMLoss(head)
         attach_logits_hook(model, LogitsGatherHook(head, logits))
+
+
+def _take_over_fused_head(model: nn.Module) -> None:
+    """TRL's fused LM head, if it was added before conversion, becomes mtk's vocab-parallel one; one added after
+    is refused when called (:mod:`mtk.rules.fused_head`)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    if get_head is not None and needs_vocab_parallel_head(get_head()):
+        model.register_forward_pre_hook(FusedHeadGuard(), with_kwargs=True)
+        replace_trl_fused_head(model)
 
 
 def _retie_embeddings(

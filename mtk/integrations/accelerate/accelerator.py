@@ -52,6 +52,7 @@ from mtk.parallel.grads import sync_sequence_parallel_grads
 from mtk.parallel.record import parallelized
 from mtk.parallel.state import ParallelState, default_device
 from mtk.pipeline.engine import PipelineModel
+from mtk.rules import replace_trl_fused_head
 
 __all__ = ["Accelerator", "DataParallelScheduler"]
 
@@ -192,6 +193,7 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
                     reseed_tp_stream(record.rng, self.parallel)
                 setattr(model, _AGREED, True)
             act_on_model(model, self.settings, self.print)
+            replace_trl_fused_head(model)  # trl's add_fused_lm_head after the conversion (TRL's trainers' __init__)
             return self._pipelined(model), {}
         if not getattr(model, _AGREED, False):  # prepare() converts, then accelerate's prepare_model comes here again
             self._agree(model)
