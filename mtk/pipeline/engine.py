@@ -137,6 +137,9 @@ class PipelineModel(nn.Module):
         """
         if kwargs.pop("use_cache", None) or kwargs.pop("past_key_values", None) is not None:
             raise ConfigError("a pipelined model trains and evaluates without a KV cache (use_cache=False)")
+        # TRL's fused LM head: the last stage returns per-token statistics too, which every stage gets back
+        self._fused = bool(kwargs.pop("fused_lm_head", False))
+        self._fused_outputs: dict[int, Any] = {}
         # HF's token-weighted loss: each call's loss is its summed token losses / num_items_in_batch. The
         # schedule averages its m micro-batch losses, so each gets 1/m of the count: the mean is then the
         # batch's summed loss / num_items_in_batch, as one call on the whole batch would return.
@@ -156,7 +159,10 @@ class PipelineModel(nn.Module):
                 chunk["num_items_in_batch"] = num_items / len(micro)
         train = torch.is_grad_enabled() and labels is not None
         losses = self._run(micro, train)
-        return CausalLMOutputWithPast(loss=self._broadcast_loss(losses))
+        loss = self._broadcast_loss(losses)
+        if self._fused:
+            return self._fused_output(loss)
+        return CausalLMOutputWithPast(loss=loss)
 
     def _run(self, micro: list[dict[str, torch.Tensor]], train: bool) -> list[torch.Tensor]:
         info, link, m = self.info, self.link, len(micro)
@@ -197,7 +203,7 @@ class PipelineModel(nn.Module):
             if not info.chunk_is_first(chunk):
                 stage_input = receive(k).requires_grad_(train)
             with swapped(model, self._views[chunk]):
-                output = self._stage_forward(inputs, stage_input, info.chunk_is_last(chunk))
+                output = self._stage_forward(inputs, stage_input, info.chunk_is_last(chunk), i)
             if info.chunk_is_last(chunk):
                 losses.append(output.detach())
             else:
@@ -230,14 +236,17 @@ class PipelineModel(nn.Module):
         return losses
 
     def _stage_forward(
-        self, inputs: dict[str, torch.Tensor], stage_input: torch.Tensor | None, last: bool
+        self, inputs: dict[str, torch.Tensor], stage_input: torch.Tensor | None, last: bool, index: int
     ) -> torch.Tensor:
         """HF's own forward on this chunk: the loss on the model's last chunk, hidden states elsewhere."""
         if stage_input is not None:
             del inputs["input_ids"]
             inputs["inputs_embeds"] = stage_input
         if last:
-            loss = self.module(**inputs, use_cache=False).loss
+            outputs = self.module(**inputs, use_cache=False, **({"fused_lm_head": True} if self._fused else {}))
+            if self._fused:
+                self._fused_outputs[index] = outputs
+            loss = outputs.loss
             if loss is None:
                 raise ConfigError("the last pipeline stage computed no loss; pass labels")
             return loss
@@ -270,6 +279,34 @@ class PipelineModel(nn.Module):
             dist.broadcast(loss, src=self.parallel.pp_ranks[-1], group=self.parallel.pp_group)
             loss = loss[0]
         return loss
+
+    def _fused_output(self, loss: torch.Tensor) -> Any:
+        """TRL's ``FusedCausalLMOutput`` for the whole batch on every stage: the last stage's per-token fields of
+        its micro-batches, concatenated in order (``[b, s']`` each, O(tokens) to broadcast), detached (the
+        pipeline backpropagated the loss already)."""
+        from trl.trainer.utils import FusedCausalLMOutput
+
+        src, group = self.parallel.pp_ranks[-1], self.parallel.pp_group
+        outputs = [self._fused_outputs[i] for i in sorted(self._fused_outputs)]
+        self._fused_outputs = {}
+        fields: dict[str, Any] = {}
+        if outputs:
+            for name in ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask"):
+                if getattr(outputs[0], name, None) is not None:
+                    fields[name] = torch.cat([getattr(o, name).detach() for o in outputs])  # [b, s']
+            if getattr(outputs[0], "aux_loss", None) is not None:
+                fields["aux_loss"] = torch.stack([o.aux_loss.detach().float() for o in outputs]).mean()
+        if self.parallel.pp_size > 1:
+            layout = [{name: (tuple(t.shape), t.dtype) for name, t in fields.items()}]
+            dist.broadcast_object_list(layout, src=src, group=group)
+            for name, (shape, dtype) in layout[0].items():
+                wire = fields[name].to(torch.float32) if name in fields else None
+                if wire is None:
+                    wire = torch.empty(shape, dtype=torch.float32, device=self.parallel.device)
+                wire = wire.to(self.parallel.device).contiguous()
+                dist.broadcast(wire, src=src, group=group)
+                fields[name] = wire.to(dtype)
+        return FusedCausalLMOutput(loss=loss, **fields)
 
     # ---------------------------------------------------------------------------- gradient sync
     def _tied_params(self) -> list[nn.Parameter]:

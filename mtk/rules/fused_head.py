@@ -33,7 +33,7 @@ from torch import nn
 
 from mtk.errors import ConfigError
 from mtk.parallel.layers import ColumnParallelLinear
-from mtk.parallel.record import hf_model, parallelized
+from mtk.parallel.record import hf_model
 from mtk.parallel.vocab_stats import STATISTICS, vocab_parallel_token_stats
 
 __all__ = ["FusedHeadGuard", "FusedHeadSettings", "add_vocab_parallel_fused_head", "replace_trl_fused_head"]
@@ -176,9 +176,7 @@ def _fused_forward(model, settings: FusedHeadSettings, args, kwargs, labels, shi
     """TRL's fused branch, with the head's statistics reduced over TP (see the module docstring)."""
     from trl.trainer.utils import FusedCausalLMOutput
 
-    record = parallelized(model)
-    if record is not None and record.pp_size > 1:
-        raise ConfigError("TRL's fused LM head needs the whole model on one rank: use pp = 1 with TRL's trainers")
+    # (with pp > 1 this runs on the last stage, inside mtk's pipeline, which gathers the fields of its micro-batches)
     kwargs["use_cache"] = False
     if getattr(settings.text_config, "output_router_logits", False):  # MoE: as the model's own forward
         kwargs.setdefault("output_router_logits", True)

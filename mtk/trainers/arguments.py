@@ -9,12 +9,13 @@ line naming what to use instead, rather than accepted and silently wrong.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from mtk.config import RunSettings
 from mtk.errors import ConfigError
 
-__all__ = ["check_training_arguments", "clipping_report"]
+__all__ = ["check_training_arguments", "clipping_report", "recompute_settings"]
 
 
 def _refusals(args: Any) -> list[str]:
@@ -43,11 +44,6 @@ def _refusals(args: Any) -> list[str]:
         problems.append(
             "TrainingArguments.neftune_noise_alpha: NEFTune's embedding noise is not made tensor-parallel by mtk "
             "yet; leave it unset"
-        )
-    if getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False):
-        problems.append(
-            "TrainingArguments.gradient_checkpointing: under mtk, recompute is megatron_lm_recompute_activations "
-            "(and _granularity/_method) in the accelerate config; leave gradient_checkpointing off"
         )
     if getattr(args, "save_only_model", False):
         problems.append(
@@ -92,4 +88,30 @@ def clipping_report(args: Any, settings: RunSettings) -> str | None:
     return (
         f"mtk: the Trainer clips at TrainingArguments.max_grad_norm={args.max_grad_norm}; the accelerate config's "
         f"megatron_lm_gradient_clipping={launcher} is not used"
+    )
+
+
+def recompute_settings(args: Any, settings: RunSettings) -> tuple[RunSettings, str | None]:
+    """``gradient_checkpointing`` (TRL's SFT default) as mtk's recompute, and the line saying so.
+
+    transformers' checkpointing reruns each block's forward with only torch's global RNG restored; mtk's recompute
+    also restores the tensor-parallel dropout stream, so it is the one that runs. The arguments' own flag is then
+    turned off (the Trainer would otherwise wrap the blocks a second time). Recompute already set in the
+    accelerate config wins and is reported.
+    """
+    wanted = getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False)
+    if not wanted:
+        return settings, None
+    args.gradient_checkpointing = False
+    if hasattr(args, "activation_checkpointing"):
+        args.activation_checkpointing = False
+    if settings.recompute_activations or settings.recompute_granularity is not None:
+        return settings, (
+            "mtk: TrainingArguments.gradient_checkpointing is replaced by the accelerate config's recompute "
+            f"(megatron_lm_recompute_granularity={settings.recompute_granularity or 'selective'})"
+        )
+    settings = replace(settings, recompute_activations=True, recompute_granularity="full", recompute_method="uniform")
+    return settings, (
+        "mtk: TrainingArguments.gradient_checkpointing runs as mtk's full recompute of every block (which also "
+        "restores the tensor-parallel dropout stream); transformers' checkpointing is not used"
     )

@@ -43,7 +43,7 @@ from mtk.parallel.record import is_peft_model
 from mtk.parallel.state import default_device
 from mtk.pipeline.engine import PipelineModel
 from mtk.rules.lm_head import logits_mode
-from mtk.trainers.arguments import check_training_arguments, clipping_report
+from mtk.trainers.arguments import check_training_arguments, clipping_report, recompute_settings
 
 __all__ = ["ParallelTrainerMixin"]
 
@@ -145,9 +145,10 @@ class ParallelTrainerMixin:
         _ = self.args.device  # set up before the Accelerator: TrainingArguments resets accelerate's state there
         with _in_trainer_module(Accelerator=_mtk_accelerator):
             super().create_accelerator_and_postprocess()  # type: ignore[misc]
-        line = clipping_report(self.args, self.accelerator.settings)
-        if line:
-            self.accelerator.print(line)
+        self.accelerator.settings, recompute = recompute_settings(self.args, self.accelerator.settings)
+        for line in (recompute, clipping_report(self.args, self.accelerator.settings)):
+            if line:
+                self.accelerator.print(line)
         if self.model is not None:
             self._parallelize(self.model)
 
@@ -159,7 +160,7 @@ class ParallelTrainerMixin:
             )
         self.accelerator.parallelize(model)
 
-    def _tokenizer(self) -> Any:
+    def _saveable_tokenizer(self) -> Any:
         """The processing class's tokenizer (a processor's own), if it can be saved."""
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         return tokenizer if hasattr(tokenizer, "save_pretrained") else None
@@ -239,7 +240,7 @@ class ParallelTrainerMixin:
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's, skipping resumed batches through ``mtk.Accelerator`` (whose loaders broadcast each
         batch from the replica's source rank); checkpoints carry the tokenizer, so ``mtk export`` ships it."""
-        self.accelerator.checkpoint_tokenizer = self._tokenizer()
+        self.accelerator.checkpoint_tokenizer = self._saveable_tokenizer()
         with _in_trainer_module(skip_first_batches=self.accelerator.skip_first_batches):
             return super().train(*args, **kwargs)  # type: ignore[misc]
 
@@ -310,7 +311,7 @@ class ParallelTrainerMixin:
         the model is written whole beside them first, then its files are moved in, replacing only files of the
         same names (a previous save's): nothing else there is touched."""
         target = Path(output_dir if output_dir is not None else self.args.output_dir)
-        tokenizer = self._tokenizer()
+        tokenizer = self._saveable_tokenizer()
         if not (target.is_dir() and any(target.iterdir())):
             save_pretrained(self.accelerator, self.model, target, tokenizer)
             return

@@ -6,7 +6,8 @@ vocab-parallel head in its place (:mod:`mtk.rules.fused_head`) once TRL has adde
 arithmetic already holds under mtk: its metrics gather over ``accelerator.gather_for_metrics`` (the data-parallel
 replicas under mtk) and its ``get_tp_size`` scaling is the Trainer's (:mod:`mtk.trainers.base`).
 
-What is not exact yet is refused in one line: PEFT through ``peft_config`` or a ``PeftModel`` (use
+With ``pp > 1`` the fused head runs on the last stage inside mtk's pipeline, which returns its per-token fields to
+every stage. What is not exact yet is refused in one line: PEFT through ``peft_config`` or a ``PeftModel`` (use
 ``mtk.lora.get_peft_model`` with ``mtk.Accelerator``), DPO with ``pp > 1`` (each chosen/rejected pair must stay in
 one micro-batch and the loss is not a sum over tokens), and SFT's ``dft`` loss with ``pp > 1``.
 """
@@ -18,6 +19,7 @@ from typing import Any
 import trl
 
 from mtk.errors import ConfigError
+from mtk.pipeline.engine import PipelineModel
 from mtk.rules.fused_head import replace_trl_fused_head
 from mtk.trainers.base import ParallelTrainerMixin
 
@@ -45,6 +47,15 @@ class SFTTrainer(ParallelTrainerMixin, trl.SFTTrainer):
                 "own token-mean loss; use loss_type='nll' or pp = 1"
             )
         replace_trl_fused_head(self.model)
+
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        """TRL's. A pipeline backpropagates inside its forward, so it is given the step's token count that TRL
+        divides by afterwards: the loss it backpropagates is then TRL's (a token mean over the whole step)."""
+        if isinstance(model, PipelineModel) and num_items_in_batch is not None:
+            inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
 class DPOTrainer(ParallelTrainerMixin, trl.DPOTrainer):
