@@ -25,6 +25,7 @@ FILE_SECONDS = {
     "tests/e2e/test_finetune.py": 277,
     "tests/e2e/test_examples.py": 242,
     "tests/distributed/test_plan_check.py": 188,
+    "tests/e2e/test_trl.py": 170,
     "tests/e2e/test_trainers.py": 160,
     "tests/e2e/test_tp_plan_rules_training.py": 106,
     "tests/e2e/test_lora.py": 67,

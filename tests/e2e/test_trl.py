@@ -1,0 +1,103 @@
+"""A TRL script that changes only its import logs TRL's own numbers at TP2, TP2xPP2 and TP2xDP2.
+
+``tests/e2e/trl_script.py`` is an ordinary SFT/DPO script on a tiny Llama with a BPE chat tokenizer and
+conversations whose lengths vary more than 10x (padding, prompt tokens without loss, accumulation 2, TRL's
+defaults otherwise: its fused LM head, gradient checkpointing). The reference is TRL's class on one process, or
+on two plain ``torchrun`` processes for DP = 2. Every number TRL logs (loss, grad_norm, learning_rate,
+entropy, mean_token_accuracy, num_tokens, DPO's rewards/logps/logits, their eval_ twins) must agree within the
+exactness bar.
+"""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from mtk.spawn import free_port
+from mtk.testing import assert_close_rel
+from tests.e2e.launch import ROOT, accelerate_launch
+
+SCRIPT = "tests/e2e/trl_script.py"
+NOT_COMPARED = ("epoch", "step", "runtime", "per_second", "total_flos")
+
+
+def _history(out_dir: Path) -> list[dict]:
+    return json.loads((out_dir / "log_history.json").read_text())
+
+
+def _inputs(chat_setup) -> list[str]:
+    return ["--model", str(chat_setup.model), "--data", str(chat_setup.data), "--eval_data", str(chat_setup.eval_data)]
+
+
+def _trl_run(task: str, chat_setup, out_dir: Path, processes: int, *extra: str) -> list[dict]:
+    if processes == 1:
+        command = ["python", SCRIPT]
+    else:
+        command = ["torchrun", "--nproc_per_node", str(processes), "--master_port", str(free_port()), SCRIPT]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    args = [task, "--trainer", "trl", *_inputs(chat_setup), "--output_dir", str(out_dir), *extra]
+    done = subprocess.run([*command, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return _history(out_dir)
+
+
+def _mtk_run(task: str, config: str, chat_setup, out_dir: Path, *extra: str) -> list[dict]:
+    args = [task, "--trainer", "mtk", *_inputs(chat_setup), "--output_dir", str(out_dir), *extra]
+    launch = accelerate_launch(SCRIPT, config, *args)
+    assert "Traceback" not in launch.stderr, launch.stderr[-3000:]
+    return _history(out_dir)
+
+
+def assert_trl_numbers(actual: list[dict], expected: list[dict], what: str) -> None:
+    """Every number TRL logged, at every step. A DPO reward is beta x (log-prob - reference log-prob), a
+    difference of two sums of about -20 that nearly cancel at the first steps: it is measured against the scale
+    of what it is the difference of (beta x |log-probs|), as a rounding of those sums would show."""
+    assert [e.get("step") for e in actual] == [e.get("step") for e in expected]
+    for mine, theirs in zip(actual, expected):
+        keys = [k for k in theirs if not any(part in k for part in NOT_COMPARED)]
+        assert sorted(k for k in mine if k in keys) == sorted(keys), (sorted(mine), sorted(keys))
+        prefix = "eval_" if any(k.startswith("eval_") for k in keys) else ""
+        logps = max(abs(theirs.get(f"{prefix}logps/{side}", 0.0)) for side in ("chosen", "rejected"))
+        for key in keys:
+            floor = 0.1 * logps if "rewards/" in key else 0.0
+            assert_close_rel(mine[key], theirs[key], f"{what}: {key} at step {theirs.get('step')}", scale_floor=floor)
+
+
+@pytest.fixture(scope="module")
+def references(chat_setup, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("trl_reference")
+    return {
+        ("sft", 1): _trl_run("sft", chat_setup, root / "sft1", 1),
+        ("sft", 2): _trl_run("sft", chat_setup, root / "sft2", 2),
+        ("sft-packed", 1): _trl_run("sft", chat_setup, root / "sft-packed", 1, "--packing"),
+        ("dpo", 1): _trl_run("dpo", chat_setup, root / "dpo1", 1),
+        ("dpo", 2): _trl_run("dpo", chat_setup, root / "dpo2", 2),
+    }
+
+
+@pytest.mark.parametrize(
+    "task, config, extra, dp",
+    [
+        ("sft", "tp2", (), 1),
+        ("sft", "tp2_pp2", (), 1),
+        ("sft", "tp2_dp2", (), 2),
+        ("sft", "tp2", ("--packing",), 1),
+        ("dpo", "tp2", (), 1),
+        ("dpo", "tp2_dp2", (), 2),
+    ],
+    ids=["sft-tp2", "sft-tp2_pp2", "sft-tp2_dp2", "sft-packed-tp2", "dpo-tp2", "dpo-tp2_dp2"],
+)
+def test_a_trl_script_with_mtks_import_logs_trls_numbers(references, chat_setup, tmp_path, task, config, extra, dp):
+    """SFT packing is TRL's padding-free BFD packing (one row per batch, position ids restart per example)."""
+    expected = references[(task + ("-packed" if extra else ""), dp)]
+    ours = _mtk_run(task, config, chat_setup, tmp_path / "run", *extra)
+    assert_trl_numbers(ours, expected, f"{task} {config} {' '.join(extra)}")
+
+
+def test_dpo_with_a_pipeline_is_refused_in_one_line(chat_setup, tmp_path):
+    args = ["dpo", "--trainer", "mtk", *_inputs(chat_setup), "--output_dir", str(tmp_path / "run")]
+    launch = accelerate_launch(SCRIPT, "tp1_pp2", *args, check=False)
+    assert launch.returncode != 0
+    assert "mtk.trainers.DPOTrainer with pp > 1" in launch.stderr, launch.stderr[-3000:]
