@@ -4,6 +4,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from mtk.checkpoint.integrity import read_verified
 from tests.e2e.launch import accelerate_launch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,3 +96,15 @@ def test_classification_of_a_local_bert_with_its_tokenizer_and_named_labels(tmp_
     assert float(re.search(r"eval accuracy (\S+)", text).group(1)) > 0.8, text[-2000:]
     saved = AutoConfig.from_pretrained(tmp_path / "run" / "model")
     assert saved.id2label == {0: "negative", 1: "positive"}
+
+
+@pytest.mark.parametrize(
+    "script, config", [("sft.py", "tp2_pp2"), ("dpo.py", "tp2")], ids=["sft at tp2_pp2", "dpo at tp2"]
+)
+def test_trl_examples_run_as_documented_and_save_a_model(tmp_path, script, config):
+    """The README's SFT and DPO commands (on their built-in defaults, a few steps): TRL's logs, a saved model."""
+    out = tmp_path / "run"
+    done = accelerate_launch(script, config, "--output_dir", str(out), "--max_steps", "4", "--logging_steps", "2")
+    assert "'loss'" in done.stdout + done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    assert read_verified(out / "checkpoint-4").step == 4

@@ -1,0 +1,77 @@
+"""Preference tuning with TRL's ``DPOTrainer`` at any TP x DP layout: an ordinary TRL script whose one mtk line is
+its import.
+
+    accelerate launch --config_file accelerate_configs/tp2.yaml examples/dpo.py
+    accelerate launch --config_file accelerate_configs/tp2.yaml examples/dpo.py \\
+        --model_name_or_path runs/sft --data data/python_docs_pairs.jsonl
+
+Every ``DPOConfig`` field is a flag (``--beta``, ``--loss_type``, ...; docs/trainers.md says what each does under
+mtk). ``--data`` holds JSON lines with ``prompt``, ``chosen`` and ``rejected`` (text or chat messages). Defaults: a
+tiny Llama with random weights and a tokenizer trained on the data (nothing to download), on pairs made from
+examples/data/instructions.jsonl: each instruction's completion is chosen, another instruction's is rejected. The
+reference model is a frozen copy converted to the same layout, as TRL keeps one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from datasets import Dataset, load_dataset
+from transformers import AutoTokenizer
+from trl import DPOConfig, TrlParser
+
+from mtk.trainers import DPOTrainer
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class ScriptArguments:
+    model_name_or_path: str = field(default="", metadata={"help": "a local HF model directory; default: a tiny Llama"})
+    data: str = field(default="", metadata={"help": "JSON lines with prompt, chosen, rejected; default: made up"})
+
+
+def made_up_pairs(instructions: Path, seed: int = 0) -> Dataset:
+    """Each instruction's own completion chosen over another instruction's."""
+    rows = [json.loads(line) for line in instructions.read_text().splitlines()]
+    rng = random.Random(seed)
+    pairs = []
+    for row in rows:
+        other = rng.choice([r["completion"] for r in rows if r["completion"] != row["completion"]])
+        pairs.append({"prompt": row["prompt"], "chosen": row["completion"], "rejected": other})
+    return Dataset.from_list(pairs)
+
+
+def main() -> None:
+    parser = TrlParser((ScriptArguments, DPOConfig))
+    parser.set_defaults(output_dir="runs/dpo", max_steps=20, logging_steps=5, learning_rate=1e-4, report_to="none")
+    parser.set_defaults(bf16=torch.cuda.is_available(), dataloader_pin_memory=torch.cuda.is_available())
+    parser.set_defaults(per_device_train_batch_size=8, max_length=256)
+    script, config = parser.parse_args_and_config()
+    if script.data:
+        dataset = load_dataset("json", data_files=script.data)["train"]
+    else:
+        dataset = made_up_pairs(HERE / "data" / "instructions.jsonl")
+    reference = None  # TRL loads it from the model's directory
+    if script.model_name_or_path:
+        model, tokenizer = script.model_name_or_path, AutoTokenizer.from_pretrained(script.model_name_or_path)
+    else:
+        from sft import starter_model  # the same tiny model and tokenizer as examples/sft.py
+
+        texts = [row[key] for row in dataset for key in ("prompt", "chosen") if isinstance(row[key], str)]
+        model, tokenizer = starter_model(texts)
+        reference = copy.deepcopy(model)  # a model built in memory has no directory to load a reference from
+    trainer = DPOTrainer(
+        model=model, ref_model=reference, args=config, train_dataset=dataset, processing_class=tokenizer
+    )
+    trainer.train()
+    trainer.save_model()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Supervised fine-tuning with TRL's ``SFTTrainer`` at any TP x PP x DP layout: an ordinary TRL script whose one
+mtk line is its import.
+
+    accelerate launch --config_file accelerate_configs/tp2_pp2.yaml examples/sft.py
+    accelerate launch --config_file accelerate_configs/tp2.yaml examples/sft.py \\
+        --model_name_or_path models/smollm2-135m-instruct --data data/python_docs_chat.jsonl
+
+Every ``SFTConfig`` field is a flag (``--learning_rate``, ``--packing``, ``--save_steps``, ...; docs/trainers.md
+says what each does under mtk). Defaults: a tiny Llama with random weights and a chat tokenizer trained on the data
+in a second (nothing to download), on examples/data/instructions.jsonl (``prompt``/``completion`` rows: the loss
+is on the completions); fp32 on a machine without a GPU. ``--data`` takes TRL's formats (``messages``, ``text``,
+``prompt`` + ``completion``) as JSON lines. The layout comes from the accelerate config; with a DeepSpeed one, pass
+``--deepspeed ds_configs/accelerate_zero2_tp2.json`` (TP from its ``"mtk"`` block).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from datasets import load_dataset
+from transformers import AutoTokenizer
+from trl import SFTConfig, TrlParser
+
+from mtk.trainers import SFTTrainer
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class ScriptArguments:
+    model_name_or_path: str = field(default="", metadata={"help": "a local HF model directory; default: a tiny Llama"})
+    data: str = field(
+        default=str(HERE / "data" / "instructions.jsonl"), metadata={"help": "JSON lines, TRL's formats"}
+    )
+    eval_data: str = field(default="", metadata={"help": "JSON lines to evaluate on (with --eval_strategy steps)"})
+
+
+def starter_model(texts: list[str]):
+    """The built-in tiny Llama and a BPE chat tokenizer trained on ``texts`` (the same on every rank)."""
+    from mtk.models import build_model, builtin_config
+    from mtk.testing import train_chat_tokenizer
+
+    tokenizer = train_chat_tokenizer(texts)
+    config = builtin_config("tiny-llama")
+    config.update({"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, "bos_token_id": None})
+    config.update({"pad_token_id": tokenizer.pad_token_id})
+    return build_model(config, seed=0), tokenizer
+
+
+def texts_of(row: dict) -> list[str]:
+    if "messages" in row:
+        return [turn["content"] for turn in row["messages"]]
+    return [value for key, value in row.items() if key in ("text", "prompt", "completion") and isinstance(value, str)]
+
+
+def main() -> None:
+    parser = TrlParser((ScriptArguments, SFTConfig))
+    parser.set_defaults(output_dir="runs/sft", max_steps=40, logging_steps=5, learning_rate=1e-3, report_to="none")
+    parser.set_defaults(bf16=torch.cuda.is_available(), dataloader_pin_memory=torch.cuda.is_available())
+    parser.set_defaults(per_device_train_batch_size=8, max_length=256)
+    script, config = parser.parse_args_and_config()
+    data_files = {"train": script.data, **({"eval": script.eval_data} if script.eval_data else {})}
+    dataset = load_dataset("json", data_files=data_files)
+    if script.model_name_or_path:
+        model, tokenizer = script.model_name_or_path, AutoTokenizer.from_pretrained(script.model_name_or_path)
+    else:
+        model, tokenizer = starter_model([text for row in dataset["train"] for text in texts_of(row)])
+    trainer = SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=dataset["train"],
+        eval_dataset=dataset["eval"] if script.eval_data else None,
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    trainer.save_model()
+
+
+if __name__ == "__main__":
+    main()
