@@ -26,6 +26,18 @@ from mtk.trainers.base import ParallelTrainerMixin
 __all__ = ["DPOTrainer", "SFTTrainer"]
 
 
+def _refuse_unverified(args: Any, trainer: str) -> None:
+    """TRL options that reach into the model or its reference in ways mtk has not made exact yet: one line each."""
+    problems = {
+        "activation_offloading": "it moves activations mtk's recompute manages; use megatron_lm_recompute_*",
+        "sync_ref_model": "the reference is synced from the policy parameter by parameter, untested on shards",
+        "precompute_ref_log_probs": "the reference pass over the data set is not verified under mtk yet",
+    }
+    for name, why in problems.items():
+        if getattr(args, name, False):
+            raise ConfigError(f"{type(args).__name__}.{name}=True with mtk.trainers.{trainer}: {why}; leave it off")
+
+
 def _refuse_peft(kwargs: dict[str, Any], trainer: str) -> None:
     if kwargs.get("peft_config") is not None:
         raise ConfigError(
@@ -40,11 +52,17 @@ class SFTTrainer(ParallelTrainerMixin, trl.SFTTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _refuse_peft(kwargs, "SFTTrainer")
         super().__init__(*args, **kwargs)
+        _refuse_unverified(self.args, "SFTTrainer")
         parallel = self.accelerator.parallel
         if parallel.pp_size > 1 and self.args.loss_type != "nll":
             raise ConfigError(
                 f"SFTConfig.loss_type={self.args.loss_type!r} with pp > 1: the pipeline backpropagates the model's "
                 "own token-mean loss; use loss_type='nll' or pp = 1"
+            )
+        if parallel.pp_size > 1 and self.padding_free:
+            raise ConfigError(
+                "SFTConfig packing (BFD) or padding_free with pp > 1: a padding-free batch is one row of packed "
+                "examples, which the pipeline cannot cut into micro-batches; use packing=False or pp = 1"
             )
         replace_trl_fused_head(self.model)
 
@@ -65,6 +83,7 @@ class DPOTrainer(ParallelTrainerMixin, trl.DPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _refuse_peft(kwargs, "DPOTrainer")
         super().__init__(*args, **kwargs)
+        _refuse_unverified(self.args, "DPOTrainer")
         if self.accelerator.parallel.pp_size > 1:
             raise ConfigError(
                 "mtk.trainers.DPOTrainer with pp > 1: DPO's loss needs each chosen/rejected pair's whole sequence "
