@@ -51,8 +51,8 @@ class SFTTrainer(ParallelTrainerMixin, trl.SFTTrainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _refuse_peft(kwargs, "SFTTrainer")
+        _refuse_unverified(kwargs.get("args", args[1] if len(args) > 1 else None), "SFTTrainer")
         super().__init__(*args, **kwargs)
-        _refuse_unverified(self.args, "SFTTrainer")
         parallel = self.accelerator.parallel
         if parallel.pp_size > 1 and self.args.loss_type != "nll":
             raise ConfigError(
@@ -82,8 +82,8 @@ class DPOTrainer(ParallelTrainerMixin, trl.DPOTrainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _refuse_peft(kwargs, "DPOTrainer")
+        _refuse_unverified(kwargs.get("args", args[1] if len(args) > 1 else None), "DPOTrainer")
         super().__init__(*args, **kwargs)
-        _refuse_unverified(self.args, "DPOTrainer")
         if self.accelerator.parallel.pp_size > 1:
             raise ConfigError(
                 "mtk.trainers.DPOTrainer with pp > 1: DPO's loss needs each chosen/rejected pair's whole sequence "
