@@ -69,7 +69,7 @@ def main() -> None:
     trainer = DPOTrainer(
         model=model, ref_model=reference, args=config, train_dataset=dataset, processing_class=tokenizer
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()
 
 

@@ -74,7 +74,7 @@ def main() -> None:
         eval_dataset=dataset["eval"] if script.eval_data else None,
         processing_class=tokenizer,
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()
 
 
