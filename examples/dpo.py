@@ -34,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 class ScriptArguments:
     model_name_or_path: str = field(default="", metadata={"help": "a local HF model directory; default: a tiny Llama"})
     data: str = field(default="", metadata={"help": "JSON lines with prompt, chosen, rejected; default: made up"})
+    eval_data: str = field(default="", metadata={"help": "pairs to evaluate on (with --eval_strategy steps)"})
 
 
 def made_up_pairs(instructions: Path, seed: int = 0) -> Dataset:
@@ -66,8 +67,14 @@ def main() -> None:
         texts = [row[key] for row in dataset for key in ("prompt", "chosen") if isinstance(row[key], str)]
         model, tokenizer = starter_model(texts)
         reference = copy.deepcopy(model)  # a model built in memory has no directory to load a reference from
+    evaluation = load_dataset("json", data_files=script.eval_data)["train"] if script.eval_data else None
     trainer = DPOTrainer(
-        model=model, ref_model=reference, args=config, train_dataset=dataset, processing_class=tokenizer
+        model=model,
+        ref_model=reference,
+        args=config,
+        train_dataset=dataset,
+        eval_dataset=evaluation,
+        processing_class=tokenizer,
     )
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()
