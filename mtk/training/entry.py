@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from mtk.errors import MtkError
 from mtk.parallel.state import group_timeout
 
-__all__ = ["run_main"]
+__all__ = ["report_mtk_errors", "run_main"]
 
 
 def _first_report(message: str) -> bool:
@@ -68,6 +68,24 @@ def run_main(main: Callable[[], None], prog: str) -> None:
             key="peer failure",
         )
         sys.exit(1)
+
+
+def report_mtk_errors(prog: str) -> None:
+    """For a script whose ``main`` mtk does not run (a user's Trainer or TRL script): an mtk error that reaches the
+    top is ``<prog>: error: <message>``, reported once over the ranks as :func:`run_main` does, without a
+    traceback; any other exception keeps Python's report. The exit status is Python's for an uncaught error (1)."""
+    previous = sys.excepthook
+    if getattr(previous, "_mtk", False):
+        return
+
+    def hook(kind, value, trace):
+        if isinstance(value, MtkError):
+            _report(prog, str(value), str(value))
+        else:
+            previous(kind, value, trace)
+
+    hook._mtk = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def _report(prog: str, message: str, key: str) -> None:
