@@ -35,8 +35,9 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 from mtk.checkpoint.integrity import read_verified
+from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.rng import rng_state, set_rng_state
-from mtk.errors import ConfigError
+from mtk.errors import CheckpointError, ConfigError
 from mtk.integrations.accelerate import Accelerator
 from mtk.integrations.accelerate.save import save_pretrained
 from mtk.parallel.record import is_peft_model
@@ -285,6 +286,13 @@ class ParallelTrainerMixin:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """Checked now (one line if it is not a complete mtk checkpoint); loaded once the model is prepared."""
+        folder = Path(resume_from_checkpoint)
+        if (folder / hf_trainer.TRAINER_STATE_NAME).is_file() and not CheckpointPaths(folder).metadata.is_file():
+            raise CheckpointError(
+                f"{folder} is a checkpoint of transformers' own Trainer (no mtk metadata.json), which holds one "
+                "process's view of the model and optimizer: start from its weights (model=<its directory>) "
+                "instead of resuming it"
+            )
         read_verified(resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
