@@ -130,12 +130,14 @@ def test_resume_from_checkpoint_n_continues_exactly(reference, tp2_run, tmp_path
         ("tp2_pp2", {}, (), 1),
         ("tp1_pp2", {"MTK_PIPELINE_SCHEDULE": "interleaved", "MTK_VIRTUAL_STAGES": "2"}, (), 1),
         ("tp2_dp2_zero2", {}, ("--deepspeed", "ds_configs/accelerate_zero2_tp2.json"), 2),
+        ("tp2_dp2_zero2", {}, ("--deepspeed", "ds_configs/accelerate_zero3_tp2.json"), 2),
     ],
-    ids=["tp2_dp2", "tp2_pp2", "pp2_interleaved", "deepspeed_zero2_tp2_dp2"],
+    ids=["tp2_dp2", "tp2_pp2", "pp2_interleaved", "deepspeed_zero2_tp2_dp2", "deepspeed_zero3_tp2_dp2"],
 )
 def test_layouts_log_the_trainers_numbers(reference, tmp_path, config, env, args, dp):
-    """TrainingArguments(deepspeed=...) included: ZeRO-2 over DP, TP from the JSON's "mtk" block, its "auto"
-    global batch derived from the DP size (transformers fills it from the world size)."""
+    """TrainingArguments(deepspeed=...) included: ZeRO-2 and ZeRO-3 over DP (the JSON given to the arguments wins
+    over the launcher's), TP from the JSON's "mtk" block, its "auto" global batch derived from the DP size
+    (transformers fills it from the world size)."""
     history, _ = reference[dp]
     ours = _mtk_run(config, tmp_path / "run", *args, env={**os.environ, **env})
     assert_same_history(ours, history, config + (" interleaved" if env else ""))
