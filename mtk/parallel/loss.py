@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from mtk.parallel.comm import Group, all_reduce, group_rank, group_size
 
-__all__ = ["vocab_parallel_cross_entropy"]
+__all__ = ["vocab_parallel_cross_entropy", "vocab_slice"]
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -70,6 +70,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None, None, None, None
 
 
+def vocab_slice(
+    logits: torch.Tensor, target: torch.Tensor, tp_group: Group, vocab_start: int | None, vocab_size: int | None
+) -> tuple[int, int]:
+    """This rank's first global column and the real vocabulary size (defaults: even slices, no padding), after
+    checking that ``logits [..., V/tp]`` and ``target [...]`` agree before the vocabulary dimension."""
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree before the vocab dim"
+        )
+    if vocab_start is None:
+        vocab_start = group_rank(tp_group) * logits.shape[-1]
+    if vocab_size is None:
+        vocab_size = logits.shape[-1] * group_size(tp_group)  # no padding
+    return vocab_start, vocab_size
+
+
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -92,14 +108,7 @@ def vocab_parallel_cross_entropy(
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    if logits.shape[:-1] != target.shape:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree before the vocab dim"
-        )
-    if vocab_start is None:
-        vocab_start = group_rank(tp_group) * logits.shape[-1]
-    if vocab_size is None:
-        vocab_size = logits.shape[-1] * group_size(tp_group)  # no padding
+    vocab_start, vocab_size = vocab_slice(logits, target, tp_group, vocab_start, vocab_size)
     losses = _VocabParallelCrossEntropy.apply(logits, target, tp_group, vocab_start, vocab_size, ignore_index)
     if reduction == "none":
         return losses

@@ -36,8 +36,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from mtk.parallel.comm import Group, all_reduce, group_rank, group_size
-from mtk.parallel.loss import vocab_parallel_cross_entropy
+from mtk.parallel.comm import Group, all_reduce
+from mtk.parallel.loss import vocab_parallel_cross_entropy, vocab_slice
 
 __all__ = ["STATISTICS", "TokenStats", "vocab_parallel_token_stats"]
 
@@ -169,14 +169,7 @@ def vocab_parallel_token_stats(
     unknown = sorted(set(outputs) - set(STATISTICS))
     if unknown:
         raise ValueError(f"unknown statistics {unknown}; valid: {list(STATISTICS)}")
-    if logits.shape[:-1] != target.shape:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree before the vocab dim"
-        )
-    if vocab_start is None:
-        vocab_start = group_rank(tp_group) * logits.shape[-1]
-    if vocab_size is None:
-        vocab_size = logits.shape[-1] * group_size(tp_group)  # no padding
+    vocab_start, vocab_size = vocab_slice(logits, target, tp_group, vocab_start, vocab_size)
     real_columns = max(0, min(logits.shape[-1], vocab_size - vocab_start))
     z = _scaled_logits(logits, real_columns, logit_scale, final_logit_softcapping, temperature)  # [..., V/tp]
     where = dict(vocab_start=vocab_start, vocab_size=vocab_size, ignore_index=ignore_index)
