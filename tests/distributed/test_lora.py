@@ -19,6 +19,7 @@ from mtk.models import build_model
 from mtk.parallel import ParallelState
 from mtk.parallel.collective_count import count_collectives
 from mtk.parallel.gather import full_shape_and_spec, gather_full_tensor, gather_state_dict
+from mtk.parallel.grad_norm import grad_norm_tp
 from mtk.testing import assert_close_rel, run_distributed
 from tests.distributed.test_architectures import ARCHITECTURES, _inputs
 
@@ -97,6 +98,8 @@ def _lora_checks(
     assert sorted(grads) == sorted(ref_grads)
     for param_name, grad in grads.items():
         assert_close_rel(grad, ref_grads[param_name], f"{name} grad of {param_name}")
+    norm = grad_norm_tp([p for p in model.parameters() if p.requires_grad], state)  # split factors counted once
+    assert_close_rel(norm, torch.nn.utils.get_total_norm(list(ref_grads.values())), f"{name} gradient norm")
     return {"forward": forward, "base_forward": base_forward, "adapted": len(grads), "trained": sorted(grads)}
 
 
