@@ -44,11 +44,12 @@ def _adapted_layers(model: nn.Module, config: Any, adapter_name: str) -> list[tu
         skeleton = type(hf)._from_config(hf.config)
     with torch.random.fork_rng(devices=[]):  # PEFT draws while it builds the copy: not from this run's generator
         adapted = peft.get_peft_model(skeleton, copy.deepcopy(config), adapter_name=adapter_name)
-    return [
+    layers: list[Any] = [
         (name, module.in_features, module.out_features, module.r[adapter_name])
         for name, module in hf_model(adapted).named_modules()
         if isinstance(module, LoraLayer) and adapter_name in module.r
     ]
+    return layers
 
 
 def _linear_default(out_features: int, in_features: int, generator: torch.Generator) -> torch.Tensor:
