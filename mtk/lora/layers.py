@@ -35,6 +35,7 @@ from torch import nn
 from mtk.errors import ConfigError
 from mtk.parallel.comm import copy_to_tp
 from mtk.parallel.layers import ColumnParallelLinear, KVReplicatedColumnLinear, RowParallelLinear
+from mtk.parallel.parameters import copy_param_info
 from mtk.parallel.random import DEFAULT_STREAM, TP_STREAM, RNGStreams
 
 __all__ = ["ParallelLoraLinear", "adapter_seed"]
@@ -118,7 +119,10 @@ class ParallelLoraLinear(PeftLinear):
         n_in, n_out = base.in_features, base.out_features
         full_a, full_b = _full_factors(r, n_in, n_out, config.init_lora_weights, generator)
         for module, full in ((lora_a, full_a), (lora_b, full_b)):
-            module.to_empty(device=base.weight.device)
+            marked = dict(module.named_parameters())
+            module.to_empty(device=base.weight.device)  # new parameters: they keep the shards' marks (grad norms)
+            for name, param in module.named_parameters():
+                copy_param_info(marked[name], param)
             with torch.no_grad():
                 if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                     module.load_full(full.to(base.weight.device))

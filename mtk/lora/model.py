@@ -102,11 +102,19 @@ def _seed(device: torch.device) -> int:
     return int(seed.item())
 
 
-def get_peft_model(model: nn.Module, config: Any, adapter_name: str = "default", report=print) -> nn.Module:
+def get_peft_model(
+    model: nn.Module,
+    config: Any,
+    adapter_name: str = "default",
+    report=print,
+    autocast_adapter_dtype: bool = True,
+) -> nn.Module:
     """``peft.get_peft_model`` for a model mtk made parallel (its stage, with pp > 1); returns the ``PeftModel``.
 
     Only LoRA (``LoraConfig``) is supported. Call it on every rank, after :func:`~mtk.convert.parallelize` (or
     ``load_pretrained_tp``) and before building the optimizer; the Accelerator's ``prepare`` takes the result.
+    ``autocast_adapter_dtype`` is PEFT's: adapters on a half-precision base are kept in fp32 (False: in the
+    base's dtype, as TRL asks under ZeRO-3).
     """
     import peft  # PEFT (and mtk's layers built on it) load only when a run asks for LoRA: ~1-2 s of start-up
 
@@ -123,7 +131,9 @@ def get_peft_model(model: nn.Module, config: Any, adapter_name: str = "default",
     config = _resolve_targets(model, config, report)
     setattr(config, SEED_ATTRIBUTE, _seed(record.rng.device if record.rng else torch.device("cpu")))
     config._register_custom_module({ColumnParallelLinear: ParallelLoraLinear, RowParallelLinear: ParallelLoraLinear})
-    peft_model = peft.get_peft_model(model, config, adapter_name=adapter_name)
+    peft_model = peft.get_peft_model(
+        model, config, adapter_name=adapter_name, autocast_adapter_dtype=autocast_adapter_dtype
+    )
     for module in peft_model.modules():
         if isinstance(module, ParallelLoraLinear):
             module.rng = record.rng

@@ -3,7 +3,8 @@
 The Trainer builds its ``Accelerator`` itself, so :class:`ParallelTrainerMixin` has it build ``mtk.Accelerator``
 (same arguments; the layout comes from the accelerate config's ``megatron_lm_config`` or the DeepSpeed JSON's
 ``"mtk"`` block) and converts the model right after, before any optimizer, fused head or PEFT adapter sees its
-parameters. The rest follows from what the Trainer assumes about its processes:
+parameters (a TRL trainer's ``peft_config`` adapters are added to the converted model there:
+:mod:`mtk.trainers.adapters`). The rest follows from what the Trainer assumes about its processes:
 
 - **Sizes.** The Trainer divides the world by :meth:`get_tp_size` to find its data-parallel size (the batch
   size it logs, the ``x DP`` it multiplies a token-weighted loss by); under mtk every TP and PP rank of a
@@ -15,8 +16,9 @@ parameters. The rest follows from what the Trainer assumes about its processes:
 - **Checkpoints.** ``checkpoint-N/`` is mtk's sharded, checksummed checkpoint (each rank's weights, optimizer,
   RNG and TP dropout stream; the scheduler; the tokenizer) with the Trainer's ``trainer_state.json`` inside it,
   written atomically; resuming loads it at this run's layout (resharding when TP/PP changed) and restores the
-  RNG where the Trainer restores its own, after the skipped batches. ``save_model`` writes one merged HF
-  safetensors directory.
+  RNG where the Trainer restores its own, after the skipped batches. With LoRA the checkpoint holds the adapters
+  and their optimizer state only. ``save_model`` writes one merged HF safetensors directory, or with LoRA PEFT's
+  adapter directory (full adapter tensors) that ``PeftModel.from_pretrained`` loads.
 """
 
 from __future__ import annotations
@@ -40,16 +42,23 @@ from mtk.checkpoint.rng import rng_state, set_rng_state
 from mtk.errors import CheckpointError, ConfigError
 from mtk.integrations.accelerate import Accelerator
 from mtk.integrations.accelerate.save import save_pretrained
-from mtk.parallel.record import is_peft_model
 from mtk.parallel.state import default_device
 from mtk.pipeline.engine import PipelineModel
 from mtk.rules.lm_head import logits_mode
+from mtk.trainers.adapters import add_adapters, refuse_peft_model
 from mtk.trainers.arguments import check_training_arguments, clipping_report, recompute_settings
 
 __all__ = ["ParallelTrainerMixin"]
 
-# Names a saved HF model directory holds that could clash with folders (a PEFT adapter config is a file too).
-_MODEL_FOLDERS = ("config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json")
+# Names a saved HF model (or PEFT adapter) directory holds that could clash with folders.
+_MODEL_FOLDERS = (
+    "config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+)
 
 
 def _mtk_accelerator(**kwargs: Any) -> Accelerator:
@@ -128,6 +137,8 @@ class ParallelTrainerMixin:
     hp_search_backend: Any
     _counting_tokens: bool = False
     _resumed_rng: dict[str, Any] | None = None
+    _peft_config: Any = None  # a LoraConfig taken from peft_config= by the TRL trainers
+    _peft_model: Any = None  # the PeftModel of mtk's adapters on the converted model
 
     # ------------------------------------------------------------------------------ accelerator and model
     def create_accelerator_and_postprocess(self) -> None:
@@ -153,13 +164,22 @@ class ParallelTrainerMixin:
         if self.model is not None:
             self._parallelize(self.model)
 
-    def _parallelize(self, model: Any) -> None:
-        if is_peft_model(model):
-            raise ConfigError(
-                "a PEFT model given to mtk's trainers: pass the base model and peft_config=, or build the adapters "
-                "with mtk.lora.get_peft_model after accelerator.parallelize"
-            )
+    def _parallelize(self, model: Any) -> Any:
+        """``model`` converted in place; with a ``peft_config`` (mtk's TRL trainers), the ``PeftModel`` of mtk's
+        adapters on it (:mod:`mtk.trainers.adapters`)."""
+        refuse_peft_model(model, type(self).__name__)
         self.accelerator.parallelize(model)
+        if self._peft_config is None:
+            return model
+        self._peft_model = add_adapters(self.accelerator, model, self._peft_config, self.args)
+        return self._peft_model
+
+    def _validate_args(self) -> None:
+        """The Trainer's. ``Trainer.__init__`` calls it right after setting ``model`` from its argument: with
+        adapters, the ``PeftModel`` is the trainer's model from here on (TRL's code after ``__init__`` sees it)."""
+        if self._peft_model is not None:
+            self.model = self.model_wrapped = self._peft_model
+        super()._validate_args()  # type: ignore[misc]
 
     def _saveable_tokenizer(self) -> Any:
         """The processing class's tokenizer (a processor's own), if it can be saved."""
@@ -169,7 +189,7 @@ class ParallelTrainerMixin:
     def call_model_init(self, trial: Any = None) -> Any:
         model = super().call_model_init(trial)  # type: ignore[misc]
         if getattr(self, "accelerator", None) is not None:
-            self._parallelize(model)
+            model = self._parallelize(model)
         return model
 
     # ----------------------------------------------------------------------------------------- sizes
@@ -313,7 +333,9 @@ class ParallelTrainerMixin:
             set_rng_state(self._resumed_rng)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """One merged HF safetensors directory (and the tokenizer) that ``from_pretrained`` loads; collective.
+        """One merged HF safetensors directory (and the tokenizer) that ``from_pretrained`` loads, or for a LoRA run
+        PEFT's adapter directory (``adapter_config.json``, full adapter tensors) that ``PeftModel.from_pretrained``
+        loads on the base; collective.
 
         Into a directory that already holds files (the Trainer's output directory, with its checkpoints and logs)
         the model is written whole beside them first, then its files are moved in, replacing only files of the

@@ -7,9 +7,16 @@ arithmetic already holds under mtk: its metrics gather over ``accelerator.gather
 replicas under mtk) and its ``get_tp_size`` scaling is the Trainer's (:mod:`mtk.trainers.base`).
 
 With ``pp > 1`` the fused head runs on the last stage inside mtk's pipeline, which returns its per-token fields to
-every stage. What is not exact yet is refused in one line: PEFT through ``peft_config`` or a ``PeftModel`` (use
-``mtk.lora.get_peft_model`` with ``mtk.Accelerator``), DPO with ``pp > 1`` (each chosen/rejected pair must stay in
-one micro-batch and the loss is not a sum over tokens), and SFT's ``dft`` loss with ``pp > 1``.
+every stage.
+
+``peft_config=`` (a ``peft.LoraConfig``) trains mtk's tensor-parallel LoRA adapters, added to the converted model and
+starting from the factors TRL's PEFT draws on one process, so a LoRA run logs TRL's numbers; DPO then keeps no
+reference model, as TRL's own LoRA run (:mod:`mtk.trainers.adapters`). Checkpoints hold the adapters and resume
+exactly; ``save_model`` writes PEFT's adapter directory.
+
+What is not exact yet is refused in one line: a ``PeftModel`` as ``model=`` (pass the base model and
+``peft_config=``), DPO with ``pp > 1`` (each chosen/rejected pair must stay in one micro-batch and the loss is not
+a sum over tokens), and SFT's ``dft`` loss with ``pp > 1``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import trl
 from mtk.errors import ConfigError
 from mtk.pipeline.engine import PipelineModel
 from mtk.rules.fused_head import replace_trl_fused_head
+from mtk.trainers.adapters import check_adapters_in_place, take_peft_config
 from mtk.trainers.base import ParallelTrainerMixin
 
 __all__ = ["DPOTrainer", "SFTTrainer"]
@@ -38,21 +46,14 @@ def _refuse_unverified(args: Any, trainer: str) -> None:
             raise ConfigError(f"{type(args).__name__}.{name}=True with mtk.trainers.{trainer}: {why}; leave it off")
 
 
-def _refuse_peft(kwargs: dict[str, Any], trainer: str) -> None:
-    if kwargs.get("peft_config") is not None:
-        raise ConfigError(
-            f"mtk.trainers.{trainer} with peft_config: mtk's sharded LoRA is not wired into TRL's trainers yet; "
-            "train LoRA with mtk.Accelerator and mtk.lora.get_peft_model, or drop peft_config"
-        )
-
-
 class SFTTrainer(ParallelTrainerMixin, trl.SFTTrainer):
-    """TRL's ``SFTTrainer`` (``SFTConfig``) at any TP x PP x DP layout."""
+    """TRL's ``SFTTrainer`` (``SFTConfig``, ``peft_config``) at any TP x PP x DP layout."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _refuse_peft(kwargs, "SFTTrainer")
+        self._peft_config = take_peft_config(args, kwargs, "SFTTrainer")
         _refuse_unverified(kwargs.get("args", args[1] if len(args) > 1 else None), "SFTTrainer")
         super().__init__(*args, **kwargs)
+        check_adapters_in_place(self)
         parallel = self.accelerator.parallel
         if parallel.pp_size > 1 and self.args.loss_type != "nll":
             raise ConfigError(
@@ -77,13 +78,14 @@ class SFTTrainer(ParallelTrainerMixin, trl.SFTTrainer):
 
 
 class DPOTrainer(ParallelTrainerMixin, trl.DPOTrainer):
-    """TRL's ``DPOTrainer`` (``DPOConfig``) at any TP x DP layout; the reference model is converted to the same
-    layout (a frozen copy, as TRL keeps one)."""
+    """TRL's ``DPOTrainer`` (``DPOConfig``, ``peft_config``) at any TP x DP layout; the reference model is converted
+    to the same layout (a frozen copy, as TRL keeps one; none with ``peft_config``: the adapters are disabled)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _refuse_peft(kwargs, "DPOTrainer")
+        self._peft_config = take_peft_config(args, kwargs, "DPOTrainer")
         _refuse_unverified(kwargs.get("args", args[1] if len(args) > 1 else None), "DPOTrainer")
         super().__init__(*args, **kwargs)
+        check_adapters_in_place(self)
         if self.accelerator.parallel.pp_size > 1:
             raise ConfigError(
                 "mtk.trainers.DPOTrainer with pp > 1: DPO's loss needs each chosen/rejected pair's whole sequence "

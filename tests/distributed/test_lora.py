@@ -19,6 +19,7 @@ from mtk.models import build_model
 from mtk.parallel import ParallelState
 from mtk.parallel.collective_count import count_collectives
 from mtk.parallel.gather import full_shape_and_spec, gather_full_tensor, gather_state_dict
+from mtk.parallel.grad_norm import grad_norm_tp
 from mtk.testing import assert_close_rel, run_distributed
 from tests.distributed.test_architectures import ARCHITECTURES, _inputs
 
@@ -97,6 +98,8 @@ def _lora_checks(
     assert sorted(grads) == sorted(ref_grads)
     for param_name, grad in grads.items():
         assert_close_rel(grad, ref_grads[param_name], f"{name} grad of {param_name}")
+    norm = grad_norm_tp([p for p in model.parameters() if p.requires_grad], state)  # split factors counted once
+    assert_close_rel(norm, torch.nn.utils.get_total_norm(list(ref_grads.values())), f"{name} gradient norm")
     return {"forward": forward, "base_forward": base_forward, "adapted": len(grads), "trained": sorted(grads)}
 
 
@@ -305,3 +308,38 @@ def test_bad_targets_are_one_line_each():
     assert "vocabulary-parallel output head" in messages[3]
     assert "modules_to_save lm_head: lm_head is a tensor-parallel ColumnParallelLinear" in messages[4]
     assert all("\n" not in m for m in messages)
+
+
+def _peft_start_checks(rank: int, world_size: int, tp: int, pp: int) -> int:
+    """Adapters replayed as PEFT draws them on one process and cut to the shards (at TP, and on the stages of a
+    pipeline, whose draws follow the earlier stages'): gathered, they equal PEFT's own, bit for bit."""
+    from mtk.lora import load_full_adapters, peft_initial_adapters
+
+    state = ParallelState.build(tp_size=tp, pp_size=pp)
+    targets = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
+    compared = 0
+    for init, dtype, extra in [
+        (True, torch.float32, {}),
+        (False, torch.float32, {"rank_pattern": {"v_proj": 2}}),
+        ("gaussian", torch.bfloat16, {}),  # rounded to the base's dtype, then kept in fp32 (autocast)
+    ]:
+        hf = build_model("tiny-llama", seed=0, dtype=dtype).eval()
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=init, **extra)
+        model = get_peft_model(parallelize(copy.deepcopy(hf), state), config)
+        loaded = load_full_adapters(model, peft_initial_adapters(model, config, seed=3))
+        torch.manual_seed(3)
+        reference = dict(peft_get_peft_model(copy.deepcopy(hf), copy.deepcopy(config)).named_parameters())
+        for name, param in model.named_parameters():
+            if ".lora_" in name:
+                shape, spec = full_shape_and_spec(model, name)
+                full = gather_full_tensor(param, spec, shape, state.tp_group)
+                assert full.dtype == reference[name].dtype and torch.equal(full, reference[name]), (init, name)
+                compared += 1
+        assert compared and loaded == sum(".lora_" in name for name, _ in model.named_parameters())
+    return compared
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_adapters_can_start_where_peft_starts_on_one_process(tp, pp):
+    counts = run_distributed(_peft_start_checks, world_size=tp * pp, args=(tp, pp))
+    assert all(count > 0 for count in counts)

@@ -46,6 +46,9 @@ def main() -> None:
     parser.add_argument("--packing", action="store_true")
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--examples", type=int, default=48)
+    parser.add_argument("--save_steps", type=int, help="write checkpoint-N every N steps (default: none)")
+    parser.add_argument("--resume_from_checkpoint", help="resume from this checkpoint-N directory")
+    parser.add_argument("--save_model", help="trainer.save_model() into this directory after training")
     args = parser.parse_args()
     if args.trainer == "mtk":
         from mtk.trainers import DPOTrainer, SFTTrainer
@@ -66,7 +69,8 @@ def main() -> None:
         logging_steps=1,
         eval_strategy="steps",
         eval_steps=2,
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
         report_to=[],
         disable_tqdm=True,
         seed=0,
@@ -101,9 +105,12 @@ def main() -> None:
             processing_class=tokenizer,
             peft_config=peft_config,
         )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    if args.save_model:
+        trainer.save_model(args.save_model)
     if trainer.is_world_process_zero():
         Path(args.output_dir, "log_history.json").write_text(json.dumps(trainer.state.log_history))
+    trainer.end()  # transformers' last call of a script: the processes leave together
 
 
 if __name__ == "__main__":
