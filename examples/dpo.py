@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 from trl import DPOConfig, TrlParser
 
 from mtk.trainers import DPOTrainer
+from mtk.training.entry import run_main
 
 HERE = Path(__file__).resolve().parent
 
@@ -78,7 +79,8 @@ def main() -> None:
     )
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()
+    trainer.end()  # trackers finished, the processes leave together
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "dpo.py")

@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 from trl import SFTConfig, TrlParser
 
 from mtk.trainers import SFTTrainer
+from mtk.training.entry import run_main
 
 HERE = Path(__file__).resolve().parent
 
@@ -76,7 +77,8 @@ def main() -> None:
     )
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()
+    trainer.end()  # trackers finished, the processes leave together
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "sft.py")

@@ -38,3 +38,33 @@ def test_a_lost_peer_is_one_line_and_status_1(capsys):
     err = capsys.readouterr().err
     assert err.startswith("train.py: error: a collective failed (Connection closed by peer [127.0.0.1]:10125)"), err
     assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "body, status, line",
+    [("pass", 0, None), ("sys.exit('training diverged: loss nan')", 1, "training diverged: loss nan")],
+    ids=["finished", "sys.exit with a message"],
+)
+def test_a_launched_worker_leaves_with_its_status_after_the_atexit_handlers(tmp_path, body, status, line):
+    """A worker skips the interpreter's teardown (where gloo threads can abort it) but not what a clean exit
+    does: the atexit handlers run, stdout is flushed, the status is sys.exit's."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import atexit, sys\n"
+        "from mtk.training.entry import run_main\n"
+        "atexit.register(lambda: print('atexit ran', flush=True))\n"
+        "def main():\n"
+        "    print('buffered', end='')\n"
+        f"    {body}\n"
+        "run_main(main, 'train.py')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, env={**os.environ, "LOCAL_RANK": "0"}
+    )
+    assert done.returncode == status, done.stderr
+    assert done.stdout == "bufferedatexit ran\n"
+    assert done.stderr.strip() == (line or "")
