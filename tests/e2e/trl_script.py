@@ -114,4 +114,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from mtk.training.entry import run_main  # (the launched worker's exit, as mtk's examples leave)
+
+    run_main(main, "trl_script.py")
