@@ -28,7 +28,9 @@ FILE_SECONDS = {
     "tests/e2e/test_trl.py": 170,
     "tests/e2e/test_trainers.py": 160,
     "tests/e2e/test_tp_plan_rules_training.py": 106,
+    "tests/e2e/test_trl_lora.py": 120,
     "tests/e2e/test_lora.py": 67,
+    "tests/e2e/test_own_loop.py": 60,
     "tests/conformance/test_accelerate_scripts.py": 52,
     "tests/e2e/test_verify_cli.py": 48,
 }

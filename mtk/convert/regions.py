@@ -23,15 +23,18 @@ Two regions of a transformer block are not the plain replicated ones the rules l
 
 from __future__ import annotations
 
-from typing import cast
+import inspect
+from typing import Any, cast
 
 import torch
 from torch import nn
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from mtk.errors import ConfigError
 from mtk.parallel.comm import Group, gather_from_sequence, group_size, scatter_to_sequence
 from mtk.parallel.parameters import param_info, set_param_info
 from mtk.parallel.random import DEFAULT_STREAM, TP_SEED_OFFSET, TP_STREAM, ForkAround, RNGStreams
+from mtk.parallel.sequence_padding import pad_batch, trim_output
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.stages import SkipLayer
 from mtk.rules.base import RuleSet, UnsupportedModelError, compile_pattern
@@ -92,6 +95,36 @@ class _SplitSequence:
         return scatter_to_sequence(hidden, self.tp_group)  # [b, s, h] -> [b, s/tp, h]
 
 
+class _PadSequence:
+    """Pre- and post-hook of the whole model under sequence parallelism: a batch whose length does not divide by
+    the TP size is padded at the end (masked, ignored labels) and the padding removed from the output
+    (:mod:`mtk.parallel.sequence_padding`)."""
+
+    def __init__(self, model: nn.Module, tp_size: int) -> None:
+        self.tp_size = tp_size
+        self.signature = inspect.signature(model.forward)
+        config = getattr(model, "config", None)
+        self.pad_token_id = getattr(config, "pad_token_id", None)
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+        self.causal = type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+        self._added: list[tuple[int, int]] = []  # (positions added, padded length) per forward in progress
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        inputs = kwargs
+        if args:  # positional (model(ids)): by name, as pad_batch reads them
+            named = dict(self.signature.bind_partial(*args, **kwargs).arguments)
+            rest = [p.name for p in self.signature.parameters.values() if p.kind is p.VAR_KEYWORD]
+            inputs = {**named, **(named.pop(rest[0], {}) if rest else {})}
+        padded, extra = pad_batch(inputs, self.tp_size, self.pad_token_id, self.max_positions, self.causal)
+        shape = padded.get("input_ids", padded.get("inputs_embeds"))
+        self._added.append((extra, shape.shape[1] if shape is not None else 0))
+        return ((), padded) if extra else (args, kwargs)
+
+    def after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        extra, padded_length = self._added.pop()
+        return trim_output(output, extra, padded_length)
+
+
 class _GatherSequence:
     """Forward hook of the stage's last block: the whole sequence again, for replicated code."""
 
@@ -134,6 +167,9 @@ def apply_regions(
                 f"sequence parallelism: the {rule_set.name} rules name no list of transformer blocks; "
                 "turn megatron_lm_sequence_parallelism off for this model"
             )
+        pad = _PadSequence(model, parallel.tp_size)
+        model.register_forward_pre_hook(pad.before, with_kwargs=True)
+        model.register_forward_hook(pad.after, with_kwargs=True, always_call=True)
         runs = [blocks[sum(map(len, chunks[:c])) :][: len(chunk)] for c, chunk in enumerate(chunks)] or [blocks]
         for run in runs:  # blocks in index order, chunk after chunk
             run[0].register_forward_pre_hook(_SplitSequence(parallel.tp_group), with_kwargs=True)

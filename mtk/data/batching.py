@@ -86,7 +86,10 @@ class PadToLongest:
 
 
 def loss_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """How many tokens of ``batch`` carry a loss: labels other than -100 after HF's shift by one."""
+    """How many tokens of ``batch`` carry a loss: labels other than -100 after HF's shift by one (or the
+    ``shift_labels`` given, which HF's loss then takes as they are)."""
+    if batch.get("shift_labels") is not None:
+        return (batch["shift_labels"] != IGNORE_INDEX).sum()
     return (batch["labels"][..., 1:] != IGNORE_INDEX).sum()
 
 

@@ -17,6 +17,7 @@ of backward (:class:`~mtk.parallel.overlap.OverlappedReduction`); ``finalize_gra
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,10 +29,12 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from mtk.config import ConfigError, check_schedule
+from mtk.data.batching import loss_tokens
 from mtk.parallel.grads import all_reduce_coalesced
 from mtk.parallel.overlap import OverlappedReduction
 from mtk.parallel.parameters import param_info
 from mtk.parallel.record import hf_model, parallelized
+from mtk.parallel.sequence_padding import pad_batch, trim_output
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.p2p import Posted, StageLink
 from mtk.pipeline.schedules import schedule_order, simulate
@@ -98,6 +101,7 @@ class PipelineModel(nn.Module):
         if record is None or record.stage is None or record.pp_size != parallel.pp_size:
             raise ConfigError(f"PipelineModel needs a model cut by mtk.parallelize for pp = {parallel.pp_size}")
         self.info: StageInfo = record.stage
+        self.sequence_parallel = record.sequence_parallel and parallel.tp_size > 1
         self.num_micro_batches = num_micro_batches
         self.schedule = schedule
         v = self.info.virtual_stages
@@ -142,7 +146,8 @@ class PipelineModel(nn.Module):
         self._fused_outputs: dict[int, Any] = {}
         # HF's token-weighted loss: each call's loss is its summed token losses / num_items_in_batch. The
         # schedule averages its m micro-batch losses, so each gets 1/m of the count: the mean is then the
-        # batch's summed loss / num_items_in_batch, as one call on the whole batch would return.
+        # batch's summed loss / num_items_in_batch, as one call on the whole batch would return. A caller that
+        # passes no count gets the batch's own (HF's token mean over the whole batch, not a mean of m means).
         num_items = kwargs.pop("num_items_in_batch", None)
         batch = {
             "input_ids": input_ids,
@@ -153,6 +158,13 @@ class PipelineModel(nn.Module):
         batch = {k: v for k, v in {**batch, **kwargs}.items() if v is not None}
         if "input_ids" not in batch:
             raise ConfigError("a pipelined model takes input_ids (every stage derives shapes from them)")
+        extra = 0
+        if self.sequence_parallel:  # a length the TP size does not divide: padded at the end, masked
+            config = self.config
+            pad_id, most = getattr(config, "pad_token_id", None), getattr(config, "max_position_embeddings", None)
+            batch, extra = pad_batch(batch, self.parallel.tp_size, pad_id, most)
+        if num_items is None and self._token_mean_loss(batch):
+            num_items = loss_tokens(batch)
         micro = split_micro_batches(batch, self.num_micro_batches)
         if num_items is not None:
             for chunk in micro:
@@ -161,8 +173,20 @@ class PipelineModel(nn.Module):
         losses = self._run(micro, train)
         loss = self._broadcast_loss(losses)
         if self._fused:
-            return self._fused_output(loss)
+            return trim_output(self._fused_output(loss), extra, batch["input_ids"].shape[1])
         return CausalLMOutputWithPast(loss=loss)
+
+    def _token_mean_loss(self, batch: dict[str, torch.Tensor]) -> bool:
+        """Whether the model's loss is HF's causal-LM token mean and takes ``num_items_in_batch`` (the Trainer's
+        test: ``accepts_loss_kwargs``, else a ``**kwargs`` forward)."""
+        labels = batch.get("labels")
+        if labels is None or labels.shape != batch["input_ids"].shape:
+            return False
+        model = hf_model(self.module)
+        accepts = getattr(model, "accepts_loss_kwargs", None)
+        if accepts is None:
+            accepts = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+        return bool(accepts)
 
     def _run(self, micro: list[dict[str, torch.Tensor]], train: bool) -> list[torch.Tensor]:
         info, link, m = self.info, self.link, len(micro)

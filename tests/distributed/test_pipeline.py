@@ -55,18 +55,34 @@ def _max_in_flight(order) -> int:
     return peak
 
 
-def _batch() -> dict[str, torch.Tensor]:
+def _batch(seq: int = SEQ) -> dict[str, torch.Tensor]:
+    """Right-padded rows of uneven length: micro-batches count different numbers of labelled tokens, so the
+    pipeline must return the batch's token mean, not the mean of its micro-batches' means (each DP half has the
+    same lengths, so the replicas' mean is the global token mean as on one process)."""
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 256, (GLOBAL_BATCH, SEQ), generator=generator)
-    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+    ids = torch.randint(0, 256, (GLOBAL_BATCH, seq), generator=generator)
+    lengths = torch.tensor([seq, seq - 5, seq - 2, seq - 8] * (GLOBAL_BATCH // 4))
+    mask = (torch.arange(seq) < lengths[:, None]).long()  # [b, s]
+    return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
 
 
 def _pipeline_checks(
-    rank, world_size, name, tp, pp, schedule, micro_batches, layers, virtual=1, recompute=None, sequence_parallel=False
+    rank,
+    world_size,
+    name,
+    tp,
+    pp,
+    schedule,
+    micro_batches,
+    layers,
+    virtual=1,
+    recompute=None,
+    sequence_parallel=False,
+    seq=SEQ,
 ) -> dict:
     state = ParallelState.build(tp_size=tp, pp_size=pp)
     reference = build_model(name, seed=0).eval()  # eval: no dropout; gradients still flow
-    batch = _batch()
+    batch = _batch(seq)
     ref_out = reference(**batch)
     ref_out.loss.backward()
     ref_grads = dict(reference.named_parameters())
@@ -167,7 +183,8 @@ def test_interleaved_with_recompute_and_sequence_parallel(recompute, sequence_pa
     results = run_distributed(
         _pipeline_checks,
         world_size=4,
-        args=(MODELS["four-layer-llama"](), 2, 2, "interleaved", 4, (), 2, recompute, sequence_parallel),
+        # (under sequence parallelism 11 positions: mtk pads them to 12 inside, masked)
+        args=(MODELS["four-layer-llama"](), 2, 2, "interleaved", 4, (), 2, recompute, sequence_parallel, 11),
         timeout=300,
     )
     assert {r["stage"] for r in results} == {0, 1}

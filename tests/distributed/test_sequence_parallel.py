@@ -25,11 +25,17 @@ from tests.distributed.test_architectures import ARCHITECTURES, _inputs
 LAYERS = 2
 
 
-def _sequence_parallel_checks(rank: int, world_size: int, name: str) -> dict:
+def _sequence_parallel_checks(
+    rank: int, world_size: int, name: str, length: int | None = None, mask: bool = True
+) -> dict:
     state = ParallelState.build(tp_size=world_size)
     reference = build_model(name, seed=0).eval()
     model = parallelize(copy.deepcopy(reference), state, sequence_parallel=True).eval()
     batch = _inputs(name)  # 12 positions: divisible by tp 2 and 4; one row right-padded
+    if length is not None:  # fewer, which mtk pads (masked) to the next multiple of tp and trims from the output
+        batch = {k: v[:, :length] if v.dim() == 2 else v for k, v in batch.items()}
+    if not mask:  # HF's default (attend everywhere); for an encoder, mtk must mask what it appends
+        del batch["attention_mask"]
 
     ref_out = reference(**batch)
     ref_out.loss.backward()
@@ -79,16 +85,26 @@ def test_sequence_parallel_equals_hf(name, tp):
     assert any("layernorm" in n or "ln_" in n or "LayerNorm" in n for n in result["marked"])
 
 
-def _indivisible(rank: int, world_size: int) -> str:
+@pytest.mark.parametrize(
+    "name,tp,length,mask",
+    [("tiny-llama", 2, 11, True), ("tiny-gpt2", 4, 9, False), ("tiny-qwen3", 4, 10, True), ("tiny-bert", 2, 7, False)],
+)
+def test_a_length_the_tp_size_does_not_divide_is_padded_inside(name, tp, length, mask):
+    """A user's own batches (padded to their longest example, not to a multiple of tp) give the unconverted
+    model's loss, logits of their own length and gradients; the encoder's appended positions are masked."""
+    run_distributed(_sequence_parallel_checks, world_size=tp, args=(name, length, mask))
+
+
+def _four_d_mask(rank: int, world_size: int) -> str:
     state = ParallelState.build(tp_size=world_size)
     model = parallelize(build_model("tiny-llama", seed=0), state, sequence_parallel=True)
     try:
-        model(input_ids=torch.zeros(1, 7, dtype=torch.long))
+        model(input_ids=torch.zeros(1, 7, dtype=torch.long), attention_mask=torch.ones(1, 1, 7, 7))
     except ConfigError as error:
         return str(error)
     return ""
 
 
-def test_sequence_length_not_divisible_is_one_line():
-    message = run_distributed(_indivisible, world_size=2)[0]
-    assert "7 positions" in message and "multiple of 2" in message
+def test_an_indivisible_length_with_a_4d_mask_is_one_line():
+    message = run_distributed(_four_d_mask, world_size=2)[0]
+    assert "4-d attention mask and 7 positions" in message and "multiple of 2" in message

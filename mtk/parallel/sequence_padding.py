@@ -1,0 +1,100 @@
+"""A batch whose length does not divide by the TP size, made to fit sequence parallelism without changing a result.
+
+Sequence parallelism splits the positions between the TP blocks over the TP ranks (:mod:`mtk.convert.regions`),
+so a forward needs ``s % tp == 0``. A user's own loop (or TRL's collator) pads to the longest example, not to a
+multiple of ``tp``: :func:`pad_batch` appends ``tp - s % tp`` positions at the end of every row, and
+:func:`trim_output` removes them from what the forward returns. Nothing real changes: the attention is causal, so no
+real position attends to an appended one; their labels are ``-100`` (ignored, and not counted by
+``num_items_in_batch``); their attention mask is 0. Megatron asks the data to be padded; peers that pad inside
+(torchtitan's context parallelism) do it the same way, at the end.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mtk.data.formats import IGNORE_INDEX
+from mtk.errors import ConfigError
+
+__all__ = ["pad_batch", "trim_output"]
+
+_FILL = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 0}
+# What a forward returns per position, trimmed back: HF's logits and hidden states, TRL's fused-head fields.
+_PER_POSITION = (
+    "logits", "hidden_states", "log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask",
+)  # fmt: skip
+
+
+def pad_batch(
+    batch: dict[str, Any],
+    multiple: int,
+    pad_token_id: int | None = None,
+    max_positions: int | None = None,
+    causal: bool = True,
+) -> tuple[dict[str, Any], int]:
+    """``batch`` with every per-position tensor (``[b, s, ...]``) padded at the end to a multiple of ``multiple``
+    positions, and how many positions were added (0: the batch is returned as it is).
+
+    ``causal``: no position attends to a later one, so the appended ones need no mask; otherwise (an encoder) a
+    batch without ``attention_mask`` gets one that hides them, and ``pad_token_id`` must say what they hold (a
+    sequence classifier finds each row's last real token by it)."""
+    inputs = batch.get("input_ids", batch.get("inputs_embeds"))
+    if inputs is None or multiple <= 1:
+        return batch, 0
+    rows, length = inputs.shape[:2]
+    extra = -length % multiple
+    if extra == 0:
+        return batch, 0
+    mask = batch.get("attention_mask")
+    if mask is not None and mask.dim() != 2:
+        raise ConfigError(
+            f"sequence parallelism over {multiple} ranks with a {mask.dim()}-d attention mask and {length} positions: "
+            f"mtk pads 2-d masks only; pad the batch to a multiple of {multiple} positions"
+        )
+    if max_positions is not None and length + extra > max_positions:
+        raise ConfigError(
+            f"sequence parallelism over {multiple} ranks: {length} positions would be padded to {length + extra}, "
+            f"past the model's {max_positions}; use at most {max_positions - max_positions % multiple} positions"
+        )
+    if not causal and pad_token_id is None and "input_ids" in batch:
+        raise ConfigError(
+            f"sequence parallelism over {multiple} ranks with {length} positions: mtk pads an encoder's batch with "
+            f"the model's pad_token_id, which is not set; set config.pad_token_id or pad to a multiple of {multiple}"
+        )
+    if not causal and mask is None:  # [b, s]: every given position is real
+        batch = {**batch, "attention_mask": torch.ones(rows, length, dtype=torch.long, device=inputs.device)}
+    padded = dict(batch)
+    for key, value in batch.items():
+        if not (isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (rows, length)):
+            continue
+        if key == "position_ids":  # [b, s]: counting on from each row's last position
+            steps = torch.arange(1, extra + 1, device=value.device, dtype=value.dtype)
+            padded[key] = torch.cat([value, value[:, -1:] + steps], dim=1)
+            continue
+        fill = _FILL.get(key, pad_token_id if key == "input_ids" and pad_token_id is not None else 0)
+        ends = (0, 0) * (value.dim() - 2) + (0, extra)  # F.pad's pairs run from the last dimension back
+        padded[key] = F.pad(value, ends, value=fill)  # [b, s + extra, ...]
+    return padded, extra
+
+
+def trim_output(output: Any, extra: int, padded_length: int) -> Any:
+    """A forward's output (a ``ModelOutput``) without the ``extra`` positions :func:`pad_batch` appended to make
+    ``padded_length``: every per-position field (``[b, padded_length, ...]``, or one shorter when shifted for the
+    loss) loses its last ``extra``; anything else (a classifier's ``[b, labels]`` logits) stays."""
+    if extra == 0 or output is None:
+        return output
+
+    def trimmed(value: torch.Tensor) -> torch.Tensor:
+        per_position = value.dim() >= 2 and value.shape[1] in (padded_length, padded_length - 1)
+        return value[:, : value.shape[1] - extra] if per_position else value  # [b, s' - extra, ...]
+
+    for name in _PER_POSITION:
+        value = getattr(output, name, None)
+        if isinstance(value, torch.Tensor):
+            setattr(output, name, trimmed(value))
+        elif isinstance(value, tuple):
+            setattr(output, name, tuple(trimmed(v) for v in value))
+    return output
