@@ -63,7 +63,11 @@ def test_a_launched_worker_leaves_with_its_status_after_the_atexit_handlers(tmp_
         "run_main(main, 'train.py')\n"
     )
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, env={**os.environ, "LOCAL_RANK": "0"}
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "LOCAL_RANK": "0"},
     )
     assert done.returncode == status, done.stderr
     assert done.stdout == "bufferedatexit ran\n"
