@@ -15,7 +15,6 @@ accelerate loop: only the Accelerator comes from mtk.
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import sys
 import time
@@ -39,7 +38,7 @@ from mtk.args import (
 from mtk.checkpoint import load_pretrained_tp
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.config import PIPELINE_SCHEDULES, RunSettings
-from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, eval_batches, loss_tokens, tokenizer_for, training_data
+from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, eval_batches, tokenizer_for, training_data
 from mtk.errors import DataError
 from mtk.integrations.accelerate.save import check_target, save_pretrained
 from mtk.lora import get_peft_model
@@ -277,70 +276,57 @@ def main(argv=None) -> None:
         return
     saved_step, stopped = step, False
     progress = tqdm(total=args.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
-    micro_batches_per_epoch = len(loader)
     loss_sum, tic = torch.zeros((), device=accelerator.device), time.perf_counter()
-    while step < args.max_steps and not stopped:
-        epoch, skip = divmod(accelerator.micro_batches_seen, micro_batches_per_epoch)
-        loader.set_epoch(epoch)
-        batches = iter(accelerator.skip_first_batches(loader, skip) if skip else loader)
-        # One optimizer step's micro-batches at a time: the loss divides by the number of labelled tokens
-        # in the whole global batch (every micro-batch, every DP replica), which is known only then.
-        while window := list(itertools.islice(batches, accum)):
-            labelled = accelerator.reduce(sum(loss_tokens(b) for b in window), "sum")  # over DP
-            # HF's convention: a call's loss is its summed token losses / num_items_in_batch. Accelerate
-            # divides by grad_accum and DP averages: each micro-batch gets the global count / (accum x dp),
-            # so the mean over micro-batches and replicas is the mean over the global batch's tokens.
-            num_items = labelled.float() / (accum * parallel.dp_size)
-            for batch in window:
-                with accelerator.accumulate(model):
-                    # With pp > 1 this call runs the pipeline schedule (forward and backward over
-                    # micro-batches) and backward() only syncs gradients; the loop is the same.
-                    # no KV cache: training needs none, and transformers detects packed rows only without one
-                    loss = model(**batch, num_items_in_batch=num_items, use_cache=False).loss
-                    accelerator.backward(loss)
-                    loss_sum += loss.detach().float()
-                    finite = True
-                    if accelerator.sync_gradients:
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-                        finite = check_finite(grad_norm, step + 1, skip=args.skip_nonfinite)  # global: all agree
-                    if finite:
-                        optimizer.step()
-                        scheduler.step()
-                    optimizer.zero_grad()
-            if not accelerator.sync_gradients:
-                continue
-            step += 1
-            # mean over micro-batches and DP of losses weighted as above = the global batch's token mean
-            mean_loss = accelerator.reduce(loss_sum / accum, "mean").item()
-            elapsed, tic = time.perf_counter() - tic, time.perf_counter()
-            processed = sum(b["input_ids"].numel() for b in window) * parallel.dp_size  # padding included
-            accelerator.log(
-                {
-                    "train/loss": mean_loss,
-                    "train/lr": scheduler.get_last_lr()[0],
-                    "train/grad_norm": grad_norm.item(),
-                    "train/loss_tokens": labelled.item(),
-                    "train/tokens_per_s": processed / elapsed,
-                },
-                step=step,
+    # One optimizer step's micro-batches at a time, from where the run is: each passes num_items_in_batch (the
+    # global batch's labelled tokens / (accum x dp)), so the step's loss is the global batch's token mean.
+    for window in accelerator.step_windows(loader):
+        for batch, last in window.micro_batches():
+            with accelerator.accumulate(model, sync=last):
+                # With pp > 1 this call runs the pipeline schedule (forward and backward over
+                # micro-batches) and backward() only syncs gradients; the loop is the same.
+                # no KV cache: training needs none, and transformers detects packed rows only without one
+                loss = model(**batch, num_items_in_batch=window.num_items, use_cache=False).loss
+                accelerator.backward(loss)
+                loss_sum += loss.detach().float()
+                finite = True
+                if last:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+                    finite = check_finite(grad_norm, step + 1, skip=args.skip_nonfinite)  # global: all agree
+                if finite:
+                    optimizer.step()
+                    scheduler.step()
+                optimizer.zero_grad()
+        step += 1
+        # mean over micro-batches and DP of losses weighted as above = the global batch's token mean
+        mean_loss = accelerator.reduce(loss_sum / accum, "mean").item()
+        elapsed, tic = time.perf_counter() - tic, time.perf_counter()
+        accelerator.log(
+            {
+                "train/loss": mean_loss,
+                "train/lr": scheduler.get_last_lr()[0],
+                "train/grad_norm": grad_norm.item(),
+                "train/loss_tokens": window.labelled.item(),
+                "train/tokens_per_s": window.tokens() * parallel.dp_size / elapsed,  # padding included
+            },
+            step=step,
+        )
+        if accelerator.is_main_process:
+            progress.write(f"step {step} loss {mean_loss!r}")  # full precision: runs are compared exactly
+        progress.update(1)
+        progress.set_postfix(loss=f"{mean_loss:.3f}")
+        loss_sum.zero_()
+        if evaluation and ((args.eval_every and step % args.eval_every == 0) or step == args.max_steps):
+            run_evaluation(step)  # a signal stops it early; the check below then stops the run
+        stopped = exit_signal.requested()  # agreed over all ranks: all stop (and save) at this step
+        if (args.save_every and step % args.save_every == 0) or stopped:
+            accelerator.save_state(f"{args.output_dir}/step_{step}")
+            saved_step = step
+        if stopped:
+            accelerator.print(
+                f"mtk: {exit_signal.name}: saved {args.output_dir}/step_{step}; continue with --resume auto"
             )
-            if accelerator.is_main_process:
-                progress.write(f"step {step} loss {mean_loss!r}")  # full precision: runs are compared exactly
-            progress.update(1)
-            progress.set_postfix(loss=f"{mean_loss:.3f}")
-            loss_sum.zero_()
-            if evaluation and ((args.eval_every and step % args.eval_every == 0) or step == args.max_steps):
-                run_evaluation(step)  # a signal stops it early; the check below then stops the run
-            stopped = exit_signal.requested()  # agreed over all ranks: all stop (and save) at this step
-            if (args.save_every and step % args.save_every == 0) or stopped:
-                accelerator.save_state(f"{args.output_dir}/step_{step}")
-                saved_step = step
-            if stopped:
-                accelerator.print(
-                    f"mtk: {exit_signal.name}: saved {args.output_dir}/step_{step}; continue with --resume auto"
-                )
-            if step >= args.max_steps or stopped:
-                break
+        if step >= args.max_steps or stopped:
+            break
     progress.close()
     if saved_step != step:
         accelerator.save_state(f"{args.output_dir}/step_{step}")

@@ -17,7 +17,6 @@ gradient_accumulation_steps follow DeepSpeed's rule (global = micro x accumulati
 from __future__ import annotations
 
 import argparse
-import itertools
 import time
 from pathlib import Path
 
@@ -41,7 +40,7 @@ from mtk.checkpoint import load_pretrained_tp
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.config import RunSettings
 from mtk.convert import parallelize
-from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, eval_batches, loss_tokens, tokenizer_for, training_data
+from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, eval_batches, tokenizer_for, training_data
 from mtk.errors import DataError
 from mtk.integrations.deepspeed import (
     check_precision,
@@ -65,6 +64,7 @@ from mtk.rules import check_tp_size
 from mtk.training.entry import run_main
 from mtk.training.evaluation import evaluate
 from mtk.training.signals import ExitSignal
+from mtk.training.windows import step_windows
 
 HERE = Path(__file__).resolve().parent
 
@@ -245,50 +245,49 @@ def main(argv=None) -> None:
         return
     saved_step, stopped = step, False
     loss_sum, tic = torch.zeros(1), time.perf_counter()
-    while step < args.max_steps and not stopped:
-        epoch, skip = divmod(micro_batches, per_epoch)
-        sampler.set_epoch(epoch)
-        batches = itertools.islice(iter(loader), skip, per_epoch)
-        # One optimizer step's micro-batches at a time: each micro-batch's loss is its summed token losses
-        # / (labelled tokens of the global batch / (accum x dp)); DeepSpeed divides by accum and averages
-        # over DP, so the step's gradient is that of the mean over every labelled token of the global batch.
-        while window := list(itertools.islice(batches, accum)):
-            labelled = all_reduce(sum(loss_tokens(b) for b in window).to(engine.device), parallel.dp_group)
-            num_items = labelled.float() / (accum * parallel.dp_size)
-            for batch in window:
-                batch = {key: value.to(engine.device) for key, value in batch.items()}
-                loss = engine(**batch, num_items_in_batch=num_items, use_cache=False).loss
-                engine.backward(loss)
-                engine.step()
-                micro_batches += 1
-                loss_sum += loss.detach().float().cpu()
-            step += 1
-            mean = all_reduce(loss_sum / accum, parallel.dp_group) / parallel.dp_size  # over micro-batches and DP
-            # DeepSpeed has stepped already (it cannot skip a step in fp32): stop before anything is saved
-            grad_norm = engine.get_global_grad_norm()  # global over the job; None when DeepSpeed computed none
-            for what, value in (("the loss", mean), ("the gradient norm", grad_norm)):
-                if value is not None:
-                    check_finite(value, step, what=what, remedy="lower --lr")
-            elapsed, tic = time.perf_counter() - tic, time.perf_counter()
-            if writer is not None:
-                writer.add_scalar("train/loss", mean.item(), step)
-                writer.add_scalar("train/lr", scheduler.get_last_lr()[0], step)
-                writer.add_scalar("train/grad_norm", float(grad_norm) if grad_norm is not None else 0.0, step)
-                writer.add_scalar("train/loss_tokens", labelled.item(), step)
-                processed = sum(b["input_ids"].numel() for b in window) * parallel.dp_size  # padding included
-                writer.add_scalar("train/tokens_per_s", processed / elapsed, step)
-                print(f"step {step} loss {mean.item()!r}", flush=True)
-            loss_sum.zero_()
-            if evaluation and ((args.eval_every and step % args.eval_every == 0) or step == args.max_steps):
-                run_evaluation(step)  # a signal stops it early; the check below then stops the run
-            stopped = exit_signal.requested()  # agreed over all ranks: all stop (and save) at this step
-            if (args.save_every and step % args.save_every == 0) or stopped:
-                save_deepspeed_checkpoint(f"{args.output_dir}/step_{step}", engine, parallel, position(micro_batches))
-                saved_step = step
-            if stopped and parallel.rank == 0:
-                print(f"mtk: {exit_signal.name}: saved {args.output_dir}/step_{step}; continue with --resume auto")
-            if step >= args.max_steps or stopped:
-                break
+
+    def sum_over_dp(count: torch.Tensor) -> torch.Tensor:
+        return all_reduce(count.to(engine.device), parallel.dp_group)
+
+    # One optimizer step's micro-batches at a time: each micro-batch's loss is its summed token losses
+    # / (labelled tokens of the global batch / (accum x dp)); DeepSpeed divides by accum and averages
+    # over DP, so the step's gradient is that of the mean over every labelled token of the global batch.
+    windows = step_windows(loader, accum, micro_batches, sum_over_dp, parallel.dp_size, set_epoch=sampler.set_epoch)
+    for window in windows:
+        for batch, _ in window.micro_batches():  # DeepSpeed's engine knows where a step ends
+            batch = {key: value.to(engine.device) for key, value in batch.items()}
+            loss = engine(**batch, num_items_in_batch=window.num_items, use_cache=False).loss
+            engine.backward(loss)
+            engine.step()
+            micro_batches += 1
+            loss_sum += loss.detach().float().cpu()
+        step += 1
+        mean = all_reduce(loss_sum / accum, parallel.dp_group) / parallel.dp_size  # over micro-batches and DP
+        # DeepSpeed has stepped already (it cannot skip a step in fp32): stop before anything is saved
+        grad_norm = engine.get_global_grad_norm()  # global over the job; None when DeepSpeed computed none
+        for what, value in (("the loss", mean), ("the gradient norm", grad_norm)):
+            if value is not None:
+                check_finite(value, step, what=what, remedy="lower --lr")
+        elapsed, tic = time.perf_counter() - tic, time.perf_counter()
+        if writer is not None:
+            writer.add_scalar("train/loss", mean.item(), step)
+            writer.add_scalar("train/lr", scheduler.get_last_lr()[0], step)
+            writer.add_scalar("train/grad_norm", float(grad_norm) if grad_norm is not None else 0.0, step)
+            writer.add_scalar("train/loss_tokens", window.labelled.item(), step)
+            processed = window.tokens() * parallel.dp_size  # padding included
+            writer.add_scalar("train/tokens_per_s", processed / elapsed, step)
+            print(f"step {step} loss {mean.item()!r}", flush=True)
+        loss_sum.zero_()
+        if evaluation and ((args.eval_every and step % args.eval_every == 0) or step == args.max_steps):
+            run_evaluation(step)  # a signal stops it early; the check below then stops the run
+        stopped = exit_signal.requested()  # agreed over all ranks: all stop (and save) at this step
+        if (args.save_every and step % args.save_every == 0) or stopped:
+            save_deepspeed_checkpoint(f"{args.output_dir}/step_{step}", engine, parallel, position(micro_batches))
+            saved_step = step
+        if stopped and parallel.rank == 0:
+            print(f"mtk: {exit_signal.name}: saved {args.output_dir}/step_{step}; continue with --resume auto")
+        if step >= args.max_steps or stopped:
+            break
     if saved_step != step:
         save_deepspeed_checkpoint(f"{args.output_dir}/step_{step}", engine, parallel, position(micro_batches))
     if writer is not None:

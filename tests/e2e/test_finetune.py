@@ -85,6 +85,20 @@ def test_gradient_accumulation_equals_the_larger_batch(tp2_run, tmp_path):
     assert_same_losses(accumulated, batch8, range(1, 7))
 
 
+def test_gradient_accumulation_equals_the_larger_batch_across_epochs(tmp_path):
+    """28 examples: an epoch is 3 steps of 8 (4 left over) or 7 micro-batches of 4, of which the last, past the
+    last whole step, is not read. The 2-step accumulation windows then hold the same examples as the batches of 8,
+    epoch after epoch, and each window is one optimizer step (accelerate's own rule would step at every
+    micro-batch of an epoch's last window: its loader has ended once the window is read)."""
+    rows = (Path(__file__).resolve().parents[2] / "examples" / "data" / "sample.jsonl").read_text().splitlines()
+    data = tmp_path / "small.jsonl"
+    data.write_text("\n".join(rows[:28]) + "\n")
+    common = ("--data", str(data), "--max_steps", "7", "--warmup_steps", "1")
+    batch8 = finetune("tp1", tmp_path / "batch8", *common, "--batch_size", "8")
+    accumulated = finetune("tp2", tmp_path / "accum", *common, "--batch_size", "4", "--grad_accum", "2")
+    assert_same_losses(accumulated, batch8, range(1, 8))
+
+
 def test_bf16_trains(tmp_path):
     out = launch(
         "tp2", "--max_steps", "15", "--output_dir", str(tmp_path), launcher_args=("--mixed_precision", "bf16")

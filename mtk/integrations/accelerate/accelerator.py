@@ -13,7 +13,9 @@ plugin (NVIDIA's Megatron-LM package) is not used.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -53,6 +55,7 @@ from mtk.parallel.record import parallelized
 from mtk.parallel.state import ParallelState, default_device
 from mtk.pipeline.engine import PipelineModel
 from mtk.rules import replace_trl_fused_head
+from mtk.training.windows import StepWindow, step_windows
 
 __all__ = ["Accelerator", "DataParallelScheduler"]
 
@@ -352,13 +355,39 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
 
     # ----------------------------------------------------------------------------------- training
     @contextmanager
-    def accumulate(self, *models):
-        """accelerate's ``accumulate``, also counting the data position that checkpoints record."""
-        with super().accumulate(*models):
-            yield
+    def accumulate(self, *models, sync: bool | None = None):
+        """accelerate's ``accumulate``, also counting the data position that checkpoints record.
+
+        ``sync``: whether this micro-batch ends the optimizer step, where the loop knows (:meth:`step_windows`);
+        accelerate's own rule (every ``gradient_accumulation_steps``-th, and wherever the loader has ended)
+        otherwise."""
+        if sync is None:
+            with super().accumulate(*models):
+                yield
+        else:
+            self.step = 0 if sync else self.step + 1
+            self.gradient_state._set_sync_gradients(sync)
+            with contextlib.ExitStack() as stack:
+                for model in models:  # DDP's no_sync until the step's last micro-batch
+                    stack.enter_context(contextlib.nullcontext() if sync else self.no_sync(model))
+                yield
         self.micro_batches_seen += 1
         if self.sync_gradients:
             self.completed_steps += 1
+
+    def step_windows(self, dataloader) -> Iterator[StepWindow]:
+        """The optimizer steps of a prepared ``dataloader`` from where this run is (after ``load_state``, where the
+        checkpoint was), each with its micro-batches and their ``num_items_in_batch``
+        (:func:`mtk.training.windows.step_windows`). Run each micro-batch under
+        ``accumulate(model, sync=last)``."""
+        return step_windows(
+            dataloader,
+            self.gradient_accumulation_steps,
+            self.micro_batches_seen,
+            lambda count: self.reduce(count.to(self.device), "sum"),
+            self.parallel.dp_size,
+            skip=self.skip_first_batches,
+        )
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward()`` as accelerate does it; for a pipelined model the schedule already ran
