@@ -35,20 +35,28 @@ from mtk.args import (
     positive_float,
     positive_int,
 )
-from mtk.checkpoint import load_pretrained_tp
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.config import PIPELINE_SCHEDULES, RunSettings
-from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, eval_batches, tokenizer_for, training_data
+from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, tokenizer_for
 from mtk.errors import DataError
 from mtk.integrations.accelerate.save import check_target, save_pretrained
 from mtk.lora import get_peft_model
 from mtk.lora.options import add_lora_arguments, base_dtype, lora_config
-from mtk.models import build_model, check_seq_len, resolve_config
+from mtk.models import check_seq_len, resolve_config
 from mtk.parallel.grad_norm import check_finite
 from mtk.parallel.placement import placement
 from mtk.rules import check_tp_size
 from mtk.training.entry import run_main
-from mtk.training.evaluation import evaluate, peak_memory_mib
+from mtk.training.evaluation import peak_memory_mib
+from mtk.training.setup import (
+    Evaluation,
+    layout_description,
+    load_run_data,
+    starting_model,
+    step_metrics,
+    tracker_config,
+    warmup_then_linear,
+)
 from mtk.training.signals import ExitSignal
 
 HERE = Path(__file__).resolve().parent
@@ -153,87 +161,51 @@ def main(argv=None) -> None:
     lora = lora_config(args)
     dtype = base_dtype(args) if lora else None
     set_seed(args.seed)
-    if Path(args.model).is_dir():
-        model = load_pretrained_tp(  # this rank's bytes
-            args.model,
-            parallel,
-            dtype=dtype,
-            pipeline_layers=settings.layers_per_stage(config.num_hidden_layers, parallel.pp_size),
-            virtual_stages=settings.virtual_stages if parallel.pp_size > 1 else 1,
-            sequence_parallel=settings.sequence_parallel,
-        )
-        model.train()
-    else:
-        model = build_model(args.model, seed=args.seed, dtype=dtype or torch.float32)  # same at every layout
+    model = starting_model(args.model, parallel, settings, seed=args.seed, dtype=dtype)  # a directory: this rank's
     if lora:  # PEFT's LoRA on the parallel layers: only the adapters train, checkpoint and export
         model = get_peft_model(accelerator.parallelize(model), lora, report=accelerator.print)
     tokenizer = tokenizer_for(args.model, args.tokenizer, model.config.vocab_size)
     if Path(args.model).is_dir() or args.tokenizer:
         accelerator.checkpoint_tokenizer = tokenizer  # checkpoints (and `mtk export`) carry it
-    # sequence parallelism splits every row over the TP ranks: rows are a multiple of tp long
-    multiple = parallel.tp_size if settings.sequence_parallel else 1
-    dataset, collate, report = training_data(
-        args.data, tokenizer, args.seq_len, packing=args.packing, loss_on=args.loss_on, pad_to_multiple_of=multiple
+    if args.eval_every and not args.eval_data:
+        raise DataError("--eval_every needs --eval_data (the rows to evaluate on)")
+    data = load_run_data(
+        args.data,
+        args.eval_data,
+        tokenizer,
+        args.seq_len,
+        parallel,
+        batch_size=args.batch_size,
+        packing=args.packing,
+        loss_on=args.loss_on,
+        # sequence parallelism splits every row over the TP ranks: rows a multiple of tp long save mtk's padding
+        pad_to_multiple_of=parallel.tp_size if settings.sequence_parallel else 1,
+        report=accelerator.print,
     )
-    accelerator.print(f"mtk: --data {args.data}: {report.describe(args.seq_len)}")
     if args.packing and settings.eod_mask_loss is False:  # accelerate exports False unless the YAML says true
         accelerator.print(
             "mtk: megatron_lm_eod_mask_loss=False overridden: packed rows never train an example's first token "
             "on the example before it (as eod_mask_loss=True), so packed training equals unpacked"
         )
-    if len(dataset) < args.batch_size * parallel.dp_size:
-        raise DataError(
-            f"--data {args.data} gives {len(dataset)} {'rows' if args.packing else 'examples'}, fewer than one "
-            f"batch of --batch_size {args.batch_size} x dp {parallel.dp_size}; give more data or a smaller batch"
-        )
-    if args.eval_every and not args.eval_data:
-        raise DataError("--eval_every needs --eval_data (the rows to evaluate on)")
-    evaluation: list = []
-    if args.eval_data:
-        eval_set, _, eval_report = training_data(
-            args.eval_data,
-            tokenizer,
-            args.seq_len,
-            packing=args.packing,
-            loss_on=args.loss_on,
-            source="--eval_data",
-            pad_to_multiple_of=multiple,
-        )
-        accelerator.print(f"mtk: --eval_data {args.eval_data}: {eval_report.describe(args.seq_len)}")
-        evaluation = eval_batches(eval_set, collate, args.batch_size, parallel.dp_rank, parallel.dp_size)
     # Its own generator: starting an epoch never moves the global RNG (dropout), so resume is exact.
     loader_rng = torch.Generator().manual_seed(args.seed)
     loader = DataLoader(
-        dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=loader_rng, collate_fn=collate
+        data.train, args.batch_size, shuffle=True, drop_last=True, generator=loader_rng, collate_fn=data.collate
     )
     trainable = [p for p in model.parameters() if p.requires_grad]  # all of them, or the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
     # accelerate steps a prepared scheduler dp_size times per optimizer step (its convention for
-    # schedules written in single-process steps); this one is written in optimizer steps: s // dp.
-    warmup, total = max(args.warmup_steps, 1), max(args.max_steps, 1)
-
-    def lr_factor(scheduler_step: int) -> float:
-        step = scheduler_step // parallel.dp_size
-        return min(1.0, (step + 1) / warmup) * max(0.0, 1 - step / total)
-
+    # schedules written in single-process steps)
+    lr_factor = warmup_then_linear(args.warmup_steps, args.max_steps, calls_per_step=parallel.dp_size)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     accum = accelerator.gradient_accumulation_steps  # --grad_accum, or under DeepSpeed the JSON's: the engine's
     global_batch = args.batch_size * parallel.dp_size * accum  # sequences per optimizer step
-    hparams = {
-        k: ",".join(map(str, v)) if isinstance(v, tuple) else v for k, v in vars(args).items() if v is not None
-    }  # tensorboard takes scalars and strings
     accelerator.init_trackers(
         "runs",
-        config={
-            **hparams,
-            "global_batch_size": global_batch,
-            "gradient_accumulation_steps": accum,
-            "tp": parallel.tp_size,
-            "pp": parallel.pp_size,
-            "dp": parallel.dp_size,
-            "micro_batches": settings.num_micro_batches,
-        },
+        tracker_config(
+            vars(args), parallel, settings, global_batch_size=global_batch, gradient_accumulation_steps=accum
+        ),
     )
     max_grad_norm = settings.gradient_clipping or 1.0  # --max_grad_norm, else megatron_lm_gradient_clipping
 
@@ -247,31 +219,22 @@ def main(argv=None) -> None:
         accelerator.print(f"mtk: {resume} is at step {step}, --max_steps is {args.max_steps}: nothing left to do")
         accelerator.end_training()
         return
-    schedule = ""
-    if parallel.pp_size > 1:
-        chunks = f" x {settings.virtual_stages} chunks" if settings.virtual_stages > 1 else ""
-        schedule = f" ({settings.pipeline_schedule}{chunks}, {settings.num_micro_batches} micro-batches)"
     accelerator.print(
-        f"mtk: {config.model_type} tp={parallel.tp_size} pp={parallel.pp_size}{schedule} dp={parallel.dp_size} "
-        f"world={parallel.world_size}, global batch {global_batch} {'rows' if args.packing else 'examples'}, "
-        f"steps {step}->{args.max_steps}"
+        f"mtk: {config.model_type} {layout_description(parallel, settings)}, global batch {global_batch} "
+        f"{'rows' if args.packing else 'examples'}, steps {step}->{args.max_steps}"
     )
 
-    def run_evaluation(at_step: int) -> bool:
-        """Evaluate and log; ``False`` when a signal cut the evaluation short (then nothing is logged)."""
-        scores = evaluate(
-            model, evaluation, accelerator.device, lambda t: accelerator.reduce(t, "sum"), stop=exit_signal.requested
-        )
-        if scores is None:
-            accelerator.print(f"mtk: {exit_signal.name}: the evaluation at step {at_step} stopped early, not logged")
-            return False
-        accelerator.log(scores, step=at_step)
-        eval_loss, perplexity = scores["eval/loss"], scores["eval/perplexity"]
-        if accelerator.is_main_process:  # on its own line, under the progress bar
-            tqdm.write(f"eval at step {at_step}: loss {eval_loss!r} perplexity {perplexity:.3f}")
-        return True
-
-    if evaluation and step == 0 and not run_evaluation(0):  # the starting point, for comparison
+    evaluation = Evaluation(
+        model,
+        data.evaluation,
+        accelerator.device,
+        lambda t: accelerator.reduce(t, "sum"),
+        exit_signal,
+        log=lambda scores, at: accelerator.log(scores, step=at),
+        main_process=accelerator.is_main_process,
+        every=args.eval_every,
+    )
+    if data.evaluation and step == 0 and not evaluation(0):  # the starting point, for comparison
         accelerator.end_training()  # stopped before the first step: nothing to save
         return
     saved_step, stopped = step, False
@@ -300,23 +263,15 @@ def main(argv=None) -> None:
         # mean over micro-batches and DP of losses weighted as above = the global batch's token mean
         mean_loss = accelerator.reduce(loss_sum / accum, "mean").item()
         elapsed, tic = time.perf_counter() - tic, time.perf_counter()
-        accelerator.log(
-            {
-                "train/loss": mean_loss,
-                "train/lr": scheduler.get_last_lr()[0],
-                "train/grad_norm": grad_norm.item(),
-                "train/loss_tokens": window.labelled.item(),
-                "train/tokens_per_s": window.tokens() * parallel.dp_size / elapsed,  # padding included
-            },
-            step=step,
-        )
+        lr = scheduler.get_last_lr()[0]
+        accelerator.log(step_metrics(window, mean_loss, lr, grad_norm, elapsed, parallel.dp_size), step=step)
         if accelerator.is_main_process:
             progress.write(f"step {step} loss {mean_loss!r}")  # full precision: runs are compared exactly
         progress.update(1)
         progress.set_postfix(loss=f"{mean_loss:.3f}")
         loss_sum.zero_()
-        if evaluation and ((args.eval_every and step % args.eval_every == 0) or step == args.max_steps):
-            run_evaluation(step)  # a signal stops it early; the check below then stops the run
+        if evaluation.due(step, args.max_steps):
+            evaluation(step)  # a signal stops it early; the check below then stops the run
         stopped = exit_signal.requested()  # agreed over all ranks: all stop (and save) at this step
         if (args.save_every and step % args.save_every == 0) or stopped:
             accelerator.save_state(f"{args.output_dir}/step_{step}")

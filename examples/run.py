@@ -36,11 +36,10 @@ from mtk.args import (
     positive_float,
     positive_int,
 )
-from mtk.checkpoint import load_pretrained_tp
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.config import RunSettings
 from mtk.convert import parallelize
-from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, eval_batches, tokenizer_for, training_data
+from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, tokenizer_for
 from mtk.errors import DataError
 from mtk.integrations.deepspeed import (
     check_precision,
@@ -53,7 +52,7 @@ from mtk.integrations.deepspeed import (
 from mtk.integrations.deepspeed_batch import dp_layout
 from mtk.lora import get_peft_model
 from mtk.lora.options import add_lora_arguments, base_dtype, lora_config
-from mtk.models import build_model, check_seq_len, resolve_config
+from mtk.models import check_seq_len, resolve_config
 from mtk.parallel.comm import all_reduce
 from mtk.parallel.grad_norm import check_finite
 from mtk.parallel.placement import placement
@@ -62,7 +61,7 @@ from mtk.parallel.record import parallelized
 from mtk.parallel.state import ParallelState
 from mtk.rules import check_tp_size
 from mtk.training.entry import run_main
-from mtk.training.evaluation import evaluate
+from mtk.training.setup import Evaluation, load_run_data, starting_model, step_metrics, warmup_then_linear
 from mtk.training.signals import ExitSignal
 from mtk.training.windows import step_windows
 
@@ -136,21 +135,17 @@ def main(argv=None) -> None:
     lora = lora_config(args)
     dtype = base_dtype(args) if lora else None
     set_seed(args.seed)
-    if Path(args.model).is_dir():
-        model = load_pretrained_tp(args.model, parallel, dtype=dtype)
-        model.train()
-    else:  # same weights at any layout
-        model = parallelize(build_model(args.model, seed=args.seed, dtype=dtype or torch.float32), parallel)
+    # a directory: this rank's slices, converted; a built-in config: the same weights at any layout
+    model = starting_model(args.model, parallel, RunSettings(), seed=args.seed, dtype=dtype)
+    if parallelized(model) is None:
+        model = parallelize(model, parallel)
     if args.gradient_checkpointing:
         enable_recompute(model, RunSettings(recompute_granularity="full"), parallelized(model).rng)
     if lora:  # PEFT's LoRA on the parallel layers: ZeRO shards only the adapters' optimizer state
         model = get_peft_model(model, lora, report=print if parallel.rank == 0 else lambda line: None)
-    warmup, total = max(args.warmup_steps, 1), max(args.max_steps, 1)
 
     def lr_schedule(optimizer):  # DeepSpeed steps it once per optimizer step
-        return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.0, 1 - s / total)
-        )
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_linear(args.warmup_steps, args.max_steps))
 
     remove_shm_buffers_at_exit()  # DeepSpeed's CPU shared-memory buffers outlive the job otherwise
     with initialization_cleanup(args.deepspeed_config):  # a failure removes them now; bad config: one line
@@ -163,30 +158,28 @@ def main(argv=None) -> None:
         )
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     tokenizer = tokenizer_for(args.model, args.tokenizer, model.config.vocab_size)
-    dataset, collate, report = training_data(
-        args.data, tokenizer, args.seq_len, packing=args.packing, loss_on=args.loss_on
-    )
-    if parallel.rank == 0:
-        print(f"mtk: --data {args.data}: {report.describe(args.seq_len)}", flush=True)
     if args.eval_every and not args.eval_data:
         raise DataError("--eval_every needs --eval_data (the rows to evaluate on)")
-    evaluation: list = []
-    if args.eval_data:
-        eval_set, _, eval_report = training_data(
-            args.eval_data, tokenizer, args.seq_len, packing=args.packing, loss_on=args.loss_on, source="--eval_data"
-        )
-        if parallel.rank == 0:
-            print(f"mtk: --eval_data {args.eval_data}: {eval_report.describe(args.seq_len)}", flush=True)
-        evaluation = eval_batches(eval_set, collate, micro, parallel.dp_rank, parallel.dp_size)
+    data = load_run_data(
+        args.data,
+        args.eval_data,
+        tokenizer,
+        args.seq_len,
+        parallel,
+        batch_size=micro,
+        packing=args.packing,
+        loss_on=args.loss_on,
+        report=lambda line: print(line, flush=True) if parallel.rank == 0 else None,
+    )
     # Each DP replica reads its share; all TP ranks of one replica read the same samples.
     sampler = DistributedSampler(
-        dataset, num_replicas=parallel.dp_size, rank=parallel.dp_rank, shuffle=True, seed=args.seed, drop_last=True
+        data.train, num_replicas=parallel.dp_size, rank=parallel.dp_rank, shuffle=True, seed=args.seed, drop_last=True
     )
-    loader = DataLoader(dataset, batch_size=micro, sampler=sampler, drop_last=True, collate_fn=collate)
+    loader = DataLoader(data.train, batch_size=micro, sampler=sampler, drop_last=True, collate_fn=data.collate)
     per_epoch = len(loader) // accum * accum  # whole optimizer steps: a step's token count spans its micro-batches
     if per_epoch == 0:
         raise DataError(
-            f"--data {args.data} gives {len(dataset)} examples, fewer than one step of {micro} x {accum} "
+            f"--data {args.data} gives {len(data.train)} examples, fewer than one step of {micro} x {accum} "
             f"micro-batches x dp {parallel.dp_size}; give more data or a smaller batch"
         )
 
@@ -221,25 +214,22 @@ def main(argv=None) -> None:
     # SIGTERM/SIGINT: save at the next step boundary and exit (a second one: stop at once)
     exit_signal = ExitSignal(engine.device)
 
-    def run_evaluation(at_step: int) -> bool:
-        """Evaluate and log; ``False`` when a signal cut the evaluation short (then nothing is logged)."""
-        scores = evaluate(
-            engine, evaluation, engine.device, lambda t: all_reduce(t, parallel.dp_group), stop=exit_signal.requested
-        )
-        if scores is None:
-            if parallel.rank == 0:
-                print(
-                    f"mtk: {exit_signal.name}: the evaluation at step {at_step} stopped early, not logged", flush=True
-                )
-            return False
-        if writer is not None:
-            for name, value in scores.items():
+    def log(scores: dict[str, float], at_step: int) -> None:
+        for name, value in scores.items():
+            if writer is not None:
                 writer.add_scalar(name, value, at_step)
-            eval_loss, perplexity = scores["eval/loss"], scores["eval/perplexity"]
-            print(f"eval at step {at_step}: loss {eval_loss!r} perplexity {perplexity:.3f}", flush=True)
-        return True
 
-    if evaluation and step == 0 and not run_evaluation(0):  # the starting point, for comparison
+    evaluation = Evaluation(
+        engine,
+        data.evaluation,
+        engine.device,
+        lambda t: all_reduce(t, parallel.dp_group),
+        exit_signal,
+        log=log,
+        main_process=parallel.rank == 0,
+        every=args.eval_every,
+    )
+    if data.evaluation and step == 0 and not evaluation(0):  # the starting point, for comparison
         if writer is not None:  # stopped before the first step: nothing to save
             writer.close()
         return
@@ -270,16 +260,12 @@ def main(argv=None) -> None:
                 check_finite(value, step, what=what, remedy="lower --lr")
         elapsed, tic = time.perf_counter() - tic, time.perf_counter()
         if writer is not None:
-            writer.add_scalar("train/loss", mean.item(), step)
-            writer.add_scalar("train/lr", scheduler.get_last_lr()[0], step)
-            writer.add_scalar("train/grad_norm", float(grad_norm) if grad_norm is not None else 0.0, step)
-            writer.add_scalar("train/loss_tokens", window.labelled.item(), step)
-            processed = window.tokens() * parallel.dp_size  # padding included
-            writer.add_scalar("train/tokens_per_s", processed / elapsed, step)
+            lr = scheduler.get_last_lr()[0]
+            log(step_metrics(window, mean.item(), lr, grad_norm, elapsed, parallel.dp_size), step)
             print(f"step {step} loss {mean.item()!r}", flush=True)
         loss_sum.zero_()
-        if evaluation and ((args.eval_every and step % args.eval_every == 0) or step == args.max_steps):
-            run_evaluation(step)  # a signal stops it early; the check below then stops the run
+        if evaluation.due(step, args.max_steps):
+            evaluation(step)  # a signal stops it early; the check below then stops the run
         stopped = exit_signal.requested()  # agreed over all ranks: all stop (and save) at this step
         if (args.save_every and step % args.save_every == 0) or stopped:
             save_deepspeed_checkpoint(f"{args.output_dir}/step_{step}", engine, parallel, position(micro_batches))
