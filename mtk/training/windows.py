@@ -83,6 +83,6 @@ def step_windows(
             batches = itertools.islice(iter(loader), start, None)
         for _ in range((per_epoch - start) // accumulation):
             window = list(itertools.islice(batches, accumulation))
-            labelled = sum_over_dp(sum(loss_tokens(batch) for batch in window))
+            labelled = sum_over_dp(torch.stack([loss_tokens(batch) for batch in window]).sum())
             seen += accumulation
             yield StepWindow(window, labelled, labelled.float() / (accumulation * dp_size))

@@ -13,25 +13,19 @@ plugin (NVIDIA's Megatron-LM package) is not used.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator as _AccelerateAccelerator
-from accelerate.data_loader import prepare_data_loader
 from torch import nn
 
 from mtk.config import ParallelConfig, RunSettings
-from mtk.convert.regions import reseed_tp_stream
 from mtk.errors import ConfigError
-from mtk.integrations.accelerate.batches import broadcasting, unwrapped
 from mtk.integrations.accelerate.checkpoint import ShardedCheckpointing
 from mtk.integrations.accelerate.collectives import DataParallelCollectives
-from mtk.integrations.accelerate.convert import ReplacedParams, convert_tracking, repoint
+from mtk.integrations.accelerate.convert import ReplacedParams, repoint
+from mtk.integrations.accelerate.data_path import DataPath
 from mtk.integrations.accelerate.deepspeed import (
     deepspeed_initialize_with_mpu,
     reconcile_accelerate_batch,
@@ -39,31 +33,26 @@ from mtk.integrations.accelerate.deepspeed import (
     user_batch_fields,
 )
 from mtk.integrations.accelerate.init import apply_timeout, gloo_for_deepspeed, megatron_plugin_off, resolve_topology
-from mtk.integrations.accelerate.megatron_keys import act_on_model, check_engine, check_megatron_environment
+from mtk.integrations.accelerate.megatron_keys import check_engine, check_megatron_environment
+from mtk.integrations.accelerate.model_conversion import ModelConversion
 from mtk.integrations.accelerate.scheduler import DataParallelScheduler
 from mtk.integrations.deepspeed import (
     remove_shm_buffers_at_exit,
     zero3_gathered,
 )
 from mtk.parallel.amp import TPGradScaler
-from mtk.parallel.consistency import agree_rng, agree_weights, check_same_loss
+from mtk.parallel.consistency import check_same_loss
 from mtk.parallel.distributed_optimizer import shard_optimizer
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sync_sequence_parallel_grads
-from mtk.parallel.record import parallelized
 from mtk.parallel.state import ParallelState, default_device
 from mtk.pipeline.engine import PipelineModel
-from mtk.rules import replace_trl_fused_head
-from mtk.training.windows import StepWindow, step_windows
 
 __all__ = ["Accelerator", "DataParallelScheduler"]
 
-_AGREED = "_mtk_ranks_agreed"  # set on a model once its ranks agreed on weights and generators (as accelerate marks
-# what it prepared), so prepare() and accelerate's prepare_model, which sees the model again, agree once
 
-
-class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAccelerator):
+class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedCheckpointing, _AccelerateAccelerator):
     """accelerate's Accelerator with Megatron TP/DP (see the module docstring for what changes).
 
     Args:
@@ -167,79 +156,6 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         return 0
 
     # ------------------------------------------------------------------------------------ prepare
-    def _convert(self, model: nn.Module) -> tuple[nn.Module, ReplacedParams]:
-        """Make ``model`` tensor-parallel (and cut to this rank's pipeline stage when pp > 1).
-
-        Returns the model to train (a :class:`PipelineModel` when pp > 1) and a map from id(old
-        parameter) to (a weak reference to it, its replacement by HF name, ``None`` when another
-        stage owns it).
-        """
-        if isinstance(model, PipelineModel):
-            return model, {}
-        record = parallelized(model)
-        sequence_parallel = self.settings.sequence_parallel and self.parallel.tp_size > 1
-        if record is not None:  # converted already (load_pretrained_tp)
-            if record.pp_size != self.parallel.pp_size or record.tp_size != self.parallel.tp_size:
-                raise ConfigError(
-                    f"the model was parallelized for tp={record.tp_size}, pp={record.pp_size}; this run "
-                    f"is tp={self.parallel.tp_size}, pp={self.parallel.pp_size}: build it with this run's state"
-                )
-            if record.sequence_parallel != sequence_parallel:
-                raise ConfigError(
-                    f"the model was parallelized with sequence_parallel={record.sequence_parallel}, this run has "
-                    f"megatron_lm_sequence_parallelism={sequence_parallel}: pass the run's setting to "
-                    "load_pretrained_tp"
-                )
-            if not getattr(model, _AGREED, False):  # converted elsewhere (load_pretrained_tp), before the ranks agreed
-                self._agree_rng()
-                if record.rng is not None:
-                    reseed_tp_stream(record.rng, self.parallel)
-                setattr(model, _AGREED, True)
-            act_on_model(model, self.settings, self.print)
-            replace_trl_fused_head(model)  # trl's add_fused_lm_head after the conversion (TRL's trainers' __init__)
-            return self._pipelined(model), {}
-        if not getattr(model, _AGREED, False):  # prepare() converts, then accelerate's prepare_model comes here again
-            self._agree(model)
-            setattr(model, _AGREED, True)
-        if not hasattr(model, "config"):
-            if self.parallel.pp_size > 1:
-                raise ConfigError("pipeline parallelism (pp > 1) needs an HF model with a config")
-            return model, {}
-        replaced = convert_tracking(model, self.parallel, self.settings)
-        act_on_model(model, self.settings, self.print)
-        return self._pipelined(model), replaced
-
-    def parallelize(self, model: nn.Module) -> nn.Module:
-        """The HF model made parallel for this run now instead of in ``prepare`` (in place; returns it), so
-        that LoRA adapters can be added to its parallel layers (:func:`mtk.lora.get_peft_model`)."""
-        if parallelized(model) is None:
-            self._agree(model)
-            setattr(model, _AGREED, True)
-            self._replaced_params.update(convert_tracking(model, self.parallel, self.settings))
-        return model
-
-    def _agree(self, model: nn.Module) -> None:
-        """Before conversion: every rank holds rank 0's weights and its replica's source generators
-        (:mod:`mtk.parallel.consistency`), whatever each process seeded."""
-        world = dist.group.WORLD if dist.is_initialized() else None
-        differed = agree_weights(model, world, 0, self.parallel.device)
-        if differed:
-            self.print(
-                f"mtk: the model's weights differed between processes ({len(differed)} tensors, e.g. {differed[0]}: "
-                "built from a per-process seed?); every process now holds process 0's"
-            )
-        self._agree_rng()
-
-    def _agree_rng(self) -> None:
-        """The replica's source generators (so replicated-region dropout and the TP stream's seed agree)."""
-        agree_rng(self.parallel.mp_group, self.parallel.mp_src_rank, self.parallel.device)
-
-    def _pipelined(self, model: nn.Module) -> nn.Module:
-        """With pp > 1, the stage wrapped in the schedule-running :class:`PipelineModel`."""
-        if self.parallel.pp_size == 1:
-            return model
-        return PipelineModel(model, self.parallel, self.settings.num_micro_batches, self.settings.pipeline_schedule)
-
     def prepare(self, *args, device_placement=None):
         """As accelerate's, after converting HF models: optimizers built on the unconverted model's
         parameters (the usual order in accelerate scripts) are re-pointed at the shards, and with
@@ -317,78 +233,7 @@ class Accelerator(DataParallelCollectives, ShardedCheckpointing, _AccelerateAcce
         self._schedulers.append(prepared)
         return prepared
 
-    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
-        """accelerate's, sharded over the data-parallel replicas; with tp x pp > 1 every batch is the replica's
-        source rank's (:mod:`~mtk.integrations.accelerate.batches`: what Megatron's ``broadcast_data`` does),
-        however each rank's loader draws."""
-        if getattr(data_loader, "_is_accelerate_prepared", False):
-            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
-        prepared = prepare_data_loader(
-            data_loader,
-            self.device,
-            num_processes=self.parallel.dp_size,  # shard over data-parallel replicas, not processes
-            process_index=self.parallel.dp_rank,
-            split_batches=self.split_batches,
-            put_on_device=self.device_placement if device_placement is None else device_placement,
-            rng_types=self.rng_types.copy(),
-            dispatch_batches=self.dispatch_batches,
-            even_batches=self.even_batches,
-            slice_fn_for_dispatch=slice_fn_for_dispatch,
-            use_seedable_sampler=self.use_seedable_sampler,
-            data_seed=self.dataloader_config.data_seed,
-            non_blocking=self.non_blocking,
-            use_stateful_dataloader=self.use_stateful_dataloader,
-        )
-        prepared = self._broadcasting(prepared)
-        self._dataloaders.append(prepared)
-        return prepared
-
-    def _broadcasting(self, loader):
-        """``loader`` whose batches come from the model-parallel source rank (itself when tp x pp = 1)."""
-        if self.parallel.tp_size * self.parallel.pp_size == 1:
-            return loader
-        return broadcasting(loader, self.parallel.mp_group, self.parallel.mp_src_rank, self.parallel.device)
-
-    def skip_first_batches(self, dataloader, num_batches: int = 0):
-        """accelerate's; with tp x pp > 1 the skipping loader, too, yields the source rank's batches."""
-        return self._broadcasting(super().skip_first_batches(unwrapped(dataloader), num_batches))
-
     # ----------------------------------------------------------------------------------- training
-    @contextmanager
-    def accumulate(self, *models, sync: bool | None = None):
-        """accelerate's ``accumulate``, also counting the data position that checkpoints record.
-
-        ``sync``: whether this micro-batch ends the optimizer step, where the loop knows (:meth:`step_windows`);
-        accelerate's own rule (every ``gradient_accumulation_steps``-th, and wherever the loader has ended)
-        otherwise."""
-        if sync is None:
-            with super().accumulate(*models):
-                yield
-        else:
-            self.step = 0 if sync else self.step + 1
-            self.gradient_state._set_sync_gradients(sync)
-            with contextlib.ExitStack() as stack:
-                for model in models:  # DDP's no_sync until the step's last micro-batch
-                    stack.enter_context(contextlib.nullcontext() if sync else self.no_sync(model))
-                yield
-        self.micro_batches_seen += 1
-        if self.sync_gradients:
-            self.completed_steps += 1
-
-    def step_windows(self, dataloader) -> Iterator[StepWindow]:
-        """The optimizer steps of a prepared ``dataloader`` from where this run is (after ``load_state``, where the
-        checkpoint was), each with its micro-batches and their ``num_items_in_batch``
-        (:func:`mtk.training.windows.step_windows`). Run each micro-batch under
-        ``accumulate(model, sync=last)``."""
-        return step_windows(
-            dataloader,
-            self.gradient_accumulation_steps,
-            self.micro_batches_seen,
-            lambda count: self.reduce(count.to(self.device), "sum"),
-            self.parallel.dp_size,
-            skip=self.skip_first_batches,
-        )
-
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward()`` as accelerate does it; for a pipelined model the schedule already ran
         the backward passes, and only the gradient sync (tied embeddings, data parallel) is left. With
