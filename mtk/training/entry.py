@@ -51,15 +51,10 @@ def run_main(main: Callable[[], None], prog: str) -> None:
     group's timeout) is one line too, printed by the first rank that sees it, exit status 1: the
     rank that caused it has printed its own error.
 
-    In a launcher's worker (``accelerate launch``, torchrun, ``deepspeed``) the process then exits with that status
-    without the interpreter's teardown (:func:`_leave`).
+    In a launcher's worker (``accelerate launch``, torchrun, ``deepspeed``) a ``main`` that returns exits without
+    the interpreter's teardown (:func:`_leave`).
     """
-    try:
-        _run(main, prog)
-    except SystemExit as done:
-        if not _launched_worker(prog):
-            raise
-        _leave(done.code)
+    _run(main, prog)  # an error exits as Python does: slower, which gives a peer time to print its line first
     if _launched_worker(prog):
         _leave(0)
 
@@ -92,21 +87,20 @@ def _launched_worker(prog: str) -> bool:
     return "LOCAL_RANK" in os.environ and Path(sys.argv[0]).name == prog
 
 
-def _leave(code: int | str | None) -> None:
-    """Exit with ``code`` (``sys.exit``'s meaning) after the ``atexit`` handlers and a flush, skipping the
-    interpreter's teardown. Process groups that modules still reference (every TP layer holds its group) are only
-    freed then, and a gloo worker thread that drops the last reference to a tensor while the interpreter is being
-    torn down takes the GIL, which kills the thread inside C++ code: the process aborts ("terminate called without an
-    active exception", exit status -6) after a run that finished and saved everything. Seen about once per full
-    test run (some 200 launches of 4 to 8 processes on 2 cores)."""
-    if isinstance(code, str):
-        print(code, file=sys.stderr)
-        code = 1
+def _leave(code: int) -> None:
+    """Exit with ``code`` after the ``atexit`` handlers and a flush, skipping the interpreter's teardown.
+
+    Process groups that modules still reference (every TP layer holds its group) are only freed then, and a gloo
+    worker thread that drops the last reference to a tensor while the interpreter is being torn down takes the GIL,
+    which kills the thread inside C++ code: the process aborts ("terminate called without an active exception",
+    exit status -6) after a run that finished and saved everything. Seen about once per full test run (some 200
+    launches of 4 to 8 processes on 2 cores). An error exit keeps Python's slower teardown: the first rank to fail
+    exits, the launcher stops the others, and a rank that claimed the error's line needs that time to print it."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(code or 0)
+    os._exit(code)
 
 
 def report_mtk_errors(prog: str) -> None:
