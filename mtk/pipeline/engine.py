@@ -25,6 +25,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -143,6 +144,14 @@ class PipelineModel(nn.Module):
             raise ConfigError("a pipelined model trains and evaluates without a KV cache (use_cache=False)")
         # TRL's fused LM head: the last stage returns per-token statistics too, which every stage gets back
         self._fused = bool(kwargs.pop("fused_lm_head", False))
+        # A loss linear in the per-token log-probabilities, sum(token_weights * log_probs) over the batch: what a
+        # loss of whole sequences (DPO's) backpropagates once its weights, d loss / d log_probs, are known
+        # (mtk.trainers.DPOTrainer); it needs no micro-batch to hold a whole chosen/rejected pair.
+        weights = kwargs.pop("token_weights", None)
+        if weights is not None and not self._fused:
+            raise ConfigError(
+                "a pipeline's token_weights weight the fused LM head's log_probs: pass fused_lm_head=True"
+            )
         self._fused_outputs: dict[int, Any] = {}
         # HF's token-weighted loss: each call's loss is its summed token losses / num_items_in_batch. The
         # schedule averages its m micro-batch losses, so each gets 1/m of the count: the mean is then the
@@ -163,8 +172,10 @@ class PipelineModel(nn.Module):
             config = self.config
             pad_id, most = getattr(config, "pad_token_id", None), getattr(config, "max_position_embeddings", None)
             batch, extra = pad_batch(batch, self.parallel.tp_size, pad_id, most)
-        if num_items is None and self._token_mean_loss(batch):
+        if num_items is None and weights is None and self._token_mean_loss(batch):
             num_items = loss_tokens(batch)
+        if weights is not None:  # [b, s'] as the fused head's log_probs (s' <= s), padded as the batch was
+            batch["token_weights"] = F.pad(weights, (0, extra)) if extra else weights
         micro = split_micro_batches(batch, self.num_micro_batches)
         if num_items is not None:
             for chunk in micro:
@@ -266,11 +277,19 @@ class PipelineModel(nn.Module):
         if stage_input is not None:
             del inputs["input_ids"]
             inputs["inputs_embeds"] = stage_input
+        weights = inputs.pop("token_weights", None)
         if last:
             outputs = self.module(**inputs, use_cache=False, **({"fused_lm_head": True} if self._fused else {}))
             if self._fused:
                 self._fused_outputs[index] = outputs
             loss = outputs.loss
+            if weights is not None:  # the batch's sum is the mean over the m micro-batches of m x their sums
+                if weights.shape != outputs.log_probs.shape:
+                    raise ConfigError(
+                        f"token_weights of shape {tuple(weights.shape)} for log_probs of shape "
+                        f"{tuple(outputs.log_probs.shape)}: pass one weight per log-probability the head returns"
+                    )
+                loss = (outputs.log_probs * weights).sum() * self.num_micro_batches
             if loss is None:
                 raise ConfigError("the last pipeline stage computed no loss; pass labels")
             return loss

@@ -7,7 +7,7 @@ arithmetic already holds under mtk: its metrics gather over ``accelerator.gather
 replicas under mtk) and its ``get_tp_size`` scaling is the Trainer's (:mod:`mtk.trainers.base`).
 
 With ``pp > 1`` the fused head runs on the last stage inside mtk's pipeline, which returns its per-token fields to
-every stage.
+every stage; DPO's loss of whole sequences is backpropagated in two passes (:meth:`DPOTrainer._compute_loss`).
 
 ``peft_config=`` (a ``peft.LoraConfig``) trains mtk's tensor-parallel LoRA adapters, added to the converted model and
 starting from the factors TRL's PEFT draws on one process, so a LoRA run logs TRL's numbers; DPO then keeps no
@@ -15,14 +15,14 @@ reference model, as TRL's own LoRA run (:mod:`mtk.trainers.adapters`). Checkpoin
 exactly; ``save_model`` writes PEFT's adapter directory.
 
 What is not exact yet is refused in one line: a ``PeftModel`` as ``model=`` (pass the base model and
-``peft_config=``), DPO with ``pp > 1`` (each chosen/rejected pair must stay in one micro-batch and the loss is not
-a sum over tokens), and SFT's ``dft`` loss with ``pp > 1``.
+``peft_config=``), DPO with ``pp > 1`` and dropout or a router loss, and SFT's ``dft`` loss with ``pp > 1``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import trl
 
 from mtk.errors import ConfigError
@@ -78,8 +78,9 @@ class SFTTrainer(ParallelTrainerMixin, trl.SFTTrainer):
 
 
 class DPOTrainer(ParallelTrainerMixin, trl.DPOTrainer):
-    """TRL's ``DPOTrainer`` (``DPOConfig``, ``peft_config``) at any TP x DP layout; the reference model is converted
-    to the same layout (a frozen copy, as TRL keeps one; none with ``peft_config``: the adapters are disabled)."""
+    """TRL's ``DPOTrainer`` (``DPOConfig``, ``peft_config``) at any TP x PP x DP layout; the reference model is
+    converted to the same layout (a frozen copy, as TRL keeps one; none with ``peft_config``: the adapters are
+    disabled)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._peft_config = take_peft_config(args, kwargs, "DPOTrainer")
@@ -87,13 +88,51 @@ class DPOTrainer(ParallelTrainerMixin, trl.DPOTrainer):
         super().__init__(*args, **kwargs)
         check_adapters_in_place(self)
         if self.accelerator.parallel.pp_size > 1:
-            raise ConfigError(
-                "mtk.trainers.DPOTrainer with pp > 1: DPO's loss needs each chosen/rejected pair's whole sequence "
-                "log-probabilities, which the pipeline does not return yet; use TP and DP (pp = 1)"
-            )
+            _check_dpo_pipeline(self)
         replace_trl_fused_head(self.model)
         if self.ref_model is not None:
             replace_trl_fused_head(self.ref_model)
             # TRL prepared it for evaluation; it is frozen and not part of the checkpoint (as in TRL's own)
             models = self.accelerator._models
             models[:] = [m for m in models if m is not self.ref_model]
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool) -> Any:
+        """TRL's, and with a pipeline in training its gradient in two passes. DPO's loss is a function of whole
+        sequences' log-probabilities, which a pipeline's micro-batches do not see together. So TRL's own code runs
+        on the log-probabilities of a forward-only pass (every stage gets them back), made a leaf: its loss and
+        metrics are TRL's, and its backward gives each token's weight, d loss / d log_prob. The pipeline then
+        backpropagates sum(weight x log_prob), whose gradient is the loss's (the weights are constants)."""
+        if not isinstance(model, PipelineModel) or not torch.is_grad_enabled():
+            return super()._compute_loss(model, inputs, return_outputs)
+        seen: dict[str, Any] = {}
+
+        def forward_only(**kwargs: Any) -> Any:
+            with torch.no_grad():
+                outputs = model(**kwargs)
+            outputs.log_probs = outputs.log_probs.detach().requires_grad_(True)  # [2b, s']: the leaf
+            seen.update(kwargs=kwargs, log_probs=outputs.log_probs)
+            return outputs
+
+        result = super()._compute_loss(forward_only, inputs, return_outputs)
+        loss = result[0] if return_outputs else result
+        leaf = seen["log_probs"]
+        weights = torch.autograd.grad(loss, leaf)[0] if loss.requires_grad else torch.zeros_like(leaf)  # [2b, s']
+        model(**seen["kwargs"], token_weights=weights)  # forward and backward, through the pipeline's schedule
+        detached = loss.detach()
+        return (detached, result[1]) if return_outputs else detached
+
+
+def _check_dpo_pipeline(trainer: Any) -> None:
+    """What the two-pass pipeline gradient (:meth:`DPOTrainer._compute_loss`) needs: the same forward twice
+    (no dropout: the passes draw differently) and a loss of the log-probabilities alone (no MoE router loss)."""
+    if not trainer.args.disable_dropout:
+        raise ConfigError(
+            "DPOConfig.disable_dropout=False with pp > 1: mtk's pipeline DPO runs each policy forward twice (its "
+            "log-probabilities, then the gradient), which dropout would make differ; keep disable_dropout=True or "
+            "use pp = 1"
+        )
+    if trainer.aux_loss_enabled:
+        raise ConfigError(
+            "a MoE router loss (output_router_logits) with DPO at pp > 1: the pipeline backpropagates the "
+            "log-probabilities' part of the loss only; use pp = 1"
+        )

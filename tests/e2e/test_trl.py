@@ -86,8 +86,9 @@ def references(chat_setup, tmp_path_factory) -> dict:
         ("sft", "tp2", ("--packing",), 1),
         ("dpo", "tp2", (), 1),
         ("dpo", "tp2_dp2", (), 2),
+        ("dpo", "tp2_pp2", (), 1),
     ],
-    ids=["sft-tp2", "sft-tp2_pp2", "sft-tp2_dp2", "sft-packed-tp2", "dpo-tp2", "dpo-tp2_dp2"],
+    ids=["sft-tp2", "sft-tp2_pp2", "sft-tp2_dp2", "sft-packed-tp2", "dpo-tp2", "dpo-tp2_dp2", "dpo-tp2_pp2"],
 )
 def test_a_trl_script_with_mtks_import_logs_trls_numbers(references, chat_setup, tmp_path, task, config, extra, dp):
     """SFT packing is TRL's padding-free BFD packing (one row per batch, position ids restart per example)."""
@@ -96,8 +97,10 @@ def test_a_trl_script_with_mtks_import_logs_trls_numbers(references, chat_setup,
     assert_trl_numbers(ours, expected, f"{task} {config} {' '.join(extra)}")
 
 
-def test_dpo_with_a_pipeline_is_refused_in_one_line(chat_setup, tmp_path):
-    args = ["dpo", "--trainer", "mtk", *_inputs(chat_setup), "--output_dir", str(tmp_path / "run")]
+def test_dpo_with_a_pipeline_and_dropout_is_refused_in_one_line(chat_setup, tmp_path):
+    """The pipeline's DPO runs each policy forward twice (log-probabilities, then the gradient): with dropout on,
+    the two would differ, so it is one line, not a silently different gradient."""
+    args = ["dpo", "--trainer", "mtk", *_inputs(chat_setup), "--output_dir", str(tmp_path / "run"), "--dropout"]
     launch = accelerate_launch(SCRIPT, "tp1_pp2", *args, check=False)
     assert launch.returncode != 0
-    assert "mtk.trainers.DPOTrainer with pp > 1" in launch.stderr, launch.stderr[-3000:]
+    assert "DPOConfig.disable_dropout=False with pp > 1" in launch.stderr, launch.stderr[-3000:]

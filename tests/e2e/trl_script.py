@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--max_steps", type=int, default=4)
     parser.add_argument("--packing", action="store_true")
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--dropout", action="store_true", help="DPOConfig(disable_dropout=False)")
     parser.add_argument("--examples", type=int, default=48)
     parser.add_argument("--save_steps", type=int, help="write checkpoint-N every N steps (default: none)")
     parser.add_argument("--resume_from_checkpoint", help="resume from this checkpoint-N directory")
@@ -96,7 +97,7 @@ def main() -> None:
     else:
         train = preference_pairs(chats(args.data)[: args.examples])
         evaluation = preference_pairs(chats(args.eval_data)[:12], seed=1)
-        config = DPOConfig(**common, max_length=96)
+        config = DPOConfig(**common, max_length=96, disable_dropout=not args.dropout)
         trainer = DPOTrainer(
             model=args.model,
             args=config,
