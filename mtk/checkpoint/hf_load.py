@@ -17,6 +17,8 @@ from typing import Any, cast
 import torch
 from accelerate import init_empty_weights
 from torch import nn
+from transformers import GenerationConfig, PretrainedConfig
+from transformers.utils import GENERATION_CONFIG_NAME
 
 from mtk.checkpoint.hf_conversion import converted_tensors
 from mtk.checkpoint.safetensors_slices import open_safetensors
@@ -29,7 +31,7 @@ from mtk.parallel.parameters import copy_param_info, param_info
 from mtk.parallel.sharding import take_shard
 from mtk.parallel.state import ParallelState
 
-__all__ = ["CheckpointError", "load_pretrained_tp", "safetensors_index"]
+__all__ = ["CheckpointError", "empty_model", "load_pretrained_tp", "load_slices", "safetensors_index"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -71,6 +73,40 @@ def _checkpoint_key(name: str, index: dict[str, Path], prefix: str, tied_to: str
     raise CheckpointError(f"the checkpoint has no tensor for parameter {name!r} (looked for {candidates})")
 
 
+def empty_model(
+    directory: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    attn_implementation: str | None = None,
+    config: PretrainedConfig | None = None,
+) -> nn.Module:
+    """The HF model saved in ``directory`` as ``from_pretrained`` builds it (its config, generation config, tied
+    weights), but with every parameter on the meta device and nothing read: convert it
+    (:func:`mtk.convert.parallelize`), then :func:`load_slices` reads this rank's slices into it.
+
+    ``dtype``: the parameters' (default: the config's); ``config``: the directory's, already read and edited (as
+    ``from_pretrained`` applies keyword arguments that name config attributes)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ModelSpecError(f"model directory {directory} does not exist")
+    config = config or resolve_config(str(directory))
+    options = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    with init_empty_weights(include_buffers=False):
+        model = auto_class_for(config).from_config(config, dtype=dtype or getattr(config, "dtype", None), **options)
+    model.tie_weights()  # init_empty_weights re-creates each registered parameter, which unties shared ones
+    if model.can_generate() and (directory / GENERATION_CONFIG_NAME).is_file():
+        model.generation_config = GenerationConfig.from_pretrained(directory)
+    return model
+
+
+def load_slices(model: nn.Module, directory: str | Path, parallel: ParallelState) -> None:
+    """Fill ``model`` (built by :func:`empty_model`, converted for ``parallel``: its parameters still on the meta
+    device) with this rank's slice of each tensor in ``directory``'s safetensors, in the parameter's dtype; in
+    evaluation mode, as HF's ``from_pretrained`` returns a model."""
+    _fill_from_checkpoint(model, safetensors_index(directory), parallel.device, parallel.tp_group)
+    model.eval()
+
+
 def load_pretrained_tp(
     directory: str | Path,
     parallel: ParallelState,
@@ -89,14 +125,7 @@ def load_pretrained_tp(
     interleaved schedule) before anything is read, so a rank reads only its own stage's layers (wrap it in
     :class:`~mtk.pipeline.engine.PipelineModel` to run it, or let ``mtk.Accelerator.prepare`` do that).
     """
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ModelSpecError(f"model directory {directory} does not exist")
-    config = resolve_config(str(directory))
-    index = safetensors_index(directory)
-    with init_empty_weights(include_buffers=False):
-        model = auto_class_for(config).from_config(config, dtype=dtype or getattr(config, "dtype", None))
-    model.tie_weights()  # init_empty_weights re-creates each registered parameter, which unties shared ones
+    model = empty_model(directory, dtype=dtype)
     parallelize(
         model,
         parallel,
@@ -106,14 +135,11 @@ def load_pretrained_tp(
         virtual_stages=virtual_stages,
         sequence_parallel=sequence_parallel,
     )
-    _fill_from_checkpoint(model, index, parallel.device, dtype, parallel.tp_group)
-    model.eval()  # as HF's from_pretrained
+    load_slices(model, directory, parallel)
     return model
 
 
-def _fill_from_checkpoint(
-    model: nn.Module, index: dict[str, Path], device, dtype: torch.dtype | None, tp_group
-) -> None:
+def _fill_from_checkpoint(model: nn.Module, index: dict[str, Path], device, tp_group) -> None:
     prefix = getattr(model, "base_model_prefix", "")
     owners: dict[int, list[tuple[nn.Module, str]]] = {}  # tied parameters have several owners
     for module in model.modules():
@@ -140,7 +166,7 @@ def _fill_from_checkpoint(
                     f"{tuple(full_shape)} (config and weights disagree)"
                 )
             local = take_shard(spec, full_shape, tensor_slice.__getitem__)  # owned, contiguous: this rank's bytes
-            real = nn.Parameter(local.to(device=device, dtype=dtype or param.dtype), requires_grad=param.requires_grad)
+            real = nn.Parameter(local.to(device=device, dtype=param.dtype), requires_grad=param.requires_grad)
             copy_param_info(param, real)
             if param_info(real).tp_shared:  # the gradient hook belongs to the tensor: give the new one its own
                 sum_grad_over_tp(real, tp_group)

@@ -4,7 +4,9 @@ The Trainer builds its ``Accelerator`` itself, so :class:`ParallelTrainerMixin` 
 (same arguments; the layout comes from the accelerate config's ``megatron_lm_config`` or the DeepSpeed JSON's
 ``"mtk"`` block) and converts the model right after, before any optimizer, fused head or PEFT adapter sees its
 parameters (a TRL trainer's ``peft_config`` adapters are added to the converted model there:
-:mod:`mtk.trainers.adapters`). The rest follows from what the Trainer assumes about its processes:
+:mod:`mtk.trainers.adapters`; a model TRL was given as a directory, built on the meta device, has this rank's
+slices read into it there: :mod:`mtk.trainers.model_path`). The rest follows from what the Trainer assumes about
+its processes:
 
 - **Sizes.** The Trainer divides the world by :meth:`get_tp_size` to find its data-parallel size (the batch
   size it logs, the ``x DP`` it multiplies a token-weighted loss by); under mtk every TP and PP rank of a
@@ -47,6 +49,7 @@ from mtk.pipeline.engine import PipelineModel
 from mtk.rules.lm_head import logits_mode
 from mtk.trainers.adapters import add_adapters, refuse_peft_model
 from mtk.trainers.arguments import check_training_arguments, clipping_report, recompute_settings
+from mtk.trainers.model_path import PathLoader
 
 __all__ = ["ParallelTrainerMixin"]
 
@@ -139,6 +142,7 @@ class ParallelTrainerMixin:
     _resumed_rng: dict[str, Any] | None = None
     _peft_config: Any = None  # a LoraConfig taken from peft_config= by the TRL trainers
     _peft_model: Any = None  # the PeftModel of mtk's adapters on the converted model
+    _path_loader: PathLoader | None = None  # TRL's model loading by path, for mtk's TRL trainers
 
     # ------------------------------------------------------------------------------ accelerator and model
     def create_accelerator_and_postprocess(self) -> None:
@@ -168,7 +172,8 @@ class ParallelTrainerMixin:
         """``model`` converted in place; with a ``peft_config`` (mtk's TRL trainers), the ``PeftModel`` of mtk's
         adapters on it (:mod:`mtk.trainers.adapters`)."""
         refuse_peft_model(model, type(self).__name__)
-        self.accelerator.parallelize(model)
+        unread = self._path_loader.take_unread(model) if self._path_loader is not None else None
+        self.accelerator.parallelize(model, checkpoint=unread)  # a model given by path: this rank's slices read
         if self._peft_config is None:
             return model
         self._peft_model = add_adapters(self.accelerator, model, self._peft_config, self.args)

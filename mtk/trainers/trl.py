@@ -14,24 +14,51 @@ starting from the factors TRL's PEFT draws on one process, so a LoRA run logs TR
 reference model, as TRL's own LoRA run (:mod:`mtk.trainers.adapters`). Checkpoints hold the adapters and resume
 exactly; ``save_model`` writes PEFT's adapter directory.
 
+``model=`` a local directory builds the model on the meta device and reads only this rank's slices of its weights
+once converted; so is DPO's reference, TRL's copy from the same directory or ``ref_model=`` another directory
+(:mod:`mtk.trainers.model_path`).
+
 What is not exact yet is refused in one line: a ``PeftModel`` as ``model=`` (pass the base model and
 ``peft_config=``), DPO with ``pp > 1`` and dropout or a router loss, and SFT's ``dft`` loss with ``pp > 1``.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 import trl
+import trl.trainer.dpo_trainer as trl_dpo
+import trl.trainer.sft_trainer as trl_sft
 
 from mtk.errors import ConfigError
 from mtk.pipeline.engine import PipelineModel
 from mtk.rules.fused_head import replace_trl_fused_head
 from mtk.trainers.adapters import check_adapters_in_place, take_peft_config
 from mtk.trainers.base import ParallelTrainerMixin
+from mtk.trainers.model_path import PathLoader, take_reference_directory, trl_loading
 
 __all__ = ["DPOTrainer", "SFTTrainer"]
+
+
+def _argument(args: tuple | list, kwargs: dict[str, Any], name: str, position: int) -> Any:
+    """A constructor argument given by name or by position (``None`` if not given)."""
+    return kwargs.get(name, args[position] if len(args) > position else None)
+
+
+def _refuse_cloned_template(model: Any, config: Any) -> None:
+    """TRL clones another tokenizer's chat template by resizing the embeddings of the model as loaded; a model
+    given by path is read slice by slice only after its conversion, at its saved size."""
+    template = getattr(config, "chat_template_path", None)
+    if not isinstance(model, str) or template is None:
+        return
+    if not (Path(template).is_file() and template.endswith((".jinja", ".j2"))):
+        raise ConfigError(
+            f"SFTConfig.chat_template_path={template!r} with model= a directory: cloning a tokenizer's chat template "
+            "resizes the embeddings, which mtk reads slice by slice at their saved size; pass a .jinja template file, "
+            "or the loaded model (model=AutoModelForCausalLM.from_pretrained(...))"
+        )
 
 
 def _refuse_unverified(args: Any, trainer: str) -> None:
@@ -51,8 +78,12 @@ class SFTTrainer(ParallelTrainerMixin, trl.SFTTrainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._peft_config = take_peft_config(args, kwargs, "SFTTrainer")
-        _refuse_unverified(kwargs.get("args", args[1] if len(args) > 1 else None), "SFTTrainer")
-        super().__init__(*args, **kwargs)
+        config = _argument(args, kwargs, "args", 1)
+        _refuse_unverified(config, "SFTTrainer")
+        _refuse_cloned_template(_argument(args, kwargs, "model", 0), config)
+        self._path_loader = PathLoader(self, trl_sft.create_model_from_path)
+        with trl_loading(trl_sft, self._path_loader):
+            super().__init__(*args, **kwargs)
         check_adapters_in_place(self)
         parallel = self.accelerator.parallel
         if parallel.pp_size > 1 and self.args.loss_type != "nll":
@@ -84,8 +115,12 @@ class DPOTrainer(ParallelTrainerMixin, trl.DPOTrainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._peft_config = take_peft_config(args, kwargs, "DPOTrainer")
-        _refuse_unverified(kwargs.get("args", args[1] if len(args) > 1 else None), "DPOTrainer")
-        super().__init__(*args, **kwargs)
+        _refuse_unverified(_argument(args, kwargs, "args", 2), "DPOTrainer")  # (model, ref_model, args, ...)
+        given = list(args)
+        reference = take_reference_directory(given, kwargs, self._peft_config)
+        self._path_loader = PathLoader(self, trl_dpo.create_model_from_path, reference)
+        with trl_loading(trl_dpo, self._path_loader):
+            super().__init__(*given, **kwargs)
         check_adapters_in_place(self)
         if self.accelerator.parallel.pp_size > 1:
             _check_dpo_pipeline(self)

@@ -5,21 +5,25 @@ conversations whose lengths vary more than 10x (padding, prompt tokens without l
 defaults otherwise: its fused LM head, gradient checkpointing). The reference is TRL's class on one process, or
 on two plain ``torchrun`` processes for DP = 2. Every number TRL logs (loss, grad_norm, learning_rate,
 entropy, mean_token_accuracy, num_tokens, DPO's rewards/logps/logits, their eval_ twins) must agree within the
-exactness bar.
+exactness bar. The script passes ``model=`` the local directory, as TRL's examples do: under mtk each rank reads only
+its slices of it (``tests/e2e/trl_slices_probe.py`` records the reads).
 """
 
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 from mtk.spawn import free_port
 from mtk.testing import assert_close_rel
 from tests.e2e.launch import ROOT, accelerate_launch
 
 SCRIPT = "tests/e2e/trl_script.py"
+PROBE = "tests/e2e/trl_slices_probe.py"  # the same script, recording how each rank got its weights
 NOT_COMPARED = ("epoch", "step", "runtime", "per_second", "total_flos")
 
 
@@ -43,9 +47,9 @@ def _trl_run(task: str, chat_setup, out_dir: Path, processes: int, *extra: str) 
     return _history(out_dir)
 
 
-def _mtk_run(task: str, config: str, chat_setup, out_dir: Path, *extra: str) -> list[dict]:
+def _mtk_run(task: str, config: str, chat_setup, out_dir: Path, *extra: str, script: str = SCRIPT) -> list[dict]:
     args = [task, "--trainer", "mtk", *_inputs(chat_setup), "--output_dir", str(out_dir), *extra]
-    launch = accelerate_launch(SCRIPT, config, *args)
+    launch = accelerate_launch(script, config, *args)
     assert "Traceback" not in launch.stderr, launch.stderr[-3000:]
     return _history(out_dir)
 
@@ -95,6 +99,32 @@ def test_a_trl_script_with_mtks_import_logs_trls_numbers(references, chat_setup,
     expected = references[(task + ("-packed" if extra else ""), dp)]
     ours = _mtk_run(task, config, chat_setup, tmp_path / "run", *extra)
     assert_trl_numbers(ours, expected, f"{task} {config} {' '.join(extra)}")
+
+
+def _tensor_bytes(model_dir: Path) -> tuple[int, int]:
+    """Bytes of all tensors in the directory's safetensors, and of the norms (replicated: every TP rank reads them)."""
+    with safe_open(model_dir / "model.safetensors", "pt") as handle:
+        sizes = {k: math.prod(handle.get_slice(k).get_shape()) * 4 for k in handle.keys()}  # fp32
+    return sum(sizes.values()), sum(n for k, n in sizes.items() if k.endswith("norm.weight"))
+
+
+@pytest.mark.parametrize("task", ["sft", "dpo"])
+def test_model_given_as_a_directory_reads_only_this_ranks_slices(references, chat_setup, tmp_path, task):
+    """``model=`` the chat set-up's local directory at TP2 (DPO: and TRL's reference copy from it): TRL's
+    ``from_pretrained`` never runs; each rank reads from the safetensors at most the bytes its parameters hold (a
+    padded vocabulary row is not read), the two ranks together every tensor once plus the replicated norms twice
+    (per model); and the run logs TRL's single-process numbers."""
+    ours = _mtk_run(task, "tp2", chat_setup, tmp_path / "run", script=PROBE)
+    assert_trl_numbers(ours, references[(task, 1)], f"{task} tp2, model= a directory")
+    records = [json.loads((tmp_path / "run" / f"loading-rank{rank}.json").read_text()) for rank in (0, 1)]
+    models = 2 if task == "dpo" else 1
+    for record in records:
+        assert record["from_pretrained"] == 0 and record["on_meta"] == 0, record
+        assert record["reference_bytes"] == (record["model_bytes"] if task == "dpo" else 0), record
+        assert record["safetensors_bytes"] <= record["model_bytes"] + record["reference_bytes"], record
+    full, norms = _tensor_bytes(chat_setup.model)
+    assert sum(r["safetensors_bytes"] for r in records) == models * (full + norms)
+    assert all(r["model_bytes"] < 0.51 * full + norms for r in records)
 
 
 def test_dpo_with_a_pipeline_and_dropout_is_refused_in_one_line(chat_setup, tmp_path):

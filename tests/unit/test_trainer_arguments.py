@@ -1,12 +1,19 @@
-"""What mtk's trainers do with each TrainingArguments field they cannot honour as-is (no processes needed)."""
+"""What mtk's trainers do with each TrainingArguments field (and TRL ``model_init_kwargs`` key) they cannot honour
+as-is (no processes needed)."""
+
+import re
+from pathlib import Path
 
 import pytest
+import torch
 from transformers import TrainingArguments
 
 import mtk.trainers
 from mtk.config import RunSettings
 from mtk.errors import ConfigError
+from mtk.models import build_model
 from mtk.trainers.arguments import check_training_arguments, clipping_report, recompute_settings
+from mtk.trainers.model_path import local_directory, model_init, take_reference_directory
 
 
 def _args(tmp_path, **fields) -> TrainingArguments:
@@ -55,3 +62,48 @@ def test_a_different_launcher_clipping_is_reported_as_unused(tmp_path):
 def test_trls_other_trainers_are_refused_naming_why(name):
     with pytest.raises(ConfigError, match=f"mtk.trainers.{name} is not provided: "):
         getattr(mtk.trainers, name)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    build_model("tiny-llama", dtype=torch.bfloat16).save_pretrained(directory)  # saved in bf16
+    return directory
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        ({"quantization_config": {"load_in_4bit": True}}, "model_init_kwargs['quantization_config'] "),
+        ({"device_map": "auto"}, "model_init_kwargs['device_map']='auto' "),
+        ({"revision": "main"}, "model_init_kwargs['revision']='main' "),
+        ({"dtype": "int8"}, "model_init_kwargs['dtype']='int8': "),
+        ({"use_kernels": True}, "model_init_kwargs['use_kernels'] "),
+    ],
+)
+def test_a_model_init_kwarg_mtk_cannot_honour_is_refused_naming_it(model_dir, kwargs, named):
+    with pytest.raises(ConfigError, match="^" + re.escape(named)) as refused:
+        model_init(model_dir, kwargs)
+    assert "\n" not in str(refused.value)
+
+
+def test_model_init_kwargs_as_trl_and_from_pretrained_read_them(model_dir):
+    assert model_init(model_dir, {}).dtype == torch.float32  # TRL's default, whatever the checkpoint's
+    assert model_init(model_dir, {"dtype": "auto", "trust_remote_code": True}).dtype == torch.bfloat16  # the saved
+    options = {"dtype": torch.float16, "use_cache": False, "device_map": None, "attn_implementation": "eager"}
+    init = model_init(model_dir, options)
+    assert (init.dtype, init.config.use_cache, init.attn_implementation) == (torch.float16, False, "eager")
+
+
+def test_a_hub_id_is_one_line_and_nothing_is_downloaded():
+    with pytest.raises(ConfigError, match=r"^model='org/model' is not a local directory: .* download nothing"):
+        local_directory("org/model")
+
+
+def test_dpo_ref_model_given_as_a_directory_is_taken_out_of_what_trl_sees(model_dir):
+    args, kwargs = ["policy"], {"ref_model": str(model_dir)}
+    assert take_reference_directory(args, kwargs, None) == model_dir and kwargs["ref_model"] is None
+    args = ["policy", str(model_dir)]
+    assert take_reference_directory(args, {}, None) == model_dir and args[1] is None
+    with pytest.raises(ConfigError, match=r"^DPOTrainer\(ref_model=<a directory>, peft_config=...\)"):
+        take_reference_directory([], {"ref_model": str(model_dir)}, object())

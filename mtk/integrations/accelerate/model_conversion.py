@@ -4,11 +4,13 @@ a model converted elsewhere (``load_pretrained_tp``) is checked against the run'
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch import nn
 
+from mtk.checkpoint.hf_load import load_slices
 from mtk.config import RunSettings
 from mtk.convert.regions import reseed_tp_stream
 from mtk.errors import ConfigError
@@ -80,13 +82,25 @@ class ModelConversion(_Host):
         act_on_model(model, self.settings, self.print)
         return self._pipelined(model), replaced
 
-    def parallelize(self, model: nn.Module) -> nn.Module:
+    def parallelize(self, model: nn.Module, checkpoint: str | Path | None = None) -> nn.Module:
         """The HF model made parallel for this run now instead of in ``prepare`` (in place; returns it), so
-        that LoRA adapters can be added to its parallel layers (:func:`mtk.lora.get_peft_model`)."""
-        if parallelized(model) is None:
+        that LoRA adapters can be added to its parallel layers (:func:`mtk.lora.get_peft_model`).
+
+        With ``checkpoint``, ``model`` is :func:`mtk.checkpoint.hf_load.empty_model` of that HF directory (its
+        parameters on the meta device): once converted, each parameter is read from there, this rank's slice only.
+        """
+        if parallelized(model) is not None:
+            return model
+        if checkpoint is None:
             self._agree(model)
-            setattr(model, _AGREED, True)
-            self._replaced_params.update(convert_tracking(model, self.parallel, self.settings))
+        else:
+            self._agree_rng()  # every rank reads the same file: only the generators can differ
+        setattr(model, _AGREED, True)
+        replaced = convert_tracking(model, self.parallel, self.settings)
+        if checkpoint is None:
+            self._replaced_params.update(replaced)
+        else:  # no optimizer can hold a parameter of a model that was never read
+            load_slices(model, checkpoint, self.parallel)
         return model
 
     def _agree(self, model: nn.Module) -> None:
