@@ -17,7 +17,6 @@ of backward (:class:`~mtk.parallel.overlap.OverlappedReduction`); ``finalize_gra
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from mtk.parallel.parameters import param_info
 from mtk.parallel.record import hf_model, parallelized
 from mtk.parallel.sequence_padding import pad_batch, trim_output
 from mtk.parallel.state import ParallelState
+from mtk.pipeline.batches import fused_output, split_micro_batches, token_mean_loss
 from mtk.pipeline.p2p import Posted, StageLink
 from mtk.pipeline.schedules import schedule_order, simulate
 from mtk.pipeline.stages import StageInfo, swapped
@@ -64,21 +64,6 @@ class PipelineStats:
     def busy_s(self) -> float:
         """Seconds of the schedule this rank was not blocked on a neighbour."""
         return self.total_s - self.wait_s
-
-
-def split_micro_batches(batch: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
-    """Cut every tensor of ``batch`` into ``count`` equal chunks along the batch dimension."""
-    sizes = {t.shape[0] for t in batch.values()}
-    if len(sizes) != 1:
-        raise ConfigError(f"pipeline inputs disagree on the batch size: { {k: t.shape[0] for k, t in batch.items()} }")
-    size = sizes.pop()
-    if size % count:
-        raise ConfigError(
-            f"a batch of {size} sequences does not split into megatron_lm_num_micro_batches = {count}; "
-            f"use a batch size that is a multiple of {count}"
-        )
-    chunks = {k: t.chunk(count) for k, t in batch.items()}
-    return [{k: c[i] for k, c in chunks.items()} for i in range(count)]
 
 
 class PipelineModel(nn.Module):
@@ -172,7 +157,7 @@ class PipelineModel(nn.Module):
             config = self.config
             pad_id, most = getattr(config, "pad_token_id", None), getattr(config, "max_position_embeddings", None)
             batch, extra = pad_batch(batch, self.parallel.tp_size, pad_id, most)
-        if num_items is None and weights is None and self._token_mean_loss(batch):
+        if num_items is None and weights is None and token_mean_loss(hf_model(self.module), batch):
             num_items = loss_tokens(batch)
         if weights is not None:  # [b, s'] as the fused head's log_probs (s' <= s), padded as the batch was
             batch["token_weights"] = F.pad(weights, (0, extra)) if extra else weights
@@ -184,20 +169,9 @@ class PipelineModel(nn.Module):
         losses = self._run(micro, train)
         loss = self._broadcast_loss(losses)
         if self._fused:
-            return trim_output(self._fused_output(loss), extra, batch["input_ids"].shape[1])
+            outputs = [self._fused_outputs.pop(i) for i in sorted(self._fused_outputs)]
+            return trim_output(fused_output(outputs, loss, self.parallel), extra, batch["input_ids"].shape[1])
         return CausalLMOutputWithPast(loss=loss)
-
-    def _token_mean_loss(self, batch: dict[str, torch.Tensor]) -> bool:
-        """Whether the model's loss is HF's causal-LM token mean and takes ``num_items_in_batch`` (the Trainer's
-        test: ``accepts_loss_kwargs``, else a ``**kwargs`` forward)."""
-        labels = batch.get("labels")
-        if labels is None or labels.shape != batch["input_ids"].shape:
-            return False
-        model = hf_model(self.module)
-        accepts = getattr(model, "accepts_loss_kwargs", None)
-        if accepts is None:
-            accepts = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
-        return bool(accepts)
 
     def _run(self, micro: list[dict[str, torch.Tensor]], train: bool) -> list[torch.Tensor]:
         info, link, m = self.info, self.link, len(micro)
@@ -322,34 +296,6 @@ class PipelineModel(nn.Module):
             dist.broadcast(loss, src=self.parallel.pp_ranks[-1], group=self.parallel.pp_group)
             loss = loss[0]
         return loss
-
-    def _fused_output(self, loss: torch.Tensor) -> Any:
-        """TRL's ``FusedCausalLMOutput`` for the whole batch on every stage: the last stage's per-token fields of
-        its micro-batches, concatenated in order (``[b, s']`` each, O(tokens) to broadcast), detached (the
-        pipeline backpropagated the loss already)."""
-        from trl.trainer.utils import FusedCausalLMOutput
-
-        src, group = self.parallel.pp_ranks[-1], self.parallel.pp_group
-        outputs = [self._fused_outputs[i] for i in sorted(self._fused_outputs)]
-        self._fused_outputs = {}
-        fields: dict[str, Any] = {}
-        if outputs:
-            for name in ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask"):
-                if getattr(outputs[0], name, None) is not None:
-                    fields[name] = torch.cat([getattr(o, name).detach() for o in outputs])  # [b, s']
-            if getattr(outputs[0], "aux_loss", None) is not None:
-                fields["aux_loss"] = torch.stack([o.aux_loss.detach().float() for o in outputs]).mean()
-        if self.parallel.pp_size > 1:
-            layout = [{name: (tuple(t.shape), t.dtype) for name, t in fields.items()}]
-            dist.broadcast_object_list(layout, src=src, group=group)
-            for name, (shape, dtype) in layout[0].items():
-                wire = fields[name].to(torch.float32) if name in fields else None
-                if wire is None:
-                    wire = torch.empty(shape, dtype=torch.float32, device=self.parallel.device)
-                wire = wire.to(self.parallel.device).contiguous()
-                dist.broadcast(wire, src=src, group=group)
-                fields[name] = wire.to(dtype)
-        return FusedCausalLMOutput(loss=loss, **fields)
 
     # ---------------------------------------------------------------------------- gradient sync
     def _tied_params(self) -> list[nn.Parameter]:

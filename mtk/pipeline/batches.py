@@ -1,0 +1,73 @@
+"""What goes into and comes out of one pipeline call: the batch cut into micro-batches, whether the model's loss is
+HF's token mean (so the pipeline can pass the batch's own token count), and TRL's fused-head fields of the last
+stage gathered for every stage."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mtk.config import ConfigError
+from mtk.parallel.state import ParallelState
+
+__all__ = ["fused_output", "split_micro_batches", "token_mean_loss"]
+
+FUSED_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")  # TRL's, [b, s']
+
+
+def split_micro_batches(batch: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
+    """Cut every tensor of ``batch`` into ``count`` equal chunks along the batch dimension."""
+    sizes = {t.shape[0] for t in batch.values()}
+    if len(sizes) != 1:
+        raise ConfigError(f"pipeline inputs disagree on the batch size: { {k: t.shape[0] for k, t in batch.items()} }")
+    size = sizes.pop()
+    if size % count:
+        raise ConfigError(
+            f"a batch of {size} sequences does not split into megatron_lm_num_micro_batches = {count}; "
+            f"use a batch size that is a multiple of {count}"
+        )
+    chunks = {k: t.chunk(count) for k, t in batch.items()}
+    return [{k: c[i] for k, c in chunks.items()} for i in range(count)]
+
+
+def token_mean_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> bool:
+    """Whether ``model``'s loss on ``batch`` is HF's causal-LM token mean and takes ``num_items_in_batch`` (the
+    Trainer's test: ``accepts_loss_kwargs``, else a ``**kwargs`` forward)."""
+    labels = batch.get("labels")
+    if labels is None or labels.shape != batch["input_ids"].shape:
+        return False
+    accepts = getattr(model, "accepts_loss_kwargs", None)
+    if accepts is None:
+        accepts = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+    return bool(accepts)
+
+
+def fused_output(outputs: list[Any], loss: torch.Tensor, parallel: ParallelState) -> Any:
+    """TRL's ``FusedCausalLMOutput`` for the whole batch on every stage: the last stage's per-token fields of its
+    micro-batches' ``outputs`` (empty elsewhere), concatenated in order (``[b, s']`` each, O(tokens) to broadcast),
+    detached (the pipeline backpropagated the loss already)."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    src, group = parallel.pp_ranks[-1], parallel.pp_group
+    fields: dict[str, Any] = {}
+    if outputs:
+        for name in FUSED_FIELDS:
+            if getattr(outputs[0], name, None) is not None:
+                fields[name] = torch.cat([getattr(o, name).detach() for o in outputs])  # [b, s']
+        if getattr(outputs[0], "aux_loss", None) is not None:
+            fields["aux_loss"] = torch.stack([o.aux_loss.detach().float() for o in outputs]).mean()
+    if parallel.pp_size > 1:
+        layout = [{name: (tuple(t.shape), t.dtype) for name, t in fields.items()}]
+        dist.broadcast_object_list(layout, src=src, group=group)
+        for name, (shape, dtype) in layout[0].items():
+            wire = fields[name].to(torch.float32) if name in fields else None
+            if wire is None:
+                wire = torch.empty(shape, dtype=torch.float32, device=parallel.device)
+            wire = wire.to(parallel.device).contiguous()
+            dist.broadcast(wire, src=src, group=group)
+            fields[name] = wire.to(dtype)
+    return FusedCausalLMOutput(loss=loss, **fields)
