@@ -4,9 +4,8 @@ Sequence parallelism splits the positions between the TP blocks over the TP rank
 so a forward needs ``s % tp == 0``. A user's own loop (or TRL's collator) pads to the longest example, not to a
 multiple of ``tp``: :func:`pad_batch` appends ``tp - s % tp`` positions at the end of every row, and
 :func:`trim_output` removes them from what the forward returns. Nothing real changes: the attention is causal, so no
-real position attends to an appended one; their labels are ``-100`` (ignored, and not counted by
-``num_items_in_batch``); their attention mask is 0. Megatron asks the data to be padded; peers that pad inside
-(torchtitan's context parallelism) do it the same way, at the end.
+real position attends to an appended one (an encoder's mask hides them); their labels are ``-100`` (ignored, and
+not counted by ``num_items_in_batch``); their attention mask is 0. Megatron asks the data to be padded instead.
 """
 
 from __future__ import annotations
