@@ -26,6 +26,20 @@ __all__ = ["ParallelState", "default_device", "group_timeout", "init_distributed
 
 _KINDS = ("tp", "dp", "pp", "mp", "embedding")
 
+# Every group this process created, kept until the process ends. DDP's C++ Reducer owns its group and is freed
+# without releasing the GIL; were it the group's last owner (accelerate's ``end_training`` has already destroyed the
+# groups), the group's destructor would join its gloo threads while holding the GIL, and a thread still finishing the
+# last collective needs the GIL to free it: the script hangs as its ``main`` returns (pytorch#56297; seen about once
+# in seven 2-process runs of plain accelerate). Keeping a Python owner makes the Reducer never the last.
+_CREATED: list[dist.ProcessGroup] = []
+
+
+def _new_group(ranks: list[int], device: torch.device) -> dist.ProcessGroup:
+    """``dist.new_group`` (collective over the world) with the world group's timeout, kept for the process."""
+    group = dist.new_group(ranks=ranks, timeout=group_timeout(device=device))
+    _CREATED.append(group)
+    return group
+
 
 def default_device(local_rank: int = 0) -> torch.device:
     """This process's accelerator (``cuda:<local_rank>``, ...) when one exists, else the CPU."""
@@ -127,10 +141,9 @@ class ParallelState:
         if dist.is_initialized():
             # dist.new_group is collective over the whole world: every rank creates every group, in
             # the same order, and keeps the one it belongs to.
-            timeout = group_timeout(device=device)
             for kind in _KINDS:
                 for ranks in layout.groups(kind):
-                    group = dist.new_group(ranks=ranks, timeout=timeout)
+                    group = _new_group(ranks, device)
                     if rank in ranks:
                         groups[kind] = group
         return cls(layout, rank, groups, device)
@@ -169,7 +182,7 @@ class ParallelState:
                 for tp_ranks in self.layout.tp_groups():
                     for start in range(0, self.tp_size, size):
                         block = tp_ranks[start : start + size]
-                        group = dist.new_group(ranks=block, timeout=group_timeout(device=self.device))
+                        group = _new_group(block, self.device)
                         if self.rank in block:
                             mine = group
             cache[size] = mine

@@ -59,7 +59,11 @@ def main() -> None:
         losses.append(loss.item())
     if accelerator.is_main_process:
         print(json.dumps({"losses": losses, "grad_norm": float(norm)}))
-    accelerator.end_training()
+    if args.mtk:
+        accelerator.end_training()
+    # else not: plain accelerate's end_training destroys the world group and leaves DDP's Reducer its last owner;
+    # freeing the model as main returns then hangs about one run in seven (torch joins the group's gloo threads
+    # holding the GIL, pytorch#56297). mtk keeps its groups owned (mtk/parallel/state.py).
 
 
 if __name__ == "__main__":

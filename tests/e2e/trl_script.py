@@ -111,7 +111,10 @@ def main() -> None:
         trainer.save_model(args.save_model)
     if trainer.is_world_process_zero():
         Path(args.output_dir, "log_history.json").write_text(json.dumps(trainer.state.log_history))
-    trainer.end()  # transformers' last call of a script: the processes leave together
+    if args.trainer == "mtk":
+        trainer.end()  # transformers' last call of a script: the processes leave together
+    # else not: TRL's plain DDP reference would leave DDP's Reducer the last owner of the destroyed world group, and
+    # freeing the trainer as main returns can then hang (pytorch#56297; tests/e2e/own_loop_script.py says more)
 
 
 if __name__ == "__main__":

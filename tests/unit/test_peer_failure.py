@@ -1,7 +1,9 @@
-"""A collective that lost its peer is named in one line; any other error keeps its traceback."""
+"""A collective that lost its peer is named in one line; any other error keeps its traceback. A finished worker
+exits without racing gloo's threads."""
 
 import pytest
 
+from mtk.spawn import run_distributed
 from mtk.training.entry import _peer_failure, run_main
 
 CLOSED = (
@@ -72,3 +74,30 @@ def test_a_launched_worker_leaves_with_its_status_after_the_atexit_handlers(tmp_
     assert done.returncode == status, done.stderr
     assert done.stdout == "bufferedatexit ran\n"
     assert done.stderr.strip() == (line or "")
+
+
+def _groups_outlive_their_destruction(rank: int, world_size: int) -> list[int]:
+    import gc
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from mtk.parallel.state import ParallelState
+
+    state = ParallelState.build(tp_size=1, pp_size=1)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2), process_group=state.dp_group)
+    model(torch.ones(1, 2)).sum().backward()
+    group = state.dp_group
+    dist.destroy_process_group()  # what accelerate's end_training does
+    del state
+    gc.collect()
+    # Python owners besides this frame and the model (whose attributes go before its Reducer when it is freed): were
+    # the Reducer the last owner, freeing the model would join the group's gloo threads while holding the GIL (a
+    # hang as a script's main returns)
+    owners = [r for r in gc.get_referrers(group) if r is not model.__dict__ and not isinstance(r, types.FrameType)]
+    return [len(owners)]
+
+
+def test_process_groups_outlive_ddp_after_end_training():
+    assert all(owners[0] >= 1 for owners in run_distributed(_groups_outlive_their_destruction, 2))
