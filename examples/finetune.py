@@ -19,6 +19,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
@@ -46,10 +47,12 @@ from mtk.models import check_seq_len, resolve_config
 from mtk.parallel.grad_norm import check_finite
 from mtk.parallel.placement import placement
 from mtk.rules import check_tp_size
+from mtk.training.boundary import StepBoundary
 from mtk.training.entry import run_main
 from mtk.training.evaluation import peak_memory_mib
 from mtk.training.setup import (
     Evaluation,
+    RunData,
     layout_description,
     load_run_data,
     starting_model,
@@ -130,11 +133,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    if args.save_model:
-        check_target(args.save_model)  # before hours of training, not after
-    accelerator = Accelerator(
+def build_accelerator(args: argparse.Namespace) -> Accelerator:
+    """accelerate's Accelerator with mtk's layout from the launcher's config; the flags beat its variables."""
+    return Accelerator(
         gradient_accumulation_steps=args.grad_accum,
         log_with="tensorboard",
         project_dir=args.output_dir,
@@ -150,23 +151,31 @@ def main(argv=None) -> None:
             recompute_granularity="full" if args.gradient_checkpointing else None,
         ),
     )
-    parallel, settings = accelerator.parallel, accelerator.settings
-    # SIGTERM/SIGINT from here on: save at the next step boundary and exit (a second one: stop at once)
-    exit_signal = ExitSignal(accelerator.device)
-    accelerator.print(placement(parallel).describe())  # which node each rank is on; TP groups inside nodes
-    resume = start_point(args, main_process=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
+
+
+def build_model(args: argparse.Namespace, accelerator: Accelerator) -> tuple[torch.nn.Module, Any]:
+    """The starting model (a directory: only this rank's slices are read), LoRA on its parallel layers if asked,
+    and its tokenizer; one clear line for a model the layout cannot split."""
+    parallel = accelerator.parallel
     config = resolve_config(args.model)
     check_tp_size(config, parallel.tp_size)  # one clear line before anything is built
     check_seq_len(config, args.seq_len)
     lora = lora_config(args)
     dtype = base_dtype(args) if lora else None
     set_seed(args.seed)
-    model = starting_model(args.model, parallel, settings, seed=args.seed, dtype=dtype)  # a directory: this rank's
+    model = starting_model(args.model, parallel, accelerator.settings, seed=args.seed, dtype=dtype)
     if lora:  # PEFT's LoRA on the parallel layers: only the adapters train, checkpoint and export
         model = get_peft_model(accelerator.parallelize(model), lora, report=accelerator.print)
     tokenizer = tokenizer_for(args.model, args.tokenizer, model.config.vocab_size)
     if Path(args.model).is_dir() or args.tokenizer:
         accelerator.checkpoint_tokenizer = tokenizer  # checkpoints (and `mtk export`) carry it
+    return model, tokenizer
+
+
+def build_data(args: argparse.Namespace, accelerator: Accelerator, tokenizer: Any) -> tuple[RunData, DataLoader]:
+    """The training rows (and evaluation batches) and the training loader, which shuffles with its own generator:
+    starting an epoch never moves the global RNG (dropout), so resume is exact."""
+    parallel, settings = accelerator.parallel, accelerator.settings
     if args.eval_every and not args.eval_data:
         raise DataError("--eval_every needs --eval_data (the rows to evaluate on)")
     data = load_run_data(
@@ -187,11 +196,57 @@ def main(argv=None) -> None:
             "mtk: megatron_lm_eod_mask_loss=False overridden: packed rows never train an example's first token "
             "on the example before it (as eod_mask_loss=True), so packed training equals unpacked"
         )
-    # Its own generator: starting an epoch never moves the global RNG (dropout), so resume is exact.
     loader_rng = torch.Generator().manual_seed(args.seed)
     loader = DataLoader(
         data.train, args.batch_size, shuffle=True, drop_last=True, generator=loader_rng, collate_fn=data.collate
     )
+    return data, loader
+
+
+def step_boundary(
+    args: argparse.Namespace,
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    eval_batches: list[dict[str, torch.Tensor]],
+    exit_signal: ExitSignal,
+    step: int,
+) -> StepBoundary:
+    """What happens between steps: evaluation (summed over the DP replicas, logged to the trackers) when due, a
+    signal agreed over the ranks, ``step_N`` saved by accelerate's ``save_state``."""
+    evaluation = Evaluation(
+        model,
+        eval_batches,
+        accelerator.device,
+        lambda t: accelerator.reduce(t, "sum"),
+        exit_signal,
+        log=lambda scores, at: accelerator.log(scores, step=at),
+        main_process=accelerator.is_main_process,
+        every=args.eval_every,
+    )
+    return StepBoundary(
+        accelerator.save_state,
+        args.output_dir,
+        args.save_every,
+        args.max_steps,
+        evaluation,
+        exit_signal,
+        report=accelerator.print,
+        saved_step=step,
+    )
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.save_model:
+        check_target(args.save_model)  # before hours of training, not after
+    accelerator = build_accelerator(args)
+    parallel, settings = accelerator.parallel, accelerator.settings
+    # SIGTERM/SIGINT from here on: save at the next step boundary and exit (a second one: stop at once)
+    exit_signal = ExitSignal(accelerator.device)
+    accelerator.print(placement(parallel).describe())  # which node each rank is on; TP groups inside nodes
+    resume = start_point(args, main_process=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
+    model, tokenizer = build_model(args, accelerator)
+    data, loader = build_data(args, accelerator, tokenizer)
     trainable = [p for p in model.parameters() if p.requires_grad]  # all of them, or the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
     # accelerate steps a prepared scheduler dp_size times per optimizer step (its convention for
@@ -201,12 +256,10 @@ def main(argv=None) -> None:
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     accum = accelerator.gradient_accumulation_steps  # --grad_accum, or under DeepSpeed the JSON's: the engine's
     global_batch = args.batch_size * parallel.dp_size * accum  # sequences per optimizer step
-    accelerator.init_trackers(
-        "runs",
-        tracker_config(
-            vars(args), parallel, settings, global_batch_size=global_batch, gradient_accumulation_steps=accum
-        ),
+    hparams = tracker_config(
+        vars(args), parallel, settings, global_batch_size=global_batch, gradient_accumulation_steps=accum
     )
+    accelerator.init_trackers("runs", hparams)
     max_grad_norm = settings.gradient_clipping or 1.0  # --max_grad_norm, else megatron_lm_gradient_clipping
 
     # a resumed run must continue the same data stream: a changed one of these is one clear line
@@ -219,25 +272,15 @@ def main(argv=None) -> None:
         accelerator.print(f"mtk: {resume} is at step {step}, --max_steps is {args.max_steps}: nothing left to do")
         accelerator.end_training()
         return
+    model_type = accelerator.unwrap_model(model).config.model_type
     accelerator.print(
-        f"mtk: {config.model_type} {layout_description(parallel, settings)}, global batch {global_batch} "
+        f"mtk: {model_type} {layout_description(parallel, settings)}, global batch {global_batch} "
         f"{'rows' if args.packing else 'examples'}, steps {step}->{args.max_steps}"
     )
-
-    evaluation = Evaluation(
-        model,
-        data.evaluation,
-        accelerator.device,
-        lambda t: accelerator.reduce(t, "sum"),
-        exit_signal,
-        log=lambda scores, at: accelerator.log(scores, step=at),
-        main_process=accelerator.is_main_process,
-        every=args.eval_every,
-    )
-    if data.evaluation and step == 0 and not evaluation(0):  # the starting point, for comparison
-        accelerator.end_training()  # stopped before the first step: nothing to save
+    boundary = step_boundary(args, accelerator, model, data.evaluation, exit_signal, step)
+    if not boundary.begin():  # a fresh run evaluates its starting point; a signal during it: nothing to save
+        accelerator.end_training()
         return
-    saved_step, stopped = step, False
     progress = tqdm(total=args.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
     loss_sum, tic = torch.zeros((), device=accelerator.device), time.perf_counter()
     # One optimizer step's micro-batches at a time, from where the run is: each passes num_items_in_batch (the
@@ -270,22 +313,11 @@ def main(argv=None) -> None:
         progress.update(1)
         progress.set_postfix(loss=f"{mean_loss:.3f}")
         loss_sum.zero_()
-        if evaluation.due(step, args.max_steps):
-            evaluation(step)  # a signal stops it early; the check below then stops the run
-        stopped = exit_signal.requested()  # agreed over all ranks: all stop (and save) at this step
-        if (args.save_every and step % args.save_every == 0) or stopped:
-            accelerator.save_state(f"{args.output_dir}/step_{step}")
-            saved_step = step
-        if stopped:
-            accelerator.print(
-                f"mtk: {exit_signal.name}: saved {args.output_dir}/step_{step}; continue with --resume auto"
-            )
-        if step >= args.max_steps or stopped:
+        if boundary.after(step):  # evaluation when due, a signal agreed over the ranks, step_N saved
             break
     progress.close()
-    if saved_step != step:
-        accelerator.save_state(f"{args.output_dir}/step_{step}")
-    if args.save_model and not stopped:  # the HF directory: save_pretrained of the gathered model, staged
+    boundary.finish(step)
+    if args.save_model and not boundary.stopped:  # the HF directory: save_pretrained of the gathered model, staged
         save_pretrained(accelerator, model, args.save_model, tokenizer)
     peaks = peak_memory_mib(accelerator.device)
     accelerator.print(f"mtk: peak memory per rank (MiB): {' '.join(f'{p:.0f}' for p in peaks)}")

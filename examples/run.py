@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 import deepspeed
 import torch
@@ -60,8 +61,9 @@ from mtk.parallel.recompute import enable_recompute
 from mtk.parallel.record import parallelized
 from mtk.parallel.state import ParallelState
 from mtk.rules import check_tp_size
+from mtk.training.boundary import StepBoundary
 from mtk.training.entry import run_main
-from mtk.training.setup import Evaluation, load_run_data, starting_model, step_metrics, warmup_then_linear
+from mtk.training.setup import Evaluation, RunData, load_run_data, starting_model, step_metrics, warmup_then_linear
 from mtk.training.signals import ExitSignal
 from mtk.training.windows import step_windows
 
@@ -110,16 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    # torch.distributed from the launcher; --tp beats the env
-    parallel = ParallelState.from_env(tp_size=args.tp, timeout=collective_timeout(args))
-    where = placement(parallel)  # which node each rank is on; TP groups inside nodes
-    if parallel.rank == 0:
-        print(where.describe(), flush=True)
-    config = resolve_config(args.model)
-    check_tp_size(config, parallel.tp_size)
-    check_seq_len(config, args.seq_len)
+def build_engine(args: argparse.Namespace, parallel: ParallelState) -> tuple[Any, torch.nn.Module, Any]:
+    """DeepSpeed's engine over mtk's tensor-parallel model (LoRA on its parallel layers if asked), ZeRO sharding over
+    the data-parallel group only (mtk's state is DeepSpeed's mpu); the model and the engine's scheduler with it."""
     # the JSON's batch fields with --batch_size/--grad_accum: one set of numbers (an override is one line)
     ds_config, _ = deepspeed_config(
         args.deepspeed_config,
@@ -156,8 +151,14 @@ def main(argv=None) -> None:
             config=ds_config,
             mpu=parallel,
         )
-    micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    tokenizer = tokenizer_for(args.model, args.tokenizer, model.config.vocab_size)
+    return engine, model, scheduler
+
+
+def build_data(
+    args: argparse.Namespace, parallel: ParallelState, tokenizer: Any, micro: int, accum: int
+) -> tuple[RunData, DistributedSampler, DataLoader]:
+    """The training rows (and evaluation batches), the sampler that gives each DP replica its share (all TP ranks
+    of one replica read the same samples) and the loader of ``micro``-row batches."""
     if args.eval_every and not args.eval_data:
         raise DataError("--eval_every needs --eval_data (the rows to evaluate on)")
     data = load_run_data(
@@ -171,7 +172,6 @@ def main(argv=None) -> None:
         loss_on=args.loss_on,
         report=lambda line: print(line, flush=True) if parallel.rank == 0 else None,
     )
-    # Each DP replica reads its share; all TP ranks of one replica read the same samples.
     sampler = DistributedSampler(
         data.train, num_replicas=parallel.dp_size, rank=parallel.dp_rank, shuffle=True, seed=args.seed, drop_last=True
     )
@@ -182,7 +182,23 @@ def main(argv=None) -> None:
             f"--data {args.data} gives {len(data.train)} examples, fewer than one step of {micro} x {accum} "
             f"micro-batches x dp {parallel.dp_size}; give more data or a smaller batch"
         )
+    return data, sampler, loader
 
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    # torch.distributed from the launcher; --tp beats the env
+    parallel = ParallelState.from_env(tp_size=args.tp, timeout=collective_timeout(args))
+    where = placement(parallel)  # which node each rank is on; TP groups inside nodes
+    if parallel.rank == 0:
+        print(where.describe(), flush=True)
+    config = resolve_config(args.model)
+    check_tp_size(config, parallel.tp_size)
+    check_seq_len(config, args.seq_len)
+    engine, model, scheduler = build_engine(args, parallel)
+    micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    tokenizer = tokenizer_for(args.model, args.tokenizer, model.config.vocab_size)
+    data, sampler, loader = build_data(args, parallel, tokenizer, micro, accum)
     resume = start_point(args, main_process=parallel.rank == 0, barrier=dist.barrier)
 
     def position(micro_batches: int) -> dict:
@@ -229,11 +245,20 @@ def main(argv=None) -> None:
         main_process=parallel.rank == 0,
         every=args.eval_every,
     )
-    if data.evaluation and step == 0 and not evaluation(0):  # the starting point, for comparison
-        if writer is not None:  # stopped before the first step: nothing to save
+    boundary = StepBoundary(
+        lambda path: save_deepspeed_checkpoint(path, engine, parallel, position(micro_batches)),
+        args.output_dir,
+        args.save_every,
+        args.max_steps,
+        evaluation,
+        exit_signal,
+        report=lambda line: print(line, flush=True) if parallel.rank == 0 else None,
+        saved_step=step,
+    )
+    if not boundary.begin():  # a fresh run evaluates its starting point; a signal during it: nothing to save
+        if writer is not None:
             writer.close()
         return
-    saved_step, stopped = step, False
     loss_sum, tic = torch.zeros(1), time.perf_counter()
 
     def sum_over_dp(count: torch.Tensor) -> torch.Tensor:
@@ -264,18 +289,9 @@ def main(argv=None) -> None:
             log(step_metrics(window, mean.item(), lr, grad_norm, elapsed, parallel.dp_size), step)
             print(f"step {step} loss {mean.item()!r}", flush=True)
         loss_sum.zero_()
-        if evaluation.due(step, args.max_steps):
-            evaluation(step)  # a signal stops it early; the check below then stops the run
-        stopped = exit_signal.requested()  # agreed over all ranks: all stop (and save) at this step
-        if (args.save_every and step % args.save_every == 0) or stopped:
-            save_deepspeed_checkpoint(f"{args.output_dir}/step_{step}", engine, parallel, position(micro_batches))
-            saved_step = step
-        if stopped and parallel.rank == 0:
-            print(f"mtk: {exit_signal.name}: saved {args.output_dir}/step_{step}; continue with --resume auto")
-        if step >= args.max_steps or stopped:
+        if boundary.after(step):  # evaluation when due, a signal agreed over the ranks, step_N saved
             break
-    if saved_step != step:
-        save_deepspeed_checkpoint(f"{args.output_dir}/step_{step}", engine, parallel, position(micro_batches))
+    boundary.finish(step)
     if writer is not None:
         writer.close()
     dist.barrier()
