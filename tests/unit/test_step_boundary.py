@@ -32,14 +32,20 @@ def boundary(calls: Calls, signal: FakeSignal, *, save_every: int, every: int, w
         [{"input_ids": torch.zeros(1, 1)}] if with_data else [],
         torch.device("cpu"),
         lambda t: t,
-        signal,  # type: ignore[arg-type]
+        signal,
         log=lambda scores, at: None,
         main_process=False,
         every=every,
     )
     recorded = _Recorded(evaluation, calls)
     return StepBoundary(
-        calls.saved.append, "out", save_every, 5, recorded, signal, calls.lines.append  # type: ignore[arg-type]
+        calls.saved.append,
+        "out",
+        save_every,
+        5,
+        recorded,
+        signal,
+        calls.lines.append,
     )
 
 
