@@ -8,8 +8,9 @@ an odd size, so vocabulary padding is exercised at every TP degree.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "check_seq_len",
     "check_weights",
     "resolve_config",
+    "whole_parameters",
     "with_layers",
 ]
 
@@ -208,3 +210,23 @@ def build_model(spec: str | PretrainedConfig, seed: int = 0, dtype: torch.dtype 
     config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
     torch.manual_seed(seed)
     return auto_class_for(config).from_config(config, dtype=dtype)
+
+
+@contextlib.contextmanager
+def whole_parameters() -> Iterator[None]:
+    """Models built inside are whole on each rank even under accelerate's DeepSpeed ZeRO-3.
+
+    accelerate's DeepSpeed plugin registers its config with transformers whatever ``zero3_init_flag`` says, and
+    transformers then builds every model inside ``deepspeed.zero.Init``: each parameter partitioned over all ranks
+    at construction, a ``(0,)`` placeholder that mtk cannot split over TP. mtk does not need it: a directory is
+    read slice by slice (each rank loads only its TP slice), and ``deepspeed.initialize`` partitions the converted
+    model over the data-parallel group, as under the ``deepspeed`` launcher. The registration is put back after.
+    """
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    registered = hf_deepspeed._hf_deepspeed_config_weak_ref  # transformers has no public getter for the object
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = registered

@@ -98,8 +98,11 @@ class _ColumnLinear(torch.autograd.Function):
 
 def enter_overlapped(x: torch.Tensor, group: Group, weights: Sequence[torch.Tensor]) -> torch.Tensor:
     """``x`` into the TP region for column layers whose ``weights`` (those needing gradients) it feeds:
-    identity forward; backward all-reduces dL/dX while their weight gradients are computed."""
-    weights = [w for w in weights if w.requires_grad]
+    identity forward; backward all-reduces dL/dX while their weight gradients are computed.
+
+    A parameter DeepSpeed's ZeRO-3 partitions (``ds_id``) is whole only while its own module runs (DeepSpeed's
+    hooks gather it there and release it after): its gradient comes from its own node, not overlapped here."""
+    weights = [w for w in weights if w.requires_grad and not hasattr(w, "ds_id")]
     if group_size(group) == 1 or not weights or not torch.is_grad_enabled():
         return copy_to_tp(x, group)
     gradients = WeightGradients(weights)

@@ -20,7 +20,7 @@ from mtk.checkpoint import load_pretrained_tp
 from mtk.config import RunSettings
 from mtk.data import eval_batches, training_data
 from mtk.errors import DataError
-from mtk.models import build_model, resolve_config
+from mtk.models import build_model, resolve_config, whole_parameters
 from mtk.parallel.state import ParallelState
 from mtk.training.evaluation import evaluate
 from mtk.training.signals import ExitSignal
@@ -42,7 +42,15 @@ def starting_model(
     spec: str, parallel: ParallelState, settings: RunSettings, *, seed: int, dtype: torch.dtype | None = None
 ) -> nn.Module:
     """A local HF directory, converted and holding only this rank's slices (and stage); or a built-in config built
-    whole from ``seed`` on every rank (the same weights at every layout), for the caller to convert."""
+    whole from ``seed`` on every rank (the same weights at every layout), for the caller to convert. Whole under
+    accelerate's DeepSpeed ZeRO-3 too (:func:`mtk.models.whole_parameters`): DeepSpeed partitions it later."""
+    with whole_parameters():
+        return _starting_model(spec, parallel, settings, seed=seed, dtype=dtype)
+
+
+def _starting_model(
+    spec: str, parallel: ParallelState, settings: RunSettings, *, seed: int, dtype: torch.dtype | None
+) -> nn.Module:
     if Path(spec).is_dir():
         model = load_pretrained_tp(
             spec,

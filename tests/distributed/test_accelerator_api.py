@@ -79,6 +79,15 @@ def _check_api(rank, world_size, out_dir):
     for name, tensor in saved.items():
         assert torch.equal(tensor, reference[name]), name
 
+    partitioned = build_model("tiny-llama", seed=0)
+    next(partitioned.parameters()).ds_id = 0  # what deepspeed.zero.Init leaves: a (0,) placeholder
+    try:
+        accelerator.prepare_model(partitioned)
+    except ConfigError as err:
+        assert "built under DeepSpeed's zero.Init" in str(err), err
+    else:
+        raise AssertionError("a model ZeRO-3 partitioned at construction was accepted")
+
     try:
         Accelerator(parallelism_config=ParallelismConfig(tp_size=2))
     except ConfigError as err:

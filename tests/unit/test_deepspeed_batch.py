@@ -215,3 +215,23 @@ def test_a_rank_the_launcher_stops_with_sigterm_removes_its_shm_buffer(tmp_path)
         assert not buffer.exists()
     finally:
         buffer.unlink(missing_ok=True)
+
+
+def test_models_build_whole_under_accelerates_zero3_registration():
+    """accelerate registers its DeepSpeed config with transformers even with zero3_init_flag false; inside
+    whole_parameters transformers builds without zero.Init (mtk splits the model, DeepSpeed partitions it later)."""
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+
+    from mtk.models import build_model, whole_parameters
+
+    registered = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    try:
+        assert is_deepspeed_zero3_enabled()
+        with whole_parameters():
+            assert not is_deepspeed_zero3_enabled()
+            model = build_model("tiny-llama", seed=0)
+        assert is_deepspeed_zero3_enabled()  # put back
+        assert all(p.numel() > 0 and not hasattr(p, "ds_id") for p in model.parameters())
+    finally:
+        del registered
+        unset_hf_deepspeed_config()

@@ -78,6 +78,12 @@ class ModelConversion(_Host):
             if self.parallel.pp_size > 1:
                 raise ConfigError("pipeline parallelism (pp > 1) needs an HF model with a config")
             return model, {}
+        if any(hasattr(p, "ds_id") for p in model.parameters()):  # deepspeed.zero.Init's partitioned placeholders
+            raise ConfigError(
+                "the model was built under DeepSpeed's zero.Init (ZeRO-3 partitioned it at construction), which mtk "
+                "cannot split over TP: build it with mtk.models.whole_parameters() or mtk.training.setup."
+                "starting_model; deepspeed.initialize partitions it over the data-parallel group after the conversion"
+            )
         replaced = convert_tracking(model, self.parallel, self.settings)
         act_on_model(model, self.settings, self.print)
         return self._pipelined(model), replaced
