@@ -45,6 +45,7 @@ from mtk.errors import DataError
 from mtk.integrations.deepspeed import (
     check_precision,
     deepspeed_config,
+    held_elements,
     initialization_cleanup,
     load_deepspeed_checkpoint,
     remove_shm_buffers_at_exit,
@@ -293,6 +294,12 @@ def main(argv=None) -> None:
             break
     boundary.finish(step)
     if writer is not None:
+        held = held_elements(engine)  # ZeRO's sharding, as counted: ~1/(tp x dp) of the parameters at stage 3
+        print(
+            f"mtk: model state held by rank 0: {held['parameters']} parameter elements, "
+            f"{held['optimizer_state']} optimizer-state elements",
+            flush=True,
+        )
         writer.close()
     dist.barrier()
 

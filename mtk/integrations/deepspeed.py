@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from mtk.checkpoint.base_model import check_base
@@ -37,6 +38,7 @@ from mtk.parallel.state import ParallelState
 __all__ = [
     "check_precision",
     "deepspeed_config",
+    "held_elements",
     "initialization_cleanup",
     "load_deepspeed_checkpoint",
     "save_deepspeed_checkpoint",
@@ -112,6 +114,18 @@ def zero3_gathered(engine) -> Any:
     if engine.zero_optimization_stage() == 3:
         return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
     return contextlib.nullcontext()
+
+
+def held_elements(engine) -> dict[str, int]:
+    """Model-state elements this rank holds: its parameters (under ZeRO-3 its partition of each, ``ds_tensor``)
+    and its optimizer state (the torch optimizer inside DeepSpeed's steps this rank's partition at ZeRO >= 1).
+
+    What ZeRO's sharding claim is checked against: at TP x DP with ZeRO-3 each rank holds ~1/(tp x dp) of the
+    model's parameters (the TP-replicated norms are split by DP only, and DeepSpeed pads each partition)."""
+    parameters = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in engine.module.parameters())
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    state = sum(t.numel() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    return {"parameters": parameters, "optimizer_state": state}
 
 
 def save_deepspeed_checkpoint(

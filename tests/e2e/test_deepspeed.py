@@ -12,9 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from mtk.models import build_model
 from mtk.spawn import free_port
 from mtk.testing import assert_close_rel
 from tests.e2e.launch import ROOT, accelerate_launch, step_losses
+
+
+def held(out: subprocess.CompletedProcess) -> tuple[float, float]:
+    """Rank 0's parameters and optimizer state as shares of the whole model's parameters (run.py's last line)."""
+    found = re.search(r"held by rank 0: (\d+) parameter elements, (\d+) optimizer-state elements", out.stdout)
+    assert found, out.stdout[-2000:]
+    total = sum(p.numel() for p in build_model("tiny-llama", seed=0).parameters())
+    return int(found[1]) / total, int(found[2]) / total
 
 
 def deepspeed_run(processes: int, config: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -59,11 +68,13 @@ def zero2_run(tmp_path_factory):
         "--output_dir",
         str(out_dir),
     )
-    return out_dir, step_losses(out)
+    return out_dir, step_losses(out), held(out)
 
 
 def test_zero2_tp2_dp2_equals_non_zero(reference, zero2_run):
-    out_dir, losses = zero2_run
+    out_dir, losses, (parameters, optimizer_state) = zero2_run
+    # ZeRO-2 keeps this rank's whole TP shard (~1/2; norms replicated) and 1/dp of its Adam moments (2 per element)
+    assert 0.5 <= parameters < 0.52 and abs(optimizer_state - parameters) < 0.01, (parameters, optimizer_state)
     for step in range(1, 7):
         assert_close_rel(losses[step], reference[step], f"ZeRO-2 TP2xDP2 loss at step {step}")
     assert (out_dir / "runs").is_dir() and (out_dir / "step_3" / "deepspeed").is_dir()
@@ -81,9 +92,12 @@ def test_zero3_tp2_dp2_equals_non_zero_resumes_and_exports(reference, tmp_path):
     """ZeRO-3 partitions each TP shard over its DP group: the TP=1 non-ZeRO losses, a resume from step 3 that
     continues them exactly, and an export that gathers the partitioned parameters into a verified HF directory."""
     args = ("--tp", "2", "--batch_size", "4", "--max_steps", "6")
-    first = step_losses(deepspeed_run(4, "zero3", *args, "--save_every", "3", "--output_dir", str(tmp_path / "a")))
+    out = deepspeed_run(4, "zero3", *args, "--save_every", "3", "--output_dir", str(tmp_path / "a"))
+    first = step_losses(out)
     for step in range(1, 7):
         assert_close_rel(first[step], reference[step], f"ZeRO-3 TP2xDP2 loss at step {step}")
+    parameters, optimizer_state = held(out)  # 1/(tp x dp) of the parameters, and of the Adam moments (2 each)
+    assert 0.25 <= parameters < 0.27 and abs(optimizer_state - 2 * parameters) < 0.02, (parameters, optimizer_state)
     resumed = step_losses(
         deepspeed_run(4, "zero3", *args, "--output_dir", str(tmp_path / "b"), "--resume", str(tmp_path / "a/step_3"))
     )
@@ -111,7 +125,7 @@ def test_zero3_through_accelerate_yaml(reference, tmp_path):
 
 
 def test_resume_and_export_a_deepspeed_checkpoint(zero2_run, tmp_path):
-    out_dir, uninterrupted = zero2_run
+    out_dir, uninterrupted, _ = zero2_run
     resumed = step_losses(
         deepspeed_run(
             4,
@@ -286,7 +300,7 @@ def test_a_deepspeed_resume_that_changes_the_data_stream_is_one_line(zero2_run, 
     """As with Accelerate's ResumeGuard: a changed --seq_len would continue on different data."""
     import shutil
 
-    out_dir, _ = zero2_run
+    out_dir, *_ = zero2_run
     shutil.copytree(out_dir / "step_6", tmp_path / "step_6")
     out = deepspeed_run(4, "zero2", "--tp", "2", "--batch_size", "4", "--max_steps", "7", "--output_dir",
                         str(tmp_path), "--resume", "auto", "--seq_len", "64", check=False)  # fmt: skip
