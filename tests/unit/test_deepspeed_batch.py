@@ -235,3 +235,11 @@ def test_models_build_whole_under_accelerates_zero3_registration():
     finally:
         del registered
         unset_hf_deepspeed_config()
+
+
+def test_a_pipeline_under_deepspeed_is_one_line_naming_the_alternative():
+    from mtk.config import ConfigError, ParallelConfig
+    from mtk.integrations.accelerate.init import resolve_topology
+
+    with pytest.raises(ConfigError, match=r"pipeline parallelism \(pp = 2\) does not run under DeepSpeed.*distopt"):
+        resolve_topology(ParallelConfig(tp_size=2, pp_size=2), {"zero_optimization": {"stage": 3}})

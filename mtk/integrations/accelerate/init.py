@@ -84,5 +84,9 @@ def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | N
                 source = "the DeepSpeed JSON's mtk block" if from_json else variable
                 report_override(field, getattr(explicit, field), source, getattr(launcher, field))
     if deepspeed_config is not None and config.pp_size > 1:
-        raise ConfigError("pipeline parallelism does not run under DeepSpeed; use a megatron_lm_config YAML")
+        raise ConfigError(
+            f"pipeline parallelism (pp = {config.pp_size}) does not run under DeepSpeed (its ZeRO cannot partition a "
+            "pipeline stage here); use a megatron_lm_config YAML, with megatron_lm_use_distributed_optimizer: true "
+            "to shard the optimizer state over DP (accelerate_configs/tp2_pp2_dp2_distopt.yaml)"
+        )
     return config
