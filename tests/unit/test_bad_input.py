@@ -124,6 +124,12 @@ CHECKPOINT_DAMAGE = [
     (_metadata("[1, 2]"), "is not valid mtk checkpoint metadata (not a JSON object)"),
     (_metadata('{"format": "mtk-checkpoint/9"}'), "has format 'mtk-checkpoint/9', expected"),
     (_meta_field(topology={"tp": 2}), "is not valid mtk checkpoint metadata"),
+    # crafted metadata of the right format but the wrong types: one line, not a reader's traceback
+    (_meta_field(files=["model/tp00-pp00.safetensors"]), "(files is a list, not a mapping of paths"),
+    (_meta_field(files={"scheduler.pt": 5}), "(files['scheduler.pt'] is 5, not {'bytes'"),
+    (_meta_field(files={"scheduler.pt": {"xxh3_128": "0"}}), "(files['scheduler.pt'] is {'xxh3_128': '0'}, not"),
+    (_meta_field(step="four"), "(step 'four' is not a count of steps)"),
+    (_meta_field(data=[1]), "(data is not a JSON object)"),
     (lambda d: (d / "metadata.json").unlink(), "is not a complete mtk checkpoint (no metadata.json"),
     (lambda d: (d / "rng" / "rank00000.pt").unlink(), "rng/rank00000.pt is missing"),
     (lambda d: (d / "model" / "tp00-pp00.safetensors").write_bytes(b"garbage"), "has 7 bytes, the checkpoint"),
