@@ -164,3 +164,40 @@ def _broadcast(rank, world_size):
 
 def test_broadcast_batch_and_the_checks():
     assert run_distributed(_broadcast, world_size=2) == [True, True]
+
+
+def _iterable(rank, world_size, tp_size):
+    """A plain accelerate loop over an IterableDataset (a stream): the losses of every batch it trains on."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from mtk import Accelerator, ParallelConfig
+    from mtk.models import build_model
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            generator = torch.Generator().manual_seed(1)
+            for _ in range(16):
+                yield torch.randint(0, 256, (16,), generator=generator)
+
+    accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=tp_size))
+    model = build_model("tiny-llama", seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loader = DataLoader(Stream(), batch_size=4, collate_fn=lambda rows: {"input_ids": torch.stack(rows)})
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses = []
+    for batch in loader:
+        loss = model(**batch, labels=batch["input_ids"]).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_an_iterable_dataset_at_tp2_trains_on_every_batch_as_one_process():
+    """accelerate dispatches an iterable dataset's batches one per process; the TP peers of a replica then used
+    only their source's, and half the stream was read and dropped without a word (2 of 4 steps at TP 2)."""
+    reference = run_distributed(_iterable, world_size=1, args=(1,))[0]
+    assert len(reference) == 4
+    for losses in run_distributed(_iterable, world_size=2, args=(2,)):
+        assert_close_rel(torch.tensor(losses), torch.tensor(reference), "losses")
