@@ -201,3 +201,28 @@ def test_an_iterable_dataset_at_tp2_trains_on_every_batch_as_one_process():
     assert len(reference) == 4
     for losses in run_distributed(_iterable, world_size=2, args=(2,)):
         assert_close_rel(torch.tensor(losses), torch.tensor(reference), "losses")
+
+
+def _per_rank_batches(rank, world_size):
+    """A loop that feeds each TP rank its own batch (not from a prepared loader): the message, if any."""
+    from mtk import Accelerator, ParallelConfig
+    from mtk.errors import TrainingError
+    from mtk.models import build_model
+
+    accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=2))
+    model = accelerator.prepare(build_model("tiny-llama", seed=0))
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids)  # the same batch on both ranks: no complaint
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(rank))
+    try:
+        model(input_ids=ids, labels=ids)
+    except TrainingError as err:
+        return str(err)
+    return None
+
+
+def test_per_rank_inputs_at_tp2_are_one_line_not_a_mixed_loss():
+    """Token ids that differ per TP rank used to train silently: the vocab-parallel embedding and loss all-reduce,
+    so both ranks shared one loss of their mixed inputs and the loss check saw nothing."""
+    for message in run_distributed(_per_rank_batches, world_size=2):
+        assert message and "call the model on different inputs" in message

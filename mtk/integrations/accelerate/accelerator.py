@@ -41,7 +41,7 @@ from mtk.integrations.deepspeed import (
     zero3_gathered,
 )
 from mtk.parallel.amp import TPGradScaler
-from mtk.parallel.consistency import check_same_loss
+from mtk.parallel.consistency import check_same_loss, same_inputs_hook
 from mtk.parallel.distributed_optimizer import shard_optimizer
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
@@ -199,6 +199,10 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
         # accelerate's own preparation (mixed-precision forward, device placement), but not its DDP,
         # which would span every process: replicas are only the data-parallel group.
         model = super().prepare_model(model, device_placement, evaluation_mode=True)
+        if self.parallel.tp_size * self.parallel.pp_size > 1:  # per-rank inputs would be mixed silently: one line
+            model.register_forward_pre_hook(
+                same_inputs_hook(self.parallel.mp_group, self.parallel.device), with_kwargs=True
+            )
         if isinstance(model, PipelineModel):  # the schedule backpropagates; gradients sync in backward()
             model.scale_loss = self._scale_pipeline_loss
             model.syncs_this_call = lambda: self.sync_gradients  # its last backward starts the DP reduction
