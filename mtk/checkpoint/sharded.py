@@ -27,7 +27,7 @@ from mtk.checkpoint.base_model import base_record, check_base
 from mtk.checkpoint.integrity import Checksums, checksum_files, read_verified
 from mtk.checkpoint.meta import FORMAT, RUN_ID, CheckpointMeta, read_metadata
 from mtk.checkpoint.optimizer import load_optimizer, reshard_optimizer, save_optimizer, saved_optimizer_groups
-from mtk.checkpoint.paths import CheckpointPaths
+from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.checkpoint.reader import ShardedCheckpointReader
 from mtk.checkpoint.rng import restore_rng, rng_state
 from mtk.checkpoint.weights import load_weights, reshard_weights, save_weights
@@ -190,4 +190,5 @@ def restore_streams(model: nn.Module, meta: CheckpointMeta, parallel: ParallelSt
 
 def load_schedulers(paths: CheckpointPaths, schedulers: list) -> None:
     for i, scheduler in enumerate(schedulers):
-        scheduler.load_state_dict(torch.load(paths.scheduler(i), weights_only=True))
+        with reading(paths.scheduler(i)):
+            scheduler.load_state_dict(torch.load(paths.scheduler(i), weights_only=True))

@@ -4,6 +4,8 @@
 import errno
 import json
 import os
+import pickle
+import re
 import stat
 
 import pytest
@@ -189,6 +191,33 @@ def test_a_link_inside_a_checkpoint_is_refused_not_followed(saved, trained, tmp_
     for message in _refusals(saved, trained, tmp_path, capsys):
         assert "tokenizer" in message and ("symbolic link" in message or "not a file inside" in message)
     assert not (tmp_path / "out").exists()
+
+
+class _Payload:
+    def __reduce__(self):  # what a crafted pickle carries: weights_only refuses to call it
+        return (os.system, ("echo ran",))
+
+
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("rng/rank00000.pt", lambda: pickle.dumps(_Payload())),
+        ("optimizer/tp00-pp00.json", lambda: b'{"param_groups": "x"}'),
+        ("optimizer/tp00-pp00.json", lambda: b"{not json"),
+    ],
+    ids=["pickle-payload", "json-of-another-shape", "json-broken"],
+)
+def test_a_crafted_file_whose_checksum_matches_is_one_line_on_resume(saved, trained, name, content):
+    """Checksums can be rewritten with the file: content mtk did not write, listed with its true checksum, is refused
+    by resume in one line naming the file (weights_only never runs the pickle), not by a reader's traceback."""
+    (saved / name).write_bytes(content())
+    _rewrite_metadata(saved, lambda meta: meta["files"].update({name: _record(saved / name)}))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} does not hold what this run loads from it"):
+        _load(saved, trained)
+
+
+def _record(path):
+    return {"bytes": path.stat().st_size, "xxh3_128": file_checksum(path)}
 
 
 def test_metadata_that_lists_no_files_is_refused(saved, trained, tmp_path, capsys):
