@@ -148,6 +148,11 @@ def test_a_folder_skips_no_file_without_a_word(tmp_path):
     (folder / "notes.md").write_text("# not data")
     with pytest.raises(DataError, match="holds 'notes.md', which is not a data file"):
         load_data(folder)
+    (folder / "notes.md").unlink()
+    (folder / "more").mkdir()  # a shard folder inside: its rows were dropped without a word
+    (folder / "more" / "d.jsonl").write_text(json.dumps({"text": TEXTS[0]}) + "\n")
+    with pytest.raises(DataError, match="holds the folder 'more', whose files would not be read"):
+        load_data(folder)
 
 
 def test_packing_restarts_positions_and_masks_each_example_start(tokenizer):
