@@ -133,7 +133,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.save_model:
-        check_target(args.save_model)  # before hours of training, not after
+        check_target(args.save_model, args.output_dir)  # before hours of training, not after
     accelerator = Accelerator(
         gradient_accumulation_steps=args.grad_accum,
         log_with="tensorboard",

@@ -339,7 +339,8 @@ class _OneProcess:
 
 def test_save_model_never_deletes_or_silently_skips(tmp_path):
     """--save_model into a folder holding a user's weight shards is refused before training (transformers' clean-up
-    would delete them), and so is a file or a link; a new directory gets the model and the tokenizer, whole."""
+    would delete them), and so is a file or a link, or the run's --output_dir or a step_N in it (which the run fills);
+    a new directory gets the model and the tokenizer, whole."""
     theirs = tmp_path / "mine"
     theirs.mkdir()
     (theirs / "model-00001-of-00003.safetensors").write_bytes(b"user's")
@@ -349,6 +350,10 @@ def test_save_model_never_deletes_or_silently_skips(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(CheckpointError, match="is a file"):
         check_target(tmp_path / "file")
+    for inside in ("ckpts", "ckpts/step_60", "ckpts/runs", "ckpts/../ckpts/step_2"):  # filled by the run itself
+        with pytest.raises(CheckpointError, match="is where the run writes its own checkpoints or logs"):
+            check_target(tmp_path / inside, tmp_path / "ckpts")
+    check_target(tmp_path / "ckpts" / "final", tmp_path / "ckpts")
     out = save_pretrained(_OneProcess(), build_model("tiny-llama"), tmp_path / "hf", ByteTokenizer())
     assert sorted(p.name for p in out.iterdir()) == [
         "byte_tokenizer.json", "config.json", "generation_config.json", "model.safetensors"
