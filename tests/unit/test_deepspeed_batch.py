@@ -215,3 +215,23 @@ def test_a_rank_the_launcher_stops_with_sigterm_removes_its_shm_buffer(tmp_path)
         assert not buffer.exists()
     finally:
         buffer.unlink(missing_ok=True)
+
+
+def test_the_jsons_optimizer_and_lr_flag_are_one_setting_and_its_scheduler_is_refused():
+    """DeepSpeed took the JSON's optimizer and ignored --lr (lr 0.5 trained under --lr 1e-4), and preferred the
+    script's schedule to the JSON's "scheduler" block: either way one of them was dropped without a word."""
+    from mtk.integrations.deepspeed import optimizer_and_schedule
+
+    said: list[str] = []
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 0.5}}}
+    optimizer_and_schedule(config, "ds.json", 1e-4, said.append)
+    assert config["optimizer"]["params"]["lr"] == 1e-4
+    assert said == ["mtk: --lr 0.0001 overrides optimizer.params.lr 0.5 in ds.json"]
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 0.5}}}
+    optimizer_and_schedule(config, "ds.json", None, said.append)
+    assert config["optimizer"]["params"]["lr"] == 0.5 and len(said) == 1  # the JSON's, without a flag: no line
+    config = {}
+    optimizer_and_schedule(config, "ds.json", None, said.append)
+    assert config["optimizer"]["type"] == "AdamW" and config["optimizer"]["params"]["lr"] == 3e-3
+    with pytest.raises(ConfigError, match='ds.json: its "scheduler" block would be ignored'):
+        optimizer_and_schedule({"scheduler": {"type": "WarmupLR"}}, "ds.json", None, said.append)
