@@ -45,6 +45,14 @@ def safetensors_index(directory: str | Path) -> dict[str, Path]:
             weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as err:
             raise CheckpointError(f"{directory / INDEX_FILE} is not a valid safetensors index ({err})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{directory / INDEX_FILE} is not a valid safetensors index (weight_map)")
+        outside = sorted({f for f in weight_map.values() if Path(f).name != f or f in (".", "..")})
+        if outside:  # HF writes shard names beside the index; a path elsewhere would be read from outside the model
+            raise CheckpointError(
+                f"{directory / INDEX_FILE} maps tensors to {outside[0]!r}, which is not a file beside it; "
+                "a model directory holds its own shards"
+            )
         index = {name: directory / file for name, file in weight_map.items()}
         for path in set(index.values()):
             if not path.is_file():

@@ -260,3 +260,18 @@ def test_model_directories_that_need_code_or_hold_pickles_are_one_line(tmp_path)
     (pickled / "pytorch_model.bin").write_bytes(b"not opened")
     with pytest.raises(ModelSpecError, match=r"holds its weights only as pickles \(pytorch_model.bin\)"):
         resolve_config(str(pickled))
+
+
+def test_a_model_index_that_names_a_file_outside_its_directory_is_one_line(tmp_path):
+    """A model directory's safetensors index is data: a shard name with a path (``../x.safetensors``) was read from
+    wherever it pointed; HF writes shard names beside the index, and anything else is refused before a read."""
+    from mtk.checkpoint.hf_load import safetensors_index
+    from mtk.errors import CheckpointError
+
+    (tmp_path / "outside.safetensors").write_bytes(b"not read")
+    model = tmp_path / "model"
+    model.mkdir()
+    for shard in ("../outside.safetensors", str(tmp_path / "outside.safetensors"), "..", ["a"]):
+        (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": shard}}))
+        with pytest.raises(CheckpointError, match="which is not a file beside it|is not a valid safetensors index"):
+            safetensors_index(model)

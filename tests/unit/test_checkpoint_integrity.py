@@ -220,6 +220,19 @@ def _record(path):
     return {"bytes": path.stat().st_size, "xxh3_128": file_checksum(path)}
 
 
+def test_a_link_in_a_checkpoint_of_the_first_format_is_refused_too(saved, trained, tmp_path, capsys):
+    """A format-1 checkpoint (no checksums) is read unverified, but rewriting a checkpoint's metadata to format 1
+    must not make a link inside it acceptable: verify-checkpoint said nothing of it and exited 0."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (saved / "tokenizer").symlink_to(elsewhere, target_is_directory=True)
+    _rewrite_metadata(saved, lambda meta: (meta.pop("files"), meta.update(format="mtk-checkpoint/1")))
+    code, _, err = _verify_cli(saved, capsys)
+    assert code == 2 and "tokenizer is a symbolic link" in err and "\n" not in err.strip()
+    with pytest.raises(CheckpointError, match="tokenizer is a symbolic link"):
+        _load(saved, trained)
+
+
 def test_metadata_that_lists_no_files_is_refused(saved, trained, tmp_path, capsys):
     _rewrite_metadata(saved, lambda meta: meta.update(files={}))
     for message in _refusals(saved, trained, tmp_path, capsys):
