@@ -233,6 +233,25 @@ def test_a_link_in_a_checkpoint_of_the_first_format_is_refused_too(saved, traine
         _load(saved, trained)
 
 
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"vocab_size": 10**12}, r"holds model.embed_tokens.weight of shape \(\d+, 64\), its recorded config"),
+        ({"num_hidden_layers": 1}, "holds model.layers.1.*which its recorded LlamaForCausalLM config has no place"),
+        ({"model_type": "no-such-model"}, "recorded model config cannot be built"),
+    ],
+    ids=["vocab", "layers", "model-type"],
+)
+def test_an_export_whose_config_and_weights_disagree_is_one_line_before_writing(saved, tmp_path, config, message):
+    """The recorded config and the weights are separate records: a pair that disagrees was written and then
+    refused by transformers' reload (a traceback; with --no_verify a directory that does not load)."""
+    _rewrite_metadata(saved, lambda meta: meta["model"]["config"].update(config))
+    for verify in (True, False):
+        with pytest.raises(CheckpointError, match=message):
+            export_checkpoint(saved, tmp_path / "out", progress=False, verify=verify)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.*"))
+
+
 def test_metadata_that_lists_no_files_is_refused(saved, trained, tmp_path, capsys):
     _rewrite_metadata(saved, lambda meta: meta.update(files={}))
     for message in _refusals(saved, trained, tmp_path, capsys):
