@@ -346,8 +346,9 @@ def test_storage_errors_of_any_library_are_one_line_and_keep_older_checkpoints(
 
 
 def test_a_resume_must_keep_the_options_that_decide_the_data_and_the_adapters(tmp_path):
-    """--lora_alpha (or any --lora_* option) changed on resume is refused like a changed --seq_len; a model path
-    written another way (``dir/``, ``./dir``) is the same model."""
+    """--lora_alpha (or any --lora_* option) changed on resume is refused like a changed --seq_len, and so are
+    --tokenizer and classify.py's --max_length; a model path written another way (``dir/``, ``./dir``) is the same
+    model."""
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     saved = ResumeGuard(model=f"{model_dir}/", seq_len=128, lora_r=8, lora_alpha=16.0).state_dict()
@@ -355,6 +356,12 @@ def test_a_resume_must_keep_the_options_that_decide_the_data_and_the_adapters(tm
     with pytest.raises(CheckpointError, match="changes --lora_alpha 16.0 -> 32.0 from the checkpoint"):
         ResumeGuard(model=str(model_dir), seq_len=128, lora_r=8, lora_alpha=32.0).load_state_dict(saved)
     ResumeGuard(model=str(model_dir), seq_len=128, lora_r=8, lora_alpha=16.0, packing=True).load_state_dict(saved)
+    # another tokenizer gives the same ids other meanings; classify.py's --max_length is its --seq_len
+    with pytest.raises(CheckpointError, match="changes --tokenizer bytes -> "):
+        ResumeGuard(tokenizer=str(model_dir)).load_state_dict(ResumeGuard(tokenizer="bytes").state_dict())
+    with pytest.raises(CheckpointError, match="changes --max_length 64 -> 8"):
+        ResumeGuard(max_length=8).load_state_dict(ResumeGuard(max_length=64).state_dict())
+    assert ResumeGuard.absent_from_older_checkpoints  # a checkpoint from before the script registered one resumes
 
 
 class _OneProcess:
