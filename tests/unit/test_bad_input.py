@@ -118,6 +118,21 @@ def _meta_field(**fields):
     return damage
 
 
+def _crafted_specs(directory: Path) -> None:
+    """Shard specs without their fields, the shard's checksum rewritten to match (what an attacker can do)."""
+    from safetensors.torch import load_file, save_file
+
+    from mtk.checkpoint.integrity import file_checksum
+
+    shard = directory / "model" / "tp00-pp00.safetensors"
+    tensors = load_file(shard)
+    save_file(tensors, shard, metadata={"mtk_specs": json.dumps({name: {} for name in tensors})})
+    record = {"bytes": shard.stat().st_size, "xxh3_128": file_checksum(shard)}
+    _meta_field(
+        files={**json.loads((directory / "metadata.json").read_text())["files"], "model/tp00-pp00.safetensors": record}
+    )(directory)
+
+
 CHECKPOINT_DAMAGE = [
     (_metadata(""), "is not valid mtk checkpoint metadata"),
     (_metadata('{"format": "mtk-checkpoint/2", "st'), "is not valid mtk checkpoint metadata"),
@@ -145,6 +160,15 @@ def test_damaged_checkpoints(checkpoint, tmp_path, capsys, command, damage, mess
     argv = [command, str(directory)] + ([str(tmp_path / "hf")] if command == "export" else [])
     assert mtk_main(argv) == 2
     _one_line(capsys.readouterr().err, f"mtk {command}", message)
+    assert not list(tmp_path.glob("hf*")), "nothing written"
+
+
+def test_crafted_shard_specs_are_one_line_in_export(checkpoint, tmp_path, capsys):
+    """Checksums verify (they were rewritten with the file), but the specs export merges by are malformed."""
+    directory = _copy(checkpoint, tmp_path)
+    _crafted_specs(directory)
+    assert mtk_main(["export", str(directory), str(tmp_path / "hf")]) == 2
+    _one_line(capsys.readouterr().err, "mtk export", "has malformed mtk shard specs (KeyError: 'dim')")
     assert not list(tmp_path.glob("hf*")), "nothing written"
 
 
