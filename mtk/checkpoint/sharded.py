@@ -151,6 +151,12 @@ def load_checkpoint(
     resharding (weights are replicated over DP); RNG states are then taken from rank 0.
     """
     meta = read_verified(directory)  # collective: every file matches its checksum, or every rank refuses
+    if meta.engine is not None:  # its optimizer state is the engine's own, which this loader does not read
+        raise CheckpointError(
+            f"{directory} was written by the {meta.engine} engine (its optimizer state is in {meta.engine}/); resume "
+            f"it under {meta.engine} (run.py, or an accelerate config with distributed_type: DEEPSPEED), or take its "
+            "weights with `mtk export`"
+        )
     paths = CheckpointPaths(directory)
     saved = meta.topology
     check_base(str(directory), meta.base_model, model, parallel)  # collective

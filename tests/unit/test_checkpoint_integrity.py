@@ -252,6 +252,13 @@ def test_an_export_whose_config_and_weights_disagree_is_one_line_before_writing(
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.*"))
 
 
+def test_a_deepspeed_checkpoint_resumed_without_deepspeed_is_one_line_naming_the_engine(saved, trained):
+    """finetune.py without DeepSpeed on run.py's checkpoint said only that an optimizer file was missing."""
+    _rewrite_metadata(saved, lambda meta: meta.update(engine="deepspeed", zero_stage=2))
+    with pytest.raises(CheckpointError, match="was written by the deepspeed engine .*resume it under deepspeed"):
+        _load(saved, trained)
+
+
 def test_metadata_that_lists_no_files_is_refused(saved, trained, tmp_path, capsys):
     _rewrite_metadata(saved, lambda meta: meta.update(files={}))
     for message in _refusals(saved, trained, tmp_path, capsys):
