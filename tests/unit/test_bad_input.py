@@ -10,6 +10,7 @@ import importlib.util
 import json
 import re
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ def _example(name: str):
     return module
 
 
-EXAMPLES = {name: _example(name) for name in ("finetune", "classify", "run")}
+EXAMPLES = {name: _example(name) for name in ("finetune", "classify", "run", "generate")}
 
 SCRIPT_CASES = [
     ("finetune", ["--batch_size", "0"], "argument --batch_size: must be a positive integer, got 0"),
@@ -299,3 +300,20 @@ def test_a_model_index_that_names_a_file_outside_its_directory_is_one_line(tmp_p
         (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": shard}}))
         with pytest.raises(CheckpointError, match="which is not a file beside it|is not a valid safetensors index"):
             safetensors_index(model)
+
+
+def test_generate_on_a_directory_it_cannot_use_is_one_line(checkpoint, tmp_path, capsys):
+    """generate.py ran transformers directly: a training checkpoint, a directory without a tokenizer or one that is
+    not there ended in AutoTokenizer's traceback."""
+    no_tokenizer = tmp_path / "hf"
+    resolve_config("tiny-llama").save_pretrained(no_tokenizer)
+    cases = [
+        (checkpoint, "is an mtk training checkpoint; export it first: mtk export"),
+        (no_tokenizer, "has no tokenizer (tokenizer.json or tokenizer_config.json)"),
+        (tmp_path / "nowhere", "is neither a built-in config"),
+    ]
+    for directory, message in cases:
+        with pytest.raises(SystemExit) as exit_:
+            run_main(partial(EXAMPLES["generate"].main, [str(directory), "--prompt", "hi"]), "generate.py")
+        assert exit_.value.code == 2
+        _one_line(capsys.readouterr().err, "generate.py", message)
