@@ -317,3 +317,19 @@ def test_generate_on_a_directory_it_cannot_use_is_one_line(checkpoint, tmp_path,
             run_main(partial(EXAMPLES["generate"].main, [str(directory), "--prompt", "hi"]), "generate.py")
         assert exit_.value.code == 2
         _one_line(capsys.readouterr().err, "generate.py", message)
+
+
+def test_weights_for_more_layers_than_the_config_builds_are_one_line(tmp_path):
+    """A config that says 2 layers beside weights for 8 trained a 2-layer model without a word (the rest ignored)."""
+    from safetensors.torch import save_file
+
+    from mtk.checkpoint.hf_load import load_pretrained_tp
+    from mtk.errors import CheckpointError
+
+    model = build_model("tiny-llama")
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    state["model.layers.7.mlp.down_proj.weight"] = state["model.layers.0.mlp.down_proj.weight"].clone()
+    model.config.save_pretrained(tmp_path)
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="holds weights for 8 layers but its config builds 2"):
+        load_pretrained_tp(tmp_path, ParallelState.build())
