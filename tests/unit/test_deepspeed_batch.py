@@ -235,3 +235,23 @@ def test_the_jsons_optimizer_and_lr_flag_are_one_setting_and_its_scheduler_is_re
     assert config["optimizer"]["type"] == "AdamW" and config["optimizer"]["params"]["lr"] == 3e-3
     with pytest.raises(ConfigError, match='ds.json: its "scheduler" block would be ignored'):
         optimizer_and_schedule({"scheduler": {"type": "WarmupLR"}}, "ds.json", None, said.append)
+
+
+def test_a_json_optimizer_beside_the_scripts_own_is_one_line_under_accelerate():
+    """accelerate raised a ValueError inside prepare on every rank (a traceback each) when the JSON and the script
+    both define the optimizer or the LR scheduler."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mtk.integrations.accelerate.deepspeed import refuse_two_optimizers
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    for block, args in (("optimizer", (optimizer,)), ("scheduler", (optimizer, scheduler))):
+        plugin = SimpleNamespace(deepspeed_config={block: {"type": "X"}})
+        state = SimpleNamespace(deepspeed_plugin=plugin)
+        accelerator = SimpleNamespace(state=state, deepspeed_batch_fields=({}, "ds.json"))
+        with pytest.raises(ConfigError, match=rf'ds.json defines the {block} \(its "{block}" block\) and the script'):
+            refuse_two_optimizers(accelerator, args)
+    refuse_two_optimizers(accelerator, (optimizer,))  # a JSON scheduler beside the script's optimizer: no conflict

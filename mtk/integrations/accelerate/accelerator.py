@@ -29,6 +29,7 @@ from mtk.integrations.accelerate.data_path import DataPath
 from mtk.integrations.accelerate.deepspeed import (
     deepspeed_initialize_with_mpu,
     reconcile_accelerate_batch,
+    refuse_two_optimizers,
     replace_accelerated_schedulers,
     user_batch_fields,
 )
@@ -167,6 +168,7 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
                 repoint(obj, self._replaced_params)
         if not self.uses_deepspeed:
             return super().prepare(*args, device_placement=device_placement)
+        refuse_two_optimizers(self, tuple(args))
         reconcile_accelerate_batch(self, tuple(args), self._explicit_accumulation)
         with deepspeed_initialize_with_mpu(self.parallel, self.deepspeed_batch_fields[1]):
             prepared = super().prepare(*args, device_placement=device_placement)
