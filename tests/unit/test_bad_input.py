@@ -285,6 +285,12 @@ def test_model_directories_that_need_code_or_hold_pickles_are_one_line(tmp_path)
     (pickled / "pytorch_model.bin").write_bytes(b"not opened")
     with pytest.raises(ModelSpecError, match=r"holds its weights only as pickles \(pytorch_model.bin\)"):
         resolve_config(str(pickled))
+    invalid = tmp_path / "invalid"
+    invalid.mkdir()
+    record = {**resolve_config("tiny-llama").to_dict(), "num_attention_heads": 3}  # 64 is not a multiple of 3
+    (invalid / "config.json").write_text(json.dumps(record))
+    with pytest.raises(ModelSpecError, match=r"transformers refuses its config \(The hidden size \(64\) is not a"):
+        resolve_config(str(invalid))
 
 
 def test_a_model_index_that_names_a_file_outside_its_directory_is_one_line(tmp_path):
