@@ -27,7 +27,7 @@ from transformers import AutoModelForSequenceClassification
 
 from mtk import Accelerator
 from mtk.args import ArgumentParser, add_safety_arguments, collective_timeout, positive_float, positive_int
-from mtk.checkpoint.resume import add_resume_arguments, start_point
+from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.data import ByteTokenizer, add_tokenizer_argument, load_data, pad_id_of, tokenizer_for
 from mtk.errors import DataError
 from mtk.models import build_model, resolve_config
@@ -159,6 +159,8 @@ def main(argv=None) -> None:
     accelerator.init_trackers("runs")
 
     resume = start_point(args, main_process=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
+    # a resumed run must continue the same data stream: a changed --data, --max_length, --seed, ... is one line
+    accelerator.register_for_checkpointing(ResumeGuard.from_args(args))
     step = 0
     if resume:
         accelerator.load_state(resume)

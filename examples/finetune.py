@@ -238,10 +238,10 @@ def step_boundary(
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.save_model:
-        check_target(args.save_model)  # before hours of training, not after
+        check_target(args.save_model, args.output_dir)  # before hours of training, not after
     accelerator = build_accelerator(args)
     parallel, settings = accelerator.parallel, accelerator.settings
-    # SIGTERM/SIGINT from here on: save at the next step boundary and exit (a second one: stop at once)
+    # SIGTERM/SIGINT/SIGHUP from here on: save at the next step boundary and exit (a second one: stop at once)
     exit_signal = ExitSignal(accelerator.device)
     accelerator.print(placement(parallel).describe())  # which node each rank is on; TP groups inside nodes
     resume = start_point(args, main_process=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)

@@ -3,25 +3,45 @@
     python examples/generate.py ckpts/hf --prompt "What does the Python reference say about the pass statement?"
 
 Plain transformers: ``from_pretrained``, the tokenizer's chat template with the generation prompt,
-``generate``. ``--system`` adds a system message first.
+``generate``. ``--system`` adds a system message first. A directory it cannot use is one line (through mtk's
+``run_main``, as every example), not transformers' traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from mtk.errors import CheckpointError, DataError
+from mtk.models import resolve_config
+from mtk.training.entry import run_main
 
 
-def main() -> None:
+def check_model_directory(directory: str) -> None:
+    """What transformers would refuse in a traceback, as one line: no such directory, an mtk training checkpoint
+    (export it first), a config that needs custom code or weights that are only pickles, no tokenizer."""
+    path = Path(directory)
+    if (path / "metadata.json").is_file():
+        raise CheckpointError(f"{path} is an mtk training checkpoint; export it first: mtk export {path} <out_dir>")
+    resolve_config(str(path))  # a missing directory, custom code (auto_map), pickle-only weights: one line
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise DataError(f"{path} has no tokenizer (tokenizer.json or tokenizer_config.json); generate.py needs one")
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="a local HF directory with a tokenizer that has a chat template")
     parser.add_argument("--prompt", required=True, help="the user message")
     parser.add_argument("--system", help="a system message before it")
     parser.add_argument("--max_new_tokens", type=int, default=80)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_model_directory(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{args.model}'s tokenizer has no chat template; give a directory whose tokenizer has one")
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, use_safetensors=True).eval()
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}
@@ -33,4 +53,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "generate.py")

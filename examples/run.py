@@ -48,6 +48,7 @@ from mtk.integrations.deepspeed import (
     held_elements,
     initialization_cleanup,
     load_deepspeed_checkpoint,
+    optimizer_and_schedule,
     remove_shm_buffers_at_exit,
     save_deepspeed_checkpoint,
 )
@@ -94,7 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output_dir", default="ckpts")
     add_resume_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=positive_float, default=3e-3)
+    parser.add_argument(
+        "--lr", type=positive_float, help="default: the JSON optimizer's lr, else 3e-3 (the flag overrides it, said)"
+    )
     parser.add_argument("--warmup_steps", type=non_negative_int, default=5)
     parser.add_argument("--batch_size", type=positive_int, help="micro-batch per DP replica (default: from the JSON)")
     parser.add_argument("--grad_accum", type=positive_int, help="micro-batches per step (default: from the JSON)")
@@ -116,6 +119,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_engine(args: argparse.Namespace, parallel: ParallelState) -> tuple[Any, torch.nn.Module, Any]:
     """DeepSpeed's engine over mtk's tensor-parallel model (LoRA on its parallel layers if asked), ZeRO sharding over
     the data-parallel group only (mtk's state is DeepSpeed's mpu); the model and the engine's scheduler with it."""
+
+    def report(line: str) -> None:
+        if parallel.rank == 0:
+            print(line, flush=True)
+
     # the JSON's batch fields with --batch_size/--grad_accum: one set of numbers (an override is one line)
     ds_config, _ = deepspeed_config(
         args.deepspeed_config,
@@ -123,11 +131,10 @@ def build_engine(args: argparse.Namespace, parallel: ParallelState) -> tuple[Any
         micro_batch=args.batch_size,
         grad_accum=args.grad_accum,
         layout=dp_layout(parallel.world_size, parallel.tp_size, parallel.pp_size),
-        report=lambda line: print(line, flush=True) if parallel.rank == 0 else None,
+        report=report,
     )
     check_precision(ds_config, args.deepspeed_config)  # fp16 where DeepSpeed has none: one line
-    ds_config.setdefault("optimizer", {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}})
-    ds_config["optimizer"].setdefault("params", {}).setdefault("torch_adam", True)
+    optimizer_and_schedule(ds_config, args.deepspeed_config, args.lr, report)  # --lr beats the JSON's, in one line
     lora = lora_config(args)
     dtype = base_dtype(args) if lora else None
     set_seed(args.seed)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -138,16 +139,20 @@ def resolve_config(spec: str | PretrainedConfig) -> PretrainedConfig:
 
 def _config_from(path: Path) -> PretrainedConfig:
     """transformers' config of a local directory or file, never running its code: a config that needs code
-    (``auto_map`` with a model type transformers does not ship) or that transformers cannot read is one line."""
+    (``auto_map`` with a model type transformers does not ship), that transformers cannot read, or whose values its
+    validators refuse (a hidden size the heads do not divide) is one line."""
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
-    except (ValueError, KeyError, OSError) as err:
+    except (ValueError, KeyError, OSError, StrictDataclassError) as err:
         custom = "custom code" in str(err) or "trust_remote_code" in str(err)
+        cause = err.__cause__ if isinstance(err, StrictDataclassError) and err.__cause__ else err  # the validator's
         reason = (
             "it needs the custom code its auto_map names, and mtk runs no code from a model directory"
             if custom
-            else str(err).strip().splitlines()[0][:160]
+            else (str(cause).strip().splitlines() or [type(cause).__name__])[0][:160]
         )
+        if isinstance(err, StrictDataclassError):  # read, but its values contradict each other
+            raise ModelSpecError(f"--model {path}: transformers refuses its config ({reason}); fix it") from None
         raise ModelSpecError(
             f"--model {path}: transformers cannot read its config ({reason}); use a model whose "
             "architecture transformers ships"

@@ -113,6 +113,25 @@ def _verify(out: Path, meta: CheckpointMeta, reader: ShardedCheckpointReader, dt
             raise CheckpointError(f"verification failed: {name} reloaded from {out} differs from the checkpoint")
 
 
+def _check_shapes(config, cls, reader: ShardedCheckpointReader, checkpoint: str | Path) -> None:
+    """Every tensor of the checkpoint is one the recorded config's model has, of the same shape, before anything is
+    written: the config and the weights are separate records of the metadata, and a pair that disagrees wrote an
+    export that transformers then refused to load (a traceback, or a broken directory with --no_verify)."""
+    with torch.device("meta"):  # nothing allocated, whatever sizes the config claims
+        expected = {name: tuple(t.shape) for name, t in cls(config).state_dict().items()}
+    for name in reader.names():
+        if name not in expected:
+            raise CheckpointError(
+                f"{checkpoint} holds {name}, which its recorded {cls.__name__} config has no place for (config and "
+                "weights disagree); it cannot be exported"
+            )
+        if tuple(reader.full_shapes[name]) != expected[name]:
+            raise CheckpointError(
+                f"{checkpoint} holds {name} of shape {tuple(reader.full_shapes[name])}, its recorded config makes it "
+                f"{expected[name]} (config and weights disagree); it cannot be exported"
+            )
+
+
 def export_checkpoint(
     checkpoint: str | Path,
     out_dir: str | Path,
@@ -138,10 +157,15 @@ def export_checkpoint(
     config_dict = meta.model.get("config")
     if not config_dict:
         raise CheckpointError(f"{checkpoint} records no model config; it cannot be exported as an HF directory")
+    try:
+        config = transformers.AutoConfig.for_model(**{k: v for k, v in config_dict.items() if k != "auto_map"})
+    except (ValueError, TypeError, KeyError) as err:
+        raise CheckpointError(f"{checkpoint}'s recorded model config cannot be built ({err})") from None
+    config.architectures = [meta.model["class"]]
+    with ShardedCheckpointReader(checkpoint, meta.topology) as reader:
+        _check_shapes(config, _model_class(meta), reader, checkpoint)
     with staged_directory(out) as tmp, ShardedCheckpointReader(checkpoint, meta.topology) as reader:
         _write_weights(reader, tmp, torch_dtype, limit, progress)
-        config = transformers.AutoConfig.for_model(**{k: v for k, v in config_dict.items() if k != "auto_map"})
-        config.architectures = [meta.model["class"]]
         if torch_dtype is not None:
             config.dtype = torch_dtype
         config.save_pretrained(tmp)

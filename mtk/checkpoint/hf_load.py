@@ -10,6 +10,7 @@ Weights load only from safetensors: a directory with only pickled ``.bin`` weigh
 from __future__ import annotations
 
 import json
+import re
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, cast
@@ -45,6 +46,14 @@ def safetensors_index(directory: str | Path) -> dict[str, Path]:
             weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as err:
             raise CheckpointError(f"{directory / INDEX_FILE} is not a valid safetensors index ({err})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{directory / INDEX_FILE} is not a valid safetensors index (weight_map)")
+        outside = sorted({f for f in weight_map.values() if Path(f).name != f or f in (".", "..")})
+        if outside:  # HF writes shard names beside the index; a path elsewhere would be read from outside the model
+            raise CheckpointError(
+                f"{directory / INDEX_FILE} maps tensors to {outside[0]!r}, which is not a file beside it; "
+                "a model directory holds its own shards"
+            )
         index = {name: directory / file for name, file in weight_map.items()}
         for path in set(index.values()):
             if not path.is_file():
@@ -103,8 +112,32 @@ def load_slices(model: nn.Module, directory: str | Path, parallel: ParallelState
     """Fill ``model`` (built by :func:`empty_model`, converted for ``parallel``: its parameters still on the meta
     device) with this rank's slice of each tensor in ``directory``'s safetensors, in the parameter's dtype; in
     evaluation mode, as HF's ``from_pretrained`` returns a model."""
-    _fill_from_checkpoint(model, safetensors_index(directory), parallel.device, parallel.tp_group)
+    index = safetensors_index(directory)
+    _check_layer_count(index, model, directory)
+    _fill_from_checkpoint(model, index, parallel.device, parallel.tp_group)
     model.eval()
+
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|layer|blocks)\.(\d+)\.")
+
+
+def _check_layer_count(index: dict[str, Path], model: nn.Module, directory: str | Path) -> None:
+    """Weights for more decoder layers than the config builds are one line: the extra layers would be dropped
+    without a word (HF only logs them as unexpected keys), and the run would train a shallower model than the
+    directory's. Only the model's own layer stack counts (its parameters' ``<prefix>.layers.<i>.`` prefix; another
+    stack, a vision tower's, is not compared), and multi-token-prediction layers a config declares are allowed."""
+    config = cast(Any, model).config
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int):
+        return
+    layers += getattr(config, "num_nextn_predict_layers", 0) or 0
+    prefixes = {name[: m.start(1)] for name, _ in model.named_parameters() if (m := _LAYER.search(name))}
+    found = [int(m.group(1)) for name in index if (m := _LAYER.search(name)) and name[: m.start(1)] in prefixes]
+    if found and max(found) >= layers:
+        raise CheckpointError(
+            f"{directory} holds weights for {max(found) + 1} layers but its config builds {layers} "
+            "(num_hidden_layers): config and weights disagree"
+        )
 
 
 def load_pretrained_tp(

@@ -217,6 +217,12 @@ def read_verified(directory: str | Path) -> CheckpointMeta:
     (mtk never writes one: its weights are always listed).
     """
     meta = read_metadata(directory)
+    linked = links(Path(directory))
+    if linked and meta.format == FIRST_FORMAT:  # format 2 names links among its problems (verify_files)
+        raise CheckpointError(
+            f"{Path(directory) / linked[0]} is a symbolic link; a checkpoint holds only its own files (this one, of "
+            f"format {FIRST_FORMAT}, has no checksums, and links are refused whatever the format)"
+        )
     if meta.format != FIRST_FORMAT and not meta.files:
         raise CheckpointError(
             f"{directory}/metadata.json lists no files, so nothing in the checkpoint can be verified; the metadata "

@@ -41,6 +41,27 @@ def _layout_from_record(record: dict[str, int]) -> Layout:
     return layout
 
 
+def _check_types(values: dict[str, Any]) -> None:
+    """The fields every reader uses, typed as mtk writes them: the metadata is data from disk (possibly crafted),
+    and a wrong type would otherwise fail later, deep in a reader, as a traceback."""
+    step = values.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise TypeError(f"step {step!r} is not a count of steps")
+    files = values.get("files", {})
+    if not isinstance(files, dict):
+        raise TypeError(f"files is a {type(files).__name__}, not a mapping of paths to their size and checksum")
+    for name, record in files.items():
+        if not (
+            isinstance(record, dict)
+            and isinstance(record.get("bytes"), int)
+            and isinstance(record.get("xxh3_128"), str)
+        ):
+            raise TypeError(f"files[{name!r}] is {record!r}, not {{'bytes': <int>, 'xxh3_128': <hex>}}")
+    for key in ("model", "data", "versions"):
+        if not isinstance(values.get(key, {}), dict):
+            raise TypeError(f"{key} is not a JSON object")
+
+
 @dataclass
 class CheckpointMeta:
     """Everything ``metadata.json`` holds.
@@ -92,6 +113,7 @@ class CheckpointMeta:
             known = {f.name for f in dataclasses.fields(cls)} - {"rng"}
             values = {key: value for key, value in record.items() if key in known}
             values["topology"] = _layout_from_record(record["topology"])
+            _check_types(values)
             return cls(**values)
         except CheckpointError:
             raise

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from mtk.checkpoint.paths import CheckpointPaths
+from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.checkpoint.weights import read_safetensors, source_name
 from mtk.errors import CheckpointError
 from mtk.parallel.gather import full_shape_and_spec
@@ -55,6 +55,11 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Pat
 
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Path) -> None:
+    with reading(stem.with_suffix(".json")):
+        _load_optimizer(model, optimizer, stem)
+
+
+def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Path) -> None:
     names = _param_names(model, optimizer)
     tensors = read_safetensors(stem.with_suffix(".safetensors"))
     meta = json.loads(stem.with_suffix(".json").read_text())
@@ -112,7 +117,9 @@ def saved_optimizer_groups(paths: CheckpointPaths, pp_size: int) -> dict:
     """Param groups and non-tensor state of TP rank 0 of every stage, merged."""
     merged: dict[str, Any] = {"param_groups": None, "state": {}}
     for stage in range(pp_size):
-        meta = json.loads(paths.optimizer(0, stage).with_suffix(".json").read_text())
-        merged["param_groups"] = merged["param_groups"] or meta["param_groups"]
-        merged["state"].update(meta["state"])
+        path = paths.optimizer(0, stage).with_suffix(".json")
+        with reading(path):
+            meta = json.loads(path.read_text())
+            merged["param_groups"] = merged["param_groups"] or meta["param_groups"]
+            merged["state"].update(meta["state"])
     return merged

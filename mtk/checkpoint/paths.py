@@ -16,9 +16,44 @@
 
 from __future__ import annotations
 
+import json
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["CheckpointPaths", "shard_name"]
+from mtk.errors import CheckpointError
+
+__all__ = ["CheckpointPaths", "reading", "shard_name"]
+
+# What reading a file's contents raises when they are not what mtk wrote there: a pickle that torch.load's
+# weights_only refuses, JSON of another shape, a state dict that does not fit the object it is loaded into.
+_CONTENT_ERRORS = (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, RuntimeError)
+
+
+@contextmanager
+def reading(path: Path) -> Iterator[None]:
+    """Load ``path`` of a checkpoint inside this block: an error of its contents is one line naming the file.
+
+    Checksums prove a file is the one recorded, not that mtk wrote it (metadata and checksums can be rewritten
+    together), and a file from another version may not fit: such a file fails while it is parsed or loaded,
+    which would otherwise be a reader's traceback (``KeyError: 'state'``, torch's weights_only refusal)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except _CONTENT_ERRORS as err:
+        if isinstance(err, pickle.UnpicklingError):
+            reason = "a pickle that torch.load(weights_only=True) refuses to unpickle"
+        elif isinstance(err, json.JSONDecodeError):
+            reason = f"not valid JSON ({err})"
+        else:
+            text = str(err).strip().splitlines()
+            reason = f"{type(err).__name__}: {text[0] if text else 'no message'}"
+        raise CheckpointError(
+            f"{path} does not hold what this run loads from it ({reason}); it was written by another program or "
+            "version, or crafted: use another checkpoint"
+        ) from None
 
 
 def shard_name(tp_rank: int, pp_rank: int) -> str:

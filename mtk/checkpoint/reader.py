@@ -42,12 +42,17 @@ class ShardedCheckpointReader:
                 raise CheckpointError(
                     f"{handle.path} has no mtk shard specs (not written by mtk save_state)"
                 ) from None
-            for name, info in specs.items():
-                spec = ShardSpec(info["dim"], tuple(tuple(r) for r in info["ranges"]), info["local_size"])
-                self.pieces.setdefault(name, []).append((handle, spec))
-                self.full_shapes[name] = tuple(info["full_shape"])
-                if "tied_to" in info:
-                    self.tied[name] = info["tied_to"]
+            try:  # data from the file (possibly crafted, its checksum rewritten with it): one line if malformed
+                for name, info in specs.items():
+                    spec = ShardSpec(info["dim"], tuple(tuple(r) for r in info["ranges"]), info["local_size"])
+                    self.pieces.setdefault(name, []).append((handle, spec))
+                    self.full_shapes[name] = tuple(int(n) for n in info["full_shape"])
+                    if "tied_to" in info:
+                        self.tied[name] = str(info["tied_to"])
+            except (AttributeError, KeyError, TypeError, ValueError) as err:
+                raise CheckpointError(
+                    f"{handle.path} has malformed mtk shard specs ({type(err).__name__}: {err}); not as mtk wrote it"
+                ) from None
         self._optimizer_handles: list[SafetensorsFile] | None = None
         self._optimizer_keys: list[set[str]] = []
 

@@ -136,19 +136,22 @@ def add_resume_arguments(parser: argparse.ArgumentParser, example: str = "ckpts/
 class ResumeGuard:
     """The options a resumed run must share with the run it continues, checked when it resumes.
 
-    Some decide which data comes next (``--data``, ``--seq_len``, ``--seed``, ``--model``, packing): changing one
-    on resume would silently train on a different stream than the checkpoint's data position means. Others
+    Some decide which data comes next (``--data``, ``--seq_len`` or classify.py's ``--max_length``, ``--seed``,
+    ``--model``, ``--tokenizer``, packing): changing one on resume would silently train on a different stream than
+    the checkpoint's data position means (another tokenizer also gives the same ids other meanings). Others
     decide what the checkpoint's adapters are (``--lora_*``, ``--base_dtype``): a LoRA checkpoint resumed with
     another alpha or targets would silently train another model. Registered with accelerate's
     ``register_for_checkpointing``, so it is saved in every checkpoint and compared by ``load_state``; a change is
     one line naming the option. Paths are compared as the files they name (``dir/`` and ``./dir`` are ``dir``).
     """
 
+    # checkpoints written before a script registered a guard have none: they resume, unchecked, as before
+    absent_from_older_checkpoints = True
     # the scripts' options that decide which data comes next
-    DATA_OPTIONS = ("model", "data", "seq_len", "seed", "packing", "loss_on")
+    DATA_OPTIONS = ("model", "tokenizer", "data", "seq_len", "max_length", "seed", "packing", "loss_on")
     # the options that decide what the trained adapters are
     MODEL_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "base_dtype")
-    _PATHS = ("model", "data")
+    _PATHS = ("model", "tokenizer", "data")
 
     def __init__(self, **options: Any) -> None:
         self.options = {key: _normalized(value) if key in self._PATHS else value for key, value in options.items()}

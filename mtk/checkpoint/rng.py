@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from mtk.checkpoint.meta import CheckpointMeta
-from mtk.checkpoint.paths import CheckpointPaths
+from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.parallel.state import ParallelState
 
 __all__ = ["restore_rng", "rng_state", "set_rng_state"]
@@ -43,6 +43,8 @@ def set_rng_state(states: dict[str, Any]) -> None:
 def restore_rng(paths: CheckpointPaths, meta: CheckpointMeta, parallel: ParallelState) -> dict[str, Any]:
     """Set this rank's RNG states from the checkpoint (rank 0's when the world size changed)."""
     same_world = meta.topology.world_size == parallel.world_size
-    rng = torch.load(paths.rng(parallel.rank if same_world else 0), weights_only=True)
-    set_rng_state(rng)
+    path = paths.rng(parallel.rank if same_world else 0)
+    with reading(path):
+        rng = torch.load(path, weights_only=True)
+        set_rng_state(rng)
     return rng

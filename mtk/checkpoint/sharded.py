@@ -27,7 +27,7 @@ from mtk.checkpoint.base_model import base_record, check_base
 from mtk.checkpoint.integrity import Checksums, checksum_files, read_verified
 from mtk.checkpoint.meta import FORMAT, RUN_ID, CheckpointMeta, read_metadata
 from mtk.checkpoint.optimizer import load_optimizer, reshard_optimizer, save_optimizer, saved_optimizer_groups
-from mtk.checkpoint.paths import CheckpointPaths
+from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.checkpoint.reader import ShardedCheckpointReader
 from mtk.checkpoint.rng import restore_rng, rng_state
 from mtk.checkpoint.weights import load_weights, reshard_weights, save_weights
@@ -151,6 +151,12 @@ def load_checkpoint(
     resharding (weights are replicated over DP); RNG states are then taken from rank 0.
     """
     meta = read_verified(directory)  # collective: every file matches its checksum, or every rank refuses
+    if meta.engine is not None:  # its optimizer state is the engine's own, which this loader does not read
+        raise CheckpointError(
+            f"{directory} was written by the {meta.engine} engine (its optimizer state is in {meta.engine}/); resume "
+            f"it under {meta.engine} (run.py, or an accelerate config with distributed_type: DEEPSPEED), or take its "
+            "weights with `mtk export`"
+        )
     paths = CheckpointPaths(directory)
     saved = meta.topology
     check_base(str(directory), meta.base_model, model, parallel)  # collective
@@ -190,4 +196,5 @@ def restore_streams(model: nn.Module, meta: CheckpointMeta, parallel: ParallelSt
 
 def load_schedulers(paths: CheckpointPaths, schedulers: list) -> None:
     for i, scheduler in enumerate(schedulers):
-        scheduler.load_state_dict(torch.load(paths.scheduler(i), weights_only=True))
+        with reading(paths.scheduler(i)):
+            scheduler.load_state_dict(torch.load(paths.scheduler(i), weights_only=True))

@@ -49,8 +49,15 @@ def _kind(path: Path) -> str | None:
 
 
 def _data_files(path: Path, option: str) -> list[Path]:
-    """Every file of a folder (hidden ones aside): each must be a data file; none is skipped without a word."""
+    """Every file of a folder (hidden ones aside): each must be a data file; none is skipped without a word, and a
+    folder inside it (whose files would not be read) is one line."""
     files = sorted(p for p in path.iterdir() if not p.name.startswith("."))
+    folders = [p.name for p in files if p.is_dir()]
+    if folders:
+        raise DataError(
+            f"{option} {path} holds the folder {folders[0]!r}, whose files would not be read (mtk reads the files "
+            f"directly in {path}); move its files up into {path}, or the folder out"
+        )
     unknown = [p.name for p in files if p.is_file() and _kind(p) is None]
     if unknown:
         raise DataError(

@@ -64,12 +64,40 @@ def tokenizer_for(model_spec: str, tokenizer: str | None = None, vocab_size: int
             )
         return ByteTokenizer()
     if source.is_dir() and any((source / name).is_file() for name in _FILES):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+        return _hf_tokenizer(source, "--tokenizer" if tokenizer is not None else "--model", vocab_size)
     if tokenizer is not None:
         raise DataError(f"--tokenizer {tokenizer} is not a directory with {' or '.join(_FILES)}, nor 'bytes'")
     raise DataError(
         f"--model {model_spec} has no tokenizer ({' or '.join(_FILES)}); pass --tokenizer DIR (a local tokenizer "
         f"directory) or --tokenizer bytes (UTF-8 bytes, for a model trained on them)"
     )
+
+
+def _hf_tokenizer(source: Path, option: str, vocab_size: int | None) -> Any:
+    """The directory's tokenizer through transformers, or one line: one that needs code (its ``auto_map``: mtk
+    never passes ``trust_remote_code``), one transformers cannot build, or ids the model has no embedding for
+    (under TP such an id reads a zero vector instead of failing)."""
+    from transformers import AutoTokenizer
+
+    try:
+        record = json.loads((source / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        record = {}
+    if isinstance(record, dict) and record.get("auto_map"):
+        raise DataError(
+            f"{option} {source}: its tokenizer needs the custom code its auto_map names ({record['auto_map']}); mtk "
+            "runs no code from a directory: use a tokenizer transformers ships"
+        )
+    try:
+        loaded = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, ImportError) as err:
+        lines = str(err).strip().splitlines()
+        raise DataError(
+            f"{option} {source}: transformers cannot load its tokenizer ({lines[0] if lines else type(err).__name__})"
+        ) from None
+    if vocab_size is not None and len(loaded) > vocab_size:
+        raise DataError(
+            f"{option} {source}: its tokenizer has {len(loaded)} ids but the model has {vocab_size} embeddings; use "
+            "the model's own tokenizer"
+        )
+    return loaded

@@ -37,6 +37,7 @@ from mtk.parallel.state import ParallelState
 
 __all__ = [
     "check_precision",
+    "optimizer_and_schedule",
     "deepspeed_config",
     "held_elements",
     "initialization_cleanup",
@@ -265,3 +266,31 @@ def check_precision(config: dict[str, Any], where: str, *, accelerate: bool = Fa
         f"{where}: {asked} does not run under DeepSpeed on {accelerator.device_name()} (no fp16 there); "
         f"use {' or '.join(works)}"
     )
+
+
+DEFAULT_LR = 3e-3  # run.py's learning rate when neither --lr nor the JSON's optimizer gives one
+
+
+def optimizer_and_schedule(
+    config: dict[str, Any], where: str, lr: float | None, report: Callable[[str], None] | None = None
+) -> None:
+    """Reconcile the JSON's ``optimizer`` and ``scheduler`` with a script that schedules the LR itself (``run.py``:
+    warm-up, then linear decay, passed to ``deepspeed.initialize`` as ``lr_scheduler``), in place.
+
+    DeepSpeed takes the JSON's optimizer and ignores a ``--lr`` the script would put in its own, and prefers the
+    script's ``lr_scheduler`` to the JSON's ``scheduler`` block: either way one of the two was dropped without a
+    word (a JSON lr of 0.5 trained at 0.5 under ``--lr 1e-4``). Here the JSON's lr is used unless ``--lr`` is given,
+    which overrides it in one line, as the batch flags do; a ``scheduler`` block is one line (it would not run).
+    """
+    if "scheduler" in config:
+        raise ConfigError(
+            f'{where}: its "scheduler" block would be ignored (the script schedules the learning rate itself: '
+            "--warmup_steps of linear warm-up, then linear decay to 0 at --max_steps); remove the block"
+        )
+    optimizer = config.setdefault("optimizer", {"type": "AdamW", "params": {"weight_decay": 0.0}})
+    params = optimizer.setdefault("params", {})
+    stated = params.get("lr")
+    if lr is not None and stated is not None and stated != lr and report is not None:
+        report(f"mtk: --lr {lr} overrides optimizer.params.lr {stated} in {where}")
+    params["lr"] = lr if lr is not None else stated if stated is not None else DEFAULT_LR
+    params.setdefault("torch_adam", True)

@@ -36,7 +36,16 @@ from mtk.errors import TrainingError
 from mtk.parallel.comm import Group, group_size
 from mtk.parallel.random import _get_state, _set_state
 
-__all__ = ["BroadcastBatches", "agree_rng", "agree_weights", "broadcast_batch", "broadcast_batches", "check_same_loss"]
+__all__ = [
+    "BroadcastBatches",
+    "agree_rng",
+    "agree_weights",
+    "broadcast_batch",
+    "broadcast_batches",
+    "check_same_inputs",
+    "check_same_loss",
+    "same_inputs_hook",
+]
 
 
 @dataclass(frozen=True)
@@ -244,3 +253,51 @@ def check_same_loss(loss: torch.Tensor, group: Group, device: torch.device) -> N
             "the loss from the model's outputs and a batch of a DataLoader passed through accelerator.prepare "
             "(mtk gives every rank of a replica the same batch), not from per-rank data or random draws"
         )
+
+
+def _fingerprint(obj: Any) -> torch.Tensor:
+    """Four fp64 numbers of every tensor inside ``obj`` (dicts, lists, tuples): element count, sum, sum of
+    squares and a position-weighted sum (so a permuted or shifted batch differs too). A fixed length whatever
+    the batch, so ranks that disagree still meet in one all-reduce of the same size."""
+    tensors: list[torch.Tensor] = []
+    _map(obj, tensors.append, torch.Tensor)
+    total = torch.zeros(4, dtype=torch.float64)
+    with torch.no_grad():
+        for tensor in tensors:
+            flat = tensor.detach().reshape(-1).double().cpu()  # [n]
+            weights = torch.arange(flat.numel(), dtype=torch.float64) % 1009 + 1  # [n]
+            total += torch.stack([torch.tensor(float(flat.numel())), flat.sum(), flat.square().sum(), flat @ weights])
+    return total
+
+
+def check_same_inputs(args: Any, kwargs: Any, group: Group, device: torch.device) -> None:
+    """One line when the ranks of ``group`` (one model replica) call the model on different inputs.
+
+    :func:`check_same_loss` cannot see this under tensor parallelism: the vocab-parallel embedding and
+    cross-entropy all-reduce over the TP group, so ranks fed different token ids mix them into one loss that
+    every rank then shares (training silently on neither batch). A batch of a loader passed through
+    ``prepare`` is broadcast (:func:`broadcast_batches`) and always passes. One all-reduce of 8 numbers per
+    forward, called as a forward pre-hook of the prepared model.
+    """
+    if group_size(group) == 1:
+        return
+    prints = torch.stack([_fingerprint(args), _fingerprint(kwargs)]).reshape(-1).to(device)  # [8]
+    both = torch.cat([prints, -prints])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    high, low = both[: prints.numel()], -both[prints.numel() :]
+    differs = (high != low) & ~(high.isnan() & low.isnan())
+    if bool(differs.any()):
+        raise TrainingError(
+            "the ranks of one model replica call the model on different inputs: pass batches of a DataLoader "
+            "prepared with accelerator.prepare (mtk gives every rank of a replica its source rank's batch), not "
+            "per-rank data or random draws; tensor parallelism would otherwise mix the ranks' inputs silently"
+        )
+
+
+def same_inputs_hook(group: Group, device: torch.device) -> Callable[..., None]:
+    """A ``register_forward_pre_hook(..., with_kwargs=True)`` hook running :func:`check_same_inputs`."""
+
+    def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+        check_same_inputs(args, kwargs, group, device)
+
+    return hook

@@ -1,11 +1,12 @@
 """Stop a run cleanly when asked: save a checkpoint at the next step boundary, then exit; asked twice, stop at once.
 
-Schedulers (SLURM, Kubernetes) send SIGTERM some time before they kill a job; a user presses Ctrl-C
-(SIGINT). Megatron's exit-signal handler answers by saving and exiting; :class:`ExitSignal` does the
-same for mtk's scripts. The handler only records the signal; the training loop calls
-:meth:`ExitSignal.requested` once per optimizer step (and evaluation once per batch), which agrees over
-all ranks (a signal may reach only some of them, or reach them at different points of a step), so every
-rank stops at the same step, none is left waiting in a collective, and the run saves there.
+Schedulers (SLURM, Kubernetes) send SIGTERM some time before they kill a job; a user presses Ctrl-C (SIGINT); a
+terminal or ssh session that closes sends SIGHUP (whose default action ended a run started without a launcher at
+once, unsaved; torchrun turns the SIGHUP it gets into SIGTERM for its workers). Megatron's exit-signal handler
+answers by saving and exiting; :class:`ExitSignal` does the same for mtk's scripts. The handler only records the
+signal; the training loop calls :meth:`ExitSignal.requested` once per optimizer step (and evaluation once per
+batch), which agrees over all ranks (a signal may reach only some of them, or reach them at different points of a
+step), so every rank stops at the same step, none is left waiting in a collective, and the run saves there.
 
 One request often arrives more than once: a terminal's Ctrl-C or SLURM's signal reaches every process of
 the job while torchrun's agent (``accelerate launch``) forwards the one it got to every worker's process
@@ -59,7 +60,7 @@ def _die_with_parent() -> None:
 
 
 class ExitSignal:
-    """SIGTERM/SIGINT (and the launcher's death) as a request to save and exit at a step boundary; a second
+    """SIGTERM/SIGINT/SIGHUP (and the launcher's death) as a request to save and exit at a step boundary; a second
     request (arriving more than ``duplicate_s`` after the first) stops the process at once, without saving.
 
     Build it in the main thread (Python installs signal handlers there only), once per process.
@@ -68,7 +69,7 @@ class ExitSignal:
     def __init__(
         self,
         device: torch.device | str = "cpu",
-        signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT),
+        signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP),
         duplicate_s: float = DUPLICATE_S,
     ):
         self.device = device

@@ -164,3 +164,65 @@ def _broadcast(rank, world_size):
 
 def test_broadcast_batch_and_the_checks():
     assert run_distributed(_broadcast, world_size=2) == [True, True]
+
+
+def _iterable(rank, world_size, tp_size):
+    """A plain accelerate loop over an IterableDataset (a stream): the losses of every batch it trains on."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from mtk import Accelerator, ParallelConfig
+    from mtk.models import build_model
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            generator = torch.Generator().manual_seed(1)
+            for _ in range(16):
+                yield torch.randint(0, 256, (16,), generator=generator)
+
+    accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=tp_size))
+    model = build_model("tiny-llama", seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loader = DataLoader(Stream(), batch_size=4, collate_fn=lambda rows: {"input_ids": torch.stack(rows)})
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses = []
+    for batch in loader:
+        loss = model(**batch, labels=batch["input_ids"]).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_an_iterable_dataset_at_tp2_trains_on_every_batch_as_one_process():
+    """accelerate dispatches an iterable dataset's batches one per process; the TP peers of a replica then used
+    only their source's, and half the stream was read and dropped without a word (2 of 4 steps at TP 2)."""
+    reference = run_distributed(_iterable, world_size=1, args=(1,))[0]
+    assert len(reference) == 4
+    for losses in run_distributed(_iterable, world_size=2, args=(2,)):
+        assert_close_rel(torch.tensor(losses), torch.tensor(reference), "losses")
+
+
+def _per_rank_batches(rank, world_size):
+    """A loop that feeds each TP rank its own batch (not from a prepared loader): the message, if any."""
+    from mtk import Accelerator, ParallelConfig
+    from mtk.errors import TrainingError
+    from mtk.models import build_model
+
+    accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=2))
+    model = accelerator.prepare(build_model("tiny-llama", seed=0))
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids)  # the same batch on both ranks: no complaint
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(rank))
+    try:
+        model(input_ids=ids, labels=ids)
+    except TrainingError as err:
+        return str(err)
+    return None
+
+
+def test_per_rank_inputs_at_tp2_are_one_line_not_a_mixed_loss():
+    """Token ids that differ per TP rank used to train silently: the vocab-parallel embedding and loss all-reduce,
+    so both ranks shared one loss of their mixed inputs and the loss check saw nothing."""
+    for message in run_distributed(_per_rank_batches, world_size=2):
+        assert message and "call the model on different inputs" in message

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import re
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ def _example(name: str):
     return module
 
 
-EXAMPLES = {name: _example(name) for name in ("finetune", "classify", "run")}
+EXAMPLES = {name: _example(name) for name in ("finetune", "classify", "run", "generate")}
 
 SCRIPT_CASES = [
     ("finetune", ["--batch_size", "0"], "argument --batch_size: must be a positive integer, got 0"),
@@ -118,12 +119,33 @@ def _meta_field(**fields):
     return damage
 
 
+def _crafted_specs(directory: Path) -> None:
+    """Shard specs without their fields, the shard's checksum rewritten to match (what an attacker can do)."""
+    from safetensors.torch import load_file, save_file
+
+    from mtk.checkpoint.integrity import file_checksum
+
+    shard = directory / "model" / "tp00-pp00.safetensors"
+    tensors = load_file(shard)
+    save_file(tensors, shard, metadata={"mtk_specs": json.dumps({name: {} for name in tensors})})
+    record = {"bytes": shard.stat().st_size, "xxh3_128": file_checksum(shard)}
+    _meta_field(
+        files={**json.loads((directory / "metadata.json").read_text())["files"], "model/tp00-pp00.safetensors": record}
+    )(directory)
+
+
 CHECKPOINT_DAMAGE = [
     (_metadata(""), "is not valid mtk checkpoint metadata"),
     (_metadata('{"format": "mtk-checkpoint/2", "st'), "is not valid mtk checkpoint metadata"),
     (_metadata("[1, 2]"), "is not valid mtk checkpoint metadata (not a JSON object)"),
     (_metadata('{"format": "mtk-checkpoint/9"}'), "has format 'mtk-checkpoint/9', expected"),
     (_meta_field(topology={"tp": 2}), "is not valid mtk checkpoint metadata"),
+    # crafted metadata of the right format but the wrong types: one line, not a reader's traceback
+    (_meta_field(files=["model/tp00-pp00.safetensors"]), "(files is a list, not a mapping of paths"),
+    (_meta_field(files={"scheduler.pt": 5}), "(files['scheduler.pt'] is 5, not {'bytes'"),
+    (_meta_field(files={"scheduler.pt": {"xxh3_128": "0"}}), "(files['scheduler.pt'] is {'xxh3_128': '0'}, not"),
+    (_meta_field(step="four"), "(step 'four' is not a count of steps)"),
+    (_meta_field(data=[1]), "(data is not a JSON object)"),
     (lambda d: (d / "metadata.json").unlink(), "is not a complete mtk checkpoint (no metadata.json"),
     (lambda d: (d / "rng" / "rank00000.pt").unlink(), "rng/rank00000.pt is missing"),
     (lambda d: (d / "model" / "tp00-pp00.safetensors").write_bytes(b"garbage"), "has 7 bytes, the checkpoint"),
@@ -139,6 +161,15 @@ def test_damaged_checkpoints(checkpoint, tmp_path, capsys, command, damage, mess
     argv = [command, str(directory)] + ([str(tmp_path / "hf")] if command == "export" else [])
     assert mtk_main(argv) == 2
     _one_line(capsys.readouterr().err, f"mtk {command}", message)
+    assert not list(tmp_path.glob("hf*")), "nothing written"
+
+
+def test_crafted_shard_specs_are_one_line_in_export(checkpoint, tmp_path, capsys):
+    """Checksums verify (they were rewritten with the file), but the specs export merges by are malformed."""
+    directory = _copy(checkpoint, tmp_path)
+    _crafted_specs(directory)
+    assert mtk_main(["export", str(directory), str(tmp_path / "hf")]) == 2
+    _one_line(capsys.readouterr().err, "mtk export", "has malformed mtk shard specs (KeyError: 'dim')")
     assert not list(tmp_path.glob("hf*")), "nothing written"
 
 
@@ -254,3 +285,57 @@ def test_model_directories_that_need_code_or_hold_pickles_are_one_line(tmp_path)
     (pickled / "pytorch_model.bin").write_bytes(b"not opened")
     with pytest.raises(ModelSpecError, match=r"holds its weights only as pickles \(pytorch_model.bin\)"):
         resolve_config(str(pickled))
+    invalid = tmp_path / "invalid"
+    invalid.mkdir()
+    record = {**resolve_config("tiny-llama").to_dict(), "num_attention_heads": 3}  # 64 is not a multiple of 3
+    (invalid / "config.json").write_text(json.dumps(record))
+    with pytest.raises(ModelSpecError, match=r"transformers refuses its config \(The hidden size \(64\) is not a"):
+        resolve_config(str(invalid))
+
+
+def test_a_model_index_that_names_a_file_outside_its_directory_is_one_line(tmp_path):
+    """A model directory's safetensors index is data: a shard name with a path (``../x.safetensors``) was read from
+    wherever it pointed; HF writes shard names beside the index, and anything else is refused before a read."""
+    from mtk.checkpoint.hf_load import safetensors_index
+    from mtk.errors import CheckpointError
+
+    (tmp_path / "outside.safetensors").write_bytes(b"not read")
+    model = tmp_path / "model"
+    model.mkdir()
+    for shard in ("../outside.safetensors", str(tmp_path / "outside.safetensors"), "..", ["a"]):
+        (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": shard}}))
+        with pytest.raises(CheckpointError, match="which is not a file beside it|is not a valid safetensors index"):
+            safetensors_index(model)
+
+
+def test_generate_on_a_directory_it_cannot_use_is_one_line(checkpoint, tmp_path, capsys):
+    """generate.py ran transformers directly: a training checkpoint, a directory without a tokenizer or one that is
+    not there ended in AutoTokenizer's traceback."""
+    no_tokenizer = tmp_path / "hf"
+    resolve_config("tiny-llama").save_pretrained(no_tokenizer)
+    cases = [
+        (checkpoint, "is an mtk training checkpoint; export it first: mtk export"),
+        (no_tokenizer, "has no tokenizer (tokenizer.json or tokenizer_config.json)"),
+        (tmp_path / "nowhere", "is neither a built-in config"),
+    ]
+    for directory, message in cases:
+        with pytest.raises(SystemExit) as exit_:
+            run_main(partial(EXAMPLES["generate"].main, [str(directory), "--prompt", "hi"]), "generate.py")
+        assert exit_.value.code == 2
+        _one_line(capsys.readouterr().err, "generate.py", message)
+
+
+def test_weights_for_more_layers_than_the_config_builds_are_one_line(tmp_path):
+    """A config that says 2 layers beside weights for 8 trained a 2-layer model without a word (the rest ignored)."""
+    from safetensors.torch import save_file
+
+    from mtk.checkpoint.hf_load import load_pretrained_tp
+    from mtk.errors import CheckpointError
+
+    model = build_model("tiny-llama")
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    state["model.layers.7.mlp.down_proj.weight"] = state["model.layers.0.mlp.down_proj.weight"].clone()
+    model.config.save_pretrained(tmp_path)
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="holds weights for 8 layers but its config builds 2"):
+        load_pretrained_tp(tmp_path, ParallelState.build())

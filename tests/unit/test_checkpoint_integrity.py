@@ -4,6 +4,8 @@
 import errno
 import json
 import os
+import pickle
+import re
 import stat
 
 import pytest
@@ -191,6 +193,72 @@ def test_a_link_inside_a_checkpoint_is_refused_not_followed(saved, trained, tmp_
     assert not (tmp_path / "out").exists()
 
 
+class _Payload:
+    def __reduce__(self):  # what a crafted pickle carries: weights_only refuses to call it
+        return (os.system, ("echo ran",))
+
+
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("rng/rank00000.pt", lambda: pickle.dumps(_Payload())),
+        ("optimizer/tp00-pp00.json", lambda: b'{"param_groups": "x"}'),
+        ("optimizer/tp00-pp00.json", lambda: b"{not json"),
+    ],
+    ids=["pickle-payload", "json-of-another-shape", "json-broken"],
+)
+def test_a_crafted_file_whose_checksum_matches_is_one_line_on_resume(saved, trained, name, content):
+    """Checksums can be rewritten with the file: content mtk did not write, listed with its true checksum, is refused
+    by resume in one line naming the file (weights_only never runs the pickle), not by a reader's traceback."""
+    (saved / name).write_bytes(content())
+    _rewrite_metadata(saved, lambda meta: meta["files"].update({name: _record(saved / name)}))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} does not hold what this run loads from it"):
+        _load(saved, trained)
+
+
+def _record(path):
+    return {"bytes": path.stat().st_size, "xxh3_128": file_checksum(path)}
+
+
+def test_a_link_in_a_checkpoint_of_the_first_format_is_refused_too(saved, trained, tmp_path, capsys):
+    """A format-1 checkpoint (no checksums) is read unverified, but rewriting a checkpoint's metadata to format 1
+    must not make a link inside it acceptable: verify-checkpoint said nothing of it and exited 0."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (saved / "tokenizer").symlink_to(elsewhere, target_is_directory=True)
+    _rewrite_metadata(saved, lambda meta: (meta.pop("files"), meta.update(format="mtk-checkpoint/1")))
+    code, _, err = _verify_cli(saved, capsys)
+    assert code == 2 and "tokenizer is a symbolic link" in err and "\n" not in err.strip()
+    with pytest.raises(CheckpointError, match="tokenizer is a symbolic link"):
+        _load(saved, trained)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"vocab_size": 10**12}, r"holds model.embed_tokens.weight of shape \(\d+, 64\), its recorded config"),
+        ({"num_hidden_layers": 1}, "holds model.layers.1.*which its recorded LlamaForCausalLM config has no place"),
+        ({"model_type": "no-such-model"}, "recorded model config cannot be built"),
+    ],
+    ids=["vocab", "layers", "model-type"],
+)
+def test_an_export_whose_config_and_weights_disagree_is_one_line_before_writing(saved, tmp_path, config, message):
+    """The recorded config and the weights are separate records: a pair that disagrees was written and then
+    refused by transformers' reload (a traceback; with --no_verify a directory that does not load)."""
+    _rewrite_metadata(saved, lambda meta: meta["model"]["config"].update(config))
+    for verify in (True, False):
+        with pytest.raises(CheckpointError, match=message):
+            export_checkpoint(saved, tmp_path / "out", progress=False, verify=verify)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.*"))
+
+
+def test_a_deepspeed_checkpoint_resumed_without_deepspeed_is_one_line_naming_the_engine(saved, trained):
+    """finetune.py without DeepSpeed on run.py's checkpoint said only that an optimizer file was missing."""
+    _rewrite_metadata(saved, lambda meta: meta.update(engine="deepspeed", zero_stage=2))
+    with pytest.raises(CheckpointError, match="was written by the deepspeed engine .*resume it under deepspeed"):
+        _load(saved, trained)
+
+
 def test_metadata_that_lists_no_files_is_refused(saved, trained, tmp_path, capsys):
     _rewrite_metadata(saved, lambda meta: meta.update(files={}))
     for message in _refusals(saved, trained, tmp_path, capsys):
@@ -285,8 +353,9 @@ def test_storage_errors_of_any_library_are_one_line_and_keep_older_checkpoints(
 
 
 def test_a_resume_must_keep_the_options_that_decide_the_data_and_the_adapters(tmp_path):
-    """--lora_alpha (or any --lora_* option) changed on resume is refused like a changed --seq_len; a model path
-    written another way (``dir/``, ``./dir``) is the same model."""
+    """--lora_alpha (or any --lora_* option) changed on resume is refused like a changed --seq_len, and so are
+    --tokenizer and classify.py's --max_length; a model path written another way (``dir/``, ``./dir``) is the same
+    model."""
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     saved = ResumeGuard(model=f"{model_dir}/", seq_len=128, lora_r=8, lora_alpha=16.0).state_dict()
@@ -294,6 +363,12 @@ def test_a_resume_must_keep_the_options_that_decide_the_data_and_the_adapters(tm
     with pytest.raises(CheckpointError, match="changes --lora_alpha 16.0 -> 32.0 from the checkpoint"):
         ResumeGuard(model=str(model_dir), seq_len=128, lora_r=8, lora_alpha=32.0).load_state_dict(saved)
     ResumeGuard(model=str(model_dir), seq_len=128, lora_r=8, lora_alpha=16.0, packing=True).load_state_dict(saved)
+    # another tokenizer gives the same ids other meanings; classify.py's --max_length is its --seq_len
+    with pytest.raises(CheckpointError, match="changes --tokenizer bytes -> "):
+        ResumeGuard(tokenizer=str(model_dir)).load_state_dict(ResumeGuard(tokenizer="bytes").state_dict())
+    with pytest.raises(CheckpointError, match="changes --max_length 64 -> 8"):
+        ResumeGuard(max_length=8).load_state_dict(ResumeGuard(max_length=64).state_dict())
+    assert ResumeGuard.absent_from_older_checkpoints  # a checkpoint from before the script registered one resumes
 
 
 class _OneProcess:
@@ -310,7 +385,8 @@ class _OneProcess:
 
 def test_save_model_never_deletes_or_silently_skips(tmp_path):
     """--save_model into a folder holding a user's weight shards is refused before training (transformers' clean-up
-    would delete them), and so is a file or a link; a new directory gets the model and the tokenizer, whole."""
+    would delete them), and so is a file or a link, or the run's --output_dir or a step_N in it (which the run fills);
+    a new directory gets the model and the tokenizer, whole."""
     theirs = tmp_path / "mine"
     theirs.mkdir()
     (theirs / "model-00001-of-00003.safetensors").write_bytes(b"user's")
@@ -320,6 +396,10 @@ def test_save_model_never_deletes_or_silently_skips(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(CheckpointError, match="is a file"):
         check_target(tmp_path / "file")
+    for inside in ("ckpts", "ckpts/step_60", "ckpts/runs", "ckpts/../ckpts/step_2"):  # filled by the run itself
+        with pytest.raises(CheckpointError, match="is where the run writes its own checkpoints or logs"):
+            check_target(tmp_path / inside, tmp_path / "ckpts")
+    check_target(tmp_path / "ckpts" / "final", tmp_path / "ckpts")
     out = save_pretrained(_OneProcess(), build_model("tiny-llama"), tmp_path / "hf", ByteTokenizer())
     assert sorted(p.name for p in out.iterdir()) == [
         "byte_tokenizer.json", "config.json", "generation_config.json", "model.safetensors"

@@ -148,6 +148,11 @@ def test_a_folder_skips_no_file_without_a_word(tmp_path):
     (folder / "notes.md").write_text("# not data")
     with pytest.raises(DataError, match="holds 'notes.md', which is not a data file"):
         load_data(folder)
+    (folder / "notes.md").unlink()
+    (folder / "more").mkdir()  # a shard folder inside: its rows were dropped without a word
+    (folder / "more" / "d.jsonl").write_text(json.dumps({"text": TEXTS[0]}) + "\n")
+    with pytest.raises(DataError, match="holds the folder 'more', whose files would not be read"):
+        load_data(folder)
 
 
 def test_packing_restarts_positions_and_masks_each_example_start(tokenizer):
@@ -253,6 +258,26 @@ def test_a_model_directory_without_a_tokenizer_is_refused_unless_one_is_named(tm
     assert isinstance(tokenizer_for("tiny-llama"), ByteTokenizer), "built-in configs are made for bytes"
     ByteTokenizer().save_pretrained(model)  # a saved byte-tokenizer model names its tokenizer
     assert isinstance(tokenizer_for(str(model)), ByteTokenizer)
+
+
+def test_a_tokenizer_that_needs_code_cannot_load_or_outgrows_the_model_is_one_line(tmp_path, tokenizer):
+    """AutoTokenizer refused these in a traceback (custom code: not run, but not one line either); a tokenizer with
+    more ids than the model has embeddings trained silently under TP (an id past the shards reads zeros)."""
+    custom = tmp_path / "custom"
+    custom.mkdir()
+    (custom / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["evil.T", None]}}))
+    (custom / "evil.py").write_text("raise SystemExit('ran')\n")
+    with pytest.raises(DataError, match="needs the custom code its auto_map names"):
+        tokenizer_for("tiny-llama", str(custom))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "NoSuchTokenizerFast"}))
+    with pytest.raises(DataError, match="transformers cannot load its tokenizer"):
+        tokenizer_for("tiny-llama", str(broken))
+    tokenizer.save_pretrained(tmp_path / "real")
+    assert tokenizer_for("tiny-llama", str(tmp_path / "real"), vocab_size=len(tokenizer)) is not None
+    with pytest.raises(DataError, match=f"its tokenizer has {len(tokenizer)} ids but the model has 8 embeddings"):
+        tokenizer_for("tiny-llama", str(tmp_path / "real"), vocab_size=8)
 
 
 @pytest.mark.parametrize(

@@ -243,3 +243,43 @@ def test_a_pipeline_under_deepspeed_is_one_line_naming_the_alternative():
 
     with pytest.raises(ConfigError, match=r"pipeline parallelism \(pp = 2\) does not run under DeepSpeed.*distopt"):
         resolve_topology(ParallelConfig(tp_size=2, pp_size=2), {"zero_optimization": {"stage": 3}})
+
+
+def test_the_jsons_optimizer_and_lr_flag_are_one_setting_and_its_scheduler_is_refused():
+    """DeepSpeed took the JSON's optimizer and ignored --lr (lr 0.5 trained under --lr 1e-4), and preferred the
+    script's schedule to the JSON's "scheduler" block: either way one of them was dropped without a word."""
+    from mtk.integrations.deepspeed import optimizer_and_schedule
+
+    said: list[str] = []
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 0.5}}}
+    optimizer_and_schedule(config, "ds.json", 1e-4, said.append)
+    assert config["optimizer"]["params"]["lr"] == 1e-4
+    assert said == ["mtk: --lr 0.0001 overrides optimizer.params.lr 0.5 in ds.json"]
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 0.5}}}
+    optimizer_and_schedule(config, "ds.json", None, said.append)
+    assert config["optimizer"]["params"]["lr"] == 0.5 and len(said) == 1  # the JSON's, without a flag: no line
+    config = {}
+    optimizer_and_schedule(config, "ds.json", None, said.append)
+    assert config["optimizer"]["type"] == "AdamW" and config["optimizer"]["params"]["lr"] == 3e-3
+    with pytest.raises(ConfigError, match='ds.json: its "scheduler" block would be ignored'):
+        optimizer_and_schedule({"scheduler": {"type": "WarmupLR"}}, "ds.json", None, said.append)
+
+
+def test_a_json_optimizer_beside_the_scripts_own_is_one_line_under_accelerate():
+    """accelerate raised a ValueError inside prepare on every rank (a traceback each) when the JSON and the script
+    both define the optimizer or the LR scheduler."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mtk.integrations.accelerate.deepspeed import refuse_two_optimizers
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    for block, args in (("optimizer", (optimizer,)), ("scheduler", (optimizer, scheduler))):
+        plugin = SimpleNamespace(deepspeed_config={block: {"type": "X"}})
+        state = SimpleNamespace(deepspeed_plugin=plugin)
+        accelerator = SimpleNamespace(state=state, deepspeed_batch_fields=({}, "ds.json"))
+        with pytest.raises(ConfigError, match=rf'ds.json defines the {block} \(its "{block}" block\) and the script'):
+            refuse_two_optimizers(accelerator, args)
+    refuse_two_optimizers(accelerator, (optimizer,))  # a JSON scheduler beside the script's optimizer: no conflict

@@ -58,8 +58,10 @@ def _signalled(gaps: list[float], signals: list[int]) -> subprocess.CompletedPro
 
 
 def test_one_request_delivered_twice_is_one_request():
-    """The scheduler's SIGTERM and the launcher's forward of it, or SIGINT from a terminal and from torchrun."""
-    for signals in ([signal.SIGTERM, signal.SIGTERM], [signal.SIGINT, signal.SIGINT], [signal.SIGINT, signal.SIGTERM]):
+    """The scheduler's SIGTERM and the launcher's forward of it, or SIGINT from a terminal and from torchrun; a
+    closed terminal's SIGHUP is the same request (its default action killed the run unsaved)."""
+    pairs = [[signal.SIGTERM] * 2, [signal.SIGINT] * 2, [signal.SIGINT, signal.SIGTERM], [signal.SIGHUP] * 2]
+    for signals in pairs:
         done = _signalled([0.05], signals)
         name = signal.Signals(signals[0]).name
         assert done.returncode == 0 and f"requested True by {name}" in done.stdout, done

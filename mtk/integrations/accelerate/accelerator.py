@@ -29,6 +29,7 @@ from mtk.integrations.accelerate.data_path import DataPath
 from mtk.integrations.accelerate.deepspeed import (
     deepspeed_initialize_with_mpu,
     reconcile_accelerate_batch,
+    refuse_two_optimizers,
     replace_accelerated_schedulers,
     user_batch_fields,
 )
@@ -41,7 +42,7 @@ from mtk.integrations.deepspeed import (
     zero3_gathered,
 )
 from mtk.parallel.amp import TPGradScaler
-from mtk.parallel.consistency import check_same_loss
+from mtk.parallel.consistency import check_same_loss, same_inputs_hook
 from mtk.parallel.distributed_optimizer import shard_optimizer
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
@@ -167,6 +168,7 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
                 repoint(obj, self._replaced_params)
         if not self.uses_deepspeed:
             return super().prepare(*args, device_placement=device_placement)
+        refuse_two_optimizers(self, tuple(args))
         reconcile_accelerate_batch(self, tuple(args), self._explicit_accumulation)
         with deepspeed_initialize_with_mpu(self.parallel, self.deepspeed_batch_fields[1]):
             prepared = super().prepare(*args, device_placement=device_placement)
@@ -199,6 +201,10 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
         # accelerate's own preparation (mixed-precision forward, device placement), but not its DDP,
         # which would span every process: replicas are only the data-parallel group.
         model = super().prepare_model(model, device_placement, evaluation_mode=True)
+        if self.parallel.tp_size * self.parallel.pp_size > 1:  # per-rank inputs would be mixed silently: one line
+            model.register_forward_pre_hook(
+                same_inputs_hook(self.parallel.mp_group, self.parallel.device), with_kwargs=True
+            )
         if isinstance(model, PipelineModel):  # the schedule backpropagates; gradients sync in backward()
             model.scale_loss = self._scale_pipeline_loss
             model.syncs_this_call = lambda: self.sync_gradients  # its last backward starts the DP reduction

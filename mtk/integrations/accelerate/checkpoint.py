@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mtk.checkpoint.paths import CheckpointPaths
+from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.errors import CheckpointError, ConfigError
 from mtk.integrations.accelerate.shuffle import replay_shuffles
@@ -191,12 +191,15 @@ class ShardedCheckpointing(_Host):
             replay_shuffles(dataloader, iteration)
         for i, obj in enumerate(self._custom_objects):
             path = CheckpointPaths(input_dir).custom_object(i)
+            if not path.is_file() and getattr(obj, "absent_from_older_checkpoints", False):
+                continue  # e.g. a ResumeGuard a script registers since a later version: nothing recorded to compare
             if not path.is_file():
                 raise CheckpointError(
                     f"{input_dir} holds no {path.name}: it was saved with fewer objects registered with "
                     f"register_for_checkpointing than this run registers ({len(self._custom_objects)})"
                 )
-            obj.load_state_dict(torch.load(path, weights_only=True))
+            with reading(path):
+                obj.load_state_dict(torch.load(path, weights_only=True))
 
     def _rescale_schedulers(self, saved_dp: int) -> None:
         """Prepared schedulers step once per DP replica per optimizer step: after a DP change their

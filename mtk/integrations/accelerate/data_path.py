@@ -10,7 +10,9 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from accelerate.data_loader import prepare_data_loader
+from torch.utils.data import IterableDataset
 
+from mtk.errors import ConfigError
 from mtk.integrations.accelerate.batches import broadcasting, unwrapped
 from mtk.parallel.state import ParallelState
 from mtk.training.windows import StepWindow, step_windows
@@ -45,7 +47,7 @@ class DataPath(_Host):
             split_batches=self.split_batches,
             put_on_device=self.device_placement if device_placement is None else device_placement,
             rng_types=self.rng_types.copy(),
-            dispatch_batches=self.dispatch_batches,
+            dispatch_batches=self._dispatch(data_loader),
             even_batches=self.even_batches,
             slice_fn_for_dispatch=slice_fn_for_dispatch,
             use_seedable_sampler=self.use_seedable_sampler,
@@ -56,6 +58,23 @@ class DataPath(_Host):
         prepared = self._broadcasting(prepared)
         self._dataloaders.append(prepared)
         return prepared
+
+    def _dispatch(self, data_loader) -> bool | None:
+        """accelerate's ``dispatch_batches``, which it turns on by default for an ``IterableDataset``: process 0
+        then reads one batch per *process* and hands each process its own, but a replica's TP/PP ranks then take
+        their source rank's batch (above), so the batches of every other rank of a replica would be read and
+        silently dropped (at TP 2, half the data). Under mtk an iterable dataset is instead sharded over the
+        data-parallel replicas, each rank reading its replica's stream (the source's batch is the one used);
+        asking for dispatch explicitly when tp x pp > 1 is one line."""
+        if self.parallel.dp_size == self.num_processes:  # every process is a replica: accelerate's way is right
+            return self.dispatch_batches
+        if self.dispatch_batches:
+            raise ConfigError(
+                "dispatch_batches=True hands each process its own batch, but with tp x pp = "
+                f"{self.parallel.tp_size * self.parallel.pp_size} the ranks of a model replica must train on one "
+                "batch; leave dispatch_batches unset (mtk shards an iterable dataset over the data-parallel replicas)"
+            )
+        return False if isinstance(data_loader.dataset, IterableDataset) else self.dispatch_batches
 
     def _broadcasting(self, loader):
         """``loader`` whose batches come from the model-parallel source rank (itself when tp x pp = 1)."""

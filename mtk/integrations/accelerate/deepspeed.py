@@ -11,8 +11,11 @@ from typing import Any
 
 from accelerate.scheduler import AcceleratedScheduler
 from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from mtk.errors import ConfigError
 from mtk.integrations.accelerate.scheduler import DataParallelScheduler
 from mtk.integrations.deepspeed import check_precision, initialization_cleanup
 from mtk.integrations.deepspeed_batch import BATCH_FIELDS, dp_layout, reconcile_batch
@@ -21,6 +24,7 @@ from mtk.parallel.state import ParallelState
 __all__ = [
     "deepspeed_initialize_with_mpu",
     "reconcile_accelerate_batch",
+    "refuse_two_optimizers",
     "replace_accelerated_schedulers",
     "user_batch_fields",
 ]
@@ -73,6 +77,19 @@ def reconcile_accelerate_batch(accelerator, args: tuple, explicit_accumulation: 
         accelerator.print(note)
     batch.apply(plugin.deepspeed_config)
     accelerator.gradient_accumulation_steps = batch.accumulation
+
+
+def refuse_two_optimizers(accelerator, args: tuple) -> None:
+    """One line where accelerate raises a ``ValueError`` inside ``prepare`` (a traceback on every rank): the JSON has
+    an ``optimizer`` (or ``scheduler``) block and the script passes its own optimizer (or LR scheduler) too."""
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    where = accelerator.deepspeed_batch_fields[1]
+    for block, kind, dummy in (("optimizer", Optimizer, "DummyOptim"), ("scheduler", LRScheduler, "DummyScheduler")):
+        if block in config and any(isinstance(obj, kind) for obj in args):
+            raise ConfigError(
+                f'{where} defines the {block} (its "{block}" block) and the script prepares its own too; remove the '
+                f"block from the JSON, or pass accelerate.utils.{dummy} in the script"
+            )
 
 
 @contextmanager

@@ -9,6 +9,7 @@ renamed into place when complete, and whatever goes wrong is one line on every r
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,21 @@ from mtk.errors import CheckpointError
 __all__ = ["check_target", "save_pretrained"]
 
 
-def check_target(directory: str | Path) -> None:
-    """Refuse (one line) a save target that is a file, a link, or a folder that already holds files."""
-    check_new_directory(Path(directory))
+def check_target(directory: str | Path, output_dir: str | Path | None = None) -> None:
+    """Refuse (one line) a save target that is a file, a link, or a folder that already holds files; and, given the
+    run's ``output_dir``, that folder itself or a ``step_N``/``runs`` in it: it is new and empty before the run, but
+    the run's own checkpoints and logs fill it, so the save would fail only after the whole run had trained."""
+    out = Path(directory)
+    if output_dir is not None:
+        runs = Path(output_dir).resolve()
+        target = out.resolve()
+        inside = target.relative_to(runs).parts if target.is_relative_to(runs) else None
+        if inside is not None and (not inside or inside[0] == "runs" or re.match(r"step_\d+", inside[0])):
+            raise CheckpointError(
+                f"--save_model {out} is where the run writes its own checkpoints or logs (--output_dir "
+                f"{output_dir}); name a directory outside them, e.g. {Path(output_dir) / 'final'}"
+            )
+    check_new_directory(out)
 
 
 def save_pretrained(accelerator: Any, model: nn.Module, directory: str | Path, tokenizer: Any = None) -> Path:
