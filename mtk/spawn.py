@@ -22,6 +22,7 @@ caller's environment as it is at the call (the fork server's is from when it sta
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -84,12 +85,23 @@ def _worker(
     try:
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # By value: torch's queue would pass tensors as file descriptors that die with this process,
+        # and the parent may read the queue only after this worker has exited.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # report everything, including assertion errors, to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _receive(queue, results: dict[int, Any], failures: dict[int, str]) -> None:
+    """File one worker's report: a pickled result (our own child's bytes) or a traceback."""
+    rank, ok, payload = queue.get()
+    if ok:
+        results[rank] = pickle.loads(payload)
+    else:
+        failures[rank] = payload
 
 
 def run_distributed(
@@ -128,13 +140,11 @@ def run_distributed(
     try:
         while len(results) + len(failures) < world_size:
             if not queue.empty():
-                rank, ok, payload = queue.get()
-                (results if ok else failures)[rank] = payload
+                _receive(queue, results, failures)
                 if failures:
                     time.sleep(1.0)  # let the other ranks report their own error before we stop them
                     while not queue.empty():
-                        rank, ok, payload = queue.get()
-                        (results if ok else failures)[rank] = payload
+                        _receive(queue, results, failures)
                     break
                 continue
             dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
