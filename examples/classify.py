@@ -30,6 +30,7 @@ from mtk.args import ArgumentParser, add_safety_arguments, collective_timeout, p
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.data import ByteTokenizer, add_tokenizer_argument, load_data, pad_id_of, tokenizer_for
 from mtk.errors import DataError
+from mtk.integrations.accelerate.save import check_no_shards_to_clean
 from mtk.models import build_model, resolve_config
 from mtk.parallel.grad_norm import check_finite
 from mtk.rules import check_tp_size
@@ -159,6 +160,7 @@ def main(argv=None) -> None:
     accelerator.init_trackers("runs")
 
     resume = start_point(args, main_process=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
+    check_no_shards_to_clean(f"{args.output_dir}/model")  # before training: the final save_pretrained would delete them
     # a resumed run must continue the same data stream: a changed --data, --max_length, --seed, ... is one line
     accelerator.register_for_checkpointing(ResumeGuard.from_args(args))
     step = 0

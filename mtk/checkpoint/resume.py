@@ -11,6 +11,7 @@ once in one folder are refused too: the main process locks it first (:mod:`mtk.c
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 import shutil
 from collections.abc import Callable
@@ -29,6 +30,7 @@ __all__ = [
     "ResumeGuard",
     "add_resume_arguments",
     "complete_checkpoints",
+    "data_fingerprint",
     "remove_checkpoints",
     "resolve_resume",
     "start_point",
@@ -142,7 +144,9 @@ class ResumeGuard:
     decide what the checkpoint's adapters are (``--lora_*``, ``--base_dtype``): a LoRA checkpoint resumed with
     another alpha or targets would silently train another model. Registered with accelerate's
     ``register_for_checkpointing``, so it is saved in every checkpoint and compared by ``load_state``; a change is
-    one line naming the option. Paths are compared as the files they name (``dir/`` and ``./dir`` are ``dir``).
+    one line naming the option. Paths are compared as the files they name (``dir/`` and ``./dir`` are ``dir``),
+    and ``--data``'s files by their contents too (:func:`data_fingerprint`): rows appended to the same file would
+    otherwise shift every position after the checkpoint's without a word.
     """
 
     # checkpoints written before a script registered a guard have none: they resume, unchecked, as before
@@ -152,6 +156,7 @@ class ResumeGuard:
     # the options that decide what the trained adapters are
     MODEL_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "base_dtype")
     _PATHS = ("model", "tokenizer", "data")
+    _CONTENTS = "data_contents"  # not an option: the digest of --data's files
 
     def __init__(self, **options: Any) -> None:
         self.options = {key: _normalized(value) if key in self._PATHS else value for key, value in options.items()}
@@ -160,7 +165,10 @@ class ResumeGuard:
     def from_args(cls, args: argparse.Namespace) -> ResumeGuard:
         """The guard of a training script's parsed options (those of the two lists it has)."""
         names = (*cls.DATA_OPTIONS, *cls.MODEL_OPTIONS)
-        return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+        options = {name: getattr(args, name) for name in names if hasattr(args, name)}
+        if isinstance(options.get("data"), str) and Path(options["data"]).exists():
+            options[cls._CONTENTS] = data_fingerprint(options["data"])
+        return cls(**options)
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.options)
@@ -169,14 +177,41 @@ class ResumeGuard:
         saved = {key: _normalized(value) if key in self._PATHS else value for key, value in saved.items()}
         # a checkpoint from before an option was guarded says nothing about it: nothing to compare
         changed = [
-            f"--{key} {saved[key]} -> {value}" for key, value in self.options.items() if saved.get(key, value) != value
+            f"--{key} {saved[key]} -> {value}"
+            for key, value in self.options.items()
+            if saved.get(key, value) != value and key != self._CONTENTS
         ]
+        if not changed and saved.get(self._CONTENTS, self.options.get(self._CONTENTS)) != self.options.get(
+            self._CONTENTS
+        ):
+            raise CheckpointError(
+                f"this run changes the files of --data {self.options.get('data')} (rows added, removed or edited) "
+                f"since the checkpoint it resumes was written, so its data position would point elsewhere; resume "
+                f"with the data as it was, or start a new run in another --output_dir"
+            )
         if changed:
             raise CheckpointError(
                 f"this run changes {', '.join(changed)} from the checkpoint it resumes, which would continue on "
                 f"different data or another model; resume with the same options, or start a new run in another "
                 f"--output_dir"
             )
+
+
+def data_fingerprint(path: str | Path) -> str:
+    """SHA-256 of a data file, or of a folder's files (relative names and contents, in name order).
+
+    Contents, not modification times: a data set copied to another machine for a resume keeps its digest.
+    """
+    root = Path(path)
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(str(file.relative_to(root) if root.is_dir() else "").encode() + b"\0")
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        digest.update(b"\0")
+    return digest.hexdigest()
 
 
 def _normalized(value: Any) -> Any:

@@ -64,6 +64,19 @@ def test_a_non_finite_gradient_stops_the_classification_run_before_it_is_saved(t
     assert saved == [f"step_{n}" for n in range(1, len(saved) + 1)] and len(saved) < 5, saved  # all finite ones
 
 
+def test_classify_refuses_before_training_a_model_folder_whose_shards_its_save_would_delete(tmp_path):
+    """classify.py ends with transformers' own save_pretrained into --output_dir/model, which deletes weight shards
+    it does not rewrite: a folder holding someone's shards is one line before any step, and they stay."""
+    from tests.e2e.launch import one_line_error
+
+    theirs = tmp_path / "model" / "model-00001-of-00002.safetensors"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_bytes(b"someone's")
+    out = accelerate_launch("classify.py", "tp1", "--max_steps", "5", "--output_dir", str(tmp_path), check=False)
+    one_line_error(out, "that transformers' save_pretrained would delete", prog="classify.py")
+    assert theirs.read_bytes() == b"someone's" and not list(tmp_path.glob("step_*"))
+
+
 def test_classification_of_a_local_bert_with_its_tokenizer_and_named_labels(tmp_path):
     """The real-model path without a download: a BERT directory (an encoder without a head, as
     all-MiniLM-L6-v2 ships) with a BPE tokenizer, labels as names in .jsonl files, held-out --eval_data."""

@@ -16,12 +16,12 @@ from mtk.checkpoint import CheckpointError
 from mtk.checkpoint.atomic import MARKER
 from mtk.checkpoint.export import export_checkpoint
 from mtk.checkpoint.integrity import file_checksum
-from mtk.checkpoint.resume import ResumeGuard, remove_checkpoints
+from mtk.checkpoint.resume import ResumeGuard, data_fingerprint, remove_checkpoints
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.cli.main import main as mtk_main
 from mtk.convert import parallelize
 from mtk.data import ByteTokenizer
-from mtk.integrations.accelerate.save import check_target, save_pretrained
+from mtk.integrations.accelerate.save import check_no_shards_to_clean, check_target, save_pretrained
 from mtk.models import build_model
 from mtk.parallel import ParallelState
 
@@ -371,6 +371,31 @@ def test_a_resume_must_keep_the_options_that_decide_the_data_and_the_adapters(tm
     assert ResumeGuard.absent_from_older_checkpoints  # a checkpoint from before the script registered one resumes
 
 
+def test_a_resume_refuses_data_files_changed_since_the_checkpoint(tmp_path):
+    """Rows appended to --data's file (or a file added to its folder) shift every position after the
+    checkpoint's: refused in one line; the same contents copied elsewhere keep their digest."""
+    import argparse
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "a"}\n')
+    saved = ResumeGuard.from_args(argparse.Namespace(data=str(data), seq_len=8)).state_dict()
+    ResumeGuard.from_args(argparse.Namespace(data=str(data), seq_len=8)).load_state_dict(saved)
+    with open(data, "a") as handle:
+        handle.write('{"text": "b"}\n')
+    with pytest.raises(CheckpointError, match=r"changes the files of --data .*data.jsonl \(rows added"):
+        ResumeGuard.from_args(argparse.Namespace(data=str(data), seq_len=8)).load_state_dict(saved)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"text": "a"}\n')
+    before = data_fingerprint(folder)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "a.jsonl").write_text('{"text": "a"}\n')
+    assert data_fingerprint(copy) == before
+    (folder / "b.jsonl").write_text("")
+    assert data_fingerprint(folder) != before
+
+
 class _OneProcess:
     """What save_pretrained asks of an Accelerator, for one process."""
 
@@ -400,6 +425,10 @@ def test_save_model_never_deletes_or_silently_skips(tmp_path):
         with pytest.raises(CheckpointError, match="is where the run writes its own checkpoints or logs"):
             check_target(tmp_path / inside, tmp_path / "ckpts")
     check_target(tmp_path / "ckpts" / "final", tmp_path / "ckpts")
+    check_no_shards_to_clean(tmp_path / "absent")  # classify.py's target: what HF's own save would delete
+    check_no_shards_to_clean(tmp_path / "ckpts")
+    with pytest.raises(CheckpointError, match=r"holds weight shards \(model-00001-of-00003.safetensors\)"):
+        check_no_shards_to_clean(theirs)
     out = save_pretrained(_OneProcess(), build_model("tiny-llama"), tmp_path / "hf", ByteTokenizer())
     assert sorted(p.name for p in out.iterdir()) == [
         "byte_tokenizer.json", "config.json", "generation_config.json", "model.safetensors"

@@ -19,7 +19,7 @@ from torch import nn
 from mtk.checkpoint.export import check_new_directory, staged_directory
 from mtk.errors import CheckpointError
 
-__all__ = ["check_target", "save_pretrained"]
+__all__ = ["check_no_shards_to_clean", "check_target", "save_pretrained"]
 
 
 def check_target(directory: str | Path, output_dir: str | Path | None = None) -> None:
@@ -37,6 +37,29 @@ def check_target(directory: str | Path, output_dir: str | Path | None = None) ->
                 f"{output_dir}); name a directory outside them, e.g. {Path(output_dir) / 'final'}"
             )
     check_new_directory(out)
+
+
+# transformers' save_pretrained removes a file in its target whose name is a weight shard's it will not rewrite
+_SHARD = re.compile(r"(?:model|pytorch_model|adapter_model)-\d{5}-of-\d{5}\.(?:safetensors|bin)")
+
+
+def check_no_shards_to_clean(directory: str | Path) -> None:
+    """For a script that calls transformers' own ``save_pretrained`` into ``directory`` (classify.py, as the HF
+    idiom goes): refuse, before training, a folder holding weight shards that save would delete as stale.
+
+    Files the same save rewrites (``config.json``, ``model.safetensors``) are its own output from an earlier run;
+    a ``model-00001-of-00003.safetensors`` it does not write is someone's model, removed without a word.
+    """
+    out = Path(directory)
+    if not out.is_dir():
+        return
+    shards = sorted(path.name for path in out.iterdir() if path.is_file() and _SHARD.fullmatch(path.name))
+    if shards:
+        raise CheckpointError(
+            f"{out} holds weight shards ({', '.join(shards[:3])}{', ...' if len(shards) > 3 else ''}) that "
+            f"transformers' save_pretrained would delete when the run saves its model there; move them, or use "
+            f"another --output_dir"
+        )
 
 
 def save_pretrained(accelerator: Any, model: nn.Module, directory: str | Path, tokenizer: Any = None) -> Path:
