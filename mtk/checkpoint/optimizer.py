@@ -17,6 +17,7 @@ from torch import nn
 from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.checkpoint.weights import read_safetensors, source_name
 from mtk.errors import CheckpointError
+from mtk.parallel.fsdp import full_local, shard_like
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.sharding import take_shard
 
@@ -35,7 +36,9 @@ def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str
     return names
 
 
-def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Path) -> None:
+def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Path, *, write: bool = True) -> None:
+    """Moments as whole TP shards, like the weights (FSDP2-split ones made whole one at a time: collective over
+    DP, ``write`` on the rank that writes)."""
     names = _param_names(model, optimizer)
     state_dict = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
@@ -43,13 +46,15 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Pat
     for index, param_state in state_dict["state"].items():
         for key, value in param_state.items():
             if torch.is_tensor(value):
-                tensors[f"{names[index]}::{key}"] = value.detach().contiguous().cpu()
+                tensors[f"{names[index]}::{key}"] = full_local(value.detach()).contiguous().cpu()
             else:
                 other.setdefault(names[index], {})[key] = value
     groups = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
         for g in state_dict["param_groups"]
     ]
+    if not write:
+        return
     save_file(tensors, str(stem.with_suffix(".safetensors")))
     stem.with_suffix(".json").write_text(json.dumps({"param_groups": groups, "state": other}))
 
@@ -73,6 +78,20 @@ def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Pa
     for name, fields in meta["state"].items():
         state.setdefault(index[name], {}).update(fields)
     groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
+    _load_as_params_are_split(optimizer, state, groups)
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def _load_as_params_are_split(optimizer: torch.optim.Optimizer, state: dict[int, dict[str, Any]], groups) -> None:
+    """``optimizer.load_state_dict``, each moment (a whole TP shard) cut as its parameter is cut over DP."""
+    params = _params(optimizer)
+    for index, fields in state.items():
+        for key, value in fields.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                fields[key] = shard_like(value, params[index])
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
@@ -110,7 +129,7 @@ def reshard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, reader
         count = len(current["params"])
         groups.append({**saved, "params": list(range(start, start + count))})
         start += count
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    _load_as_params_are_split(optimizer, state, groups)
 
 
 def saved_optimizer_groups(paths: CheckpointPaths, pp_size: int) -> dict:

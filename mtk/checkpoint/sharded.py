@@ -33,6 +33,7 @@ from mtk.checkpoint.rng import restore_rng, rng_state
 from mtk.checkpoint.weights import load_weights, reshard_weights, save_weights
 from mtk.errors import CheckpointError
 from mtk.parallel.distributed_optimizer import full_optimizer_state
+from mtk.parallel.fsdp import is_sharded
 from mtk.parallel.layout import Layout
 from mtk.parallel.record import adapter_configs, hf_model, is_peft_model, parallelized
 from mtk.parallel.state import ParallelState
@@ -98,17 +99,21 @@ def save_checkpoint(
         _barrier()
         checksums = Checksums(tmp)  # hashes each big file in the background while the next is written
         # weights and optimizer are replicated over DP: one copy per (tp, pp), written by DP rank 0 (a
-        # distributed optimizer first gathers its state there: collective, every DP rank takes part)
+        # distributed optimizer first gathers its state there: collective, every DP rank takes part); FSDP2's
+        # split parameters and moments are made whole there one tensor at a time (every DP rank takes part too)
+        writer = parallel.dp_rank == 0
         with full_optimizer_state(optimizers, gather=True):
-            if parallel.dp_rank == 0:
+            if writer or any(is_sharded(p) for p in model.parameters()):
                 # the biggest files first (Adam's are twice the weights): only the last one's hash is not hidden
                 for i, optimizer in enumerate(optimizers):
                     stem = paths.optimizer(parallel.tp_rank, parallel.pp_rank, i)
-                    save_optimizer(model, optimizer, stem)
-                    checksums.add(stem.with_suffix(".safetensors"))
+                    save_optimizer(model, optimizer, stem, write=writer)
+                    if writer:
+                        checksums.add(stem.with_suffix(".safetensors"))
                 weights = paths.weights(parallel.tp_rank, parallel.pp_rank)
-                save_weights(model, weights)
-                checksums.add(weights)
+                save_weights(model, weights, write=writer)
+                if writer:
+                    checksums.add(weights)
         for write in collective_writers:
             write(tmp)
         torch.save(rng_state({**(extra_rng or {}), **_streams_state(model)}), paths.rng(parallel.rank))

@@ -16,6 +16,7 @@ from torch import nn
 
 from mtk.checkpoint.base_model import checkpointed_parameters
 from mtk.errors import CheckpointError
+from mtk.parallel.fsdp import copy_into, full_local
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.parameters import param_info
 from mtk.parallel.sharding import take_shard
@@ -23,12 +24,17 @@ from mtk.parallel.sharding import take_shard
 __all__ = ["load_weights", "read_safetensors", "reshard_weights", "save_weights", "source_name"]
 
 
-def save_weights(model: nn.Module, path: Path) -> None:
+def save_weights(model: nn.Module, path: Path, *, write: bool = True) -> None:
+    """This rank's TP shard of every checkpointed tensor, with its spec. A parameter FSDP2 splits over DP is made
+    whole first, one tensor at a time (collective: every DP rank calls this, ``write`` on the one that writes)."""
     tensors: dict[str, torch.Tensor] = {}
     specs: dict[str, dict[str, Any]] = {}
     for name, param in checkpointed_parameters(model):
         full_shape, spec = full_shape_and_spec(model, name)
-        tensors[name] = param.detach().contiguous().cpu()
+        whole = full_local(param.detach())
+        if not write:
+            continue
+        tensors[name] = whole.contiguous().cpu()
         specs[name] = {
             "full_shape": list(full_shape),
             "dim": spec.dim,
@@ -37,7 +43,8 @@ def save_weights(model: nn.Module, path: Path) -> None:
         }
         if param_info(param).pipeline_duplicate:  # last stage's copy of a tied embedding
             specs[name]["tied_to"] = param_info(param).tied_to
-    save_file(tensors, str(path), metadata={"mtk_specs": json.dumps(specs)})
+    if write:
+        save_file(tensors, str(path), metadata={"mtk_specs": json.dumps(specs)})
 
 
 def load_weights(model: nn.Module, path: Path) -> None:
@@ -52,7 +59,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 raise CheckpointError(
                     f"{path}: {name} has shape {tuple(tensors[name].shape)}, model has {tuple(param.shape)}"
                 )
-            param.copy_(tensors[name])
+            copy_into(param, tensors[name])
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -80,4 +87,4 @@ def reshard_weights(model: nn.Module, reader) -> None:
             full = reader.full(source_name(model, name, available))
             if tuple(full.shape) != tuple(shape):
                 raise CheckpointError(f"{name}: checkpoint has shape {tuple(full.shape)}, this model {tuple(shape)}")
-            param.copy_(take_shard(spec, shape, full.__getitem__))
+            copy_into(param, take_shard(spec, shape, full.__getitem__))

@@ -15,6 +15,7 @@ from torch import nn
 
 from mtk.parallel.comm import Group, group_size
 from mtk.parallel.experts import SPECS_ATTRIBUTE
+from mtk.parallel.fsdp import full_local
 from mtk.parallel.layers import ShardedModule
 from mtk.parallel.parameters import param_info
 from mtk.parallel.sharding import REPLICATED, ShardSpec, merge_shards
@@ -39,8 +40,9 @@ def full_shape_and_spec(model: nn.Module, name: str) -> tuple[tuple[int, ...], S
 def gather_full_tensor(
     local: torch.Tensor, spec: ShardSpec, full_shape: tuple[int, ...], tp_group: Group
 ) -> torch.Tensor:
-    """The full tensor from every TP rank's ``local`` piece (collective over ``tp_group``)."""
-    local = local.detach().contiguous()
+    """The full tensor from every TP rank's ``local`` piece (collective over ``tp_group``, and over DP for a
+    piece FSDP2 splits further)."""
+    local = full_local(local.detach()).contiguous()
     size = group_size(tp_group)
     if spec.is_replicated:
         return local.clone()

@@ -5,7 +5,8 @@ sharded gradients are summed over the model-parallel group. A replicated paramet
 gradient on every TP rank and is counted on TP rank 0 only. A kv head replicated over ``c`` ranks
 (``ParamInfo.tp_replicas``) is counted with weight ``1/c``. Pipeline stages hold disjoint layers (summed over
 the PP part of the model-parallel group); the last stage's copy of a tied embedding is not counted.
-Data-parallel replicas hold the same, already averaged, gradients: nothing is summed over DP.
+Data-parallel replicas hold the same, already averaged, gradients: nothing is summed over DP, except where FSDP2
+splits a gradient over the DP ranks (:mod:`~mtk.parallel.fsdp`): their disjoint pieces are summed over its shard group.
 The result is the norm of the unsplit model's gradient, what ``torch.nn.utils.clip_grad_norm_``
 would return on one process.
 """
@@ -14,13 +15,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from mtk.errors import TrainingError
 from mtk.parallel.comm import all_reduce
+from mtk.parallel.fsdp import is_sharded, local
 from mtk.parallel.parameters import param_info
 from mtk.parallel.state import ParallelState
 
@@ -39,19 +41,27 @@ def _weight(param: torch.Tensor, parallel: ParallelState) -> float:
 def grad_norm_tp(parameters: Iterable[torch.Tensor], parallel: ParallelState, norm_type: float = 2.0) -> torch.Tensor:
     """Global ``norm_type`` norm (2 or inf) of the gradients of ``parameters`` (collective over TP x PP)."""
     grads = [(p.grad, _weight(p, parallel)) for p in parameters if p.grad is not None]
-    device = grads[0][0].device if grads else parallel.device
+    device = local(grads[0][0]).device if grads else parallel.device
+    # FSDP2 gradients: this rank's piece of its TP shard; the pieces of one shard group are disjoint
+    split = next((cast(Any, grad).device_mesh.get_group("dp_shard") for grad, _ in grads if is_sharded(grad)), None)
     if norm_type == math.inf:
-        total = torch.zeros((), dtype=torch.float32, device=device)
+        total = torch.zeros(1, dtype=torch.float32, device=device)
         for grad, _ in grads:
-            total = torch.maximum(total, grad.detach().abs().max().float())
-        return all_reduce(total.reshape(1), parallel.mp_group, op=dist.ReduceOp.MAX)[0]
+            piece = local(grad).detach()
+            if piece.numel():
+                total = torch.maximum(total, piece.abs().max().float())
+        if split is not None:
+            all_reduce(total, split, op=dist.ReduceOp.MAX)
+        return all_reduce(total, parallel.mp_group, op=dist.ReduceOp.MAX)[0]
     if norm_type != 2.0:
         raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
-    total = torch.zeros(1, dtype=torch.float32, device=device)
+    totals = torch.zeros(2, dtype=torch.float32, device=device)  # [whole on this rank, split over DP]
     for grad, weight in grads:
         if weight:
-            total += weight * grad.detach().float().pow(2).sum()
-    return all_reduce(total, parallel.mp_group)[0].sqrt()
+            totals[int(is_sharded(grad))] += weight * local(grad).detach().float().pow(2).sum()
+    if split is not None:
+        totals[1:] = all_reduce(totals[1:].clone(), split)
+    return all_reduce(totals.sum().reshape(1), parallel.mp_group)[0].sqrt()
 
 
 @torch.no_grad()
@@ -63,7 +73,7 @@ def clip_grad_norm_tp_(
     norm = grad_norm_tp(parameters, parallel, norm_type)
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for param in parameters:
-        grad = cast(torch.Tensor, param.grad)  # filtered above
+        grad = local(cast(torch.Tensor, param.grad))  # filtered above
         grad.mul_(coef.to(grad.device))
     return norm
 

@@ -20,19 +20,26 @@ import torch
 from torch import nn
 
 from mtk.parallel.comm import Group, all_reduce, group_size
+from mtk.parallel.fsdp import is_sharded, local
 from mtk.parallel.parameters import param_info, set_param_info
 
 __all__ = ["all_reduce_coalesced", "share_params_across_tp", "sum_grad_over_tp", "sync_sequence_parallel_grads"]
 
 
 def sync_sequence_parallel_grads(module: nn.Module, tp_group: Group) -> None:
-    """Sum, over the TP group, the grads of parameters whose :class:`ParamInfo` says ``sequence_parallel``.
+    """Sum, over the TP group, the grads of parameters whose :class:`ParamInfo` says ``sequence_parallel``, and of
+    ``tp_shared`` ones FSDP2 replaced (their gradient hook stayed on the tensor it replaced; summing the DP-averaged
+    pieces after backward is the same sum, by linearity).
 
     Call after backward, before clipping and the optimizer step.
     """
     if group_size(tp_group) == 1:
         return
-    grads = [p.grad for p in module.parameters() if param_info(p).sequence_parallel and p.grad is not None]
+    grads = [
+        local(p.grad)
+        for p in module.parameters()
+        if p.grad is not None and (param_info(p).sequence_parallel or (param_info(p).tp_shared and is_sharded(p)))
+    ]
     all_reduce_coalesced(grads, tp_group)
 
 

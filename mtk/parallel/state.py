@@ -22,7 +22,7 @@ import torch.distributed.distributed_c10d as c10d
 from mtk.config import ParallelConfig
 from mtk.parallel.layout import Layout, LayoutError
 
-__all__ = ["ParallelState", "default_device", "group_timeout", "init_distributed"]
+__all__ = ["ParallelState", "default_device", "group_timeout", "init_distributed", "new_group"]
 
 _KINDS = ("tp", "dp", "pp", "mp", "embedding")
 
@@ -34,7 +34,7 @@ _KINDS = ("tp", "dp", "pp", "mp", "embedding")
 _CREATED: list[dist.ProcessGroup] = []
 
 
-def _new_group(ranks: list[int], device: torch.device) -> dist.ProcessGroup:
+def new_group(ranks: list[int], device: torch.device) -> dist.ProcessGroup:
     """``dist.new_group`` (collective over the world) with the world group's timeout, kept for the process."""
     group = dist.new_group(ranks=ranks, timeout=group_timeout(device=device))
     _CREATED.append(group)
@@ -143,7 +143,7 @@ class ParallelState:
             # the same order, and keeps the one it belongs to.
             for kind in _KINDS:
                 for ranks in layout.groups(kind):
-                    group = _new_group(ranks, device)
+                    group = new_group(ranks, device)
                     if rank in ranks:
                         groups[kind] = group
         return cls(layout, rank, groups, device)
@@ -182,7 +182,7 @@ class ParallelState:
                 for tp_ranks in self.layout.tp_groups():
                     for start in range(0, self.tp_size, size):
                         block = tp_ranks[start : start + size]
-                        group = _new_group(block, self.device)
+                        group = new_group(block, self.device)
                         if self.rank in block:
                             mine = group
             cache[size] = mine

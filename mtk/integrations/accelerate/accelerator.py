@@ -14,6 +14,7 @@ plugin (NVIDIA's Megatron-LM package) is not used.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from mtk.integrations.accelerate.init import apply_timeout, gloo_for_deepspeed, 
 from mtk.integrations.accelerate.megatron_keys import check_engine, check_megatron_environment
 from mtk.integrations.accelerate.model_conversion import ModelConversion
 from mtk.integrations.accelerate.scheduler import DataParallelScheduler
+from mtk.integrations.accelerate.sharding import accelerate_fsdp_off, sharding_from_accelerate
 from mtk.integrations.deepspeed import (
     remove_shm_buffers_at_exit,
     zero3_gathered,
@@ -44,6 +46,7 @@ from mtk.integrations.deepspeed import (
 from mtk.parallel.amp import TPGradScaler
 from mtk.parallel.consistency import check_same_loss, same_inputs_hook
 from mtk.parallel.distributed_optimizer import shard_optimizer
+from mtk.parallel.fsdp import data_parallel_mesh, shard_over_data_parallel
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sync_sequence_parallel_grads
@@ -78,12 +81,11 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
         run_settings: RunSettings | None = None,
         **kwargs,
     ) -> None:
-        if kwargs.get("parallelism_config") is not None:
-            raise ConfigError(
-                "mtk.Accelerator takes its layout from the megatron_lm_config block or parallel_config=; "
-                "accelerate's parallelism_config would build a second, conflicting one: pass "
-                "parallel_config=mtk.ParallelConfig(tp_size=..., pp_size=...) instead"
-            )
+        reports: list[str] = []  # said once accelerate's state exists (on the main process)
+        # accelerate's ND layout: its tp_size is mtk's TP, its dp_shard/dp_replicate sizes FSDP2 over mtk's DP
+        parallel_config, self.sharding = sharding_from_accelerate(
+            kwargs.pop("parallelism_config", None), parallel_config, reports.append
+        )
         self.settings = run_settings or RunSettings.from_env()
         # None: not given (accelerate's 1, or under DeepSpeed what the JSON's batch fields give)
         if kwargs.get("gradient_accumulation_steps") is None:
@@ -95,6 +97,11 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
             or kwargs.get("deepspeed_plugin") is not None
             or kwargs.get("deepspeed_plugins") is not None
         )
+        if self.uses_deepspeed and self.sharding is not None:
+            raise ConfigError(
+                "parallelism_config dp_shard_size > 1 (FSDP2) next to DeepSpeed: both would shard over data "
+                "parallelism; use DeepSpeed's ZeRO stage or drop the DeepSpeed config"
+            )
         if self.uses_deepspeed:
             remove_shm_buffers_at_exit()
         if self.uses_deepspeed and on_cpu:
@@ -105,8 +112,10 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
             kwargs["cpu"] = False
             kwargs["kwargs_handlers"] = gloo_for_deepspeed(kwargs.get("kwargs_handlers") or [])
         kwargs.setdefault("cpu", on_cpu)
-        with megatron_plugin_off():
+        with megatron_plugin_off(), accelerate_fsdp_off():
             super().__init__(*args, **kwargs)
+        for line in reports:
+            self.print(line)
         apply_timeout(kwargs.get("kwargs_handlers") or [])
         if self.mixed_precision == "fp16" and self.scaler is None and not self.uses_deepspeed:
             # accelerate accepts fp16 on CPU but runs it as fp32 (no autocast, no loss scaling): say so.
@@ -124,6 +133,8 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
         self.parallel = ParallelState.build(config.tp_size, config.pp_size, device=self.device)
         for line in self.settings.check_pipeline(self.parallel.pp_size):
             self.print(line)
+        self._check_sharding()
+        self._data_parallel_mesh: Any = None  # FSDP2's, built with the first prepared model
         self._replaced_params: ReplacedParams = {}  # id(unconverted param) -> (weakref to it, its shard)
         # The data position, across epochs (accelerate's ``step`` restarts at every epoch end).
         self.micro_batches_seen = 0  # micro-batches each replica has consumed
@@ -153,8 +164,25 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
 
     @property
     def data_parallel_shard_rank(self) -> int:
-        """0: mtk has no FSDP-style dp_shard axis (ZeRO, when used, shards over the data-parallel group)."""
-        return 0
+        """This process's rank among the ranks FSDP2 shards over (``dp_shard``); 0 without FSDP2 (ZeRO, when used,
+        shards over the whole data-parallel group)."""
+        return self.parallel.dp_rank % self.sharding.dp_shard_size if self.sharding is not None else 0
+
+    def _check_sharding(self) -> None:
+        """FSDP2 goes with TP and plain data parallelism; what it cannot go with yet is one line."""
+        if self.sharding is None:
+            return
+        self.sharding.check(self.parallel.dp_size)
+        if self.parallel.pp_size > 1:
+            raise ConfigError(
+                "parallelism_config dp_shard_size > 1 (FSDP2) with pp > 1 is not supported yet; shard the optimizer "
+                "state with megatron_lm_use_distributed_optimizer instead, or set pp to 1"
+            )
+        if self.settings.use_distributed_optimizer:
+            raise ConfigError(
+                "parallelism_config dp_shard_size > 1 (FSDP2) already shards the optimizer state over data "
+                "parallelism; drop megatron_lm_use_distributed_optimizer"
+            )
 
     # ------------------------------------------------------------------------------------ prepare
     def prepare(self, *args, device_placement=None):
@@ -209,6 +237,9 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
             model.scale_loss = self._scale_pipeline_loss
             model.syncs_this_call = lambda: self.sync_gradients  # its last backward starts the DP reduction
             return model
+        if self.sharding is not None:  # FSDP2 over DP: each decoder layer a unit; gradients reduce-scattered
+            self._shard(model)
+            return model
         if not evaluation_mode and self.parallel.dp_size > 1 and any(p.requires_grad for p in model.parameters()):
             kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
             device_ids = None if self.device.type == "cpu" else [self.device.index]
@@ -217,6 +248,20 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
             )
             self._models[-1] = model
         return model
+
+    def _shard(self, model: nn.Module) -> None:
+        """``fully_shard`` ``model`` over the data-parallel mesh; optimizers built on its parameters before (or on
+        the HF model's) are re-pointed at the sharded ones when prepared."""
+        assert self.sharding is not None
+        if self._data_parallel_mesh is None:
+            self._data_parallel_mesh = data_parallel_mesh(self.parallel, self.sharding)
+        pairs = shard_over_data_parallel(self.unwrap_model(model), self._data_parallel_mesh, self.sharding)
+        by_old = {id(old): new for old, new in pairs}
+        for key, (ref, shard) in list(self._replaced_params.items()):  # HF parameter -> TP shard -> its FSDP2 one
+            if shard is not None and id(shard) in by_old:
+                self._replaced_params[key] = (ref, by_old[id(shard)])
+        for old, new in pairs:
+            self._replaced_params.setdefault(id(old), (weakref.ref(old), new))
 
     def _scale_pipeline_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """What ``backward`` would backpropagate: averaged over accumulation steps (or times the trainer's
@@ -257,7 +302,7 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
             return
         for model in pipelines:
             model.finalize_grads()
-        if self.settings.sequence_parallel:
+        if self.settings.sequence_parallel or self.sharding is not None:
             for model in self._models:
                 sync_sequence_parallel_grads(model, self.parallel.tp_group)
 
