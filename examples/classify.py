@@ -160,7 +160,7 @@ def main(argv=None) -> None:
     accelerator.init_trackers("runs")
 
     resume = start_point(args, main_process=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
-    check_no_shards_to_clean(f"{args.output_dir}/model")  # before training: the final save_pretrained would delete them
+    check_no_shards_to_clean(f"{args.output_dir}/model")  # before training: the last save_pretrained would delete them
     # a resumed run must continue the same data stream: a changed --data, --max_length, --seed, ... is one line
     accelerator.register_for_checkpointing(ResumeGuard.from_args(args))
     step = 0

@@ -4,8 +4,8 @@ TP2 x FSDP2 (4 processes: each TP shard split again over 2 DP ranks) and HSDP (4
 2-way sharding) each train 2 AdamW steps of tiny-llama and are compared in fp32 with the HF model on one
 process on the same global batch: loss, the global gradient norm, every gradient (gathered over TP and DP) and
 every weight after the steps (in fp64: Adam's first steps turn the fp32 rounding of near-zero gradients into
-weight differences of ~3e-5 relative, as large at plain TP2 without FSDP). The checkpoint written by TP2 x FSDP2 after one step resumes in plain TP2 (no
-FSDP) and gives the same weights as the uninterrupted run, and a plain-TP2 checkpoint resumes under FSDP2.
+weight differences of ~3e-5 relative, as large at plain TP2 without FSDP). The checkpoint written by TP2 x FSDP2
+after one step resumes in plain TP2 (no FSDP) and gives the same weights as the uninterrupted run, and a plain-TP2 checkpoint resumes under FSDP2.
 """
 
 import pytest

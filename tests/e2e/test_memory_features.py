@@ -105,7 +105,8 @@ def test_distributed_optimizer_logs_the_tp1_losses_and_resumes_without_it(llama_
 
 def test_fsdp2_through_accelerates_parallelism_config_logs_the_tp1_losses_and_resumes_without_it(llama_tp1, tmp_path):
     """accelerate_configs/tp2_fsdp2.yaml (distributed_type FSDP, fsdp_version 2, parallelism_config tp_size 2 x
-    dp_shard_size 2): each TP shard split again over DP; its checkpoint is mtk's, resumed exactly at plain TP2 x DP2."""
+    dp_shard_size 2): each TP shard split again over DP; its checkpoint is mtk's, resumed exactly at plain
+    TP2 x DP2."""
     args = ("--max_steps", "6", "--batch_size", "4")
     sharded = finetune("tp2_fsdp2", tmp_path / "sharded", *args, "--save_every", "3")
     assert_same_losses(sharded, llama_tp1.losses, range(1, 7), "tp2_fsdp2")
