@@ -44,6 +44,7 @@ from mtk.integrations.accelerate.save import check_target, save_pretrained
 from mtk.lora import get_peft_model
 from mtk.lora.options import add_lora_arguments, base_dtype, lora_config
 from mtk.models import check_seq_len, resolve_config
+from mtk.parallel.fsdp import held_elements
 from mtk.parallel.grad_norm import check_finite
 from mtk.parallel.placement import placement
 from mtk.rules import check_tp_size
@@ -321,6 +322,11 @@ def main(argv=None) -> None:
         save_pretrained(accelerator, model, args.save_model, tokenizer)
     peaks = peak_memory_mib(accelerator.device)
     accelerator.print(f"mtk: peak memory per rank (MiB): {' '.join(f'{p:.0f}' for p in peaks)}")
+    held = held_elements(accelerator.unwrap_model(model), [optimizer])  # what TP, FSDP2, a distributed optimizer left
+    accelerator.print(
+        f"mtk: model state held by rank 0: {held['parameters']} parameter elements, "
+        f"{held['optimizer_state']} optimizer-state elements"
+    )
     accelerator.end_training()
     if not math.isfinite(mean_loss):
         sys.exit(f"training diverged: loss {mean_loss}")

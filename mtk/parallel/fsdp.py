@@ -34,6 +34,7 @@ __all__ = [
     "counted_here",
     "data_parallel_mesh",
     "full_local",
+    "held_elements",
     "is_sharded",
     "local",
     "shard_like",
@@ -170,3 +171,19 @@ def counted_here(tensor: torch.Tensor, dp_rank: int) -> bool:
         return dp_rank == 0
     mesh = tensor.device_mesh
     return mesh.ndim == 1 or mesh.get_local_rank("dp_replicate") == 0
+
+
+def held_elements(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, int]:
+    """Model-state elements this rank holds: its pieces of the parameters and of the optimizer state (moments;
+    scalars such as Adam's ``step`` not counted). What sharding claims are checked against: a TP shard is
+    ``1/tp`` of a split weight, FSDP2 keeps ``1/dp_shard`` of that, the distributed optimizer ``1/dp`` of the state.
+    """
+    parameters = sum(local(p).numel() for p in model.parameters())
+    state = sum(
+        local(t).numel()
+        for optimizer in optimizers
+        for fields in getattr(optimizer, "optimizer", optimizer).state.values()
+        for t in fields.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
+    return {"parameters": parameters, "optimizer_state": state}

@@ -1,11 +1,11 @@
 """FSDP2 next to TP through accelerate's own ``ParallelismConfig``: exact against one process, and resumable.
 
 TP2 x FSDP2 (4 processes: each TP shard split again over 2 DP ranks) and HSDP (4 processes: 2 replicas of
-2-way sharding) each train 2 AdamW steps of tiny-llama and are compared in fp32 with the HF model on one
-process on the same global batch: loss, the global gradient norm, every gradient (gathered over TP and DP) and
-every weight after the steps (in fp64: Adam's first steps turn the fp32 rounding of near-zero gradients into
-weight differences of ~3e-5 relative, as large at plain TP2 without FSDP). The checkpoint written by TP2 x FSDP2
-after one step resumes in plain TP2 (no FSDP) and gives the same weights as the uninterrupted run, and a plain-TP2 checkpoint resumes under FSDP2.
+2-way sharding) each train 2 AdamW steps of tiny-llama and are compared with the HF model on one process on the
+same global batch: loss, the global gradient norm and every gradient (gathered over TP and DP) in fp32, and in
+fp64 also every weight after the steps (Adam's first steps turn the fp32 rounding of near-zero gradients into
+weight differences of ~3e-5 relative, as large at plain TP2 without FSDP). A TP2 x FSDP2 checkpoint written
+after one step resumes in plain TP2 (no FSDP) to the uninterrupted run's weights, and a plain-TP2 one under FSDP2.
 """
 
 import pytest
@@ -13,14 +13,14 @@ import torch
 
 from mtk.testing import assert_close_rel, run_distributed
 
-MODEL, STEPS, LR, DTYPE = "tiny-llama", 2, 1e-3, torch.float64
+MODEL, STEPS, LR = "tiny-llama", 2, 1e-3
 IDS = torch.randint(3, 250, (4, 16), generator=torch.Generator().manual_seed(0))  # [global batch, seq]
 
 
-def _reference():
+def _reference(dtype):
     from mtk.models import build_model
 
-    model = build_model(MODEL, dtype=DTYPE)
+    model = build_model(MODEL, dtype=dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms, grads = [], [], None
     for step in range(STEPS):
@@ -35,22 +35,23 @@ def _reference():
     return losses, norms, grads, {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
-def _train(rank, world_size, tp, shard, replicate, start, save, steps):
+def _train(rank, world_size, tp, shard, replicate, start, save, steps, dtype=torch.float64, settings=None):
     import torch.distributed as dist
     from accelerate.parallelism_config import ParallelismConfig
 
-    from mtk import Accelerator
+    from mtk import Accelerator, RunSettings
     from mtk.models import build_model
+    from mtk.parallel.fsdp import held_elements
     from mtk.parallel.gather import iter_full_tensors
 
     if shard > 1:
         config = ParallelismConfig(tp_size=tp, dp_shard_size=shard, dp_replicate_size=replicate)
-        accelerator = Accelerator(parallelism_config=config)
+        accelerator = Accelerator(parallelism_config=config, run_settings=RunSettings(**(settings or {})))
     else:
         from mtk import ParallelConfig
 
         accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=tp))
-    model = build_model(MODEL, dtype=DTYPE)
+    model = build_model(MODEL, dtype=dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
     parallel = accelerator.parallel
@@ -74,17 +75,22 @@ def _train(rank, world_size, tp, shard, replicate, start, save, steps):
         accelerator.completed_steps += 1
     if save:
         accelerator.save_state(save)
-    sharded = sum(hasattr(p, "device_mesh") for p in accelerator.unwrap_model(model).parameters())
+    sharded = held_elements(accelerator.unwrap_model(model), [optimizer])
     weights = accelerator.get_state_dict(model)
     return losses, norms, grads if rank == 0 else {}, weights, sharded
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return _reference()
+    return _reference(torch.float64)
 
 
-def _assert_matches(result, reference, what):
+@pytest.fixture(scope="module")
+def reference_fp32():
+    return _reference(torch.float32)
+
+
+def _assert_matches(result, reference, what, weights_too=True):
     losses, norms, grads, weights, _ = result
     ref_losses, ref_norms, ref_grads, ref_weights = reference
     for step, (loss, expected) in enumerate(zip(losses, ref_losses)):
@@ -94,15 +100,29 @@ def _assert_matches(result, reference, what):
     assert sorted(grads) == sorted(ref_grads), what
     for name, grad in grads.items():
         assert_close_rel(grad, ref_grads[name], f"{what}: gradient of {name}")
-    for name, tensor in ref_weights.items():
+    for name, tensor in ref_weights.items() if weights_too else ():
         assert_close_rel(weights[name], tensor, f"{what}: {name} after {STEPS} steps")
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"sequence_parallel": True, "recompute_activations": True, "recompute_granularity": "full"}],
+    ids=["plain", "sequence_parallel_recompute"],
+)
+def test_fsdp2_next_to_tp_equals_one_process_in_fp32(reference_fp32, settings):
+    results = run_distributed(_train, world_size=4, args=(2, 2, 1, None, None, STEPS, torch.float32, settings))
+    _assert_matches(results[0], reference_fp32, f"tp2 x dp_shard2 {settings} in fp32", weights_too=False)
 
 
 @pytest.mark.parametrize("tp,shard,replicate", [(2, 2, 1), (1, 2, 2)], ids=["tp2_fsdp2", "hsdp_2x2"])
 def test_fsdp2_next_to_tp_equals_one_process(reference, tp, shard, replicate):
     results = run_distributed(_train, world_size=4, args=(tp, shard, replicate, None, None, STEPS))
     _assert_matches(results[0], reference, f"tp{tp} x dp_shard{shard} x dp_replicate{replicate}")
-    assert results[0][4] > 0, "no parameter was sharded over data parallelism"
+    # tiny-llama's 107,200 parameters: a quarter each at TP2 x FSDP2 (norms, replicated over TP, split by DP only);
+    # a half at HSDP 2 x 2 (53,600, and rank 0 holds the larger piece of each odd split: FSDP2 cuts as torch.chunk
+    # does); Adam's two moments of the same pieces
+    held = {(2, 2, 1): 26_912, (1, 2, 2): 53_664}[(tp, shard, replicate)]
+    assert results[0][4] == {"parameters": held, "optimizer_state": 2 * held}
     assert results[0][1] == results[3][1], "ranks disagree on the gradient norm"
 
 
