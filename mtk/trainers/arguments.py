@@ -22,14 +22,9 @@ def _refusals(args: Any) -> list[str]:
     problems = []
     if getattr(args, "fsdp", None):
         problems.append(
-            f"TrainingArguments.fsdp={args.fsdp!r}: FSDP next to mtk's tensor/pipeline parallelism is not supported "
-            "yet; shard over data parallelism with DeepSpeed ZeRO (deepspeed=...) or "
-            "megatron_lm_use_distributed_optimizer"
-        )
-    if getattr(args, "parallelism_config", None) is not None:
-        problems.append(
-            "TrainingArguments.parallelism_config: mtk takes its layout from the accelerate config's "
-            'megatron_lm_config block (or the DeepSpeed JSON\'s "mtk" block); remove parallelism_config'
+            f"TrainingArguments.fsdp={args.fsdp!r}: mtk shards its TP model with FSDP2 over data parallelism from "
+            "accelerate's parallelism_config (TrainingArguments.parallelism_config=ParallelismConfig(tp_size=..., "
+            "dp_shard_size=...), or accelerate_configs/tp2_fsdp2.yaml); remove fsdp"
         )
     if getattr(args, "torch_compile", False):
         problems.append(

@@ -70,7 +70,10 @@ def _mtk_accelerator(**kwargs: Any) -> Accelerator:
         if kwargs.get(key) is None:
             kwargs.pop(key, None)
     if "fsdp_plugin" in kwargs:
-        raise ConfigError("an FSDP plugin next to mtk's tensor/pipeline parallelism is not supported yet")
+        raise ConfigError(
+            "accelerate's FSDP plugin would wrap the whole model over every process; mtk shards its TP model with "
+            "FSDP2 from parallelism_config (dp_shard_size): pass that instead"
+        )
     return Accelerator(**kwargs)
 
 

@@ -40,6 +40,16 @@ def test_fields_mtk_honours_pass(tmp_path):
     check_training_arguments(_args(tmp_path, max_grad_norm=0.5, gradient_accumulation_steps=4, weight_decay=0.1))
 
 
+def test_fsdp_comes_from_parallelism_config_not_the_fsdp_field(tmp_path):
+    """``parallelism_config`` is mtk's to read (tp_size -> TP, dp_shard_size -> FSDP2); ``fsdp=`` (accelerate's FSDP
+    plugin over every process) is refused naming it."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    check_training_arguments(_args(tmp_path, parallelism_config=ParallelismConfig(tp_size=2, dp_shard_size=2)))
+    with pytest.raises(ConfigError, match=r"^TrainingArguments\.fsdp=\S+: mtk shards its TP model with FSDP2"):
+        check_training_arguments(_args(tmp_path, fsdp="full_shard"))
+
+
 def test_gradient_checkpointing_runs_as_mtks_recompute_and_the_launchers_wins(tmp_path):
     args = _args(tmp_path, gradient_checkpointing=True)
     settings, line = recompute_settings(args, RunSettings())
