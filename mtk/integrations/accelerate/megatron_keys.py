@@ -55,8 +55,9 @@ ACTED_ON = {
 
 # Keys accepted at their off value (what accelerate exports when the YAML does not set them); on: why not.
 OFF_ONLY = {
-    "USE_CUSTOM_FSDP": "mtk shards parameters over data parallelism with FSDP2 through accelerate's parallelism_config "
-    "(accelerate_configs/tp2_fsdp2.yaml) or with DeepSpeed ZeRO (ds_configs/), not Megatron's custom FSDP",
+    "USE_CUSTOM_FSDP": "mtk shards parameters over data parallelism with FSDP2 through accelerate's "
+    "parallelism_config (accelerate_configs/tp2_fsdp2.yaml) or with DeepSpeed ZeRO (ds_configs/), not Megatron's "
+    "custom FSDP",
     "NO_SAVE_OPTIM": "mtk's checkpoints always hold the optimizer so a resume is exact; for weights only, "
     "`mtk export` a checkpoint",
     "NO_LOAD_OPTIM": "a resume restores the optimizer to stay exact; to start afresh from trained weights, "
