@@ -111,19 +111,21 @@ def sharded_modules(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> lis
 
 
 def shard_over_data_parallel(
-    model: nn.Module, mesh: DeviceMesh, settings: ShardingSettings
+    model: nn.Module, mesh: DeviceMesh, settings: ShardingSettings, *, decoder: nn.Module | None = None
 ) -> list[tuple[nn.Parameter, nn.Parameter]]:
-    """``fully_shard`` the decoder layers, then the root, over ``mesh``; returns ``(old, new)`` parameter pairs
-    (FSDP2 replaces every parameter with a ``DTensor`` one: optimizers built before must be re-pointed).
+    """``fully_shard`` the decoder layers, then ``decoder`` (a pipeline stage's HF decoder, which the stages before
+    the last call without the model around it: its embeddings and norm must be a unit of their own), then the
+    root, over ``mesh``; returns ``(old, new)`` parameter pairs (FSDP2 replaces every parameter with a ``DTensor``
+    one: optimizers built before must be re-pointed).
 
     mtk's records of each parameter (its TP split, sequence-parallel and tie flags) move to its replacement.
     Parameters stay in their dtype (fp32 master weights): accelerate's mixed precision autocasts the forward, as
     without FSDP.
     """
     before = dict(model.named_parameters(remove_duplicate=False))
-    for module in sharded_modules(model, settings.unit_classes):
+    units = [*sharded_modules(model, settings.unit_classes), *([decoder] if decoder is not None else []), model]
+    for module in units:
         fully_shard(module, mesh=mesh, reshard_after_forward=settings.reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=settings.reshard_after_forward)
     pairs = []
     for name, param in model.named_parameters(remove_duplicate=False):
         old = before[name]

@@ -31,6 +31,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from mtk.config import ConfigError, check_schedule
 from mtk.data.batching import loss_tokens
 from mtk.parallel.grads import all_reduce_coalesced
+from mtk.parallel.fsdp import local
 from mtk.parallel.overlap import OverlappedReduction
 from mtk.parallel.parameters import param_info
 from mtk.parallel.record import hf_model, parallelized
@@ -111,6 +112,8 @@ class PipelineModel(nn.Module):
         # data-parallel reduction). None: unknown, and finalize_grads reduces after the schedule.
         self.syncs_this_call: Callable[[], bool] | None = None
         self._reduction: OverlappedReduction | None = None
+        # set by mtk.Accelerator when FSDP2 shards the stage over DP: it reduces the gradients, not this engine
+        self.sharded_over_data_parallel = False
         self.stats = PipelineStats()
         self._sync_tied_weights()
 
@@ -315,6 +318,8 @@ class PipelineModel(nn.Module):
             raise ConfigError("a pipeline step ended without finalize_grads: call it (accelerator.backward) per step")
         if self.parallel.dp_size == 1 or self.syncs_this_call is None or not self.syncs_this_call():
             return None
+        if self.sharded_over_data_parallel:
+            return None
         tied = {id(p) for p in self._tied_params()}  # summed over the embedding group first, in finalize_grads
         untied = [p for p in self.module.parameters() if p.requires_grad and id(p) not in tied]
         self._reduction = OverlappedReduction(untied, self.parallel.dp_group)
@@ -324,9 +329,11 @@ class PipelineModel(nn.Module):
         """Once per optimizer step, after the last micro-batch's backward: sum the tied copies'
         gradients over the embedding group, then average every gradient over data-parallel replicas
         (waiting for the buckets the last backward started, if it did)."""
-        tied = [p.grad for p in self._tied_params() if p.grad is not None]
-        if tied and self.parallel.embedding_group is not None:
+        tied = [local(p.grad) for p in self._tied_params() if p.grad is not None]
+        if tied and self.parallel.embedding_group is not None:  # FSDP2: both copies cut alike over DP
             all_reduce_coalesced(tied, self.parallel.embedding_group)
+        if self.sharded_over_data_parallel:  # FSDP2 reduce-scattered every backward already
+            return
         if self._reduction is not None:
             self._reduction.finish()
             self._reduction = None

@@ -11,6 +11,7 @@ after one step resumes in plain TP2 (no FSDP) to the uninterrupted run's weights
 import pytest
 import torch
 
+from mtk.spawn import DistributedTestError
 from mtk.testing import assert_close_rel, run_distributed
 
 MODEL, STEPS, LR = "tiny-llama", 2, 1e-3
@@ -35,22 +36,24 @@ def _reference(dtype):
     return losses, norms, grads, {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
-def _train(rank, world_size, tp, shard, replicate, start, save, steps, dtype=torch.float64, settings=None):
+def _train(rank, world_size, tp, shard, replicate, start, save, steps, dtype=torch.float64, settings=None, pp=1):
     import torch.distributed as dist
     from accelerate.parallelism_config import ParallelismConfig
 
-    from mtk import Accelerator, RunSettings
+    from mtk import Accelerator, ParallelConfig, RunSettings
     from mtk.models import build_model
     from mtk.parallel.fsdp import held_elements
     from mtk.parallel.gather import iter_full_tensors
 
     if shard > 1:
         config = ParallelismConfig(tp_size=tp, dp_shard_size=shard, dp_replicate_size=replicate)
-        accelerator = Accelerator(parallelism_config=config, run_settings=RunSettings(**(settings or {})))
+        accelerator = Accelerator(
+            parallelism_config=config,
+            parallel_config=ParallelConfig(tp_size=tp, pp_size=pp),
+            run_settings=RunSettings(**(settings or {})),
+        )
     else:
-        from mtk import ParallelConfig
-
-        accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=tp))
+        accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=tp, pp_size=pp))
     model = build_model(MODEL, dtype=dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -64,7 +67,7 @@ def _train(rank, world_size, tp, shard, replicate, start, save, steps, dtype=tor
         loss = model(input_ids=ids, labels=ids).loss
         accelerator.backward(loss)
         norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1e9)))
-        if step == 0 and not start:
+        if step == 0 and not start and pp == 1:
             grads = dict(iter_full_tensors(accelerator.unwrap_model(model), parallel.tp_group, grads=True))
         optimizer.step()
         optimizer.zero_grad()
@@ -124,6 +127,19 @@ def test_fsdp2_next_to_tp_equals_one_process(reference, tp, shard, replicate):
     held = {(2, 2, 1): 26_912, (1, 2, 2): 53_664}[(tp, shard, replicate)]
     assert results[0][4] == {"parameters": held, "optimizer_state": 2 * held}
     assert results[0][1] == results[3][1], "ranks disagree on the gradient norm"
+
+
+def test_fsdp2_with_a_pipeline_equals_one_process(reference):
+    """PP2 x FSDP2 over DP2 (1F1B, 2 micro-batches): each stage's layers and its decoder's embeddings sharded over
+    its DP group; losses, gradient norms and the gathered weights after two AdamW steps (fp64)."""
+    settings = {"num_micro_batches": 2}
+    results = run_distributed(_train, world_size=4, args=(1, 2, 1, None, None, STEPS, torch.float64, settings, 2))
+    _assert_matches(results[0], (*reference[:2], {}, reference[3]), "pp2 x dp_shard2")
+    held = [result[4]["parameters"] for result in results]  # each rank a quarter: half a stage's layers
+    assert sum(held) == 107_200 and max(held) < 27_000, held
+    interleaved = {"num_micro_batches": 2, "pipeline_schedule": "interleaved", "virtual_stages": 2}
+    with pytest.raises(DistributedTestError, match="FSDP2.*with the interleaved pipeline schedule is not supported"):
+        run_distributed(_train, world_size=4, args=(1, 2, 1, None, None, 1, torch.float64, interleaved, 2))
 
 
 def test_fsdp2_checkpoints_resume_without_fsdp_and_back(reference, tmp_path):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 from accelerate import Accelerator as _AccelerateAccelerator
@@ -50,6 +50,7 @@ from mtk.parallel.fsdp import data_parallel_mesh, shard_over_data_parallel
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sync_sequence_parallel_grads
+from mtk.parallel.record import hf_model
 from mtk.parallel.state import ParallelState, default_device
 from mtk.pipeline.engine import PipelineModel
 
@@ -173,10 +174,10 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
         if self.sharding is None:
             return
         self.sharding.check(self.parallel.dp_size)
-        if self.parallel.pp_size > 1:
+        if self.parallel.pp_size > 1 and self.settings.virtual_stages > 1:
             raise ConfigError(
-                "parallelism_config dp_shard_size > 1 (FSDP2) with pp > 1 is not supported yet; shard the optimizer "
-                "state with megatron_lm_use_distributed_optimizer instead, or set pp to 1"
+                "parallelism_config dp_shard_size > 1 (FSDP2) with the interleaved pipeline schedule is not supported "
+                "yet (a rank runs its chunks through different FSDP roots); use 1f1b or afab with FSDP2"
             )
         if self.settings.use_distributed_optimizer:
             raise ConfigError(
@@ -234,6 +235,9 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
                 same_inputs_hook(self.parallel.mp_group, self.parallel.device), with_kwargs=True
             )
         if isinstance(model, PipelineModel):  # the schedule backpropagates; gradients sync in backward()
+            if self.sharding is not None:  # each stage's layers sharded over its DP group
+                self._shard(model)
+                model.sharded_over_data_parallel = True
             model.scale_loss = self._scale_pipeline_loss
             model.syncs_this_call = lambda: self.sync_gradients  # its last backward starts the DP reduction
             return model
@@ -255,7 +259,9 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
         assert self.sharding is not None
         if self._data_parallel_mesh is None:
             self._data_parallel_mesh = data_parallel_mesh(self.parallel, self.sharding)
-        pairs = shard_over_data_parallel(self.unwrap_model(model), self._data_parallel_mesh, self.sharding)
+        stage = self.unwrap_model(model)
+        decoder = cast(Any, hf_model(stage)).base_model if isinstance(model, PipelineModel) else None
+        pairs = shard_over_data_parallel(stage, self._data_parallel_mesh, self.sharding, decoder=decoder)
         by_old = {id(old): new for old, new in pairs}
         for key, (ref, shard) in list(self._replaced_params.items()):  # HF parameter -> TP shard -> its FSDP2 one
             if shard is not None and id(shard) in by_old:
