@@ -30,8 +30,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from mtk.config import ConfigError, check_schedule
 from mtk.data.batching import loss_tokens
-from mtk.parallel.grads import all_reduce_coalesced
 from mtk.parallel.fsdp import local
+from mtk.parallel.grads import all_reduce_coalesced
 from mtk.parallel.overlap import OverlappedReduction
 from mtk.parallel.parameters import param_info
 from mtk.parallel.record import hf_model, parallelized
