@@ -22,6 +22,8 @@ accelerate bf16        4 P + 4 F    4 P          8 P   (autocast keeps fp32 weig
 deepspeed bf16         2 (P+F)      2 P + 4 P/DP 12 P  (fp32 master + moments)
 =====================  ===========  ===========  ==============================
 
+FSDP2 (accelerate's ``parallelism_config``, :mod:`mtk.parallel.fsdp`) divides all three by DP, and holds one decoder
+layer gathered (two: the next one prefetched) and one layer's unsharded gradients until they are reduce-scattered.
 ZeRO-1 divides the optimizer column by DP, ZeRO-2 the gradients too, ZeRO-3 the weights too (ZeRO paper:
 16 bytes per parameter for mixed-precision Adam, the accelerate bf16 and deepspeed bf16 rows alike).
 DeepSpeed also keeps the fp32 gradients of a rank's partition for the step (``4 P / DP``): its own
@@ -50,7 +52,7 @@ class Training:
 
     dtype: str = "fp32"  # fp32 or bf16 (accelerate: autocast; deepspeed: bf16 weights, fp32 master)
     engine: str = "accelerate"  # accelerate or deepspeed
-    sharding: str = "none"  # none, distopt (accelerate), zero1, zero2, zero3 (deepspeed)
+    sharding: str = "none"  # none, distopt or fsdp2 (accelerate), zero1, zero2, zero3 (deepspeed)
     offload: bool = False  # deepspeed: optimizer state (and master weights) in CPU memory
     dp_size: int = 1
     lora: bool = False  # the frozen base stays in ``dtype``; adapters train in fp32
@@ -133,6 +135,11 @@ def stage_memory(
     buffers = 0
     if training.sharding == "distopt":
         optimizer = _owned(params.trainable, dp, dp_rank) * 8
+    elif training.sharding == "fsdp2":
+        layer = trace.whole.layer
+        unit = sum(layer.trainable) * weight_size + layer.frozen * (base_size if training.lora else weight_size)
+        buffers += 2 * unit + sum(layer.trainable) * 4  # two layers gathered, one layer's gradients unsharded
+        weights, gradients, optimizer = (-(-part // dp) for part in (weights, gradients, optimizer))
     elif training.sharding in ("zero1", "zero2", "zero3"):
         optimizer = -(-optimizer // dp)
         if training.sharding in ("zero2", "zero3"):
@@ -163,7 +170,7 @@ def stage_memory(
     grads_live = gradients if micro_batches * v > in_flight else partial
 
     reduction = 0  # the gradient reduction's own memory, live while every gradient is
-    if dp > 1 and training.engine == "accelerate":
+    if dp > 1 and training.engine == "accelerate" and training.sharding != "fsdp2":  # FSDP2's are in buffers
         if training.ddp:
             buffers += gradients  # DDP's buckets: a persistent copy
         else:

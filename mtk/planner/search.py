@@ -172,8 +172,8 @@ def estimate(request: Request, candidate: Candidate) -> Estimate:
     counts = _rank_layers(config, c)
     memories = [rank_memory(request, c, s) for s in range(c.pp_size)]
     stage = max(range(c.pp_size), key=lambda s: memories[s].peak)
-    numels = list(stage_parameters(trace, counts[stage], stage, c.pp_size).trainable)
-    traffic, collectives = _traffic(request, c, stage, numels)
+    params = stage_parameters(trace, counts[stage], stage, c.pp_size)
+    traffic, collectives = _traffic(request, c, stage, list(params.trainable), params.frozen)
     time = _step_time(request, c, counts, traffic)
     fits = memories[stage].peak <= request.cluster.gpu_memory - request.reserve
     tokens_per_s = request.global_batch * request.seq / time.total
@@ -212,14 +212,15 @@ def stage_collectives(request: Request, candidate: Candidate, stage: int) -> dic
         request.config, _trace_settings(request, candidate), request.seq, pipeline=candidate.pp_size > 1
     )
     layers = _rank_layers(request.config, candidate)[stage]
-    numels = list(stage_parameters(trace, layers, stage, candidate.pp_size).trainable)
-    return _traffic(request, candidate, stage, numels)[1]
+    params = stage_parameters(trace, layers, stage, candidate.pp_size)
+    return _traffic(request, candidate, stage, list(params.trainable), params.frozen)[1]
 
 
-def _traffic(request: Request, c: Candidate, stage: int, numels: list[int]) -> tuple[Traffic, dict]:
+def _traffic(request: Request, c: Candidate, stage: int, numels: list[int], frozen: int = 0) -> tuple[Traffic, dict]:
     """Bytes per step of stage ``stage`` by group, their time on the wire, and mtk's collectives by kind
     (what ``mtk bench`` counts: TP and PP from :func:`predict_collectives`, the DP reduction and the
-    distributed optimizer's all-gather rounds; DeepSpeed's own ZeRO calls are not mtk's)."""
+    distributed optimizer's all-gather rounds; DeepSpeed's own ZeRO calls are not mtk's). ``numels``: the
+    trainable parameters' elements; ``frozen``: a LoRA base's, which FSDP2 gathers too."""
     config, cluster = request.config, request.cluster
     predicted = predict_collectives(
         _layers(config),
@@ -250,10 +251,25 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int]) -> t
     dp_s = collective_seconds("all_reduce", dp_bytes, c.dp_size, cluster.bandwidth(dp_group))
     if c.sharding == "zero3":
         dp_s *= 1.5  # parameters gathered for forward and again for backward (ZeRO paper)
+    if c.sharding == "fsdp2":  # every micro-batch gathers each unit for forward and backward, then reduce-scatters
+        units = _rank_layers(request.config, c)[stage] + 1 + (c.pp_size > 1)  # layers, root, a stage's decoder
+        base_size = 2 if request.dtype == "bf16" and request.lora_r > 0 else 4  # a LoRA base stays in --dtype
+        # all-gathers counted by what each rank contributes (its piece), reduce-scatters by their input
+        pieces = -(-(sum(numels) * 4 + frozen * base_size) // c.dp_size) * c.micro_batches if c.dp_size > 1 else 0
+        scattered = dp_bytes * c.micro_batches
+        predicted.counts["all_gather"] += 2 * units * c.micro_batches
+        predicted.nbytes["all_gather"] += 2 * pieces
+        predicted.counts["reduce_scatter"] += units * c.micro_batches
+        predicted.nbytes["reduce_scatter"] += scattered
+        bandwidth = cluster.bandwidth(dp_group)
+        dp_s = 2 * collective_seconds("all_gather", pieces, c.dp_size, bandwidth)
+        dp_s += collective_seconds("reduce_scatter", scattered, c.dp_size, bandwidth)
+        dp_bytes = 2 * pieces * c.dp_size + scattered  # gathered in, scattered out
     gathers = _gather_widths(numels, c.dp_size) if c.sharding == "distopt" else ()
     for width in gathers:  # the distributed optimizer's all-gather rounds of the updated weights
         dp_s += collective_seconds("all_gather", width * 4, c.dp_size, cluster.bandwidth(dp_group))
-    if c.dp_size > 1 and c.engine == "accelerate":  # one coalesced all-reduce; under PP, buckets from backward
+    if c.dp_size > 1 and c.engine == "accelerate" and c.sharding != "fsdp2":  # one coalesced all-reduce; under PP,
+        # buckets from backward
         buckets = gradient_buckets([(n * grad_size, torch.float32) for n in numels]) if c.pp_size > 1 else [[]]
         predicted.counts["all_reduce"] += len(buckets)
         predicted.nbytes["all_reduce"] += dp_bytes
@@ -278,6 +294,8 @@ def _step_time(request: Request, c: Candidate, rank_layers: list[int], traffic: 
     # DDP / DeepSpeed reduce during the whole backward; a pipeline during its last micro-batch's backward;
     # the distributed optimizer's all-gather comes after the step
     backward = 2 / 3 * compute / (c.micro_batches if c.pp_size > 1 else 1)
+    if c.sharding == "fsdp2":  # every micro-batch's gathers and reduce-scatters hide under its own compute
+        backward = compute
     dp_exposed = traffic.dp_wire_s if c.sharding == "distopt" else max(0.0, traffic.dp_wire_s - backward)
     total = stage_s * (1 + bubble) + traffic.pp_wire_s + dp_exposed
     return StepTime(compute, traffic.tp_wire_s, stage_s * bubble, traffic.pp_wire_s, dp_exposed, total, bubble)
@@ -339,6 +357,8 @@ def layouts(request: Request) -> Iterator[Candidate]:
                         yield replace(shape, virtual_stages=virtual)
                         if dp > 1:
                             yield replace(shape, virtual_stages=virtual, sharding="distopt")
+                        if dp > 1 and virtual == 1:  # FSDP2 next to TP (and 1F1B): not interleaved
+                            yield replace(shape, sharding="fsdp2")
                 if "deepspeed" in request.engines and pp == 1:
                     for offload in (False, True) if request.offload else (False,):
                         for stage in ("zero1", "zero2", "zero3"):

@@ -54,7 +54,8 @@ def test_json_has_every_setting_and_layout(plan_8b_json):
     layouts = {(e["layout"]["tp_size"], e["layout"]["pp_size"], e["layout"]["dp_size"]) for e in estimates}
     assert (8, 1, 1) in layouts and (1, 8, 1) in layouts and (2, 2, 2) in layouts and (1, 1, 8) in layouts
     assert {e["layout"]["recompute"] for e in estimates} == {None, "selective", "full"}
-    assert {e["layout"]["sharding"] for e in estimates} == {"none", "distopt", "zero1", "zero2", "zero3"}
+    assert {e["layout"]["sharding"] for e in estimates} == {"none", "distopt", "fsdp2", "zero1", "zero2", "zero3"}
+    assert not any(e["layout"]["sharding"] == "fsdp2" and e["layout"]["virtual_stages"] > 1 for e in estimates)
     assert not any(e["layout"]["engine"] == "deepspeed" and e["layout"]["pp_size"] > 1 for e in estimates)
     assert not any(e["layout"]["sequence_parallel"] and e["layout"]["engine"] == "deepspeed" for e in estimates)
     assert any(not e["fits"] for e in estimates) and any(e["fits"] for e in estimates)
@@ -95,6 +96,24 @@ def test_zero_stages_shard_what_the_paper_says(plan_8b_json):
     assert one["optimizer"] == two["optimizer"] == three["optimizer"]
     assert two["gradients"] * 8 >= one["gradients"] > two["gradients"] and two["weights"] == one["weights"]
     assert three["weights"] * 8 >= one["weights"] > three["weights"]
+
+
+def test_fsdp2_divides_the_whole_model_state_by_dp_and_moves_three_passes_per_micro_batch(plan_8b_json):
+    """TP2 x FSDP2 over DP4: weights, gradients and AdamW's moments each 1/dp of the TP shard's (the plain TP2 x DP4
+    row's), one layer gathered twice over plus its gradients as buffers; per micro-batch two all-gathers and a
+    reduce-scatter of the shard, in place of the one all-reduce per step."""
+    twin = dict(tp_size=2, pp_size=1, dp_size=4, micro_batch_size=1, recompute=None, sequence_parallel=False)
+    plain = _find(plan_8b_json["estimates"], engine="accelerate", sharding="none", **twin)
+    fsdp = _find(plan_8b_json["estimates"], engine="accelerate", sharding="fsdp2", **twin)
+    for part in ("weights", "gradients", "optimizer"):
+        assert fsdp["memory_bytes"][part] == -(-plain["memory_bytes"][part] // 4), part
+    assert fsdp["memory_bytes"]["buffers"] > 0
+    micro_batches = fsdp["layout"]["micro_batches"]
+    gathered, scattered = fsdp["collectives"]["all_gather"], fsdp["collectives"]["reduce_scatter"]
+    assert gathered["count"] == 2 * scattered["count"] == 2 * (32 + 1) * micro_batches  # 32 layers and the root
+    gradients = plain["collectives"]["all_reduce"]["bytes"] - fsdp["collectives"]["all_reduce"]["bytes"]  # TP's stay
+    assert scattered["bytes"] == gradients * micro_batches  # fp32 gradients; each rank gathers its fp32 pieces
+    assert gathered["bytes"] == 2 * -(-gradients // 4) * micro_batches
 
 
 def test_pipeline_first_stage_holds_the_most_micro_batches(plan_8b_json):
