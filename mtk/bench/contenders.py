@@ -42,6 +42,7 @@ from mtk.bench.peers import (
 from mtk.config import RunSettings
 from mtk.convert import parallelize
 from mtk.models import DTYPES, build_model
+from mtk.parallel.fsdp import ShardingSettings, data_parallel_mesh, shard_over_data_parallel
 from mtk.parallel.grads import all_reduce_coalesced, sync_sequence_parallel_grads
 from mtk.parallel.recompute import enable_recompute
 from mtk.parallel.record import parallelized
@@ -78,10 +79,17 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
             [p.grad for p in model.parameters() if p.grad is not None], parallel.dp_group, average=True
         )
 
+    def sync_sharded() -> None:  # FSDP2 reduce-scattered in backward; TP's shared gradients, as the Accelerator
+        sync_sequence_parallel_grads(model, parallel.tp_group)
+
+    if spec.fsdp:  # FSDP2 over DP as the Accelerator shards it
+        sharding = ShardingSettings(dp_shard_size=parallel.dp_size)
+        shard_over_data_parallel(model.to(device), data_parallel_mesh(parallel, sharding), sharding)
     if spec.pp_size == 1:
         shard_over = parallel.dp_group if spec.distributed_optimizer else None
-        measured = measure_model(spec, model.to(device), device, sync_grads, baseline, shard_over)
-        if parallel.dp_size > 1:
+        after_backward = sync_sharded if spec.fsdp else sync_grads
+        measured = measure_model(spec, model.to(device), device, after_backward, baseline, shard_over)
+        if parallel.dp_size > 1 and not spec.fsdp:
             measured["reduction_s"] = _reduction_seconds(model, parallel.dp_group, device)
         if parallel.tp_size > 1:
             hidden = cast(Any, model).config.hidden_size
@@ -141,7 +149,7 @@ def _reduction_seconds(model, group, device: torch.device) -> float:
 
 def run_mtk_one_replica(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """mtk at the same TP x PP as one data-parallel replica: what a DP layout's ideal is measured from."""
-    return run_mtk(rank, world_size, replace(spec, dp_size=1, distributed_optimizer=False))
+    return run_mtk(rank, world_size, replace(spec, dp_size=1, distributed_optimizer=False, fsdp=False))
 
 
 def run_mtk_one_stage(rank: int, world_size: int, spec: BenchSpec) -> dict:

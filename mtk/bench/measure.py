@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from mtk.parallel.collective_count import count_collectives
 from mtk.parallel.distributed_optimizer import shard_optimizer
+from mtk.parallel.fsdp import local
 from mtk.parallel.state import default_device
 from mtk.planner.live_memory import LiveMemory
 
@@ -60,6 +61,7 @@ class BenchSpec:
     track_memory: bool = False  # mtk only: one more step under torch's MemTracker (memory by kind)
     dp_size: int = 1  # mtk only: data-parallel replicas (each the same batch); gradients averaged over them
     distributed_optimizer: bool = False  # mtk only: AdamW state sharded over the DP group
+    fsdp: bool = False  # mtk only: FSDP2 over the DP group (weights, gradients and AdamW state sharded)
     checkpoint_dir: str | None = None  # the same weights as a local HF directory (for from_pretrained)
     pipeline_layers: tuple[int, ...] = ()  # mtk only, pp > 1: decoder layers per stage (chunk) (default: mtk's)
     pipeline_schedule: str = "1f1b"  # mtk only, pp > 1: afab, 1f1b or interleaved
@@ -175,14 +177,14 @@ def count_model_state(model, optimizer) -> dict[str, int]:
     on the live objects (``mtk plan`` predicts them exactly)."""
     params = list(model.parameters())
     moments = sum(
-        t.numel() * t.element_size()
+        local(t).numel() * t.element_size()
         for state in optimizer.state.values()
         for t in state.values()
         if isinstance(t, torch.Tensor) and t.dim() > 0  # AdamW's ``step`` is a scalar
     )
-    return {
-        "weights": sum(p.numel() * p.element_size() for p in params),
-        "gradients": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+    return {  # FSDP2's parameters and state: this rank's pieces
+        "weights": sum(local(p).numel() * p.element_size() for p in params),
+        "gradients": sum(local(p).numel() * p.element_size() for p in params if p.requires_grad),
         "optimizer": moments,
     }
 

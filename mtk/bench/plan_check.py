@@ -79,7 +79,7 @@ def _request_and_candidate(spec: BenchSpec, device: str) -> tuple[Request, Candi
         pipeline_layers=spec.pipeline_layers,
         sequence_parallel=spec.sequence_parallel,
         recompute=spec.recompute,
-        sharding="distopt" if spec.distributed_optimizer else "none",
+        sharding="distopt" if spec.distributed_optimizer else "fsdp2" if spec.fsdp else "none",
     )
     return request, candidate
 

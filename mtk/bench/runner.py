@@ -21,7 +21,12 @@ from mtk.bench.contenders import CONTENDERS, BenchSpec
 from mtk.models import build_model, resolve_config
 from mtk.pipeline.balance import layer_counts, rank_layers
 from mtk.planner.collectives import Predicted, predict_collectives
-from mtk.planner.shapes import data_parallel_traffic, has_residual_dropout, sequence_parallel_elements
+from mtk.planner.shapes import (
+    data_parallel_traffic,
+    fsdp_traffic,
+    has_residual_dropout,
+    sequence_parallel_elements,
+)
 from mtk.spawn import DistributedTestError, run_distributed
 
 __all__ = ["ContenderSummary", "machine_busy_fraction", "run_bench"]
@@ -75,7 +80,10 @@ class ContenderSummary:
 def predicted_for(spec: BenchSpec) -> Predicted:
     config = resolve_config(spec.model)
     layers = getattr(config, "num_hidden_layers", None) or config.n_layer
-    return predict_collectives(
+    dp_traffic = (
+        {} if spec.fsdp else data_parallel_traffic(config, spec.tp_size, spec.dp_size, spec.distributed_optimizer)
+    )
+    predicted = predict_collectives(
         layers,
         config.hidden_size,
         spec.batch,
@@ -90,8 +98,14 @@ def predicted_for(spec: BenchSpec) -> Predicted:
         residual_dropout=has_residual_dropout(config),
         virtual_stages=spec.virtual_stages,
         stage_layers=_first_rank_layers(config, spec) if spec.pp_size > 1 else None,
-        **data_parallel_traffic(config, spec.tp_size, spec.dp_size, spec.distributed_optimizer),
+        **dp_traffic,
     )
+    if spec.fsdp:  # FSDP2's gathers and reduce-scatters, per unit
+        element_size = 2 if spec.dtype == "bf16" else 4
+        for kind, moved in fsdp_traffic(config, spec.tp_size, spec.dp_size, element_size).items():
+            predicted.counts[kind] += moved["count"]
+            predicted.nbytes[kind] += moved["bytes"]
+    return predicted
 
 
 def _first_rank_layers(config, spec: BenchSpec) -> int:

@@ -63,6 +63,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--distributed_optimizer", action="store_true", help="mtk with AdamW state sharded over DP (needs --dp > 1)"
     )
     parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="mtk with FSDP2 over DP: weights, gradients and AdamW state sharded (needs --dp > 1)",
+    )
+    parser.add_argument(
         "--memory",
         action="store_true",
         help="one more step counting live bytes per rank (max allocated on CUDA), held against mtk plan's prediction",
@@ -85,6 +90,12 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         raise MtkError("--compare with --dp > 1 holds mtk against DeepSpeed ZeRO over the same replicas: use --tp 1")
     if args.distributed_optimizer and args.dp == 1:
         raise MtkError("--distributed_optimizer shards the optimizer over data-parallel replicas: give --dp > 1")
+    if args.fsdp and args.dp == 1:
+        raise MtkError("--fsdp shards the model over data-parallel replicas: give --dp > 1")
+    if args.fsdp and args.distributed_optimizer:
+        raise MtkError("--fsdp already shards the optimizer state over DP: drop --distributed_optimizer")
+    if args.fsdp and args.compare:
+        raise MtkError("--fsdp measures mtk's own layout; --compare holds mtk against its peers without it")
     micro = args.micro_batches or (args.batch if args.pp > 1 else 1)
     if args.memory and args.dtype != "fp32":
         raise MtkError("--memory holds the run against mtk plan, which models bf16 as mixed precision: use fp32")
@@ -114,6 +125,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         recompute=args.recompute,
         dp_size=args.dp,
         distributed_optimizer=args.distributed_optimizer,
+        fsdp=args.fsdp,
         track_memory=args.memory,
     )
 

@@ -9,6 +9,7 @@ with another) are counted once, at the outermost call.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -90,11 +91,15 @@ def count_collectives() -> Iterator[CollectiveLog]:
 
     def wrap(name, fn):
         kind, arg_index = _TRACED[name]
+        parameters = list(inspect.signature(fn).parameters)
+        name_of_arg = parameters[arg_index] if arg_index is not None and arg_index < len(parameters) else None
 
         def traced(*args, **kwargs):
             depth = getattr(local, "depth", 0)
             if depth == 0:
                 tensor = args[arg_index] if arg_index is not None and len(args) > arg_index else None
+                if tensor is None and name_of_arg is not None:  # passed by name (FSDP2: output=..., input=...)
+                    tensor = kwargs.get(name_of_arg)
                 numel, nbytes = _tensor_size(tensor)
                 log.events.append(CollectiveEvent(kind, numel, nbytes))
             local.depth = depth + 1

@@ -123,9 +123,11 @@ def shard_over_data_parallel(
     without FSDP.
     """
     before = dict(model.named_parameters(remove_duplicate=False))
-    units = [*sharded_modules(model, settings.unit_classes), *([decoder] if decoder is not None else []), model]
+    units = [*sharded_modules(model, settings.unit_classes), *([decoder] if decoder is not None else [])]
     for module in units:
         fully_shard(module, mesh=mesh, reshard_after_forward=settings.reshard_after_forward)
+    # the root left to FSDP2's default (None): kept gathered from its forward to its backward, which follows at once
+    fully_shard(model, mesh=mesh, reshard_after_forward=None if settings.reshard_after_forward else False)
     pairs = []
     for name, param in model.named_parameters(remove_duplicate=False):
         old = before[name]

@@ -136,9 +136,16 @@ def stage_memory(
     if training.sharding == "distopt":
         optimizer = _owned(params.trainable, dp, dp_rank) * 8
     elif training.sharding == "fsdp2":
+
+        def gathered(part: Parameters) -> int:
+            return sum(part.trainable) * weight_size + part.frozen * (base_size if training.lora else weight_size)
+
+        ends = _stage_phases(trace, stage, pp)  # the root unit: what the stage holds outside its layers
+        root = (ends.before + ends.after) if ends is not None else Parameters()
         layer = trace.whole.layer
-        unit = sum(layer.trainable) * weight_size + layer.frozen * (base_size if training.lora else weight_size)
-        buffers += 2 * unit + sum(layer.trainable) * 4  # two layers gathered, one layer's gradients unsharded
+        # the root stays gathered from its forward to its backward, a layer and the next one (prefetched) with it,
+        # and the larger unit's unsharded gradients wait for their reduce-scatter
+        buffers += gathered(root) + 2 * gathered(layer) + max(sum(layer.trainable), sum(root.trainable)) * 4
         weights, gradients, optimizer = (-(-part // dp) for part in (weights, gradients, optimizer))
     elif training.sharding in ("zero1", "zero2", "zero3"):
         optimizer = -(-optimizer // dp)

@@ -257,7 +257,7 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int], froz
         # all-gathers counted by what each rank contributes (its piece), reduce-scatters by their input
         pieces = -(-(sum(numels) * 4 + frozen * base_size) // c.dp_size) * c.micro_batches if c.dp_size > 1 else 0
         scattered = dp_bytes * c.micro_batches
-        predicted.counts["all_gather"] += 2 * units * c.micro_batches
+        predicted.counts["all_gather"] += (2 * units - 1) * c.micro_batches  # the root is gathered once
         predicted.nbytes["all_gather"] += 2 * pieces
         predicted.counts["reduce_scatter"] += units * c.micro_batches
         predicted.nbytes["reduce_scatter"] += scattered

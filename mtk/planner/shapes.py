@@ -18,16 +18,59 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from mtk.parallel.distributed_optimizer import all_gather_rounds, assign_owners
+from mtk.parallel.fsdp import sharded_modules
 from mtk.parallel.parameters import param_info
 from mtk.planner.trace import TraceSettings, fake_process_group, meta_model, with_layers
 
-__all__ = ["data_parallel_traffic", "has_residual_dropout", "local_numels", "sequence_parallel_elements"]
+__all__ = [
+    "data_parallel_traffic",
+    "fsdp_traffic",
+    "has_residual_dropout",
+    "local_numels",
+    "sequence_parallel_elements",
+]
 
 
 def local_numels(config: PretrainedConfig, tp_size: int) -> list[int]:
     """Elements of each of a TP rank's parameters, in the converted model's order (vocabulary padded, kv heads
     replicated, tied embeddings once)."""
     return list(_converted(_class_of(config), config.to_json_string(use_diff=False), tp_size, False)[0])
+
+
+def fsdp_traffic(config: PretrainedConfig, tp_size: int, dp_size: int, element_size: int = 4) -> dict[str, Any]:
+    """FSDP2's collectives in one step of a TP rank (:mod:`mtk.parallel.fsdp`, one micro-batch, one stage): per
+    unit (each decoder layer, then the root) one all-gather for the forward and, but for the root, one for the
+    backward, and one reduce-scatter of its gradients. FSDP2 pads each parameter's dim 0 to a multiple of
+    ``dp_size`` and moves a unit's parameters in one flat buffer: an all-gather's input is the rank's padded
+    pieces, a reduce-scatter's the whole padded unit."""
+    units = _units(_class_of(config), config.to_json_string(use_diff=False), tp_size)
+    pieces = [sum(-(-shape[0] // dp_size) * _product(shape[1:]) for shape in unit) * element_size for unit in units]
+    layers, root = pieces[:-1], pieces[-1]
+    return {
+        "all_gather": {"count": 2 * len(layers) + 1, "bytes": 2 * sum(layers) + root},
+        "reduce_scatter": {"count": len(pieces), "bytes": dp_size * sum(pieces)},
+    }
+
+
+def _product(sizes: tuple[int, ...]) -> int:
+    total = 1
+    for size in sizes:
+        total *= size
+    return total
+
+
+@functools.lru_cache(maxsize=64)
+def _units(config_class: Any, config_json: str, tp_size: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """The shapes of each FSDP2 unit's own parameters on TP rank 0: the decoder layers, then the root's rest."""
+    config = config_class.from_dict(json.loads(config_json))
+    with fake_process_group(tp_size), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = meta_model(config, TraceSettings(tp_size), pp=1, pp_rank=0)
+        layers = sharded_modules(model)
+        inside = {id(p) for layer in layers for p in layer.parameters()}
+        units = [tuple(tuple(p.shape) for p in layer.parameters()) for layer in layers]
+        units.append(tuple(tuple(p.shape) for p in model.parameters() if id(p) not in inside))
+    return tuple(units)
 
 
 def sequence_parallel_elements(config: PretrainedConfig, tp_size: int) -> int:

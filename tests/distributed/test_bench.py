@@ -88,6 +88,22 @@ def test_bench_data_parallel_with_the_distributed_optimizer(tmp_path, capsys):
     assert ideal["reduction_s"] > 0 and ideal["ideal_s"] == ideal["one_replica_s"] + ideal["reduction_s"]
 
 
+def test_bench_fsdp2_counts_its_gathers_and_reduce_scatters_and_holds_the_planned_state(tmp_path, capsys):
+    """--fsdp at TP=2 x DP=2: per unit (two layers, the root) an all-gather forward, another backward but for the
+    root, a reduce-scatter, as predicted from the padded unit shapes; the model state each rank holds is the
+    planner's fsdp2 row to the byte."""
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", "tiny-llama", "--tp", "2", "--dp", "2", "--fsdp", "--batch", "2", "--seq",
+                 "16", "--steps", "1", "--memory", "--json", str(out)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    mtk = report["contenders"][0]
+    assert mtk["collectives"] == report["predicted_collectives"]
+    assert mtk["collectives"]["all_gather"]["count"] == 5 and mtk["collectives"]["reduce_scatter"]["count"] == 3
+    assert text.count("model state exact") == 4 and "data parallel (FSDP2):" in text
+
+
 def test_bench_memory_against_the_plan(tmp_path, capsys):
     """--memory: each rank's peak next to mtk plan's prediction for its stage, the model state exact."""
     out = tmp_path / "bench.json"
