@@ -21,7 +21,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mtk.errors import ConfigError
@@ -37,6 +37,7 @@ __all__ = [
     "held_elements",
     "is_sharded",
     "local",
+    "reshard",
     "shard_like",
     "shard_over_data_parallel",
     "sharded_modules",
@@ -136,6 +137,16 @@ def shard_over_data_parallel(
     return pairs
 
 
+def reshard(model: nn.Module) -> None:
+    """Every FSDP2 unit of ``model`` back to its sharded parameters. A unit stays gathered after a forward with no
+    backward behind it (an evaluation: the root always, every unit with ``reshard_after_forward=False``), and
+    then its registered parameters are the gathered tensors, not the ones the optimizer steps: what reads the
+    model's parameters as state (a checkpoint, a state dict) reshards first. A no-op without FSDP2."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def is_sharded(tensor: torch.Tensor | None) -> bool:
     """Whether ``tensor`` is split over data parallelism (an FSDP2 parameter, its gradient or optimizer state)."""
     return isinstance(tensor, DTensor)
@@ -182,6 +193,7 @@ def held_elements(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> 
     scalars such as Adam's ``step`` not counted). What sharding claims are checked against: a TP shard is
     ``1/tp`` of a split weight, FSDP2 keeps ``1/dp_shard`` of that, the distributed optimizer ``1/dp`` of the state.
     """
+    reshard(model)  # counted as held between steps, not gathered by a last evaluation
     parameters = sum(local(p).numel() for p in model.parameters())
     state = sum(
         local(t).numel()

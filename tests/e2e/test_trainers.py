@@ -127,13 +127,12 @@ def test_resume_from_checkpoint_n_continues_exactly(reference, tp2_run, tmp_path
     "config, env, args, dp",
     [
         ("tp2_dp2", {}, (), 2),
-        ("tp2_fsdp2", {}, (), 2),
         ("tp2_pp2", {}, (), 1),
         ("tp1_pp2", {"MTK_PIPELINE_SCHEDULE": "interleaved", "MTK_VIRTUAL_STAGES": "2"}, (), 1),
         ("tp2_dp2_zero2", {}, ("--deepspeed", "ds_configs/accelerate_zero2_tp2.json"), 2),
         ("tp2_dp2_zero2", {}, ("--deepspeed", "ds_configs/accelerate_zero3_tp2.json"), 2),
     ],
-    ids=["tp2_dp2", "tp2_fsdp2", "tp2_pp2", "pp2_interleaved", "deepspeed_zero2_tp2_dp2", "deepspeed_zero3_tp2_dp2"],
+    ids=["tp2_dp2", "tp2_pp2", "pp2_interleaved", "deepspeed_zero2_tp2_dp2", "deepspeed_zero3_tp2_dp2"],
 )
 def test_layouts_log_the_trainers_numbers(reference, tmp_path, config, env, args, dp):
     """TrainingArguments(deepspeed=...) included: ZeRO-2 and ZeRO-3 over DP (the JSON given to the arguments wins
@@ -142,6 +141,22 @@ def test_layouts_log_the_trainers_numbers(reference, tmp_path, config, env, args
     history, _ = reference[dp]
     ours = _mtk_run(config, tmp_path / "run", *args, env={**os.environ, **env})
     assert_same_history(ours, history, config + (" interleaved" if env else ""))
+
+
+def test_fsdp2_logs_the_trainers_numbers_resumes_at_plain_tp2_dp2_and_saves_the_model(reference, tmp_path):
+    """accelerate_configs/tp2_fsdp2.yaml (parallelism_config tp_size 2 x dp_shard_size 2): transformers' DP=2
+    numbers; its checkpoint-2 (each TP shard made whole over DP) resumed at plain TP2 x DP2; save_model writes the
+    whole model, gathered over DP and TP."""
+    history, hf_dir = reference[2]
+    sharded = _mtk_run("tp2_fsdp2", tmp_path / "fsdp2", "--save_steps", "2", "--save_model")
+    assert_same_history(sharded, history, "tp2_fsdp2")
+    resumed = _mtk_run("tp2_dp2", tmp_path / "resumed", "--resume", str(tmp_path / "fsdp2" / "checkpoint-2"))
+    assert_same_history(resumed, history, "tp2_dp2 resumed from FSDP2's checkpoint-2", steps={3, 4})
+    ours = load_file(tmp_path / "fsdp2" / "final" / "model.safetensors")
+    theirs = load_file(hf_dir / "final" / "model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:
+        assert_close_rel(ours[name], theirs[name], f"saved {name}", tol=1e-4)  # after 4 AdamW steps in fp32
 
 
 def test_a_refused_training_argument_is_one_line(tmp_path):

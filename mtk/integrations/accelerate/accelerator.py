@@ -46,7 +46,7 @@ from mtk.integrations.deepspeed import (
 from mtk.parallel.amp import TPGradScaler
 from mtk.parallel.consistency import check_same_loss, same_inputs_hook
 from mtk.parallel.distributed_optimizer import shard_optimizer
-from mtk.parallel.fsdp import data_parallel_mesh, shard_over_data_parallel
+from mtk.parallel.fsdp import data_parallel_mesh, reshard, shard_over_data_parallel
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sync_sequence_parallel_grads
@@ -327,6 +327,7 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
         a second copy of its shard. Collective: every rank must call it.
         """
         model = self.unwrap_model(model) if unwrap else model
+        reshard(model)  # FSDP2 units an evaluation left gathered
         if self.uses_deepspeed and self._deepspeed_engine is not None:
             with zero3_gathered(self._deepspeed_engine):  # ZeRO-3 partitions parameters over DP
                 return gather_state_dict(model, self.parallel)

@@ -22,6 +22,7 @@ from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.errors import CheckpointError, ConfigError
 from mtk.integrations.accelerate.shuffle import replay_shuffles
 from mtk.integrations.deepspeed import load_deepspeed_checkpoint, save_deepspeed_checkpoint
+from mtk.parallel.fsdp import reshard
 from mtk.parallel.state import ParallelState
 
 if TYPE_CHECKING:  # the mixin is checked as part of accelerate's Accelerator
@@ -84,6 +85,7 @@ class ShardedCheckpointing(_Host):
         elif output_dir is None:
             output_dir = os.path.join(self.project_dir or ".", "checkpoints", f"step_{self.completed_steps}")
         model, optimizers, schedulers = self._checkpoint_parts()
+        reshard(model)  # FSDP2 units an evaluation left gathered: the optimizer's parameters are the sharded ones
         for hook in self._save_model_state_pre_hook.values():  # accelerate's register_save_state_pre_hook
             hook(self._models, [], output_dir)  # no full-model weights list: each rank saves its shard
         data = {
@@ -172,6 +174,7 @@ class ShardedCheckpointing(_Host):
         if input_dir is None:
             raise ValueError("load_state needs the checkpoint directory, e.g. ckpts/step_150")
         model, optimizers, schedulers = self._checkpoint_parts()
+        reshard(model)
         for hook in self._load_model_state_pre_hook.values():  # accelerate's register_load_state_pre_hook
             hook(self._models, input_dir)
         if self.uses_deepspeed:
