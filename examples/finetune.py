@@ -44,7 +44,6 @@ from mtk.integrations.accelerate.save import check_target, save_pretrained
 from mtk.lora import get_peft_model
 from mtk.lora.options import add_lora_arguments, base_dtype, lora_config
 from mtk.models import check_seq_len, resolve_config
-from mtk.parallel.fsdp import held_elements
 from mtk.parallel.grad_norm import check_finite
 from mtk.parallel.placement import placement
 from mtk.rules import check_tp_size
@@ -322,7 +321,7 @@ def main(argv=None) -> None:
         save_pretrained(accelerator, model, args.save_model, tokenizer)
     peaks = peak_memory_mib(accelerator.device)
     accelerator.print(f"mtk: peak memory per rank (MiB): {' '.join(f'{p:.0f}' for p in peaks)}")
-    held = held_elements(accelerator.unwrap_model(model), [optimizer])  # what TP, FSDP2, a distributed optimizer left
+    held = accelerator.held_elements()  # what TP, FSDP2, a distributed optimizer or ZeRO left rank 0
     accelerator.print(
         f"mtk: model state held by rank 0: {held['parameters']} parameter elements, "
         f"{held['optimizer_state']} optimizer-state elements"

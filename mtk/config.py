@@ -32,7 +32,15 @@ from typing import Any
 
 from mtk.errors import ConfigError
 
-__all__ = ["PIPELINE_SCHEDULES", "ConfigError", "ParallelConfig", "RunSettings", "check_schedule", "report_override"]
+__all__ = [
+    "PIPELINE_SCHEDULES",
+    "ConfigError",
+    "ParallelConfig",
+    "RunSettings",
+    "check_schedule",
+    "parse_bool",
+    "report_override",
+]
 
 PIPELINE_SCHEDULES = ("1f1b", "afab", "interleaved")
 
@@ -77,7 +85,8 @@ def _parse_float(key: str, raw: str) -> float:
         raise ConfigError(f"{key}={raw!r} is not a number; set it to a non-negative number") from None
 
 
-def _parse_bool(key: str, raw: str) -> bool:
+def parse_bool(key: str, raw: str) -> bool:
+    """A launcher variable's boolean (true/false, 1/0, ...); anything else is one line naming it."""
     if raw.strip().lower() in _TRUE:
         return True
     if raw.strip().lower() in _FALSE:
@@ -282,14 +291,14 @@ class RunSettings:
             "pipeline_schedule": ("MTK_PIPELINE_SCHEDULE", _parse_word),
             "pipeline_layers": ("MTK_PIPELINE_LAYERS", _parse_int_list),
             "virtual_stages": ("MTK_VIRTUAL_STAGES", _parse_int),
-            "sequence_parallel": ("MEGATRON_LM_SEQUENCE_PARALLELISM", _parse_bool),
+            "sequence_parallel": ("MEGATRON_LM_SEQUENCE_PARALLELISM", parse_bool),
             "gradient_clipping": ("MEGATRON_LM_GRADIENT_CLIPPING", _parse_float),
-            "eod_mask_loss": ("MEGATRON_LM_EOD_MASK_LOSS", _parse_bool),
+            "eod_mask_loss": ("MEGATRON_LM_EOD_MASK_LOSS", parse_bool),
             "last_stage_layers": ("MEGATRON_LM_DECODER_LAST_PIPELINE_NUM_LAYERS", _parse_int),
-            "recompute_activations": ("MEGATRON_LM_RECOMPUTE_ACTIVATIONS", _parse_bool),
+            "recompute_activations": ("MEGATRON_LM_RECOMPUTE_ACTIVATIONS", parse_bool),
             "recompute_granularity": ("MEGATRON_LM_RECOMPUTE_GRANULARITY", _parse_word),
             "recompute_method": ("MEGATRON_LM_RECOMPUTE_METHOD", _parse_word),
             "recompute_num_layers": ("MEGATRON_LM_RECOMPUTE_NUM_LAYERS", _parse_int),
-            "use_distributed_optimizer": ("MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER", _parse_bool),
+            "use_distributed_optimizer": ("MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER", parse_bool),
         }
         return cls(**_resolve({}, os.environ if env is None else env, sources, explicit))

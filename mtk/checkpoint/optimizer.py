@@ -46,7 +46,9 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Pat
     for index, param_state in state_dict["state"].items():
         for key, value in param_state.items():
             if torch.is_tensor(value):
-                tensors[f"{names[index]}::{key}"] = full_local(value.detach()).contiguous().cpu()
+                whole = full_local(value.detach())  # every DP rank takes part; only the writer keeps it
+                if write:
+                    tensors[f"{names[index]}::{key}"] = whole.contiguous().cpu()
             else:
                 other.setdefault(names[index], {})[key] = value
     groups = [

@@ -11,7 +11,6 @@ once in one folder are refused too: the main process locks it first (:mod:`mtk.c
 from __future__ import annotations
 
 import argparse
-import hashlib
 import re
 import shutil
 from collections.abc import Callable
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from mtk.checkpoint.atomic import refuse_link
 from mtk.checkpoint.lock import lock_output_dir
 from mtk.checkpoint.paths import CheckpointPaths
+from mtk.data.sources import data_fingerprint
 from mtk.errors import CheckpointError
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "ResumeGuard",
     "add_resume_arguments",
     "complete_checkpoints",
-    "data_fingerprint",
     "remove_checkpoints",
     "resolve_resume",
     "start_point",
@@ -145,8 +144,8 @@ class ResumeGuard:
     another alpha or targets would silently train another model. Registered with accelerate's
     ``register_for_checkpointing``, so it is saved in every checkpoint and compared by ``load_state``; a change is
     one line naming the option. Paths are compared as the files they name (``dir/`` and ``./dir`` are ``dir``),
-    and ``--data``'s files by their contents too (:func:`data_fingerprint`): rows appended to the same file would
-    otherwise shift every position after the checkpoint's without a word.
+    and ``--data``'s files by their contents too (:func:`~mtk.data.sources.data_fingerprint`): rows appended to the
+    same file would otherwise shift every position after the checkpoint's without a word.
     """
 
     # checkpoints written before a script registered a guard have none: they resume, unchecked, as before
@@ -167,7 +166,7 @@ class ResumeGuard:
         names = (*cls.DATA_OPTIONS, *cls.MODEL_OPTIONS)
         options = {name: getattr(args, name) for name in names if hasattr(args, name)}
         if isinstance(options.get("data"), str) and Path(options["data"]).exists():
-            options[cls._CONTENTS] = data_fingerprint(options["data"])
+            options[cls._CONTENTS] = _shared_fingerprint(options["data"])
         return cls(**options)
 
     def state_dict(self) -> dict[str, Any]:
@@ -197,21 +196,13 @@ class ResumeGuard:
             )
 
 
-def data_fingerprint(path: str | Path) -> str:
-    """SHA-256 of a data file, or of a folder's files (relative names and contents, in name order).
-
-    Contents, not modification times: a data set copied to another machine for a resume keeps its digest.
-    """
-    root = Path(path)
-    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(str(file.relative_to(root) if root.is_dir() else "").encode() + b"\0")
-        with open(file, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-        digest.update(b"\0")
-    return digest.hexdigest()
+def _shared_fingerprint(path: str) -> str:
+    """:func:`~mtk.data.sources.data_fingerprint` read once, by rank 0, and given to every rank (collective when a
+    process group exists): the ranks compare the same digest, and the data is read once, not once per rank."""
+    digest = [data_fingerprint(path) if not dist.is_initialized() or dist.get_rank() == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(digest, src=0)
+    return str(digest[0])
 
 
 def _normalized(value: Any) -> Any:

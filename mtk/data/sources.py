@@ -4,6 +4,8 @@ written by ``Dataset.save_to_disk``. There is no hub: ``--data`` is always a loc
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
 from mtk.errors import DataError
 
-__all__ = ["COMPRESSIONS", "FORMATS", "load_data"]
+__all__ = ["COMPRESSIONS", "FORMATS", "data_fingerprint", "load_data"]
 
 # file suffix -> the ``datasets`` builder that reads it
 FORMATS = {
@@ -69,6 +71,37 @@ def _data_files(path: Path, option: str) -> list[Path]:
 
 def _saved_dataset(path: Path) -> bool:
     return path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists())
+
+
+def _read_files(path: Path) -> list[Path]:
+    """The files :func:`load_data` reads for ``--data path``: the file; a folder's data files; a ``save_to_disk``
+    folder's arrow files as its ``state.json`` lists them (not the ``cache-*.arrow`` that ``map`` leaves)."""
+    if not path.is_dir():
+        return [path]
+    if not _saved_dataset(path):
+        return _data_files(path, "--data")
+    files = []
+    for state in sorted([path / "state.json", *path.glob("*/state.json")]):
+        if state.is_file():
+            listed = json.loads(state.read_text()).get("_data_files", [])
+            files += [state.parent / entry["filename"] for entry in listed]
+    return files
+
+
+def data_fingerprint(path: str | Path) -> str:
+    """SHA-256 of what ``--data path`` reads (file names relative to it, and contents).
+
+    Contents, not modification times: a data set copied to another machine for a resume keeps its digest.
+    """
+    root = Path(path)
+    digest = hashlib.sha256()
+    for file in _read_files(root):
+        digest.update(str(file.relative_to(root) if root.is_dir() else "").encode() + b"\0")
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        digest.update(b"\0")
+    return digest.hexdigest()
 
 
 def _root_cause(err: BaseException) -> str:

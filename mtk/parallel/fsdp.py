@@ -101,7 +101,7 @@ def sharded_modules(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> lis
     if not names:
         for module in model.modules():
             names.update(getattr(module, "_no_split_modules", None) or ())
-    units = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    units = [m for m in model.modules() if type(m).__name__ in names and m is not model]  # outermost first
     missing = sorted(set(unit_classes) - {type(m).__name__ for m in units})
     if missing:
         raise ConfigError(
@@ -124,7 +124,9 @@ def shard_over_data_parallel(
     without FSDP.
     """
     before = dict(model.named_parameters(remove_duplicate=False))
-    units = [*sharded_modules(model, settings.unit_classes), *([decoder] if decoder is not None else [])]
+    # innermost first (FSDP2 leaves a unit's already sharded children to them): the named classes, nested or not,
+    # then the decoder around the layers, then the root
+    units = [*reversed(sharded_modules(model, settings.unit_classes)), *([decoder] if decoder is not None else [])]
     for module in units:
         fully_shard(module, mesh=mesh, reshard_after_forward=settings.reshard_after_forward)
     # the root left to FSDP2's default (None): kept gathered from its forward to its backward, which follows at once

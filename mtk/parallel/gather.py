@@ -58,7 +58,7 @@ def gather_full_tensor(
 def iter_full_tensors(model: nn.Module, tp_group: Group, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, full tensor)`` for every parameter (or its gradient), HF names, no duplicates.
 
-    Collective: every TP rank must iterate to the end together.
+    Collective: every TP rank (and, for FSDP2-split parameters, every DP rank) must iterate to the end together.
     """
     for name, param in model.named_parameters():
         tensor = param.grad if grads else param

@@ -13,7 +13,11 @@ import mtk
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "training.md"
 STATUSES = {"as is", "TP-aware", "differs"}
-MTK_ADDITIONS = {"parallelize", "step_windows"}  # methods accelerate does not have, described below the table
+MTK_ADDITIONS = {
+    "held_elements",
+    "parallelize",
+    "step_windows",
+}  # methods accelerate does not have, described below the table
 
 
 def documented() -> dict[str, str]:

@@ -16,11 +16,12 @@ from mtk.checkpoint import CheckpointError
 from mtk.checkpoint.atomic import MARKER
 from mtk.checkpoint.export import export_checkpoint
 from mtk.checkpoint.integrity import file_checksum
-from mtk.checkpoint.resume import ResumeGuard, data_fingerprint, remove_checkpoints
+from mtk.checkpoint.resume import ResumeGuard, remove_checkpoints
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.cli.main import main as mtk_main
 from mtk.convert import parallelize
 from mtk.data import ByteTokenizer
+from mtk.data.sources import data_fingerprint
 from mtk.integrations.accelerate.save import check_no_shards_to_clean, check_target, save_pretrained
 from mtk.models import build_model
 from mtk.parallel import ParallelState
@@ -392,8 +393,16 @@ def test_a_resume_refuses_data_files_changed_since_the_checkpoint(tmp_path):
     copy.mkdir()
     (copy / "a.jsonl").write_text('{"text": "a"}\n')
     assert data_fingerprint(copy) == before
+    (folder / ".notes.swp").write_text("an editor's")  # not read by --data: not part of its digest
+    assert data_fingerprint(folder) == before
     (folder / "b.jsonl").write_text("")
     assert data_fingerprint(folder) != before
+    from datasets import Dataset  # a save_to_disk folder: the arrow files its state.json lists, not map's caches
+
+    Dataset.from_dict({"text": ["a", "b"]}).save_to_disk(str(tmp_path / "saved"))
+    saved = data_fingerprint(tmp_path / "saved")
+    (tmp_path / "saved" / "cache-0123.arrow").write_bytes(b"a map's cache")
+    assert data_fingerprint(tmp_path / "saved") == saved
 
 
 class _OneProcess:

@@ -78,6 +78,8 @@ def test_acted_on_keys():
         ({"FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP"}, "fsdp_sharding_strategy SHARD_GRAD_OP is FSDP1's"),
         ({"FSDP_IGNORED_MODULES": "lm_head"}, "fsdp_ignored_modules"),
         ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, "fsdp_auto_wrap_policy SIZE_BASED_WRAP"),
+        ({"FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}, "leave every rank but 0 uninitialised"),
+        ({"FSDP_RESHARD_AFTER_FORWARD": "FULL_SHARD"}, "FSDP_RESHARD_AFTER_FORWARD='FULL_SHARD' is not a boolean"),
     ],
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else None,
 )
@@ -105,6 +107,15 @@ def test_without_fsdp_the_config_is_tp_and_plain_data_parallelism():
     assert sharding_from_accelerate(None, None, print, {}) == (None, None)
     config, sharding = sharding_from_accelerate(ParallelismConfig(tp_size=2), None, print, {})
     assert config.tp_size == 2 and sharding is None
+
+
+def test_accelerates_own_fsdp_plugin_is_refused_before_anything_is_built():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from mtk import Accelerator
+
+    with pytest.raises(ConfigError, match="fsdp_plugin would wrap the whole model over every process"):
+        Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin())
 
 
 def test_units_are_the_decoder_layers_or_the_named_classes():

@@ -39,6 +39,7 @@ from mtk.integrations.accelerate.megatron_keys import check_engine, check_megatr
 from mtk.integrations.accelerate.model_conversion import ModelConversion
 from mtk.integrations.accelerate.scheduler import DataParallelScheduler
 from mtk.integrations.accelerate.sharding import accelerate_fsdp_off, sharding_from_accelerate
+from mtk.integrations.deepspeed import held_elements as deepspeed_held_elements
 from mtk.integrations.deepspeed import (
     remove_shm_buffers_at_exit,
     zero3_gathered,
@@ -46,7 +47,7 @@ from mtk.integrations.deepspeed import (
 from mtk.parallel.amp import TPGradScaler
 from mtk.parallel.consistency import check_same_loss, same_inputs_hook
 from mtk.parallel.distributed_optimizer import shard_optimizer
-from mtk.parallel.fsdp import data_parallel_mesh, reshard, shard_over_data_parallel
+from mtk.parallel.fsdp import data_parallel_mesh, held_elements, reshard, shard_over_data_parallel
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sync_sequence_parallel_grads
@@ -98,6 +99,11 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
             or kwargs.get("deepspeed_plugin") is not None
             or kwargs.get("deepspeed_plugins") is not None
         )
+        if kwargs.get("fsdp_plugin") is not None:
+            raise ConfigError(
+                "accelerate's fsdp_plugin would wrap the whole model over every process; mtk shards its TP model "
+                "with FSDP2 from parallelism_config (dp_shard_size): pass that instead"
+            )
         if self.uses_deepspeed and self.sharding is not None:
             raise ConfigError(
                 "parallelism_config dp_shard_size > 1 (FSDP2) next to DeepSpeed: both would shard over data "
@@ -174,6 +180,13 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
         if self.sharding is None:
             return
         self.sharding.check(self.parallel.dp_size)
+        if self.mixed_precision == "fp16":  # each rank would unscale, and find an inf in, only its own pieces
+            raise ConfigError(
+                "parallelism_config dp_shard_size > 1 (FSDP2) with fp16 loss scaling is not supported; use "
+                "mixed_precision bf16"
+            )
+        if self.ddp_handler is not None:
+            self.print("mtk: DistributedDataParallelKwargs are not used: FSDP2 reduces the gradients, not DDP")
         if self.parallel.pp_size > 1 and self.settings.virtual_stages > 1:
             raise ConfigError(
                 "parallelism_config dp_shard_size > 1 (FSDP2) with the interleaved pipeline schedule is not supported "
@@ -332,6 +345,19 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
             with zero3_gathered(self._deepspeed_engine):  # ZeRO-3 partitions parameters over DP
                 return gather_state_dict(model, self.parallel)
         return gather_state_dict(model, self.parallel)
+
+    def held_elements(self) -> dict[str, int]:
+        """Model-state elements this rank holds, ``{"parameters", "optimizer_state"}``: what TP, FSDP2, the
+        distributed optimizer or DeepSpeed's ZeRO left it of the prepared model and optimizers (sharding claims are
+        checked against it; docs/memory.md)."""
+        if self.uses_deepspeed and self._deepspeed_engine is not None:
+            return deepspeed_held_elements(self._deepspeed_engine)
+        optimizers = [getattr(o, "optimizer", o) for o in self._optimizers]
+        counts = [
+            held_elements(self.unwrap_model(model), optimizers if i == 0 else [])
+            for i, model in enumerate(self._models)
+        ]
+        return {key: sum(c[key] for c in counts) for key in ("parameters", "optimizer_state")}
 
     def end_training(self) -> None:
         """accelerate's (trackers finished, process group destroyed), once every rank got here: a rank

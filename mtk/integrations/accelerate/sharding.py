@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from mtk.config import ParallelConfig
+from mtk.config import ParallelConfig, parse_bool
 from mtk.errors import ConfigError
 from mtk.parallel.fsdp import ShardingSettings
 
@@ -41,7 +41,8 @@ def accelerate_fsdp_off() -> Iterator[None]:
 
 
 def _true(env: Mapping[str, str], key: str, default: str = "false") -> bool:
-    return env.get(key, default).lower() == "true"
+    """A boolean the launcher exported; anything but true/false (1/0, ...) is one line naming it."""
+    return parse_bool(key, env.get(key, default) or default)
 
 
 def _fsdp_keys(env: Mapping[str, str], report: Callable[[str], None]) -> tuple[bool, tuple[str, ...]]:
@@ -86,10 +87,16 @@ def _fsdp_keys(env: Mapping[str, str], report: Callable[[str], None]) -> tuple[b
         )
     if env.get("FSDP_BACKWARD_PREFETCH"):
         report("mtk: fsdp_backward_prefetch is FSDP1's; FSDP2 prefetches the previous unit in backward itself")
-    if _true(env, "FSDP_CPU_RAM_EFFICIENT_LOADING") or _true(env, "FSDP_SYNC_MODULE_STATES"):
+    if _true(env, "FSDP_CPU_RAM_EFFICIENT_LOADING"):  # transformers reads it: ranks but 0 would load no weights
+        raise ConfigError(
+            "fsdp_config: fsdp_cpu_ram_efficient_loading: true makes transformers' from_pretrained leave every rank "
+            "but 0 uninitialised, waiting for a broadcast FSDP2 under mtk does not make (each rank converts the same "
+            "weights to its own piece); set it to false"
+        )
+    if _true(env, "FSDP_SYNC_MODULE_STATES"):
         report(
-            "mtk: fsdp_cpu_ram_efficient_loading / fsdp_sync_module_states: every rank converts the same weights "
-            "to its TP shard and keeps its own piece of it; nothing is broadcast"
+            "mtk: fsdp_sync_module_states: every rank converts the same weights to its TP shard and keeps its own "
+            "piece of it; nothing is broadcast"
         )
     return _true(env, "FSDP_RESHARD_AFTER_FORWARD", "true"), classes
 
@@ -136,7 +143,7 @@ def sharding_from_accelerate(
                 f"parallelism_config tp_size {pc.tp_size} and parallel_config tp_size {explicit.tp_size} differ; "
                 "give the TP size once"
             )
-        launcher = ParallelConfig.from_env()
+        launcher = ParallelConfig.from_env(env)
         if launcher.tp_size > 1 and launcher.tp_size != pc.tp_size:
             raise ConfigError(
                 f"parallelism_config tp_size {pc.tp_size} and megatron_lm_tp_degree {launcher.tp_size} differ; "
@@ -144,6 +151,11 @@ def sharding_from_accelerate(
             )
         config = ParallelConfig(tp_size=pc.tp_size, pp_size=explicit.pp_size if explicit else launcher.pp_size)
     if pc.dp_shard_size == 1:
+        if pc.dp_replicate_size > 1 and not fsdp:
+            report(
+                f"mtk: parallelism_config dp_replicate_size {pc.dp_replicate_size}: plain data parallelism over "
+                "every replica mtk's layout gives (processes / (tp x pp))"
+            )
         if fsdp:
             raise ConfigError(
                 "distributed_type FSDP with parallelism_config dp_shard_size 1: nothing to shard over; set "
