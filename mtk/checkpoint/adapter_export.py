@@ -68,7 +68,7 @@ def _write_adapters(checkpoint: str | Path, meta: CheckpointMeta, out: Path, ver
     from peft import get_peft_model_state_dict
 
     model = _meta_peft_model(meta)
-    with ShardedCheckpointReader(checkpoint, meta.topology) as reader:
+    with ShardedCheckpointReader(checkpoint, meta) as reader:
         full = {name: reader.full(name) for name in reader.names()}  # adapters only: small
     for name, config in model.peft_config.items():
         target = out if name == "default" else out / name  # PEFT's layout for several adapters

@@ -162,9 +162,9 @@ def export_checkpoint(
     except (ValueError, TypeError, KeyError) as err:
         raise CheckpointError(f"{checkpoint}'s recorded model config cannot be built ({err})") from None
     config.architectures = [meta.model["class"]]
-    with ShardedCheckpointReader(checkpoint, meta.topology) as reader:
+    with ShardedCheckpointReader(checkpoint, meta) as reader:
         _check_shapes(config, _model_class(meta), reader, checkpoint)
-    with staged_directory(out) as tmp, ShardedCheckpointReader(checkpoint, meta.topology) as reader:
+    with staged_directory(out) as tmp, ShardedCheckpointReader(checkpoint, meta) as reader:
         _write_weights(reader, tmp, torch_dtype, limit, progress)
         if torch_dtype is not None:
             config.dtype = torch_dtype

@@ -17,7 +17,7 @@ from torch import nn
 from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.checkpoint.weights import read_safetensors, source_name
 from mtk.errors import CheckpointError
-from mtk.parallel.fsdp import full_local, shard_like
+from mtk.parallel.fsdp import Piece, flat_range, local, shard_like
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.sharding import take_shard
 
@@ -36,29 +36,34 @@ def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str
     return names
 
 
-def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Path, *, write: bool = True) -> None:
-    """Moments as whole TP shards, like the weights (FSDP2-split ones made whole one at a time: collective over
-    DP, ``write`` on the rank that writes)."""
+def save_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, stem: Path, piece: Piece | None = None, *, groups: Path
+) -> None:
+    """Moments as whole TP shards, like the weights; with ``piece`` (FSDP2), this rank's flat piece of each (a
+    moment is split as its parameter is, so the weights file's ranges place it). Param groups and non-tensor
+    state go to ``groups`` (JSON), written with piece 0 only."""
     names = _param_names(model, optimizer)
     state_dict = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     other: dict[str, dict[str, Any]] = {}
     for index, param_state in state_dict["state"].items():
         for key, value in param_state.items():
-            if torch.is_tensor(value):
-                whole = full_local(value.detach())  # every DP rank takes part; only the writer keeps it
-                if write:
-                    tensors[f"{names[index]}::{key}"] = whole.contiguous().cpu()
-            else:
+            if not torch.is_tensor(value):
                 other.setdefault(names[index], {})[key] = value
-    groups = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
-        for g in state_dict["param_groups"]
-    ]
-    if not write:
-        return
+            elif piece is None:
+                tensors[f"{names[index]}::{key}"] = value.detach().contiguous().cpu()
+            elif value.dim() == 0:  # a scalar (Adam's step): piece 0 keeps it as it is
+                if piece.index == 0:
+                    tensors[f"{names[index]}::{key}"] = value.detach().cpu()
+            elif flat_range(value, piece) is not None:
+                tensors[f"{names[index]}::{key}"] = local(value.detach()).reshape(-1).cpu()  # [stop - start]
     save_file(tensors, str(stem.with_suffix(".safetensors")))
-    stem.with_suffix(".json").write_text(json.dumps({"param_groups": groups, "state": other}))
+    if piece is None or piece.index == 0:
+        param_groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
+            for g in state_dict["param_groups"]
+        ]
+        groups.write_text(json.dumps({"param_groups": param_groups, "state": other}))
 
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Path) -> None:

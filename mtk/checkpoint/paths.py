@@ -5,6 +5,7 @@
     step_N/
       metadata.json                   CheckpointMeta: format, step, topology, versions, model, data position
       model/tp00-pp00.safetensors     one (tp, pp) rank's parameter shards (+ each one's ShardSpec)
+      model/tp00-pp00-piece00.safetensors   ... or, with FSDP2, each DP rank's flat piece of them
       optimizer/tp00-pp00.safetensors optimizer tensors keyed "<param name>::<state key>"
       optimizer/tp00-pp00.json        param groups (by parameter name) and non-tensor state
       scheduler.pt                    LR scheduler state (replicated); scheduler_1.pt, ... for more
@@ -56,9 +57,10 @@ def reading(path: Path) -> Iterator[None]:
         ) from None
 
 
-def shard_name(tp_rank: int, pp_rank: int) -> str:
-    """``tp01-pp00``: the stem of one (tp, pp) rank's weights and optimizer files."""
-    return f"tp{tp_rank:02d}-pp{pp_rank:02d}"
+def shard_name(tp_rank: int, pp_rank: int, piece: int | None = None) -> str:
+    """``tp01-pp00``: the stem of one (tp, pp) rank's weights and optimizer files; ``tp01-pp00-piece03`` for the
+    fourth of the pieces FSDP2 splits them into over DP."""
+    return f"tp{tp_rank:02d}-pp{pp_rank:02d}" + ("" if piece is None else f"-piece{piece:02d}")
 
 
 class CheckpointPaths:
@@ -79,12 +81,13 @@ class CheckpointPaths:
     def deepspeed(self) -> Path:
         return self.root / "deepspeed"
 
-    def weights(self, tp_rank: int, pp_rank: int) -> Path:
-        return self.root / "model" / f"{shard_name(tp_rank, pp_rank)}.safetensors"
+    def weights(self, tp_rank: int, pp_rank: int, piece: int | None = None) -> Path:
+        return self.root / "model" / f"{shard_name(tp_rank, pp_rank, piece)}.safetensors"
 
-    def optimizer(self, tp_rank: int, pp_rank: int, index: int = 0) -> Path:
-        """The stem (``.safetensors`` for tensors, ``.json`` for groups) of optimizer ``index``'s state."""
-        stem = shard_name(tp_rank, pp_rank)
+    def optimizer(self, tp_rank: int, pp_rank: int, index: int = 0, piece: int | None = None) -> Path:
+        """The stem (``.safetensors`` for tensors, ``.json`` for groups) of optimizer ``index``'s state. The groups
+        of a checkpoint saved in pieces are at the stem without one (every piece has the same)."""
+        stem = shard_name(tp_rank, pp_rank, piece)
         return self.root / "optimizer" / (stem if index == 0 else f"{stem}-{index}")
 
     def scheduler(self, index: int = 0) -> Path:

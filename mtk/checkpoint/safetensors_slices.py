@@ -150,6 +150,9 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self._entries)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
     def get_slice(self, name: str) -> TensorSlicer:
         dtype, shape, offset = self._entries[name]
         return TensorSlicer(self.fd, self.path, name, dtype, shape, offset)

@@ -33,7 +33,7 @@ from mtk.checkpoint.rng import restore_rng, rng_state
 from mtk.checkpoint.weights import load_weights, reshard_weights, save_weights
 from mtk.errors import CheckpointError
 from mtk.parallel.distributed_optimizer import full_optimizer_state
-from mtk.parallel.fsdp import is_sharded
+from mtk.parallel.fsdp import module_class, piece_of
 from mtk.parallel.layout import Layout
 from mtk.parallel.record import adapter_configs, hf_model, is_peft_model, parallelized
 from mtk.parallel.state import ParallelState
@@ -65,7 +65,7 @@ def topology_of(parallel: ParallelState) -> Layout:
 def _model_record(model: nn.Module) -> dict[str, Any]:
     record = parallelized(model)
     return {
-        "class": type(hf_model(model)).__name__,
+        "class": module_class(hf_model(model)).__name__,
         "rules": record.rule_set.name if record else None,
         "config": cast(Any, model).config.to_dict() if hasattr(model, "config") else None,
         **({"adapters": adapter_configs(model)} if is_peft_model(model) else {}),
@@ -99,21 +99,21 @@ def save_checkpoint(
         _barrier()
         checksums = Checksums(tmp)  # hashes each big file in the background while the next is written
         # weights and optimizer are replicated over DP: one copy per (tp, pp), written by DP rank 0 (a
-        # distributed optimizer first gathers its state there: collective, every DP rank takes part); FSDP2's
-        # split parameters and moments are made whole there one tensor at a time (every DP rank takes part too)
-        writer = parallel.dp_rank == 0
+        # distributed optimizer first gathers its state there: collective, every DP rank takes part). FSDP2 splits
+        # them over DP: each rank writes its own flat piece of its TP shard (HSDP: the first replica), no gather
+        piece = piece_of(model)
+        index = piece.index if piece is not None else None
+        tp, pp = parallel.tp_rank, parallel.pp_rank
         with full_optimizer_state(optimizers, gather=True):
-            if writer or any(is_sharded(p) for p in model.parameters()):
+            if piece.writes if piece is not None else parallel.dp_rank == 0:
                 # the biggest files first (Adam's are twice the weights): only the last one's hash is not hidden
                 for i, optimizer in enumerate(optimizers):
-                    stem = paths.optimizer(parallel.tp_rank, parallel.pp_rank, i)
-                    save_optimizer(model, optimizer, stem, write=writer)
-                    if writer:
-                        checksums.add(stem.with_suffix(".safetensors"))
-                weights = paths.weights(parallel.tp_rank, parallel.pp_rank)
-                save_weights(model, weights, write=writer)
-                if writer:
-                    checksums.add(weights)
+                    stem, groups = paths.optimizer(tp, pp, i, piece=index), paths.optimizer(tp, pp, i)
+                    save_optimizer(model, optimizer, stem, piece, groups=groups.with_suffix(".json"))
+                    checksums.add(stem.with_suffix(".safetensors"))
+                weights = paths.weights(tp, pp, index)
+                save_weights(model, weights, piece)
+                checksums.add(weights)
         for write in collective_writers:
             write(tmp)
         torch.save(rng_state({**(extra_rng or {}), **_streams_state(model)}), paths.rng(parallel.rank))
@@ -135,6 +135,7 @@ def save_checkpoint(
                 run_id=RUN_ID,
                 files=files,
                 base_model=base,
+                pieces=piece.count if piece is not None else 1,
                 **(engine or {}),
             )
             write_synced(paths.metadata, meta.to_json())
@@ -166,14 +167,16 @@ def load_checkpoint(
     saved = meta.topology
     check_base(str(directory), meta.base_model, model, parallel)  # collective
     with full_optimizer_state(optimizers, gather=False):  # every rank loads all, then keeps its own share
-        if (saved.tp_size, saved.pp_size) == (parallel.tp_size, parallel.pp_size):
+        if (saved.tp_size, saved.pp_size, meta.pieces) == (parallel.tp_size, parallel.pp_size, 1):
             load_weights(model, paths.weights(parallel.tp_rank, parallel.pp_rank))
             for i, optimizer in enumerate(optimizers):
                 load_optimizer(model, optimizer, paths.optimizer(parallel.tp_rank, parallel.pp_rank, i))
         else:
             if len(optimizers) > 1:
-                raise CheckpointError("resharding a checkpoint supports one optimizer")
-            with ShardedCheckpointReader(directory, saved) as reader:
+                raise CheckpointError(
+                    "resharding a checkpoint (or reading one saved in FSDP2's pieces) supports one optimizer"
+                )
+            with ShardedCheckpointReader(directory, meta) as reader:
                 reshard_weights(model, reader)
                 for optimizer in optimizers:
                     reshard_optimizer(model, optimizer, reader, saved_optimizer_groups(paths, saved.pp_size))

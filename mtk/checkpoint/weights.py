@@ -16,7 +16,7 @@ from torch import nn
 
 from mtk.checkpoint.base_model import checkpointed_parameters
 from mtk.errors import CheckpointError
-from mtk.parallel.fsdp import copy_into, full_local
+from mtk.parallel.fsdp import Piece, copy_into, flat_range, local
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.parameters import param_info
 from mtk.parallel.sharding import take_shard
@@ -24,27 +24,32 @@ from mtk.parallel.sharding import take_shard
 __all__ = ["load_weights", "read_safetensors", "reshard_weights", "save_weights", "source_name"]
 
 
-def save_weights(model: nn.Module, path: Path, *, write: bool = True) -> None:
-    """This rank's TP shard of every checkpointed tensor, with its spec. A parameter FSDP2 splits over DP is made
-    whole first, one tensor at a time (collective: every DP rank calls this, ``write`` on the one that writes)."""
+def save_weights(model: nn.Module, path: Path, piece: Piece | None = None) -> None:
+    """This rank's TP shard of every checkpointed tensor, with its spec; with ``piece`` (FSDP2), only this rank's
+    flat piece of each, with the elements of the shard it covers (``flat``) and the shard's shape: no rank
+    gathers anything, each writes what it holds."""
     tensors: dict[str, torch.Tensor] = {}
     specs: dict[str, dict[str, Any]] = {}
     for name, param in checkpointed_parameters(model):
         full_shape, spec = full_shape_and_spec(model, name)
-        whole = full_local(param.detach())
-        if not write:
-            continue
-        tensors[name] = whole.contiguous().cpu()
-        specs[name] = {
+        record: dict[str, Any] = {
             "full_shape": list(full_shape),
             "dim": spec.dim,
             "ranges": [list(r) for r in spec.ranges],
             "local_size": spec.local_size,
         }
         if param_info(param).pipeline_duplicate:  # last stage's copy of a tied embedding
-            specs[name]["tied_to"] = param_info(param).tied_to
-    if write:
-        save_file(tensors, str(path), metadata={"mtk_specs": json.dumps(specs)})
+            record["tied_to"] = param_info(param).tied_to
+        if piece is None:
+            tensors[name] = param.detach().contiguous().cpu()
+        else:
+            elements = flat_range(param, piece)
+            if elements is None:
+                continue
+            tensors[name] = local(param.detach()).reshape(-1).cpu()  # [stop - start]
+            record.update(flat=list(elements), shard_shape=list(param.shape))
+        specs[name] = record
+    save_file(tensors, str(path), metadata={"mtk_specs": json.dumps(specs)})
 
 
 def load_weights(model: nn.Module, path: Path) -> None:
@@ -80,7 +85,7 @@ def source_name(model: nn.Module, name: str, available) -> str:
 
 
 def reshard_weights(model: nn.Module, reader) -> None:
-    available = set(reader.pieces)
+    available = set(reader.shards)
     with torch.no_grad():
         for name, param in checkpointed_parameters(model):
             shape, spec = full_shape_and_spec(model, name)

@@ -143,14 +143,32 @@ def test_fsdp2_with_a_pipeline_equals_one_process(reference):
 
 
 def test_fsdp2_checkpoints_resume_without_fsdp_and_back(reference, tmp_path):
-    """One step at TP2 x FSDP2, saved; the second step in plain TP2 from that checkpoint; and the other way."""
-    sharded, plain = str(tmp_path / "fsdp"), str(tmp_path / "plain")
-    first = run_distributed(_train, world_size=4, args=(2, 2, 1, None, sharded, 1))
-    resumed = run_distributed(_train, world_size=2, args=(2, 1, 1, sharded, None, 1))
+    """One step at TP2 x FSDP2, saved by each rank as its own piece (nothing gathered); the second step in plain
+    TP2, and in HSDP 2 x 2 at TP1, from that checkpoint; `mtk export` merges the pieces; and the other way: a
+    plain-TP2 checkpoint resumed under FSDP2."""
+    from safetensors.torch import load_file
+
+    from mtk.checkpoint.export import export_checkpoint
+    from mtk.checkpoint.meta import read_metadata
+
+    sharded, plain = tmp_path / "fsdp", str(tmp_path / "plain")
+    first = run_distributed(_train, world_size=4, args=(2, 2, 1, None, str(sharded), 1))
+    assert read_metadata(sharded).pieces == 2
+    assert sorted(p.name for p in (sharded / "model").iterdir()) == [
+        f"tp{t:02d}-pp00-piece{d:02d}.safetensors" for t in range(2) for d in range(2)
+    ]
     assert_close_rel(first[0][0][0], reference[0][0], "loss of the step before saving")
-    assert_close_rel(resumed[0][0][0], reference[0][1], "loss after resuming without FSDP")
-    for name, tensor in reference[3].items():
-        assert_close_rel(resumed[0][3][name], tensor, f"{name} after resuming without FSDP")
+    for world, layout in ((2, (2, 1, 1)), (4, (1, 2, 2))):
+        resumed = run_distributed(_train, world_size=world, args=(*layout, str(sharded), None, 1))
+        what = "without FSDP" if world == 2 else "in HSDP 2 x 2 at TP1"
+        assert_close_rel(resumed[0][0][0], reference[0][1], f"loss after resuming {what}")
+        for name, tensor in reference[3].items():
+            assert_close_rel(resumed[0][3][name], tensor, f"{name} after resuming {what}")
+    export_checkpoint(sharded, tmp_path / "hf", progress=False)
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for name, tensor in first[0][3].items():
+        if name in exported:
+            assert torch.equal(exported[name], tensor), f"{name}: the exported pieces differ from the trained weights"
     run_distributed(_train, world_size=2, args=(2, 1, 1, None, plain, 1))
     back = run_distributed(_train, world_size=4, args=(2, 2, 1, plain, None, 1))
     assert_close_rel(back[0][0][0], reference[0][1], "loss after resuming under FSDP2")

@@ -443,3 +443,46 @@ def test_save_model_never_deletes_or_silently_skips(tmp_path):
         "byte_tokenizer.json", "config.json", "generation_config.json", "model.safetensors"
     ]  # fmt: skip
     assert not list(tmp_path.glob("hf.*.incomplete"))
+
+
+def _pieces_checkpoint(root, runs):
+    """A (tp 1, pp 1) checkpoint of one 2 x 3 tensor saved as FSDP2 pieces ``runs``: ``(start, stop)`` each."""
+    from safetensors.torch import save_file
+
+    from mtk.checkpoint.meta import CheckpointMeta
+    from mtk.parallel.layout import Layout
+
+    full = torch.arange(6.0).reshape(2, 3)
+    (root / "model").mkdir(parents=True)
+    for index, (start, stop) in enumerate(runs):
+        spec = {"full_shape": [2, 3], "dim": None, "ranges": [], "local_size": None}
+        spec.update(flat=[start, stop], shard_shape=[2, 3])
+        save_file(
+            {"w": full.reshape(-1)[start:stop].clone()},
+            str(root / f"model/tp00-pp00-piece{index:02d}.safetensors"),
+            metadata={"mtk_specs": json.dumps({"w": spec})},
+        )
+    return CheckpointMeta(step=1, topology=Layout(world_size=len(runs), tp_size=1, pp_size=1), pieces=len(runs)), full
+
+
+@pytest.mark.parametrize(
+    "runs,problem",
+    [
+        ([(0, 3), (3, 6)], None),
+        ([(3, 6), (0, 3)], None),
+        ([(0, 2), (3, 6)], "do not join"),
+        ([(0, 3), (3, 5)], "hold 5 of 6"),
+    ],
+    ids=["in_order", "any_order", "gap", "short"],
+)
+def test_pieces_join_into_their_shard_or_are_refused(tmp_path, runs, problem):
+    """FSDP2's pieces: joined in element order whatever their files' order; a gap or a missing tail is one line."""
+    from mtk.checkpoint.reader import ShardedCheckpointReader
+
+    meta, full = _pieces_checkpoint(tmp_path, runs)
+    with ShardedCheckpointReader(tmp_path, meta) as reader:
+        if problem is None:
+            assert torch.equal(reader.full("w"), full)
+        else:
+            with pytest.raises(CheckpointError, match=problem):
+                reader.full("w")
