@@ -17,8 +17,9 @@ from torch import nn
 from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.checkpoint.weights import read_safetensors, source_name
 from mtk.errors import CheckpointError
-from mtk.parallel.fsdp import Piece, flat_range, local, shard_like
+from mtk.parallel.fsdp import shard_like
 from mtk.parallel.gather import full_shape_and_spec
+from mtk.parallel.pieces import Piece, flat_piece
 from mtk.parallel.sharding import take_shard
 
 __all__ = ["load_optimizer", "reshard_optimizer", "save_optimizer", "saved_optimizer_groups"]
@@ -55,8 +56,8 @@ def save_optimizer(
             elif value.dim() == 0:  # a scalar (Adam's step): piece 0 keeps it as it is
                 if piece.index == 0:
                     tensors[f"{names[index]}::{key}"] = value.detach().cpu()
-            elif flat_range(value, piece) is not None:
-                tensors[f"{names[index]}::{key}"] = local(value.detach()).reshape(-1).cpu()  # [stop - start]
+            elif (held := flat_piece(value, piece)) is not None:
+                tensors[f"{names[index]}::{key}"] = held[0].cpu()  # [stop - start]
     save_file(tensors, str(stem.with_suffix(".safetensors")))
     if piece is None or piece.index == 0:
         param_groups = [

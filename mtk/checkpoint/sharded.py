@@ -35,6 +35,7 @@ from mtk.errors import CheckpointError
 from mtk.parallel.distributed_optimizer import full_optimizer_state
 from mtk.parallel.fsdp import module_class, piece_of
 from mtk.parallel.layout import Layout
+from mtk.parallel.pieces import Piece
 from mtk.parallel.record import adapter_configs, hf_model, is_peft_model, parallelized
 from mtk.parallel.state import ParallelState
 
@@ -85,12 +86,15 @@ def save_checkpoint(
     engine: dict[str, Any] | None = None,
     writers: Sequence[Callable[[Path], None]] = (),
     collective_writers: Sequence[Callable[[Path], None]] = (),
+    piece: Piece | None = None,
 ) -> Path:
     """Write a checkpoint at ``directory`` atomically. Collective: every rank calls it.
 
     ``data`` is the data position; ``engine`` names the engine that owns extra state (DeepSpeed).
     ``writers`` run on rank 0 with the (still incomplete) directory, e.g. to save a tokenizer;
     ``collective_writers`` run on every rank (e.g. DeepSpeed's own, collective, save_checkpoint).
+    ``piece``: where this rank's pieces sit when the model's parameters are split over DP by an engine (ZeRO-3);
+    FSDP2's are found from the parameters themselves.
     """
     with atomic_dir(directory, owner=parallel.rank == 0, barrier=_barrier) as tmp:
         paths = CheckpointPaths(tmp)
@@ -100,8 +104,8 @@ def save_checkpoint(
         checksums = Checksums(tmp)  # hashes each big file in the background while the next is written
         # weights and optimizer are replicated over DP: one copy per (tp, pp), written by DP rank 0 (a
         # distributed optimizer first gathers its state there: collective, every DP rank takes part). FSDP2 splits
-        # them over DP: each rank writes its own flat piece of its TP shard (HSDP: the first replica), no gather
-        piece = piece_of(model)
+        # them over DP (ZeRO-3 too): each rank writes its own flat piece of its TP shard (HSDP: the first replica)
+        piece = piece or piece_of(model)
         index = piece.index if piece is not None else None
         tp, pp = parallel.tp_rank, parallel.pp_rank
         with full_optimizer_state(optimizers, gather=True):

@@ -16,17 +16,18 @@ from torch import nn
 
 from mtk.checkpoint.base_model import checkpointed_parameters
 from mtk.errors import CheckpointError
-from mtk.parallel.fsdp import Piece, copy_into, flat_range, local
+from mtk.parallel.fsdp import copy_into
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.parameters import param_info
+from mtk.parallel.pieces import Piece, flat_piece, shard_shape
 from mtk.parallel.sharding import take_shard
 
 __all__ = ["load_weights", "read_safetensors", "reshard_weights", "save_weights", "source_name"]
 
 
 def save_weights(model: nn.Module, path: Path, piece: Piece | None = None) -> None:
-    """This rank's TP shard of every checkpointed tensor, with its spec; with ``piece`` (FSDP2), only this rank's
-    flat piece of each, with the elements of the shard it covers (``flat``) and the shard's shape: no rank
+    """This rank's TP shard of every checkpointed tensor, with its spec; with ``piece`` (FSDP2, ZeRO-3), only this
+    rank's flat piece of each, with the elements of the shard it covers (``flat``) and the shard's shape: no rank
     gathers anything, each writes what it holds."""
     tensors: dict[str, torch.Tensor] = {}
     specs: dict[str, dict[str, Any]] = {}
@@ -43,11 +44,11 @@ def save_weights(model: nn.Module, path: Path, piece: Piece | None = None) -> No
         if piece is None:
             tensors[name] = param.detach().contiguous().cpu()
         else:
-            elements = flat_range(param, piece)
-            if elements is None:
+            held = flat_piece(param, piece)
+            if held is None:
                 continue
-            tensors[name] = local(param.detach()).reshape(-1).cpu()  # [stop - start]
-            record.update(flat=list(elements), shard_shape=list(param.shape))
+            tensors[name] = held[0].cpu()  # [stop - start]
+            record.update(flat=list(held[1]), shard_shape=list(shard_shape(param)))
         specs[name] = record
     save_file(tensors, str(path), metadata={"mtk_specs": json.dumps(specs)})
 

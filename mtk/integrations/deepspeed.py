@@ -5,8 +5,8 @@ The model is converted by the rules first; ``deepspeed.initialize(..., mpu=state
 gradients (and, at stage 3, parameters) over the DP group, and tell DeepSpeed's gradient clipping
 which parameters are TP shards (``tensor_model_parallel``) so the global norm is right.
 
-Checkpoints use mtk's ``step_N/`` layout (one safetensors weights file per (tp, pp) rank, RNG, data
-position, metadata), so ``mtk export`` works on them; DeepSpeed's own state (ZeRO-partitioned
+Checkpoints use mtk's ``step_N/`` layout (one safetensors weights file per (tp, pp) rank, under ZeRO-3 one per
+rank holding its partition; RNG, data position, metadata), so ``mtk export`` works on them; DeepSpeed's own state (ZeRO-partitioned
 optimizer, scheduler, module) sits inside, in ``step_N/deepspeed/``, and is restored by DeepSpeed.
 """
 
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mtk.checkpoint.base_model import check_base
@@ -33,6 +34,8 @@ from mtk.checkpoint.sharded import load_schedulers, restore_streams, save_checkp
 from mtk.config import ConfigError
 from mtk.errors import CheckpointError
 from mtk.integrations.deepspeed_batch import BatchSizes, reconcile_batch
+from mtk.parallel.pieces import Piece
+from mtk.parallel.record import is_peft_model
 from mtk.parallel.state import ParallelState
 
 __all__ = [
@@ -149,7 +152,10 @@ def save_deepspeed_checkpoint(
         # a LoRA model's frozen base is not state: the checkpoint names it (metadata.json's base_model)
         engine.save_checkpoint(str(CheckpointPaths(tmp).deepspeed), tag=_DS_TAG, exclude_frozen_parameters=True)
 
-    with zero3_gathered(engine):
+    # ZeRO-3: each rank writes its own partition of every TP shard (nothing gathered), except for a LoRA model,
+    # whose frozen base is fingerprinted whole
+    piece = _zero3_piece(engine)
+    with zero3_gathered(engine) if piece is None else contextlib.nullcontext():
         return save_checkpoint(
             directory,
             parallel,
@@ -161,7 +167,18 @@ def save_deepspeed_checkpoint(
             collective_writers=[deepspeed_state],
             data=data,
             engine={"engine": "deepspeed", "zero_stage": engine.zero_optimization_stage()},
+            piece=piece,
         )
+
+
+def _zero3_piece(engine) -> Piece | None:
+    """This rank's place in ZeRO-3's partitioning of every parameter (its rank in the DP group DeepSpeed splits
+    them over); ``None`` at stages 1 and 2 (parameters whole on every rank) and for a LoRA model."""
+    if engine.zero_optimization_stage() != 3 or is_peft_model(engine.module):
+        return None
+    param = next(engine.module.parameters())
+    group = param.ds_process_group
+    return Piece(dist.get_rank(group=group), dist.get_world_size(group=group))
 
 
 def load_deepspeed_checkpoint(

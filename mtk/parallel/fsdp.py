@@ -9,13 +9,12 @@ DP, as DDP averages them), so nothing else in the step changes. HSDP (``dp_repli
 each ``dp_shard`` group and all-reduces across replicas: FSDP2 on a 2-D mesh of the DP ranks.
 
 The replaced parameters are ``DTensor``\\ s on that mesh; :func:`local` is the piece this rank holds (what a
-checkpoint saves, placed by :func:`flat_range`), and :func:`full_local` the whole TP shard (collective over DP),
+checkpoint saves: :mod:`mtk.parallel.pieces`), and :func:`full_local` the whole TP shard (collective over DP),
 which is what a state dict gathers.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -23,19 +22,18 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mtk.errors import ConfigError
 from mtk.parallel.parameters import copy_param_info
+from mtk.parallel.pieces import Piece
 from mtk.parallel.state import ParallelState, new_group
 
 __all__ = [
-    "Piece",
     "ShardingSettings",
     "copy_into",
     "counted_here",
     "data_parallel_mesh",
-    "flat_range",
     "full_local",
     "held_elements",
     "is_sharded",
@@ -192,17 +190,6 @@ def copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
-@dataclass(frozen=True)
-class Piece:
-    """This rank's place among the ranks that split every TP shard: piece ``index`` of ``count`` (FSDP2's
-    ``dp_shard`` coordinate and size). ``writes``: whether its pieces are saved from this rank (HSDP's first
-    replica; the other replicas hold the same pieces)."""
-
-    index: int
-    count: int
-    writes: bool
-
-
 def piece_of(model: nn.Module) -> Piece | None:
     """Where this rank's pieces of ``model``'s FSDP2 parameters sit; ``None`` when nothing is split over DP."""
     for param in model.parameters():
@@ -211,24 +198,6 @@ def piece_of(model: nn.Module) -> Piece | None:
             replica = mesh.get_local_rank("dp_replicate") if mesh.ndim == 2 else 0
             return Piece(mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1), writes=replica == 0)
     return None
-
-
-def flat_range(tensor: torch.Tensor, piece: Piece) -> tuple[int, int] | None:
-    """The elements ``[start, stop)`` of the flattened TP shard that this rank's piece of ``tensor`` holds, or
-    ``None`` when it holds none to save. FSDP2 splits dim 0 as ``torch.chunk`` does (``ceil(rows / count)``
-    rows per piece, the last ones shorter or empty), so a piece is one contiguous run of the row-major tensor.
-    A tensor not split over DP (Adam's ``step``, a parameter outside every unit) is saved whole by piece 0."""
-    if not isinstance(tensor, DTensor):
-        return (0, tensor.numel()) if piece.index == 0 else None
-    if tensor.placements[-1] != Shard(0):
-        raise RuntimeError(f"a DP-split tensor with placements {tensor.placements}: mtk saves FSDP2's Shard(0) only")
-    rows = tensor.shape[0]
-    per_piece = -(-rows // piece.count)
-    start, stop = min(piece.index * per_piece, rows), min((piece.index + 1) * per_piece, rows)
-    if local(tensor).shape[0] != stop - start:
-        raise RuntimeError(f"FSDP2 holds {local(tensor).shape[0]} rows here, not rows [{start}, {stop}) of {rows}")
-    row = math.prod(tensor.shape[1:])
-    return (start * row, stop * row) if stop > start else None
 
 
 def counted_here(tensor: torch.Tensor, dp_rank: int) -> bool:

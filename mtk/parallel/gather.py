@@ -18,6 +18,7 @@ from mtk.parallel.experts import SPECS_ATTRIBUTE
 from mtk.parallel.fsdp import full_local
 from mtk.parallel.layers import ShardedModule
 from mtk.parallel.parameters import param_info
+from mtk.parallel.pieces import shard_shape
 from mtk.parallel.sharding import REPLICATED, ShardSpec, merge_shards
 from mtk.parallel.state import ParallelState
 
@@ -34,7 +35,7 @@ def full_shape_and_spec(model: nn.Module, name: str) -> tuple[tuple[int, ...], S
     cut_in_place = getattr(module, SPECS_ATTRIBUTE, {})  # HF modules whose tensors were cut (MoE experts)
     if param_name in cut_in_place:
         return cut_in_place[param_name]
-    return tuple(tensor.shape), REPLICATED
+    return shard_shape(tensor), REPLICATED  # (a ZeRO-3 parameter's own shape is empty outside a gather)
 
 
 def gather_full_tensor(
