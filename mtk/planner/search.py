@@ -220,7 +220,7 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int], froz
     """Bytes per step of stage ``stage`` by group, their time on the wire, and mtk's collectives by kind
     (what ``mtk bench`` counts: TP and PP from :func:`predict_collectives`, the DP reduction and the
     distributed optimizer's all-gather rounds; DeepSpeed's own ZeRO calls are not mtk's). ``numels``: the
-    trainable parameters' elements; ``frozen``: a LoRA base's, which FSDP2 gathers too."""
+    trainable parameters' elements; ``frozen``: a LoRA base's, which FSDP2 and ZeRO-3 gather too."""
     config, cluster = request.config, request.cluster
     predicted = predict_collectives(
         _layers(config),
@@ -249,8 +249,16 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int], froz
     grad_size = 2 if (request.dtype == "bf16" and c.engine == "deepspeed") else 4
     dp_bytes = sum(numels) * grad_size if c.dp_size > 1 else 0
     dp_s = collective_seconds("all_reduce", dp_bytes, c.dp_size, cluster.bandwidth(dp_group))
-    if c.sharding == "zero3":
-        dp_s *= 1.5  # parameters gathered for forward and again for backward (ZeRO paper)
+    if c.sharding == "zero3" and c.dp_size > 1:  # every micro-batch gathers the parameters (a LoRA base's too) for
+        # its forward and again for its backward, and reduce-scatters its gradients: the ZeRO paper's 1.5x of an
+        # all-reduce, per micro-batch (DeepSpeed's own calls: not among mtk's collectives). Gathers are counted by
+        # what each rank contributes, as FSDP2's below
+        contributed = -(-(sum(numels) + frozen) * grad_size // c.dp_size) * c.micro_batches
+        scattered = dp_bytes * c.micro_batches
+        bandwidth = cluster.bandwidth(dp_group)
+        dp_s = 2 * collective_seconds("all_gather", contributed, c.dp_size, bandwidth)
+        dp_s += collective_seconds("reduce_scatter", scattered, c.dp_size, bandwidth)
+        dp_bytes = 2 * contributed * c.dp_size + scattered
     if c.sharding == "fsdp2":  # every micro-batch gathers each unit for forward and backward, then reduce-scatters
         units = _rank_layers(request.config, c)[stage] + 1 + (c.pp_size > 1)  # layers, root, a stage's decoder
         base_size = 2 if request.dtype == "bf16" and request.lora_r > 0 else 4  # a LoRA base stays in --dtype
@@ -294,7 +302,7 @@ def _step_time(request: Request, c: Candidate, rank_layers: list[int], traffic: 
     # DDP / DeepSpeed reduce during the whole backward; a pipeline during its last micro-batch's backward;
     # the distributed optimizer's all-gather comes after the step
     backward = 2 / 3 * compute / (c.micro_batches if c.pp_size > 1 else 1)
-    if c.sharding == "fsdp2":  # every micro-batch's gathers and reduce-scatters hide under its own compute
+    if c.sharding in ("fsdp2", "zero3"):  # every micro-batch's gathers and reduce-scatters hide under its compute
         backward = compute
     dp_exposed = traffic.dp_wire_s if c.sharding == "distopt" else max(0.0, traffic.dp_wire_s - backward)
     total = stage_s * (1 + bubble) + traffic.pp_wire_s + dp_exposed

@@ -98,6 +98,17 @@ def test_zero_stages_shard_what_the_paper_says(plan_8b_json):
     assert three["weights"] * 8 >= one["weights"] > three["weights"]
 
 
+def test_zero3_gathers_the_parameters_twice_and_reduce_scatters_in_every_micro_batch(plan_8b_json):
+    """ZeRO-3's DP traffic is ZeRO-2's one gradient reduction three times over (two gathers of the bf16 parameters,
+    one reduce-scatter) per micro-batch: parameters are partitioned, so each forward and backward gathers them."""
+    one_replica_each = dict(tp_size=1, pp_size=1, dp_size=8, micro_batch_size=1, recompute=None)
+    two, three = (_find(plan_8b_json["estimates"], sharding=s, **one_replica_each) for s in ("zero2", "zero3"))
+    micro_batches = three["layout"]["micro_batches"]
+    assert micro_batches == 8
+    reduced = two["communication_bytes"]["dp"]
+    assert abs(three["communication_bytes"]["dp"] - 3 * micro_batches * reduced) <= 2 * 8 * micro_batches
+
+
 def test_fsdp2_divides_the_whole_model_state_by_dp_and_moves_three_passes_per_micro_batch(plan_8b_json):
     """TP2 x FSDP2 over DP4: weights, gradients and AdamW's moments each 1/dp of the TP shard's (the plain TP2 x DP4
     row's), one layer gathered twice over plus its gradients as buffers; per micro-batch two all-gathers and a
