@@ -37,7 +37,7 @@ from mtk.args import (
     positive_float,
     positive_int,
 )
-from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
+from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, rescaled_position, start_point
 from mtk.config import RunSettings
 from mtk.convert import parallelize
 from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, tokenizer_for
@@ -211,14 +211,18 @@ def main(argv=None) -> None:
 
     def position(micro_batches: int) -> dict:
         """What a checkpoint records of the data: where the stream is, and what decides the stream."""
-        return {"micro_batches": micro_batches, "resume_guard": guard.state_dict()}
+        return {
+            "micro_batches": micro_batches,
+            "samples_per_micro_batch": micro * parallel.dp_size,
+            "resume_guard": guard.state_dict(),
+        }
 
     # a resumed run must continue the same data stream: a changed one of these is one clear line
     guard = ResumeGuard.from_args(args)
     step, micro_batches = 0, 0
     if resume:
         meta = load_deepspeed_checkpoint(resume, engine, parallel)
-        step, micro_batches = meta.step, meta.data["micro_batches"]
+        step, micro_batches = meta.step, rescaled_position(meta.data, micro * parallel.dp_size)
         guard.load_state_dict(meta.data.get("resume_guard", {}))
     if step >= args.max_steps:  # e.g. a requeued job whose last run finished
         if parallel.rank == 0:

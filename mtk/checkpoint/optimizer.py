@@ -123,7 +123,8 @@ def reshard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, reader
                 value = full
             else:
                 shape, spec = full_shape_and_spec(model, name)
-                value = take_shard(spec, shape, full.__getitem__)
+                # contiguous, as the parameter is: a fused optimizer reads its state by memory, not by index
+                value = take_shard(spec, shape, full.__getitem__).contiguous()
             state.setdefault(i, {})[field] = value
         if source in saved_groups["state"]:  # non-tensor per-parameter state
             state.setdefault(i, {}).update(saved_groups["state"][source])

@@ -26,6 +26,7 @@ from mtk.data.sources import data_fingerprint
 from mtk.errors import CheckpointError
 
 __all__ = [
+    "rescaled_position",
     "AUTO",
     "ResumeGuard",
     "add_resume_arguments",
@@ -104,6 +105,22 @@ def start_point(
             print(f"mtk: --overwrite: removed {', '.join(removed)} of an earlier run in {output_dir}", flush=True)
         barrier()
     return start
+
+
+def rescaled_position(data: dict, samples_now: int | None) -> int:
+    """Micro-batches a checkpoint consumed (its ``data``: ``micro_batches`` and ``samples_per_micro_batch`` over all
+    DP replicas), in units of this run's micro-batch of ``samples_now`` samples: the DP size or the batch may have
+    changed. A position that falls inside one of this run's micro-batches is one line."""
+    seen, per_batch = data.get("micro_batches", 0), data.get("samples_per_micro_batch")
+    if not per_batch or not samples_now or per_batch == samples_now:
+        return seen
+    samples = seen * per_batch
+    if samples % samples_now:
+        raise CheckpointError(
+            f"the checkpoint consumed {samples} samples, not a whole number of this run's {samples_now}-sample steps "
+            f"(batch size x data-parallel size); resume with a global batch that divides {samples}"
+        )
+    return samples // samples_now
 
 
 def _claim(output_dir: str | Path, main_process: bool) -> None:

@@ -6,8 +6,10 @@ gradients (and, at stage 3, parameters) over the DP group, and tell DeepSpeed's 
 which parameters are TP shards (``tensor_model_parallel``) so the global norm is right.
 
 Checkpoints use mtk's ``step_N/`` layout (one safetensors weights file per (tp, pp) rank, under ZeRO-3 one per
-rank holding its partition; RNG, data position, metadata), so ``mtk export`` works on them; DeepSpeed's own state (ZeRO-partitioned
-optimizer, scheduler, module) sits inside, in ``step_N/deepspeed/``, and is restored by DeepSpeed.
+rank holding its partition; RNG, data position, metadata), so ``mtk export`` works on them; DeepSpeed's own state
+(ZeRO-partitioned optimizer, scheduler, module) sits inside, in ``step_N/deepspeed/``, and is restored by DeepSpeed
+at the same layout. ZeRO-3 also saves its optimizer state in mtk's format, so it resumes at another TP or DP size
+(:mod:`mtk.integrations.deepspeed_reshard`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from mtk.checkpoint.sharded import load_schedulers, restore_streams, save_checkp
 from mtk.config import ConfigError
 from mtk.errors import CheckpointError
 from mtk.integrations.deepspeed_batch import BatchSizes, reconcile_batch
+from mtk.integrations.deepspeed_reshard import load_at_another_layout, save_optimizer_pieces
 from mtk.parallel.pieces import Piece
 from mtk.parallel.record import is_peft_model
 from mtk.parallel.state import ParallelState
@@ -152,9 +155,17 @@ def save_deepspeed_checkpoint(
         # a LoRA model's frozen base is not state: the checkpoint names it (metadata.json's base_model)
         engine.save_checkpoint(str(CheckpointPaths(tmp).deepspeed), tag=_DS_TAG, exclude_frozen_parameters=True)
 
-    # ZeRO-3: each rank writes its own partition of every TP shard (nothing gathered), except for a LoRA model,
-    # whose frozen base is fingerprinted whole
+    # ZeRO-3: each rank writes its own partition of every TP shard (nothing gathered), and its partition of the
+    # optimizer state in mtk's format (what a resume at another layout reads), except for a LoRA model, whose
+    # frozen base is fingerprinted whole
     piece = _zero3_piece(engine)
+    writers_everywhere: list[Callable[[Path], None]] = [deepspeed_state]
+    if piece is not None:
+        writers_everywhere.append(
+            lambda tmp: save_optimizer_pieces(engine, piece, tmp, parallel.tp_rank, parallel.pp_rank)
+        )
+    if not schedulers and engine.lr_scheduler is not None:  # run.py's, which DeepSpeed steps: saved as mtk's too
+        schedulers = [engine.lr_scheduler]
     with zero3_gathered(engine) if piece is None else contextlib.nullcontext():
         return save_checkpoint(
             directory,
@@ -164,7 +175,7 @@ def save_deepspeed_checkpoint(
             list(schedulers),
             step=engine.global_steps,
             writers=list(writers),
-            collective_writers=[deepspeed_state],
+            collective_writers=writers_everywhere,
             data=data,
             engine={"engine": "deepspeed", "zero_stage": engine.zero_optimization_stage()},
             piece=piece,
@@ -184,22 +195,32 @@ def _zero3_piece(engine) -> Piece | None:
 def load_deepspeed_checkpoint(
     directory: str | Path, engine, parallel: ParallelState, *, schedulers: Sequence = ()
 ) -> CheckpointMeta:
-    """Restore DeepSpeed's state (same layout only), ``schedulers`` and mtk's RNG; returns the metadata."""
+    """Restore DeepSpeed's state, ``schedulers`` (else the engine's own) and mtk's RNG; returns the metadata.
+
+    At the layout that wrote it DeepSpeed restores its own state. A ZeRO-3 checkpoint resumes at another TP or DP
+    size under ZeRO-3 from mtk's files (:mod:`mtk.integrations.deepspeed_reshard`); other changes are one line."""
     meta = read_verified(directory)  # collective: every file matches its checksum, or every rank refuses
     paths = CheckpointPaths(directory)
     saved = meta.topology
     if meta.engine != "deepspeed":
         raise CheckpointError(f"{directory} was not written by the DeepSpeed engine; resume it with the same engine")
-    if (saved.tp_size, saved.pp_size, saved.dp_size) != (parallel.tp_size, parallel.pp_size, parallel.dp_size):
-        raise CheckpointError(
-            f"{directory} was written at tp={saved.tp_size} pp={saved.pp_size} dp={saved.dp_size}, this run is "
-            f"tp={parallel.tp_size} pp={parallel.pp_size} dp={parallel.dp_size}; a DeepSpeed checkpoint resumes at "
-            f"the same layout (export it with `mtk export` to change layouts)"
-        )
     check_base(str(directory), meta.base_model, engine.module, parallel)  # collective
-    path, _ = engine.load_checkpoint(str(paths.deepspeed), tag=_DS_TAG, load_module_strict=meta.base_model is None)
-    if path is None:
-        raise CheckpointError(f"{directory}/deepspeed holds no DeepSpeed checkpoint")
+    same = (saved.tp_size, saved.pp_size, saved.dp_size) == (parallel.tp_size, parallel.pp_size, parallel.dp_size)
+    if same:
+        path, _ = engine.load_checkpoint(str(paths.deepspeed), tag=_DS_TAG, load_module_strict=meta.base_model is None)
+        if path is None:
+            raise CheckpointError(f"{directory}/deepspeed holds no DeepSpeed checkpoint")
+    elif meta.zero_stage == 3 and engine.zero_optimization_stage() == 3 and saved.pp_size == parallel.pp_size:
+        load_at_another_layout(directory, engine, meta, parallel)
+    else:
+        raise CheckpointError(
+            f"{directory} was written at tp={saved.tp_size} pp={saved.pp_size} dp={saved.dp_size} with ZeRO stage "
+            f"{meta.zero_stage}, this run is tp={parallel.tp_size} pp={parallel.pp_size} dp={parallel.dp_size} with "
+            f"stage {engine.zero_optimization_stage()}; a DeepSpeed checkpoint resumes at its own layout, or a ZeRO-3 "
+            "one under ZeRO-3 at another TP or DP size (export it with `mtk export` to change anything else)"
+        )
+    if not schedulers and engine.lr_scheduler is not None and not same:
+        schedulers = [engine.lr_scheduler]  # DeepSpeed restored it at the same layout
     load_schedulers(paths, list(schedulers))
     meta.rng = restore_rng(paths, meta, parallel)
     restore_streams(engine.module, meta, parallel)  # the per-TP-rank dropout stream

@@ -36,7 +36,9 @@ def _reference(dtype):
     return losses, norms, grads, {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
-def _train(rank, world_size, tp, shard, replicate, start, save, steps, dtype=torch.float64, settings=None, pp=1):
+def _train(
+    rank, world_size, tp, shard, replicate, start, save, steps, dtype=torch.float64, settings=None, pp=1, fused=False
+):
     import torch.distributed as dist
     from accelerate.parallelism_config import ParallelismConfig
 
@@ -55,7 +57,7 @@ def _train(rank, world_size, tp, shard, replicate, start, save, steps, dtype=tor
     else:
         accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=tp, pp_size=pp))
     model = build_model(MODEL, dtype=dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=fused)
     model, optimizer = accelerator.prepare(model, optimizer)
     parallel = accelerator.parallel
     if start:
@@ -145,21 +147,25 @@ def test_fsdp2_with_a_pipeline_equals_one_process(reference):
 def test_fsdp2_checkpoints_resume_without_fsdp_and_back(reference, tmp_path):
     """One step at TP2 x FSDP2, saved by each rank as its own piece (nothing gathered); the second step in plain
     TP2, and in HSDP 2 x 2 at TP1, from that checkpoint; `mtk export` merges the pieces; and the other way: a
-    plain-TP2 checkpoint resumed under FSDP2."""
+    plain-TP2 checkpoint resumed under FSDP2. The first two with torch's fused AdamW (the Trainer's default),
+    which reads its moments by memory: a row-parallel moment cut from a checkpoint must be made contiguous."""
     from safetensors.torch import load_file
 
     from mtk.checkpoint.export import export_checkpoint
     from mtk.checkpoint.meta import read_metadata
 
     sharded, plain = tmp_path / "fsdp", str(tmp_path / "plain")
-    first = run_distributed(_train, world_size=4, args=(2, 2, 1, None, str(sharded), 1))
+    first = run_distributed(_train, world_size=4, args=(2, 2, 1, None, str(sharded), 1, torch.float64, None, 1, True))
     assert read_metadata(sharded).pieces == 2
     assert sorted(p.name for p in (sharded / "model").iterdir()) == [
         f"tp{t:02d}-pp00-piece{d:02d}.safetensors" for t in range(2) for d in range(2)
     ]
     assert_close_rel(first[0][0][0], reference[0][0], "loss of the step before saving")
-    for world, layout in ((2, (2, 1, 1)), (4, (1, 2, 2))):
-        resumed = run_distributed(_train, world_size=world, args=(*layout, str(sharded), None, 1))
+    for world, layout in ((2, (2, 1, 1)), (4, (1, 2, 2))):  # the first with torch's fused AdamW (reads by memory)
+        fused = world == 2
+        resumed = run_distributed(
+            _train, world_size=world, args=(*layout, str(sharded), None, 1, torch.float64, None, 1, fused)
+        )
         what = "without FSDP" if world == 2 else "in HSDP 2 x 2 at TP1"
         assert_close_rel(resumed[0][0][0], reference[0][1], f"loss after resuming {what}")
         for name, tensor in reference[3].items():

@@ -90,8 +90,8 @@ def test_zero1_tp2_dp2_with_recompute_equals_non_zero(reference, tmp_path):
 
 def test_zero3_tp2_dp2_equals_non_zero_resumes_and_exports(reference, llama_tp1, tmp_path):
     """ZeRO-3 partitions each TP shard over its DP group: the TP=1 non-ZeRO losses, a resume from step 3 that
-    continues them exactly, and a checkpoint in which each rank wrote its own partition of its TP shard (nothing
-    gathered), which `mtk export` joins into the weights of the TP=1 run."""
+    continues them exactly, at the same layout and at TP1 x DP4, and a checkpoint in which each rank wrote its own
+    partition of its TP shard (nothing gathered), which `mtk export` joins into the weights of the TP=1 run."""
     from safetensors.torch import load_file
 
     from mtk.checkpoint.meta import read_metadata
@@ -109,6 +109,17 @@ def test_zero3_tp2_dp2_equals_non_zero_resumes_and_exports(reference, llama_tp1,
     assert sorted(resumed) == [4, 5, 6]
     for step in (4, 5, 6):
         assert_close_rel(resumed[step], first[step], f"ZeRO-3 TP2xDP2 loss at step {step} after resume")
+    # at another layout: TP1 x DP4 (2 rows per rank: the same global batch), from mtk's pieces of the optimizer
+    moved = deepspeed_run(
+        4,
+        "zero3",
+        *("--tp", "1", "--batch_size", "2", "--max_steps", "6", "--output_dir", str(tmp_path / "c")),
+        *("--resume", str(tmp_path / "a/step_3")),
+    )
+    resumed = step_losses(moved)
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert_close_rel(resumed[step], first[step], f"ZeRO-3 loss at step {step} after resuming at TP1 x DP4")
     saved = tmp_path / "a/step_6"
     assert read_metadata(saved).pieces == 2
     assert sorted(p.name for p in (saved / "model").iterdir()) == [
@@ -161,6 +172,13 @@ def test_resume_and_export_a_deepspeed_checkpoint(zero2_run, tmp_path):
         ["mtk", "export", str(out_dir / "step_6"), str(tmp_path / "hf")], capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0 and "verified" in out.stdout, out.stderr[-2000:]
+    # ZeRO-2's flat partitions resume at their own layout only (ZeRO-3's at another TP or DP size: above)
+    out = deepspeed_run(
+        2, "zero2", "--tp", "1", "--batch_size", "8", "--max_steps", "6", "--output_dir", str(tmp_path / "moved"),
+        "--resume", str(out_dir / "step_3"), check=False,
+    )  # fmt: skip
+    assert out.returncode != 0 and "a DeepSpeed checkpoint resumes at its own layout" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
 
 
 def test_bad_deepspeed_input_is_one_line(tmp_path):

@@ -241,7 +241,8 @@ def test_a_pipeline_under_deepspeed_is_one_line_naming_the_alternative():
     from mtk.config import ConfigError, ParallelConfig
     from mtk.integrations.accelerate.init import resolve_topology
 
-    with pytest.raises(ConfigError, match=r"pipeline parallelism \(pp = 2\) does not run under DeepSpeed.*distopt"):
+    refusal = r"pipeline parallelism \(pp = 2\) does not run under DeepSpeed.*use FSDP2.*distopt"
+    with pytest.raises(ConfigError, match=refusal):
         resolve_topology(ParallelConfig(tp_size=2, pp_size=2), {"zero_optimization": {"stage": 3}})
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mtk.checkpoint.paths import CheckpointPaths, reading
+from mtk.checkpoint.resume import rescaled_position
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.errors import CheckpointError, ConfigError
 from mtk.integrations.accelerate.shuffle import replay_shuffles
@@ -148,20 +149,6 @@ class ShardedCheckpointing(_Host):
         """Samples one micro-batch step consumes over all DP replicas (the first prepared loader's)."""
         return getattr(self._dataloaders[0], "total_batch_size", None) if self._dataloaders else None
 
-    def _rescaled_position(self, data: dict) -> int:
-        """Micro-batches already consumed, in this run's units (the DP size or batch may have changed)."""
-        seen, per_batch, now = data.get("micro_batches", 0), data.get("samples_per_micro_batch"), None
-        now = self._samples_per_micro_batch()
-        if not per_batch or not now or per_batch == now:
-            return seen
-        samples = seen * per_batch
-        if samples % now:
-            raise CheckpointError(
-                f"the checkpoint consumed {samples} samples, not a whole number of this run's {now}-sample steps "
-                f"(batch size x data-parallel size); resume with a global batch that divides {samples}"
-            )
-        return samples // now
-
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs) -> None:
         """Restore a checkpoint written by :meth:`save_state` (same layout) and the data position:
         ``completed_steps``, ``micro_batches_seen`` (resume with ``skip_first_batches``) and ``step``."""
@@ -183,7 +170,7 @@ class ShardedCheckpointing(_Host):
             meta = load_checkpoint(input_dir, self.parallel, model, optimizers, schedulers)
         data = meta.data
         self.completed_steps = meta.step
-        self.micro_batches_seen = self._rescaled_position(data)
+        self.micro_batches_seen = rescaled_position(data, self._samples_per_micro_batch())
         self.step = data.get("accelerate_step", 0)
         self._rescale_schedulers(meta.topology.dp_size)
         if self.scaler is not None and "scaler" in meta.rng:

@@ -86,7 +86,9 @@ def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | N
     if deepspeed_config is not None and config.pp_size > 1:
         raise ConfigError(
             f"pipeline parallelism (pp = {config.pp_size}) does not run under DeepSpeed (its ZeRO cannot partition a "
-            "pipeline stage here); use a megatron_lm_config YAML, with megatron_lm_use_distributed_optimizer: true "
-            "to shard the optimizer state over DP (accelerate_configs/tp2_pp2_dp2_distopt.yaml)"
+            "pipeline stage here); to shard parameters, gradients and optimizer state over DP next to a pipeline "
+            "(ZeRO-3's job) use FSDP2: a parallelism_config with dp_shard_size next to the pipeline size "
+            "(docs/memory.md); or a megatron_lm_config YAML with megatron_lm_use_distributed_optimizer: true to shard "
+            "the optimizer state (accelerate_configs/tp2_pp2_dp2_distopt.yaml)"
         )
     return config
