@@ -145,7 +145,7 @@ def test_layouts_log_the_trainers_numbers(reference, tmp_path, config, env, args
 
 def test_fsdp2_logs_the_trainers_numbers_resumes_at_plain_tp2_dp2_and_saves_the_model(reference, tmp_path):
     """accelerate_configs/tp2_fsdp2.yaml (parallelism_config tp_size 2 x dp_shard_size 2): transformers' DP=2
-    numbers; its checkpoint-2 (each TP shard made whole over DP) resumed at plain TP2 x DP2; save_model writes the
+    numbers; its checkpoint-2 (saved in FSDP2's pieces) resumed at plain TP2 x DP2; save_model writes the
     whole model, gathered over DP and TP."""
     history, hf_dir = reference[2]
     sharded = _mtk_run("tp2_fsdp2", tmp_path / "fsdp2", "--save_steps", "2", "--save_model")
