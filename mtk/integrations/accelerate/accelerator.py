@@ -14,8 +14,7 @@ plugin (NVIDIA's Megatron-LM package) is not used.
 from __future__ import annotations
 
 import os
-import weakref
-from typing import Any, cast
+from typing import Any
 
 import torch
 from accelerate import Accelerator as _AccelerateAccelerator
@@ -37,6 +36,7 @@ from mtk.integrations.accelerate.deepspeed import (
 from mtk.integrations.accelerate.init import apply_timeout, gloo_for_deepspeed, megatron_plugin_off, resolve_topology
 from mtk.integrations.accelerate.megatron_keys import check_engine, check_megatron_environment
 from mtk.integrations.accelerate.model_conversion import ModelConversion
+from mtk.integrations.accelerate.parameter_sharding import ParameterSharding
 from mtk.integrations.accelerate.scheduler import DataParallelScheduler
 from mtk.integrations.accelerate.sharding import accelerate_fsdp_off, sharding_from_accelerate
 from mtk.integrations.deepspeed import held_elements as deepspeed_held_elements
@@ -47,18 +47,19 @@ from mtk.integrations.deepspeed import (
 from mtk.parallel.amp import TPGradScaler
 from mtk.parallel.consistency import check_same_loss, same_inputs_hook
 from mtk.parallel.distributed_optimizer import shard_optimizer
-from mtk.parallel.fsdp import data_parallel_mesh, held_elements, reshard, shard_over_data_parallel
+from mtk.parallel.fsdp import held_elements, reshard
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sync_sequence_parallel_grads
-from mtk.parallel.record import hf_model
 from mtk.parallel.state import ParallelState, default_device
 from mtk.pipeline.engine import PipelineModel
 
 __all__ = ["Accelerator", "DataParallelScheduler"]
 
 
-class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedCheckpointing, _AccelerateAccelerator):
+class Accelerator(
+    ModelConversion, DataPath, DataParallelCollectives, ShardedCheckpointing, ParameterSharding, _AccelerateAccelerator
+):
     """accelerate's Accelerator with Megatron TP/DP (see the module docstring for what changes).
 
     Args:
@@ -169,35 +170,6 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
         """This process's model replica (its data shard): what accelerate calls the dp_replicate rank."""
         return self.parallel.dp_rank
 
-    @property
-    def data_parallel_shard_rank(self) -> int:
-        """This process's rank among the ranks FSDP2 shards over (``dp_shard``); 0 without FSDP2 (ZeRO, when used,
-        shards over the whole data-parallel group)."""
-        return self.parallel.dp_rank % self.sharding.dp_shard_size if self.sharding is not None else 0
-
-    def _check_sharding(self) -> None:
-        """FSDP2 goes with TP and plain data parallelism; what it cannot go with yet is one line."""
-        if self.sharding is None:
-            return
-        self.sharding.check(self.parallel.dp_size)
-        if self.mixed_precision == "fp16":  # each rank would unscale, and find an inf in, only its own pieces
-            raise ConfigError(
-                "parallelism_config dp_shard_size > 1 (FSDP2) with fp16 loss scaling is not supported; use "
-                "mixed_precision bf16"
-            )
-        if self.ddp_handler is not None:
-            self.print("mtk: DistributedDataParallelKwargs are not used: FSDP2 reduces the gradients, not DDP")
-        if self.parallel.pp_size > 1 and self.settings.virtual_stages > 1:
-            raise ConfigError(
-                "parallelism_config dp_shard_size > 1 (FSDP2) with the interleaved pipeline schedule is not supported "
-                "yet (a rank runs its chunks through different FSDP roots); use 1f1b or afab with FSDP2"
-            )
-        if self.settings.use_distributed_optimizer:
-            raise ConfigError(
-                "parallelism_config dp_shard_size > 1 (FSDP2) already shards the optimizer state over data "
-                "parallelism; drop megatron_lm_use_distributed_optimizer"
-            )
-
     # ------------------------------------------------------------------------------------ prepare
     def prepare(self, *args, device_placement=None):
         """As accelerate's, after converting HF models: optimizers built on the unconverted model's
@@ -265,22 +237,6 @@ class Accelerator(ModelConversion, DataPath, DataParallelCollectives, ShardedChe
             )
             self._models[-1] = model
         return model
-
-    def _shard(self, model: nn.Module) -> None:
-        """``fully_shard`` ``model`` over the data-parallel mesh; optimizers built on its parameters before (or on
-        the HF model's) are re-pointed at the sharded ones when prepared."""
-        assert self.sharding is not None
-        if self._data_parallel_mesh is None:
-            self._data_parallel_mesh = data_parallel_mesh(self.parallel, self.sharding)
-        stage = self.unwrap_model(model)
-        decoder = cast(Any, hf_model(stage)).base_model if isinstance(model, PipelineModel) else None
-        pairs = shard_over_data_parallel(stage, self._data_parallel_mesh, self.sharding, decoder=decoder)
-        by_old = {id(old): new for old, new in pairs}
-        for key, (ref, shard) in list(self._replaced_params.items()):  # HF parameter -> TP shard -> its FSDP2 one
-            if shard is not None and id(shard) in by_old:
-                self._replaced_params[key] = (ref, by_old[id(shard)])
-        for old, new in pairs:
-            self._replaced_params.setdefault(id(old), (weakref.ref(old), new))
 
     def _scale_pipeline_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """What ``backward`` would backpropagate: averaged over accumulation steps (or times the trainer's
