@@ -51,6 +51,7 @@ __all__ = [
     "save_deepspeed_checkpoint",
     "tp_size_from_config",
     "zero3_gathered",
+    "zero3_whole",
 ]
 
 _DS_TAG = "state"
@@ -120,6 +121,16 @@ def zero3_gathered(engine) -> Any:
 
     if engine.zero_optimization_stage() == 3:
         return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+    return contextlib.nullcontext()
+
+
+def zero3_whole(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Context in which one ZeRO-3-partitioned ``tensor`` is whole on every rank of its DP group (collective
+    there); a no-op for any other tensor. Gathering a model one tensor at a time holds one whole at a time."""
+    import deepspeed
+
+    if hasattr(tensor, "ds_id"):
+        return deepspeed.zero.GatheredParameters([tensor], modifier_rank=None)
     return contextlib.nullcontext()
 
 

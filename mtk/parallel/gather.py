@@ -7,7 +7,8 @@ goes. Gathering one tensor at a time keeps the extra memory to a single full ten
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -69,12 +70,18 @@ def iter_full_tensors(model: nn.Module, tp_group: Group, grads: bool = False) ->
         yield name, gather_full_tensor(tensor, spec, shape, tp_group)
 
 
-def gather_state_dict(model: nn.Module, parallel: ParallelState) -> dict[str, torch.Tensor]:
+def gather_state_dict(
+    model: nn.Module,
+    parallel: ParallelState,
+    whole: Callable[[torch.Tensor], contextlib.AbstractContextManager] | None = None,
+) -> dict[str, torch.Tensor]:
     """The whole model's state dict, full tensors under HF names, on global rank 0 (``{}`` elsewhere).
 
     Each stage gathers its tensors over TP one at a time; later pipeline stages then send theirs to
     rank 0 one at a time. Tied tensors stay shared, as in the HF model (a pipeline's last-stage copy
-    of a tied embedding is not sent). Collective: every rank must call it.
+    of a tied embedding is not sent). ``whole(tensor)``: a context in which an engine that partitions
+    parameters over DP holds that one whole (ZeRO-3's ``GatheredParameters([p])``), so no rank ever holds
+    more than one of them gathered. Collective: every rank must call it.
     """
     main = parallel.rank == 0
     sender = parallel.tp_rank == 0 and parallel.dp_rank == 0  # one copy of each stage goes to rank 0
@@ -87,7 +94,8 @@ def gather_state_dict(model: nn.Module, parallel: ParallelState) -> dict[str, to
             continue
         seen[id(tensor)] = name
         shape, spec = full_shape_and_spec(model, name)
-        gathered = gather_full_tensor(tensor.detach(), spec, shape, parallel.tp_group)
+        with whole(tensor) if whole is not None else contextlib.nullcontext():
+            gathered = gather_full_tensor(tensor.detach(), spec, shape, parallel.tp_group)
         if sender:
             full[name] = gathered.cpu()
     if parallel.pp_size > 1 and sender:

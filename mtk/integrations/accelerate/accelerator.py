@@ -40,10 +40,7 @@ from mtk.integrations.accelerate.parameter_sharding import ParameterSharding
 from mtk.integrations.accelerate.scheduler import DataParallelScheduler
 from mtk.integrations.accelerate.sharding import accelerate_fsdp_off, sharding_from_accelerate
 from mtk.integrations.deepspeed import held_elements as deepspeed_held_elements
-from mtk.integrations.deepspeed import (
-    remove_shm_buffers_at_exit,
-    zero3_gathered,
-)
+from mtk.integrations.deepspeed import remove_shm_buffers_at_exit, zero3_whole
 from mtk.parallel.amp import TPGradScaler
 from mtk.parallel.consistency import check_same_loss, same_inputs_hook
 from mtk.parallel.distributed_optimizer import shard_optimizer
@@ -297,9 +294,8 @@ class Accelerator(
         """
         model = self.unwrap_model(model) if unwrap else model
         reshard(model)  # FSDP2 units an evaluation left gathered
-        if self.uses_deepspeed and self._deepspeed_engine is not None:
-            with zero3_gathered(self._deepspeed_engine):  # ZeRO-3 partitions parameters over DP
-                return gather_state_dict(model, self.parallel)
+        if self.uses_deepspeed:  # ZeRO-3 partitions parameters over DP: each made whole in its turn
+            return gather_state_dict(model, self.parallel, whole=zero3_whole)
         return gather_state_dict(model, self.parallel)
 
     def held_elements(self) -> dict[str, int]:
