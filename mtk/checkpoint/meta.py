@@ -57,9 +57,11 @@ def _check_types(values: dict[str, Any]) -> None:
             and isinstance(record.get("xxh3_128"), str)
         ):
             raise TypeError(f"files[{name!r}] is {record!r}, not {{'bytes': <int>, 'xxh3_128': <hex>}}")
-    pieces = values.get("pieces", 1)
-    if not isinstance(pieces, int) or isinstance(pieces, bool) or pieces < 1:
+    pieces = values.get("pieces")
+    if pieces is not None and (not isinstance(pieces, int) or isinstance(pieces, bool) or pieces < 1):
         raise TypeError(f"pieces {pieces!r} is not a positive count")
+    if pieces is not None and pieces > len(files):  # each piece is a listed file: bounds what a reader opens
+        raise TypeError(f"pieces {pieces} is more than the {len(files)} files the checkpoint lists")
     for key in ("model", "data", "versions"):
         if not isinstance(values.get(key, {}), dict):
             raise TypeError(f"{key} is not a JSON object")
@@ -81,8 +83,9 @@ class CheckpointMeta:
         files: ``{relative path: {"bytes", "xxh3_128"}}`` of every other file.
         base_model: for an adapter-only (LoRA) checkpoint, the frozen base it was trained on
             (:func:`~mtk.checkpoint.base_model.base_record`); ``None`` when the weights are all here.
-        pieces: how many flat pieces each (tp, pp) rank's tensors are saved in: 1 (whole shards), or FSDP2's
-            ``dp_shard`` size, each piece written by the rank that holds it (``tpXX-ppYY-pieceZZ``).
+        pieces: ``None`` when each (tp, pp) rank's tensors are saved whole; else how many flat pieces they are
+            saved in (FSDP2's ``dp_shard`` size, ZeRO-3's DP size; even 1), each written by the rank that holds it
+            (``tpXX-ppYY-pieceZZ``).
         format: the format version; readers refuse others.
         rng: filled on load (this rank's restored RNG states, e.g. the fp16 scaler); never written.
     """
@@ -97,7 +100,7 @@ class CheckpointMeta:
     run_id: str | None = None
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     base_model: dict[str, Any] | None = None
-    pieces: int = 1
+    pieces: int | None = None
     format: str = FORMAT
     rng: dict[str, Any] = field(default_factory=dict, compare=False)
 

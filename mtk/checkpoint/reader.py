@@ -52,7 +52,7 @@ class ShardedCheckpointReader:
         self.paths = CheckpointPaths(self.directory)
         topology, count = meta.topology, meta.pieces
         self.ranks = [(t, p) for p in range(topology.pp_size) for t in range(topology.tp_size)]
-        self._piece_ids = [None] if count == 1 else list(range(count))
+        self._piece_ids: list[int | None] = [None] if count is None else list(range(count))
         self._parts: list[list[_Part]] = []
         self.shards: dict[str, list[tuple[int, ShardSpec]]] = {}  # tensor -> (shard index, its spec) per TP rank
         self.full_shapes: dict[str, tuple[int, ...]] = {}
@@ -139,7 +139,7 @@ class ShardedCheckpointReader:
         files = [part.file(optimizer) for part in self._parts[shard]]
         parts = [part for part, handle in zip(self._parts[shard], files) if key in handle]
         files = [part.file(optimizer) for part in parts]
-        if len(self._piece_ids) == 1 or not parts:
+        if self._piece_ids == [None] or not parts:
             return self._read_all(files[0].get_slice(key)) if parts else self._missing(shard, key)
         runs = []
         for part, handle in zip(parts, files):

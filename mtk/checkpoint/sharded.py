@@ -96,6 +96,12 @@ def save_checkpoint(
     ``piece``: where this rank's pieces sit when the model's parameters are split over DP by an engine (ZeRO-3);
     FSDP2's are found from the parameters themselves.
     """
+    piece = piece or piece_of(model)
+    if piece is not None and len(optimizers) > 1:  # a checkpoint in pieces is read back through the resharding
+        raise CheckpointError(  # reader, which restores one optimizer
+            f"saving {len(optimizers)} optimizers with parameters split over data parallelism (FSDP2) is not "
+            "supported; use one optimizer (parameter groups for different settings)"
+        )
     with atomic_dir(directory, owner=parallel.rank == 0, barrier=_barrier) as tmp:
         paths = CheckpointPaths(tmp)
         if parallel.rank == 0:
@@ -105,7 +111,6 @@ def save_checkpoint(
         # weights and optimizer are replicated over DP: one copy per (tp, pp), written by DP rank 0 (a
         # distributed optimizer first gathers its state there: collective, every DP rank takes part). FSDP2 splits
         # them over DP (ZeRO-3 too): each rank writes its own flat piece of its TP shard (HSDP: the first replica)
-        piece = piece or piece_of(model)
         index = piece.index if piece is not None else None
         tp, pp = parallel.tp_rank, parallel.pp_rank
         with full_optimizer_state(optimizers, gather=True):
@@ -139,7 +144,7 @@ def save_checkpoint(
                 run_id=RUN_ID,
                 files=files,
                 base_model=base,
-                pieces=piece.count if piece is not None else 1,
+                pieces=piece.count if piece is not None else None,
                 **(engine or {}),
             )
             write_synced(paths.metadata, meta.to_json())
@@ -171,7 +176,7 @@ def load_checkpoint(
     saved = meta.topology
     check_base(str(directory), meta.base_model, model, parallel)  # collective
     with full_optimizer_state(optimizers, gather=False):  # every rank loads all, then keeps its own share
-        if (saved.tp_size, saved.pp_size, meta.pieces) == (parallel.tp_size, parallel.pp_size, 1):
+        if (saved.tp_size, saved.pp_size, meta.pieces) == (parallel.tp_size, parallel.pp_size, None):
             load_weights(model, paths.weights(parallel.tp_rank, parallel.pp_rank))
             for i, optimizer in enumerate(optimizers):
                 load_optimizer(model, optimizer, paths.optimizer(parallel.tp_rank, parallel.pp_rank, i))

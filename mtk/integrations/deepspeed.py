@@ -169,7 +169,7 @@ def save_deepspeed_checkpoint(
     # ZeRO-3: each rank writes its own partition of every TP shard (nothing gathered), and its partition of the
     # optimizer state in mtk's format (what a resume at another layout reads), except for a LoRA model, whose
     # frozen base is fingerprinted whole
-    piece = _zero3_piece(engine)
+    piece = _zero3_piece(engine, parallel)
     writers_everywhere: list[Callable[[Path], None]] = [deepspeed_state]
     if piece is not None:
         writers_everywhere.append(
@@ -193,14 +193,17 @@ def save_deepspeed_checkpoint(
         )
 
 
-def _zero3_piece(engine) -> Piece | None:
+def _zero3_piece(engine, parallel: ParallelState) -> Piece | None:
     """This rank's place in ZeRO-3's partitioning of every parameter (its rank in the DP group DeepSpeed splits
-    them over); ``None`` at stages 1 and 2 (parameters whole on every rank) and for a LoRA model."""
+    them over); ``None`` at stages 1 and 2 (parameters whole on every rank), for a LoRA model, and where ZeRO-3
+    partitions over a subgroup of DP (MiCS: each subgroup would write the same pieces)."""
     if engine.zero_optimization_stage() != 3 or is_peft_model(engine.module):
         return None
     param = next(engine.module.parameters())
     group = param.ds_process_group
-    return Piece(dist.get_rank(group=group), dist.get_world_size(group=group))
+    if dist.get_world_size(group=group) != parallel.dp_size:
+        return None
+    return Piece(dist.get_rank(group=group), parallel.dp_size)
 
 
 def load_deepspeed_checkpoint(

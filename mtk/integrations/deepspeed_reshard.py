@@ -97,14 +97,29 @@ def load_at_another_layout(directory: str | Path, engine, meta: CheckpointMeta, 
     model: nn.Module = engine.module
     paths = CheckpointPaths(directory)
     groups_file = paths.optimizer(0, 0).with_suffix(".json")
-    if not groups_file.is_file():
+    if meta.base_model is not None or not groups_file.is_file():
+        why = (
+            "a LoRA run under ZeRO-3 saves its optimizer state as DeepSpeed's only"
+            if meta.base_model is not None
+            else "it holds no optimizer state in mtk's format (written by an older mtk, or with MiCS)"
+        )
         raise CheckpointError(
-            f"{directory} holds no optimizer state in mtk's format (written before mtk saved it beside DeepSpeed's), "
-            "so it resumes at its own layout only; take its weights with `mtk export`"
+            f"{directory} resumes at its own layout only ({why}); take its weights with `mtk export`"
+        )
+    inner = _inner(engine)
+    if not type(inner).__module__.startswith("torch.optim"):  # DeepSpeed's own Adams keep other state types
+        raise CheckpointError(
+            f"resuming {directory} at another layout needs torch's optimizer inside DeepSpeed (mtk's default, "
+            f'"torch_adam": true), not {type(inner).__name__}; resume at the checkpoint\'s layout'
+        )
+    if engine.fp16_enabled():  # the loss scale is DeepSpeed's own state: it would start over and skip steps
+        raise CheckpointError(
+            f"resuming {directory} at another layout with fp16 loss scaling is not supported (the scale would "
+            "start over); resume at the checkpoint's layout, or train in bf16"
         )
     with reading(groups_file):
         saved_groups = json.loads(groups_file.read_text())["param_groups"]
-    inner = _inner(engine)
+        rates = [float(group["lr"]) for group in saved_groups]
     if len(saved_groups) != len(inner.param_groups):
         raise CheckpointError(
             f"{directory}: DeepSpeed's optimizer had {len(saved_groups)} parameter groups there and "
@@ -139,8 +154,8 @@ def load_at_another_layout(directory: str | Path, engine, meta: CheckpointMeta, 
                     safe_set_local_fp32_param(param, value)
                 else:
                     safe_set_local_optimizer_state(param, value, field)
-    for group, saved in zip(inner.param_groups, saved_groups):
-        group["lr"] = saved["lr"]  # the scheduler sets it from here on
+    for group, rate in zip(inner.param_groups, rates):
+        group["lr"] = rate  # the scheduler sets it from here on
     engine.global_steps = meta.step
     engine.global_samples = meta.step * engine.train_batch_size()
     engine.micro_steps = meta.step * engine.gradient_accumulation_steps()

@@ -266,6 +266,13 @@ def test_metadata_that_lists_no_files_is_refused(saved, trained, tmp_path, capsy
         assert "lists no files" in message
 
 
+def test_metadata_with_more_pieces_than_files_is_refused(saved, trained, tmp_path, capsys):
+    """A crafted ``pieces`` count would make a reader open that many files (or allocate that many entries)."""
+    _rewrite_metadata(saved, lambda meta: meta.update(pieces=10**12))
+    for message in _refusals(saved, trained, tmp_path, capsys):
+        assert "more than the" in message and "files the checkpoint lists" in message
+
+
 def test_export_copies_no_code_and_no_auto_map(tmp_path, trained):
     """A checkpoint whose tokenizer carries a .py file and an auto_map (and whose model config names one)
     exports without either: a loader of the export never runs code mtk did not write."""
@@ -470,10 +477,11 @@ def _pieces_checkpoint(root, runs):
     [
         ([(0, 3), (3, 6)], None),
         ([(3, 6), (0, 3)], None),
+        ([(0, 6)], None),  # ZeRO-3 at DP = 1: one piece, still a piece file holding a flat run
         ([(0, 2), (3, 6)], "do not join"),
         ([(0, 3), (3, 5)], "hold 5 of 6"),
     ],
-    ids=["in_order", "any_order", "gap", "short"],
+    ids=["in_order", "any_order", "one_piece", "gap", "short"],
 )
 def test_pieces_join_into_their_shard_or_are_refused(tmp_path, runs, problem):
     """FSDP2's pieces: joined in element order whatever their files' order; a gap or a missing tail is one line."""
