@@ -18,7 +18,7 @@ FILE_SECONDS = {
     "tests/e2e/test_chat_data.py": 457,
     "tests/e2e/test_multinode.py": 414,
     "tests/e2e/test_pipeline_training.py": 409,
-    "tests/e2e/test_deepspeed.py": 520,
+    "tests/e2e/test_deepspeed.py": 640,
     "tests/distributed/test_bench.py": 650,
     "tests/e2e/test_signals.py": 240,
     "tests/e2e/test_memory_features.py": 334,

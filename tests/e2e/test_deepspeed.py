@@ -136,6 +136,20 @@ def test_zero3_tp2_dp2_equals_non_zero_resumes_and_exports(reference, llama_tp1,
         assert_close_rel(zero3[name], tensor, f"{name} exported from ZeRO-3's partitions", tol=1e-4)
 
 
+def test_zero3_at_one_data_parallel_rank_exports(tmp_path):
+    """ZeRO-3 with DP = 1 (TP = 2 on 2 processes): each rank's one piece is still a piece file, which the metadata
+    says (``pieces: 1``), so `mtk export` reads it."""
+    from mtk.checkpoint.meta import read_metadata
+
+    args = ("--tp", "2", "--batch_size", "8", "--max_steps", "2", "--save_every", "2", "--output_dir", str(tmp_path))
+    deepspeed_run(2, "zero3", *args)
+    assert read_metadata(tmp_path / "step_2").pieces == 1
+    out = subprocess.run(
+        ["mtk", "export", str(tmp_path / "step_2"), str(tmp_path / "hf")], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0 and "verified" in out.stdout, out.stderr[-2000:]
+
+
 def test_zero3_through_accelerate_yaml(reference, tmp_path):
     """accelerate_configs/tp2_dp2_zero3.yaml: accelerate's DeepSpeed at stage 3 with mtk's TP = 2 (from the JSON)."""
     losses = step_losses(
