@@ -1,0 +1,111 @@
+"""What the planner is asked (:class:`Request`), what it weighs (:class:`Candidate`: one layout and its training
+options) and what it answers for each (:class:`Estimate`, as ``mtk plan --json`` prints it). The search over
+them is :mod:`mtk.planner.search`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import PretrainedConfig
+
+from mtk.planner.cluster import Cluster
+from mtk.planner.memory import RankMemory
+from mtk.planner.timing import StepTime, Traffic
+
+__all__ = ["Candidate", "Estimate", "Request"]
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to plan for."""
+
+    config: PretrainedConfig
+    cluster: Cluster
+    seq: int
+    global_batch: int
+    dtype: str = "bf16"
+    lora_r: int = 0
+    engines: tuple[str, ...] = ("accelerate", "deepspeed")
+    offload: bool = False
+    reserve: int = 2 * 2**30  # per GPU: CUDA context, communicator buffers, allocator slack
+    tp_size: int | None = None
+    pp_size: int | None = None
+    device: str = "cuda"  # attention kernels of this device (``cpu`` for the validation on this machine)
+    ddp: bool = True  # accelerate at pp = 1 reduces through DDP's buckets (False: one coalesced all-reduce)
+    every_setting: bool = False
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout and its training options."""
+
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    micro_batch_size: int
+    micro_batches: int  # per optimizer step: pipeline micro-batches, or gradient accumulation at pp = 1
+    sequence_parallel: bool = False
+    recompute: str | None = None
+    engine: str = "accelerate"
+    sharding: str = "none"
+    offload: bool = False
+    virtual_stages: int = 1  # > 1: the interleaved schedule over this many model chunks per pipeline rank
+    pipeline_layers: tuple[int, ...] = ()  # decoder layers per stage (chunk) as given; (): mtk's default split
+
+    @property
+    def label(self) -> str:
+        parts = [
+            f"tp{self.tp_size} pp{self.pp_size} dp{self.dp_size}",
+            f"{self.micro_batch_size}x{self.micro_batches}",
+        ]
+        if self.virtual_stages > 1:
+            parts.append(f"v{self.virtual_stages}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.recompute:
+            parts.append(f"recompute={self.recompute}")
+        if self.sharding != "none":
+            parts.append(self.sharding + ("+offload" if self.offload else ""))
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A candidate's predicted memory (its fullest rank), traffic and step time."""
+
+    candidate: Candidate
+    memory: RankMemory
+    stage: int  # the pipeline stage of the fullest rank
+    traffic: Traffic
+    time: StepTime
+    fits: bool
+    tokens_per_s: float
+    collectives: dict[str, dict[str, int]] = field(default_factory=dict)  # the fullest rank's, by kind
+    stages: tuple[RankMemory, ...] = ()  # every pipeline stage's TP rank
+
+    def as_dict(self) -> dict:
+        c = self.candidate
+        return {
+            "layout": {
+                "tp_size": c.tp_size,
+                "pp_size": c.pp_size,
+                "dp_size": c.dp_size,
+                "micro_batch_size": c.micro_batch_size,
+                "micro_batches": c.micro_batches,
+                "virtual_stages": c.virtual_stages,
+                "sequence_parallel": c.sequence_parallel,
+                "recompute": c.recompute,
+                "engine": c.engine,
+                "sharding": c.sharding,
+                "offload": c.offload,
+            },
+            "label": c.label,
+            "fits": self.fits,
+            "memory_bytes": self.memory.as_dict(),
+            "fullest_stage": self.stage,
+            "memory_bytes_per_stage": [m.as_dict() for m in self.stages],
+            "communication_bytes": {"tp": self.traffic.tp, "pp": self.traffic.pp, "dp": self.traffic.dp},
+            "collectives": self.collectives,
+            "step_s": self.time.as_dict(),
+            "tokens_per_s": self.tokens_per_s,
+        }
