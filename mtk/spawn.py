@@ -2,8 +2,11 @@
 
 Used by the tests (through :mod:`mtk.testing`) and by commands that check a model in several
 processes on one machine (``mtk verify``). Each worker gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``MASTER_ADDR``/``MASTER_PORT`` on a free port and ``OMP_NUM_THREADS=1`` (several processes share
-few cores). A worker's exception is re-raised in the caller with that worker's traceback; a worker
+``MASTER_ADDR``/``MASTER_PORT`` and ``OMP_NUM_THREADS=1`` (several processes share few cores). The caller
+itself holds the rendezvous store, listening on a port the OS gave it, and the workers join it as clients:
+a port chosen free and bound later by a worker can be taken in between (by a concurrent run, or by one of
+the many outgoing connections gloo opens), which failed one CI run in a thousand tests with EADDRINUSE.
+A worker's exception is re-raised in the caller with that worker's traceback; a worker
 that hangs (a collective nobody else joined) is killed after ``timeout`` seconds.
 
 The function must be importable by the workers (defined at module level), and a script calling
@@ -23,12 +26,15 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["PRELOAD", "DistributedTestError", "free_port", "run_distributed"]
@@ -41,8 +47,33 @@ class DistributedTestError(AssertionError):
     """One or more workers failed or timed out; the message holds their tracebacks."""
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the OS draws outgoing connections' and ``bind(0)``'s ports from (Linux; IANA's elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
+    """A TCP port on loopback that nothing listens on right now, for a launcher (torchrun's ``--master_port``).
+
+    Drawn at random *below* the ephemeral range: a port from ``bind(0)`` is one the OS may hand to the
+    next outgoing connection before the launcher binds it (gloo opens many), which is a real EADDRINUSE
+    seen in CI. Falls back to ``bind(0)`` when the range leaves no room below it.
+    """
+    low, _ = _ephemeral_ports()
+    candidates = list(range(max(1024, low - 12288), low))
+    random.shuffle(candidates)
+    for port in candidates[:64]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -78,12 +109,10 @@ def _worker(
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
     )
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False)  # the caller's (module docstring)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         # By value: torch's queue would pass tensors as file descriptors that die with this process,
         # and the parent may read the queue only after this worker has exited.
@@ -124,7 +153,8 @@ def run_distributed(
     """
     ctx = _context(backend, fresh_interpreters)
     queue = ctx.SimpleQueue()
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     environ = dict(os.environ)
     procs = [
         ctx.Process(
@@ -167,6 +197,7 @@ def run_distributed(
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        del store
     if failures:
         report = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items()))
         raise DistributedTestError(f"{fn.__name__} failed on ranks {sorted(failures)}:\n{report}")
