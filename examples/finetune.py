@@ -121,6 +121,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=positive_int,
         help="model chunks per pipeline rank for --pipeline_schedule interleaved (default: MTK_VIRTUAL_STAGES)",
     )
+    parser.add_argument(
+        "--loss_chunk_tokens",
+        type=non_negative_int,
+        help="tokens per chunk of the loss that never holds the logits; 0: off (default: MTK_LOSS_CHUNK_TOKENS, "
+        "else chunks of at most 256 MiB of fp32 logits)",
+    )
     add_safety_arguments(parser)
     add_recompute_argument(parser)
     add_lora_arguments(parser)
@@ -147,6 +153,7 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
             pipeline_schedule=args.pipeline_schedule,
             pipeline_layers=args.pipeline_layers,
             virtual_stages=args.virtual_stages,
+            loss_chunk_tokens=args.loss_chunk_tokens,
             gradient_clipping=args.max_grad_norm,
             recompute_granularity="full" if args.gradient_checkpointing else None,
         ),

@@ -196,6 +196,9 @@ class RunSettings:
             group size (mtk checkpoints HF's blocks one at a time) (``MEGATRON_LM_RECOMPUTE_NUM_LAYERS``).
         use_distributed_optimizer: shard the optimizer state over the DP group, ZeRO-1 style, without
             DeepSpeed (:mod:`mtk.parallel.distributed_optimizer`) (``MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER``).
+        loss_chunk_tokens: the training loss takes the LM head's product over in chunks of this many tokens and
+            never holds the ``[b, s, V/tp]`` logits (:mod:`mtk.parallel.chunked_loss`); unset: chunks of at most
+            256 MiB of fp32 logits; 0: off (``MTK_LOSS_CHUNK_TOKENS``).
     """
 
     num_micro_batches: int = 1
@@ -211,6 +214,7 @@ class RunSettings:
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
     use_distributed_optimizer: bool = False
+    loss_chunk_tokens: int | None = None
 
     def layers_per_stage(self, num_layers: int, pp_size: int) -> tuple[int, ...]:
         """Decoder blocks per stage as asked (``pipeline_layers``, or ``last_stage_layers`` with the rest
@@ -282,6 +286,10 @@ class RunSettings:
             raise ConfigError(f"recompute_method {self.recompute_method!r} is unknown; use one of {RECOMPUTE_METHODS}")
         if self.recompute_num_layers < 1:
             raise ConfigError(f"recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
+        if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 0:
+            raise ConfigError(
+                f"loss_chunk_tokens must be 0 (off) or a number of tokens per chunk, got {self.loss_chunk_tokens}"
+            )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **explicit: Any) -> RunSettings:
@@ -300,5 +308,6 @@ class RunSettings:
             "recompute_method": ("MEGATRON_LM_RECOMPUTE_METHOD", _parse_word),
             "recompute_num_layers": ("MEGATRON_LM_RECOMPUTE_NUM_LAYERS", _parse_int),
             "use_distributed_optimizer": ("MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER", parse_bool),
+            "loss_chunk_tokens": ("MTK_LOSS_CHUNK_TOKENS", _parse_int),
         }
         return cls(**_resolve({}, os.environ if env is None else env, sources, explicit))

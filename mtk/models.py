@@ -99,6 +99,18 @@ BUILTIN: dict[str, Callable[[], PretrainedConfig]] = {
         num_key_value_heads=4,
         max_position_embeddings=2048,
     ),
+    # bench-llama with Qwen's 151,936-token vocabulary: the LM head's logits outweigh the decoder's activations
+    # (the chunked loss's benchmark, examples/benchmarks/chunked_loss.py).
+    "bench-llama-151k": _decoder(
+        LlamaConfig,
+        vocab_size=151936,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=16384,
+    ),
     # ~216M parameters: large enough to show that a TP load reads only this rank's slices.
     "llama-200m": _decoder(
         LlamaConfig,

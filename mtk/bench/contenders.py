@@ -65,6 +65,7 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
         sequence_parallel=spec.sequence_parallel,
         pipeline_layers=spec.pipeline_layers,
         virtual_stages=spec.virtual_stages,
+        loss_chunk_tokens=spec.loss_chunk_tokens,
     )
     record = parallelized(model)
     enable_recompute(model, RunSettings(recompute_granularity=spec.recompute), record.rng if record else None)

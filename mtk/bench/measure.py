@@ -66,6 +66,7 @@ class BenchSpec:
     pipeline_layers: tuple[int, ...] = ()  # mtk only, pp > 1: decoder layers per stage (chunk) (default: mtk's)
     pipeline_schedule: str = "1f1b"  # mtk only, pp > 1: afab, 1f1b or interleaved
     virtual_stages: int = 1  # mtk only, interleaved: model chunks per pipeline rank
+    loss_chunk_tokens: int | None = None  # mtk only: the chunked loss's tokens per chunk (None: sized; 0: off)
 
 
 @dataclass

@@ -150,6 +150,7 @@ def load_pretrained_tp(
     pipeline_layers: tuple[int, ...] = (),
     sequence_parallel: bool = False,
     virtual_stages: int = 1,
+    loss_chunk_tokens: int | None = None,
 ) -> nn.Module:
     """A tensor-parallel HF model whose every parameter holds only this rank's slice of the checkpoint.
 
@@ -167,6 +168,7 @@ def load_pretrained_tp(
         pipeline_layers=pipeline_layers,
         virtual_stages=virtual_stages,
         sequence_parallel=sequence_parallel,
+        loss_chunk_tokens=loss_chunk_tokens,
     )
     load_slices(model, directory, parallel)
     return model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from mtk.args import non_negative_int
 from mtk.bench.contenders import CONTENDERS, BenchSpec
 from mtk.bench.plan_check import check_lines, check_ranks
 from mtk.bench.report import format_report, report_dict, write_json
@@ -68,6 +69,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="mtk with FSDP2 over DP: weights, gradients and AdamW state sharded (needs --dp > 1)",
     )
     parser.add_argument(
+        "--loss_chunk_tokens",
+        type=non_negative_int,
+        help="mtk's loss in chunks of this many tokens, no logits held; 0: logits kept (default: chunks of at most "
+        "256 MiB of fp32 logits)",
+    )
+    parser.add_argument(
         "--memory",
         action="store_true",
         help="one more step counting live bytes per rank (max allocated on CUDA), held against mtk plan's prediction",
@@ -126,6 +133,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         dp_size=args.dp,
         distributed_optimizer=args.distributed_optimizer,
         fsdp=args.fsdp,
+        loss_chunk_tokens=args.loss_chunk_tokens,
         track_memory=args.memory,
     )
 

@@ -29,6 +29,7 @@ def parallelize(
     logits: str = "auto",
     pad_vocab_to_multiple_of: int = 1,
     sequence_parallel: bool = False,
+    loss_chunk_tokens: int | None = None,
 ) -> nn.Module:
     """Make an HF model tensor-parallel over ``parallel.tp_group`` and cut it to this rank's pipeline stage.
 
@@ -50,6 +51,8 @@ def parallelize(
         sequence_parallel: split the activations between TP blocks along the sequence (Megatron's
             sequence parallelism; gradients of the blocks' replicated parameters are then summed over TP
             by :func:`~mtk.parallel.grads.sync_sequence_parallel_grads` after backward).
+        loss_chunk_tokens: tokens per chunk of the training loss that never holds the ``[b, s, V/tp]`` logits
+            (:mod:`mtk.parallel.chunked_loss`); ``None``: chunks of at most 256 MiB of fp32 logits; 0: off.
     """
     check_tp_size(model.config, parallel.tp_size)  # one clear line before any rank builds anything
     rule_set = rule_set or resolve_rules(model, parallel)
@@ -61,6 +64,7 @@ def parallelize(
         logits=logits,
         pad_vocab_to_multiple_of=pad_vocab_to_multiple_of,
         sequence_parallel=sequence_parallel,
+        loss_chunk_tokens=loss_chunk_tokens,
     )
     stage = split_stages(model, parallel, rule_set, pipeline_layers, virtual_stages) if parallel.pp_size > 1 else None
     chunks = stage.chunks if stage is not None and stage.virtual_stages > 1 else ()

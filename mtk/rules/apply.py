@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from mtk.errors import ConfigError
 from mtk.parallel.async_tp import enter_overlapped
 from mtk.parallel.comm import gather_from_sequence
 from mtk.parallel.layers import ColumnParallelLinear, ShardedModule
@@ -32,7 +33,7 @@ from mtk.rules.base import (
     compile_pattern,
 )
 from mtk.rules.fused_head import FusedHeadGuard, needs_vocab_parallel_head, replace_trl_fused_head
-from mtk.rules.lm_head import LogitsGatherHook, VocabParallelCausalLMLoss, attach_logits_hook
+from mtk.rules.lm_head import LogitsGatherHook, VocabParallelCausalLMLoss, attach_logits_hook, logits_transform
 
 __all__ = ["BuildContext", "RuleContext", "materialize_", "parallelize_with"]
 
@@ -165,11 +166,14 @@ def parallelize_with(
     logits: str = "auto",
     pad_vocab_to_multiple_of: int = 1,
     sequence_parallel: bool = False,
+    loss_chunk_tokens: int | None = None,
 ) -> nn.Module:
     """Convert ``model`` in place with an explicit ``rule_set`` (no rules lookup, no parity check).
 
     ``sequence_parallel``: row-parallel layers reduce-scatter along the sequence and shared inputs
     all-gather it (:func:`mtk.convert.regions.apply_regions` then splits the blocks' input).
+    ``loss_chunk_tokens``: tokens per chunk of the training loss that never holds the logits (``None``: sized
+    from the vocabulary; 0: the logits are computed, then the loss, as with any caller that asks for them).
     """
     sequence_parallel = sequence_parallel and parallel.tp_size > 1
     modules = dict(model.named_modules())
@@ -200,7 +204,7 @@ def parallelize_with(
     _hook_shared_inputs(modules, shared, ctx)
     _retie_embeddings(model, converted, rules, old_embedding, tied_heads)
     _fix_attributes(model, rule_set, ctx.sizes)
-    _install_vocab_parallel_loss(model, converted, rules, logits)
+    _install_vocab_parallel_loss(model, converted, rules, logits, loss_chunk_tokens)
     _take_over_fused_head(model)
     return model
 
@@ -262,14 +266,30 @@ def _fix_attributes(model: nn.Module, rule_set: RuleSet, sizes: RuleContext) -> 
 
 
 def _install_vocab_parallel_loss(
-    model: nn.Module, converted: dict[str, nn.Module], rules: dict[str, Rule], logits: str
+    model: nn.Module,
+    converted: dict[str, nn.Module],
+    rules: dict[str, Rule],
+    logits: str,
+    loss_chunk_tokens: int | None,
 ) -> None:
-    """The model's loss becomes the vocab-parallel cross-entropy of its (ungathered) LM head's split logits."""
+    """The model's loss becomes the vocab-parallel cross-entropy of its (ungathered) LM head's split logits, chunked
+    where the model hands the head's logits to the loss unchanged."""
     heads = [cast(ColumnParallelLinear, m) for n, m in converted.items() if rules[n].style is LM_HEAD]
     head = next((m for m in heads if not m.gather_output), None)
-    if head is not None:
-        cast(Any, model).loss_function = VocabParallelCausalLMLoss(head)
-        attach_logits_hook(model, LogitsGatherHook(head, logits))
+    if head is None:
+        return
+    if loss_chunk_tokens is not None and loss_chunk_tokens < 0:
+        raise ConfigError(f"loss_chunk_tokens must be 0 (off) or a number of tokens, got {loss_chunk_tokens}")
+    name = type(model).__name__
+    transform = logits_transform(getattr(model, "config", None))
+    if transform is not None and loss_chunk_tokens:
+        raise ConfigError(
+            f"{name} changes its logits after the LM head ({transform}), which mtk's chunked loss does not apply; "
+            "leave loss_chunk_tokens unset or 0 for this model"
+        )
+    defer = loss_chunk_tokens != 0 and transform is None
+    cast(Any, model).loss_function = VocabParallelCausalLMLoss(head, loss_chunk_tokens, name)
+    attach_logits_hook(model, LogitsGatherHook(head, logits, defer=defer))
 
 
 def _take_over_fused_head(model: nn.Module) -> None:

@@ -2,7 +2,10 @@
 
 HF's causal-LM classes compute their loss through ``self.loss_function`` (a settable property), so
 mtk installs :class:`VocabParallelCausalLMLoss` there: HF's own forward then computes the loss from
-vocab-parallel logits with two O(b*s) all-reduces.
+vocab-parallel logits with two O(b*s) all-reduces. In training (labels passed, logits not asked for) the head
+defers its product to that loss, which computes projection and cross-entropy chunk by chunk and never holds the
+``[b, s, V/tp]`` logits (:mod:`mtk.parallel.vocab_head`, :mod:`mtk.parallel.chunked_loss`; ``loss_chunk_tokens``:
+``None`` sizes the chunks, 0 turns it off).
 
 What a caller reads as ``outputs.logits`` is never a vocabulary shard passed off as the logits. ``auto``
 (the default): without labels (evaluation, generation) the full ``[..., V]`` logits, gathered with the TP
@@ -23,9 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtk.parallel.chunked_loss import chunked_vocab_parallel_cross_entropy
 from mtk.parallel.comm import gather_from_tp
 from mtk.parallel.layers import ColumnParallelLinear
 from mtk.parallel.loss import vocab_parallel_cross_entropy
+from mtk.parallel.vocab_head import VocabParallelHead
 
 __all__ = [
     "LOGITS_MODES",
@@ -34,7 +39,21 @@ __all__ = [
     "attach_logits_hook",
     "gather_logits",
     "logits_mode",
+    "logits_transform",
 ]
+
+# Config keys of HF models that transform the logits between the head and the loss (Gemma 2/3, Cohere, Granite)
+_LOGITS_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+
+
+def logits_transform(config: Any) -> str | None:
+    """The config key by which this model changes its logits after the head (``key=value``), or ``None``."""
+    for key, neutral in _LOGITS_TRANSFORMS.items():
+        value = getattr(config, key, neutral)
+        if value is not None and value != neutral:
+            return f"{key}={value}"
+    return None
+
 
 LOGITS_MODES = ("auto", "full", "shard")
 
@@ -50,11 +69,13 @@ class VocabParallelCausalLMLoss:
 
     Same semantics as HF: labels are shifted left by one inside (unless ``shift_labels`` is given),
     ``ignore_index`` tokens are skipped, and with ``num_items_in_batch`` the summed loss is divided
-    by it (gradient accumulation over micro-batches) instead of averaging per call.
+    by it (gradient accumulation over micro-batches) instead of averaging per call. When the head deferred its
+    product (``logits`` is its stand-in) the loss is the chunked one, of ``chunk_tokens`` tokens per chunk
+    (``None``: sized by :func:`~mtk.parallel.chunked_loss.chunk_tokens_for`).
     """
 
-    def __init__(self, head: ColumnParallelLinear) -> None:
-        self.head = head
+    def __init__(self, head: ColumnParallelLinear, chunk_tokens: int | None = None, model_name: str = "") -> None:
+        self.head, self.chunk_tokens, self.model_name = head, chunk_tokens, model_name
 
     def __call__(
         self,
@@ -71,15 +92,31 @@ class VocabParallelCausalLMLoss:
             shift_labels = labels[..., 1:]  # [b, s]: token t predicts t+1
         shift_labels = shift_labels.to(logits.device)
         reduction = "sum" if num_items_in_batch is not None else "mean"
-        loss = vocab_parallel_cross_entropy(
-            logits,  # [b, s, V_padded/tp]
-            shift_labels,
-            self.head.tp_group,
-            vocab_start=self.head.shard_spec("weight").ranges[0][0],
-            vocab_size=vocab_size,
-            ignore_index=ignore_index,
-            reduction=reduction,
-        )
+        vocab_start = self.head.shard_spec("weight").ranges[0][0]
+        hidden = self.head.take_deferred(logits, self.model_name) if isinstance(self.head, VocabParallelHead) else None
+        if hidden is not None:
+            losses = chunked_vocab_parallel_cross_entropy(
+                hidden,  # [b, s, H]
+                self.head._weight_for_forward(),  # [V_padded/tp, H]
+                self.head.bias,
+                shift_labels,
+                self.head.tp_group,
+                vocab_start=vocab_start,
+                vocab_size=vocab_size,
+                ignore_index=ignore_index,
+                chunk_tokens=self.chunk_tokens,
+            )  # [b, s]
+            loss = losses.sum() if reduction == "sum" else losses.sum() / (shift_labels != ignore_index).sum()
+        else:
+            loss = vocab_parallel_cross_entropy(
+                logits,  # [b, s, V_padded/tp]
+                shift_labels,
+                self.head.tp_group,
+                vocab_start=vocab_start,
+                vocab_size=vocab_size,
+                ignore_index=ignore_index,
+                reduction=reduction,
+            )
         if num_items_in_batch is not None:
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -92,15 +129,23 @@ class LogitsGatherHook:
 
     ``mode``: ``auto`` gathers when no ``labels`` were passed and drops them (``None``) when labels were;
     ``full`` always gathers; ``shard`` never (the caller gets ``[..., V_padded/tp]`` and can call
-    :func:`gather_logits`).
+    :func:`gather_logits`). :meth:`before`, the forward pre-hook, arms a :class:`VocabParallelHead` to defer its
+    product to the loss when ``defer`` and the call's logits will be dropped (``auto`` with labels).
     """
 
-    def __init__(self, head: ColumnParallelLinear, mode: str = "auto") -> None:
+    def __init__(self, head: ColumnParallelLinear, mode: str = "auto", defer: bool = False) -> None:
         if mode not in LOGITS_MODES:
             raise ValueError(f"logits mode must be one of {LOGITS_MODES}, got {mode!r}")
-        self.head, self.mode = head, mode
+        self.head, self.mode, self.defer = head, mode, defer
+
+    def before(self, module, args, kwargs) -> None:
+        if isinstance(self.head, VocabParallelHead):
+            dropped = self.mode == "auto" and kwargs.get("labels") is not None and not kwargs.get("fused_lm_head")
+            self.head.arm(self.defer and dropped and self.head.can_defer())
 
     def __call__(self, module, args, kwargs, output):
+        if isinstance(self.head, VocabParallelHead):
+            self.head.arm(False)  # whatever the call did with it
         has_labels = kwargs.get("labels") is not None
         if self.mode == "shard":
             return None
@@ -122,6 +167,7 @@ _HOOK = "_mtk_logits_hook"  # the converted model's LogitsGatherHook, for logits
 
 def attach_logits_hook(model: nn.Module, hook: LogitsGatherHook) -> None:
     """Register ``hook`` on ``model`` and remember it (:func:`logits_mode` finds it there)."""
+    model.register_forward_pre_hook(hook.before, with_kwargs=True)
     model.register_forward_hook(hook, with_kwargs=True)
     setattr(model, _HOOK, hook)
 

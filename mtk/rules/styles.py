@@ -23,6 +23,7 @@ from mtk.parallel.experts import split_experts
 from mtk.parallel.grads import share_params_across_tp
 from mtk.parallel.layers import ColumnParallelLinear, KVReplicatedColumnLinear, RowParallelLinear
 from mtk.parallel.norms import SplitRMSNorm
+from mtk.parallel.vocab_head import VocabParallelHead
 
 if TYPE_CHECKING:
     from mtk.rules.apply import BuildContext
@@ -185,14 +186,15 @@ class VocabStyle(ParallelStyle):
 class LMHeadStyle(ParallelStyle):
     """The output projection split along the (padded) vocabulary, a column whose logits stay split: mtk's
     vocab-parallel loss reduces max, sum of exp and target logit over TP, exactly the full cross-entropy. Kept
-    tied to the vocab-parallel embedding when the model ties them."""
+    tied to the vocab-parallel embedding when the model ties them; in training its product is deferred to the
+    chunked loss (:class:`~mtk.parallel.vocab_head.VocabParallelHead`)."""
 
     name = "lm_head"
 
     def build(self, module: nn.Module, name: str, rule: Rule, ctx: BuildContext) -> nn.Module | None:
         args, kwargs = _linear_args(module, name, ctx)
         pad = ctx.pad_vocab_to_multiple_of
-        return ColumnParallelLinear(*args, pad_to_multiple_of=pad, gather_output=rule.gather_output, **kwargs)
+        return VocabParallelHead(*args, pad_to_multiple_of=pad, gather_output=rule.gather_output, **kwargs)
 
 
 class TPSharedStyle(ParallelStyle):

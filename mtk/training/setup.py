@@ -59,6 +59,7 @@ def _starting_model(
             pipeline_layers=settings.layers_per_stage(resolve_config(spec).num_hidden_layers, parallel.pp_size),
             virtual_stages=settings.virtual_stages if parallel.pp_size > 1 else 1,
             sequence_parallel=settings.sequence_parallel,
+            loss_chunk_tokens=settings.loss_chunk_tokens,
         )
         return model.train()
     return build_model(spec, seed=seed, dtype=dtype or torch.float32)

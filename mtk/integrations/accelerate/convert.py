@@ -34,7 +34,12 @@ def convert_tracking(model: nn.Module, parallel: ParallelState, settings: RunSet
     sequence_parallel = settings.sequence_parallel and parallel.tp_size > 1
     virtual_stages = settings.virtual_stages if parallel.pp_size > 1 else 1
     parallelize(
-        model, parallel, pipeline_layers=layers, virtual_stages=virtual_stages, sequence_parallel=sequence_parallel
+        model,
+        parallel,
+        pipeline_layers=layers,
+        virtual_stages=virtual_stages,
+        sequence_parallel=sequence_parallel,
+        loss_chunk_tokens=settings.loss_chunk_tokens,
     )
     after = dict(model.named_parameters(remove_duplicate=False))
     return {old: (ref, next((after[n] for n in names if n in after), None)) for old, (ref, names) in before.items()}
