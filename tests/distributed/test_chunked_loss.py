@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import mtk.rules.lm_head as lm_head
 from mtk.convert import parallelize
+from mtk.errors import ConfigError
 from mtk.models import build_model
 from mtk.parallel import ParallelState
 from mtk.parallel.chunked_loss import chunked_vocab_parallel_cross_entropy
@@ -115,3 +116,33 @@ def test_a_converted_model_trains_through_the_chunked_loss_and_equals_hf(name, t
     for result in run_distributed(_model_checks, world_size=tp, args=(name, sequence_parallel)):
         assert result["deferred"] == (1, True), "the head deferred, the loss took it over, no logits came back"
         assert result["after_full"] == 1, "asking for the logits computes them, the loss from them"
+
+
+def _refusal_checks(rank: int, world_size: int) -> dict:
+    state = ParallelState.build(tp_size=world_size)
+    batch = _inputs("tiny-llama")
+    scaled = build_model("tiny-llama", seed=0)
+    scaled.config.logit_scale = 0.5  # as Cohere's config says it
+    errors = {}
+    try:
+        parallelize(copy.deepcopy(scaled), state, loss_chunk_tokens=8)
+    except ConfigError as error:
+        errors["explicit"] = str(error)
+    unfused = parallelize(copy.deepcopy(scaled), state)  # unset: this model keeps the logits, then the loss
+    errors["default_logits_dropped"] = unfused(**batch).logits is None
+    # A model that changes its logits without its config saying so: the loss sees another tensor than the head's.
+    model = parallelize(build_model("tiny-llama", seed=0), state)
+    model.get_output_embeddings().register_forward_hook(lambda module, args, output: output * 2.0)
+    try:
+        model(**batch)
+    except ConfigError as error:
+        errors["unannounced"] = str(error)
+    return errors
+
+
+def test_a_model_that_changes_its_logits_is_refused_or_keeps_them():
+    errors = run_distributed(_refusal_checks, world_size=2)[0]
+    assert "changes its logits after the LM head (logit_scale=0.5)" in errors["explicit"]
+    assert errors["default_logits_dropped"]
+    assert "changes its logits between the LM head and the loss" in errors["unannounced"]
+    assert "MTK_LOSS_CHUNK_TOKENS=0" in errors["unannounced"]

@@ -1,5 +1,6 @@
 """The example scripts run as users type them (on the tiny default models)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,21 @@ def test_load_memory_example_runs_on_a_tiny_model():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "full HF load" in out.stdout and "mtk tp=2 load, rank 1" in out.stdout
+
+
+def test_chunked_loss_benchmark_runs_on_a_tiny_model(tmp_path):
+    command = ["examples/benchmarks/chunked_loss.py", "--model", "tiny-llama", "--seqs", "64", "--chunk", "16"]
+    out = subprocess.run(
+        [sys.executable, *command, "--steps", "1", "--json", str(tmp_path / "loss.json")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "logits kept" in out.stdout and "chunked 16" in out.stdout
+    rows = json.loads((tmp_path / "loss.json").read_text())["rows"]["64"]
+    assert set(rows) == {"logits kept", "chunked", "chunked 16"}
 
 
 def _classify(out_dir, *extra):

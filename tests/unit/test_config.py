@@ -32,6 +32,12 @@ def test_pipeline_schedule_and_layers_come_from_mtk_variables():
     assert settings.check_pipeline(2) == []
 
 
+def test_the_loss_chunk_comes_from_mtk_variable_unset_is_sized_zero_is_off():
+    assert RunSettings.from_env({}).loss_chunk_tokens is None
+    assert RunSettings.from_env({"MTK_LOSS_CHUNK_TOKENS": "0"}).loss_chunk_tokens == 0
+    assert RunSettings.from_env({"MTK_LOSS_CHUNK_TOKENS": "2048"}).loss_chunk_tokens == 2048
+
+
 def test_pipeline_settings_are_checked_against_the_layout():
     interleaved = RunSettings(pipeline_schedule="interleaved", virtual_stages=2, num_micro_batches=3)
     with pytest.raises(ConfigError, match="3 micro-batches is not a multiple; use a multiple of 2"):
@@ -83,6 +89,8 @@ def test_explicit_beats_environment_and_says_so(caplog):
         ),
         ({"MEGATRON_LM_NUM_MICRO_BATCHES": "0"}, "num_micro_batches must be a positive integer"),
         ({"MEGATRON_LM_EOD_MASK_LOSS": "sometimes"}, "is not a boolean"),
+        ({"MTK_LOSS_CHUNK_TOKENS": "-1"}, "loss_chunk_tokens must be 0 \\(off\\) or a number of tokens"),
+        ({"MTK_LOSS_CHUNK_TOKENS": "auto"}, "MTK_LOSS_CHUNK_TOKENS='auto' is not an integer"),
     ],
 )
 def test_bad_values(env, message):
