@@ -113,7 +113,8 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def _autocast_on(tensor: torch.Tensor) -> bool:
-    return torch.is_autocast_enabled(tensor.device.type)
+    device = tensor.device.type
+    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)  # (not on meta)
 
 
 def chunked_vocab_parallel_cross_entropy(
