@@ -87,7 +87,10 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         b = bias.to(dtype) if bias is not None else None
         scale = grad_loss * valid  # [N] no gradient through ignored tokens
         wants_hidden, wants_weight, wants_bias = ctx.needs_input_grad[:3]
-        accumulator = {"dtype": torch.promote_types(weight.dtype, torch.float32), "device": weight.device}
+        # several chunks' weight gradients add up in at least fp32; one chunk's is the product itself
+        several = hidden.shape[0] > ctx.chunk
+        wide = torch.promote_types(weight.dtype, torch.float32) if several else weight.dtype
+        accumulator = {"dtype": wide, "device": weight.device}
         grad_hidden = torch.empty_like(hidden) if wants_hidden else None  # [N, H]
         grad_weight = torch.zeros(weight.shape, **accumulator) if wants_weight else None  # [V/tp, H]
         grad_bias = torch.zeros(weight.shape[0], **accumulator) if wants_bias else None  # [V/tp]
@@ -104,7 +107,7 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
             if grad_weight is not None and grad_weight.dtype == dtype:
                 grad_weight.addmm_(grad_z.t(), h)  # [V/tp, H], in place: no second [V/tp, H] buffer
             elif grad_weight is not None:
-                grad_weight.add_(grad_z.t().mm(h))  # a low-precision product, accumulated in fp32
+                grad_weight.add_(grad_z.t().mm(h))  # a low-precision product, accumulated wider
             if grad_bias is not None:
                 grad_bias.add_(grad_z.sum(0))
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None

@@ -66,6 +66,7 @@ def _trace_settings(request: Request, candidate: Candidate) -> TraceSettings:
         lora_r=request.lora_r,
         dtype=request.dtype,
         device=request.device,
+        chunked_loss=candidate.sharding != "zero3",  # ZeRO-3's partitioned head computes its logits (vocab_head.py)
     )
 
 

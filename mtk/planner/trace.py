@@ -64,6 +64,7 @@ class TraceSettings:
     lora_r: int = 0  # LoRA rank on every linear mtk splits (0: full fine-tuning)
     dtype: str = "fp32"  # parameters and activations (fp32, bf16)
     device: str = "cuda"  # whose attention kernels: "cuda" (fused, dropout too) or "cpu" (fused without dropout)
+    chunked_loss: bool = True  # the loss holds no logits (mtk's default; not under ZeRO-3, whose head cannot defer)
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,13 @@ def meta_model(config: PretrainedConfig, settings: TraceSettings, pp: int, pp_ra
     # the rules mtk would pick, without the parity run that HF-derived and generic rules pass at training
     # time (it needs real numbers; `mtk verify` is where the rules' exactness is checked)
     rule_set = find_rules(config, settings.tp_size) or GENERIC
-    parallelize(model, parallel, rule_set=rule_set, sequence_parallel=settings.sequence_parallel)
+    parallelize(
+        model,
+        parallel,
+        rule_set=rule_set,
+        sequence_parallel=settings.sequence_parallel,
+        loss_chunk_tokens=None if settings.chunked_loss else 0,
+    )
     if settings.lora_r:
         lora = LoraConfig(r=settings.lora_r, lora_alpha=2 * settings.lora_r, target_modules="all-linear")
         with torch.device("meta"):

@@ -1,0 +1,154 @@
+"""Context parallelism for HF models: the sequence split over a CP group, attention through transformers' own
+attention interface.
+
+A batch is cut along the sequence before the model sees it (:func:`split_for_context`): with ``2·cp`` equal chunks,
+CP rank ``r`` takes chunks ``r`` and ``2·cp−1−r`` (the load-balanced causal split: every rank holds early and late
+tokens, so each does the same attention work). What cannot be recovered after the cut is computed first, on the
+whole row: the labels shifted by one (each token's next one may sit on another rank), each token's index in the
+row, its document (packed rows: a new document wherever ``position_ids`` does not go up by one, transformers' own
+rule) and whether it is padding. The position ids themselves are cut like the tokens, so rotary embeddings see
+each token's true position.
+
+Every decoder layer then runs as usual on the rank's tokens (norms, MLPs, projections are per token) except
+attention, which is registered with transformers' ``AttentionInterface`` as :data:`ATTENTION` and runs
+:func:`~mtk.parallel.ring_attention.ring_attention` over the CP group: a query sees a key when the key's row index
+is not larger, the document is the same and the key is not padding — the unsplit model's causal, packed,
+padded mask, whatever the split. The split's metadata reaches it the way transformers passes per-call attention
+arguments, as a keyword (:data:`KEYWORD`) of the model's forward that flows to every attention call; no mask is
+built (:data:`ATTENTION`'s mask function returns none).
+
+The loss is the HF model's, token-weighted over the CP group like over data parallelism: each rank sums its
+tokens' losses and divides by the labelled tokens of the whole row (``num_items_in_batch``), so the CP ranks' losses
+add up to the row's mean and their gradients, summed over the CP group, are the unsplit model's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from mtk.errors import ConfigError
+from mtk.parallel.comm import Group, group_rank, group_size
+from mtk.parallel.ring_attention import ring_attention
+
+__all__ = ["ATTENTION", "KEYWORD", "ContextShard", "balanced_indices", "split_for_context", "use_context_attention"]
+
+ATTENTION = "mtk_context"  # the attention implementation's name in transformers' registry
+KEYWORD = "mtk_context"  # the forward keyword carrying a ContextShard to every attention call
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ContextShard:
+    """This rank's tokens of a split batch, as attention needs them: ``[b, s]`` each."""
+
+    group: Group
+    positions: torch.Tensor  # each token's index in the whole row
+    documents: torch.Tensor  # its document (packed rows), any integers
+    valid: torch.Tensor  # False for padding
+
+
+def balanced_indices(seq: int, rank: int, size: int, device: torch.device | None = None) -> torch.Tensor:
+    """The row indices CP rank ``rank`` of ``size`` holds: chunks ``rank`` and ``2·size−1−rank`` of ``2·size``."""
+    if seq % (2 * size):
+        raise ConfigError(
+            f"a sequence of {seq} tokens does not split into 2 x {size} equal chunks for context parallelism; "
+            f"pad rows to a multiple of {2 * size}"
+        )
+    chunk = seq // (2 * size)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    last = torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk, device=device)
+    return torch.cat([first, last])  # [s / size]
+
+
+def documents_of(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[b, S]`` document ids: a new document wherever the position does not go up by one (transformers' rule for
+    packed rows, ``find_packed_sequence_indices``)."""
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)  # [b, S]
+    return (step != 1).cumsum(-1)
+
+
+def split_for_context(batch: dict[str, torch.Tensor], group: Group) -> tuple[dict[str, Any], torch.Tensor]:
+    """This CP rank's part of ``batch`` (``input_ids``, ``labels``, optional ``attention_mask``/``position_ids``,
+    each ``[b, S]``) and the labelled tokens of the whole batch, to pass as ``num_items_in_batch``.
+
+    Returns the model's keyword arguments: the rank's ``input_ids`` and ``position_ids``, ``labels`` and
+    ``shift_labels`` already shifted on the whole row, and :data:`KEYWORD` (the :class:`ContextShard`).
+    """
+    input_ids = batch["input_ids"]  # [b, S]
+    b, seq = input_ids.shape
+    device = input_ids.device
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=device).expand(b, seq)
+    mask = batch.get("attention_mask")
+    valid = torch.ones(b, seq, dtype=torch.bool, device=device) if mask is None else mask.bool()
+    labels = batch.get("labels")
+    shifted = None
+    if labels is not None:
+        shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]  # [b, S]: token t predicts t + 1
+    mine = balanced_indices(seq, group_rank(group), group_size(group), device)
+    shard = ContextShard(
+        group=group,
+        positions=torch.arange(seq, device=device).expand(b, seq)[:, mine],
+        documents=documents_of(position_ids)[:, mine],
+        valid=valid[:, mine],
+    )
+    local: dict[str, Any] = {"input_ids": input_ids[:, mine], "position_ids": position_ids[:, mine], KEYWORD: shard}
+    count = torch.zeros((), dtype=torch.long, device=device)
+    if shifted is not None:
+        local["labels"] = local["shift_labels"] = shifted[:, mine]
+        count = (shifted != IGNORE_INDEX).sum()
+    return local, count
+
+
+def _context_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``query [b, h, s, d]``, ``key``/``value`` ``[b, h_kv, s, d]`` ->
+    ``([b, s, h, d], None)``."""
+    shard = kwargs.get(KEYWORD)
+    name = type(module).__name__
+    if not isinstance(shard, ContextShard):
+        raise ConfigError(
+            f"{name} runs context-parallel attention but the call carries no split batch; cut it with "
+            "mtk.parallel.context.split_for_context and pass what it returns"
+        )
+    if getattr(module, "is_causal", True) is False:
+        raise ConfigError(f"{name} attends both ways; mtk's context-parallel attention is causal (decoders)")
+    for unsupported in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(unsupported) is not None or getattr(module, unsupported, None) is not None:
+            raise ConfigError(f"{name} uses {unsupported}, which mtk's context-parallel attention does not apply")
+    if dropout and module.training:
+        raise ConfigError(f"{name} has attention dropout {dropout}; context parallelism computes attention without it")
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = ring_attention(
+        query, key, value, shard.positions, shard.documents, shard.valid, shard.group, scaling=scaling
+    )  # [b, h, s, d]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """The mask function of :data:`ATTENTION`: none is built (attention masks from the split's metadata)."""
+    return None
+
+
+AttentionInterface.register(ATTENTION, _context_attention)
+AttentionMaskInterface.register(ATTENTION, _no_mask)
+
+
+def use_context_attention(model: Any) -> None:
+    """Run ``model``'s attention context-parallel (transformers' ``set_attn_implementation``)."""
+    model.set_attn_implementation(ATTENTION)
