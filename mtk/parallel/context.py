@@ -78,7 +78,8 @@ def split_for_context(batch: dict[str, torch.Tensor], group: Group) -> tuple[dic
     each ``[b, S]``) and the labelled tokens of the whole batch, to pass as ``num_items_in_batch``.
 
     Returns the model's keyword arguments: the rank's ``input_ids`` and ``position_ids``, ``labels`` and
-    ``shift_labels`` already shifted on the whole row, and :data:`KEYWORD` (the :class:`ContextShard`).
+    ``shift_labels`` already shifted on the whole row, ``use_cache=False`` and :data:`KEYWORD` (the
+    :class:`ContextShard`).
     """
     input_ids = batch["input_ids"]  # [b, S]
     b, seq = input_ids.shape
@@ -99,7 +100,12 @@ def split_for_context(batch: dict[str, torch.Tensor], group: Group) -> tuple[dic
         documents=documents_of(position_ids)[:, mine],
         valid=valid[:, mine],
     )
-    local: dict[str, Any] = {"input_ids": input_ids[:, mine], "position_ids": position_ids[:, mine], KEYWORD: shard}
+    local: dict[str, Any] = {
+        "input_ids": input_ids[:, mine],
+        "position_ids": position_ids[:, mine],
+        "use_cache": False,  # a cache of this rank's keys is of no use to anyone
+        KEYWORD: shard,
+    }
     count = torch.zeros((), dtype=torch.long, device=device)
     if shifted is not None:
         local["labels"] = local["shift_labels"] = shifted[:, mine]

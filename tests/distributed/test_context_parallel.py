@@ -1,0 +1,128 @@
+"""Context parallelism on HF models: the sequence split over CP = 2 and 4 ranks (load-balanced chunks), attention
+as mtk's registered ring attention; the CP ranks' losses add up to the one-process HF model's loss and their
+gradients, summed over the CP group, to its gradients, fp32 within 1e-5 — on packed rows of documents of very
+different lengths (no token attends across a boundary, positions restart) and on right-padded rows; and with
+TP = 2 (sequence parallelism, the chunked loss) inside CP = 2."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mtk.convert import parallelize
+from mtk.errors import ConfigError
+from mtk.models import build_model
+from mtk.parallel import ParallelState
+from mtk.parallel.context import split_for_context, use_context_attention
+from mtk.parallel.gather import iter_full_tensors
+from mtk.parallel.grads import sync_sequence_parallel_grads
+from mtk.testing import assert_close_rel, run_distributed
+
+SEQ = 32
+PACKED = [[5, 11, 3, 13], [1, 30, 1]]  # per row: the lengths of its packed documents
+
+
+def _batch(kind: str) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 256, (2, SEQ), generator=generator)
+    if kind == "packed":
+        positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in PACKED])  # [2, S]
+        labels = ids.masked_fill(positions == 0, -100)  # a document's first token is not predicted from the last
+        return {"input_ids": ids, "labels": labels, "position_ids": positions}
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    mask[1, 21:] = 0  # right padding
+    return {"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100), "attention_mask": mask}
+
+
+def _context_checks(rank: int, cp: int, name: str, kind: str) -> dict:
+    group = dist.group.WORLD
+    reference = build_model(name, seed=0).eval()
+    reference.set_attn_implementation("eager")
+    model = copy.deepcopy(reference)
+    use_context_attention(model)
+    batch = _batch(kind)
+    ref_out = reference(**batch, use_cache=False)  # as in training: transformers masks packed documents then
+    ref_out.loss.backward()
+
+    local, count = split_for_context(batch, group)
+    out = model(**local, num_items_in_batch=count)
+    out.loss.backward()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss, group=group)
+    assert_close_rel(loss, ref_out.loss, f"{name} {kind} loss")
+    ref_grads = dict(reference.named_parameters())
+    scale = max(p.grad.abs().max().item() for p in ref_grads.values())
+    for param_name, param in model.named_parameters():
+        grad = param.grad.clone()
+        dist.all_reduce(grad, group=group)
+        assert_close_rel(
+            grad, ref_grads[param_name].grad, f"{name} {kind} grad of {param_name}", scale_floor=1e-6 * scale
+        )
+    return {"tokens": int(local["input_ids"].shape[1]), "loss": float(out.loss)}
+
+
+@pytest.mark.parametrize(
+    "name,cp,kind",
+    [
+        ("tiny-llama", 2, "packed"),
+        ("tiny-llama", 4, "padded"),
+        ("tiny-qwen3", 2, "padded"),
+        ("tiny-qwen3", 4, "packed"),
+    ],
+)
+def test_context_parallel_model_equals_hf(name, cp, kind):
+    results = run_distributed(_context_checks, world_size=cp, args=(name, kind))
+    assert [r["tokens"] for r in results] == [SEQ // cp] * cp
+
+
+def _tensor_and_context_checks(rank: int, world_size: int, kind: str) -> None:
+    """TP = 2 inside CP = 2: Megatron's order puts TP fastest, so the CP groups are what ParallelState calls DP."""
+    state = ParallelState.build(tp_size=2)
+    cp_group = state.dp_group  # [0, 2] and [1, 3]
+    reference = build_model("tiny-llama", seed=0).eval()
+    model = parallelize(copy.deepcopy(reference), state, sequence_parallel=True, loss_chunk_tokens=3)
+    use_context_attention(model)
+    batch = _batch(kind)
+    ref_out = reference(**batch, use_cache=False)
+    ref_out.loss.backward()
+    local, count = split_for_context(batch, cp_group)
+    out = model(**local, num_items_in_batch=count)
+    out.loss.backward()
+    sync_sequence_parallel_grads(model, state.tp_group)
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss, group=cp_group)
+    assert_close_rel(loss, ref_out.loss, f"tp2 x cp2 {kind} loss")
+    for param in model.parameters():
+        dist.all_reduce(param.grad, group=cp_group)
+    ref_grads = dict(reference.named_parameters())
+    scale = max(p.grad.abs().max().item() for p in ref_grads.values())
+    for param_name, grad in iter_full_tensors(model, state.tp_group, grads=True):
+        assert_close_rel(grad, ref_grads[param_name].grad, f"tp2 x cp2 grad of {param_name}", scale_floor=1e-6 * scale)
+
+
+@pytest.mark.parametrize("kind", ["packed", "padded"])
+def test_tensor_parallel_with_sequence_parallel_inside_context_parallel_equals_hf(kind):
+    run_distributed(_tensor_and_context_checks, world_size=4, args=(kind,))
+
+
+def _refusals(rank: int, cp: int) -> dict:
+    group = dist.group.WORLD
+    errors = {}
+    try:
+        split_for_context({"input_ids": torch.zeros(1, 30, dtype=torch.long)}, group)
+    except ConfigError as error:
+        errors["length"] = str(error)
+    model = build_model("tiny-llama", seed=0)
+    use_context_attention(model)
+    try:
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    except ConfigError as error:
+        errors["unsplit"] = str(error)
+    return errors
+
+
+def test_what_context_parallelism_cannot_take_is_one_line():
+    errors = run_distributed(_refusals, world_size=2)[0]
+    assert "30 tokens does not split into 2 x 2 equal chunks" in errors["length"]
+    assert "carries no split batch" in errors["unsplit"]
