@@ -10,12 +10,13 @@ rule) and whether it is padding. The position ids themselves are cut like the to
 each token's true position.
 
 Every decoder layer then runs as usual on the rank's tokens (norms, MLPs, projections are per token) except
-attention, which is registered with transformers' ``AttentionInterface`` as :data:`ATTENTION` and runs
-:func:`~mtk.parallel.ring_attention.ring_attention` over the CP group: a query sees a key when the key's row index
-is not larger, the document is the same and the key is not padding — the unsplit model's causal, packed,
-padded mask, whatever the split. The split's metadata reaches it the way transformers passes per-call attention
-arguments, as a keyword (:data:`KEYWORD`) of the model's forward that flows to every attention call; no mask is
-built (:data:`ATTENTION`'s mask function returns none).
+attention, which is registered with transformers' ``AttentionInterface`` as :data:`ATTENTION` and runs over the CP
+group as :func:`~mtk.parallel.ring_attention.ring_attention` (``comm="p2p"``, the default) or
+:func:`~mtk.parallel.a2a_attention.all_to_all_attention` (``"a2a"``, which needs the heads to split over CP):
+a query sees a key when the key's row index is not larger, the document is the same and the key is not padding:
+the unsplit model's causal, packed, padded mask, whatever the split. The split's metadata reaches it the way
+transformers passes per-call attention arguments, as a keyword (:data:`KEYWORD`) of the model's forward that flows
+to every attention call; no mask is built (:data:`ATTENTION`'s mask function returns none).
 
 The loss is the HF model's, token-weighted over the CP group like over data parallelism: each rank sums its
 tokens' losses and divides by the labelled tokens of the whole row (``num_items_in_batch``), so the CP ranks' losses
@@ -33,6 +34,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from mtk.errors import ConfigError
+from mtk.parallel.a2a_attention import all_to_all_attention
 from mtk.parallel.comm import Group, group_rank, group_size
 from mtk.parallel.ring_attention import ring_attention
 
@@ -41,6 +43,7 @@ __all__ = ["ATTENTION", "KEYWORD", "ContextShard", "balanced_indices", "split_fo
 ATTENTION = "mtk_context"  # the attention implementation's name in transformers' registry
 KEYWORD = "mtk_context"  # the forward keyword carrying a ContextShard to every attention call
 IGNORE_INDEX = -100
+COMM_TYPES = ("p2p", "a2a")
 
 
 @dataclass
@@ -51,6 +54,7 @@ class ContextShard:
     positions: torch.Tensor  # each token's index in the whole row
     documents: torch.Tensor  # its document (packed rows), any integers
     valid: torch.Tensor  # False for padding
+    comm: str = "p2p"  # Megatron's cp_comm_type: "p2p" (ring attention) or "a2a" (all-to-all, Ulysses)
 
 
 def balanced_indices(seq: int, rank: int, size: int, device: torch.device | None = None) -> torch.Tensor:
@@ -73,7 +77,9 @@ def documents_of(position_ids: torch.Tensor) -> torch.Tensor:
     return (step != 1).cumsum(-1)
 
 
-def split_for_context(batch: dict[str, torch.Tensor], group: Group) -> tuple[dict[str, Any], torch.Tensor]:
+def split_for_context(
+    batch: dict[str, torch.Tensor], group: Group, comm: str = "p2p"
+) -> tuple[dict[str, Any], torch.Tensor]:
     """This CP rank's part of ``batch`` (``input_ids``, ``labels``, optional ``attention_mask``/``position_ids``,
     each ``[b, S]``) and the labelled tokens of the whole batch, to pass as ``num_items_in_batch``.
 
@@ -81,6 +87,8 @@ def split_for_context(batch: dict[str, torch.Tensor], group: Group) -> tuple[dic
     ``shift_labels`` already shifted on the whole row, ``use_cache=False`` and :data:`KEYWORD` (the
     :class:`ContextShard`).
     """
+    if comm not in COMM_TYPES:
+        raise ConfigError(f"cp_comm_type {comm!r} is unknown; use one of {COMM_TYPES}")
     input_ids = batch["input_ids"]  # [b, S]
     b, seq = input_ids.shape
     device = input_ids.device
@@ -99,6 +107,7 @@ def split_for_context(batch: dict[str, torch.Tensor], group: Group) -> tuple[dic
         positions=torch.arange(seq, device=device).expand(b, seq)[:, mine],
         documents=documents_of(position_ids)[:, mine],
         valid=valid[:, mine],
+        comm=comm,
     )
     local: dict[str, Any] = {
         "input_ids": input_ids[:, mine],
@@ -140,9 +149,8 @@ def _context_attention(
     if dropout and module.training:
         raise ConfigError(f"{name} has attention dropout {dropout}; context parallelism computes attention without it")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    out = ring_attention(
-        query, key, value, shard.positions, shard.documents, shard.valid, shard.group, scaling=scaling
-    )  # [b, h, s, d]
+    attend = all_to_all_attention if shard.comm == "a2a" else ring_attention
+    out = attend(query, key, value, shard.positions, shard.documents, shard.valid, shard.group, scaling=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -1,8 +1,8 @@
 """Context parallelism on HF models: the sequence split over CP = 2 and 4 ranks (load-balanced chunks), attention
-as mtk's registered ring attention; the CP ranks' losses add up to the one-process HF model's loss and their
-gradients, summed over the CP group, to its gradients, fp32 within 1e-5 — on packed rows of documents of very
-different lengths (no token attends across a boundary, positions restart) and on right-padded rows; and with
-TP = 2 (sequence parallelism, the chunked loss) inside CP = 2."""
+as mtk's registered ring (p2p) or all-to-all (a2a) attention; the CP ranks' losses add up to the one-process HF
+model's loss and their gradients, summed over the CP group, to its gradients, fp32 within 1e-5, on packed rows of
+documents of very different lengths (no token attends across a boundary, positions restart) and on right-padded
+rows; and with TP = 2 (sequence parallelism, the chunked loss) inside CP = 2."""
 
 import copy
 
@@ -35,7 +35,7 @@ def _batch(kind: str) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100), "attention_mask": mask}
 
 
-def _context_checks(rank: int, cp: int, name: str, kind: str) -> dict:
+def _context_checks(rank: int, cp: int, name: str, kind: str, comm: str) -> dict:
     group = dist.group.WORLD
     reference = build_model(name, seed=0).eval()
     reference.set_attn_implementation("eager")
@@ -45,7 +45,7 @@ def _context_checks(rank: int, cp: int, name: str, kind: str) -> dict:
     ref_out = reference(**batch, use_cache=False)  # as in training: transformers masks packed documents then
     ref_out.loss.backward()
 
-    local, count = split_for_context(batch, group)
+    local, count = split_for_context(batch, group, comm)
     out = model(**local, num_items_in_batch=count)
     out.loss.backward()
     loss = out.loss.detach().clone()
@@ -63,20 +63,22 @@ def _context_checks(rank: int, cp: int, name: str, kind: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "name,cp,kind",
+    "name,cp,kind,comm",
     [
-        ("tiny-llama", 2, "packed"),
-        ("tiny-llama", 4, "padded"),
-        ("tiny-qwen3", 2, "padded"),
-        ("tiny-qwen3", 4, "packed"),
+        ("tiny-llama", 2, "packed", "p2p"),
+        ("tiny-llama", 4, "padded", "p2p"),
+        ("tiny-qwen3", 2, "padded", "p2p"),
+        ("tiny-qwen3", 4, "packed", "p2p"),
+        ("tiny-llama", 2, "packed", "a2a"),
+        ("tiny-qwen3", 4, "padded", "a2a"),
     ],
 )
-def test_context_parallel_model_equals_hf(name, cp, kind):
-    results = run_distributed(_context_checks, world_size=cp, args=(name, kind))
+def test_context_parallel_model_equals_hf(name, cp, kind, comm):
+    results = run_distributed(_context_checks, world_size=cp, args=(name, kind, comm))
     assert [r["tokens"] for r in results] == [SEQ // cp] * cp
 
 
-def _tensor_and_context_checks(rank: int, world_size: int, kind: str) -> None:
+def _tensor_and_context_checks(rank: int, world_size: int, kind: str, comm: str) -> None:
     """TP = 2 inside CP = 2: Megatron's order puts TP fastest, so the CP groups are what ParallelState calls DP."""
     state = ParallelState.build(tp_size=2)
     cp_group = state.dp_group  # [0, 2] and [1, 3]
@@ -86,7 +88,7 @@ def _tensor_and_context_checks(rank: int, world_size: int, kind: str) -> None:
     batch = _batch(kind)
     ref_out = reference(**batch, use_cache=False)
     ref_out.loss.backward()
-    local, count = split_for_context(batch, cp_group)
+    local, count = split_for_context(batch, cp_group, comm)
     out = model(**local, num_items_in_batch=count)
     out.loss.backward()
     sync_sequence_parallel_grads(model, state.tp_group)
@@ -101,9 +103,9 @@ def _tensor_and_context_checks(rank: int, world_size: int, kind: str) -> None:
         assert_close_rel(grad, ref_grads[param_name].grad, f"tp2 x cp2 grad of {param_name}", scale_floor=1e-6 * scale)
 
 
-@pytest.mark.parametrize("kind", ["packed", "padded"])
-def test_tensor_parallel_with_sequence_parallel_inside_context_parallel_equals_hf(kind):
-    run_distributed(_tensor_and_context_checks, world_size=4, args=(kind,))
+@pytest.mark.parametrize("kind,comm", [("packed", "p2p"), ("padded", "a2a")])
+def test_tensor_parallel_with_sequence_parallel_inside_context_parallel_equals_hf(kind, comm):
+    run_distributed(_tensor_and_context_checks, world_size=4, args=(kind, comm))
 
 
 def _refusals(rank: int, cp: int) -> dict:
@@ -113,6 +115,10 @@ def _refusals(rank: int, cp: int) -> dict:
         split_for_context({"input_ids": torch.zeros(1, 30, dtype=torch.long)}, group)
     except ConfigError as error:
         errors["length"] = str(error)
+    try:
+        split_for_context({"input_ids": torch.zeros(1, 32, dtype=torch.long)}, group, "allgather")
+    except ConfigError as error:
+        errors["comm"] = str(error)
     model = build_model("tiny-llama", seed=0)
     use_context_attention(model)
     try:
@@ -126,3 +132,4 @@ def test_what_context_parallelism_cannot_take_is_one_line():
     errors = run_distributed(_refusals, world_size=2)[0]
     assert "30 tokens does not split into 2 x 2 equal chunks" in errors["length"]
     assert "carries no split batch" in errors["unsplit"]
+    assert "cp_comm_type 'allgather' is unknown; use one of ('p2p', 'a2a')" in errors["comm"]

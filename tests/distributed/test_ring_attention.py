@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from mtk.parallel.a2a_attention import all_to_all_attention
 from mtk.parallel.collective_count import count_collectives
 from mtk.parallel.ring_attention import ring_attention
 from mtk.testing import assert_close_rel, run_distributed
@@ -42,12 +43,12 @@ def _balanced_indices(seq: int, rank: int, cp: int) -> torch.Tensor:
                       torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])  # fmt: skip
 
 
-def _ring_checks(rank: int, cp: int, dtype: torch.dtype) -> dict:
+def _ring_checks(rank: int, cp: int, dtype: torch.dtype, attend=ring_attention, kv_heads: int = KV_HEADS) -> dict:
     seq = 32
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(BATCH, HEADS, seq, DIM, dtype=dtype, generator=generator)
-    k = torch.randn(BATCH, KV_HEADS, seq, DIM, dtype=dtype, generator=generator)
-    v = torch.randn(BATCH, KV_HEADS, seq, DIM, dtype=dtype, generator=generator)
+    k = torch.randn(BATCH, kv_heads, seq, DIM, dtype=dtype, generator=generator)
+    v = torch.randn(BATCH, kv_heads, seq, DIM, dtype=dtype, generator=generator)
     upstream = torch.randn(BATCH, HEADS, seq, DIM, dtype=dtype, generator=generator)
     documents, valid = _row_metadata(seq)
     upstream = upstream * valid[:, None, :, None]  # padding queries are never read
@@ -62,16 +63,16 @@ def _ring_checks(rank: int, cp: int, dtype: torch.dtype) -> dict:
     if dtype == torch.float64:  # HF's eager softmax runs in fp32 whatever the dtype: torch's math kernel instead
         expected = F.scaled_dot_product_attention(*ref, attn_mask=allowed[:, None], scale=scaling, enable_gqa=True)
     else:
-        expected, _ = eager_attention_forward(_Module(), *ref, mask, scaling=scaling)  # [b, S, h, d]
+        module = _Module()
+        module.num_key_value_groups = HEADS // kv_heads
+        expected, _ = eager_attention_forward(module, *ref, mask, scaling=scaling)  # [b, S, h, d]
         expected = expected.transpose(1, 2)  # [b, h, S, d]
     (expected * upstream).sum().backward()
 
     mine = _balanced_indices(seq, rank, cp)
     local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
     with count_collectives() as forward:
-        out = ring_attention(
-            *local, positions[:, mine], documents[:, mine], valid[:, mine], dist.group.WORLD, scaling=scaling
-        )
+        out = attend(*local, positions[:, mine], documents[:, mine], valid[:, mine], dist.group.WORLD, scaling=scaling)
     with count_collectives() as backward:
         (out * upstream[:, :, mine]).sum().backward()
     tol = 1e-12 if dtype == torch.float64 else 1e-5
@@ -89,3 +90,14 @@ def test_ring_attention_equals_eager_attention_on_the_whole_sequence(cp, dtype):
         assert counts["forward"] == {"all_gather": 1, "send": hops, "recv": hops}
         # backward: the blocks again, and their dk/dv with them plus one hop home
         assert counts["backward"] == {"send": 2 * hops + 1, "recv": 2 * hops + 1}
+
+
+@pytest.mark.parametrize(
+    "cp,dtype,kv_heads",
+    [(2, torch.float64, 2), (4, torch.float64, 2), (4, torch.float32, 4), (2, torch.float32, 1)],
+)
+def test_all_to_all_attention_equals_eager_attention_on_the_whole_sequence(cp, dtype, kv_heads):
+    """Ulysses: kv heads split over CP where they divide it (2 over 2, 4 over 4), repeated where not (2 over 4, 1)."""
+    for counts in run_distributed(_ring_checks, world_size=cp, args=(dtype, all_to_all_attention, kv_heads)):
+        assert counts["forward"] == {"all_gather": 1, "all_to_all": 4}  # q, k, v in; the output back
+        assert counts["backward"] == {"all_to_all": 4}
