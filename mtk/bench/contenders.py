@@ -42,6 +42,7 @@ from mtk.bench.peers import (
 from mtk.config import RunSettings
 from mtk.convert import parallelize
 from mtk.models import DTYPES, build_model
+from mtk.parallel.context import attach_context_parallel
 from mtk.parallel.fsdp import ShardingSettings, data_parallel_mesh, shard_over_data_parallel
 from mtk.parallel.grads import all_reduce_coalesced, sync_sequence_parallel_grads
 from mtk.parallel.recompute import enable_recompute
@@ -69,6 +70,8 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     )
     record = parallelized(model)
     enable_recompute(model, RunSettings(recompute_granularity=spec.recompute), record.rng if record else None)
+    if spec.cp_size > 1:  # TP fastest, then CP: with one replica, what ParallelState calls DP is the CP group
+        return _run_context_parallel(spec, model, parallel, device, baseline)
 
     def sync_sequence_parallel() -> None:  # what the Accelerator does after backward
         if spec.sequence_parallel:
@@ -121,6 +124,20 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     return result.as_dict()
 
 
+def _run_context_parallel(spec: BenchSpec, model, parallel: ParallelState, device, baseline: int) -> dict:
+    """One replica whose every TP rank's sequence is split over ``spec.cp_size`` ranks; each rank's loss is its
+    share of the batch's, so the gradients are summed (not averaged) over the CP group after backward."""
+    cp_group = parallel.dp_group
+    attach_context_parallel(model, cp_group, spec.cp_comm)
+
+    def after_backward() -> None:
+        if spec.sequence_parallel:
+            sync_sequence_parallel_grads(model, parallel.tp_group)
+        all_reduce_coalesced([p.grad for p in model.parameters() if p.grad is not None], cp_group, average=False)
+
+    return measure_model(spec, model.to(device), device, after_backward, baseline)
+
+
 def _activation_all_reduce_seconds(spec: BenchSpec, hidden: int, parallel, device: torch.device) -> float:
     """One TP all-reduce of a ``[b, s, h]`` activation, every rank starting together (median of 20): what the
     TP floor charges per all-reduce."""
@@ -163,7 +180,7 @@ def run_mtk_one_stage(rank: int, world_size: int, spec: BenchSpec) -> dict:
 
 # name -> (worker, processes for a spec, threads per process or None for the spec's)
 CONTENDERS: dict[str, tuple[Callable, Callable[[BenchSpec], int], Callable[[BenchSpec], int]]] = {
-    "mtk": (run_mtk, lambda s: s.tp_size * s.pp_size * s.dp_size, lambda s: 1),
+    "mtk": (run_mtk, lambda s: s.tp_size * s.cp_size * s.pp_size * s.dp_size, lambda s: 1),
     "mtk-one-stage": (run_mtk_one_stage, lambda s: s.tp_size * s.dp_size, lambda s: 1),
     "mtk-one-replica": (run_mtk_one_replica, lambda s: s.tp_size * s.pp_size, lambda s: 1),
     "hf-1thread": (run_hf, lambda s: 1, lambda s: 1),

@@ -67,6 +67,8 @@ class BenchSpec:
     pipeline_schedule: str = "1f1b"  # mtk only, pp > 1: afab, 1f1b or interleaved
     virtual_stages: int = 1  # mtk only, interleaved: model chunks per pipeline rank
     loss_chunk_tokens: int | None = None  # mtk only: the chunked loss's tokens per chunk (None: sized; 0: off)
+    cp_size: int = 1  # mtk only: context parallelism, the sequence split over this many ranks per TP rank
+    cp_comm: str = "p2p"  # mtk only, cp > 1: ring ("p2p") or all-to-all ("a2a") attention
 
 
 @dataclass

@@ -156,8 +156,8 @@ def format_report(report: dict) -> str:
     spec = report["spec"]
     out = [
         f"mtk bench: {spec['model']} tp={spec['tp_size']} pp={spec['pp_size']} "
-        f"batch {spec['batch']} x seq {spec['seq']}, "
-        f"{spec['dtype']}, {spec['steps']} timed steps per round",
+        + (f"cp={spec['cp_size']} ({spec['cp_comm']}) " if spec.get("cp_size", 1) > 1 else "")
+        + f"batch {spec['batch']} x seq {spec['seq']}, {spec['dtype']}, {spec['steps']} timed steps per round",
         f"{'contender':<22} {'procs x thr':>11} {'median s':>9} {'min s':>7} {'tokens/s':>9} "
         f"{'peak mem/rank':>14} {'mtk time ratio':>15}",
     ]

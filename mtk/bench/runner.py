@@ -20,7 +20,7 @@ from typing import Any, cast
 from mtk.bench.contenders import CONTENDERS, BenchSpec
 from mtk.models import build_model, resolve_config
 from mtk.pipeline.balance import layer_counts, rank_layers
-from mtk.planner.collectives import Predicted, predict_collectives
+from mtk.planner.collectives import Predicted, predict_collectives, predict_context_collectives
 from mtk.planner.shapes import (
     data_parallel_traffic,
     fsdp_traffic,
@@ -80,14 +80,13 @@ class ContenderSummary:
 def predicted_for(spec: BenchSpec) -> Predicted:
     config = resolve_config(spec.model)
     layers = getattr(config, "num_hidden_layers", None) or config.n_layer
-    dp_traffic = (
-        {} if spec.fsdp else data_parallel_traffic(config, spec.tp_size, spec.dp_size, spec.distributed_optimizer)
-    )
+    replicas = spec.cp_size if spec.cp_size > 1 else spec.dp_size  # CP ranks sum their gradients in one call
+    dp_traffic = {} if spec.fsdp else data_parallel_traffic(config, spec.tp_size, replicas, spec.distributed_optimizer)
     predicted = predict_collectives(
         layers,
         config.hidden_size,
         spec.batch,
-        spec.seq,
+        spec.seq // spec.cp_size,  # what each rank's layers see
         spec.tp_size,
         pp_size=spec.pp_size,
         micro_batches=spec.micro_batches,
@@ -105,6 +104,23 @@ def predicted_for(spec: BenchSpec) -> Predicted:
         for kind, moved in fsdp_traffic(config, spec.tp_size, spec.dp_size, element_size).items():
             predicted.counts[kind] += moved["count"]
             predicted.nbytes[kind] += moved["bytes"]
+    if spec.cp_size > 1:
+        heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+        kv_heads = kv_heads or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        context = predict_context_collectives(
+            layers,
+            spec.batch,
+            spec.seq,
+            spec.cp_size,
+            spec.cp_comm,
+            heads // spec.tp_size,
+            max(1, kv_heads // spec.tp_size),  # tp beyond the kv heads: one (replicated) per rank
+            head_dim,
+            2 if spec.dtype == "bf16" else 4,
+        )
+        predicted.counts.update(context.counts)
+        predicted.nbytes.update(context.nbytes)
     return predicted
 
 

@@ -69,6 +69,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="mtk with FSDP2 over DP: weights, gradients and AdamW state sharded (needs --dp > 1)",
     )
     parser.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="mtk's context parallelism: the sequence split over this many ranks per TP rank (default 1)",
+    )
+    parser.add_argument(
+        "--cp_comm_type",
+        choices=("p2p", "a2a"),
+        default="p2p",
+        help="with --cp > 1: ring attention (p2p, default) or all-to-all (a2a: the heads per TP rank split over CP)",
+    )
+    parser.add_argument(
         "--loss_chunk_tokens",
         type=non_negative_int,
         help="mtk's loss in chunks of this many tokens, no logits held; 0: logits kept (default: chunks of at most "
@@ -85,12 +97,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
-    for name in ("tp", "pp", "dp", "batch", "seq", "steps"):
+    for name in ("tp", "pp", "dp", "cp", "batch", "seq", "steps"):
         if getattr(args, name) < 1:
             raise MtkError(f"--{name} must be at least 1, got {getattr(args, name)}")
     config = resolve_config(args.model)  # one clear line for an unknown name or a missing directory
     check_tp_size(config, args.tp)
-    Layout(world_size=args.tp * args.pp * args.dp, tp_size=args.tp, pp_size=args.pp)
+    Layout(world_size=args.tp * args.cp * args.pp * args.dp, tp_size=args.tp, pp_size=args.pp)
     if args.dp > 1 and args.pp > 1:
         raise MtkError("--dp > 1 runs with --pp 1 (the bench's pipeline contender has one replica)")
     if args.dp > 1 and args.compare and args.tp > 1:
@@ -103,6 +115,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         raise MtkError("--fsdp already shards the optimizer state over DP: drop --distributed_optimizer")
     if args.fsdp and args.compare:
         raise MtkError("--fsdp measures mtk's own layout; --compare holds mtk against its peers without it")
+    _check_context_parallel(args, config)
     micro = args.micro_batches or (args.batch if args.pp > 1 else 1)
     if args.memory and args.dtype != "fp32":
         raise MtkError("--memory holds the run against mtk plan, which models bf16 as mixed precision: use fp32")
@@ -134,8 +147,27 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         distributed_optimizer=args.distributed_optimizer,
         fsdp=args.fsdp,
         loss_chunk_tokens=args.loss_chunk_tokens,
+        cp_size=args.cp,
+        cp_comm=args.cp_comm_type,
         track_memory=args.memory,
     )
+
+
+def _check_context_parallel(args: argparse.Namespace, config) -> None:
+    """``--cp``: one replica of one stage, the mtk contender alone, a sequence that splits into ``2 x cp`` chunks
+    (each further split over TP with sequence parallelism), heads that split over CP for ``a2a`` (one line if not)."""
+    if args.cp == 1:
+        return
+    others = [flag for flag, on in (("--pp > 1", args.pp > 1), ("--dp > 1", args.dp > 1), ("--compare", args.compare),
+              ("--fsdp", args.fsdp), ("--recompute", args.recompute)) if on]  # fmt: skip
+    if others:
+        raise MtkError(f"--cp {args.cp} is measured on one replica of one stage, without {', '.join(others)}")
+    chunks = 2 * args.cp * (args.tp if args.sequence_parallel else 1)
+    if args.seq % chunks:
+        raise MtkError(f"--cp {args.cp} cuts --seq into {chunks} equal chunks: use a multiple of {chunks}")
+    heads = config.num_attention_heads // args.tp
+    if args.cp_comm_type == "a2a" and heads % args.cp:
+        raise MtkError(f"--cp_comm_type a2a splits each TP rank's {heads} heads over --cp {args.cp}: use p2p")
 
 
 def _pipeline_layers(args: argparse.Namespace, config) -> tuple[int, ...]:
@@ -172,7 +204,9 @@ def run(args: argparse.Namespace) -> int:
     rounds = args.rounds or (3 if args.compare else 1)
     assert set(contenders) <= set(CONTENDERS)
     print(
-        f"mtk bench: {spec.model} tp={spec.tp_size} pp={spec.pp_size}, {', '.join(contenders)}, {rounds} round(s)",
+        f"mtk bench: {spec.model} tp={spec.tp_size} pp={spec.pp_size}"
+        + (f" cp={spec.cp_size} ({spec.cp_comm})" if spec.cp_size > 1 else "")
+        + f", {', '.join(contenders)}, {rounds} round(s)",
         flush=True,
     )
     summaries, busy = run_bench(

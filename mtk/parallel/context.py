@@ -38,7 +38,15 @@ from mtk.parallel.a2a_attention import all_to_all_attention
 from mtk.parallel.comm import Group, group_rank, group_size
 from mtk.parallel.ring_attention import ring_attention
 
-__all__ = ["ATTENTION", "KEYWORD", "ContextShard", "balanced_indices", "split_for_context", "use_context_attention"]
+__all__ = [
+    "ATTENTION",
+    "KEYWORD",
+    "ContextShard",
+    "attach_context_parallel",
+    "balanced_indices",
+    "split_for_context",
+    "use_context_attention",
+]
 
 ATTENTION = "mtk_context"  # the attention implementation's name in transformers' registry
 KEYWORD = "mtk_context"  # the forward keyword carrying a ContextShard to every attention call
@@ -166,3 +174,36 @@ AttentionMaskInterface.register(ATTENTION, _no_mask)
 def use_context_attention(model: Any) -> None:
     """Run ``model``'s attention context-parallel (transformers' ``set_attn_implementation``)."""
     model.set_attn_implementation(ATTENTION)
+
+
+class _SplitInputs:
+    """Forward pre-hook: the whole batch a caller passes becomes this CP rank's part (:func:`split_for_context`);
+    ``num_items_in_batch`` is the caller's (it counts whole rows already) or the batch's labelled tokens."""
+
+    def __init__(self, group: Group, comm: str) -> None:
+        self.group, self.comm = group, comm
+
+    def __call__(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        if KEYWORD in kwargs:
+            return None  # split already
+        if args:
+            kwargs = {"input_ids": args[0], **kwargs}
+        names = ("input_ids", "labels", "attention_mask", "position_ids")
+        tensors: dict[str, torch.Tensor] = {k: kwargs.pop(k) for k in names if kwargs.get(k) is not None}
+        for k in names:
+            kwargs.pop(k, None)
+        local, count = split_for_context(tensors, self.group, self.comm)
+        if "labels" in local and kwargs.get("num_items_in_batch") is None:
+            kwargs["num_items_in_batch"] = count
+        return (), {**kwargs, **local}
+
+
+def attach_context_parallel(model: Any, group: Group, comm: str = "p2p") -> None:
+    """Make ``model`` context-parallel over ``group``: attention as :data:`ATTENTION`, and every call's whole batch
+    split to this rank's tokens first. The returned loss is this rank's share (its tokens' summed losses over the
+    whole batch's labelled tokens): the CP group's losses add up to the batch's, and the parameters' gradients
+    must be summed over the group after backward."""
+    if comm not in COMM_TYPES:
+        raise ConfigError(f"cp_comm_type {comm!r} is unknown; use one of {COMM_TYPES}")
+    use_context_attention(model)
+    model.register_forward_pre_hook(_SplitInputs(group, comm), with_kwargs=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from mtk.pipeline.balance import rank_layers, stage_layer_counts
 
-__all__ = ["Predicted", "predict_collectives"]
+__all__ = ["predict_context_collectives", "Predicted", "predict_collectives"]
 
 
 @dataclass(frozen=True)
@@ -124,4 +124,46 @@ def predict_collectives(
     for width in all_gather_widths:
         counts["all_gather"] += 1
         nbytes["all_gather"] += width * element_size
+    return Predicted(counts, nbytes)
+
+
+def predict_context_collectives(
+    num_layers: int,
+    batch: int,
+    seq: int,
+    cp_size: int,
+    comm: str,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    element_size: int = 4,
+) -> Predicted:
+    """What context-parallel attention adds per step on one rank (``heads``, ``kv_heads``: this TP rank's; ``seq``:
+    the whole row): every layer all-gathers its tokens' ``[3, b, s/cp]`` int64 metadata, then
+
+    - ``p2p`` (ring): forward passes its ``[b, kv, s/cp, 2d]`` key/value block ``cp − 1`` times; backward passes the
+      blocks again and their fp32 gradients with them, plus one hop home (``2·cp − 1`` sends);
+    - ``a2a`` (all-to-all): q, k, v out and the output back, forward and backward alike (k and v with one head per
+      query head where the kv heads do not split over CP).
+    """
+    counts: Counter[str] = Counter()
+    nbytes: Counter[str] = Counter()
+    if cp_size == 1:
+        return Predicted(counts, nbytes)
+    local = seq // cp_size
+    counts["all_gather"] += num_layers
+    nbytes["all_gather"] += num_layers * 3 * batch * local * 8
+    if comm == "p2p":
+        block = batch * kv_heads * local * 2 * head_dim
+        hops, back = cp_size - 1, 2 * cp_size - 1
+        for kind in ("send", "recv"):
+            counts[kind] += num_layers * (hops + back)
+            nbytes[kind] += (
+                num_layers * block * (hops * element_size + hops * element_size + cp_size * max(4, element_size))
+            )
+    else:
+        moved_kv = kv_heads if kv_heads % cp_size == 0 else heads
+        per_call = batch * local * head_dim * element_size
+        counts["all_to_all"] += num_layers * 8
+        nbytes["all_to_all"] += num_layers * 2 * per_call * (2 * heads + 2 * moved_kv)
     return Predicted(counts, nbytes)
