@@ -62,16 +62,21 @@ def _allowed(q_meta: torch.Tensor, k_meta: torch.Tensor) -> torch.Tensor:
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``[b, n, g, s, t]`` scaled, masked scores in at least fp32 (``-inf`` where a key is not seen)."""
+    """``[b, n, g, s, t]`` scaled, masked scores in at least fp32 (``-inf`` where a key is not seen): one buffer,
+    which the callers turn into probabilities in place (a block's scores are the ring's largest temporary)."""
     dtype = torch.promote_types(q.dtype, torch.float32)
-    scores = torch.einsum("bngsd,bntd->bngst", q.to(dtype), k.to(dtype)) * scaling
-    return scores.masked_fill(~allowed, float("-inf"))
+    scores = torch.einsum("bngsd,bntd->bngst", q.to(dtype), k.to(dtype))
+    return scores.mul_(scaling).masked_fill_(~allowed, float("-inf"))
 
 
-def _softmax(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """``exp(scores - lse)``, 0 where a row sees nothing (``lse = -inf``)."""
-    finite = torch.isfinite(lse)
-    return torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse))[..., None]) * finite[..., None]
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with ``-inf`` (a row that sees nothing) replaced by 0, to subtract safely."""
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def _exp_(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``exp(scores - lse)`` in place: the probabilities, 0 where a key is not seen or a row sees nothing."""
+    return scores.sub_(_finite(lse)[..., None]).exp_()
 
 
 def _share(part: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -98,8 +103,12 @@ class _RingAttention(torch.autograd.Function):
                 incoming, requests = ring.start(block)
             k_b, v_b = block.split(k.shape[-1], dim=-1)
             scores = _scores(q, k_b, _allowed(meta, metas[(rank - step) % size]), scaling)  # [b, n, g, s, t]
-            block_lse = torch.logsumexp(scores, dim=-1)  # [b, n, g, s]
-            block_out = torch.einsum("bngst,bntd->bngsd", _softmax(scores, block_lse), v_b.to(dtype))
+            top = scores.amax(dim=-1)  # [b, n, g, s]
+            weights = _exp_(scores, top)  # [b, n, g, s, t], unnormalized, in the scores' buffer
+            total = weights.sum(dim=-1)  # [b, n, g, s]; 0 where the row sees nothing in this block
+            block_lse = _finite(top) + total.log()  # -inf where total is 0
+            block_out = torch.einsum("bngst,bntd->bngsd", weights, v_b.to(dtype))
+            block_out.div_(torch.where(total > 0, total, torch.ones_like(total))[..., None])
             merged = torch.logaddexp(lse, block_lse)  # [b, n, g, s]
             out = out * _share(lse, merged)[..., None] + block_out * _share(block_lse, merged)[..., None]
             lse = merged
@@ -130,9 +139,9 @@ class _RingAttention(torch.autograd.Function):
                 incoming, requests = ring.start(block)
             k_b, v_b = (t.to(dtype) for t in block.split(d, dim=-1))
             scores = _scores(q, k_b, _allowed(meta, metas[(rank - step) % size]), scaling)
-            p = _softmax(scores, lse)  # [b, n, g, s, t]
+            p = _exp_(scores, lse)  # [b, n, g, s, t], in the scores' buffer
             grad_v = torch.einsum("bngst,bngsd->bntd", p, grad_out)
-            ds = p * (torch.einsum("bngsd,bntd->bngst", grad_out, v_b) - delta[..., None])
+            ds = torch.einsum("bngsd,bntd->bngst", grad_out, v_b).sub_(delta[..., None]).mul_(p)  # dp -> ds
             grad_q += torch.einsum("bngst,bntd->bngsd", ds, k_b) * scaling
             grad_k = torch.einsum("bngst,bngsd->bntd", ds, q32) * scaling
             grads += torch.cat([grad_k, grad_v], dim=-1)

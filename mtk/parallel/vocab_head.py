@@ -40,6 +40,10 @@ class VocabParallelHead(ColumnParallelLinear):
         """Whether this head can hand its product to the loss: not gathered, and its weight not DeepSpeed's."""
         return not self.gather_output and not hasattr(self.weight, "ds_id")
 
+    def rows(self) -> torch.Tensor:
+        """The weight as ``[V_padded/tp, H]`` (a Conv1D head's transposed), what the deferred product multiplies."""
+        return self._weight_for_forward()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._armed:
             return super().forward(x)

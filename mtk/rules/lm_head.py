@@ -93,11 +93,12 @@ class VocabParallelCausalLMLoss:
         shift_labels = shift_labels.to(logits.device)
         reduction = "sum" if num_items_in_batch is not None else "mean"
         vocab_start = self.head.shard_spec("weight").ranges[0][0]
-        hidden = self.head.take_deferred(logits, self.model_name) if isinstance(self.head, VocabParallelHead) else None
-        if hidden is not None:
+        head = self.head if isinstance(self.head, VocabParallelHead) else None
+        hidden = head.take_deferred(logits, self.model_name) if head is not None else None
+        if head is not None and hidden is not None:
             losses = chunked_vocab_parallel_cross_entropy(
                 hidden,  # [b, s, H]
-                self.head._weight_for_forward(),  # [V_padded/tp, H]
+                head.rows(),  # [V_padded/tp, H]
                 self.head.bias,
                 shift_labels,
                 self.head.tp_group,

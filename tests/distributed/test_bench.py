@@ -176,3 +176,19 @@ def test_bench_pipeline_against_torch_pipelining(tmp_path, capsys, schedule):
     peer = contenders["torch-pipelining"]
     assert peer["error"] is None and peer["processes"] == 2, peer
     assert abs(peer["loss"] - contenders["mtk"]["loss"]) <= 1e-5 * abs(contenders["mtk"]["loss"])
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [["--tp", "1", "--cp", "2"], ["--tp", "2", "--cp", "2", "--cp_comm_type", "a2a", "--sequence_parallel"]],
+)
+def test_bench_context_parallel_counts_exactly_the_predicted_collectives(tmp_path, capsys, layout):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", "tiny-llama", *layout, "--batch", "2", "--seq", "32", "--steps", "1",
+                 "--json", str(out)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    mtk = report["contenders"][0]
+    assert mtk["error"] is None and mtk["collectives"] == report["predicted_collectives"], text
+    assert "cp=2" in text and "DIFFERS" not in text

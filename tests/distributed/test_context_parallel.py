@@ -14,7 +14,7 @@ from mtk.convert import parallelize
 from mtk.errors import ConfigError
 from mtk.models import build_model
 from mtk.parallel import ParallelState
-from mtk.parallel.context import split_for_context, use_context_attention
+from mtk.parallel.context import attach_context_parallel, split_for_context, use_context_attention
 from mtk.parallel.gather import iter_full_tensors
 from mtk.parallel.grads import sync_sequence_parallel_grads
 from mtk.testing import assert_close_rel, run_distributed
@@ -106,6 +106,35 @@ def _tensor_and_context_checks(rank: int, world_size: int, kind: str, comm: str)
 @pytest.mark.parametrize("kind,comm", [("packed", "p2p"), ("padded", "a2a")])
 def test_tensor_parallel_with_sequence_parallel_inside_context_parallel_equals_hf(kind, comm):
     run_distributed(_tensor_and_context_checks, world_size=4, args=(kind, comm))
+
+
+def _attached_checks(rank: int, cp: int) -> None:
+    """attach_context_parallel: the caller passes the whole batch, the model splits it (and counts its tokens,
+    unless the caller's num_items_in_batch, for the whole rows, is given)."""
+    group = dist.group.WORLD
+    reference = build_model("tiny-llama", seed=0).eval()
+    model = copy.deepcopy(reference)
+    attach_context_parallel(model, group, "a2a")
+    batch = _batch("packed")
+    ref_out = reference(**batch, use_cache=False)
+    ref_out.loss.backward()
+    tokens = (batch["labels"][:, 1:] != -100).sum()
+    for given in (None, tokens):
+        model.zero_grad()
+        out = model(**batch) if given is None else model(**batch, num_items_in_batch=given)
+        out.loss.backward()
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss, group=group)
+        assert_close_rel(loss, ref_out.loss, f"attached loss (num_items_in_batch {given})")
+        grads = dict(reference.named_parameters())
+        for param_name, param in model.named_parameters():
+            grad = param.grad.clone()
+            dist.all_reduce(grad, group=group)
+            assert_close_rel(grad, grads[param_name].grad, f"attached grad of {param_name}", scale_floor=1e-6)
+
+
+def test_a_model_attached_to_a_cp_group_splits_whole_batches_itself():
+    run_distributed(_attached_checks, world_size=2)
 
 
 def _refusals(rank: int, cp: int) -> dict:

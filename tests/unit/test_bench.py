@@ -8,7 +8,7 @@ from mtk.bench.contenders import BenchSpec
 from mtk.bench.report import format_report, report_dict, write_json
 from mtk.bench.runner import ContenderSummary, predicted_for
 from mtk.cli.main import main
-from mtk.planner.collectives import predict_collectives
+from mtk.planner.collectives import predict_collectives, predict_context_collectives
 
 
 def test_prediction_follows_the_megatron_math():
@@ -96,6 +96,33 @@ def test_report_has_ratios_memory_and_collectives(tmp_path):
     assert "tensor parallel: 1.100 s/step against a floor of 1.086" in text
     write_json(report, tmp_path / "bench.json")
     assert json.loads((tmp_path / "bench.json").read_text())["contenders"][0]["name"] == "mtk"
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--cp", "2", "--pp", "2"], "--cp 2 is measured on one replica of one stage, without --pp > 1"),
+        (["--cp", "2", "--dp", "2", "--fsdp"], "without --dp > 1, --fsdp"),
+        (["--cp", "2", "--seq", "18"], "--cp 2 cuts --seq into 4 equal chunks: use a multiple of 4"),
+        (["--cp", "2", "--tp", "2", "--sequence_parallel", "--seq", "20"], "cuts --seq into 8 equal chunks"),
+        (["--cp", "8", "--cp_comm_type", "a2a", "--seq", "64"], "splits each TP rank's 4 heads over --cp 8: use p2p"),
+        (["--cp", "0"], "--cp must be at least 1, got 0"),
+    ],
+)
+def test_context_parallel_bench_input_is_one_line(argv, message, capsys):
+    assert main(["bench", "--model", "tiny-llama", "--tp", "1", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_context_parallel_prediction_per_layer():
+    ring = predict_context_collectives(2, 1, 64, 4, "p2p", heads=4, kv_heads=2, head_dim=16)
+    block = 1 * 2 * 16 * 2 * 16  # [b, kv, s/cp, 2d]
+    assert ring.counts == {"all_gather": 2, "send": 2 * 10, "recv": 2 * 10}  # 3 hops forward; 3 + 4 backward
+    assert ring.nbytes["send"] == 2 * block * (2 * 3 * 4 + 4 * 4)
+    a2a = predict_context_collectives(2, 1, 64, 4, "a2a", heads=4, kv_heads=2, head_dim=16)
+    assert a2a.counts == {"all_gather": 2, "all_to_all": 16}  # q, k, v, out; both ways
+    assert a2a.nbytes["all_to_all"] == 2 * 2 * (1 * 16 * 16 * 4) * (2 * 4 + 2 * 4)  # kv repeated to 4 heads
+    assert predict_context_collectives(2, 1, 64, 1, "p2p", 4, 2, 16).counts == {}
 
 
 def test_bad_bench_input_is_one_line(capsys):
