@@ -14,7 +14,7 @@ backward, per chunk: ``z`` again (one more head matmul: the price of not keeping
 onehot(t)) * dloss``, ``dh_c = dz W``, ``dW += dz^T h_c``. No collective: the input's gradient is summed over TP
 by the head's entry into the TP region, as for any column layer. Peak extra memory is one chunk's logits and
 its softmax instead of the whole sequence's. The matmuls run in the dtype the forward's ran in (autocast's), the
-softmax in at least fp32, and ``dW`` accumulates over chunks in fp32.
+softmax in at least fp32, and ``dW`` accumulates over several chunks in at least fp32.
 """
 
 from __future__ import annotations

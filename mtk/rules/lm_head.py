@@ -42,16 +42,24 @@ __all__ = [
     "logits_transform",
 ]
 
-# Config keys of HF models that transform the logits between the head and the loss (Gemma 2/3, Cohere, Granite)
-_LOGITS_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+# Config keys of HF models that change the logits between the head and the loss: some whatever their value (Cohere's
+# `logits * logit_scale`, Granite's `logits / logits_scaling`, MuseSpark's `output_multiplier`), some when set
+# (Gemma's and Mistral-Large's soft cap).
+_ALWAYS_APPLIED = ("logit_scale", "logits_scaling", "output_multiplier")
+_APPLIED_WHEN_SET = ("final_logit_softcapping", "logit_softcapping")
 
 
 def logits_transform(config: Any) -> str | None:
-    """The config key by which this model changes its logits after the head (``key=value``), or ``None``."""
-    for key, neutral in _LOGITS_TRANSFORMS.items():
-        value = getattr(config, key, neutral)
-        if value is not None and value != neutral:
-            return f"{key}={value}"
+    """The config key by which this model changes its logits after the head (``key=value``), or ``None``; read on
+    the config and on its text config (a VLM's)."""
+    configs = [config]
+    if hasattr(config, "get_text_config"):
+        configs.append(config.get_text_config())
+    for candidate in configs:
+        for key in (*_ALWAYS_APPLIED, *_APPLIED_WHEN_SET):
+            value = getattr(candidate, key, None)
+            if value is not None:
+                return f"{key}={value}"
     return None
 
 

@@ -306,7 +306,7 @@ def test_bad_targets_are_one_line_each():
     assert "self_attn is a LlamaAttention, not a linear layer" in messages[1]
     assert "qproj match no module" in messages[2] and "q_proj" in messages[2]
     assert "vocabulary-parallel output head" in messages[3]
-    assert "modules_to_save lm_head: lm_head is a tensor-parallel ColumnParallelLinear" in messages[4]
+    assert "modules_to_save lm_head: lm_head is a tensor-parallel VocabParallelHead" in messages[4]
     assert all("\n" not in m for m in messages)
 
 

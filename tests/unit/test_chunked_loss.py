@@ -5,7 +5,7 @@ a frozen head gets no gradient; under autocast it matches the unfused path's bf1
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import Gemma2Config, LlamaConfig
+from transformers import Gemma2Config, GraniteConfig, LlamaConfig
 
 from mtk.parallel.chunked_loss import chunk_tokens_for, chunked_vocab_parallel_cross_entropy
 from mtk.parallel.loss import vocab_parallel_cross_entropy
@@ -116,3 +116,4 @@ def test_models_that_change_their_logits_are_named():
     cohere_like = LlamaConfig()
     cohere_like.logit_scale = 0.0625
     assert logits_transform(cohere_like) == "logit_scale=0.0625"
+    assert logits_transform(GraniteConfig()) == "logits_scaling=1.0", "Granite divides whatever the value"
