@@ -17,6 +17,7 @@ gradient_accumulation_steps follow DeepSpeed's rule (global = micro x accumulati
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,13 @@ from mtk.training.windows import step_windows
 HERE = Path(__file__).resolve().parent
 
 
+def loss_chunk_tokens(args: argparse.Namespace) -> int | None:
+    """``--loss_chunk_tokens``, else ``MTK_LOSS_CHUNK_TOKENS`` (the only mtk run setting this DeepSpeed script reads
+    from the environment; an override is reported in one line)."""
+    return RunSettings.from_env(env={k: v for k, v in os.environ.items() if k == "MTK_LOSS_CHUNK_TOKENS"},
+                                loss_chunk_tokens=args.loss_chunk_tokens).loss_chunk_tokens  # fmt: skip
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-llama", help="built-in config name or local HF directory")
@@ -107,6 +115,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add_safety_arguments(parser, can_skip_steps=False)  # DeepSpeed steps before mtk sees the gradient norm
     add_recompute_argument(parser)
+    parser.add_argument(
+        "--loss_chunk_tokens",
+        type=non_negative_int,
+        help="tokens per chunk of the loss that never holds the logits; 0: off (default: MTK_LOSS_CHUNK_TOKENS, "
+        "else chunks of at most 256 MiB of fp32 logits)",
+    )
     add_lora_arguments(parser)
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser = deepspeed.add_config_arguments(parser)
@@ -139,9 +153,10 @@ def build_engine(args: argparse.Namespace, parallel: ParallelState) -> tuple[Any
     dtype = base_dtype(args) if lora else None
     set_seed(args.seed)
     # a directory: this rank's slices, converted; a built-in config: the same weights at any layout
-    model = starting_model(args.model, parallel, RunSettings(), seed=args.seed, dtype=dtype)
+    settings = RunSettings(loss_chunk_tokens=loss_chunk_tokens(args))
+    model = starting_model(args.model, parallel, settings, seed=args.seed, dtype=dtype)
     if parallelized(model) is None:
-        model = parallelize(model, parallel)
+        model = parallelize(model, parallel, loss_chunk_tokens=settings.loss_chunk_tokens)
     if args.gradient_checkpointing:
         enable_recompute(model, RunSettings(recompute_granularity="full"), parallelized(model).rng)
     if lora:  # PEFT's LoRA on the parallel layers: ZeRO shards only the adapters' optimizer state
