@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from mtk.data.formats import IGNORE_INDEX
 from mtk.errors import ConfigError
 from mtk.parallel.a2a_attention import all_to_all_attention
 from mtk.parallel.comm import Group, group_rank, group_size
@@ -50,7 +51,6 @@ __all__ = [
 
 ATTENTION = "mtk_context"  # the attention implementation's name in transformers' registry
 KEYWORD = "mtk_context"  # the forward keyword carrying a ContextShard to every attention call
-IGNORE_INDEX = -100
 COMM_TYPES = ("p2p", "a2a")
 
 
@@ -188,6 +188,11 @@ class _SplitInputs:
             return None  # split already
         if args:
             kwargs = {"input_ids": args[0], **kwargs}
+        if kwargs.get("input_ids") is None:
+            raise ConfigError(
+                f"{type(module).__name__} is context-parallel and splits input_ids along the sequence; this call "
+                "passes none (inputs_embeds are not split): pass input_ids"
+            )
         names = ("input_ids", "labels", "attention_mask", "position_ids")
         tensors: dict[str, torch.Tensor] = {k: kwargs.pop(k) for k in names if kwargs.get(k) is not None}
         for k in names:

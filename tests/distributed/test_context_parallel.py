@@ -154,6 +154,11 @@ def _refusals(rank: int, cp: int) -> dict:
         model(input_ids=torch.zeros(1, 8, dtype=torch.long))
     except ConfigError as error:
         errors["unsplit"] = str(error)
+    attach_context_parallel(model, group)
+    try:
+        model(inputs_embeds=torch.zeros(1, 8, 64))
+    except ConfigError as error:
+        errors["embeds"] = str(error)
     return errors
 
 
@@ -161,4 +166,5 @@ def test_what_context_parallelism_cannot_take_is_one_line():
     errors = run_distributed(_refusals, world_size=2)[0]
     assert "30 tokens does not split into 2 x 2 equal chunks" in errors["length"]
     assert "carries no split batch" in errors["unsplit"]
+    assert "splits input_ids along the sequence; this call passes none" in errors["embeds"]
     assert "cp_comm_type 'allgather' is unknown; use one of ('p2p', 'a2a')" in errors["comm"]

@@ -13,31 +13,39 @@ from tests.e2e.launch import accelerate_launch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_load_memory_example_runs_on_a_tiny_model():
+def _benchmark(script: str, *args: str) -> str:
+    """``python examples/benchmarks/<script> <args>`` from the repository root; its stdout once it succeeded."""
     out = subprocess.run(
-        [sys.executable, "examples/benchmarks/load_memory.py", "--model", "tiny-llama", "--tp", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [sys.executable, f"examples/benchmarks/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "full HF load" in out.stdout and "mtk tp=2 load, rank 1" in out.stdout
+    return out.stdout
+
+
+def test_load_memory_example_runs_on_a_tiny_model():
+    out = _benchmark("load_memory.py", "--model", "tiny-llama", "--tp", "2")
+    assert "full HF load" in out and "mtk tp=2 load, rank 1" in out
 
 
 def test_chunked_loss_benchmark_runs_on_a_tiny_model(tmp_path):
-    command = ["examples/benchmarks/chunked_loss.py", "--model", "tiny-llama", "--seqs", "64", "--chunk", "16"]
-    out = subprocess.run(
-        [sys.executable, *command, "--steps", "1", "--json", str(tmp_path / "loss.json")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "logits kept" in out.stdout and "chunked 16" in out.stdout
-    rows = json.loads((tmp_path / "loss.json").read_text())["rows"]["64"]
+    args = [
+        "--model",
+        "tiny-llama",
+        "--seqs",
+        "64",
+        "--chunk",
+        "16",
+        "--steps",
+        "1",
+        "--json",
+        str(tmp_path / "l.json"),
+    ]
+    out = _benchmark("chunked_loss.py", *args)
+    assert "logits kept" in out and "chunked 16" in out
+    rows = json.loads((tmp_path / "l.json").read_text())["rows"]["64"]
     assert set(rows) == {"logits kept", "chunked", "chunked 16"}
+    kept = rows["logits kept"]["activations_mib"]  # the logits and their softmax, held for backward, are gone:
+    assert rows["chunked"]["activations_mib"] < kept and rows["chunked 16"]["activations_mib"] < kept
 
 
 def _classify(out_dir, *extra):
