@@ -37,7 +37,7 @@ from mtk.args import (
     positive_int,
 )
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
-from mtk.config import PIPELINE_SCHEDULES, RunSettings
+from mtk.config import CP_COMM_TYPES, PIPELINE_SCHEDULES, RunSettings
 from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, tokenizer_for
 from mtk.errors import DataError
 from mtk.integrations.accelerate.save import check_target, save_pretrained
@@ -127,6 +127,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="tokens per chunk of the loss that never holds the logits; 0: off (default: MTK_LOSS_CHUNK_TOKENS, "
         "else chunks of at most 256 MiB of fp32 logits)",
     )
+    parser.add_argument(
+        "--cp_comm_type",
+        choices=CP_COMM_TYPES,
+        help="context parallelism's attention (megatron_lm_context_parallel_size > 1): ring (p2p) or all-to-all "
+        "(a2a) (default: MTK_CP_COMM_TYPE, else p2p)",
+    )
     add_safety_arguments(parser)
     add_recompute_argument(parser)
     add_lora_arguments(parser)
@@ -154,6 +160,7 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
             pipeline_layers=args.pipeline_layers,
             virtual_stages=args.virtual_stages,
             loss_chunk_tokens=args.loss_chunk_tokens,
+            cp_comm_type=args.cp_comm_type,
             gradient_clipping=args.max_grad_norm,
             recompute_granularity="full" if args.gradient_checkpointing else None,
         ),

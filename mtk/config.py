@@ -33,6 +33,7 @@ from typing import Any
 from mtk.errors import ConfigError
 
 __all__ = [
+    "CP_COMM_TYPES",
     "PIPELINE_SCHEDULES",
     "ConfigError",
     "ParallelConfig",
@@ -67,6 +68,7 @@ logger = logging.getLogger("mtk")
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
+CP_COMM_TYPES = ("p2p", "a2a")  # Megatron's cp_comm_type values mtk runs
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -144,21 +146,29 @@ class ParallelConfig:
             (``MEGATRON_LM_TP_DEGREE``).
         pp_size: pipeline-parallel degree; the stack of layers is cut into this many stages
             (``MEGATRON_LM_PP_DEGREE``).
+        cp_size: context-parallel degree; each sequence is split over this many ranks, which hold the same
+            weights (``MEGATRON_LM_CONTEXT_PARALLEL_SIZE``, accelerate's ``megatron_lm_context_parallel_size``).
     """
 
     tp_size: int = 1
     pp_size: int = 1
+    cp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "pp_size"):
+        for name in ("tp_size", "pp_size", "cp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **explicit: Any) -> ParallelConfig:
-        """Explicit ``tp_size``/``pp_size`` (``None`` = not given), else the ``MEGATRON_LM_*`` variables."""
-        sources = {"tp_size": ("MEGATRON_LM_TP_DEGREE", _parse_int), "pp_size": ("MEGATRON_LM_PP_DEGREE", _parse_int)}
+        """Explicit ``tp_size``/``pp_size``/``cp_size`` (``None`` = not given), else the ``MEGATRON_LM_*``
+        variables."""
+        sources = {
+            "tp_size": ("MEGATRON_LM_TP_DEGREE", _parse_int),
+            "pp_size": ("MEGATRON_LM_PP_DEGREE", _parse_int),
+            "cp_size": ("MEGATRON_LM_CONTEXT_PARALLEL_SIZE", _parse_int),
+        }
         return cls(**_resolve({}, os.environ if env is None else env, sources, explicit))
 
 
@@ -199,6 +209,9 @@ class RunSettings:
         loss_chunk_tokens: the training loss takes the LM head's product over in chunks of this many tokens and
             never holds the ``[b, s, V/tp]`` logits (:mod:`mtk.parallel.chunked_loss`); unset: chunks of at most
             256 MiB of fp32 logits; 0: off (``MTK_LOSS_CHUNK_TOKENS``).
+        cp_comm_type: how context-parallel attention exchanges the sequence, Megatron's name: ``p2p`` (ring
+            attention, keys and values passed around the CP group) or ``a2a`` (all-to-all between sequence and
+            heads, Ulysses) (``MTK_CP_COMM_TYPE``; accelerate's schema has no key for it).
     """
 
     num_micro_batches: int = 1
@@ -215,6 +228,7 @@ class RunSettings:
     recompute_num_layers: int = 1
     use_distributed_optimizer: bool = False
     loss_chunk_tokens: int | None = None
+    cp_comm_type: str = "p2p"
 
     def layers_per_stage(self, num_layers: int, pp_size: int) -> tuple[int, ...]:
         """Decoder blocks per stage as asked (``pipeline_layers``, or ``last_stage_layers`` with the rest
@@ -286,6 +300,8 @@ class RunSettings:
             raise ConfigError(f"recompute_method {self.recompute_method!r} is unknown; use one of {RECOMPUTE_METHODS}")
         if self.recompute_num_layers < 1:
             raise ConfigError(f"recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ConfigError(f"cp_comm_type {self.cp_comm_type!r} is unknown; use one of {CP_COMM_TYPES}")
         if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 0:
             raise ConfigError(
                 f"loss_chunk_tokens must be 0 (off) or a number of tokens per chunk, got {self.loss_chunk_tokens}"
@@ -309,5 +325,6 @@ class RunSettings:
             "recompute_num_layers": ("MEGATRON_LM_RECOMPUTE_NUM_LAYERS", _parse_int),
             "use_distributed_optimizer": ("MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER", parse_bool),
             "loss_chunk_tokens": ("MTK_LOSS_CHUNK_TOKENS", _parse_int),
+            "cp_comm_type": ("MTK_CP_COMM_TYPE", _parse_word),
         }
         return cls(**_resolve({}, os.environ if env is None else env, sources, explicit))

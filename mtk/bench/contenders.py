@@ -58,7 +58,7 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     torch.set_num_threads(spec.threads)
     device = bench_device()
     baseline = resident_memory(device)
-    parallel = ParallelState.build(tp_size=spec.tp_size, pp_size=spec.pp_size, device=device)
+    parallel = ParallelState.build(tp_size=spec.tp_size, pp_size=spec.pp_size, cp_size=spec.cp_size, device=device)
     model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
     parallelize(
         model,
@@ -70,7 +70,7 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     )
     record = parallelized(model)
     enable_recompute(model, RunSettings(recompute_granularity=spec.recompute), record.rng if record else None)
-    if spec.cp_size > 1:  # TP fastest, then CP: with one replica, what ParallelState calls DP is the CP group
+    if spec.cp_size > 1:
         return _run_context_parallel(spec, model, parallel, device, baseline)
 
     def sync_sequence_parallel() -> None:  # what the Accelerator does after backward
@@ -125,15 +125,16 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
 
 
 def _run_context_parallel(spec: BenchSpec, model, parallel: ParallelState, device, baseline: int) -> dict:
-    """One replica whose every TP rank's sequence is split over ``spec.cp_size`` ranks; each rank's loss is its
-    share of the batch's, so the gradients are summed (not averaged) over the CP group after backward."""
-    cp_group = parallel.dp_group
+    """One replica whose every TP rank's sequence is split over ``spec.cp_size`` ranks; each rank backpropagates
+    ``cp`` times its share of the batch's loss, so the gradients are averaged over the CP group after backward, as
+    the Accelerator's DDP does over the DP x CP replicas."""
+    cp_group = parallel.cp_group
     attach_context_parallel(model, cp_group, spec.cp_comm)
 
     def after_backward() -> None:
         if spec.sequence_parallel:
             sync_sequence_parallel_grads(model, parallel.tp_group)
-        all_reduce_coalesced([p.grad for p in model.parameters() if p.grad is not None], cp_group, average=False)
+        all_reduce_coalesced([p.grad for p in model.parameters() if p.grad is not None], cp_group, average=True)
 
     return measure_model(spec, model.to(device), device, after_backward, baseline)
 

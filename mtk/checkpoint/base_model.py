@@ -44,20 +44,20 @@ def fingerprint(model: nn.Module, parallel: ParallelState | None = None) -> dict
     ``mtk export --merge`` reads)."""
     device = parallel.device if parallel else torch.device("cpu")
     totals = torch.zeros(5, dtype=torch.float64, device=device)
-    dp_rank = parallel.dp_rank if parallel else 0
+    replica_rank = parallel.replica_rank if parallel else 0  # DP x CP: the ranks with the same weights
     first = parallel is None or parallel.tp_rank == 0
     for name, param in model.named_parameters():
         info = param_info(param)
         if (param.requires_grad and parallel is not None) or info.pipeline_duplicate:
             continue
-        if not counted_here(param, dp_rank):  # one replica counts (FSDP2: each piece of the first, once)
+        if not counted_here(param, replica_rank):  # one replica counts (FSDP2: each piece of the first, once)
             continue
         shape, spec = full_shape_and_spec(model, name)
         if spec.is_replicated and not first:
             continue
         values = local(param.detach()).to(device, torch.float64)  # [shard, or this rank's piece of it]
         weight = 1.0 if spec.is_replicated else 1.0 / info.tp_replicas
-        if dp_rank == 0:  # the parameter itself is counted once, whatever splits it
+        if replica_rank == 0:  # the parameter itself is counted once, whatever splits it
             totals[0] += float(first)
             totals[1] += float(torch.Size(shape).numel()) * first
         totals[2:] += torch.stack([values.sum(), values.abs().sum(), values.square().sum()]) * weight

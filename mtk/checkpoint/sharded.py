@@ -108,13 +108,13 @@ def save_checkpoint(
             paths.make_dirs()
         _barrier()
         checksums = Checksums(tmp)  # hashes each big file in the background while the next is written
-        # weights and optimizer are replicated over DP: one copy per (tp, pp), written by DP rank 0 (a
-        # distributed optimizer first gathers its state there: collective, every DP rank takes part). FSDP2 splits
+        # weights and optimizer are replicated over DP x CP: one copy per (tp, pp), written by replica rank 0 (a
+        # distributed optimizer first gathers its state there: collective, every replica takes part). FSDP2 splits
         # them over DP (ZeRO-3 too): each rank writes its own flat piece of its TP shard (HSDP: the first replica)
         index = piece.index if piece is not None else None
         tp, pp = parallel.tp_rank, parallel.pp_rank
         with full_optimizer_state(optimizers, gather=True):
-            if piece.writes if piece is not None else parallel.dp_rank == 0:
+            if piece.writes if piece is not None else parallel.replica_rank == 0:
                 # the biggest files first (Adam's are twice the weights): only the last one's hash is not hidden
                 for i, optimizer in enumerate(optimizers):
                     stem, groups = paths.optimizer(tp, pp, i, piece=index), paths.optimizer(tp, pp, i)

@@ -1,4 +1,4 @@
-"""``mtk topology``: print the Megatron rank layout for a world size, TP and PP degree (no processes)."""
+"""``mtk topology``: print the Megatron rank layout for a world size, TP, CP and PP degree (no processes)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from mtk.parallel.layout import Layout
 
 _TITLES = {
     "tp": "tensor-parallel",
+    "cp": "context-parallel",
     "dp": "data-parallel",
+    "replica": "replica (DP x CP: gradients and optimizer state)",
     "pp": "pipeline-parallel",
     "mp": "model-parallel (TP x PP)",
     "embedding": "embedding (first + last stage)",
@@ -19,19 +21,21 @@ _TITLES = {
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "topology",
-        help="print the TP/DP/PP/model-parallel/embedding groups of a layout",
-        description="Print which global ranks form each process group (TP fastest, then DP, then PP).",
+        help="print the TP/CP/DP/PP/model-parallel/embedding groups of a layout",
+        description="Print which global ranks form each process group (TP fastest, then CP, then DP, then PP).",
     )
     parser.add_argument("--world", type=int, required=True, help="total number of processes")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel degree (default 1)")
     parser.add_argument("--json", action="store_true", help="print the groups as JSON")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    layout = Layout(world_size=args.world, tp_size=args.tp, pp_size=args.pp)
-    groups = {kind: layout.groups(kind) for kind in _TITLES}
+    layout = Layout(world_size=args.world, tp_size=args.tp, pp_size=args.pp, cp_size=args.cp)
+    titles = {k: v for k, v in _TITLES.items() if layout.cp_size > 1 or k not in ("cp", "replica")}
+    groups = {kind: layout.groups(kind) for kind in titles}
     if args.json:
         print(
             json.dumps(
@@ -40,12 +44,14 @@ def run(args: argparse.Namespace) -> int:
                     "tp": layout.tp_size,
                     "pp": layout.pp_size,
                     "dp": layout.dp_size,
+                    "cp": layout.cp_size,
                     "groups": groups,
                 }
             )
         )
         return 0
-    print(f"world {layout.world_size} = tp {layout.tp_size} x dp {layout.dp_size} x pp {layout.pp_size}")
-    for kind, title in _TITLES.items():
+    cp = f" x cp {layout.cp_size}" if layout.cp_size > 1 else ""
+    print(f"world {layout.world_size} = tp {layout.tp_size}{cp} x dp {layout.dp_size} x pp {layout.pp_size}")
+    for kind, title in titles.items():
         print(f"{title} groups ({len(groups[kind])}): " + " ".join(str(g) for g in groups[kind]))
     return 0

@@ -19,12 +19,17 @@ transformers passes per-call attention arguments, as a keyword (:data:`KEYWORD`)
 to every attention call; no mask is built (:data:`ATTENTION`'s mask function returns none).
 
 The loss is the HF model's, token-weighted over the CP group like over data parallelism: each rank sums its
-tokens' losses and divides by the labelled tokens of the whole row (``num_items_in_batch``), so the CP ranks' losses
-add up to the row's mean and their gradients, summed over the CP group, are the unsplit model's.
+tokens' losses and divides by the labelled tokens of the whole row (``num_items_in_batch``), so the CP ranks' shares
+add up to the row's mean. A model made context-parallel by :func:`attach_context_parallel` then behaves like ``cp``
+data-parallel replicas given the same batch (Megatron-Core's convention, which scales each CP rank's loss by ``cp``):
+every CP rank returns the whole batch's loss, and backpropagates ``cp`` times its share, so the gradients averaged
+over the DP x CP replica group (DDP, the distributed optimizer) are the unsplit model's and every metric reduced
+over DP is unchanged.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,11 +38,14 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from mtk.config import CP_COMM_TYPES
 from mtk.data.formats import IGNORE_INDEX
 from mtk.errors import ConfigError
 from mtk.parallel.a2a_attention import all_to_all_attention
-from mtk.parallel.comm import Group, group_rank, group_size
+from mtk.parallel.comm import Group, all_reduce, gather_from_sequence, group_rank, group_size
+from mtk.parallel.recompute import never_saved
 from mtk.parallel.ring_attention import ring_attention
+from mtk.parallel.sequence_padding import PER_POSITION, pad_batch
 
 __all__ = [
     "ATTENTION",
@@ -45,13 +53,17 @@ __all__ = [
     "ContextShard",
     "attach_context_parallel",
     "balanced_indices",
+    "context_parallel_of",
     "split_for_context",
     "use_context_attention",
+    "whole_rows",
 ]
 
 ATTENTION = "mtk_context"  # the attention implementation's name in transformers' registry
 KEYWORD = "mtk_context"  # the forward keyword carrying a ContextShard to every attention call
-COMM_TYPES = ("p2p", "a2a")
+_PER_TOKEN = ("logits", "hidden_states")  # per-position outputs of every token; the others are label-aligned
+_ATTACHED = "_mtk_context_parallel"  # (group, comm) on a model attach_context_parallel converted
+COMM_TYPES = CP_COMM_TYPES
 
 
 @dataclass
@@ -63,6 +75,8 @@ class ContextShard:
     documents: torch.Tensor  # its document (packed rows), any integers
     valid: torch.Tensor  # False for padding
     comm: str = "p2p"  # Megatron's cp_comm_type: "p2p" (ring attention) or "a2a" (all-to-all, Ulysses)
+    row_length: int | None = None  # the caller's row length, before padding for the split
+    caller_shifted: bool = False  # the caller passed shift_labels: label-aligned outputs keep every position
 
 
 def balanced_indices(seq: int, rank: int, size: int, device: torch.device | None = None) -> torch.Tensor:
@@ -88,7 +102,8 @@ def documents_of(position_ids: torch.Tensor) -> torch.Tensor:
 def split_for_context(
     batch: dict[str, torch.Tensor], group: Group, comm: str = "p2p"
 ) -> tuple[dict[str, Any], torch.Tensor]:
-    """This CP rank's part of ``batch`` (``input_ids``, ``labels``, optional ``attention_mask``/``position_ids``,
+    """This CP rank's part of ``batch`` (``input_ids``, ``labels`` or ``shift_labels`` (already shifted: position
+    ``t`` labelled with what follows it), optional ``attention_mask``/``position_ids``,
     each ``[b, S]``) and the labelled tokens of the whole batch, to pass as ``num_items_in_batch``.
 
     Returns the model's keyword arguments: the rank's ``input_ids`` and ``position_ids``, ``labels`` and
@@ -106,8 +121,8 @@ def split_for_context(
     mask = batch.get("attention_mask")
     valid = torch.ones(b, seq, dtype=torch.bool, device=device) if mask is None else mask.bool()
     labels = batch.get("labels")
-    shifted = None
-    if labels is not None:
+    shifted = batch.get("shift_labels")
+    if shifted is None and labels is not None:
         shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]  # [b, S]: token t predicts t + 1
     mine = balanced_indices(seq, group_rank(group), group_size(group), device)
     shard = ContextShard(
@@ -158,7 +173,8 @@ def _context_attention(
         raise ConfigError(f"{name} has attention dropout {dropout}; context parallelism computes attention without it")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     attend = all_to_all_attention if shard.comm == "a2a" else ring_attention
-    out = attend(query, key, value, shard.positions, shard.documents, shard.valid, shard.group, scaling=scaling)
+    with never_saved():  # under selective recompute the attention reruns (Megatron's "core attention" recompute)
+        out = attend(query, key, value, shard.positions, shard.documents, shard.valid, shard.group, scaling=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -177,11 +193,14 @@ def use_context_attention(model: Any) -> None:
 
 
 class _SplitInputs:
-    """Forward pre-hook: the whole batch a caller passes becomes this CP rank's part (:func:`split_for_context`);
-    ``num_items_in_batch`` is the caller's (it counts whole rows already) or the batch's labelled tokens."""
+    """Forward pre-hook: the whole batch a caller passes becomes this CP rank's part (:func:`split_for_context`).
 
-    def __init__(self, group: Group, comm: str) -> None:
-        self.group, self.comm = group, comm
+    ``num_items_in_batch`` is the caller's (it counts whole rows already) or the batch's labelled tokens, divided by
+    ``cp``: the rank's loss is ``cp`` times its share (see the module docstring). Rows are first padded at the end
+    to a multiple of ``multiple`` positions (unlabelled, masked: nothing real changes, :func:`pad_batch`)."""
+
+    def __init__(self, group: Group, comm: str, multiple: int) -> None:
+        self.group, self.comm, self.multiple = group, comm, multiple
 
     def __call__(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
         if KEYWORD in kwargs:
@@ -193,22 +212,80 @@ class _SplitInputs:
                 f"{type(module).__name__} is context-parallel and splits input_ids along the sequence; this call "
                 "passes none (inputs_embeds are not split): pass input_ids"
             )
-        names = ("input_ids", "labels", "attention_mask", "position_ids")
+        names = ("input_ids", "labels", "shift_labels", "attention_mask", "position_ids")
         tensors: dict[str, torch.Tensor] = {k: kwargs.pop(k) for k in names if kwargs.get(k) is not None}
         for k in names:
             kwargs.pop(k, None)
+        length = tensors["input_ids"].shape[1]
+        tensors, _ = pad_batch(tensors, self.multiple, reason="context parallelism")
         local, count = split_for_context(tensors, self.group, self.comm)
-        if "labels" in local and kwargs.get("num_items_in_batch") is None:
-            kwargs["num_items_in_batch"] = count
+        local[KEYWORD].row_length = length
+        local[KEYWORD].caller_shifted = "shift_labels" in tensors
+        if "labels" in local:
+            given = kwargs.get("num_items_in_batch")
+            kwargs["num_items_in_batch"] = (count if given is None else given) / group_size(self.group)
         return (), {**kwargs, **local}
 
 
-def attach_context_parallel(model: Any, group: Group, comm: str = "p2p") -> None:
+def _whole_outputs(module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
+    """Forward hook: what the call returns is the whole batch's, on every CP rank.
+
+    The loss is the mean of the CP ranks' values, with this rank's own gradient (``cp`` times its share). Every
+    per-position output (logits, hidden states, TRL's fused-head fields) is gathered over the group into whole rows,
+    in row order, without the split's padding; its gradient goes back to the rank that computed each position
+    (summed over the ranks that used it, which the average over the replicas then divides). The chunked loss's
+    logits stand-in holds nothing and stays as it is."""
+    shard = kwargs.get(KEYWORD)
+    if not isinstance(shard, ContextShard):
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is not None:
+        whole = all_reduce(loss.detach().clone(), shard.group) / group_size(shard.group)
+        output.loss = loss + (whole - loss.detach())
+    local = shard.positions.shape[1]
+    length = shard.row_length or local * group_size(shard.group)
+    for key in PER_POSITION:
+        value = getattr(output, key, None)
+        # a fused head's label-aligned fields: one position fewer when the call shifted its labels itself
+        keep = length if key in _PER_TOKEN or shard.caller_shifted else length - 1
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == local and any(value.stride()):
+            output[key] = whole_rows(value, shard)[:, :keep]
+        elif isinstance(value, tuple) and all(isinstance(v, torch.Tensor) for v in value):
+            output[key] = tuple(whole_rows(v, shard) for v in value)
+    return output
+
+
+def whole_rows(local: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+    """``[b, s/cp, ...]`` per-position values of this rank -> ``[b, S, ...]`` of the whole rows (collective; the
+    gradient of each position returns to the rank that holds it)."""
+    size = group_size(shard.group)
+    gathered = gather_from_sequence(local, shard.group, dim=1)  # [b, S, ...], rank r's positions at r * s/cp
+    seq = gathered.shape[1]
+    order = torch.cat([balanced_indices(seq, r, size, local.device) for r in range(size)])  # [S]: row index of each
+    return gathered.index_select(1, torch.argsort(order)[: shard.row_length or seq])  # [b, S, ...] in row order
+
+
+def attach_context_parallel(model: Any, group: Group, comm: str = "p2p", sequence_split: int = 1) -> None:
     """Make ``model`` context-parallel over ``group``: attention as :data:`ATTENTION`, and every call's whole batch
-    split to this rank's tokens first. The returned loss is this rank's share (its tokens' summed losses over the
-    whole batch's labelled tokens): the CP group's losses add up to the batch's, and the parameters' gradients
-    must be summed over the group after backward."""
+    split to this rank's tokens first. Each CP rank then returns the whole batch's loss and backpropagates ``cp``
+    times its share: average the gradients over the CP group (with DP: over the DP x CP replica group), as over
+    data-parallel replicas. ``sequence_split``: how many ways each rank's tokens are cut again (the TP size under
+    sequence parallelism), so rows are padded to a multiple of ``2·cp`` and of ``cp·sequence_split``. A second call
+    with the same group changes nothing."""
     if comm not in COMM_TYPES:
         raise ConfigError(f"cp_comm_type {comm!r} is unknown; use one of {COMM_TYPES}")
+    attached = getattr(model, _ATTACHED, None)
+    if attached is not None:
+        if attached != (group, comm):
+            raise ConfigError("the model is context-parallel over another group already; build it anew for this one")
+        return
     use_context_attention(model)
-    model.register_forward_pre_hook(_SplitInputs(group, comm), with_kwargs=True)
+    cp = group_size(group)
+    model.register_forward_pre_hook(_SplitInputs(group, comm, math.lcm(2 * cp, cp * sequence_split)), with_kwargs=True)
+    model.register_forward_hook(_whole_outputs, with_kwargs=True)
+    setattr(model, _ATTACHED, (group, comm))
+
+
+def context_parallel_of(model: Any) -> tuple[Group, str] | None:
+    """``(group, comm)`` of a model :func:`attach_context_parallel` made context-parallel, else ``None``."""
+    return getattr(model, _ATTACHED, None)

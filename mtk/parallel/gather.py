@@ -84,7 +84,7 @@ def gather_state_dict(
     more than one of them gathered. Collective: every rank must call it.
     """
     main = parallel.rank == 0
-    sender = parallel.tp_rank == 0 and parallel.dp_rank == 0  # one copy of each stage goes to rank 0
+    sender = parallel.tp_rank == 0 and parallel.replica_rank == 0  # one copy of each stage goes to rank 0
     full: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}  # name -> the name whose tensor it shares
     seen: dict[int, str] = {}

@@ -1,9 +1,14 @@
-"""Megatron's rank layout as a pure function of (world size, tp, pp).
+"""Megatron's rank layout as a pure function of (world size, tp, cp, pp).
 
-Ranks are laid out tensor-parallel fastest, then data-parallel, then pipeline-parallel: the global
-rank grid is ``range(world).reshape(pp, dp, tp)`` and every kind of group is one slice of it. TP
-groups are therefore runs of consecutive ranks (they all-reduce every layer, so they should share a
-node), while PP groups stride across the whole world (they only exchange small P2P messages).
+Ranks are laid out tensor-parallel fastest, then context-parallel, then data-parallel, then
+pipeline-parallel (Megatron-Core's order): the global rank grid is ``range(world).reshape(pp, dp, cp, tp)``
+and every kind of group is one slice of it. TP groups are therefore runs of consecutive ranks (they
+all-reduce every layer, so they should share a node), CP groups next (they pass keys and values every
+layer), while PP groups stride across the whole world (they only exchange small P2P messages).
+
+A CP group's ranks hold the same weights and split each sequence between them, so the ranks that
+reduce gradients and share optimizer state are the DP x CP *replica* group (Megatron's data-parallel
+group "with context parallel", DeepSpeed's sequence-data-parallel group); data is split over DP only.
 
 Nothing here touches torch.distributed, so the layout of a 1,024-rank job can be checked in a unit
 test without launching a single process.
@@ -11,6 +16,7 @@ test without launching a single process.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from mtk.errors import LayoutError
@@ -25,91 +31,116 @@ class Coords:
     tp_rank: int
     dp_rank: int
     pp_rank: int
+    cp_rank: int = 0
 
 
 @dataclass(frozen=True)
 class Layout:
-    """The rank grid for ``world_size`` processes split into TP x DP x PP.
+    """The rank grid for ``world_size`` processes split into TP x CP x DP x PP.
 
     Attributes:
         world_size: total number of processes.
         tp_size: tensor-parallel degree (ranks that split each layer's weights).
         pp_size: pipeline-parallel degree (ranks that split the stack of layers).
+        cp_size: context-parallel degree (ranks that split each sequence; they hold the same weights).
     """
 
     world_size: int
     tp_size: int = 1
     pp_size: int = 1
+    cp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp_size", "pp_size"):
+        for name in ("world_size", "tp_size", "pp_size", "cp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
-        model_parallel = self.tp_size * self.pp_size
-        if self.world_size % model_parallel:
+        cut = self.tp_size * self.cp_size * self.pp_size
+        if self.world_size % cut:
             valid = [n for n in range(1, self.world_size + 1) if self.world_size % n == 0]
+            names = "tp*cp*pp" if self.cp_size > 1 else "tp*pp"
+            sizes = (
+                f"{self.tp_size}*{self.cp_size}*{self.pp_size}"
+                if self.cp_size > 1
+                else f"{self.tp_size}*{self.pp_size}"
+            )
             raise LayoutError(
-                f"world size {self.world_size} is not divisible by tp*pp = {self.tp_size}*{self.pp_size} = "
-                f"{model_parallel}; tp*pp must divide the world size (divisors of {self.world_size}: {valid})"
+                f"world size {self.world_size} is not divisible by {names} = {sizes} = "
+                f"{cut}; {names} must divide the world size (divisors of {self.world_size}: {valid})"
             )
 
     @property
     def dp_size(self) -> int:
-        """Number of model replicas (data-parallel degree)."""
-        return self.world_size // (self.tp_size * self.pp_size)
+        """Number of data shards (data-parallel degree)."""
+        return self.world_size // (self.tp_size * self.cp_size * self.pp_size)
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks holding the same weights: DP x CP (gradients are reduced over them)."""
+        return self.dp_size * self.cp_size
 
     def coords(self, rank: int) -> Coords:
-        """(tp_rank, dp_rank, pp_rank) of a global rank."""
+        """(tp_rank, dp_rank, pp_rank, cp_rank) of a global rank."""
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} is outside the world of {self.world_size} processes")
         tp_rank = rank % self.tp_size
-        dp_rank = (rank // self.tp_size) % self.dp_size
-        pp_rank = rank // (self.tp_size * self.dp_size)
-        return Coords(tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank)
+        cp_rank = (rank // self.tp_size) % self.cp_size
+        dp_rank = (rank // (self.tp_size * self.cp_size)) % self.dp_size
+        pp_rank = rank // (self.tp_size * self.cp_size * self.dp_size)
+        return Coords(tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank, cp_rank=cp_rank)
 
-    def rank_at(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+    def rank_at(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
         """Global rank at the given coordinates (inverse of :meth:`coords`)."""
-        return (pp_rank * self.dp_size + dp_rank) * self.tp_size + tp_rank
+        return ((pp_rank * self.dp_size + dp_rank) * self.cp_size + cp_rank) * self.tp_size + tp_rank
+
+    def _slices(self, spans: str) -> list[list[int]]:
+        """Every group that varies the axes named in ``spans`` (of ``p``, ``d``, ``c``, ``t``) and fixes the others;
+        groups and the ranks inside them both ordered pp, dp, cp, tp (outermost first)."""
+        sizes = {"p": self.pp_size, "d": self.dp_size, "c": self.cp_size, "t": self.tp_size}
+        fixed_axes = [axis for axis in "pdct" if axis not in spans]
+        span_axes = [axis for axis in "pdct" if axis in spans]
+        groups = []
+        for fixed in itertools.product(*(range(sizes[axis]) for axis in fixed_axes)):
+            group = []
+            for varying in itertools.product(*(range(sizes[axis]) for axis in span_axes)):
+                at = dict(zip(fixed_axes, fixed)) | dict(zip(span_axes, varying))
+                group.append(self.rank_at(at["t"], at["d"], at["p"], at["c"]))
+            groups.append(group)
+        return groups
 
     # Each kind of group fixes all coordinates but the ones it spans.
     def tp_groups(self) -> list[list[int]]:
-        return [
-            [self.rank_at(t, d, p) for t in range(self.tp_size)]
-            for p in range(self.pp_size)
-            for d in range(self.dp_size)
-        ]
+        return self._slices("t")
+
+    def cp_groups(self) -> list[list[int]]:
+        return self._slices("c")
 
     def dp_groups(self) -> list[list[int]]:
-        return [
-            [self.rank_at(t, d, p) for d in range(self.dp_size)]
-            for p in range(self.pp_size)
-            for t in range(self.tp_size)
-        ]
+        return self._slices("d")
+
+    def replica_groups(self) -> list[list[int]]:
+        """DP x CP groups: every rank holding the same shard of the weights (gradients and optimizer state)."""
+        return self._slices("dc")
 
     def pp_groups(self) -> list[list[int]]:
-        return [
-            [self.rank_at(t, d, p) for p in range(self.pp_size)]
-            for d in range(self.dp_size)
-            for t in range(self.tp_size)
-        ]
+        return self._slices("p")
 
     def model_parallel_groups(self) -> list[list[int]]:
         """TP x PP groups: every rank that holds a piece of one model replica."""
-        return [
-            [self.rank_at(t, d, p) for p in range(self.pp_size) for t in range(self.tp_size)]
-            for d in range(self.dp_size)
-        ]
+        return self._slices("pt")
 
     def embedding_groups(self) -> list[list[int]]:
         """First and last stage of each pipeline: they hold the tied input/output embeddings."""
         return [sorted({group[0], group[-1]}) for group in self.pp_groups()]
 
     def groups(self, kind: str) -> list[list[int]]:
-        """All groups of one kind: ``tp``, ``dp``, ``pp``, ``mp`` (model-parallel) or ``embedding``."""
+        """All groups of one kind: ``tp``, ``cp``, ``dp``, ``replica`` (DP x CP), ``pp``, ``mp`` (model-parallel) or
+        ``embedding``."""
         builders = {
             "tp": self.tp_groups,
+            "cp": self.cp_groups,
             "dp": self.dp_groups,
+            "replica": self.replica_groups,
             "pp": self.pp_groups,
             "mp": self.model_parallel_groups,
             "embedding": self.embedding_groups,

@@ -19,6 +19,7 @@ masks the first forward drew (loss and gradients equal the run without recompute
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from functools import partial
 from typing import Any, cast
@@ -32,7 +33,7 @@ from mtk.config import RunSettings
 from mtk.errors import ConfigError
 from mtk.parallel.random import RNGStreams, recompute_context
 
-__all__ = ["enable_recompute", "recomputed_blocks"]
+__all__ = ["enable_recompute", "never_saved", "recomputed_blocks"]
 
 # Kept under selective recompute: the FLOP-heavy products (everything else is rerun).
 _SAVED_OPS = {
@@ -46,8 +47,24 @@ _SAVED_OPS = {
 }
 
 
+_UNSAVED = threading.local()  # depth of never_saved() blocks on this thread
+
+
+@contextlib.contextmanager
+def never_saved() -> Iterator[None]:
+    """Selective recompute keeps no product computed inside: code whose autograd function saves what its own
+    backward needs (context-parallel attention) would only have its temporaries kept twice, and mutates them."""
+    _UNSAVED.depth = getattr(_UNSAVED, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _UNSAVED.depth -= 1
+
+
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    if op in _SAVED_OPS and not getattr(_UNSAVED, "depth", 0):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 @contextlib.contextmanager

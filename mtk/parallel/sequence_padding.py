@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from mtk.data.formats import IGNORE_INDEX
 from mtk.errors import ConfigError
 
-__all__ = ["pad_batch", "trim_output"]
+__all__ = ["PER_POSITION", "pad_batch", "trim_output"]
 
 _FILL = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 0}
 # What a forward returns per position, trimmed back: HF's logits and hidden states, TRL's fused-head fields.
-_PER_POSITION = (
+PER_POSITION = (
     "logits", "hidden_states", "log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask",
 )  # fmt: skip
 
@@ -33,13 +33,14 @@ def pad_batch(
     pad_token_id: int | None = None,
     max_positions: int | None = None,
     causal: bool = True,
+    reason: str = "sequence parallelism",
 ) -> tuple[dict[str, Any], int]:
     """``batch`` with every per-position tensor (``[b, s, ...]``) padded at the end to a multiple of ``multiple``
     positions, and how many positions were added (0: the batch is returned as it is).
 
     ``causal``: no position attends to a later one, so the appended ones need no mask; otherwise (an encoder) a
     batch without ``attention_mask`` gets one that hides them, and ``pad_token_id`` must say what they hold (a
-    sequence classifier finds each row's last real token by it)."""
+    sequence classifier finds each row's last real token by it). ``reason``: what needs the multiple, for messages."""
     inputs = batch.get("input_ids", batch.get("inputs_embeds"))
     if inputs is None or multiple <= 1:
         return batch, 0
@@ -48,19 +49,20 @@ def pad_batch(
     if extra == 0:
         return batch, 0
     mask = batch.get("attention_mask")
+    what = f"{reason} (rows padded to a multiple of {multiple} positions)"
     if mask is not None and mask.dim() != 2:
         raise ConfigError(
-            f"sequence parallelism over {multiple} ranks with a {mask.dim()}-d attention mask and {length} positions: "
+            f"{what} with a {mask.dim()}-d attention mask and {length} positions: "
             f"mtk pads 2-d masks only; pad the batch to a multiple of {multiple} positions"
         )
     if max_positions is not None and length + extra > max_positions:
         raise ConfigError(
-            f"sequence parallelism over {multiple} ranks: {length} positions would be padded to {length + extra}, "
+            f"{what}: {length} positions would be padded to {length + extra}, "
             f"past the model's {max_positions}; use at most {max_positions - max_positions % multiple} positions"
         )
     if not causal and pad_token_id is None and "input_ids" in batch:
         raise ConfigError(
-            f"sequence parallelism over {multiple} ranks with {length} positions: mtk pads an encoder's batch with "
+            f"{what} with {length} positions: mtk pads an encoder's batch with "
             f"the model's pad_token_id, which is not set; set config.pad_token_id or pad to a multiple of {multiple}"
         )
     if not causal and mask is None:  # [b, s]: every given position is real
@@ -90,7 +92,7 @@ def trim_output(output: Any, extra: int, padded_length: int) -> Any:
         per_position = value.dim() >= 2 and value.shape[1] in (padded_length, padded_length - 1)
         return value[:, : value.shape[1] - extra] if per_position else value  # [b, s' - extra, ...]
 
-    for name in _PER_POSITION:
+    for name in PER_POSITION:
         value = getattr(output, name, None)
         if isinstance(value, torch.Tensor):
             setattr(output, name, trimmed(value))

@@ -25,6 +25,7 @@ from mtk.parallel.layout import Layout, LayoutError
 __all__ = ["ParallelState", "default_device", "group_timeout", "init_distributed", "new_group"]
 
 _KINDS = ("tp", "dp", "pp", "mp", "embedding")
+_CONTEXT_KINDS = ("cp", "replica")  # created only at cp > 1 (at cp = 1 the replica group is the DP group)
 
 # Every group this process created, kept until the process ends. DDP's C++ Reducer owns its group and is freed
 # without releasing the GIL; were it the group's last owner (accelerate's ``end_training`` has already destroyed the
@@ -87,9 +88,11 @@ def init_distributed(env: Mapping[str, str] | None = None, timeout: timedelta | 
 class ParallelState:
     """Rank layout + process groups of one process. Build it with :meth:`build` or :meth:`from_env`.
 
-    Vocabulary, used everywhere in mtk: ``tp_rank``/``tp_size``/``tp_group`` and the same for ``dp``
-    and ``pp``; ``mp`` is the model-parallel (TP x PP) group; the embedding group joins the first
-    and last pipeline stages (``None`` on ranks outside it).
+    Vocabulary, used everywhere in mtk: ``tp_rank``/``tp_size``/``tp_group`` and the same for ``cp``,
+    ``dp`` and ``pp``; ``replica`` is the DP x CP group (ranks with the same weights: gradients, optimizer
+    state and metrics are reduced over it; data is split over ``dp`` only); ``mp`` is the model-parallel
+    (TP x PP) group; the embedding group joins the first and last pipeline stages (``None`` on ranks
+    outside it).
     """
 
     def __init__(
@@ -104,13 +107,18 @@ class ParallelState:
         self.device = device
         coords = layout.coords(rank)
         self.tp_rank, self.dp_rank, self.pp_rank = coords.tp_rank, coords.dp_rank, coords.pp_rank
+        self.cp_rank = coords.cp_rank
         self.tp_ranks = layout.group_of("tp", rank)
+        self.cp_ranks = layout.group_of("cp", rank)
         self.dp_ranks = layout.group_of("dp", rank)
+        self.replica_ranks = layout.group_of("replica", rank)
         self.pp_ranks = layout.group_of("pp", rank)
         self.mp_ranks = layout.group_of("mp", rank)
         self.embedding_ranks = layout.group_of("embedding", rank)
         self.tp_group = groups.get("tp")
         self.dp_group = groups.get("dp")
+        self.cp_group = groups.get("cp")
+        self.replica_group = groups.get("replica") if layout.cp_size > 1 else self.dp_group
         self.pp_group = groups.get("pp")
         self.mp_group = groups.get("mp")
         self.embedding_group = groups.get("embedding")
@@ -122,9 +130,10 @@ class ParallelState:
         tp_size: int = 1,
         pp_size: int = 1,
         *,
+        cp_size: int = 1,
         device: torch.device | None = None,
     ) -> ParallelState:
-        """Create every TP/DP/PP/MP/embedding group. Collective: all ranks must call it together.
+        """Create every TP/CP/DP/replica/PP/MP/embedding group. Collective: all ranks must call it together.
 
         Without an initialized process group the job must be a single process; the groups are then
         ``None`` and every collective in mtk is skipped. Every group waits as long as the world group
@@ -134,14 +143,15 @@ class ParallelState:
             world_size, rank = dist.get_world_size(), dist.get_rank()
         else:
             world_size, rank = 1, 0
-        layout = Layout(world_size=world_size, tp_size=tp_size, pp_size=pp_size)
+        layout = Layout(world_size=world_size, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size)
         if device is None:
             device = default_device(int(os.environ.get("LOCAL_RANK", "0")))
-        groups: dict[str, dist.ProcessGroup | None] = dict.fromkeys(_KINDS)
+        kinds = _KINDS + (_CONTEXT_KINDS if cp_size > 1 else ())
+        groups: dict[str, dist.ProcessGroup | None] = dict.fromkeys(kinds)
         if dist.is_initialized():
             # dist.new_group is collective over the whole world: every rank creates every group, in
             # the same order, and keeps the one it belongs to.
-            for kind in _KINDS:
+            for kind in kinds:
                 for ranks in layout.groups(kind):
                     group = new_group(ranks, device)
                     if rank in ranks:
@@ -154,18 +164,18 @@ class ParallelState:
     ) -> ParallelState:
         """Initialize torch.distributed from the launcher's variables and build the groups.
 
-        TP/PP sizes: explicit ``tp_size``/``pp_size`` if given, else the ``MEGATRON_LM_*`` variables
-        ``accelerate launch`` exports for a ``megatron_lm_config`` block (:class:`ParallelConfig`).
+        TP/PP/CP sizes: explicit ``tp_size``/``pp_size``/``cp_size`` if given, else the ``MEGATRON_LM_*``
+        variables ``accelerate launch`` exports for a ``megatron_lm_config`` block (:class:`ParallelConfig`).
         ``timeout``: see :func:`init_distributed`.
         """
         init_distributed(env, timeout)
         config = ParallelConfig.from_env(env, **explicit)
-        return cls.build(config.tp_size, config.pp_size)
+        return cls.build(config.tp_size, config.pp_size, cp_size=config.cp_size)
 
     @property
     def config(self) -> ParallelConfig:
         """The topology this state was built for."""
-        return ParallelConfig(tp_size=self.tp_size, pp_size=self.pp_size)
+        return ParallelConfig(tp_size=self.tp_size, pp_size=self.pp_size, cp_size=self.cp_size)
 
     def tp_subgroup(self, size: int) -> dist.ProcessGroup | None:
         """This rank's block of ``size`` consecutive ranks inside its TP group (created once, cached).
@@ -214,7 +224,8 @@ class ParallelState:
         """Release the sub-groups this state created (the default group is left to its owner)."""
         if not dist.is_initialized():
             return
-        for group in {id(g): g for g in (self.tp_group, self.dp_group, self.pp_group, self.mp_group) if g}.values():
+        owned = (self.tp_group, self.cp_group, self.dp_group, self.replica_group, self.pp_group, self.mp_group)
+        for group in {id(g): g for g in owned if g}.values():
             dist.destroy_process_group(group)
 
     # ---------------------------------------------------------------------------------- shortcuts
@@ -233,6 +244,19 @@ class ParallelState:
     @property
     def dp_size(self) -> int:
         return self.layout.dp_size
+
+    @property
+    def cp_size(self) -> int:
+        return self.layout.cp_size
+
+    @property
+    def replica_size(self) -> int:
+        return self.layout.replica_size
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's index among the ranks holding its weights (0: the one that writes them)."""
+        return self.replica_ranks.index(self.rank)
 
     @property
     def mp_src_rank(self) -> int:
@@ -259,7 +283,8 @@ class ParallelState:
     def __repr__(self) -> str:
         return (
             f"ParallelState(rank={self.rank}, world={self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
-            f"dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size}, device={self.device})"
+            f"cp={self.cp_rank}/{self.cp_size}, dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size}, "
+            f"device={self.device})"
         )
 
     # ------------------------------------------------- Megatron ``mpu`` protocol, used by DeepSpeed
@@ -289,6 +314,15 @@ class ParallelState:
     get_pipe_parallel_group = get_pipeline_model_parallel_group
     get_pipe_parallel_rank = get_pipeline_model_parallel_rank
     get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size
+
+    def get_context_parallel_group(self) -> dist.ProcessGroup | None:
+        return self.cp_group
+
+    def get_context_parallel_rank(self) -> int:
+        return self.cp_rank
+
+    def get_context_parallel_world_size(self) -> int:
+        return self.cp_size
 
     def get_data_parallel_group(self) -> dist.ProcessGroup | None:
         return self.dp_group

@@ -10,8 +10,9 @@ its processes:
 
 - **Sizes.** The Trainer divides the world by :meth:`get_tp_size` to find its data-parallel size (the batch
   size it logs, the ``x DP`` it multiplies a token-weighted loss by); under mtk every TP and PP rank of a
-  replica shares its batch, so that divisor is ``tp x pp``. mtk's ``gather`` already spans only the replicas,
-  so the token count of a step is not divided again (:meth:`_get_num_items_in_batch`).
+  replica shares its batch, and so do the CP ranks that split its sequences, so that divisor is
+  ``tp x pp x cp``. mtk's ``gather`` already spans only the data-parallel ranks, so the token count of a step
+  is not divided again (:meth:`_get_num_items_in_batch`).
 - **Pipelines.** A pipelined model runs its backward inside its forward, so the factor the Trainer applies to
   the loss afterwards (``x DP`` for token-weighted losses, ``/ accumulation`` otherwise) is handed to it before
   (:meth:`training_step`).
@@ -181,11 +182,12 @@ class ParallelTrainerMixin(TrainerCheckpointing):
 
     # ----------------------------------------------------------------------------------------- sizes
     def get_tp_size(self) -> int:
-        """Ranks that share one batch: the replica's TP x PP ranks (1 while counting tokens, see below)."""
+        """Ranks that share one batch: the replica's TP x PP ranks and its CP ranks, which split the batch's
+        sequences (1 while counting tokens, see below)."""
         if self._counting_tokens:
             return 1
         parallel = self.accelerator.parallel
-        return parallel.tp_size * parallel.pp_size
+        return parallel.tp_size * parallel.pp_size * parallel.cp_size
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
         """The Trainer's count of label tokens over the step, summed over the data-parallel replicas. It divides

@@ -110,7 +110,9 @@ def test_tensor_parallel_with_sequence_parallel_inside_context_parallel_equals_h
 
 def _attached_checks(rank: int, cp: int) -> None:
     """attach_context_parallel: the caller passes the whole batch, the model splits it (and counts its tokens,
-    unless the caller's num_items_in_batch, for the whole rows, is given)."""
+    unless the caller's num_items_in_batch, for the whole rows, is given); every rank returns the whole batch's
+    loss, and the gradients averaged over the group are the unsplit model's (CP ranks average like DP replicas);
+    logits without gradient are the whole rows'."""
     group = dist.group.WORLD
     reference = build_model("tiny-llama", seed=0).eval()
     model = copy.deepcopy(reference)
@@ -123,14 +125,16 @@ def _attached_checks(rank: int, cp: int) -> None:
         model.zero_grad()
         out = model(**batch) if given is None else model(**batch, num_items_in_batch=given)
         out.loss.backward()
-        loss = out.loss.detach().clone()
-        dist.all_reduce(loss, group=group)
-        assert_close_rel(loss, ref_out.loss, f"attached loss (num_items_in_batch {given})")
+        assert_close_rel(out.loss.detach(), ref_out.loss, f"attached loss (num_items_in_batch {given})")
         grads = dict(reference.named_parameters())
         for param_name, param in model.named_parameters():
             grad = param.grad.clone()
             dist.all_reduce(grad, group=group)
+            grad /= dist.get_world_size(group)
             assert_close_rel(grad, grads[param_name].grad, f"attached grad of {param_name}", scale_floor=1e-6)
+    with torch.no_grad():  # evaluation: the whole rows' logits, in order, without the split's padding (30 -> 32)
+        cut = {k: v[:, :30] for k, v in _batch("padded").items()}
+        assert_close_rel(model(**cut).logits, reference(**cut, use_cache=False).logits, "attached logits")
 
 
 def test_a_model_attached_to_a_cp_group_splits_whole_batches_itself():

@@ -90,6 +90,19 @@ def test_tp2_logs_the_trainers_numbers_and_saves_what_from_pretrained_loads(refe
         assert_close_rel(ours[name], theirs[name], f"saved {name}")
 
 
+def test_tp2_cp2_logs_the_trainers_numbers_with_metrics_on_whole_rows(reference, tmp_path):
+    """accelerate_configs/tp2_cp2.yaml: each row split over two ranks; the loss, gradient norm and evaluation
+    loss are the single-process Trainer's, compute_metrics gets the whole rows' logits, save_model writes its
+    model."""
+    history, hf_dir = reference["metrics"]
+    ours = _mtk_run("tp2_cp2", tmp_path, "--metrics", "--save_model")
+    assert_same_history(ours, history, "TP=2 x CP=2")
+    saved, theirs = (load_file(d / "final" / "model.safetensors") for d in (tmp_path, hf_dir))
+    assert sorted(saved) == sorted(theirs)
+    for name in theirs:
+        assert_close_rel(saved[name], theirs[name], f"saved {name}")
+
+
 def test_checkpoint_n_is_a_verified_mtk_checkpoint_with_the_trainer_state_inside(tp2_run):
     checkpoint = tp2_run / "checkpoint-2"
     meta = read_verified(checkpoint)

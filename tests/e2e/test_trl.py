@@ -88,11 +88,23 @@ def references(chat_setup, tmp_path_factory) -> dict:
         ("sft", "tp2_pp2", (), 1),
         ("sft", "tp2_dp2", (), 2),
         ("sft", "tp2", ("--packing",), 1),
+        ("sft", "tp2_cp2", ("--packing",), 1),
         ("dpo", "tp2", (), 1),
         ("dpo", "tp2_dp2", (), 2),
         ("dpo", "tp2_pp2", (), 1),
+        ("dpo", "tp2_cp2", (), 1),
     ],
-    ids=["sft-tp2", "sft-tp2_pp2", "sft-tp2_dp2", "sft-packed-tp2", "dpo-tp2", "dpo-tp2_dp2", "dpo-tp2_pp2"],
+    ids=[
+        "sft-tp2",
+        "sft-tp2_pp2",
+        "sft-tp2_dp2",
+        "sft-packed-tp2",
+        "sft-packed-tp2_cp2",
+        "dpo-tp2",
+        "dpo-tp2_dp2",
+        "dpo-tp2_pp2",
+        "dpo-tp2_cp2",
+    ],
 )
 def test_a_trl_script_with_mtks_import_logs_trls_numbers(references, chat_setup, tmp_path, task, config, extra, dp):
     """SFT packing is TRL's padding-free BFD packing (one row per batch, position ids restart per example)."""

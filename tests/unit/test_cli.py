@@ -21,6 +21,11 @@ def test_topology_json_matches_layout():
     data = json.loads(out.stdout)
     assert data["dp"] == 2
     assert data["groups"]["pp"][0] == [0, 4, 8, 12]
+    assert "cp" not in data["groups"]  # without context parallelism, no CP or replica groups to show
+    out = _mtk("topology", "--world", "16", "--tp", "2", "--cp", "2", "--pp", "2", "--json")
+    data = json.loads(out.stdout)
+    assert (data["cp"], data["dp"]) == (2, 2)
+    assert data["groups"]["cp"][0] == [0, 2] and data["groups"]["replica"][0] == [0, 2, 4, 6]
 
 
 def test_topology_bad_input_is_one_line_and_nonzero():

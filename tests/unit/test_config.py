@@ -38,6 +38,17 @@ def test_the_loss_chunk_comes_from_mtk_variable_unset_is_sized_zero_is_off():
     assert RunSettings.from_env({"MTK_LOSS_CHUNK_TOKENS": "2048"}).loss_chunk_tokens == 2048
 
 
+def test_context_parallelism_comes_from_accelerates_megatron_key_and_its_attention_from_mtk_variable():
+    assert ParallelConfig.from_env({"MEGATRON_LM_CONTEXT_PARALLEL_SIZE": "4"}).cp_size == 4
+    assert ParallelConfig.from_env({}).cp_size == 1
+    assert RunSettings.from_env({}).cp_comm_type == "p2p"
+    assert RunSettings.from_env({"MTK_CP_COMM_TYPE": "a2a"}).cp_comm_type == "a2a"
+    with pytest.raises(ConfigError, match="cp_comm_type 'allgather' is unknown; use one of \\('p2p', 'a2a'\\)"):
+        RunSettings.from_env({"MTK_CP_COMM_TYPE": "allgather"})
+    with pytest.raises(ConfigError, match="cp_size must be a positive integer, got 0"):
+        ParallelConfig.from_env({"MEGATRON_LM_CONTEXT_PARALLEL_SIZE": "0"})
+
+
 def test_pipeline_settings_are_checked_against_the_layout():
     interleaved = RunSettings(pipeline_schedule="interleaved", virtual_stages=2, num_micro_batches=3)
     with pytest.raises(ConfigError, match="3 micro-batches is not a multiple; use a multiple of 2"):

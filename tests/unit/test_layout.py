@@ -1,4 +1,4 @@
-"""The Megatron rank layout is a pure function of (world, tp, pp): checked here without processes."""
+"""The Megatron rank layout is a pure function of (world, tp, cp, pp): checked here without processes."""
 
 import itertools
 
@@ -15,6 +15,34 @@ def test_design_example_world16_tp2_pp4():
     assert layout.pp_groups() == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
     assert layout.model_parallel_groups() == [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]
     assert layout.embedding_groups() == [[0, 12], [1, 13], [2, 14], [3, 15]]
+
+
+def test_megatron_core_context_parallel_example_world16_tp2_cp2_pp2():
+    """Megatron-Core's order, TP fastest, then CP, then DP, then PP (its parallel_state docstring's example)."""
+    layout = Layout(world_size=16, tp_size=2, pp_size=2, cp_size=2)
+    assert (layout.dp_size, layout.replica_size) == (2, 4)
+    assert layout.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert layout.cp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert layout.dp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert layout.replica_groups() == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert layout.pp_groups() == [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]]
+    assert layout.model_parallel_groups() == [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]]
+    for rank in range(16):
+        c = layout.coords(rank)
+        assert layout.rank_at(c.tp_rank, c.dp_rank, c.pp_rank, c.cp_rank) == rank
+        for kind in ("cp", "dp", "replica"):  # the ranks that hold the same weights agree on tp and pp
+            assert {(layout.coords(o).tp_rank, layout.coords(o).pp_rank) for o in layout.group_of(kind, rank)} == {
+                (c.tp_rank, c.pp_rank)
+            }
+    for kind, count, size in (("tp", 8, 2), ("cp", 8, 2), ("dp", 8, 2), ("replica", 4, 4), ("pp", 8, 2)):
+        _check_partition(layout, kind, count, size)
+    with pytest.raises(LayoutError, match="not divisible by tp\\*cp\\*pp = 2\\*3\\*1 = 6"):
+        Layout(world_size=8, tp_size=2, cp_size=3)
+
+
+def test_without_context_parallelism_the_replica_group_is_the_data_parallel_group():
+    layout = Layout(world_size=8, tp_size=2)
+    assert layout.replica_groups() == layout.dp_groups() and layout.cp_groups() == [[r] for r in range(8)]
 
 
 def _check_partition(layout: Layout, kind: str, n_groups: int, group_len: int) -> None:

@@ -41,7 +41,6 @@ def test_accelerates_defaults_pass_quietly():
         ("OPTIMIZER_CPU_OFFLOAD", "True", "zero2_offload.json"),
         ("USE_CUSTOM_FSDP", "True", "FSDP2 through accelerate's parallelism_config"),
         ("EXPERT_MODEL_PARALLEL_SIZE", "2", "set it to 1"),
-        ("CONTEXT_PARALLEL_SIZE", "4", "context parallelism is not supported"),
         ("HIDDEN_DROPOUT", "0.1", "config.json"),
         ("USE_ROTARY_POSITION_EMBEDDINGS", "True", "architecture decides"),
         ("ATTENTION_BACKEND", "triton", "use one of"),

@@ -89,8 +89,6 @@ def test_refused_fsdp_keys(env, message):
 
 
 def test_refused_layouts():
-    with pytest.raises(ConfigError, match="cp_size 2: mtk has no context parallelism yet"):
-        _read(ParallelismConfig(dp_shard_size=2, cp_size=2))
     with pytest.raises(ConfigError, match="sp_size 2 is DeepSpeed's Ulysses"):
         _read(ParallelismConfig(dp_shard_size=2, sp_size=2))
     with pytest.raises(ConfigError, match="tp_size 2 and parallel_config tp_size 4 differ"):
@@ -107,6 +105,22 @@ def test_without_fsdp_the_config_is_tp_and_plain_data_parallelism():
     assert sharding_from_accelerate(None, None, print, {}) == (None, None)
     config, sharding = sharding_from_accelerate(ParallelismConfig(tp_size=2), None, print, {})
     assert config.tp_size == 2 and sharding is None
+
+
+def test_parallelism_config_cp_size_is_mtks_context_parallelism():
+    lines: list[str] = []
+    config, sharding = sharding_from_accelerate(ParallelismConfig(tp_size=2, cp_size=2), None, lines.append, {})
+    assert config == ParallelConfig(tp_size=2, cp_size=2) and sharding is None
+    assert lines[0].startswith("mtk: parallelism_config cp_size 2: mtk's context parallelism")
+    assert "cp_backend and cp_comm_strategy do not apply" in lines[0]
+    config, _ = sharding_from_accelerate(ParallelismConfig(cp_size=2), None, print, {})
+    assert config == ParallelConfig(cp_size=2)
+    with pytest.raises(ConfigError, match="cp_comm_strategy alltoall: mtk's context parallelism runs ring"):
+        sharding_from_accelerate(
+            ParallelismConfig(cp_size=2), None, print, {"PARALLELISM_CONFIG_CP_COMM_STRATEGY": "alltoall"}
+        )
+    with pytest.raises(ConfigError, match="cp_size 2 and megatron_lm_context_parallel_size 4 differ"):
+        sharding_from_accelerate(ParallelismConfig(cp_size=2), None, print, {"MEGATRON_LM_CONTEXT_PARALLEL_SIZE": "4"})
 
 
 def test_accelerates_own_fsdp_plugin_is_refused_before_anything_is_built():

@@ -33,7 +33,13 @@ from mtk.integrations.accelerate.deepspeed import (
     replace_accelerated_schedulers,
     user_batch_fields,
 )
-from mtk.integrations.accelerate.init import apply_timeout, gloo_for_deepspeed, megatron_plugin_off, resolve_topology
+from mtk.integrations.accelerate.init import (
+    apply_timeout,
+    gloo_for_deepspeed,
+    megatron_plugin_off,
+    refuse_context_parallel_with,
+    resolve_topology,
+)
 from mtk.integrations.accelerate.megatron_keys import check_engine, check_megatron_environment
 from mtk.integrations.accelerate.model_conversion import ModelConversion
 from mtk.integrations.accelerate.parameter_sharding import ParameterSharding
@@ -135,7 +141,8 @@ class Accelerator(
             passed_in = any(kwargs.get(key) is not None for key in ("deepspeed_plugin", "deepspeed_plugins"))
             self.deepspeed_batch_fields = user_batch_fields(self.state.deepspeed_plugin, from_launcher=not passed_in)
         config = resolve_topology(parallel_config, ds_config)
-        self.parallel = ParallelState.build(config.tp_size, config.pp_size, device=self.device)
+        refuse_context_parallel_with(config, self.uses_deepspeed, self.sharding is not None)
+        self.parallel = ParallelState.build(config.tp_size, config.pp_size, cp_size=config.cp_size, device=self.device)
         for line in self.settings.check_pipeline(self.parallel.pp_size):
             self.print(line)
         self._check_sharding()
@@ -197,7 +204,7 @@ class Accelerator(
         if not getattr(optimizer, "_is_accelerate_prepared", False):
             repoint(optimizer, self._replaced_params)
             if self.settings.use_distributed_optimizer and not self.uses_deepspeed:
-                shard_optimizer(optimizer, self.parallel.dp_group)  # ZeRO-1 over DP; replicas re-synced after step
+                shard_optimizer(optimizer, self.parallel.replica_group)  # ZeRO-1 over DP x CP; re-synced after step
         return super().prepare_optimizer(optimizer, device_placement)
 
     # ---------------------------------------------------------------------- DeepSpeed (ZeRO over DP)
@@ -226,11 +233,12 @@ class Accelerator(
         if self.sharding is not None:  # FSDP2 over DP: each decoder layer a unit; gradients reduce-scattered
             self._shard(model)
             return model
-        if not evaluation_mode and self.parallel.dp_size > 1 and any(p.requires_grad for p in model.parameters()):
+        trains = not evaluation_mode and any(p.requires_grad for p in model.parameters())
+        if trains and self.parallel.replica_size > 1:  # DP x CP: ranks with the same weights average gradients
             kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
             device_ids = None if self.device.type == "cpu" else [self.device.index]
             model = torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=device_ids, process_group=self.parallel.dp_group, **kwargs
+                model, device_ids=device_ids, process_group=self.parallel.replica_group, **kwargs
             )
             self._models[-1] = model
         return model

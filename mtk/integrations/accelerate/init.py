@@ -76,7 +76,11 @@ def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | N
         launcher = dataclasses.replace(launcher, tp_size=json_tp)
     config = explicit or launcher
     if explicit is not None:
-        variables = {"tp_size": "MEGATRON_LM_TP_DEGREE", "pp_size": "MEGATRON_LM_PP_DEGREE"}
+        variables = {
+            "tp_size": "MEGATRON_LM_TP_DEGREE",
+            "pp_size": "MEGATRON_LM_PP_DEGREE",
+            "cp_size": "MEGATRON_LM_CONTEXT_PARALLEL_SIZE",
+        }
         for field, variable in variables.items():
             from_json = field == "tp_size" and bool(json_tp)
             given = from_json or os.environ.get(variable, "") != ""  # a default is nothing to override
@@ -92,3 +96,22 @@ def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | N
             "the optimizer state (accelerate_configs/tp2_pp2_dp2_distopt.yaml)"
         )
     return config
+
+
+def refuse_context_parallel_with(config: ParallelConfig, deepspeed: bool, fsdp: bool) -> None:
+    """What context parallelism does not run next to yet, refused in one line."""
+    if config.cp_size == 1:
+        return
+    cp = f"context parallelism (cp = {config.cp_size})"
+    if config.pp_size > 1:
+        raise ConfigError(f"{cp} with a pipeline (pp = {config.pp_size}) is not supported yet; use tp and dp with it")
+    if deepspeed:
+        raise ConfigError(
+            f"{cp} under DeepSpeed is not supported yet (ZeRO would average over DP only); use a megatron_lm_config "
+            "YAML (accelerate_configs/tp2_cp2.yaml), with megatron_lm_use_distributed_optimizer to shard the optimizer"
+        )
+    if fsdp:
+        raise ConfigError(
+            f"{cp} with FSDP2 (parallelism_config dp_shard_size) is not supported yet; use a megatron_lm_config YAML "
+            "(accelerate_configs/tp2_cp2.yaml)"
+        )

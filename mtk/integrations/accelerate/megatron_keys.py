@@ -40,6 +40,7 @@ _FALSE = {"false", "0", "no", "off", ""}
 ACTED_ON = {
     "TP_DEGREE": "ParallelConfig.tp_size",
     "PP_DEGREE": "ParallelConfig.pp_size",
+    "CONTEXT_PARALLEL_SIZE": "ParallelConfig.cp_size",
     "NUM_MICRO_BATCHES": "RunSettings.num_micro_batches",
     "GRADIENT_CLIPPING": "RunSettings.gradient_clipping",
     "SEQUENCE_PARALLELISM": "RunSettings.sequence_parallel",
@@ -69,8 +70,6 @@ OFF_ONLY = {
 SIZE_ONE = {
     "EXPERT_MODEL_PARALLEL_SIZE": "expert parallelism is not supported yet",
     "EXPERT_TENSOR_PARALLEL_SIZE": "expert tensor parallelism is not supported yet (experts split with the TP size)",
-    "CONTEXT_PARALLEL_SIZE": "context parallelism is not supported; sequence parallelism "
-    "(megatron_lm_sequence_parallelism) splits activations between TP blocks",
 }
 # Keys whose effect belongs to the HF model's config.json, not the launcher.
 MODEL_DECIDES = {

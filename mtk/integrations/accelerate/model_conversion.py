@@ -4,6 +4,7 @@ a model converted elsewhere (``load_pretrained_tp``) is checked against the run'
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ from mtk.errors import ConfigError
 from mtk.integrations.accelerate.convert import ReplacedParams, convert_tracking
 from mtk.integrations.accelerate.megatron_keys import act_on_model
 from mtk.parallel.consistency import agree_rng, agree_weights
+from mtk.parallel.context import attach_context_parallel, context_parallel_of
 from mtk.parallel.record import parallelized
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.engine import PipelineModel
@@ -69,6 +71,7 @@ class ModelConversion(_Host):
                     reseed_tp_stream(record.rng, self.parallel)
                 setattr(model, _AGREED, True)
             act_on_model(model, self.settings, self.print)
+            self._context_parallel(model)
             replace_trl_fused_head(model)  # trl's add_fused_lm_head after the conversion (TRL's trainers' __init__)
             return self._pipelined(model), {}
         if not getattr(model, _AGREED, False):  # prepare() converts, then accelerate's prepare_model comes here again
@@ -86,6 +89,7 @@ class ModelConversion(_Host):
             )
         replaced = convert_tracking(model, self.parallel, self.settings)
         act_on_model(model, self.settings, self.print)
+        self._context_parallel(model)
         return self._pipelined(model), replaced
 
     def parallelize(self, model: nn.Module, checkpoint: str | Path | None = None) -> nn.Module:
@@ -108,6 +112,21 @@ class ModelConversion(_Host):
         else:  # no optimizer can hold a parameter of a model that was never read
             load_slices(model, checkpoint, self.parallel)
         return model
+
+    def _context_parallel(self, model: nn.Module) -> None:
+        """With cp > 1: the model splits each batch over the CP group and attends across it
+        (:func:`~mtk.parallel.context.attach_context_parallel`); a backend megatron_lm_attention_backend chose is
+        replaced, and said so."""
+        if self.parallel.cp_size == 1 or context_parallel_of(model) is not None:
+            return
+        chosen = getattr(model.config, "_attn_implementation", None)
+        sequence_split = self.parallel.tp_size if self.settings.sequence_parallel else 1
+        attach_context_parallel(model, self.parallel.cp_group, self.settings.cp_comm_type, sequence_split)
+        if os.environ.get("MEGATRON_LM_ATTENTION_BACKEND", "auto").strip().lower() not in ("", "auto"):
+            self.print(
+                f"mtk: context parallelism (cp = {self.parallel.cp_size}) attends with its own "
+                f"{self.settings.cp_comm_type} attention, not {chosen} (megatron_lm_attention_backend)"
+            )
 
     def _agree(self, model: nn.Module) -> None:
         """Before conversion: every rank holds rank 0's weights and its replica's source generators

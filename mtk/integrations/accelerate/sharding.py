@@ -10,6 +10,7 @@ wrap the whole model in FSDP over every process, which cannot hold mtk's TP mode
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -101,6 +102,29 @@ def _fsdp_keys(env: Mapping[str, str], report: Callable[[str], None]) -> tuple[b
     return _true(env, "FSDP_RESHARD_AFTER_FORWARD", "true"), classes
 
 
+def _check_context_parallel(
+    pc: Any, explicit: ParallelConfig | None, env: Mapping[str, str], report: Callable[[str], None]
+) -> None:
+    """parallelism_config's ``cp_size`` is given once; accelerate's ``cp_comm_strategy`` (its all-gather or
+    all-to-all) is not mtk's choice of ring or all-to-all, which ``cp_comm_type`` makes."""
+    launcher = ParallelConfig.from_env(env)
+    for name, other in (("parallel_config", explicit), ("megatron_lm_context_parallel_size", launcher)):
+        if other is not None and other.cp_size > 1 and other.cp_size != pc.cp_size:
+            raise ConfigError(
+                f"parallelism_config cp_size {pc.cp_size} and {name} {other.cp_size} differ; give the CP size once"
+            )
+    if env.get("PARALLELISM_CONFIG_CP_COMM_STRATEGY"):
+        raise ConfigError(
+            f"parallelism_config cp_comm_strategy {env['PARALLELISM_CONFIG_CP_COMM_STRATEGY']}: mtk's context "
+            "parallelism runs ring (p2p) or all-to-all (a2a) attention, chosen by cp_comm_type (MTK_CP_COMM_TYPE); "
+            "remove the key"
+        )
+    report(
+        f"mtk: parallelism_config cp_size {pc.cp_size}: mtk's context parallelism (attention over the CP group by "
+        "cp_comm_type, MTK_CP_COMM_TYPE); accelerate's cp_backend and cp_comm_strategy do not apply"
+    )
+
+
 def sharding_from_accelerate(
     parallelism_config: Any,
     explicit: ParallelConfig | None,
@@ -128,9 +152,7 @@ def sharding_from_accelerate(
         return explicit, None
     pc = parallelism_config
     if pc.cp_size > 1:
-        raise ConfigError(
-            f"parallelism_config: cp_size {pc.cp_size}: mtk has no context parallelism yet; set cp_size: 1"
-        )
+        _check_context_parallel(pc, explicit, env, report)
     if pc.sp_size > 1:
         raise ConfigError(
             f"parallelism_config: sp_size {pc.sp_size} is DeepSpeed's Ulysses; mtk's sequence parallelism goes with "
@@ -149,7 +171,13 @@ def sharding_from_accelerate(
                 f"parallelism_config tp_size {pc.tp_size} and megatron_lm_tp_degree {launcher.tp_size} differ; "
                 "give the TP size once"
             )
-        config = ParallelConfig(tp_size=pc.tp_size, pp_size=explicit.pp_size if explicit else launcher.pp_size)
+        config = ParallelConfig(
+            tp_size=pc.tp_size,
+            pp_size=explicit.pp_size if explicit else launcher.pp_size,
+            cp_size=explicit.cp_size if explicit else launcher.cp_size,
+        )
+    if pc.cp_size > 1:
+        config = dataclasses.replace(config or ParallelConfig.from_env(env), cp_size=pc.cp_size)
     if pc.dp_shard_size == 1:
         if pc.dp_replicate_size > 1 and not fsdp:
             report(

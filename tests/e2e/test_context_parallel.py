@@ -1,0 +1,85 @@
+"""Context parallelism as users run it: ``accelerate launch --config_file accelerate_configs/tp2_cp2.yaml
+examples/finetune.py`` (accelerate's ``megatron_lm_context_parallel_size``), against the single-process run.
+
+CP is not a shard axis of a checkpoint: a TP2 x CP2 checkpoint resumes at TP=1 exactly, a TP=1 one at CP=2, and
+``mtk export`` writes the single-process model. Packed documents at TP2 x CP2 are in tests/e2e/test_chat_data.py,
+the Trainer, TRL (SFT with packing, DPO) and LoRA at TP2 x CP2 in test_trainers.py, test_trl.py and test_lora.py.
+"""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from mtk.testing import assert_close_rel
+from tests.e2e.conftest import Run
+from tests.e2e.launch import accelerate_launch, assert_same_losses, finetune, one_line_error
+
+
+@pytest.fixture(scope="module")
+def tp2_cp2(tmp_path_factory) -> Run:
+    """The shared reference run (6 steps, checkpoints at 3 and 6) at TP2 x CP2."""
+    out_dir = tmp_path_factory.mktemp("tp2_cp2")
+    return Run(out_dir, finetune("tp2_cp2", out_dir, "--max_steps", "6", "--save_every", "3"))
+
+
+def test_tp2_cp2_logs_the_tp1_losses(tp2_cp2, llama_tp1):
+    assert_same_losses(tp2_cp2.losses, llama_tp1.losses, range(1, 7), "tp2_cp2 vs tp1")
+
+
+def test_a_tp2_cp2_checkpoint_resumes_at_tp1_and_a_tp1_one_at_cp2(tp2_cp2, llama_tp1, tmp_path):
+    resumed = finetune("tp1", tmp_path / "at_tp1", "--max_steps", "6", "--resume", str(tp2_cp2.dir / "step_3"))
+    assert_same_losses(resumed, llama_tp1.losses, range(4, 7), "tp2_cp2 step 3 resumed at tp1")
+    resumed = finetune(
+        "cp2", tmp_path / "at_cp2", "--max_steps", "6", "--resume", str(llama_tp1.dir / "step_3"), "--cp_comm_type",
+        "a2a",
+    )  # fmt: skip
+    assert_same_losses(resumed, llama_tp1.losses, range(4, 7), "tp1 step 3 resumed at cp2 (a2a)")
+
+
+def test_export_of_a_tp2_cp2_checkpoint_is_the_tp1_model(tp2_cp2, llama_tp1, tmp_path):
+    for name, run in (("cp", tp2_cp2), ("tp1", llama_tp1)):
+        out = subprocess.run(
+            ["mtk", "export", str(run.dir / "step_6"), str(tmp_path / name)], capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+    ours, theirs = (load_file(tmp_path / name / "model.safetensors") for name in ("cp", "tp1"))
+    assert sorted(ours) == sorted(theirs)
+    for key in theirs:
+        assert_close_rel(ours[key], theirs[key], f"exported {key}", tol=1e-4)  # after 6 AdamW steps in fp32
+
+
+def _yaml(tmp_path: Path, name: str, **keys: str) -> str:
+    """accelerate_configs/tp2_cp2.yaml with some megatron_lm_config keys changed or added."""
+    text = Path("accelerate_configs/tp2_cp2.yaml").read_text()
+    for key, value in keys.items():
+        line = f"  megatron_lm_{key}: "
+        if line in text:
+            start = text.index(line)
+            text = text[:start] + line + value + text[text.index("\n", start) :]
+        else:
+            text = text.replace("megatron_lm_config:\n", f"megatron_lm_config:\n{line}{value}\n")
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_sequence_parallelism_and_selective_recompute_inside_all_to_all_cp(llama_tp1, tmp_path):
+    """Rows padded to a multiple of 2 x cp and of cp x tp (SP cuts each rank's tokens again); the attention reruns
+    in backward under selective recompute, as Megatron's core-attention recompute does."""
+    config = _yaml(tmp_path, "sp", sequence_parallelism="true", recompute_activations="true")
+    losses = finetune(config, tmp_path / "run", "--max_steps", "6", "--cp_comm_type", "a2a")
+    assert_same_losses(losses, llama_tp1.losses, range(1, 7), "tp2_cp2 sp recompute a2a vs tp1")
+
+
+def test_what_context_parallelism_does_not_run_with_is_one_line(tmp_path):
+    pipeline = _yaml(tmp_path, "pp", pp_degree="2", tp_degree="1")
+    out = accelerate_launch("finetune.py", pipeline, "--max_steps", "1", "--output_dir", str(tmp_path), check=False)
+    one_line_error(out, "context parallelism (cp = 2) with a pipeline (pp = 2) is not supported yet")
+    env = {**os.environ, "MEGATRON_LM_CONTEXT_PARALLEL_SIZE": "2"}
+    out = accelerate_launch(
+        "finetune.py", "tp2_dp2_zero2", "--max_steps", "1", "--output_dir", str(tmp_path), check=False, env=env
+    )
+    one_line_error(out, "context parallelism (cp = 2) under DeepSpeed is not supported yet")
