@@ -67,22 +67,24 @@ class ShardingSettings:
         if self.dp_shard_size * self.dp_replicate_size != dp_size:
             raise ConfigError(
                 f"parallelism_config: dp_replicate_size {self.dp_replicate_size} x dp_shard_size "
-                f"{self.dp_shard_size} must be the data-parallel size {dp_size} (processes / (tp x pp)); set "
+                f"{self.dp_shard_size} must be the data-parallel size {dp_size} (processes / (tp x cp x pp)); set "
                 f"them so that their product is {dp_size}"
             )
 
 
 def data_parallel_mesh(parallel: ParallelState, settings: ShardingSettings) -> DeviceMesh:
-    """This rank's data-parallel ranks as FSDP2's mesh: 1-D ``(dp_shard,)``, or 2-D ``(dp_replicate, dp_shard)``
-    for HSDP. Collective over the world (every rank creates every HSDP subgroup, in the same order)."""
+    """This rank's DP x CP replica ranks as FSDP2's mesh: 1-D ``(dp_shard,)``, or 2-D ``(dp_replicate, dp_shard)``
+    for HSDP; with context parallelism the CP ranks, which hold the same weights, shard them too (``dp_shard``
+    spans ``dp_shard_size x cp`` ranks, accelerate's ``dp_shard_cp``). Collective over the world (every rank creates
+    every HSDP subgroup, in the same order)."""
     device_type = parallel.device.type
-    if parallel.dp_group is None:
+    if parallel.replica_group is None:
         raise ConfigError("FSDP2 needs a process group: launch several processes (accelerate launch, torchrun)")
     if settings.dp_replicate_size == 1:
-        return DeviceMesh.from_group(parallel.dp_group, device_type, mesh_dim_names=("dp_shard",))
-    shard, replicate = settings.dp_shard_size, settings.dp_replicate_size
+        return DeviceMesh.from_group(parallel.replica_group, device_type, mesh_dim_names=("dp_shard",))
+    shard, replicate = settings.dp_shard_size * parallel.cp_size, settings.dp_replicate_size
     mine: dict[str, Any] = {}
-    for ranks in parallel.layout.groups("dp"):  # DP index d = replica * shard + position in the shard group
+    for ranks in parallel.layout.groups("replica"):  # index d * cp + c, d = replica * dp_shard + position
         grid = torch.tensor(ranks).reshape(replicate, shard)
         for row in grid.tolist():
             group = new_group(row, parallel.device)

@@ -7,6 +7,7 @@ the Trainer, TRL (SFT with packing, DPO) and LoRA at TP2 x CP2 in test_trainers.
 """
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from safetensors.torch import load_file
 
 from mtk.testing import assert_close_rel
 from tests.e2e.conftest import Run
-from tests.e2e.launch import accelerate_launch, assert_same_losses, finetune, one_line_error
+from tests.e2e.launch import accelerate_launch, assert_same_losses, finetune, one_line_error, step_losses
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,23 @@ def test_export_of_a_tp2_cp2_checkpoint_is_the_tp1_model(tp2_cp2, llama_tp1, tmp
     assert sorted(ours) == sorted(theirs)
     for key in theirs:
         assert_close_rel(ours[key], theirs[key], f"exported {key}", tol=1e-4)  # after 6 AdamW steps in fp32
+
+
+def test_fsdp2_shards_over_dp_and_cp_logs_the_tp1_losses_and_resumes_at_tp1(llama_tp1, tmp_path):
+    """accelerate_configs/cp2_fsdp2.yaml (parallelism_config cp_size 2 x dp_shard_size 2): each rank holds a quarter
+    of the model state (the CP ranks hold the same weights, so FSDP2 shards over them too, accelerate's
+    dp_shard_cp); half the micro-batch per DP rank: the same global batch."""
+    out = accelerate_launch(
+        "finetune.py", "cp2_fsdp2", "--output_dir", str(tmp_path / "run"), "--max_steps", "6", "--save_every", "3",
+        "--batch_size", "4",
+    )  # fmt: skip
+    assert_same_losses(step_losses(out), llama_tp1.losses, range(1, 7), "cp2 x fsdp2 vs tp1")
+    assert "each TP shard split over 4 ranks (dp_shard_size x cp_size 2" in out.stdout + out.stderr
+    held = int(re.search(r"model state held by rank 0: (\d+) parameter elements", out.stdout + out.stderr)[1])
+    whole = sum(t.numel() for t in load_file(llama_tp1.dir / "step_6" / "model" / "tp00-pp00.safetensors").values())
+    assert whole / 4 <= held < whole / 4 * 1.01  # a quarter (each piece padded to whole rows)
+    resumed = finetune("tp1", tmp_path / "at_tp1", "--max_steps", "6", "--resume", str(tmp_path / "run" / "step_3"))
+    assert_same_losses(resumed, llama_tp1.losses, range(4, 7), "cp2 x fsdp2 step 3 resumed at tp1")
 
 
 def _yaml(tmp_path: Path, name: str, **keys: str) -> str:

@@ -115,7 +115,7 @@ def test_parallelism_config_cp_size_is_mtks_context_parallelism():
     assert "cp_backend and cp_comm_strategy do not apply" in lines[0]
     config, _ = sharding_from_accelerate(ParallelismConfig(cp_size=2), None, print, {})
     assert config == ParallelConfig(cp_size=2)
-    with pytest.raises(ConfigError, match="cp_comm_strategy alltoall: mtk's context parallelism runs ring"):
+    with pytest.raises(ConfigError, match="cp_comm_strategy alltoall: mtk chooses its context-parallel attention"):
         sharding_from_accelerate(
             ParallelismConfig(cp_size=2), None, print, {"PARALLELISM_CONFIG_CP_COMM_STRATEGY": "alltoall"}
         )

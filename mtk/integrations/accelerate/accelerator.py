@@ -141,7 +141,7 @@ class Accelerator(
             passed_in = any(kwargs.get(key) is not None for key in ("deepspeed_plugin", "deepspeed_plugins"))
             self.deepspeed_batch_fields = user_batch_fields(self.state.deepspeed_plugin, from_launcher=not passed_in)
         config = resolve_topology(parallel_config, ds_config)
-        refuse_context_parallel_with(config, self.uses_deepspeed, self.sharding is not None)
+        refuse_context_parallel_with(config, self.uses_deepspeed)
         self.parallel = ParallelState.build(config.tp_size, config.pp_size, cp_size=config.cp_size, device=self.device)
         for line in self.settings.check_pipeline(self.parallel.pp_size):
             self.print(line)

@@ -98,7 +98,7 @@ def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | N
     return config
 
 
-def refuse_context_parallel_with(config: ParallelConfig, deepspeed: bool, fsdp: bool) -> None:
+def refuse_context_parallel_with(config: ParallelConfig, deepspeed: bool) -> None:
     """What context parallelism does not run next to yet, refused in one line."""
     if config.cp_size == 1:
         return
@@ -108,10 +108,6 @@ def refuse_context_parallel_with(config: ParallelConfig, deepspeed: bool, fsdp: 
     if deepspeed:
         raise ConfigError(
             f"{cp} under DeepSpeed is not supported yet (ZeRO would average over DP only); use a megatron_lm_config "
-            "YAML (accelerate_configs/tp2_cp2.yaml), with megatron_lm_use_distributed_optimizer to shard the optimizer"
-        )
-    if fsdp:
-        raise ConfigError(
-            f"{cp} with FSDP2 (parallelism_config dp_shard_size) is not supported yet; use a megatron_lm_config YAML "
-            "(accelerate_configs/tp2_cp2.yaml)"
+            "YAML (accelerate_configs/tp2_cp2.yaml), with megatron_lm_use_distributed_optimizer to shard the "
+            "optimizer, or FSDP2 (accelerate_configs/cp2_fsdp2.yaml)"
         )

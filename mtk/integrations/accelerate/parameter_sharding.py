@@ -38,9 +38,11 @@ class ParameterSharding(_Host):
 
     @property
     def data_parallel_shard_rank(self) -> int:
-        """This process's rank among the ranks FSDP2 shards over (``dp_shard``); 0 without FSDP2 (ZeRO, when used,
-        shards over the whole data-parallel group)."""
-        return self.parallel.dp_rank % self.sharding.dp_shard_size if self.sharding is not None else 0
+        """This process's rank among the ranks FSDP2 shards over (``dp_shard``, times CP); 0 without FSDP2 (ZeRO,
+        when used, shards over the whole data-parallel group)."""
+        if self.sharding is None:
+            return 0
+        return self.parallel.replica_rank % (self.sharding.dp_shard_size * self.parallel.cp_size)
 
     def _check_sharding(self) -> None:
         """FSDP2 goes with TP and plain data parallelism; what it cannot go with yet is one line."""

@@ -113,11 +113,11 @@ def _check_context_parallel(
             raise ConfigError(
                 f"parallelism_config cp_size {pc.cp_size} and {name} {other.cp_size} differ; give the CP size once"
             )
-    if env.get("PARALLELISM_CONFIG_CP_COMM_STRATEGY"):
+    strategy = env.get("PARALLELISM_CONFIG_CP_COMM_STRATEGY", "allgather")  # accelerate exports its default
+    if strategy != "allgather":
         raise ConfigError(
-            f"parallelism_config cp_comm_strategy {env['PARALLELISM_CONFIG_CP_COMM_STRATEGY']}: mtk's context "
-            "parallelism runs ring (p2p) or all-to-all (a2a) attention, chosen by cp_comm_type (MTK_CP_COMM_TYPE); "
-            "remove the key"
+            f"parallelism_config cp_comm_strategy {strategy}: mtk chooses its context-parallel attention with "
+            "cp_comm_type (ring p2p or all-to-all a2a: MTK_CP_COMM_TYPE=a2a or --cp_comm_type a2a); remove the key"
         )
     report(
         f"mtk: parallelism_config cp_size {pc.cp_size}: mtk's context parallelism (attention over the CP group by "
@@ -193,7 +193,8 @@ def sharding_from_accelerate(
     reshard, classes = _fsdp_keys(env, report) if fsdp else (True, ())
     report(
         f"mtk: FSDP2 over data parallelism (parallelism_config dp_shard_size {pc.dp_shard_size} x dp_replicate_size "
-        f"{pc.dp_replicate_size}): each TP shard split over {pc.dp_shard_size} ranks"
+        f"{pc.dp_replicate_size}): each TP shard split over {pc.dp_shard_size * pc.cp_size} ranks"
+        + (f" (dp_shard_size x cp_size {pc.cp_size}: CP ranks hold the same weights)" if pc.cp_size > 1 else "")
     )
     return config, ShardingSettings(
         dp_shard_size=pc.dp_shard_size,
