@@ -29,6 +29,7 @@ over DP is unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,7 @@ __all__ = [
     "ATTENTION",
     "KEYWORD",
     "ContextShard",
+    "ContextSplit",
     "attach_context_parallel",
     "balanced_indices",
     "context_parallel_of",
@@ -62,7 +64,8 @@ __all__ = [
 ATTENTION = "mtk_context"  # the attention implementation's name in transformers' registry
 KEYWORD = "mtk_context"  # the forward keyword carrying a ContextShard to every attention call
 _PER_TOKEN = ("logits", "hidden_states")  # per-position outputs of every token; the others are label-aligned
-_ATTACHED = "_mtk_context_parallel"  # (group, comm) on a model attach_context_parallel converted
+_ATTACHED = "_mtk_context_parallel"  # the ContextSplit of a model attach_context_parallel converted
+SPLIT_INPUTS = ("input_ids", "labels", "shift_labels", "attention_mask", "position_ids")  # [b, S] each, cut
 COMM_TYPES = CP_COMM_TYPES
 
 
@@ -77,6 +80,15 @@ class ContextShard:
     comm: str = "p2p"  # Megatron's cp_comm_type: "p2p" (ring attention) or "a2a" (all-to-all, Ulysses)
     row_length: int | None = None  # the caller's row length, before padding for the split
     caller_shifted: bool = False  # the caller passed shift_labels: label-aligned outputs keep every position
+
+    def __len__(self) -> int:
+        """Rows, as a ``[b, ...]`` tensor's ``len``: a pipeline cuts micro-batches of shards as of tensors."""
+        return self.positions.shape[0]
+
+    def chunk(self, count: int) -> list[ContextShard]:
+        """``count`` shards of consecutive rows (``torch.chunk``'s split)."""
+        pieces = zip(*(t.chunk(count) for t in (self.positions, self.documents, self.valid)))
+        return [dataclasses.replace(self, positions=p, documents=d, valid=v) for p, d, v in pieces]
 
 
 def balanced_indices(seq: int, rank: int, size: int, device: torch.device | None = None) -> torch.Tensor:
@@ -192,19 +204,44 @@ def use_context_attention(model: Any) -> None:
     model.set_attn_implementation(ATTENTION)
 
 
+@dataclass(frozen=True)
+class ContextSplit:
+    """How a context-parallel model cuts whole batches: over ``group`` by ``comm``, rows first padded at the end to
+    a multiple of ``multiple`` positions (unlabelled and masked: nothing real changes, :func:`pad_batch`)."""
+
+    group: Group
+    comm: str
+    multiple: int
+
+    def __call__(
+        self, tensors: dict[str, torch.Tensor], num_items: Any = None, row_length: int | None = None
+    ) -> dict[str, Any]:
+        """This rank's model arguments for the whole batch ``tensors`` (``input_ids``, ``labels`` or
+        ``shift_labels``, optional ``attention_mask``/``position_ids``, ``[b, S]``).
+
+        ``num_items_in_batch`` is ``num_items`` (the caller's count, over whole rows) or the batch's labelled
+        tokens, divided by ``cp``: the rank's loss is ``cp`` times its share (see the module docstring).
+        ``row_length``: the length per-position outputs are gathered back to (default: the caller's)."""
+        length = tensors["input_ids"].shape[1]
+        padded, _ = pad_batch(tensors, self.multiple, reason="context parallelism")
+        local, count = split_for_context(padded, self.group, self.comm)
+        shard = local[KEYWORD]
+        shard.row_length = length if row_length is None else row_length
+        shard.caller_shifted = "shift_labels" in tensors
+        if "labels" in local:
+            local["num_items_in_batch"] = (count if num_items is None else num_items) / group_size(self.group)
+        return local
+
+
 class _SplitInputs:
-    """Forward pre-hook: the whole batch a caller passes becomes this CP rank's part (:func:`split_for_context`).
+    """Forward pre-hook: the whole batch a caller passes becomes this CP rank's part (:class:`ContextSplit`)."""
 
-    ``num_items_in_batch`` is the caller's (it counts whole rows already) or the batch's labelled tokens, divided by
-    ``cp``: the rank's loss is ``cp`` times its share (see the module docstring). Rows are first padded at the end
-    to a multiple of ``multiple`` positions (unlabelled, masked: nothing real changes, :func:`pad_batch`)."""
-
-    def __init__(self, group: Group, comm: str, multiple: int) -> None:
-        self.group, self.comm, self.multiple = group, comm, multiple
+    def __init__(self, split: ContextSplit) -> None:
+        self.split = split
 
     def __call__(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
         if KEYWORD in kwargs:
-            return None  # split already
+            return None  # split already (a pipeline splits before it cuts micro-batches)
         if args:
             kwargs = {"input_ids": args[0], **kwargs}
         if kwargs.get("input_ids") is None:
@@ -212,18 +249,10 @@ class _SplitInputs:
                 f"{type(module).__name__} is context-parallel and splits input_ids along the sequence; this call "
                 "passes none (inputs_embeds are not split): pass input_ids"
             )
-        names = ("input_ids", "labels", "shift_labels", "attention_mask", "position_ids")
-        tensors: dict[str, torch.Tensor] = {k: kwargs.pop(k) for k in names if kwargs.get(k) is not None}
-        for k in names:
+        tensors: dict[str, torch.Tensor] = {k: kwargs.pop(k) for k in SPLIT_INPUTS if kwargs.get(k) is not None}
+        for k in SPLIT_INPUTS:
             kwargs.pop(k, None)
-        length = tensors["input_ids"].shape[1]
-        tensors, _ = pad_batch(tensors, self.multiple, reason="context parallelism")
-        local, count = split_for_context(tensors, self.group, self.comm)
-        local[KEYWORD].row_length = length
-        local[KEYWORD].caller_shifted = "shift_labels" in tensors
-        if "labels" in local:
-            given = kwargs.get("num_items_in_batch")
-            kwargs["num_items_in_batch"] = (count if given is None else given) / group_size(self.group)
+        local = self.split(tensors, kwargs.pop("num_items_in_batch", None))
         return (), {**kwargs, **local}
 
 
@@ -274,18 +303,19 @@ def attach_context_parallel(model: Any, group: Group, comm: str = "p2p", sequenc
     with the same group changes nothing."""
     if comm not in COMM_TYPES:
         raise ConfigError(f"cp_comm_type {comm!r} is unknown; use one of {COMM_TYPES}")
-    attached = getattr(model, _ATTACHED, None)
+    cp = group_size(group)
+    split = ContextSplit(group, comm, math.lcm(2 * cp, cp * sequence_split))
+    attached = context_parallel_of(model)
     if attached is not None:
-        if attached != (group, comm):
+        if attached != split:
             raise ConfigError("the model is context-parallel over another group already; build it anew for this one")
         return
     use_context_attention(model)
-    cp = group_size(group)
-    model.register_forward_pre_hook(_SplitInputs(group, comm, math.lcm(2 * cp, cp * sequence_split)), with_kwargs=True)
+    model.register_forward_pre_hook(_SplitInputs(split), with_kwargs=True)
     model.register_forward_hook(_whole_outputs, with_kwargs=True)
-    setattr(model, _ATTACHED, (group, comm))
+    setattr(model, _ATTACHED, split)
 
 
-def context_parallel_of(model: Any) -> tuple[Group, str] | None:
-    """``(group, comm)`` of a model :func:`attach_context_parallel` made context-parallel, else ``None``."""
+def context_parallel_of(model: Any) -> ContextSplit | None:
+    """How a model :func:`attach_context_parallel` made context-parallel splits its batches, else ``None``."""
     return getattr(model, _ATTACHED, None)

@@ -19,11 +19,12 @@ __all__ = ["fused_output", "split_micro_batches", "token_mean_loss"]
 FUSED_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")  # TRL's, [b, s']
 
 
-def split_micro_batches(batch: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
-    """Cut every tensor of ``batch`` into ``count`` equal chunks along the batch dimension."""
-    sizes = {t.shape[0] for t in batch.values()}
+def split_micro_batches(batch: dict[str, Any], count: int) -> list[dict[str, Any]]:
+    """Cut every tensor of ``batch`` (or a context-parallel split's :class:`~mtk.parallel.context.ContextShard`,
+    which chunks as one) into ``count`` equal chunks along the batch dimension."""
+    sizes = {len(t) for t in batch.values()}
     if len(sizes) != 1:
-        raise ConfigError(f"pipeline inputs disagree on the batch size: { {k: t.shape[0] for k, t in batch.items()} }")
+        raise ConfigError(f"pipeline inputs disagree on the batch size: { {k: len(t) for k, t in batch.items()} }")
     size = sizes.pop()
     if size % count:
         raise ConfigError(

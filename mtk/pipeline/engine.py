@@ -30,6 +30,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from mtk.config import ConfigError, check_schedule
 from mtk.data.batching import loss_tokens
+from mtk.parallel.context import SPLIT_INPUTS, ContextSplit, context_parallel_of
 from mtk.parallel.fsdp import local
 from mtk.parallel.grads import all_reduce_coalesced
 from mtk.parallel.overlap import OverlappedReduction
@@ -155,13 +156,17 @@ class PipelineModel(nn.Module):
         batch = {k: v for k, v in {**batch, **kwargs}.items() if v is not None}
         if "input_ids" not in batch:
             raise ConfigError("a pipelined model takes input_ids (every stage derives shapes from them)")
-        extra = 0
-        if self.sequence_parallel:  # a length the TP size does not divide: padded at the end, masked
+        extra, whole = 0, batch["input_ids"].shape[1]
+        if num_items is None and weights is None and token_mean_loss(hf_model(self.module), batch):
+            num_items = loss_tokens(batch)
+        split = context_parallel_of(self.module)
+        if split is not None:  # this CP rank's tokens of every row, cut before the micro-batches
+            batch, num_items, extra = self._split_for_context(split, batch, num_items)
+        elif self.sequence_parallel:  # a length the TP size does not divide: padded at the end, masked
             config = self.config
             pad_id, most = getattr(config, "pad_token_id", None), getattr(config, "max_position_embeddings", None)
             batch, extra = pad_batch(batch, self.parallel.tp_size, pad_id, most)
-        if num_items is None and weights is None and token_mean_loss(hf_model(self.module), batch):
-            num_items = loss_tokens(batch)
+        length = whole + extra  # of the rows per-position outputs come back as
         if weights is not None:  # [b, s'] as the fused head's log_probs (s' <= s), padded as the batch was
             batch["token_weights"] = F.pad(weights, (0, extra)) if extra else weights
         micro = split_micro_batches(batch, self.num_micro_batches)
@@ -173,8 +178,23 @@ class PipelineModel(nn.Module):
         loss = self._broadcast_loss(losses)
         if self._fused:
             outputs = [self._fused_outputs.pop(i) for i in sorted(self._fused_outputs)]
-            return trim_output(fused_output(outputs, loss, self.parallel), extra, batch["input_ids"].shape[1])
+            return trim_output(fused_output(outputs, loss, self.parallel), extra, length)
         return CausalLMOutputWithPast(loss=loss)
+
+    @staticmethod
+    def _split_for_context(
+        split: ContextSplit, batch: dict[str, Any], num_items: Any
+    ) -> tuple[dict[str, Any], Any, int]:
+        """``batch`` with this CP rank's tokens (and the :class:`ContextShard` every stage's attention reads), the
+        count each rank's loss divides by, and the positions padded at the end of every row. Per-position outputs
+        come back as whole padded rows (the pipeline trims them as it trims sequence parallelism's padding)."""
+        tensors = {k: batch.pop(k) for k in SPLIT_INPUTS if k in batch}
+        length = tensors["input_ids"].shape[1]
+        padded = length + (-length % split.multiple)
+        local = split(tensors, num_items, row_length=padded)
+        local.pop("use_cache")
+        num_items = local.pop("num_items_in_batch", None)
+        return {**batch, **local}, num_items, padded - length
 
     def _run(self, micro: list[dict[str, torch.Tensor]], train: bool) -> list[torch.Tensor]:
         info, link, m = self.info, self.link, len(micro)
@@ -271,6 +291,7 @@ class PipelineModel(nn.Module):
                 raise ConfigError("the last pipeline stage computed no loss; pass labels")
             return loss
         inputs.pop("labels", None)
+        inputs.pop("shift_labels", None)
         inputs.pop("num_items_in_batch", None)
         decoder = cast(Any, hf_model(self.module)).base_model  # HF's, not a PeftModel's (its LoraModel)
         return decoder(**inputs, use_cache=False).last_hidden_state  # [b, s, h]
@@ -316,18 +337,18 @@ class PipelineModel(nn.Module):
         """The DP reduction to start from this call's last backward, when the call ends an optimizer step."""
         if self._reduction is not None:
             raise ConfigError("a pipeline step ended without finalize_grads: call it (accelerator.backward) per step")
-        if self.parallel.dp_size == 1 or self.syncs_this_call is None or not self.syncs_this_call():
+        if self.parallel.replica_size == 1 or self.syncs_this_call is None or not self.syncs_this_call():
             return None
         if self.sharded_over_data_parallel:
             return None
         tied = {id(p) for p in self._tied_params()}  # summed over the embedding group first, in finalize_grads
         untied = [p for p in self.module.parameters() if p.requires_grad and id(p) not in tied]
-        self._reduction = OverlappedReduction(untied, self.parallel.dp_group)
+        self._reduction = OverlappedReduction(untied, self.parallel.replica_group)
         return self._reduction
 
     def finalize_grads(self) -> None:
         """Once per optimizer step, after the last micro-batch's backward: sum the tied copies'
-        gradients over the embedding group, then average every gradient over data-parallel replicas
+        gradients over the embedding group, then average every gradient over the DP x CP replicas
         (waiting for the buckets the last backward started, if it did)."""
         tied = [local(p.grad) for p in self._tied_params() if p.grad is not None]
         if tied and self.parallel.embedding_group is not None:  # FSDP2: both copies cut alike over DP
@@ -337,7 +358,7 @@ class PipelineModel(nn.Module):
         if self._reduction is not None:
             self._reduction.finish()
             self._reduction = None
-            all_reduce_coalesced(tied, self.parallel.dp_group, average=True)
+            all_reduce_coalesced(tied, self.parallel.replica_group, average=True)
             return
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        all_reduce_coalesced(grads, self.parallel.dp_group, average=True)
+        all_reduce_coalesced(grads, self.parallel.replica_group, average=True)  # DP x CP: the same weights

@@ -74,9 +74,16 @@ def test_deepspeed_zero2_tp2_dp2_logs_the_single_process_token_mean(chat_setup, 
     _assert_same(_losses(out.stdout + out.stderr), single[True], "deepspeed zero2 tp2 dp2 vs tp1")
 
 
-@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
-def test_tp2_cp2_splits_each_sequence_and_logs_the_single_process_token_mean(chat_setup, single, tmp_path, packing):
-    """accelerate_configs/tp2_cp2.yaml (megatron_lm_context_parallel_size: 2): every row's tokens split over two
-    ranks, packed conversations kept apart, padding unattended: the single-process losses and eval losses."""
-    parallel = _accelerate("tp2_cp2", tmp_path, chat_setup, 8, packing)  # 8 x dp 1 x 2 accumulation
-    _assert_same(parallel, single[packing], "tp2_cp2 vs tp1")
+@pytest.mark.parametrize(
+    "layout, packing",
+    [("tp2_cp2", True), ("tp2_cp2", False), ("tp2_cp2_pp2", True)],
+    ids=["tp2_cp2-packed", "tp2_cp2-padded", "tp2_cp2_pp2-packed"],
+)
+def test_context_parallelism_splits_each_sequence_and_logs_the_single_process_token_mean(
+    chat_setup, single, tmp_path, layout, packing
+):
+    """accelerate_configs/tp2_cp2.yaml (megatron_lm_context_parallel_size: 2) and tp2_cp2_pp2.yaml: every row's
+    tokens split over two ranks, packed conversations kept apart, padding unattended, through the pipeline's
+    micro-batches too: the single-process losses and eval losses."""
+    parallel = _accelerate(layout, tmp_path, chat_setup, 8, packing)  # 8 x dp 1 x 2 accumulation
+    _assert_same(parallel, single[packing], f"{layout} vs tp1")

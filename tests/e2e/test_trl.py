@@ -93,6 +93,7 @@ def references(chat_setup, tmp_path_factory) -> dict:
         ("dpo", "tp2_dp2", (), 2),
         ("dpo", "tp2_pp2", (), 1),
         ("dpo", "tp2_cp2", (), 1),
+        ("dpo", "tp2_cp2_pp2", (), 1),
     ],
     ids=[
         "sft-tp2",
@@ -104,6 +105,7 @@ def references(chat_setup, tmp_path_factory) -> dict:
         "dpo-tp2_dp2",
         "dpo-tp2_pp2",
         "dpo-tp2_cp2",
+        "dpo-tp2_cp2_pp2",
     ],
 )
 def test_a_trl_script_with_mtks_import_logs_trls_numbers(references, chat_setup, tmp_path, task, config, extra, dp):

@@ -103,8 +103,6 @@ def refuse_context_parallel_with(config: ParallelConfig, deepspeed: bool) -> Non
     if config.cp_size == 1:
         return
     cp = f"context parallelism (cp = {config.cp_size})"
-    if config.pp_size > 1:
-        raise ConfigError(f"{cp} with a pipeline (pp = {config.pp_size}) is not supported yet; use tp and dp with it")
     if deepspeed:
         raise ConfigError(
             f"{cp} under DeepSpeed is not supported yet (ZeRO would average over DP only); use a megatron_lm_config "
