@@ -39,11 +39,12 @@ from mtk.args import (
     positive_int,
 )
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, rescaled_position, start_point
-from mtk.config import RunSettings
+from mtk.config import CP_COMM_TYPES, RunSettings
 from mtk.convert import parallelize
 from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, tokenizer_for
 from mtk.errors import DataError
 from mtk.integrations.deepspeed import (
+    check_context_parallel,
     check_precision,
     deepspeed_config,
     held_elements,
@@ -58,6 +59,7 @@ from mtk.lora import get_peft_model
 from mtk.lora.options import add_lora_arguments, base_dtype, lora_config
 from mtk.models import check_seq_len, resolve_config
 from mtk.parallel.comm import all_reduce
+from mtk.parallel.context import attach_context_parallel
 from mtk.parallel.grad_norm import check_finite
 from mtk.parallel.placement import placement
 from mtk.parallel.recompute import enable_recompute
@@ -73,11 +75,12 @@ from mtk.training.windows import step_windows
 HERE = Path(__file__).resolve().parent
 
 
-def loss_chunk_tokens(args: argparse.Namespace) -> int | None:
-    """``--loss_chunk_tokens``, else ``MTK_LOSS_CHUNK_TOKENS`` (the only mtk run setting this DeepSpeed script reads
-    from the environment; an override is reported in one line)."""
-    return RunSettings.from_env(env={k: v for k, v in os.environ.items() if k == "MTK_LOSS_CHUNK_TOKENS"},
-                                loss_chunk_tokens=args.loss_chunk_tokens).loss_chunk_tokens  # fmt: skip
+def run_settings(args: argparse.Namespace) -> RunSettings:
+    """``--loss_chunk_tokens`` and ``--cp_comm_type``, else ``MTK_LOSS_CHUNK_TOKENS`` and ``MTK_CP_COMM_TYPE`` (the
+    only mtk run settings this DeepSpeed script reads from the environment; an override is reported in one line)."""
+    read = ("MTK_LOSS_CHUNK_TOKENS", "MTK_CP_COMM_TYPE")
+    return RunSettings.from_env(env={k: v for k, v in os.environ.items() if k in read},
+                                loss_chunk_tokens=args.loss_chunk_tokens, cp_comm_type=args.cp_comm_type)  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -113,6 +116,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--tp", type=positive_int, help="tensor-parallel size (default: MEGATRON_LM_TP_DEGREE, else 1)"
     )
+    parser.add_argument(
+        "--cp",
+        type=positive_int,
+        help="context-parallel size: each sequence split over this many ranks (default: "
+        "MEGATRON_LM_CONTEXT_PARALLEL_SIZE, else 1)",
+    )
+    parser.add_argument(
+        "--cp_comm_type",
+        choices=CP_COMM_TYPES,
+        help="with --cp: ring (p2p) or all-to-all (a2a) (default: MTK_CP_COMM_TYPE, else p2p)",
+    )
     add_safety_arguments(parser, can_skip_steps=False)  # DeepSpeed steps before mtk sees the gradient norm
     add_recompute_argument(parser)
     parser.add_argument(
@@ -144,16 +158,17 @@ def build_engine(args: argparse.Namespace, parallel: ParallelState) -> tuple[Any
         parallel.dp_size,
         micro_batch=args.batch_size,
         grad_accum=args.grad_accum,
-        layout=dp_layout(parallel.world_size, parallel.tp_size, parallel.pp_size),
+        layout=dp_layout(parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.cp_size),
         report=report,
     )
     check_precision(ds_config, args.deepspeed_config)  # fp16 where DeepSpeed has none: one line
+    check_context_parallel(ds_config, parallel, args.deepspeed_config)  # ZeRO-3 with CP: one line
     optimizer_and_schedule(ds_config, args.deepspeed_config, args.lr, report)  # --lr beats the JSON's, in one line
     lora = lora_config(args)
     dtype = base_dtype(args) if lora else None
     set_seed(args.seed)
     # a directory: this rank's slices, converted; a built-in config: the same weights at any layout
-    settings = RunSettings(loss_chunk_tokens=loss_chunk_tokens(args))
+    settings = run_settings(args)
     model = starting_model(args.model, parallel, settings, seed=args.seed, dtype=dtype)
     if parallelized(model) is None:
         model = parallelize(model, parallel, loss_chunk_tokens=settings.loss_chunk_tokens)
@@ -161,6 +176,8 @@ def build_engine(args: argparse.Namespace, parallel: ParallelState) -> tuple[Any
         enable_recompute(model, RunSettings(recompute_granularity="full"), parallelized(model).rng)
     if lora:  # PEFT's LoRA on the parallel layers: ZeRO shards only the adapters' optimizer state
         model = get_peft_model(model, lora, report=print if parallel.rank == 0 else lambda line: None)
+    if parallel.cp_size > 1:  # each batch split over CP; DeepSpeed sums the CP ranks' gradients, averages over DP
+        attach_context_parallel(model, parallel.cp_group, settings.cp_comm_type, average=False)
 
     def lr_schedule(optimizer):  # DeepSpeed steps it once per optimizer step
         return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_linear(args.warmup_steps, args.max_steps))
@@ -211,7 +228,7 @@ def build_data(
 def main(argv=None) -> None:
     args = parse_args(argv)
     # torch.distributed from the launcher; --tp beats the env
-    parallel = ParallelState.from_env(tp_size=args.tp, timeout=collective_timeout(args))
+    parallel = ParallelState.from_env(tp_size=args.tp, cp_size=args.cp, timeout=collective_timeout(args))
     where = placement(parallel)  # which node each rank is on; TP groups inside nodes
     if parallel.rank == 0:
         print(where.describe(), flush=True)
@@ -248,7 +265,8 @@ def main(argv=None) -> None:
     if parallel.rank == 0:
         print(
             f"mtk+deepspeed: zero stage {engine.zero_optimization_stage()}, "
-            f"tp={parallel.tp_size} dp={parallel.dp_size}, global batch {global_batch} "
+            f"tp={parallel.tp_size}{f' cp={parallel.cp_size}' if parallel.cp_size > 1 else ''} dp={parallel.dp_size}, "
+            f"global batch {global_batch} "
             f"{'rows' if args.packing else 'examples'}, "
             f"steps {step}->{args.max_steps}",
             flush=True,

@@ -19,7 +19,7 @@ Each is read by ``from_env(env, **explicit)``. Precedence, highest first:
 An explicit value that overrides a different environment value is reported in one line (``mtk:
 tp_size=2 (explicit) overrides MEGATRON_LM_TP_DEGREE=4``), never silently dropped. With DeepSpeed
 through accelerate the TP size may also come from the DeepSpeed JSON (``"mtk": {"tensor_parallel_size":
-N}``), which ranks with the environment (:func:`mtk.integrations.deepspeed.tp_size_from_config`).
+N}``), which ranks with the environment (:func:`mtk.integrations.deepspeed.sizes_from_config`).
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ BUILTIN: dict[str, Callable[[], PretrainedConfig]] = {
         num_hidden_layers=4,
         num_attention_heads=8,
         num_key_value_heads=4,
-        max_position_embeddings=2048,
+        max_position_embeddings=32768,  # long-context runs (docs/long_context.md); rotary: no parameters
     ),
     # bench-llama with Qwen's 151,936-token vocabulary: the LM head's logits outweigh the decoder's activations
     # (the chunked loss's benchmark, examples/benchmarks/chunked_loss.py).

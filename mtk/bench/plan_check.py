@@ -20,7 +20,8 @@ from mtk.planner.search import Candidate, Estimate, Request, estimate, rank_memo
 
 # Layouts the planner is checked on (tests/distributed/test_plan_check.py, examples/benchmarks/plan_check.py): TP,
 # SP with full recompute, selective recompute, TP x DP with the distributed optimizer, TP x PP in a 1F1B steady
-# state, a pipeline that never leaves its warm-up, and a model whose attention dropout takes torch's math path on CPU.
+# state, a pipeline that never leaves its warm-up, a model whose attention dropout takes torch's math path on CPU,
+# and context parallelism (its score blocks and its traffic), ring and all-to-all.
 CHECKED_LAYOUTS: dict[str, dict] = {
     "tp2": dict(model="bench-llama", tp_size=2, pp_size=1, batch=2, seq=256),
     "tp2 sp recompute=full": dict(
@@ -35,6 +36,10 @@ CHECKED_LAYOUTS: dict[str, dict] = {
     "tp2 pp2 m=4 (1F1B steady)": dict(model="bench-llama", tp_size=2, pp_size=2, batch=4, seq=256, micro_batches=4),
     "pp2 m=2 (warm-up only)": dict(model="bench-llama", tp_size=1, pp_size=2, batch=2, seq=256, micro_batches=2),
     "tiny-gpt2 tp2 (dropout)": dict(model="tiny-gpt2", tp_size=2, pp_size=1, batch=4, seq=128),
+    "cp2 (ring)": dict(model="bench-llama", tp_size=1, pp_size=1, cp_size=2, batch=1, seq=1024),
+    "tp2 cp2 sp (all-to-all)": dict(
+        model="bench-llama", tp_size=2, pp_size=1, cp_size=2, cp_comm="a2a", batch=1, seq=1024, sequence_parallel=True
+    ),
 }
 
 __all__ = ["CHECKED_LAYOUTS", "RankCheck", "check_lines", "check_ranks", "planned_collectives", "planned_for"]
@@ -57,7 +62,7 @@ def _request_and_candidate(spec: BenchSpec, device: str) -> tuple[Request, Candi
             "--memory compares with mtk plan, whose bf16 is mixed precision (fp32 weights); the bench's "
             f"--dtype {spec.dtype} is pure {spec.dtype}: use --dtype fp32"
         )
-    world = spec.tp_size * spec.pp_size * spec.dp_size
+    world = spec.tp_size * spec.cp_size * spec.pp_size * spec.dp_size
     request = Request(
         config=resolve_config(spec.model),
         cluster=Cluster(gpus=world, gpu_memory=2**50),
@@ -68,6 +73,8 @@ def _request_and_candidate(spec: BenchSpec, device: str) -> tuple[Request, Candi
         reserve=0,
         device=device,
         ddp=False,
+        cp_sizes=(spec.cp_size,),
+        cp_comm=spec.cp_comm,
     )
     candidate = Candidate(
         tp_size=spec.tp_size,
@@ -80,6 +87,7 @@ def _request_and_candidate(spec: BenchSpec, device: str) -> tuple[Request, Candi
         sequence_parallel=spec.sequence_parallel,
         recompute=spec.recompute,
         sharding="distopt" if spec.distributed_optimizer else "fsdp2" if spec.fsdp else "none",
+        cp_size=spec.cp_size,
     )
     return request, candidate
 
@@ -110,8 +118,8 @@ def check_ranks(spec: BenchSpec, summary: ContenderSummary, device: str) -> list
     request, candidate = _request_and_candidate(spec, device)
     checks = []
     for rank, (kinds, state) in enumerate(zip(summary.memory_by_kind, summary.model_state)):
-        stage, dp_rank = divmod(rank // spec.tp_size, spec.dp_size)  # ranks: TP fastest, then DP, then PP
-        predicted = rank_memory(request, candidate, stage, dp_rank)
+        stage, replica_rank = divmod(rank // spec.tp_size, spec.dp_size * spec.cp_size)  # TP, CP, DP, then PP
+        predicted = rank_memory(request, candidate, stage, replica_rank)
         measured = kinds.get("max_allocated") or kinds.get("live_peak") or kinds["total"]
         checks.append(RankCheck(rank, stage, predicted, measured, dict(state)))
     return checks

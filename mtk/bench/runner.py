@@ -118,8 +118,10 @@ def predicted_for(spec: BenchSpec) -> Predicted:
             max(1, kv_heads // spec.tp_size),  # tp beyond the kv heads: one (replicated) per rank
             head_dim,
             2 if spec.dtype == "bf16" else 4,
+            recompute=spec.recompute is not None,
+            losses=spec.micro_batches,
         )
-        predicted.counts.update(context.counts)
+        predicted.counts.update(context.counts)  # Counter.update adds
         predicted.nbytes.update(context.nbytes)
     return predicted
 

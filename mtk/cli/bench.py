@@ -215,12 +215,7 @@ def run(args: argparse.Namespace) -> int:
     report = report_dict(spec, summaries, predicted_for(spec), busy)
     print(format_report(report))
     ours = next(s for s in summaries if s.name == "mtk")
-    if args.memory and ours.error is None and spec.cp_size > 1:  # mtk plan has no CP: the measurement alone
-        print("peak memory per rank (mtk), measured (mtk plan does not model context parallelism yet):")
-        for rank, kinds in enumerate(ours.memory_by_kind):
-            total, act = kinds["total"] / 2**20, kinds["act"] / 2**20
-            print(f"  rank {rank}: {total:.1f} MiB live at the peak ({act:.1f} MiB of it activations)")
-    elif args.memory and ours.error is None:
+    if args.memory and ours.error is None:
         checks = check_ranks(spec, ours, default_device().type)
         print("peak memory per rank (mtk), measured vs mtk plan:")
         print("\n".join(check_lines(checks)))

@@ -7,10 +7,11 @@ import argparse
 import json
 
 from mtk.args import positive_int
+from mtk.config import CP_COMM_TYPES
 from mtk.errors import ConfigError, MtkError
 from mtk.models import check_seq_len, resolve_config
 from mtk.planner.cluster import INFINIBAND_GBPS, NVLINK_GBPS, PEAK_TFLOPS, Cluster, parse_bytes
-from mtk.planner.search import Estimate, Request, plan, valid_tp_sizes
+from mtk.planner.search import Estimate, Request, context_parallel_refusal, plan, valid_tp_sizes
 from mtk.planner.timing import model_size
 from mtk.rules import check_tp_size
 
@@ -45,6 +46,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--offload", action="store_true", help="also consider DeepSpeed's optimizer offload to CPU")
     parser.add_argument("--tp", type=positive_int, help="only this tensor-parallel degree")
     parser.add_argument("--pp", type=positive_int, help="only this number of pipeline stages")
+    parser.add_argument(
+        "--cp",
+        type=_cp_sizes,
+        default=(1,),
+        help="context-parallel degree to weigh (each sequence split over N ranks), or 'auto' for every one the GPUs "
+        "and --seq_len allow (default 1)",
+    )
+    parser.add_argument(
+        "--cp_comm_type",
+        choices=CP_COMM_TYPES,
+        default="p2p",
+        help="with --cp: ring (p2p, default) or all-to-all (a2a)",
+    )
     parser.add_argument("--peak_tflops", type=float, help="per GPU (default: H100 SXM, 989 bf16 / 67 fp32)")
     parser.add_argument("--intra_node_gbps", type=float, default=NVLINK_GBPS, help="GB/s per GPU inside a node (450)")
     parser.add_argument("--inter_node_gbps", type=float, default=INFINIBAND_GBPS, help="GB/s per GPU between (50)")
@@ -53,6 +67,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--all", action="store_true", help="every SP/recompute setting, fitting or not")
     parser.add_argument("--json", action="store_true", help="print every estimate as JSON instead of the table")
     parser.set_defaults(run=run)
+
+
+def _cp_sizes(text: str) -> tuple:
+    """``--cp``: one degree, or ``auto``."""
+    if text == "auto":
+        return ("auto",)
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer or 'auto'")
+    return (int(text),)
 
 
 def _memory_size(text: str) -> int:
@@ -93,6 +116,8 @@ def request_from_args(args: argparse.Namespace) -> Request:
         reserve=args.reserve,
         tp_size=args.tp,
         pp_size=args.pp,
+        cp_sizes=args.cp if args.cp != ("auto",) else tuple(range(1, cluster.gpus + 1)),
+        cp_comm=args.cp_comm_type,
         device=args.device,
         every_setting=args.all,
     )
@@ -109,6 +134,16 @@ def _check_fixed_degrees(request: Request) -> None:
             raise ConfigError(
                 f"--tp {request.tp_size} does not fit inside a node of {cluster.gpus_per_node} GPUs (TP "
                 f"all-reduces every layer and stays on NVLink); valid here: {valid_tp_sizes(request)}"
+            )
+    if request.cp_sizes != (1,) and len(request.cp_sizes) == 1:  # one degree asked for: refused in one line
+        cp = request.cp_sizes[0]
+        refusal = context_parallel_refusal(config)
+        if refusal:
+            raise ConfigError(f"--cp {cp}: {refusal}")
+        if request.seq % (2 * cp) or cluster.gpus % cp:
+            raise ConfigError(
+                f"--cp {cp} needs --seq_len a multiple of {2 * cp} (each rank takes 2 of {2 * cp} equal chunks) and "
+                f"--gpus a multiple of {cp}"
             )
     if request.pp_size:
         layers = getattr(config, "num_hidden_layers", None) or config.n_layer
@@ -131,17 +166,21 @@ def format_table(estimates: list[Estimate], top: int) -> str:
     """The ranked rows; memory and traffic in GiB (MiB when every peak is below 1 GiB)."""
     rows = estimates[:top]
     unit, size = ("GiB", GIB) if max((e.memory.peak for e in rows), default=0) >= GIB else ("MiB", 2**20)
+    context = any(e.candidate.cp_size > 1 for e in rows)  # a CP column only where some row splits sequences
+    cp_head = f" {'CP':>6}" if context else ""
     head = (
         f"{'#':>3}  {'layout':<40} {'engine':<10} {'weights':>7} {'grads':>6} {'optim':>6} {'act':>6} "
-        f"{'buffers':>7} {'peak':>6} | {'TP':>7} {'PP':>6} {'DP':>6} | {'bubble+':>7} {'step s':>8} {'tokens/s':>9}"
+        f"{'buffers':>7} {'peak':>6} | {'TP':>7}{cp_head} {'PP':>6} {'DP':>6} | "
+        f"{'bubble+':>7} {'step s':>8} {'tokens/s':>9}"
     )
     lines = [f"(memory and traffic in {unit})", head, "-" * len(head)]
     for index, e in enumerate(rows, 1):
         m, t = e.memory, e.traffic
+        cp = f" {t.cp / size:>6.2f}" if context else ""
         lines.append(
             f"{index:>3}  {e.candidate.label:<40} {e.candidate.engine:<10} {m.weights / size:>7.1f} "
             f"{m.gradients / size:>6.1f} {m.optimizer / size:>6.1f} {m.activations / size:>6.1f} "
-            f"{m.buffers / size:>7.1f} {m.peak / size:>6.1f} | {t.tp / size:>7.1f} {t.pp / size:>6.2f} "
+            f"{m.buffers / size:>7.1f} {m.peak / size:>6.1f} | {t.tp / size:>7.1f}{cp} {t.pp / size:>6.2f} "
             f"{t.dp / size:>6.1f} | {e.time.bubble_overhead:>7.2f} {e.time.total:>8.3g} {e.tokens_per_s:>9.0f}"
             + ("" if e.fits else "  *")
         )
@@ -197,5 +236,7 @@ def _request_dict(request: Request) -> dict:
         "lora_r": request.lora_r,
         "engines": list(request.engines),
         "offload": request.offload,
+        "cp_sizes": list(request.cp_sizes),
+        "cp_comm_type": request.cp_comm,
         "device": request.device,
     }

@@ -49,7 +49,8 @@ __all__ = [
     "initialization_cleanup",
     "load_deepspeed_checkpoint",
     "save_deepspeed_checkpoint",
-    "tp_size_from_config",
+    "check_context_parallel",
+    "sizes_from_config",
     "zero3_gathered",
     "zero3_whole",
 ]
@@ -99,20 +100,31 @@ def deepspeed_config(
     return config, batch
 
 
-def tp_size_from_config(config: dict[str, Any]) -> int | None:
-    """The TP size a DeepSpeed JSON asks mtk for: ``"mtk": {"tensor_parallel_size": N}``.
+MTK_BLOCK_KEYS = {"tensor_parallel_size": "tp_size", "context_parallel_size": "cp_size"}  # -> ParallelConfig
 
-    DeepSpeed has no key for an external tensor-parallel degree (its ``tensor_parallel`` block turns
-    on its own AutoTP), and ignores top-level keys it does not know; ``accelerate launch`` with
-    ``distributed_type: DEEPSPEED`` exports no ``megatron_lm_config``. So the DeepSpeed JSON the
-    accelerate YAML names carries it.
+
+def sizes_from_config(config: dict[str, Any]) -> dict[str, int]:
+    """The degrees a DeepSpeed JSON asks mtk for, as ``ParallelConfig`` fields: ``"mtk": {"tensor_parallel_size": N,
+    "context_parallel_size": M}``; any other key of the block is refused in one line.
+
+    DeepSpeed has no key for an external tensor-parallel degree (its ``tensor_parallel`` block turns on its own
+    AutoTP) and takes its sequence-parallel degree from the mpu, and ignores top-level keys it does not know;
+    ``accelerate launch`` with ``distributed_type: DEEPSPEED`` exports no ``megatron_lm_config``. So the DeepSpeed
+    JSON the accelerate YAML names carries them.
     """
-    value = config.get("mtk", {}).get("tensor_parallel_size")
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f'"mtk": {{"tensor_parallel_size": {value!r}}} must be a positive integer')
-    return value
+    block = config.get("mtk", {})
+    unknown = sorted(set(block) - set(MTK_BLOCK_KEYS))
+    if unknown:
+        raise ConfigError(f'"mtk": {unknown} is not known; the block takes {sorted(MTK_BLOCK_KEYS)}')
+    sizes = {}
+    for key, field in MTK_BLOCK_KEYS.items():
+        value = block.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f'"mtk": {{"{key}": {value!r}}} must be a positive integer')
+        sizes[field] = value
+    return sizes
 
 
 def zero3_gathered(engine) -> Any:
@@ -194,16 +206,16 @@ def save_deepspeed_checkpoint(
 
 
 def _zero3_piece(engine, parallel: ParallelState) -> Piece | None:
-    """This rank's place in ZeRO-3's partitioning of every parameter (its rank in the DP group DeepSpeed splits
+    """This rank's place in ZeRO-3's partitioning of every parameter (its rank in the DP x CP group DeepSpeed splits
     them over); ``None`` at stages 1 and 2 (parameters whole on every rank), for a LoRA model, and where ZeRO-3
-    partitions over a subgroup of DP (MiCS: each subgroup would write the same pieces)."""
+    partitions over a subgroup (MiCS: each subgroup would write the same pieces)."""
     if engine.zero_optimization_stage() != 3 or is_peft_model(engine.module):
         return None
     param = next(engine.module.parameters())
     group = param.ds_process_group
-    if dist.get_world_size(group=group) != parallel.dp_size:
+    if dist.get_world_size(group=group) != parallel.replica_size:
         return None
-    return Piece(dist.get_rank(group=group), parallel.dp_size)
+    return Piece(dist.get_rank(group=group), parallel.replica_size)
 
 
 def load_deepspeed_checkpoint(
@@ -219,19 +231,26 @@ def load_deepspeed_checkpoint(
     if meta.engine != "deepspeed":
         raise CheckpointError(f"{directory} was not written by the DeepSpeed engine; resume it with the same engine")
     check_base(str(directory), meta.base_model, engine.module, parallel)  # collective
-    same = (saved.tp_size, saved.pp_size, saved.dp_size) == (parallel.tp_size, parallel.pp_size, parallel.dp_size)
+    layout = (parallel.tp_size, parallel.pp_size, parallel.dp_size, parallel.cp_size)
+    same = (saved.tp_size, saved.pp_size, saved.dp_size, saved.cp_size) == layout
     if same:
         path, _ = engine.load_checkpoint(str(paths.deepspeed), tag=_DS_TAG, load_module_strict=meta.base_model is None)
         if path is None:
             raise CheckpointError(f"{directory}/deepspeed holds no DeepSpeed checkpoint")
-    elif meta.zero_stage == 3 and engine.zero_optimization_stage() == 3 and saved.pp_size == parallel.pp_size:
+    elif (
+        meta.zero_stage == 3
+        and engine.zero_optimization_stage() == 3
+        and saved.pp_size == parallel.pp_size
+        and saved.cp_size == parallel.cp_size == 1
+    ):
         load_at_another_layout(directory, engine, meta, parallel)
     else:
         raise CheckpointError(
-            f"{directory} was written at tp={saved.tp_size} pp={saved.pp_size} dp={saved.dp_size} with ZeRO stage "
-            f"{meta.zero_stage}, this run is tp={parallel.tp_size} pp={parallel.pp_size} dp={parallel.dp_size} with "
-            f"stage {engine.zero_optimization_stage()}; a DeepSpeed checkpoint resumes at its own layout, or a ZeRO-3 "
-            "one under ZeRO-3 at another TP or DP size (export it with `mtk export` to change anything else)"
+            f"{directory} was written at tp={saved.tp_size} cp={saved.cp_size} pp={saved.pp_size} dp={saved.dp_size} "
+            f"with ZeRO stage {meta.zero_stage}, this run is tp={parallel.tp_size} cp={parallel.cp_size} "
+            f"pp={parallel.pp_size} dp={parallel.dp_size} with stage {engine.zero_optimization_stage()}; a DeepSpeed "
+            "checkpoint resumes at its own layout, or a ZeRO-3 one under ZeRO-3 at another TP or DP size without "
+            "context parallelism (export it with `mtk export` to change anything else)"
         )
     if not schedulers and engine.lr_scheduler is not None and not same:
         schedulers = [engine.lr_scheduler]  # DeepSpeed restored it at the same layout
@@ -293,6 +312,18 @@ def initialization_cleanup(where: str) -> Iterator[None]:
             message = " ".join(str(err).split()) or type(err).__name__
             raise ConfigError(f"{where}: DeepSpeed refused the config: {message}") from None
         raise
+
+
+def check_context_parallel(config: dict[str, Any], parallel: ParallelState, where: str) -> None:
+    """ZeRO-3 next to context parallelism is refused in one line: its steps do not reproduce the unsplit model's
+    (checked: ZeRO-1 and ZeRO-2 do, at TP x CP and CP alone; ZeRO-3 at DP alone does), so it is not offered."""
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if parallel.cp_size > 1 and stage == 3:
+        raise ConfigError(
+            f"{where}: ZeRO stage 3 with context parallelism (cp = {parallel.cp_size}) is not supported yet; use "
+            "ZeRO stage 1 or 2 (ds_configs/accelerate_zero2_tp2_cp2.json), or FSDP2 to shard the parameters too "
+            "(accelerate_configs/cp2_fsdp2.yaml)"
+        )
 
 
 def check_precision(config: dict[str, Any], where: str, *, accelerate: bool = False) -> None:

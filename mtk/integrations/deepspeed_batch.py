@@ -58,9 +58,11 @@ class BatchSizes:
         return f"global batch {self.global_batch} = {sizes}"
 
 
-def dp_layout(world_size: int, tp_size: int, pp_size: int = 1) -> str:
+def dp_layout(world_size: int, tp_size: int, pp_size: int = 1, cp_size: int = 1) -> str:
     """How DP came about, for messages: ``" (dp = world 4 / tp 2)"``."""
-    model = f"tp {tp_size}" if pp_size == 1 else f"(tp {tp_size} x pp {pp_size})"
+    parts = [f"{name} {size}" for name, size in (("tp", tp_size), ("cp", cp_size), ("pp", pp_size)) if size > 1]
+    parts = parts or [f"tp {tp_size}"]
+    model = parts[0] if len(parts) == 1 else f"({' x '.join(parts)})"
     return f" (dp = world {world_size} / {model})"
 
 

@@ -80,6 +80,7 @@ class ContextShard:
     comm: str = "p2p"  # Megatron's cp_comm_type: "p2p" (ring attention) or "a2a" (all-to-all, Ulysses)
     row_length: int | None = None  # the caller's row length, before padding for the split
     caller_shifted: bool = False  # the caller passed shift_labels: label-aligned outputs keep every position
+    average: bool = True  # the CP ranks' gradients are averaged (else summed: ContextSplit.average)
 
     def __len__(self) -> int:
         """Rows, as a ``[b, ...]`` tensor's ``len``: a pipeline cuts micro-batches of shards as of tensors."""
@@ -212,6 +213,7 @@ class ContextSplit:
     group: Group
     comm: str
     multiple: int
+    average: bool = True  # gradients averaged over the CP ranks (DDP, FSDP2); False: summed (DeepSpeed's Ulysses)
 
     def __call__(
         self, tensors: dict[str, torch.Tensor], num_items: Any = None, row_length: int | None = None
@@ -220,7 +222,8 @@ class ContextSplit:
         ``shift_labels``, optional ``attention_mask``/``position_ids``, ``[b, S]``).
 
         ``num_items_in_batch`` is ``num_items`` (the caller's count, over whole rows) or the batch's labelled
-        tokens, divided by ``cp``: the rank's loss is ``cp`` times its share (see the module docstring).
+        tokens, divided by ``cp`` where the CP ranks' gradients are averaged: the rank's loss is ``cp`` times its
+        share (see the module docstring); where they are summed, its share.
         ``row_length``: the length per-position outputs are gathered back to (default: the caller's)."""
         length = tensors["input_ids"].shape[1]
         padded, _ = pad_batch(tensors, self.multiple, reason="context parallelism")
@@ -228,8 +231,10 @@ class ContextSplit:
         shard = local[KEYWORD]
         shard.row_length = length if row_length is None else row_length
         shard.caller_shifted = "shift_labels" in tensors
+        shard.average = self.average
         if "labels" in local:
-            local["num_items_in_batch"] = (count if num_items is None else num_items) / group_size(self.group)
+            count = count if num_items is None else num_items
+            local["num_items_in_batch"] = count / group_size(self.group) if self.average else count
         return local
 
 
@@ -259,17 +264,18 @@ class _SplitInputs:
 def _whole_outputs(module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
     """Forward hook: what the call returns is the whole batch's, on every CP rank.
 
-    The loss is the mean of the CP ranks' values, with this rank's own gradient (``cp`` times its share). Every
-    per-position output (logits, hidden states, TRL's fused-head fields) is gathered over the group into whole rows,
-    in row order, without the split's padding; its gradient goes back to the rank that computed each position
-    (summed over the ranks that used it, which the average over the replicas then divides). The chunked loss's
+    The loss is the whole batch's (the mean of the CP ranks' values, or their sum where each is its share), with
+    this rank's own gradient (``cp`` times its share, or its share). Every per-position output (logits, hidden
+    states, TRL's fused-head fields) is gathered over the group into whole rows, in row order, without the split's
+    padding; its gradient goes back to the rank that computed each position (summed over the ranks that used it,
+    which the average over the replicas then divides; where the replicas sum, this rank's own). The chunked loss's
     logits stand-in holds nothing and stays as it is."""
     shard = kwargs.get(KEYWORD)
     if not isinstance(shard, ContextShard):
         return output
     loss = getattr(output, "loss", None)
     if loss is not None:
-        whole = all_reduce(loss.detach().clone(), shard.group) / group_size(shard.group)
+        whole = all_reduce(loss.detach().clone(), shard.group) / (group_size(shard.group) if shard.average else 1)
         output.loss = loss + (whole - loss.detach())
     local = shard.positions.shape[1]
     length = shard.row_length or local * group_size(shard.group)
@@ -288,23 +294,28 @@ def whole_rows(local: torch.Tensor, shard: ContextShard) -> torch.Tensor:
     """``[b, s/cp, ...]`` per-position values of this rank -> ``[b, S, ...]`` of the whole rows (collective; the
     gradient of each position returns to the rank that holds it)."""
     size = group_size(shard.group)
-    gathered = gather_from_sequence(local, shard.group, dim=1)  # [b, S, ...], rank r's positions at r * s/cp
+    # [b, S, ...], rank r's positions at r * s/cp; backward: the gradients of this rank's positions, summed over the
+    # ranks (each computed them) where the replicas average, this rank's own where they sum
+    gathered = gather_from_sequence(local, shard.group, dim=1, partial_grad=shard.average)
     seq = gathered.shape[1]
     order = torch.cat([balanced_indices(seq, r, size, local.device) for r in range(size)])  # [S]: row index of each
     return gathered.index_select(1, torch.argsort(order)[: shard.row_length or seq])  # [b, S, ...] in row order
 
 
-def attach_context_parallel(model: Any, group: Group, comm: str = "p2p", sequence_split: int = 1) -> None:
+def attach_context_parallel(
+    model: Any, group: Group, comm: str = "p2p", sequence_split: int = 1, average: bool = True
+) -> None:
     """Make ``model`` context-parallel over ``group``: attention as :data:`ATTENTION`, and every call's whole batch
     split to this rank's tokens first. Each CP rank then returns the whole batch's loss and backpropagates ``cp``
     times its share: average the gradients over the CP group (with DP: over the DP x CP replica group), as over
     data-parallel replicas. ``sequence_split``: how many ways each rank's tokens are cut again (the TP size under
-    sequence parallelism), so rows are padded to a multiple of ``2·cp`` and of ``cp·sequence_split``. A second call
-    with the same group changes nothing."""
+    sequence parallelism), so rows are padded to a multiple of ``2·cp`` and of ``cp·sequence_split``. ``average``
+    False: the engine sums the CP ranks' gradients (DeepSpeed's sequence-data-parallel reduction divides by DP
+    only), so each rank backpropagates its share. A second call with the same group changes nothing."""
     if comm not in COMM_TYPES:
         raise ConfigError(f"cp_comm_type {comm!r} is unknown; use one of {COMM_TYPES}")
     cp = group_size(group)
-    split = ContextSplit(group, comm, math.lcm(2 * cp, cp * sequence_split))
+    split = ContextSplit(group, comm, math.lcm(2 * cp, cp * sequence_split), average)
     attached = context_parallel_of(model)
     if attached is not None:
         if attached != split:

@@ -324,6 +324,21 @@ class ParallelState:
     def get_context_parallel_world_size(self) -> int:
         return self.cp_size
 
+    # DeepSpeed's sequence parallelism is mtk's CP: ZeRO partitions and reduces over the sequence-data-parallel
+    # (DP x CP) group, divides the gradients by DP only, and counts the batch over DP.
+    get_sequence_parallel_group = get_context_parallel_group
+    get_sequence_parallel_rank = get_context_parallel_rank
+    get_sequence_parallel_world_size = get_context_parallel_world_size
+
+    def get_sequence_data_parallel_group(self) -> dist.ProcessGroup | None:
+        return self.replica_group
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.replica_rank
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.replica_size
+
     def get_data_parallel_group(self) -> dist.ProcessGroup | None:
         return self.dp_group
 

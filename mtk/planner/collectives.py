@@ -137,6 +137,8 @@ def predict_context_collectives(
     kv_heads: int,
     head_dim: int,
     element_size: int = 4,
+    recompute: bool = False,
+    losses: int = 1,
 ) -> Predicted:
     """What context-parallel attention adds per step on one rank (``heads``, ``kv_heads``: this TP rank's; ``seq``:
     the whole row): every layer all-gathers its tokens' ``[3, b, s/cp]`` int64 metadata, then
@@ -145,25 +147,30 @@ def predict_context_collectives(
       blocks again and their fp32 gradients with them, plus one hop home (``2·cp − 1`` sends);
     - ``a2a`` (all-to-all): q, k, v out and the output back, forward and backward alike (k and v with one head per
       query head where the kv heads do not split over CP).
+
+    ``recompute`` (full or selective: the attention reruns in backward either way): the forward's again. Each of
+    the ``losses`` forward calls with a loss then all-reduces its fp32 value (every CP rank returns the batch's).
     """
     counts: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
     if cp_size == 1:
         return Predicted(counts, nbytes)
     local = seq // cp_size
-    counts["all_gather"] += num_layers
-    nbytes["all_gather"] += num_layers * 3 * batch * local * 8
+    forwards = 2 if recompute else 1
+    counts["all_reduce"] += losses
+    nbytes["all_reduce"] += 4 * losses
+    counts["all_gather"] += num_layers * forwards
+    nbytes["all_gather"] += num_layers * forwards * 3 * batch * local * 8
     if comm == "p2p":
         block = batch * kv_heads * local * 2 * head_dim
         hops, back = cp_size - 1, 2 * cp_size - 1
         for kind in ("send", "recv"):
-            counts[kind] += num_layers * (hops + back)
-            nbytes[kind] += (
-                num_layers * block * (hops * element_size + hops * element_size + cp_size * max(4, element_size))
-            )
+            counts[kind] += num_layers * (forwards * hops + back)
+            forward_bytes, backward_bytes = hops * element_size, hops * element_size + cp_size * max(4, element_size)
+            nbytes[kind] += num_layers * block * (forwards * forward_bytes + backward_bytes)
     else:
         moved_kv = kv_heads if kv_heads % cp_size == 0 else heads
         per_call = batch * local * head_dim * element_size
-        counts["all_to_all"] += num_layers * 8
-        nbytes["all_to_all"] += num_layers * 2 * per_call * (2 * heads + 2 * moved_kv)
+        counts["all_to_all"] += num_layers * 4 * (forwards + 1)
+        nbytes["all_to_all"] += num_layers * (forwards + 1) * per_call * (2 * heads + 2 * moved_kv)
     return Predicted(counts, nbytes)

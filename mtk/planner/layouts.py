@@ -30,6 +30,8 @@ class Request:
     reserve: int = 2 * 2**30  # per GPU: CUDA context, communicator buffers, allocator slack
     tp_size: int | None = None
     pp_size: int | None = None
+    cp_sizes: tuple[int, ...] = (1,)  # context-parallel degrees to weigh (mtk plan --cp)
+    cp_comm: str = "p2p"  # context-parallel attention: ring (p2p) or all-to-all (a2a)
     device: str = "cuda"  # attention kernels of this device (``cpu`` for the validation on this machine)
     ddp: bool = True  # accelerate at pp = 1 reduces through DDP's buckets (False: one coalesced all-reduce)
     every_setting: bool = False
@@ -51,11 +53,17 @@ class Candidate:
     offload: bool = False
     virtual_stages: int = 1  # > 1: the interleaved schedule over this many model chunks per pipeline rank
     pipeline_layers: tuple[int, ...] = ()  # decoder layers per stage (chunk) as given; (): mtk's default split
+    cp_size: int = 1  # ranks that split each sequence (they hold the same weights: DP x CP replicas)
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks holding the same weights: gradients are reduced and optimizer state is sharded over DP x CP."""
+        return self.dp_size * self.cp_size
 
     @property
     def label(self) -> str:
         parts = [
-            f"tp{self.tp_size} pp{self.pp_size} dp{self.dp_size}",
+            f"tp{self.tp_size}{f' cp{self.cp_size}' if self.cp_size > 1 else ''} pp{self.pp_size} dp{self.dp_size}",
             f"{self.micro_batch_size}x{self.micro_batches}",
         ]
         if self.virtual_stages > 1:
@@ -90,6 +98,7 @@ class Estimate:
                 "tp_size": c.tp_size,
                 "pp_size": c.pp_size,
                 "dp_size": c.dp_size,
+                "cp_size": c.cp_size,
                 "micro_batch_size": c.micro_batch_size,
                 "micro_batches": c.micro_batches,
                 "virtual_stages": c.virtual_stages,
@@ -104,7 +113,12 @@ class Estimate:
             "memory_bytes": self.memory.as_dict(),
             "fullest_stage": self.stage,
             "memory_bytes_per_stage": [m.as_dict() for m in self.stages],
-            "communication_bytes": {"tp": self.traffic.tp, "pp": self.traffic.pp, "dp": self.traffic.dp},
+            "communication_bytes": {
+                "tp": self.traffic.tp,
+                "cp": self.traffic.cp,
+                "pp": self.traffic.pp,
+                "dp": self.traffic.dp,
+            },
             "collectives": self.collectives,
             "step_s": self.time.as_dict(),
             "tokens_per_s": self.tokens_per_s,

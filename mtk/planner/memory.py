@@ -114,13 +114,15 @@ def stage_memory(
     micro_batches: int = 1,
     virtual_stages: int = 1,
     dp_rank: int | None = None,
+    attention_workspace: int = 0,
 ) -> RankMemory:
     """Peak bytes of a TP rank of pipeline stage ``stage`` holding ``layers`` decoder layers.
 
     ``micro_batch_size`` sequences of ``trace.seq`` tokens per forward; ``micro_batches`` forwards per optimizer
     step (pipeline micro-batches, or gradient accumulation at ``pp = 1``); ``virtual_stages`` > 1: the
     interleaved schedule over that many chunks per rank (1F1B otherwise). ``dp_rank``: whose share of a
-    sharded optimizer (default: the largest).
+    sharded optimizer (default: the largest). ``attention_workspace``: bytes per sequence an attention the trace
+    did not run keeps while it computes (context parallelism's score blocks), on top of the trace's peak.
     """
     pp, micro_batch = pp_size, micro_batch_size
     params = stage_parameters(trace, layers, stage, pp)
@@ -164,7 +166,7 @@ def stage_memory(
     phases = _stage_phases(trace, stage, pp) or cast(Phases, trace.first)
     rest_saved = phases.saved - trace.layer_saved
     saved = max(rest_saved, 0) + layers * trace.layer_saved  # one sequence
-    transient = phases.peak - phases.saved
+    transient = phases.peak - phases.saved + attention_workspace
     v = virtual_stages
     schedule = "interleaved" if v > 1 else "1f1b"
     in_flight = peak_in_flight(schedule, micro_batches, stage, pp, v) if pp > 1 else 1  # chunk passes

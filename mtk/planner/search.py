@@ -30,7 +30,7 @@ from mtk.parallel.layout import Layout
 from mtk.parallel.overlap import gradient_buckets
 from mtk.pipeline.balance import head_weight, layer_counts, rank_layers
 from mtk.pipeline.schedules import bubble_overhead
-from mtk.planner.collectives import predict_collectives
+from mtk.planner.collectives import predict_collectives, predict_context_collectives
 from mtk.planner.layouts import Candidate, Estimate, Request
 from mtk.planner.memory import RankMemory, Training, stage_memory, stage_parameters
 from mtk.planner.shapes import has_residual_dropout, sequence_parallel_elements
@@ -39,7 +39,16 @@ from mtk.planner.trace import TraceSettings, trace_rank
 from mtk.rules import check_tp_size
 from mtk.rules.registry import find_rules
 
-__all__ = ["Candidate", "Estimate", "Request", "estimate", "plan", "rank_memory", "stage_collectives"]
+__all__ = [
+    "Candidate",
+    "Estimate",
+    "Request",
+    "context_parallel_refusal",
+    "estimate",
+    "plan",
+    "rank_memory",
+    "stage_collectives",
+]
 
 RECOMPUTE_ORDER = (None, "selective", "full")
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -58,6 +67,31 @@ def _activation_size(request: Request, candidate: Candidate) -> int:
     return 2 if request.dtype == "bf16" else 4
 
 
+def _rank_seq(request: Request, candidate: Candidate) -> int:
+    """Tokens of each sequence one rank holds: the whole row, or its share under context parallelism."""
+    return request.seq // candidate.cp_size
+
+
+def _heads(config: PretrainedConfig) -> tuple[int, int, int]:
+    """(query heads, kv heads, head dim) of the whole model."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def _attention_workspace(request: Request, c: Candidate) -> int:
+    """Bytes per sequence context-parallel attention holds at its backward's peak besides the trace's activations:
+    two fp32 score blocks of this TP rank's heads (``[h/tp, s/cp, s/cp]`` per ring step; all-to-all: ``[h/(tp cp),
+    s, s]`` at once) and the block's boolean mask (mtk.parallel.ring_attention)."""
+    if c.cp_size == 1:
+        return 0
+    heads = _heads(request.config)[0] // c.tp_size
+    queries = keys = _rank_seq(request, c)
+    if request.cp_comm == "a2a":
+        heads, queries, keys = max(heads // c.cp_size, 1), request.seq, request.seq
+    return heads * queries * keys * 2 * 4 + queries * keys
+
+
 def _trace_settings(request: Request, candidate: Candidate) -> TraceSettings:
     return TraceSettings(
         tp_size=candidate.tp_size,
@@ -73,7 +107,7 @@ def _trace_settings(request: Request, candidate: Candidate) -> TraceSettings:
 def estimate(request: Request, candidate: Candidate) -> Estimate:
     """Memory of every stage (the fullest is reported), traffic and step time of one candidate."""
     config, c = request.config, candidate
-    trace = trace_rank(config, _trace_settings(request, c), request.seq, pipeline=c.pp_size > 1)
+    trace = trace_rank(config, _trace_settings(request, c), _rank_seq(request, c), pipeline=c.pp_size > 1)
     counts = _rank_layers(config, c)
     memories = [rank_memory(request, c, s) for s in range(c.pp_size)]
     stage = max(range(c.pp_size), key=lambda s: memories[s].peak)
@@ -86,15 +120,15 @@ def estimate(request: Request, candidate: Candidate) -> Estimate:
 
 
 def rank_memory(request: Request, candidate: Candidate, stage: int, dp_rank: int | None = None) -> RankMemory:
-    """A TP rank of pipeline stage ``stage`` (of DP rank ``dp_rank``; default: the fullest one)."""
+    """A TP rank of pipeline stage ``stage`` (of replica ``dp_rank``, its DP x CP index; default: the fullest)."""
     c = candidate
-    trace = trace_rank(request.config, _trace_settings(request, c), request.seq, pipeline=c.pp_size > 1)
+    trace = trace_rank(request.config, _trace_settings(request, c), _rank_seq(request, c), pipeline=c.pp_size > 1)
     training = Training(
         dtype=request.dtype,
         engine=c.engine,
         sharding=c.sharding,
         offload=c.offload,
-        dp_size=c.dp_size,
+        dp_size=c.replica_size,  # what gradients are reduced and optimizer state is sharded over
         lora=request.lora_r > 0,
         ddp=request.ddp and c.engine == "accelerate" and c.pp_size == 1,
     )
@@ -108,13 +142,17 @@ def rank_memory(request: Request, candidate: Candidate, stage: int, dp_rank: int
         micro_batches=c.micro_batches,
         virtual_stages=c.virtual_stages,
         dp_rank=dp_rank,
+        attention_workspace=_attention_workspace(request, c),
     )
 
 
 def stage_collectives(request: Request, candidate: Candidate, stage: int) -> dict[str, dict[str, int]]:
     """The collectives mtk issues per step on a TP rank of pipeline stage ``stage``, by kind."""
     trace = trace_rank(
-        request.config, _trace_settings(request, candidate), request.seq, pipeline=candidate.pp_size > 1
+        request.config,
+        _trace_settings(request, candidate),
+        _rank_seq(request, candidate),
+        pipeline=candidate.pp_size > 1,
     )
     layers = _rank_layers(request.config, candidate)[stage]
     params = stage_parameters(trace, layers, stage, candidate.pp_size)
@@ -131,7 +169,7 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int], froz
         _layers(config),
         config.hidden_size,
         c.micro_batch_size * c.micro_batches,
-        request.seq,
+        _rank_seq(request, c),
         c.tp_size,
         pp_size=c.pp_size,
         stage=stage,
@@ -144,16 +182,47 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int], froz
         recompute=c.recompute,
         residual_dropout=has_residual_dropout(config),
     )
-    layout = Layout(world_size=c.tp_size * c.pp_size * c.dp_size, tp_size=c.tp_size, pp_size=c.pp_size)
-    tp_group, pp_group, dp_group = (layout.groups(kind)[0] for kind in ("tp", "pp", "dp"))
+    layout = Layout(
+        world_size=c.tp_size * c.cp_size * c.pp_size * c.dp_size,
+        tp_size=c.tp_size,
+        pp_size=c.pp_size,
+        cp_size=c.cp_size,
+    )
+    # gradients and sharded state go over the DP x CP replicas
+    tp_group, cp_group, pp_group, dp_group = (layout.groups(kind)[0] for kind in ("tp", "cp", "pp", "replica"))
+    replicas = c.replica_size
+    cp_bytes, cp_s = 0, 0.0
+    if c.cp_size > 1:  # context-parallel attention: the ring's sends, or the all-to-alls
+        heads, kv_heads, head_dim = _heads(config)
+        context = predict_context_collectives(  # one micro-batch's forward and backward
+            _rank_layers(config, c)[stage],
+            c.micro_batch_size,
+            request.seq,
+            c.cp_size,
+            request.cp_comm,
+            heads // c.tp_size,
+            max(1, kv_heads // c.tp_size),
+            head_dim,
+            _activation_size(request, c),
+            recompute=c.recompute is not None,
+        )
+        for kind in list(context.counts):  # ... of every micro-batch
+            context.counts[kind] *= c.micro_batches
+            context.nbytes[kind] *= c.micro_batches
+        cp_kind = "send" if request.cp_comm == "p2p" else "all_to_all"
+        cp_bytes = context.nbytes[cp_kind] + context.nbytes["all_gather"]
+        cp_s = sum(
+            collective_seconds(kind, context.nbytes[kind], c.cp_size, cluster.bandwidth(cp_group))
+            for kind in ("send", "all_to_all", "all_gather")
+        )
     tp_kinds = ("all_reduce", "all_gather", "reduce_scatter")
     tp_bytes = sum(predicted.nbytes[k] for k in tp_kinds)
     tp_s = sum(collective_seconds(k, predicted.nbytes[k], c.tp_size, cluster.bandwidth(tp_group)) for k in tp_kinds)
     pp_bytes = predicted.nbytes["send"]
     pp_s = collective_seconds("send", pp_bytes, c.pp_size, cluster.bandwidth(pp_group[:2])) if c.pp_size > 1 else 0.0
     grad_size = 2 if (request.dtype == "bf16" and c.engine == "deepspeed") else 4
-    dp_bytes = sum(numels) * grad_size if c.dp_size > 1 else 0
-    dp_s = collective_seconds("all_reduce", dp_bytes, c.dp_size, cluster.bandwidth(dp_group))
+    dp_bytes = sum(numels) * grad_size if replicas > 1 else 0
+    dp_s = collective_seconds("all_reduce", dp_bytes, replicas, cluster.bandwidth(dp_group))
     if c.sharding == "zero3" and c.dp_size > 1:  # every micro-batch gathers the parameters (a LoRA base's too) for
         # its forward and again for its backward, and reduce-scatters its gradients: the ZeRO paper's 1.5x of an
         # all-reduce, per micro-batch (DeepSpeed's own calls: not among mtk's collectives). Gathers are counted by
@@ -168,20 +237,20 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int], froz
         units = _rank_layers(request.config, c)[stage] + 1 + (c.pp_size > 1)  # layers, root, a stage's decoder
         base_size = 2 if request.dtype == "bf16" and request.lora_r > 0 else 4  # a LoRA base stays in --dtype
         # all-gathers counted by what each rank contributes (its piece), reduce-scatters by their input
-        pieces = -(-(sum(numels) * 4 + frozen * base_size) // c.dp_size) * c.micro_batches if c.dp_size > 1 else 0
+        pieces = -(-(sum(numels) * 4 + frozen * base_size) // replicas) * c.micro_batches if replicas > 1 else 0
         scattered = dp_bytes * c.micro_batches
         predicted.counts["all_gather"] += (2 * units - 1) * c.micro_batches  # the root is gathered once
         predicted.nbytes["all_gather"] += 2 * pieces
         predicted.counts["reduce_scatter"] += units * c.micro_batches
         predicted.nbytes["reduce_scatter"] += scattered
         bandwidth = cluster.bandwidth(dp_group)
-        dp_s = 2 * collective_seconds("all_gather", pieces, c.dp_size, bandwidth)
-        dp_s += collective_seconds("reduce_scatter", scattered, c.dp_size, bandwidth)
-        dp_bytes = 2 * pieces * c.dp_size + scattered  # gathered in, scattered out
-    gathers = _gather_widths(numels, c.dp_size) if c.sharding == "distopt" else ()
+        dp_s = 2 * collective_seconds("all_gather", pieces, replicas, bandwidth)
+        dp_s += collective_seconds("reduce_scatter", scattered, replicas, bandwidth)
+        dp_bytes = 2 * pieces * replicas + scattered  # gathered in, scattered out
+    gathers = _gather_widths(numels, replicas) if c.sharding == "distopt" else ()
     for width in gathers:  # the distributed optimizer's all-gather rounds of the updated weights
-        dp_s += collective_seconds("all_gather", width * 4, c.dp_size, cluster.bandwidth(dp_group))
-    if c.dp_size > 1 and c.engine == "accelerate" and c.sharding != "fsdp2":  # one coalesced all-reduce; under PP,
+        dp_s += collective_seconds("all_gather", width * 4, replicas, cluster.bandwidth(dp_group))
+    if replicas > 1 and c.engine == "accelerate" and c.sharding != "fsdp2":  # one coalesced all-reduce; under PP,
         # buckets from backward
         buckets = gradient_buckets([(n * grad_size, torch.float32) for n in numels]) if c.pp_size > 1 else [[]]
         predicted.counts["all_reduce"] += len(buckets)
@@ -189,19 +258,27 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int], froz
         for width in gathers:
             predicted.counts["all_gather"] += 1
             predicted.nbytes["all_gather"] += width * 4
+    if c.cp_size > 1:  # counted with the rest (TP, PP and DP above are of the model's own collectives)
+        predicted.counts.update(context.counts)
+        predicted.nbytes.update(context.nbytes)
     collectives = {k: {"count": predicted.counts[k], "bytes": predicted.nbytes[k]} for k in sorted(predicted.counts)}
-    return Traffic(tp_bytes, pp_bytes, dp_bytes, tp_s, pp_s, dp_s), collectives
+    return Traffic(tp_bytes, pp_bytes, dp_bytes, tp_s, pp_s, dp_s, cp_bytes, cp_s), collectives
 
 
 def _step_time(request: Request, c: Candidate, rank_layers: list[int], traffic: Traffic) -> StepTime:
     """The roofline of the slowest rank (``rank_layers``: decoder layers per pipeline rank; the last also runs
     the LM head, :func:`~mtk.pipeline.balance.head_weight` layers of work): module docstring of timing.py."""
     size = model_size(request.config)
-    tokens = c.micro_batch_size * c.micro_batches * request.seq  # per replica and step
-    flops = flops_per_token(size, request.seq, lora=request.lora_r > 0, recompute=c.recompute)
+    tokens = c.micro_batch_size * c.micro_batches * request.seq // c.cp_size  # per rank and step
+    lora = request.lora_r > 0
+    flops = flops_per_token(size, request.seq, lora=lora, recompute=c.recompute)
     head = head_weight(request.config)
     slowest = max(layers + (head if rank == c.pp_size - 1 else 0) for rank, layers in enumerate(rank_layers))
-    compute = flops * tokens * slowest / (size.layers + head) / c.tp_size / request.cluster.peak_flops
+    share = tokens * slowest / (size.layers + head) / c.tp_size / request.cluster.peak_flops
+    compute = flops * share
+    # the ring passes each block on while the attention computes with it: only what outlasts the attention shows
+    attention = (flops - flops_per_token(size, 0, lora=lora, recompute=c.recompute)) * share
+    cp_exposed = max(0.0, traffic.cp_wire_s - attention) if request.cp_comm == "p2p" else traffic.cp_wire_s
     stage_s = compute + traffic.tp_wire_s
     bubble = bubble_overhead(c.pp_size, c.micro_batches, c.virtual_stages)
     # DDP / DeepSpeed reduce during the whole backward; a pipeline during its last micro-batch's backward;
@@ -210,8 +287,11 @@ def _step_time(request: Request, c: Candidate, rank_layers: list[int], traffic: 
     if c.sharding in ("fsdp2", "zero3"):  # every micro-batch's gathers and reduce-scatters hide under its compute
         backward = compute
     dp_exposed = traffic.dp_wire_s if c.sharding == "distopt" else max(0.0, traffic.dp_wire_s - backward)
+    stage_s += cp_exposed
     total = stage_s * (1 + bubble) + traffic.pp_wire_s + dp_exposed
-    return StepTime(compute, traffic.tp_wire_s, stage_s * bubble, traffic.pp_wire_s, dp_exposed, total, bubble)
+    return StepTime(
+        compute, traffic.tp_wire_s, stage_s * bubble, traffic.pp_wire_s, dp_exposed, total, bubble, cp_exposed
+    )
 
 
 def _gather_widths(numels: list[int], dp: int) -> tuple[int, ...]:
@@ -248,31 +328,49 @@ def _pipeline_supported(config: PretrainedConfig) -> bool:
     return rule_set is not None and rule_set.pipeline is not None
 
 
+def context_parallel_refusal(config: PretrainedConfig) -> str | None:
+    """Why mtk's context-parallel attention cannot run ``config``'s model (``None``: it can), read on the config as
+    the attention would refuse it at its first call (mtk.parallel.context)."""
+    if not _pipeline_supported(config):
+        return f"{config.model_type} is not a decoder mtk cuts (context parallelism needs causal attention)"
+    layer_types = getattr(config, "layer_types", None) or ()
+    windowed = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    if "sliding_attention" in layer_types or (windowed and not layer_types):
+        return f"{config.model_type} attends through sliding windows, which context parallelism does not apply"
+    if getattr(config, "attn_logit_softcapping", None):
+        return f"{config.model_type} soft-caps its attention scores, which context parallelism does not apply"
+    return None
+
+
 def layouts(request: Request) -> Iterator[Candidate]:
-    """Every (tp, pp, dp, micro-batch, engine, sharding) the rules allow, before SP and recompute."""
+    """Every (tp, cp, pp, dp, micro-batch, engine, sharding) the rules allow, before SP and recompute."""
     cluster, layers = request.cluster, _layers(request.config)
     tps = [request.tp_size] if request.tp_size else valid_tp_sizes(request)
     pipeline = _pipeline_supported(request.config)
-    for tp in tps:
-        for pp in _divisors(cluster.gpus // tp):
+    cps = request.cp_sizes if context_parallel_refusal(request.config) is None else (1,)
+    for tp, cp in ((tp, cp) for tp in tps for cp in cps):
+        if cluster.gpus % (tp * cp) or request.seq % (2 * cp):  # each rank takes 2 of 2 cp equal chunks
+            continue
+        for pp in _divisors(cluster.gpus // (tp * cp)):
             if (request.pp_size and pp != request.pp_size) or layers % pp or (pp > 1 and not pipeline):
                 continue
-            dp = cluster.gpus // (tp * pp)
+            dp = cluster.gpus // (tp * cp * pp)
             if request.global_batch % dp:
                 continue
             replica_batch = request.global_batch // dp
             for micro_batch in MICRO_BATCH_SIZES:
                 if replica_batch % micro_batch:
                     continue
-                shape = Candidate(tp, pp, dp, micro_batch, replica_batch // micro_batch)
+                shape = Candidate(tp, pp, dp, micro_batch, replica_batch // micro_batch, cp_size=cp)
+                replicas = dp * cp  # distopt and FSDP2 shard over the DP x CP ranks
                 if "accelerate" in request.engines:
                     for virtual in _virtual_stages(layers, pp, shape.micro_batches):
                         yield replace(shape, virtual_stages=virtual)
-                        if dp > 1:
+                        if replicas > 1:
                             yield replace(shape, virtual_stages=virtual, sharding="distopt")
-                        if dp > 1 and virtual == 1:  # FSDP2 next to TP (and 1F1B): not interleaved
+                        if replicas > 1 and virtual == 1:  # FSDP2 next to TP (and 1F1B): not interleaved
                             yield replace(shape, sharding="fsdp2")
-                if "deepspeed" in request.engines and pp == 1:
+                if "deepspeed" in request.engines and pp == 1 and cp == 1:  # mtk runs no CP under DeepSpeed
                     for offload in (False, True) if request.offload else (False,):
                         for stage in ("zero1", "zero2", "zero3"):
                             if dp > 1 or offload:  # ZeRO at DP = 1 only saves memory by offloading
@@ -293,7 +391,7 @@ def _settings(request: Request, candidate: Candidate, most_recompute: int) -> It
     sp_allowed = (
         candidate.tp_size > 1
         and candidate.engine == "accelerate"
-        and request.seq % candidate.tp_size == 0
+        and _rank_seq(request, candidate) % candidate.tp_size == 0
         and _sequence_parallel_rules(request.config, candidate.tp_size)
     )
     sps = (True, False) if (sp_allowed and request.every_setting) else ((True,) if sp_allowed else (False,))
@@ -314,6 +412,7 @@ def plan(request: Request) -> list[Estimate]:
     for layout in layouts(request):
         key = (
             layout.tp_size,
+            layout.cp_size,
             layout.pp_size,
             layout.dp_size,
             layout.virtual_stages,

@@ -78,6 +78,8 @@ class Traffic:
     tp_wire_s: float  # seconds on the TP group's link
     pp_wire_s: float
     dp_wire_s: float
+    cp: int = 0  # context-parallel attention's sends (ring) or all-to-alls
+    cp_wire_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class StepTime:
     dp_exposed: float
     total: float
     bubble_overhead: float
+    cp_exposed: float = 0.0  # context-parallel attention's traffic the attention compute does not hide
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -117,6 +120,7 @@ def collective_seconds(kind: str, nbytes: int, ranks: int, bandwidth: float) -> 
         "all_reduce": 2 * (ranks - 1) / ranks,
         "all_gather": ranks - 1,
         "reduce_scatter": (ranks - 1) / ranks,
+        "all_to_all": (ranks - 1) / ranks,  # all but this rank's own share leaves it
         "send": 1.0,
         "recv": 0.0,  # the sender's time
         "broadcast": 0.0,  # the 4-byte loss

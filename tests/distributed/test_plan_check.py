@@ -20,7 +20,7 @@ def test_plan_matches_the_measured_run(name):
     (summary,), _ = run_bench(spec, ["mtk"], 1, progress=lambda line: None, timeout=600)
     assert summary.error is None, summary.error
     checks = check_ranks(spec, summary, "cpu")
-    assert len(checks) == spec.tp_size * spec.pp_size * spec.dp_size
+    assert len(checks) == spec.tp_size * spec.cp_size * spec.pp_size * spec.dp_size
     for check in checks:
         assert check.state_exact, (check.rank, check.measured_state, check.predicted)
         assert 0.85 <= check.ratio <= 1.15, (check.rank, check.measured_peak, check.predicted)

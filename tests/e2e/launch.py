@@ -74,3 +74,23 @@ def one_line_error(out: subprocess.CompletedProcess, message: str, prog: str = "
     assert out.returncode != 0
     ours = [line for line in out.stderr.splitlines() if line.startswith(f"{prog}: error:")]
     assert len(ours) == 1 and message in ours[0], out.stderr[-2000:]
+
+
+def deepspeed_run(processes: int, config: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """``deepspeed --num_gpus <processes> examples/run.py --deepspeed --deepspeed_config <config> [args]``."""
+    command = [
+        "deepspeed",
+        "--num_gpus",
+        str(processes),
+        "--master_port",
+        str(free_port()),
+        "examples/run.py",
+        "--deepspeed",
+        "--deepspeed_config",
+        config if config.endswith(".json") else f"ds_configs/{config}.json",
+        *args,
+    ]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if check:
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out

@@ -2,11 +2,11 @@
 examples/finetune.py`` (accelerate's ``megatron_lm_context_parallel_size``), against the single-process run.
 
 CP is not a shard axis of a checkpoint: a TP2 x CP2 checkpoint resumes at TP=1 exactly, a TP=1 one at CP=2, and
-``mtk export`` writes the single-process model. Packed documents at TP2 x CP2 are in tests/e2e/test_chat_data.py,
-the Trainer, TRL (SFT with packing, DPO) and LoRA at TP2 x CP2 in test_trainers.py, test_trl.py and test_lora.py.
+``mtk export`` writes the single-process model. Under DeepSpeed, CP is its sequence parallelism (ZeRO-1/2).
+Packed documents at TP2 x CP2 (and x PP2) are in tests/e2e/test_chat_data.py; the Trainer, TRL (SFT with
+packing, DPO) and LoRA at TP2 x CP2 in test_trainers.py, test_trl.py and test_lora.py.
 """
 
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -16,7 +16,14 @@ from safetensors.torch import load_file
 
 from mtk.testing import assert_close_rel
 from tests.e2e.conftest import Run
-from tests.e2e.launch import accelerate_launch, assert_same_losses, finetune, one_line_error, step_losses
+from tests.e2e.launch import (
+    accelerate_launch,
+    assert_same_losses,
+    deepspeed_run,
+    finetune,
+    one_line_error,
+    step_losses,
+)
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +99,18 @@ def test_sequence_parallelism_and_selective_recompute_inside_all_to_all_cp(llama
     assert_same_losses(losses, llama_tp1.losses, range(1, 7), "tp2_cp2 sp recompute a2a vs tp1")
 
 
-def test_what_context_parallelism_does_not_run_with_is_one_line(tmp_path):
-    env = {**os.environ, "MEGATRON_LM_CONTEXT_PARALLEL_SIZE": "2"}
-    out = accelerate_launch(
-        "finetune.py", "tp2_dp2_zero2", "--max_steps", "1", "--output_dir", str(tmp_path), check=False, env=env
-    )
-    one_line_error(out, "context parallelism (cp = 2) under DeepSpeed is not supported yet")
+def test_deepspeed_sums_over_cp_as_its_sequence_parallelism_and_logs_the_tp1_losses(llama_tp1, tmp_path):
+    """accelerate_configs/tp2_cp2_zero2.yaml (the JSON's "mtk" block: tensor_parallel_size 2, context_parallel_size
+    2): ZeRO-2 partitions and reduces over the DP x CP ranks; its checkpoint resumes at its own layout exactly.
+    ``deepspeed ... examples/run.py --cp 2`` with ZeRO-1: the same losses. ZeRO-3 with CP is one line."""
+    run = tmp_path / "zero2"
+    losses = finetune("tp2_cp2_zero2", run, "--max_steps", "6", "--save_every", "3")
+    assert_same_losses(losses, llama_tp1.losses, range(1, 7), "tp2 cp2 zero2 vs tp1")
+    resumed = finetune("tp2_cp2_zero2", tmp_path / "resumed", "--max_steps", "6", "--resume", str(run / "step_3"))
+    assert_same_losses(resumed, llama_tp1.losses, range(4, 7), "tp2 cp2 zero2 resumed at step 3")
+    out = deepspeed_run(2, "zero1", "--cp", "2", "--batch_size", "8", "--max_steps", "6", "--output_dir",
+                        str(tmp_path / "run_py"))  # fmt: skip
+    assert "tp=1 cp=2 dp=1" in out.stdout
+    assert_same_losses(step_losses(out), llama_tp1.losses, range(1, 7), "run.py cp2 zero1 vs tp1")
+    out = deepspeed_run(2, "zero3", "--cp", "2", "--max_steps", "1", "--output_dir", str(tmp_path / "z3"), check=False)
+    one_line_error(out, "ZeRO stage 3 with context parallelism (cp = 2) is not supported yet", prog="run.py")

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 from mtk.models import build_model
-from mtk.spawn import free_port
 from mtk.testing import assert_close_rel
-from tests.e2e.launch import ROOT, accelerate_launch, step_losses
+from tests.e2e.launch import ROOT, accelerate_launch, deepspeed_run, step_losses
 
 
 def held(out: subprocess.CompletedProcess) -> tuple[float, float]:
@@ -24,25 +23,6 @@ def held(out: subprocess.CompletedProcess) -> tuple[float, float]:
     assert found, out.stdout[-2000:]
     total = sum(p.numel() for p in build_model("tiny-llama", seed=0).parameters())
     return int(found[1]) / total, int(found[2]) / total
-
-
-def deepspeed_run(processes: int, config: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    command = [
-        "deepspeed",
-        "--num_gpus",
-        str(processes),
-        "--master_port",
-        str(free_port()),
-        "examples/run.py",
-        "--deepspeed",
-        "--deepspeed_config",
-        config if config.endswith(".json") else f"ds_configs/{config}.json",
-        *args,
-    ]
-    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    if check:
-        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -117,10 +117,14 @@ def test_context_parallel_bench_input_is_one_line(argv, message, capsys):
 def test_context_parallel_prediction_per_layer():
     ring = predict_context_collectives(2, 1, 64, 4, "p2p", heads=4, kv_heads=2, head_dim=16)
     block = 1 * 2 * 16 * 2 * 16  # [b, kv, s/cp, 2d]
-    assert ring.counts == {"all_gather": 2, "send": 2 * 10, "recv": 2 * 10}  # 3 hops forward; 3 + 4 backward
-    assert ring.nbytes["send"] == 2 * block * (2 * 3 * 4 + 4 * 4)
+    # 3 hops forward; 3 + 4 backward; the loss all-reduced once
+    assert ring.counts == {"all_gather": 2, "send": 2 * 10, "recv": 2 * 10, "all_reduce": 1}
+    assert ring.nbytes["send"] == 2 * block * (2 * 3 * 4 + 4 * 4) and ring.nbytes["all_reduce"] == 4
+    recomputed = predict_context_collectives(2, 1, 64, 4, "p2p", 4, 2, 16, recompute=True, losses=2)
+    assert recomputed.counts == {"all_gather": 4, "send": 2 * 13, "recv": 2 * 13, "all_reduce": 2}  # forwards twice
+    assert recomputed.nbytes["send"] == 2 * block * (3 * 3 * 4 + 4 * 4)  # the forward hops twice
     a2a = predict_context_collectives(2, 1, 64, 4, "a2a", heads=4, kv_heads=2, head_dim=16)
-    assert a2a.counts == {"all_gather": 2, "all_to_all": 16}  # q, k, v, out; both ways
+    assert a2a.counts == {"all_gather": 2, "all_to_all": 16, "all_reduce": 1}  # q, k, v, out; both ways
     assert a2a.nbytes["all_to_all"] == 2 * 2 * (1 * 16 * 16 * 4) * (2 * 4 + 2 * 4)  # kv repeated to 4 heads
     assert predict_context_collectives(2, 1, 64, 1, "p2p", 4, 2, 16).counts == {}
 

@@ -138,6 +138,9 @@ def test_a_value_that_is_no_batch_size_is_one_line(value):
 def test_dp_is_the_data_parallel_size_not_the_process_count():
     assert BatchSizes(micro=4, accumulation=2, dp_size=2).global_batch == 16  # e.g. world 8 / (tp 2 x pp 2)
     assert dp_layout(8, 2, 2) == " (dp = world 8 / (tp 2 x pp 2))"
+    assert (
+        dp_layout(8, 2, cp_size=2) == " (dp = world 8 / (tp 2 x cp 2))" and dp_layout(4, 1) == " (dp = world 4 / tp 1)"
+    )
 
 
 def test_deepspeed_config_writes_all_three_and_keeps_train_batch_size(tmp_path):

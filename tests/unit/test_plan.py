@@ -2,6 +2,7 @@
 refusals, and the trace's internal consistency (what a layer keeps; parameters counted by the rules)."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -190,6 +191,8 @@ def test_lora_keeps_a_frozen_bf16_base_and_fp32_adapters(capsys):
         (["--nodes", "3"], "do not spread evenly over --nodes 3"),
         (["--seq_len", "100000"], "longer than the model's 8192 positions"),
         (["--global_batch", "3", "--tp", "2", "--pp", "1"], "no layout of 8 GPUs divides --global_batch 3"),
+        (["--cp", "3"], "--cp 3 needs --seq_len a multiple of 6 (each rank takes 2 of 6 equal chunks)"),
+        (["--cp", "two"], "argument --cp: 'two' is not a positive integer or 'auto'"),
     ],
 )
 def test_refusals_are_one_line(argv, message, capsys):
@@ -273,3 +276,33 @@ def test_a_model_the_meta_device_cannot_run_is_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert "cannot trace this model on the meta device" in err and "mtk bench --memory" in err
+
+
+def test_context_parallelism_divides_what_a_rank_keeps_and_adds_its_traffic():
+    """CP = 4 at 16k tokens: each rank traces a quarter of every sequence, keeps the ring's two fp32 score blocks
+    of its heads, holds the whole model state (sharded over DP x CP only by FSDP2 or the distributed optimizer)
+    and sends the key/value blocks round the ring (a CP column in the table)."""
+    config = resolve_config("bench-llama")
+    request = Request(config, Cluster(4, gpu_memory=8 * GIB), 16384, 4, dtype="fp32", reserve=0, cp_sizes=(1, 4))
+    by_label = {e.candidate.label: e for e in plan(request)}
+    whole, split = by_label["tp1 pp1 dp4 1x1"], by_label["tp1 cp4 pp1 dp1 1x4"]
+    blocks = 8 * 4096 * 4096 * 2 * 4 + 4096 * 4096  # [h, s/cp, s/cp] fp32 twice, and the block's mask
+    assert split.memory.activations - blocks < whole.memory.activations / 4 * 1.05
+    assert split.memory.weights == whole.memory.weights and split.memory.optimizer == whole.memory.optimizer
+    assert by_label["tp1 cp4 pp1 dp1 1x4 fsdp2"].memory.weights * 4 <= whole.memory.weights * 1.01
+    assert split.traffic.cp > 0 and whole.traffic.cp == 0
+    assert split.collectives["send"]["count"] == 4 * 4 * (3 + 7)  # micro-batches x layers x (3 hops + 7 back)
+    assert split.collectives["all_reduce"]["count"] == 1 + 4  # the gradients; each micro-batch's loss
+    a2a = estimate(replace(request, cp_comm="a2a"), split.candidate)
+    assert "all_to_all" in a2a.collectives and "send" not in a2a.collectives
+
+
+def test_context_parallelism_is_weighed_only_where_the_attention_can_take_it(capsys):
+    assert main(["plan", "--model", "tiny-bert", "--gpus", "2", "--seq_len", "64", "--global_batch", "2",
+                 "--cp", "2"]) == 2  # fmt: skip
+    assert "--cp 2: bert is not a decoder mtk cuts" in capsys.readouterr().err
+    auto = ["plan", "--model", "bench-llama", "--gpus", "4", "--seq_len", "4096", "--global_batch", "4", "--cp",
+            "auto", "--tp", "1"]  # fmt: skip
+    assert main(auto) == 0
+    out = capsys.readouterr().out
+    assert "tp1 cp4 pp1 dp1" in out and "tp1 cp2 pp1 dp2" in out and " CP " in out

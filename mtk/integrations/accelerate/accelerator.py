@@ -37,7 +37,6 @@ from mtk.integrations.accelerate.init import (
     apply_timeout,
     gloo_for_deepspeed,
     megatron_plugin_off,
-    refuse_context_parallel_with,
     resolve_topology,
 )
 from mtk.integrations.accelerate.megatron_keys import check_engine, check_megatron_environment
@@ -45,8 +44,8 @@ from mtk.integrations.accelerate.model_conversion import ModelConversion
 from mtk.integrations.accelerate.parameter_sharding import ParameterSharding
 from mtk.integrations.accelerate.scheduler import DataParallelScheduler
 from mtk.integrations.accelerate.sharding import accelerate_fsdp_off, sharding_from_accelerate
+from mtk.integrations.deepspeed import check_context_parallel, remove_shm_buffers_at_exit, zero3_whole
 from mtk.integrations.deepspeed import held_elements as deepspeed_held_elements
-from mtk.integrations.deepspeed import remove_shm_buffers_at_exit, zero3_whole
 from mtk.parallel.amp import TPGradScaler
 from mtk.parallel.consistency import check_same_loss, same_inputs_hook
 from mtk.parallel.distributed_optimizer import shard_optimizer
@@ -141,8 +140,9 @@ class Accelerator(
             passed_in = any(kwargs.get(key) is not None for key in ("deepspeed_plugin", "deepspeed_plugins"))
             self.deepspeed_batch_fields = user_batch_fields(self.state.deepspeed_plugin, from_launcher=not passed_in)
         config = resolve_topology(parallel_config, ds_config)
-        refuse_context_parallel_with(config, self.uses_deepspeed)
         self.parallel = ParallelState.build(config.tp_size, config.pp_size, cp_size=config.cp_size, device=self.device)
+        if ds_config is not None:
+            check_context_parallel(ds_config, self.parallel, "the DeepSpeed config")
         for line in self.settings.check_pipeline(self.parallel.pp_size):
             self.print(line)
         self._check_sharding()
@@ -168,6 +168,11 @@ class Accelerator(
     def pipeline_parallel_rank(self) -> int:
         """This process's pipeline stage."""
         return self.parallel.pp_rank
+
+    @property
+    def context_parallel_rank(self) -> int:
+        """This process's rank in its context-parallel group (which part of every sequence it holds)."""
+        return self.parallel.cp_rank
 
     @property
     def data_parallel_rank(self) -> int:

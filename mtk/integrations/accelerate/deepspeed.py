@@ -71,7 +71,7 @@ def reconcile_accelerate_batch(accelerator, args: tuple, explicit_accumulation: 
         micro_flag="the DataLoader's batch_size {}",
         accumulation_flag="Accelerator(gradient_accumulation_steps={})",
         where=where,
-        layout=dp_layout(parallel.world_size, parallel.tp_size, parallel.pp_size),
+        layout=dp_layout(parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.cp_size),
     )
     if note:
         accelerator.print(note)

@@ -15,7 +15,7 @@ from accelerate.utils import InitProcessGroupKwargs
 
 from mtk.config import ParallelConfig, report_override
 from mtk.errors import ConfigError
-from mtk.integrations.deepspeed import tp_size_from_config
+from mtk.integrations.deepspeed import sizes_from_config
 from mtk.parallel.state import group_timeout
 
 __all__ = ["apply_timeout", "gloo_for_deepspeed", "megatron_plugin_off", "resolve_topology"]
@@ -69,11 +69,11 @@ def apply_timeout(handlers: list[Any]) -> None:
 
 def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | None) -> ParallelConfig:
     """The topology: ``parallel_config=`` if given (reporting what it overrides), else the DeepSpeed
-    JSON's ``"mtk": {"tensor_parallel_size": N}`` under DeepSpeed, else the ``MEGATRON_LM_*`` variables."""
+    JSON's ``"mtk": {"tensor_parallel_size": N, "context_parallel_size": M}`` under DeepSpeed, else the
+    ``MEGATRON_LM_*`` variables."""
     launcher = ParallelConfig.from_env()
-    json_tp = tp_size_from_config(deepspeed_config) if deepspeed_config is not None else None
-    if json_tp:
-        launcher = dataclasses.replace(launcher, tp_size=json_tp)
+    from_json = sizes_from_config(deepspeed_config) if deepspeed_config is not None else {}
+    launcher = dataclasses.replace(launcher, **from_json)
     config = explicit or launcher
     if explicit is not None:
         variables = {
@@ -82,10 +82,9 @@ def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | N
             "cp_size": "MEGATRON_LM_CONTEXT_PARALLEL_SIZE",
         }
         for field, variable in variables.items():
-            from_json = field == "tp_size" and bool(json_tp)
-            given = from_json or os.environ.get(variable, "") != ""  # a default is nothing to override
+            given = field in from_json or os.environ.get(variable, "") != ""  # a default is nothing to override
             if given and getattr(explicit, field) != getattr(launcher, field):
-                source = "the DeepSpeed JSON's mtk block" if from_json else variable
+                source = "the DeepSpeed JSON's mtk block" if field in from_json else variable
                 report_override(field, getattr(explicit, field), source, getattr(launcher, field))
     if deepspeed_config is not None and config.pp_size > 1:
         raise ConfigError(
@@ -96,16 +95,3 @@ def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | N
             "the optimizer state (accelerate_configs/tp2_pp2_dp2_distopt.yaml)"
         )
     return config
-
-
-def refuse_context_parallel_with(config: ParallelConfig, deepspeed: bool) -> None:
-    """What context parallelism does not run next to yet, refused in one line."""
-    if config.cp_size == 1:
-        return
-    cp = f"context parallelism (cp = {config.cp_size})"
-    if deepspeed:
-        raise ConfigError(
-            f"{cp} under DeepSpeed is not supported yet (ZeRO would average over DP only); use a megatron_lm_config "
-            "YAML (accelerate_configs/tp2_cp2.yaml), with megatron_lm_use_distributed_optimizer to shard the "
-            "optimizer, or FSDP2 (accelerate_configs/cp2_fsdp2.yaml)"
-        )

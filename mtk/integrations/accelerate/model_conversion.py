@@ -40,6 +40,7 @@ class ModelConversion(_Host):
 
     parallel: ParallelState
     settings: RunSettings
+    uses_deepspeed: bool
     _replaced_params: ReplacedParams
 
     def _convert(self, model: nn.Module) -> tuple[nn.Module, ReplacedParams]:
@@ -121,7 +122,10 @@ class ModelConversion(_Host):
             return
         chosen = getattr(model.config, "_attn_implementation", None)
         sequence_split = self.parallel.tp_size if self.settings.sequence_parallel else 1
-        attach_context_parallel(model, self.parallel.cp_group, self.settings.cp_comm_type, sequence_split)
+        # DeepSpeed sums the CP ranks' gradients (its sequence-data-parallel reduction divides by DP only)
+        attach_context_parallel(
+            model, self.parallel.cp_group, self.settings.cp_comm_type, sequence_split, average=not self.uses_deepspeed
+        )
         if os.environ.get("MEGATRON_LM_ATTENTION_BACKEND", "auto").strip().lower() not in ("", "auto"):
             self.print(
                 f"mtk: context parallelism (cp = {self.parallel.cp_size}) attends with its own "
