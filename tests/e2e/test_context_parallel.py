@@ -99,6 +99,16 @@ def test_sequence_parallelism_and_selective_recompute_inside_all_to_all_cp(llama
     assert_same_losses(losses, llama_tp1.losses, range(1, 7), "tp2_cp2 sp recompute a2a vs tp1")
 
 
+def test_dp_x_cp_replicas_average_gradients_and_shard_the_optimizer(llama_tp1, tmp_path):
+    """4 processes at CP 2: DP 2 reads two batches, each split over its CP pair; DDP averages over all four (the DP x
+    CP replicas) and the distributed optimizer shards its state over them: the TP=1 losses at the same global batch."""
+    config = _yaml(tmp_path, "cp2_dp2", tp_degree="1", use_distributed_optimizer="true")
+    out = accelerate_launch("finetune.py", config, "--output_dir", str(tmp_path / "run"), "--max_steps", "6",
+                            "--batch_size", "4")  # fmt: skip
+    assert "tp=1 cp=2 (p2p) pp=1 dp=2 world=4" in out.stdout + out.stderr
+    assert_same_losses(step_losses(out), llama_tp1.losses, range(1, 7), "cp2 x dp2 distopt vs tp1")
+
+
 def test_deepspeed_sums_over_cp_as_its_sequence_parallelism_and_logs_the_tp1_losses(llama_tp1, tmp_path):
     """accelerate_configs/tp2_cp2_zero2.yaml (the JSON's "mtk" block: tensor_parallel_size 2, context_parallel_size
     2): ZeRO-2 partitions and reduces over the DP x CP ranks; its checkpoint resumes at its own layout exactly.
