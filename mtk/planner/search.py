@@ -30,7 +30,8 @@ from mtk.parallel.layout import Layout
 from mtk.parallel.overlap import gradient_buckets
 from mtk.pipeline.balance import head_weight, layer_counts, rank_layers
 from mtk.pipeline.schedules import bubble_overhead
-from mtk.planner.collectives import predict_collectives, predict_context_collectives
+from mtk.planner.collectives import predict_collectives
+from mtk.planner.context import attention_workspace, context_collectives, context_parallel_refusal, context_traffic
 from mtk.planner.layouts import Candidate, Estimate, Request
 from mtk.planner.memory import RankMemory, Training, stage_memory, stage_parameters
 from mtk.planner.shapes import has_residual_dropout, sequence_parallel_elements
@@ -70,26 +71,6 @@ def _activation_size(request: Request, candidate: Candidate) -> int:
 def _rank_seq(request: Request, candidate: Candidate) -> int:
     """Tokens of each sequence one rank holds: the whole row, or its share under context parallelism."""
     return request.seq // candidate.cp_size
-
-
-def _heads(config: PretrainedConfig) -> tuple[int, int, int]:
-    """(query heads, kv heads, head dim) of the whole model."""
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    return heads, kv, getattr(config, "head_dim", None) or config.hidden_size // heads
-
-
-def _attention_workspace(request: Request, c: Candidate) -> int:
-    """Bytes per sequence context-parallel attention holds at its backward's peak besides the trace's activations:
-    two fp32 score blocks of this TP rank's heads (``[h/tp, s/cp, s/cp]`` per ring step; all-to-all: ``[h/(tp cp),
-    s, s]`` at once) and the block's boolean mask (mtk.parallel.ring_attention)."""
-    if c.cp_size == 1:
-        return 0
-    heads = _heads(request.config)[0] // c.tp_size
-    queries = keys = _rank_seq(request, c)
-    if request.cp_comm == "a2a":
-        heads, queries, keys = max(heads // c.cp_size, 1), request.seq, request.seq
-    return heads * queries * keys * 2 * 4 + queries * keys
 
 
 def _trace_settings(request: Request, candidate: Candidate) -> TraceSettings:
@@ -142,7 +123,7 @@ def rank_memory(request: Request, candidate: Candidate, stage: int, dp_rank: int
         micro_batches=c.micro_batches,
         virtual_stages=c.virtual_stages,
         dp_rank=dp_rank,
-        attention_workspace=_attention_workspace(request, c),
+        attention_workspace=attention_workspace(request, c, _rank_seq(request, c)),
     )
 
 
@@ -191,30 +172,8 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int], froz
     # gradients and sharded state go over the DP x CP replicas
     tp_group, cp_group, pp_group, dp_group = (layout.groups(kind)[0] for kind in ("tp", "cp", "pp", "replica"))
     replicas = c.replica_size
-    cp_bytes, cp_s = 0, 0.0
-    if c.cp_size > 1:  # context-parallel attention: the ring's sends, or the all-to-alls
-        heads, kv_heads, head_dim = _heads(config)
-        context = predict_context_collectives(  # one micro-batch's forward and backward
-            _rank_layers(config, c)[stage],
-            c.micro_batch_size,
-            request.seq,
-            c.cp_size,
-            request.cp_comm,
-            heads // c.tp_size,
-            max(1, kv_heads // c.tp_size),
-            head_dim,
-            _activation_size(request, c),
-            recompute=c.recompute is not None,
-        )
-        for kind in list(context.counts):  # ... of every micro-batch
-            context.counts[kind] *= c.micro_batches
-            context.nbytes[kind] *= c.micro_batches
-        cp_kind = "send" if request.cp_comm == "p2p" else "all_to_all"
-        cp_bytes = context.nbytes[cp_kind] + context.nbytes["all_gather"]
-        cp_s = sum(
-            collective_seconds(kind, context.nbytes[kind], c.cp_size, cluster.bandwidth(cp_group))
-            for kind in ("send", "all_to_all", "all_gather")
-        )
+    context = context_collectives(request, c, _rank_layers(config, c)[stage], _activation_size(request, c))
+    cp_bytes, cp_s = context_traffic(context, request.cp_comm, c.cp_size, cluster.bandwidth(cp_group))
     tp_kinds = ("all_reduce", "all_gather", "reduce_scatter")
     tp_bytes = sum(predicted.nbytes[k] for k in tp_kinds)
     tp_s = sum(collective_seconds(k, predicted.nbytes[k], c.tp_size, cluster.bandwidth(tp_group)) for k in tp_kinds)
@@ -326,20 +285,6 @@ def _sequence_parallel_rules(config: PretrainedConfig, tp: int) -> bool:
 def _pipeline_supported(config: PretrainedConfig) -> bool:
     rule_set = find_rules(config)
     return rule_set is not None and rule_set.pipeline is not None
-
-
-def context_parallel_refusal(config: PretrainedConfig) -> str | None:
-    """Why mtk's context-parallel attention cannot run ``config``'s model (``None``: it can), read on the config as
-    the attention would refuse it at its first call (mtk.parallel.context)."""
-    if not _pipeline_supported(config):
-        return f"{config.model_type} is not a decoder mtk cuts (context parallelism needs causal attention)"
-    layer_types = getattr(config, "layer_types", None) or ()
-    windowed = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-    if "sliding_attention" in layer_types or (windowed and not layer_types):
-        return f"{config.model_type} attends through sliding windows, which context parallelism does not apply"
-    if getattr(config, "attn_logit_softcapping", None):
-        return f"{config.model_type} soft-caps its attention scores, which context parallelism does not apply"
-    return None
 
 
 def layouts(request: Request) -> Iterator[Candidate]:
