@@ -44,13 +44,13 @@ from mtk.convert import parallelize
 from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, tokenizer_for
 from mtk.errors import DataError
 from mtk.integrations.deepspeed import (
-    check_context_parallel,
     check_precision,
     deepspeed_config,
     held_elements,
     initialization_cleanup,
     load_deepspeed_checkpoint,
     optimizer_and_schedule,
+    partition_over_replicas,
     remove_shm_buffers_at_exit,
     save_deepspeed_checkpoint,
 )
@@ -162,7 +162,6 @@ def build_engine(args: argparse.Namespace, parallel: ParallelState) -> tuple[Any
         report=report,
     )
     check_precision(ds_config, args.deepspeed_config)  # fp16 where DeepSpeed has none: one line
-    check_context_parallel(ds_config, parallel, args.deepspeed_config)  # ZeRO-3 with CP: one line
     optimizer_and_schedule(ds_config, args.deepspeed_config, args.lr, report)  # --lr beats the JSON's, in one line
     lora = lora_config(args)
     dtype = base_dtype(args) if lora else None
@@ -184,6 +183,7 @@ def build_engine(args: argparse.Namespace, parallel: ParallelState) -> tuple[Any
 
     remove_shm_buffers_at_exit()  # DeepSpeed's CPU shared-memory buffers outlive the job otherwise
     with initialization_cleanup(args.deepspeed_config):  # a failure removes them now; bad config: one line
+        partition_over_replicas(model, ds_config, parallel)  # ZeRO-3 at CP > 1: over DP x CP, as it reduces
         engine, _, _, scheduler = deepspeed.initialize(
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],  # all, or the adapters

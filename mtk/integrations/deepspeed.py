@@ -8,7 +8,7 @@ which parameters are TP shards (``tensor_model_parallel``) so the global norm is
 Checkpoints use mtk's ``step_N/`` layout (one safetensors weights file per (tp, pp) rank, under ZeRO-3 one per
 rank holding its partition; RNG, data position, metadata), so ``mtk export`` works on them; DeepSpeed's own state
 (ZeRO-partitioned optimizer, scheduler, module) sits inside, in ``step_N/deepspeed/``, and is restored by DeepSpeed
-at the same layout. ZeRO-3 also saves its optimizer state in mtk's format, so it resumes at another TP or DP size
+at the same layout. ZeRO-3 also saves its optimizer state in mtk's format, so it resumes at another TP, CP or DP size
 (:mod:`mtk.integrations.deepspeed_reshard`).
 """
 
@@ -48,8 +48,8 @@ __all__ = [
     "held_elements",
     "initialization_cleanup",
     "load_deepspeed_checkpoint",
+    "partition_over_replicas",
     "save_deepspeed_checkpoint",
-    "check_context_parallel",
     "sizes_from_config",
     "zero3_gathered",
     "zero3_whole",
@@ -223,7 +223,7 @@ def load_deepspeed_checkpoint(
 ) -> CheckpointMeta:
     """Restore DeepSpeed's state, ``schedulers`` (else the engine's own) and mtk's RNG; returns the metadata.
 
-    At the layout that wrote it DeepSpeed restores its own state. A ZeRO-3 checkpoint resumes at another TP or DP
+    At the layout that wrote it DeepSpeed restores its own state. A ZeRO-3 checkpoint resumes at another TP, CP or DP
     size under ZeRO-3 from mtk's files (:mod:`mtk.integrations.deepspeed_reshard`); other changes are one line."""
     meta = read_verified(directory)  # collective: every file matches its checksum, or every rank refuses
     paths = CheckpointPaths(directory)
@@ -237,20 +237,15 @@ def load_deepspeed_checkpoint(
         path, _ = engine.load_checkpoint(str(paths.deepspeed), tag=_DS_TAG, load_module_strict=meta.base_model is None)
         if path is None:
             raise CheckpointError(f"{directory}/deepspeed holds no DeepSpeed checkpoint")
-    elif (
-        meta.zero_stage == 3
-        and engine.zero_optimization_stage() == 3
-        and saved.pp_size == parallel.pp_size
-        and saved.cp_size == parallel.cp_size == 1
-    ):
+    elif meta.zero_stage == 3 and engine.zero_optimization_stage() == 3 and saved.pp_size == parallel.pp_size:
         load_at_another_layout(directory, engine, meta, parallel)
     else:
         raise CheckpointError(
             f"{directory} was written at tp={saved.tp_size} cp={saved.cp_size} pp={saved.pp_size} dp={saved.dp_size} "
             f"with ZeRO stage {meta.zero_stage}, this run is tp={parallel.tp_size} cp={parallel.cp_size} "
             f"pp={parallel.pp_size} dp={parallel.dp_size} with stage {engine.zero_optimization_stage()}; a DeepSpeed "
-            "checkpoint resumes at its own layout, or a ZeRO-3 one under ZeRO-3 at another TP or DP size without "
-            "context parallelism (export it with `mtk export` to change anything else)"
+            "checkpoint resumes at its own layout, or a ZeRO-3 one under ZeRO-3 at another TP, CP or DP size (export "
+            "it with `mtk export` to change anything else)"
         )
     if not schedulers and engine.lr_scheduler is not None and not same:
         schedulers = [engine.lr_scheduler]  # DeepSpeed restored it at the same layout
@@ -314,16 +309,24 @@ def initialization_cleanup(where: str) -> Iterator[None]:
         raise
 
 
-def check_context_parallel(config: dict[str, Any], parallel: ParallelState, where: str) -> None:
-    """ZeRO-3 next to context parallelism is refused in one line: its steps do not reproduce the unsplit model's
-    (checked: ZeRO-1 and ZeRO-2 do, at TP x CP and CP alone; ZeRO-3 at DP alone does), so it is not offered."""
+def partition_over_replicas(model: nn.Module, config: dict[str, Any], parallel: ParallelState) -> None:
+    """Partition ``model``'s parameters for ZeRO-3 over the replica group (DP x CP) before DeepSpeed sees it.
+
+    Why: handed a whole model, DeepSpeed partitions it over the mpu's *data*-parallel group while its ZeRO-3
+    optimizer reduces over the sequence-data-parallel one (checked, deepspeed 0.19: ``parameter_offload`` reads
+    ``mpu.get_data_parallel_group()``). At CP > 1 each parameter then lives on its DP group only and each CP rank
+    steps on the gradient of its own part of the sequence. ``deepspeed.zero.Init(module=...)``, the call DeepSpeed
+    itself makes, given the replica group (its documented use under sequence parallelism) places them as the
+    optimizer expects; DeepSpeed then finds them converted and keeps the group. At CP = 1 the replica group is the DP
+    group and nothing is done here."""
     stage = config.get("zero_optimization", {}).get("stage", 0)
-    if parallel.cp_size > 1 and stage == 3:
-        raise ConfigError(
-            f"{where}: ZeRO stage 3 with context parallelism (cp = {parallel.cp_size}) is not supported yet; use "
-            "ZeRO stage 1 or 2 (ds_configs/accelerate_zero2_tp2_cp2.json), or FSDP2 to shard the parameters too "
-            "(accelerate_configs/cp2_fsdp2.yaml)"
-        )
+    if parallel.cp_size == 1 or stage != 3:
+        return
+    import deepspeed
+
+    deepspeed.zero.Init(
+        module=model, data_parallel_group=parallel.replica_group, config_dict_or_path=config, mpu=parallel
+    )
 
 
 def check_precision(config: dict[str, Any], where: str, *, accelerate: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""A DeepSpeed ZeRO-3 checkpoint resumed at another TP or DP layout, through mtk's own files.
+"""A DeepSpeed ZeRO-3 checkpoint resumed at another TP, CP or DP layout, through mtk's own files.
 
 DeepSpeed's own state (``step_N/deepspeed/``) is flat fp32 partitions whose cut depends on the DP size and on
 what TP made of each weight; it resumes at the same layout only. So a ZeRO-3 save also writes, beside the

@@ -182,16 +182,16 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int], froz
     grad_size = 2 if (request.dtype == "bf16" and c.engine == "deepspeed") else 4
     dp_bytes = sum(numels) * grad_size if replicas > 1 else 0
     dp_s = collective_seconds("all_reduce", dp_bytes, replicas, cluster.bandwidth(dp_group))
-    if c.sharding == "zero3" and c.dp_size > 1:  # every micro-batch gathers the parameters (a LoRA base's too) for
+    if c.sharding == "zero3" and replicas > 1:  # every micro-batch gathers the parameters (a LoRA base's too) for
         # its forward and again for its backward, and reduce-scatters its gradients: the ZeRO paper's 1.5x of an
         # all-reduce, per micro-batch (DeepSpeed's own calls: not among mtk's collectives). Gathers are counted by
         # what each rank contributes, as FSDP2's below
-        contributed = -(-(sum(numels) + frozen) * grad_size // c.dp_size) * c.micro_batches
+        contributed = -(-(sum(numels) + frozen) * grad_size // replicas) * c.micro_batches
         scattered = dp_bytes * c.micro_batches
         bandwidth = cluster.bandwidth(dp_group)
-        dp_s = 2 * collective_seconds("all_gather", contributed, c.dp_size, bandwidth)
-        dp_s += collective_seconds("reduce_scatter", scattered, c.dp_size, bandwidth)
-        dp_bytes = 2 * contributed * c.dp_size + scattered
+        dp_s = 2 * collective_seconds("all_gather", contributed, replicas, bandwidth)
+        dp_s += collective_seconds("reduce_scatter", scattered, replicas, bandwidth)
+        dp_bytes = 2 * contributed * replicas + scattered
     if c.sharding == "fsdp2":  # every micro-batch gathers each unit for forward and backward, then reduce-scatters
         units = _rank_layers(request.config, c)[stage] + 1 + (c.pp_size > 1)  # layers, root, a stage's decoder
         base_size = 2 if request.dtype == "bf16" and request.lora_r > 0 else 4  # a LoRA base stays in --dtype
@@ -315,10 +315,10 @@ def layouts(request: Request) -> Iterator[Candidate]:
                             yield replace(shape, virtual_stages=virtual, sharding="distopt")
                         if replicas > 1 and virtual == 1:  # FSDP2 next to TP (and 1F1B): not interleaved
                             yield replace(shape, sharding="fsdp2")
-                if "deepspeed" in request.engines and pp == 1 and cp == 1:  # mtk runs no CP under DeepSpeed
+                if "deepspeed" in request.engines and pp == 1:  # ZeRO partitions over the DP x CP ranks
                     for offload in (False, True) if request.offload else (False,):
                         for stage in ("zero1", "zero2", "zero3"):
-                            if dp > 1 or offload:  # ZeRO at DP = 1 only saves memory by offloading
+                            if replicas > 1 or offload:  # ZeRO over one rank only saves memory by offloading
                                 yield replace(shape, engine="deepspeed", sharding=stage, offload=offload)
 
 

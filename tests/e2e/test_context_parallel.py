@@ -2,7 +2,7 @@
 examples/finetune.py`` (accelerate's ``megatron_lm_context_parallel_size``), against the single-process run.
 
 CP is not a shard axis of a checkpoint: a TP2 x CP2 checkpoint resumes at TP=1 exactly, a TP=1 one at CP=2, and
-``mtk export`` writes the single-process model. Under DeepSpeed, CP is its sequence parallelism (ZeRO-1/2).
+``mtk export`` writes the single-process model. Under DeepSpeed, CP is its sequence parallelism (ZeRO-2 and ZeRO-3).
 Packed documents at TP2 x CP2 (and x PP2) are in tests/e2e/test_chat_data.py; the Trainer, TRL (SFT with
 packing, DPO) and LoRA at TP2 x CP2 in test_trainers.py, test_trl.py and test_lora.py.
 """
@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
+from mtk.models import resolve_config
 from mtk.testing import assert_close_rel
 from tests.e2e.conftest import Run
 from tests.e2e.launch import (
@@ -21,7 +23,6 @@ from tests.e2e.launch import (
     assert_same_losses,
     deepspeed_run,
     finetune,
-    one_line_error,
     step_losses,
 )
 
@@ -111,16 +112,29 @@ def test_dp_x_cp_replicas_average_gradients_and_shard_the_optimizer(llama_tp1, t
 
 def test_deepspeed_sums_over_cp_as_its_sequence_parallelism_and_logs_the_tp1_losses(llama_tp1, tmp_path):
     """accelerate_configs/tp2_cp2_zero2.yaml (the JSON's "mtk" block: tensor_parallel_size 2, context_parallel_size
-    2): ZeRO-2 partitions and reduces over the DP x CP ranks; its checkpoint resumes at its own layout exactly.
-    ``deepspeed ... examples/run.py --cp 2`` with ZeRO-1: the same losses. ZeRO-3 with CP is one line."""
+    2): ZeRO-2 partitions and reduces over the DP x CP ranks; its checkpoint resumes at its own layout exactly."""
     run = tmp_path / "zero2"
     losses = finetune("tp2_cp2_zero2", run, "--max_steps", "6", "--save_every", "3")
     assert_same_losses(losses, llama_tp1.losses, range(1, 7), "tp2 cp2 zero2 vs tp1")
     resumed = finetune("tp2_cp2_zero2", tmp_path / "resumed", "--max_steps", "6", "--resume", str(run / "step_3"))
     assert_same_losses(resumed, llama_tp1.losses, range(4, 7), "tp2 cp2 zero2 resumed at step 3")
-    out = deepspeed_run(2, "zero1", "--cp", "2", "--batch_size", "8", "--max_steps", "6", "--output_dir",
+
+
+def test_zero3_partitions_over_dp_x_cp_and_resumes_at_another_cp_size(llama_tp1, tmp_path):
+    """ZeRO-3 partitions every parameter over the DP x CP ranks (mtk partitions the model before DeepSpeed, which
+    would split it over DP alone and leave each CP rank stepping on its own part of the sequence): the TP1 losses
+    at TP2 x CP2 (accelerate_configs/tp2_cp2_zero3.yaml); its step-3 checkpoint resumes at TP2 x DP2 (same global
+    batch); ``deepspeed ... examples/run.py --cp 2`` under ZeRO-3 holds half the parameters and logs the same."""
+    run = tmp_path / "zero3"
+    losses = finetune("tp2_cp2_zero3", run, "--max_steps", "6", "--save_every", "3")
+    assert_same_losses(losses, llama_tp1.losses, range(1, 7), "tp2 cp2 zero3 vs tp1")
+    resumed = finetune("tp2_dp2_zero3", tmp_path / "dp2", "--max_steps", "6", "--batch_size", "4",
+                       "--resume", str(run / "step_3"))  # fmt: skip
+    assert_same_losses(resumed, llama_tp1.losses, range(4, 7), "tp2 cp2 zero3 step 3 resumed at tp2 dp2")
+    out = deepspeed_run(2, "zero3", "--cp", "2", "--batch_size", "8", "--max_steps", "6", "--output_dir",
                         str(tmp_path / "run_py"))  # fmt: skip
     assert "tp=1 cp=2 dp=1" in out.stdout
-    assert_same_losses(step_losses(out), llama_tp1.losses, range(1, 7), "run.py cp2 zero1 vs tp1")
-    out = deepspeed_run(2, "zero3", "--cp", "2", "--max_steps", "1", "--output_dir", str(tmp_path / "z3"), check=False)
-    one_line_error(out, "ZeRO stage 3 with context parallelism (cp = 2) is not supported yet", prog="run.py")
+    assert_same_losses(step_losses(out), llama_tp1.losses, range(1, 7), "run.py cp2 zero3 vs tp1")
+    held = re.search(r"model state held by rank 0: (\d+) parameter elements", out.stdout)
+    model = AutoModelForCausalLM.from_config(resolve_config("tiny-llama"))
+    assert held is not None and int(held[1]) * 2 == sum(p.numel() for p in model.parameters())  # split over CP

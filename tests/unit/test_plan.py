@@ -302,7 +302,8 @@ def test_context_parallelism_is_weighed_only_where_the_attention_can_take_it(cap
                  "--cp", "2"]) == 2  # fmt: skip
     assert "--cp 2: bert is not a decoder mtk cuts" in capsys.readouterr().err
     auto = ["plan", "--model", "bench-llama", "--gpus", "4", "--seq_len", "4096", "--global_batch", "4", "--cp",
-            "auto", "--tp", "1"]  # fmt: skip
+            "auto", "--tp", "1", "--top", "60"]  # fmt: skip
     assert main(auto) == 0
     out = capsys.readouterr().out
     assert "tp1 cp4 pp1 dp1" in out and "tp1 cp2 pp1 dp2" in out and " CP " in out
+    assert "tp1 cp2 pp1 dp2 1x2 zero3" in out and "tp1 cp4 pp1 dp1 1x4 zero3" in out  # ZeRO over DP x CP

@@ -44,8 +44,8 @@ from mtk.integrations.accelerate.model_conversion import ModelConversion
 from mtk.integrations.accelerate.parameter_sharding import ParameterSharding
 from mtk.integrations.accelerate.scheduler import DataParallelScheduler
 from mtk.integrations.accelerate.sharding import accelerate_fsdp_off, sharding_from_accelerate
-from mtk.integrations.deepspeed import check_context_parallel, remove_shm_buffers_at_exit, zero3_whole
 from mtk.integrations.deepspeed import held_elements as deepspeed_held_elements
+from mtk.integrations.deepspeed import remove_shm_buffers_at_exit, zero3_whole
 from mtk.parallel.amp import TPGradScaler
 from mtk.parallel.consistency import check_same_loss, same_inputs_hook
 from mtk.parallel.distributed_optimizer import shard_optimizer
@@ -141,8 +141,6 @@ class Accelerator(
             self.deepspeed_batch_fields = user_batch_fields(self.state.deepspeed_plugin, from_launcher=not passed_in)
         config = resolve_topology(parallel_config, ds_config)
         self.parallel = ParallelState.build(config.tp_size, config.pp_size, cp_size=config.cp_size, device=self.device)
-        if ds_config is not None:
-            check_context_parallel(ds_config, self.parallel, "the DeepSpeed config")
         for line in self.settings.check_pipeline(self.parallel.pp_size):
             self.print(line)
         self._check_sharding()

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from mtk.errors import ConfigError
 from mtk.integrations.accelerate.scheduler import DataParallelScheduler
-from mtk.integrations.deepspeed import check_precision, initialization_cleanup
+from mtk.integrations.deepspeed import check_precision, initialization_cleanup, partition_over_replicas
 from mtk.integrations.deepspeed_batch import BATCH_FIELDS, dp_layout, reconcile_batch
 from mtk.parallel.state import ParallelState
 
@@ -109,6 +109,8 @@ def deepspeed_initialize_with_mpu(parallel: ParallelState, where: str) -> Iterat
             check_precision(config, where, accelerate=True)
         kwargs["mpu"] = parallel
         with initialization_cleanup(where):
+            if isinstance(config, dict):
+                partition_over_replicas(kwargs["model"], config, parallel)  # ZeRO-3 at CP > 1: over DP x CP
             return original(*args, **kwargs)
 
     deepspeed.initialize = initialize
