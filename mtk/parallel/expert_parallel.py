@@ -1,0 +1,213 @@
+"""Expert parallelism: each MoE layer's experts spread over an EP group, tokens sent to their experts by all-to-all.
+
+An EP group is ``ep`` ranks that hold the same dense weights but different batches (Megatron carves it out of the
+data-parallel ranks). Each rank keeps experts ``[r E/ep, (r+1) E/ep)`` of every MoE layer; the router stays
+whole, so every rank routes its own tokens over all ``E`` experts exactly as one process would. Then (dropless:
+no capacity, no token dropped):
+
+1. every (token, choice) pair is sorted by its expert, hence by the rank that holds it, and the per-rank counts
+   are exchanged (one small all-to-all);
+2. the tokens' hidden states go to those ranks (an all-to-all of uneven splits) with their local expert ids;
+3. each rank runs its experts on what it received, through the model's own experts code (whatever
+   ``_experts_implementation`` it had: eager, ``grouped_mm``, ...) with every routing weight 1 and ``num_experts``
+   its local count;
+4. the outputs come back by the reverse all-to-all, are weighted by the routing weights on the token's own rank,
+   and summed per token.
+
+The exchange is registered in transformers' ``ExpertsInterface`` (as ``"mtk_expert_parallel"``) and set as the
+model config's ``_experts_implementation``, the way context parallelism's attention goes through the
+``AttentionInterface``. The output, the router's gradient (through the weights, applied where the token lives) and
+the hidden states' gradient are one process's; each expert's gradient is the sum over the EP group's tokens routed
+to it. Gradients of the experts are therefore reduced over the *expert-data-parallel* group (the ranks holding the
+same experts), the dense ones over DP as before; both divided by the same replica count.
+
+Under tensor parallelism inside the experts (Megatron's expert-tensor parallelism, here equal to TP) each TP rank
+exchanges its copy of the same tokens with its counterparts in the other TP groups and computes its slice of the
+intermediate width; :mod:`mtk.parallel.experts` then sums the slices over TP after the combine, as without EP.
+
+The backward pass issues the conjugate all-to-alls on every rank, also on one whose experts received no token: the
+returning exchange is anchored to the dispatched rows so that autograd always reaches it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mtk.errors import UnsupportedModelError
+from mtk.parallel.comm import Group, group_rank, group_size
+
+__all__ = [
+    "EXPERT_PARALLEL_ATTRIBUTE",
+    "EXPERTS_IMPLEMENTATION",
+    "ExpertPlacement",
+    "distribute_experts",
+    "expert_parallel_forward",
+    "expert_placement",
+]
+
+EXPERT_PARALLEL_ATTRIBUTE = "mtk_expert_parallel"  # the ExpertPlacement of an experts module spread over EP
+EXPERTS_IMPLEMENTATION = "mtk_expert_parallel"  # the name of expert_parallel_forward in transformers' ExpertsInterface
+_LOCAL_IMPLEMENTATION = "_mtk_local_experts_implementation"  # on the config: what the local experts run
+_EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Where one experts module's experts live: ``local`` consecutive experts per rank of ``group``."""
+
+    group: Group
+    num_experts: int  # E, every expert of the layer
+    local: int  # E / ep, held here
+    rank: int  # this rank's index in the EP group
+    local_forward: Callable[..., torch.Tensor]  # the model's own experts code, run on this rank's experts
+
+    @property
+    def size(self) -> int:
+        return self.num_experts // self.local
+
+    @property
+    def first(self) -> int:
+        """The global index of this rank's first expert."""
+        return self.rank * self.local
+
+
+class _Exchange(torch.autograd.Function):
+    """All-to-all of rows with uneven splits; backward is the same exchange reversed."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, sent: list[int], received: list[int], group: Group) -> torch.Tensor:
+        ctx.sent, ctx.received, ctx.group = sent, received, group
+        out = rows.new_empty((sum(received), *rows.shape[1:]))  # [sum(received), ...]
+        dist.all_to_all_single(out, rows.contiguous(), received, sent, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        back = grad.new_empty((sum(ctx.sent), *grad.shape[1:]))  # [sum(sent), ...]
+        dist.all_to_all_single(back, grad.contiguous(), ctx.sent, ctx.received, group=ctx.group)
+        return back, None, None, None
+
+
+class _Return(torch.autograd.Function):
+    """The outputs' way back (the reverse exchange), anchored to the dispatched rows: if this rank's experts got no
+    token their output does not need a gradient, yet its backward must still exchange with the other ranks."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, out: torch.Tensor, anchor: torch.Tensor, sent: list[int], received: list[int], group: Group
+    ) -> torch.Tensor:
+        ctx.sent, ctx.received, ctx.group = sent, received, group
+        ctx.anchor_shape = anchor.shape
+        back = out.new_empty((sum(sent), *out.shape[1:]))  # [sum(sent), ...]: the rows this rank dispatched
+        dist.all_to_all_single(back, out.contiguous(), sent, received, group=group)
+        return back
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
+        out_grad = grad.new_empty((sum(ctx.received), *grad.shape[1:]))  # [sum(received), ...]
+        dist.all_to_all_single(out_grad, grad.contiguous(), ctx.received, ctx.sent, group=ctx.group)
+        return out_grad, grad.new_zeros(ctx.anchor_shape), None, None, None
+
+
+def _exchange_ints(values: torch.Tensor, sent: list[int], received: list[int], group: Group) -> torch.Tensor:
+    out = values.new_empty(sum(received))
+    dist.all_to_all_single(out, values.contiguous(), received, sent, group=group)
+    return out
+
+
+def expert_parallel_forward(
+    module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The experts' output for this rank's tokens, computed where the experts live (module docstring)."""
+    placement: ExpertPlacement | None = getattr(module, EXPERT_PARALLEL_ATTRIBUTE, None)
+    if placement is None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} shares its config with experts spread over EP but was not spread itself"
+        )
+    group, local = placement.group, placement.local
+    tokens, chosen = top_k_index.shape  # [T, k]
+    flat = top_k_index.reshape(-1)  # [T k] global expert ids
+    order = torch.argsort(flat, stable=True)  # [T k]: pairs grouped by expert, hence by the rank holding it
+    expert = flat[order]  # [T k]
+    token = torch.div(order, chosen, rounding_mode="floor")  # [T k]: each sorted pair's token
+    counts = torch.bincount(torch.div(expert, local, rounding_mode="floor"), minlength=placement.size)  # [ep]
+    incoming = torch.empty_like(counts)
+    dist.all_to_all_single(incoming, counts, group=group)
+    sent, received = counts.tolist(), incoming.tolist()
+    rows = _Exchange.apply(hidden[token], sent, received, group)  # [M, H]: the tokens this rank's experts take
+    ids = _exchange_ints(expert, sent, received, group) - placement.first  # [M] local expert ids
+    ones = torch.ones((rows.shape[0], 1), dtype=top_k_weights.dtype, device=rows.device)  # [M, 1]
+    out = placement.local_forward(module, rows, ids.unsqueeze(-1), ones)  # [M, H]
+    back = _Return.apply(out, rows, sent, received, group)  # [T k, H] in sorted order
+    weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)  # [T k, H]
+    return torch.zeros_like(hidden).index_add(0, token, weighted.to(hidden.dtype))  # [T, H]
+
+
+def _local_forward(module: nn.Module) -> Any:
+    """The experts code the model would run (its configured ``_experts_implementation``), for local experts."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    original = getattr(type(module).forward, "__wrapped__", None)
+    config = getattr(module, "config", None)
+    if original is None or config is None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__}: expert parallelism needs experts dispatched through transformers' "
+            "ExpertsInterface (@use_experts_implementation); this model's experts are not"
+        )
+    if expert_placement(module) is not None:
+        raise UnsupportedModelError(f"{type(module).__name__}: its experts are spread over EP already")
+    implementation = getattr(config, "_experts_implementation", None) or "eager"
+    if implementation == EXPERTS_IMPLEMENTATION:  # another layer of the same config is spread already
+        implementation = getattr(config, _LOCAL_IMPLEMENTATION)
+    return ALL_EXPERTS_FUNCTIONS.get_interface(implementation, original)
+
+
+def distribute_experts(module: nn.Module, group: Group) -> ExpertPlacement:
+    """Keep this rank's experts of ``module`` (in place) and route its forward through the EP exchange.
+
+    ``module`` is a transformers experts module (3D expert tensors, ``num_experts``); the experts must divide
+    evenly over the group."""
+    size, rank = group_size(group), group_rank(group)
+    experts = int(getattr(module, "num_experts", 0))
+    if experts < 1 or not hasattr(module, "down_proj"):
+        raise UnsupportedModelError(f"{type(module).__name__}: expert parallelism needs 3D expert tensors")
+    if experts % size:
+        raise UnsupportedModelError(
+            f"{type(module).__name__}: {experts} experts do not divide over expert parallelism {size}; use an "
+            f"expert-parallel size that divides {experts}"
+        )
+    placement = ExpertPlacement(group, experts, experts // size, rank, _local_forward(module))
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    for name in _EXPERT_TENSORS:
+        old = getattr(module, name, None)
+        if not isinstance(old, nn.Parameter):
+            continue
+        if old.shape[0] != experts:
+            raise UnsupportedModelError(f"{type(module).__name__}.{name}: shape {tuple(old.shape)} is not per expert")
+        mine = slice(placement.first, placement.first + placement.local)
+        data = torch.empty((placement.local, *old.shape[1:]), device="meta", dtype=old.dtype)
+        if old.device.type != "meta":
+            data = old.detach()[mine].clone()  # [E/ep, ...]
+        param = nn.Parameter(data, requires_grad=old.requires_grad)
+        param.mtk_expert_parallel = True  # type: ignore[attr-defined]  # reduced over expert-data-parallel ranks
+        setattr(module, name, param)
+    module.num_experts = placement.local  # type: ignore[assignment]  # the local experts code counts its own
+    setattr(module, EXPERT_PARALLEL_ATTRIBUTE, placement)
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, expert_parallel_forward)
+    config: Any = module.config
+    if config._experts_implementation != EXPERTS_IMPLEMENTATION:
+        setattr(config, _LOCAL_IMPLEMENTATION, config._experts_implementation or "eager")
+        config._experts_implementation = EXPERTS_IMPLEMENTATION
+    return placement
+
+
+def expert_placement(module: nn.Module) -> ExpertPlacement | None:
+    """The placement of an experts module spread over EP; ``None`` for any other module."""
+    return getattr(module, EXPERT_PARALLEL_ATTRIBUTE, None)

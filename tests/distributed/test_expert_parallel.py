@@ -1,0 +1,121 @@
+"""Expert parallelism against one process: each rank its own batch (EP is carved out of DP), the experts spread over
+the EP group, tokens dispatched by all-to-all. Logits, the loss with its load-balancing term, and every gradient
+(dense ones averaged over DP, expert ones summed over the expert-data-parallel ranks and divided by DP) equal the
+one-process model's on the same batches (fp32, 1e-5)."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from mtk.parallel.expert_parallel import distribute_experts, expert_placement
+from mtk.testing import assert_close_rel, run_distributed
+from mtk.verify.sweep import tiny_config
+
+ROWS, SEQ = 2, 12  # per rank
+
+
+def _config(model_type: str, experts: int):
+    config = tiny_config(model_type)
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if hasattr(config, name):
+            setattr(config, name, experts)
+    config.router_aux_loss_coef = 0.1  # a load-balancing term large enough to show in the loss and the router
+    return config
+
+
+def _groups(world: int, ep: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """EP groups of consecutive ranks, and the expert-data-parallel groups across them (every rank joins all)."""
+    ep_group = edp_group = None
+    for start in range(0, world, ep):
+        group = dist.new_group(list(range(start, start + ep)))
+        if start <= dist.get_rank() < start + ep:
+            ep_group = group
+    for offset in range(ep):
+        group = dist.new_group(list(range(offset, world, ep)))
+        if dist.get_rank() % ep == offset:
+            edp_group = group
+    return ep_group, edp_group
+
+
+def _ep_worker(rank: int, world: int, model_type: str, ep: int, experts: int, skewed: bool) -> dict:
+    torch.manual_seed(0)
+    config = _config(model_type, experts)
+    model = AutoModelForCausalLM.from_config(config).float()
+    if skewed:  # the last EP rank's experts are never chosen: the router sends their picks to the experts before
+        blocked = experts - experts // ep
+        for module in model.modules():
+            if type(module).__name__.endswith("TopKRouter"):
+                module.register_forward_hook(
+                    lambda m, args, out: (*out[:2], torch.where(out[2] >= blocked, out[2] - experts // ep, out[2]))
+                )
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, config.vocab_size, (world * ROWS, SEQ), generator=torch.Generator().manual_seed(1))
+    mine = ids[rank * ROWS : (rank + 1) * ROWS]
+
+    # one process: every rank's batch, the losses averaged as DP averages them
+    losses, logits = [], None
+    for r in range(world):
+        part = ids[r * ROWS : (r + 1) * ROWS]
+        out = reference(input_ids=part, labels=part, use_cache=False)
+        losses.append(out.loss)
+        if r == rank:
+            logits = out.logits.detach()
+    torch.stack(losses).mean().backward()
+
+    ep_group, edp_group = _groups(world, ep)
+    spread = [distribute_experts(m, ep_group) for m in model.modules() if hasattr(m, "down_proj") and hasattr(
+        m, "num_experts")]  # fmt: skip
+    assert spread and all(p.local == experts // ep for p in spread)
+    routed: list[torch.Tensor] = []  # each MoE layer's expert choices of this rank's tokens, [T, k]
+    for module in model.modules():
+        if expert_placement(module) is not None:
+            module.register_forward_pre_hook(lambda m, args: routed.append(args[1].detach().clone()))
+    out = model(input_ids=mine, labels=mine, use_cache=False)
+    out.loss.backward()
+    assert_close_rel(out.logits.detach(), logits, "logits")
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)
+    assert_close_rel(loss / world, torch.stack(losses).mean().detach(), "loss with the load-balancing term")
+
+    expected = dict(reference.named_parameters())
+    compared = 0
+    for name, param in model.named_parameters():
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        placement = expert_placement(owner)
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        dist.all_reduce(grad, group=edp_group if placement is not None else None)
+        grad /= world
+        want = expected[name].grad
+        if placement is not None:
+            want = want[placement.first : placement.first + placement.local]
+        assert_close_rel(grad, want, f"gradient of {name}")
+        compared += 1
+    taken = []  # per layer, how many (token, choice) pairs of the whole EP group this rank's experts took
+    for choices, placement in zip(routed, spread):
+        every = [torch.empty_like(choices) for _ in range(ep)]
+        dist.all_gather(every, choices, group=ep_group)
+        hits = torch.cat(every).flatten()
+        taken.append(int(((hits >= placement.first) & (hits < placement.first + placement.local)).sum()))
+    return {"compared": compared, "fewest_taken": min(taken)}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "world", "ep", "experts"),
+    [("qwen3_moe", 2, 2, 4), ("mixtral", 4, 4, 8), ("olmoe", 4, 2, 4), ("qwen2_moe", 2, 2, 4)],
+)
+def test_expert_parallel_equals_one_process(model_type, world, ep, experts):
+    """EP = DP (each rank all of its EP group's batches' tokens for its experts) and EP < DP (experts replicated
+    over the expert-data-parallel ranks); Qwen2-MoE's shared expert stays dense."""
+    results = run_distributed(_ep_worker, world_size=world, args=(model_type, ep, experts, False), timeout=600)
+    assert all(r["compared"] > 0 for r in results)
+
+
+def test_experts_that_get_no_token_on_a_rank_still_exchange_in_backward():
+    """8 experts at EP 4, the router never choosing the last rank's two: that rank's experts receive no token (their
+    gradients stay empty), and the backward all-to-alls still pair up on every rank."""
+    results = run_distributed(_ep_worker, world_size=4, args=("qwen3_moe", 4, 8, True), timeout=600)
+    assert all(r["compared"] > 0 for r in results)
+    assert min(r["fewest_taken"] for r in results) == 0, results  # a rank whose experts got nothing in a layer
