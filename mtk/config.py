@@ -148,26 +148,31 @@ class ParallelConfig:
             (``MEGATRON_LM_PP_DEGREE``).
         cp_size: context-parallel degree; each sequence is split over this many ranks, which hold the same
             weights (``MEGATRON_LM_CONTEXT_PARALLEL_SIZE``, accelerate's ``megatron_lm_context_parallel_size``).
+        ep_size: expert-parallel degree; each MoE layer's experts are spread over this many of the ranks that hold
+            the same dense weights (``MEGATRON_LM_EXPERT_MODEL_PARALLEL_SIZE``, accelerate's
+            ``megatron_lm_expert_model_parallel_size``); it divides DP x CP.
     """
 
     tp_size: int = 1
     pp_size: int = 1
     cp_size: int = 1
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "pp_size", "cp_size"):
+        for name in ("tp_size", "pp_size", "cp_size", "ep_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **explicit: Any) -> ParallelConfig:
-        """Explicit ``tp_size``/``pp_size``/``cp_size`` (``None`` = not given), else the ``MEGATRON_LM_*``
-        variables."""
+        """Explicit ``tp_size``/``pp_size``/``cp_size``/``ep_size`` (``None`` = not given), else the
+        ``MEGATRON_LM_*`` variables."""
         sources = {
             "tp_size": ("MEGATRON_LM_TP_DEGREE", _parse_int),
             "pp_size": ("MEGATRON_LM_PP_DEGREE", _parse_int),
             "cp_size": ("MEGATRON_LM_CONTEXT_PARALLEL_SIZE", _parse_int),
+            "ep_size": ("MEGATRON_LM_EXPERT_MODEL_PARALLEL_SIZE", _parse_int),
         }
         return cls(**_resolve({}, os.environ if env is None else env, sources, explicit))
 

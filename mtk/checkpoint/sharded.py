@@ -33,6 +33,7 @@ from mtk.checkpoint.rng import restore_rng, rng_state
 from mtk.checkpoint.weights import load_weights, reshard_weights, save_weights
 from mtk.errors import CheckpointError
 from mtk.parallel.distributed_optimizer import full_optimizer_state
+from mtk.parallel.expert_parallel import refuse_spread_experts
 from mtk.parallel.fsdp import module_class, piece_of
 from mtk.parallel.layout import Layout
 from mtk.parallel.pieces import Piece
@@ -96,6 +97,7 @@ def save_checkpoint(
     ``piece``: where this rank's pieces sit when the model's parameters are split over DP by an engine (ZeRO-3);
     FSDP2's are found from the parameters themselves.
     """
+    refuse_spread_experts(model, "saving a checkpoint")
     piece = piece or piece_of(model)
     if piece is not None and len(optimizers) > 1:  # a checkpoint in pieces is read back through the resharding
         raise CheckpointError(  # reader, which restores one optimizer
@@ -165,6 +167,7 @@ def load_checkpoint(
     merged from the old shards and this rank's new shard cut from it. A changed DP size needs no
     resharding (weights are replicated over DP); RNG states are then taken from rank 0.
     """
+    refuse_spread_experts(model, "resuming a checkpoint")
     meta = read_verified(directory)  # collective: every file matches its checksum, or every rank refuses
     if meta.engine is not None:  # its optimizer state is the engine's own, which this loader does not read
         raise CheckpointError(

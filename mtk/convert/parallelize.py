@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from mtk.convert.regions import apply_regions
+from mtk.parallel.expert_parallel import spread_experts
 from mtk.parallel.record import Parallelized, attach
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.stages import split_stages
@@ -31,7 +32,8 @@ def parallelize(
     sequence_parallel: bool = False,
     loss_chunk_tokens: int | None = None,
 ) -> nn.Module:
-    """Make an HF model tensor-parallel over ``parallel.tp_group`` and cut it to this rank's pipeline stage.
+    """Make an HF model tensor-parallel over ``parallel.tp_group`` (its experts spread over ``parallel.ep_group``
+    when ep > 1) and cut it to this rank's pipeline stage.
 
     In place; returns the model. Works on a materialized model (shards are copied, other stages'
     weights freed) and on one on the meta device (nothing is allocated; a loader then reads only this
@@ -66,6 +68,8 @@ def parallelize(
         sequence_parallel=sequence_parallel,
         loss_chunk_tokens=loss_chunk_tokens,
     )
+    if parallel.ep_size > 1:  # each MoE layer's experts over the EP group, after TP split each of them
+        spread_experts(model, parallel.ep_group)
     stage = split_stages(model, parallel, rule_set, pipeline_layers, virtual_stages) if parallel.pp_size > 1 else None
     chunks = stage.chunks if stage is not None and stage.virtual_stages > 1 else ()
     rng = apply_regions(model, rule_set, parallel, sequence_parallel=sequence_parallel, chunks=chunks)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ from torch import nn
 
 from mtk.errors import UnsupportedModelError
 from mtk.parallel.comm import Group, group_rank, group_size
+from mtk.parallel.parameters import copy_param_info, param_info, set_param_info
 
 __all__ = [
     "EXPERT_PARALLEL_ATTRIBUTE",
@@ -49,6 +50,10 @@ __all__ = [
     "distribute_experts",
     "expert_parallel_forward",
     "expert_placement",
+    "is_expert_parallel",
+    "reduce_expert_gradients",
+    "refuse_spread_experts",
+    "spread_experts",
 ]
 
 EXPERT_PARALLEL_ATTRIBUTE = "mtk_expert_parallel"  # the ExpertPlacement of an experts module spread over EP
@@ -171,8 +176,8 @@ def _local_forward(module: nn.Module) -> Any:
 def distribute_experts(module: nn.Module, group: Group) -> ExpertPlacement:
     """Keep this rank's experts of ``module`` (in place) and route its forward through the EP exchange.
 
-    ``module`` is a transformers experts module (3D expert tensors, ``num_experts``); the experts must divide
-    evenly over the group."""
+    ``module`` is a transformers experts module (3D expert tensors, ``num_experts``), materialized; the experts must
+    divide evenly over the group."""
     size, rank = group_size(group), group_rank(group)
     experts = int(getattr(module, "num_experts", 0))
     if experts < 1 or not hasattr(module, "down_proj"):
@@ -191,12 +196,16 @@ def distribute_experts(module: nn.Module, group: Group) -> ExpertPlacement:
             continue
         if old.shape[0] != experts:
             raise UnsupportedModelError(f"{type(module).__name__}.{name}: shape {tuple(old.shape)} is not per expert")
+        if old.device.type == "meta":
+            raise UnsupportedModelError(
+                "reading an HF directory slice by slice at expert parallelism is not supported yet; build the model "
+                "whole (from_pretrained) and let the conversion keep each rank's experts"
+            )
         mine = slice(placement.first, placement.first + placement.local)
-        data = torch.empty((placement.local, *old.shape[1:]), device="meta", dtype=old.dtype)
-        if old.device.type != "meta":
-            data = old.detach()[mine].clone()  # [E/ep, ...]
+        data = old.detach()[mine].clone()  # [E/ep, ...]
         param = nn.Parameter(data, requires_grad=old.requires_grad)
-        param.mtk_expert_parallel = True  # type: ignore[attr-defined]  # reduced over expert-data-parallel ranks
+        copy_param_info(old, param)  # TP's marks (the experts' TP split) stay
+        set_param_info(param, expert_parallel=True)
         setattr(module, name, param)
     module.num_experts = placement.local  # type: ignore[assignment]  # the local experts code counts its own
     setattr(module, EXPERT_PARALLEL_ATTRIBUTE, placement)
@@ -206,6 +215,57 @@ def distribute_experts(module: nn.Module, group: Group) -> ExpertPlacement:
         setattr(config, _LOCAL_IMPLEMENTATION, config._experts_implementation or "eager")
         config._experts_implementation = EXPERTS_IMPLEMENTATION
     return placement
+
+
+def spread_experts(model: nn.Module, group: Group) -> int:
+    """Spread every experts module of ``model`` over ``group`` (:func:`distribute_experts`); how many there were.
+    A model without one is one line: expert parallelism would do nothing."""
+    modules = [m for m in model.modules() if hasattr(m, "num_experts") and hasattr(m, "down_proj")]
+    if not modules:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no mixture-of-experts layer (3D expert tensors): expert parallelism has "
+            "nothing to spread; set the expert-parallel size to 1"
+        )
+    for module in modules:
+        distribute_experts(module, group)
+    return len(modules)
+
+
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    """A parameter holding this rank's experts only (its gradient is reduced over the expert replicas)."""
+    return param_info(param).expert_parallel
+
+
+@torch.no_grad()
+def reduce_expert_gradients(params: list[torch.Tensor], group: Group, replicas: int) -> None:
+    """Average the experts' gradients as data parallelism averages the dense ones: summed over the ranks holding the
+    same experts (each already holds its whole EP group's tokens' share) and divided by all ``replicas``. One
+    all-reduce; an expert that got no token contributes zeros (every rank must take part)."""
+    experts = [p for p in params if is_expert_parallel(p) and p.requires_grad]
+    if not experts:
+        return
+    for param in experts:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    flat = torch.cat([cast(torch.Tensor, p.grad).reshape(-1) for p in experts])  # [sum of numels]
+    if group_size(group) > 1:
+        dist.all_reduce(flat, group=group)
+    flat.div_(replicas)
+    offset = 0
+    for param in experts:
+        grad = cast(torch.Tensor, param.grad)
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+def refuse_spread_experts(model: nn.Module, what: str) -> None:
+    """One line where ``what`` would need every expert on the rank (checkpoints, gathering, LoRA), not yet built
+    for a model whose experts are spread over EP."""
+    if any(is_expert_parallel(p) for p in model.parameters()):
+        raise UnsupportedModelError(
+            f"{what} at expert parallelism is not supported yet (each rank holds only its experts); train at EP > 1 "
+            "without it, or run at an expert-parallel size of 1"
+        )
 
 
 def expert_placement(module: nn.Module) -> ExpertPlacement | None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtk.parallel.comm import Group, group_size
+from mtk.parallel.expert_parallel import refuse_spread_experts
 from mtk.parallel.experts import SPECS_ATTRIBUTE
 from mtk.parallel.fsdp import full_local
 from mtk.parallel.layers import ShardedModule
@@ -83,6 +84,7 @@ def gather_state_dict(
     parameters over DP holds that one whole (ZeRO-3's ``GatheredParameters([p])``), so no rank ever holds
     more than one of them gathered. Collective: every rank must call it.
     """
+    refuse_spread_experts(model, "gathering the whole model (get_state_dict, save_model, export)")
     main = parallel.rank == 0
     sender = parallel.tp_rank == 0 and parallel.replica_rank == 0  # one copy of each stage goes to rank 0
     full: dict[str, torch.Tensor] = {}

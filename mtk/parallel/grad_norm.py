@@ -6,7 +6,9 @@ gradient on every TP rank and is counted on TP rank 0 only. A kv head replicated
 (``ParamInfo.tp_replicas``) is counted with weight ``1/c``. Pipeline stages hold disjoint layers (summed over
 the PP part of the model-parallel group); the last stage's copy of a tied embedding is not counted.
 Data-parallel replicas hold the same, already averaged, gradients: nothing is summed over DP, except where FSDP2
-splits a gradient over the DP ranks (:mod:`~mtk.parallel.fsdp`): their disjoint pieces are summed over its shard group.
+splits a gradient over the DP ranks (:mod:`~mtk.parallel.fsdp`): their disjoint pieces are summed over its shard group,
+and where expert parallelism spreads the experts (:mod:`~mtk.parallel.expert_parallel`): each EP rank's experts are
+its own, summed over the EP group.
 The result is the norm of the unsplit model's gradient, what ``torch.nn.utils.clip_grad_norm_``
 would return on one process.
 """
@@ -22,6 +24,7 @@ import torch.distributed as dist
 
 from mtk.errors import TrainingError
 from mtk.parallel.comm import all_reduce
+from mtk.parallel.expert_parallel import is_expert_parallel
 from mtk.parallel.fsdp import is_sharded, local
 from mtk.parallel.parameters import param_info
 from mtk.parallel.state import ParallelState
@@ -40,7 +43,9 @@ def _weight(param: torch.Tensor, parallel: ParallelState) -> float:
 
 def grad_norm_tp(parameters: Iterable[torch.Tensor], parallel: ParallelState, norm_type: float = 2.0) -> torch.Tensor:
     """Global ``norm_type`` norm (2 or inf) of the gradients of ``parameters`` (collective over TP x PP)."""
-    grads = [(p.grad, _weight(p, parallel)) for p in parameters if p.grad is not None]
+    parameters = [p for p in parameters if p.grad is not None]
+    grads = [(cast(torch.Tensor, p.grad), _weight(p, parallel)) for p in parameters]
+    experts = [is_expert_parallel(p) for p in parameters]  # disjoint over the EP group
     device = local(grads[0][0]).device if grads else parallel.device
     # FSDP2 gradients: this rank's piece of its TP shard; the pieces of one shard group are disjoint
     split = next((cast(Any, grad).device_mesh.get_group("dp_shard") for grad, _ in grads if is_sharded(grad)), None)
@@ -52,15 +57,19 @@ def grad_norm_tp(parameters: Iterable[torch.Tensor], parallel: ParallelState, no
                 total = torch.maximum(total, piece.abs().max().float())
         if split is not None:
             all_reduce(total, split, op=dist.ReduceOp.MAX)
+        if parallel.ep_size > 1:
+            all_reduce(total, parallel.ep_group, op=dist.ReduceOp.MAX)
         return all_reduce(total, parallel.mp_group, op=dist.ReduceOp.MAX)[0]
     if norm_type != 2.0:
         raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
-    totals = torch.zeros(2, dtype=torch.float32, device=device)  # [whole on this rank, split over DP]
-    for grad, weight in grads:
+    totals = torch.zeros(3, dtype=torch.float32, device=device)  # [whole on this rank, split over DP, this EP rank's]
+    for (grad, weight), expert in zip(grads, experts):
         if weight:
-            totals[int(is_sharded(grad))] += weight * local(grad).detach().float().pow(2).sum()
+            totals[2 if expert else int(is_sharded(grad))] += weight * local(grad).detach().float().pow(2).sum()
     if split is not None:
-        totals[1:] = all_reduce(totals[1:].clone(), split)
+        totals[1:2] = all_reduce(totals[1:2].clone(), split)
+    if parallel.ep_size > 1:
+        totals[2:] = all_reduce(totals[2:].clone(), parallel.ep_group)
     return all_reduce(totals.sum().reshape(1), parallel.mp_group)[0].sqrt()
 
 

@@ -10,6 +10,11 @@ A CP group's ranks hold the same weights and split each sequence between them, s
 reduce gradients and share optimizer state are the DP x CP *replica* group (Megatron's data-parallel
 group "with context parallel", DeepSpeed's sequence-data-parallel group); data is split over DP only.
 
+Expert parallelism (EP) is carved out of the replica ranks, as in Megatron-Core with the experts' TP equal to TP:
+each replica group (ordered DP outer, CP inner) is cut into runs of ``ep`` consecutive ranks that hold different
+experts of every MoE layer (the ``ep`` groups), and the ranks at the same place in every run hold the same experts
+(the ``expert_replica`` groups, Megatron's expert-data-parallel: the experts' gradients are reduced over them).
+
 Nothing here touches torch.distributed, so the layout of a 1,024-rank job can be checked in a unit
 test without launching a single process.
 """
@@ -43,15 +48,17 @@ class Layout:
         tp_size: tensor-parallel degree (ranks that split each layer's weights).
         pp_size: pipeline-parallel degree (ranks that split the stack of layers).
         cp_size: context-parallel degree (ranks that split each sequence; they hold the same weights).
+        ep_size: expert-parallel degree (replica ranks that split each MoE layer's experts between them).
     """
 
     world_size: int
     tp_size: int = 1
     pp_size: int = 1
     cp_size: int = 1
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp_size", "pp_size", "cp_size"):
+        for name in ("world_size", "tp_size", "pp_size", "cp_size", "ep_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
@@ -67,6 +74,13 @@ class Layout:
             raise LayoutError(
                 f"world size {self.world_size} is not divisible by {names} = {sizes} = "
                 f"{cut}; {names} must divide the world size (divisors of {self.world_size}: {valid})"
+            )
+        if self.replica_size % self.ep_size:
+            valid = [n for n in range(1, self.replica_size + 1) if self.replica_size % n == 0]
+            raise LayoutError(
+                f"expert parallelism {self.ep_size} does not divide the {self.replica_size} ranks that hold the same "
+                f"dense weights (dp x cp = {self.dp_size} x {self.cp_size}); EP is carved out of them: use one of "
+                f"{valid}"
             )
 
     @property
@@ -125,6 +139,17 @@ class Layout:
     def pp_groups(self) -> list[list[int]]:
         return self._slices("p")
 
+    def ep_groups(self) -> list[list[int]]:
+        """Runs of ``ep`` consecutive ranks of each replica group: they hold different experts."""
+        return [
+            group[i : i + self.ep_size] for group in self.replica_groups() for i in range(0, len(group), self.ep_size)
+        ]
+
+    def expert_replica_groups(self) -> list[list[int]]:
+        """The ranks at the same place in each replica group's EP runs: they hold the same experts (Megatron's
+        expert-data-parallel group), so the experts' gradients are reduced over them."""
+        return [group[i :: self.ep_size] for group in self.replica_groups() for i in range(self.ep_size)]
+
     def model_parallel_groups(self) -> list[list[int]]:
         """TP x PP groups: every rank that holds a piece of one model replica."""
         return self._slices("pt")
@@ -134,14 +159,16 @@ class Layout:
         return [sorted({group[0], group[-1]}) for group in self.pp_groups()]
 
     def groups(self, kind: str) -> list[list[int]]:
-        """All groups of one kind: ``tp``, ``cp``, ``dp``, ``replica`` (DP x CP), ``pp``, ``mp`` (model-parallel) or
-        ``embedding``."""
+        """All groups of one kind: ``tp``, ``cp``, ``dp``, ``replica`` (DP x CP), ``pp``, ``ep``, ``expert_replica``,
+        ``mp`` (model-parallel) or ``embedding``."""
         builders = {
             "tp": self.tp_groups,
             "cp": self.cp_groups,
             "dp": self.dp_groups,
             "replica": self.replica_groups,
             "pp": self.pp_groups,
+            "ep": self.ep_groups,
+            "expert_replica": self.expert_replica_groups,
             "mp": self.model_parallel_groups,
             "embedding": self.embedding_groups,
         }

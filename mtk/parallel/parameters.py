@@ -47,6 +47,8 @@ class ParamInfo:
             gradients are summed over the embedding group.
         pipeline_duplicate: the last stage's copy: not counted in norms, not stored by checkpoints.
         tied_to: the HF name the copy is stored under in a one-stage model (the first stage's name).
+        expert_parallel: this rank's experts of an MoE layer spread over EP (:mod:`mtk.parallel.expert_parallel`):
+            its gradient is reduced over the ranks holding the same experts, and a norm sums it over the EP group.
     """
 
     tp_replicas: int = 1
@@ -55,6 +57,7 @@ class ParamInfo:
     pipeline_tied: bool = False
     pipeline_duplicate: bool = False
     tied_to: str | None = None
+    expert_parallel: bool = False
 
 
 _DEFAULT = ParamInfo()

@@ -26,6 +26,7 @@ __all__ = ["ParallelState", "default_device", "group_timeout", "init_distributed
 
 _KINDS = ("tp", "dp", "pp", "mp", "embedding")
 _CONTEXT_KINDS = ("cp", "replica")  # created only at cp > 1 (at cp = 1 the replica group is the DP group)
+_EXPERT_KINDS = ("ep", "expert_replica")  # created only at ep > 1 (at ep = 1 the experts' replicas are the replicas)
 
 # Every group this process created, kept until the process ends. DDP's C++ Reducer owns its group and is freed
 # without releasing the GIL; were it the group's last owner (accelerate's ``end_training`` has already destroyed the
@@ -90,7 +91,9 @@ class ParallelState:
 
     Vocabulary, used everywhere in mtk: ``tp_rank``/``tp_size``/``tp_group`` and the same for ``cp``,
     ``dp`` and ``pp``; ``replica`` is the DP x CP group (ranks with the same weights: gradients, optimizer
-    state and metrics are reduced over it; data is split over ``dp`` only); ``mp`` is the model-parallel
+    state and metrics are reduced over it; data is split over ``dp`` only); ``ep`` spreads each MoE layer's experts
+    over runs of replica ranks and ``expert_replica`` holds the same experts (their gradients are reduced over
+    it); ``mp`` is the model-parallel
     (TP x PP) group; the embedding group joins the first and last pipeline stages (``None`` on ranks
     outside it).
     """
@@ -119,6 +122,10 @@ class ParallelState:
         self.dp_group = groups.get("dp")
         self.cp_group = groups.get("cp")
         self.replica_group = groups.get("replica") if layout.cp_size > 1 else self.dp_group
+        self.ep_ranks = layout.group_of("ep", rank)
+        self.expert_replica_ranks = layout.group_of("expert_replica", rank)
+        self.ep_group = groups.get("ep")
+        self.expert_replica_group = groups.get("expert_replica") if layout.ep_size > 1 else self.replica_group
         self.pp_group = groups.get("pp")
         self.mp_group = groups.get("mp")
         self.embedding_group = groups.get("embedding")
@@ -131,6 +138,7 @@ class ParallelState:
         pp_size: int = 1,
         *,
         cp_size: int = 1,
+        ep_size: int = 1,
         device: torch.device | None = None,
     ) -> ParallelState:
         """Create every TP/CP/DP/replica/PP/MP/embedding group. Collective: all ranks must call it together.
@@ -143,10 +151,10 @@ class ParallelState:
             world_size, rank = dist.get_world_size(), dist.get_rank()
         else:
             world_size, rank = 1, 0
-        layout = Layout(world_size=world_size, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size)
+        layout = Layout(world_size=world_size, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size, ep_size=ep_size)
         if device is None:
             device = default_device(int(os.environ.get("LOCAL_RANK", "0")))
-        kinds = _KINDS + (_CONTEXT_KINDS if cp_size > 1 else ())
+        kinds = _KINDS + (_CONTEXT_KINDS if cp_size > 1 else ()) + (_EXPERT_KINDS if ep_size > 1 else ())
         groups: dict[str, dist.ProcessGroup | None] = dict.fromkeys(kinds)
         if dist.is_initialized():
             # dist.new_group is collective over the whole world: every rank creates every group, in
@@ -170,7 +178,7 @@ class ParallelState:
         """
         init_distributed(env, timeout)
         config = ParallelConfig.from_env(env, **explicit)
-        return cls.build(config.tp_size, config.pp_size, cp_size=config.cp_size)
+        return cls.build(config.tp_size, config.pp_size, cp_size=config.cp_size, ep_size=config.ep_size)
 
     @property
     def config(self) -> ParallelConfig:
@@ -224,7 +232,16 @@ class ParallelState:
         """Release the sub-groups this state created (the default group is left to its owner)."""
         if not dist.is_initialized():
             return
-        owned = (self.tp_group, self.cp_group, self.dp_group, self.replica_group, self.pp_group, self.mp_group)
+        owned = (
+            self.tp_group,
+            self.cp_group,
+            self.dp_group,
+            self.replica_group,
+            self.ep_group,
+            self.expert_replica_group,
+            self.pp_group,
+            self.mp_group,
+        )
         for group in {id(g): g for g in owned if g}.values():
             dist.destroy_process_group(group)
 
@@ -252,6 +269,19 @@ class ParallelState:
     @property
     def replica_size(self) -> int:
         return self.layout.replica_size
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.ep_size
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in its EP group: which run of each MoE layer's experts it holds."""
+        return self.ep_ranks.index(self.rank)
+
+    @property
+    def expert_replica_size(self) -> int:
+        return len(self.expert_replica_ranks)
 
     @property
     def replica_rank(self) -> int:

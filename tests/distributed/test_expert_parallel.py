@@ -119,3 +119,58 @@ def test_experts_that_get_no_token_on_a_rank_still_exchange_in_backward():
     results = run_distributed(_ep_worker, world_size=4, args=("qwen3_moe", 4, 8, True), timeout=600)
     assert all(r["compared"] > 0 for r in results)
     assert min(r["fewest_taken"] for r in results) == 0, results  # a rank whose experts got nothing in a layer
+
+
+def _accelerator_worker(rank: int, world: int, tp: int, ep: int) -> list[tuple[float, float]]:
+    """Three optimizer steps through ``mtk.Accelerator`` at EP (DDP ignores the experts, which backward() reduces over
+    their replicas; clipping by the norm that counts each expert once) against one process on the global batch."""
+    from mtk import Accelerator, ParallelConfig
+
+    accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=tp, ep_size=ep))
+    parallel = accelerator.parallel
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config("qwen3_moe", 4)).float()
+    reference = copy.deepcopy(model)
+    # SGD with momentum: linear in the gradients, so the weights compare at the bar (Adam's first steps divide tiny
+    # gradients by their own size, and turn rounding into sign flips of whole updates)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    expected = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    ids = torch.randint(0, 256, (parallel.dp_size * ROWS, SEQ), generator=torch.Generator().manual_seed(1))
+    mine = ids[parallel.dp_rank * ROWS : (parallel.dp_rank + 1) * ROWS]
+    logged = []
+    for _ in range(3):
+        out = model(input_ids=mine, labels=mine, use_cache=False)
+        accelerator.backward(out.loss)
+        norm = accelerator.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = accelerator.reduce(out.loss.detach(), reduction="mean")  # over DP: each rank's batch once
+
+        parts = [ids[r * ROWS : (r + 1) * ROWS] for r in range(parallel.dp_size)]
+        whole = torch.stack([reference(input_ids=p, labels=p, use_cache=False).loss for p in parts]).mean()
+        whole.backward()
+        whole_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        expected.step()
+        expected.zero_grad()
+        assert_close_rel(loss, whole.detach(), "loss")
+        assert_close_rel(norm, whole_norm, "gradient norm")
+        logged.append((float(loss), float(norm)))
+    if tp == 1:  # every weight after three steps: the dense ones whole, the experts this rank's slice
+        wanted = dict(reference.named_parameters())
+        trained = accelerator.unwrap_model(model)
+        for name, param in trained.named_parameters():
+            placement = expert_placement(trained.get_submodule(name.rsplit(".", 1)[0]))
+            want = wanted[name].detach()
+            if placement is not None:
+                want = want[placement.first : placement.first + placement.local]
+            assert_close_rel(param.detach(), want, f"{name} after 3 steps")
+    return logged
+
+
+@pytest.mark.parametrize(("world", "tp", "ep"), [(2, 1, 2), (4, 2, 2)])
+def test_accelerator_trains_at_expert_parallelism_as_one_process(world, tp, ep):
+    """EP 2 over DP 2, and EP 2 with the experts split over TP 2 (Megatron's expert-tensor parallelism = TP):
+    losses, clipped gradient norms and (at TP 1) every weight after 3 steps equal one process's."""
+    logged = run_distributed(_accelerator_worker, world_size=world, args=(tp, ep), timeout=600)
+    assert all(run == logged[0] for run in logged)

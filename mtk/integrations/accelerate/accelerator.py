@@ -35,6 +35,7 @@ from mtk.integrations.accelerate.deepspeed import (
 )
 from mtk.integrations.accelerate.init import (
     apply_timeout,
+    check_expert_parallel,
     gloo_for_deepspeed,
     megatron_plugin_off,
     resolve_topology,
@@ -49,6 +50,7 @@ from mtk.integrations.deepspeed import remove_shm_buffers_at_exit, zero3_whole
 from mtk.parallel.amp import TPGradScaler
 from mtk.parallel.consistency import check_same_loss, same_inputs_hook
 from mtk.parallel.distributed_optimizer import shard_optimizer
+from mtk.parallel.expert_parallel import is_expert_parallel, reduce_expert_gradients
 from mtk.parallel.fsdp import held_elements, reshard
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
@@ -140,10 +142,18 @@ class Accelerator(
             passed_in = any(kwargs.get(key) is not None for key in ("deepspeed_plugin", "deepspeed_plugins"))
             self.deepspeed_batch_fields = user_batch_fields(self.state.deepspeed_plugin, from_launcher=not passed_in)
         config = resolve_topology(parallel_config, ds_config)
-        self.parallel = ParallelState.build(config.tp_size, config.pp_size, cp_size=config.cp_size, device=self.device)
+        self.parallel = ParallelState.build(
+            config.tp_size, config.pp_size, cp_size=config.cp_size, ep_size=config.ep_size, device=self.device
+        )
         for line in self.settings.check_pipeline(self.parallel.pp_size):
             self.print(line)
         self._check_sharding()
+        check_expert_parallel(
+            config,
+            deepspeed=self.uses_deepspeed,
+            distributed_optimizer=self.settings.use_distributed_optimizer,
+            fsdp=self.sharding is not None,
+        )
         self._data_parallel_mesh: Any = None  # FSDP2's, built with the first prepared model
         self._replaced_params: ReplacedParams = {}  # id(unconverted param) -> (weakref to it, its shard)
         # The data position, across epochs (accelerate's ``step`` restarts at every epoch end).
@@ -240,6 +250,9 @@ class Accelerator(
         if trains and self.parallel.replica_size > 1:  # DP x CP: ranks with the same weights average gradients
             kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
             device_ids = None if self.device.type == "cpu" else [self.device.index]
+            experts = [name for name, param in model.named_parameters() if is_expert_parallel(param)]
+            if experts:  # each EP rank's own experts: reduced over the expert replicas in backward()
+                torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
             model = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=device_ids, process_group=self.parallel.replica_group, **kwargs
             )
@@ -285,6 +298,11 @@ class Accelerator(
             return
         for model in pipelines:
             model.finalize_grads()
+        if self.parallel.ep_size > 1:
+            for model in self._models:
+                reduce_expert_gradients(
+                    list(model.parameters()), self.parallel.expert_replica_group, self.parallel.replica_size
+                )
         if self.settings.sequence_parallel or self.sharding is not None:
             for model in self._models:
                 sync_sequence_parallel_grads(model, self.parallel.tp_group)

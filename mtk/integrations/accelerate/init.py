@@ -80,6 +80,7 @@ def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | N
             "tp_size": "MEGATRON_LM_TP_DEGREE",
             "pp_size": "MEGATRON_LM_PP_DEGREE",
             "cp_size": "MEGATRON_LM_CONTEXT_PARALLEL_SIZE",
+            "ep_size": "MEGATRON_LM_EXPERT_MODEL_PARALLEL_SIZE",
         }
         for field, variable in variables.items():
             given = field in from_json or os.environ.get(variable, "") != ""  # a default is nothing to override
@@ -95,3 +96,20 @@ def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | N
             "the optimizer state (accelerate_configs/tp2_pp2_dp2_distopt.yaml)"
         )
     return config
+
+
+def check_expert_parallel(config: ParallelConfig, *, deepspeed: bool, distributed_optimizer: bool, fsdp: bool) -> None:
+    """What expert parallelism does not run next to yet, each one line (docs/moe.md)."""
+    if config.ep_size == 1:
+        return
+    where = f"expert parallelism (ep = {config.ep_size})"
+    if deepspeed:
+        raise ConfigError(f"{where} does not run under DeepSpeed yet; use a megatron_lm_config YAML (DDP)")
+    if config.pp_size > 1:
+        raise ConfigError(f"{where} does not run with pipeline parallelism (pp = {config.pp_size}) yet; set pp to 1")
+    if distributed_optimizer:
+        raise ConfigError(
+            f"{where} with megatron_lm_use_distributed_optimizer is not supported yet; drop the distributed optimizer"
+        )
+    if fsdp:
+        raise ConfigError(f"{where} with FSDP2 (parallelism_config dp_shard_size > 1) is not supported yet")

@@ -41,6 +41,8 @@ ACTED_ON = {
     "TP_DEGREE": "ParallelConfig.tp_size",
     "PP_DEGREE": "ParallelConfig.pp_size",
     "CONTEXT_PARALLEL_SIZE": "ParallelConfig.cp_size",
+    "EXPERT_MODEL_PARALLEL_SIZE": "ParallelConfig.ep_size",
+    "EXPERT_TENSOR_PARALLEL_SIZE": "the experts' TP size: the TP size (checked in check_megatron_environment)",
     "NUM_MICRO_BATCHES": "RunSettings.num_micro_batches",
     "GRADIENT_CLIPPING": "RunSettings.gradient_clipping",
     "SEQUENCE_PARALLELISM": "RunSettings.sequence_parallel",
@@ -67,10 +69,6 @@ OFF_ONLY = {
     "USE_PRECISION_AWARE_OPTIMIZER": "mtk's optimizer state follows accelerate's mixed precision (fp32 master state)",
     "OVERLAP_CPU_OPTIMIZER_D2H_H2D": "it applies to Megatron's CPU-offloaded optimizer, which mtk does not use",
 }
-SIZE_ONE = {
-    "EXPERT_MODEL_PARALLEL_SIZE": "expert parallelism is not supported yet",
-    "EXPERT_TENSOR_PARALLEL_SIZE": "expert tensor parallelism is not supported yet (experts split with the TP size)",
-}
 # Keys whose effect belongs to the HF model's config.json, not the launcher.
 MODEL_DECIDES = {
     "ATTENTION_DROPOUT": "set the attention dropout in the model's config.json (attention_dropout, attn_pdrop, "
@@ -87,11 +85,22 @@ REPORTED = {
     "or their sum / num_items_in_batch, which mtk's examples pass so a step's loss is the mean over all its tokens",
 }
 
-MEGATRON_KEYS = (*ACTED_ON, *OFF_ONLY, *SIZE_ONE, *MODEL_DECIDES, *REPORTED)
+MEGATRON_KEYS = (*ACTED_ON, *OFF_ONLY, *MODEL_DECIDES, *REPORTED)
 
 
 def _key(variable: str) -> str:
     return "megatron_lm_" + variable.removeprefix(PREFIX).lower()
+
+
+def _check_expert_tensor_parallel(raw: str, env: Mapping[str, str]) -> None:
+    """Megatron-Core's default (the experts split over TP like the dense layers) is what mtk runs; another size is
+    refused in one line."""
+    tp = env.get(PREFIX + "TP_DEGREE", "1").strip() or "1"
+    if raw.strip().lower() not in ("", "none", tp):
+        raise ConfigError(
+            f"megatron_lm_expert_tensor_parallel_size: {raw}: mtk splits each expert over the TP size "
+            f"(megatron_lm_tp_degree = {tp}); set it to {tp} or remove the key"
+        )
 
 
 def check_megatron_environment(env: Mapping[str, str], report: Callable[[str], None]) -> None:
@@ -101,14 +110,13 @@ def check_megatron_environment(env: Mapping[str, str], report: Callable[[str], N
         if not variable.startswith(PREFIX):
             continue
         name, value = variable.removeprefix(PREFIX), raw.strip().lower()
+        if name == "EXPERT_TENSOR_PARALLEL_SIZE":
+            _check_expert_tensor_parallel(raw, env)
         if name in ACTED_ON:
             continue
         if name in OFF_ONLY:
             if value not in _FALSE:
                 raise ConfigError(f"{_key(variable)}: {raw} is not supported: {OFF_ONLY[name]}; remove the key")
-        elif name in SIZE_ONE:
-            if value not in ("", "1", "none"):
-                raise ConfigError(f"{_key(variable)}: {raw}: {SIZE_ONE[name]}; set it to 1 or remove the key")
         elif name in MODEL_DECIDES:
             raise ConfigError(f"{_key(variable)}: {raw} is not applied by mtk: {MODEL_DECIDES[name]}; remove the key")
         elif name in REPORTED:
