@@ -29,6 +29,7 @@ from transformers import (
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from mtk.errors import ModelSpecError
@@ -75,6 +76,16 @@ BUILTIN: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-qwen2": _decoder(Qwen2Config, tie_word_embeddings=True),
     "tiny-qwen3": _decoder(Qwen3Config, head_dim=16),
     "tiny-phi3": _decoder(Phi3Config, num_key_value_heads=4),
+    # 8 experts of width 32, two per token, the load-balancing loss in the loss: expert parallelism's model
+    "tiny-qwen3-moe": _decoder(
+        Qwen3MoeConfig,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        output_router_logits=True,
+        router_aux_loss_coef=0.01,
+    ),
     "tiny-gpt2": lambda: GPT2Config(
         vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, **SPECIAL_TOKENS
     ),

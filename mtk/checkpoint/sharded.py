@@ -33,7 +33,7 @@ from mtk.checkpoint.rng import restore_rng, rng_state
 from mtk.checkpoint.weights import load_weights, reshard_weights, save_weights
 from mtk.errors import CheckpointError
 from mtk.parallel.distributed_optimizer import full_optimizer_state
-from mtk.parallel.expert_parallel import refuse_spread_experts
+from mtk.parallel.expert_parallel import experts_whole
 from mtk.parallel.fsdp import module_class, piece_of
 from mtk.parallel.layout import Layout
 from mtk.parallel.pieces import Piece
@@ -97,14 +97,13 @@ def save_checkpoint(
     ``piece``: where this rank's pieces sit when the model's parameters are split over DP by an engine (ZeRO-3);
     FSDP2's are found from the parameters themselves.
     """
-    refuse_spread_experts(model, "saving a checkpoint")
     piece = piece or piece_of(model)
     if piece is not None and len(optimizers) > 1:  # a checkpoint in pieces is read back through the resharding
         raise CheckpointError(  # reader, which restores one optimizer
             f"saving {len(optimizers)} optimizers with parameters split over data parallelism (FSDP2) is not "
             "supported; use one optimizer (parameter groups for different settings)"
         )
-    with atomic_dir(directory, owner=parallel.rank == 0, barrier=_barrier) as tmp:
+    with atomic_dir(directory, owner=parallel.rank == 0, barrier=_barrier) as tmp, experts_whole(model, optimizers):
         paths = CheckpointPaths(tmp)
         if parallel.rank == 0:
             paths.make_dirs()
@@ -167,7 +166,6 @@ def load_checkpoint(
     merged from the old shards and this rank's new shard cut from it. A changed DP size needs no
     resharding (weights are replicated over DP); RNG states are then taken from rank 0.
     """
-    refuse_spread_experts(model, "resuming a checkpoint")
     meta = read_verified(directory)  # collective: every file matches its checksum, or every rank refuses
     if meta.engine is not None:  # its optimizer state is the engine's own, which this loader does not read
         raise CheckpointError(
@@ -178,7 +176,8 @@ def load_checkpoint(
     paths = CheckpointPaths(directory)
     saved = meta.topology
     check_base(str(directory), meta.base_model, model, parallel)  # collective
-    with full_optimizer_state(optimizers, gather=False):  # every rank loads all, then keeps its own share
+    # every rank loads all, then keeps its own share (of the distributed optimizer's state; of the experts at EP)
+    with full_optimizer_state(optimizers, gather=False), experts_whole(model, optimizers):
         if (saved.tp_size, saved.pp_size, meta.pieces) == (parallel.tp_size, parallel.pp_size, None):
             load_weights(model, paths.weights(parallel.tp_rank, parallel.pp_rank))
             for i, optimizer in enumerate(optimizers):

@@ -31,7 +31,8 @@ returning exchange is anchored to the dispatched rows so that autograd always re
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -50,6 +51,8 @@ __all__ = [
     "distribute_experts",
     "expert_parallel_forward",
     "expert_placement",
+    "experts_whole",
+    "gather_experts",
     "is_expert_parallel",
     "reduce_expert_gradients",
     "refuse_spread_experts",
@@ -259,13 +262,64 @@ def reduce_expert_gradients(params: list[torch.Tensor], group: Group, replicas: 
 
 
 def refuse_spread_experts(model: nn.Module, what: str) -> None:
-    """One line where ``what`` would need every expert on the rank (checkpoints, gathering, LoRA), not yet built
-    for a model whose experts are spread over EP."""
+    """One line where ``what`` would need every expert on the rank and is not built for a model whose experts are
+    spread over EP (LoRA)."""
     if any(is_expert_parallel(p) for p in model.parameters()):
         raise UnsupportedModelError(
-            f"{what} at expert parallelism is not supported yet (each rank holds only its experts); train at EP > 1 "
-            "without it, or run at an expert-parallel size of 1"
+            f"{what} at expert parallelism is not supported yet (each rank holds only its experts); run it at an "
+            "expert-parallel size of 1"
         )
+
+
+def _spread(model: nn.Module) -> list[tuple[nn.Parameter, ExpertPlacement]]:
+    """Every parameter holding this rank's experts, with its module's placement."""
+    found = []
+    for module in model.modules():
+        placement = expert_placement(module)
+        if placement is not None:
+            found += [(p, placement) for p in module.parameters(recurse=False) if is_expert_parallel(p)]
+    return found
+
+
+def gather_experts(local: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
+    """Every rank's experts of one tensor, in global order: ``[E/ep, ...]`` -> ``[E, ...]`` (collective)."""
+    whole = local.new_empty((placement.num_experts, *local.shape[1:]))
+    dist.all_gather_into_tensor(whole, local.contiguous(), group=placement.group)
+    return whole
+
+
+@contextmanager
+def experts_whole(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> Iterator[None]:
+    """A context in which every spread experts tensor of ``model`` (and its optimizer moments) holds all ``E``
+    experts, as at EP = 1; on leaving, each rank keeps its own experts of what the tensors then hold.
+
+    Checkpoints, the gathered state dict and export read and write the experts this way, so they are the same files
+    at every EP size (a checkpoint written at EP = 2 resumes at EP = 1 and back), and a resume sets whole tensors and
+    keeps its slice. Collective over each EP group. Each tensor is whole only inside the context: the memory of the
+    whole experts is held while it lasts."""
+    spread = _spread(model)
+    kept = {id(p): p.data for p, _ in spread}
+    for param, placement in spread:
+        param.data = gather_experts(param.data, placement)
+    for optimizer in optimizers:
+        for param, placement in spread:
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == kept[id(param)].shape:
+                    state[key] = gather_experts(value, placement)
+    try:
+        yield
+    finally:
+        for param, placement in spread:
+            mine = slice(placement.first, placement.first + placement.local)
+            param.data = param.data[mine].clone() if param.shape[0] == placement.num_experts else kept[id(param)]
+        for optimizer in optimizers:  # read afresh: loading a state dict replaces the optimizer's state mapping
+            for param, placement in spread:
+                mine = slice(placement.first, placement.first + placement.local)
+                state = optimizer.state.get(param, {})
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == placement.num_experts:
+                        state[key] = value[mine].clone()
 
 
 def expert_placement(module: nn.Module) -> ExpertPlacement | None:

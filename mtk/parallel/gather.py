@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtk.parallel.comm import Group, group_size
-from mtk.parallel.expert_parallel import refuse_spread_experts
+from mtk.parallel.expert_parallel import expert_placement, gather_experts, is_expert_parallel
 from mtk.parallel.experts import SPECS_ATTRIBUTE
 from mtk.parallel.fsdp import full_local
 from mtk.parallel.layers import ShardedModule
@@ -84,7 +84,6 @@ def gather_state_dict(
     parameters over DP holds that one whole (ZeRO-3's ``GatheredParameters([p])``), so no rank ever holds
     more than one of them gathered. Collective: every rank must call it.
     """
-    refuse_spread_experts(model, "gathering the whole model (get_state_dict, save_model, export)")
     main = parallel.rank == 0
     sender = parallel.tp_rank == 0 and parallel.replica_rank == 0  # one copy of each stage goes to rank 0
     full: dict[str, torch.Tensor] = {}
@@ -96,8 +95,14 @@ def gather_state_dict(
             continue
         seen[id(tensor)] = name
         shape, spec = full_shape_and_spec(model, name)
+        value = tensor.detach()
+        placement = (
+            expert_placement(model.get_submodule(name.rpartition(".")[0])) if is_expert_parallel(tensor) else None
+        )
+        if placement is not None:  # this rank's experts: all of them first (over EP), then over TP
+            value = gather_experts(value, placement)
         with whole(tensor) if whole is not None else contextlib.nullcontext():
-            gathered = gather_full_tensor(tensor.detach(), spec, shape, parallel.tp_group)
+            gathered = gather_full_tensor(value, spec, shape, parallel.tp_group)
         if sender:
             full[name] = gathered.cpu()
     if parallel.pp_size > 1 and sender:

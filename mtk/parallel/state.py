@@ -314,7 +314,7 @@ class ParallelState:
         return (
             f"ParallelState(rank={self.rank}, world={self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
             f"cp={self.cp_rank}/{self.cp_size}, dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size}, "
-            f"device={self.device})"
+            f"ep={self.ep_rank}/{self.ep_size}, device={self.device})"
         )
 
     # ------------------------------------------------- Megatron ``mpu`` protocol, used by DeepSpeed

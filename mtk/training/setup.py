@@ -163,14 +163,16 @@ class Evaluation:
 
 def layout_description(parallel: ParallelState, settings: RunSettings) -> str:
     """``tp=2 pp=2 (1f1b, 4 micro-batches) dp=2 world=8``: the start-up line's layout (``cp=2 (p2p)`` after the TP
-    size with context parallelism)."""
+    size with context parallelism, `` ep=2`` after the DP size with expert parallelism)."""
     schedule = ""
     if parallel.pp_size > 1:
         chunks = f" x {settings.virtual_stages} chunks" if settings.virtual_stages > 1 else ""
         schedule = f" ({settings.pipeline_schedule}{chunks}, {settings.num_micro_batches} micro-batches)"
     cp = f" cp={parallel.cp_size} ({settings.cp_comm_type})" if parallel.cp_size > 1 else ""
+    ep = f" ep={parallel.ep_size}" if parallel.ep_size > 1 else ""
     return (
-        f"tp={parallel.tp_size}{cp} pp={parallel.pp_size}{schedule} dp={parallel.dp_size} world={parallel.world_size}"
+        f"tp={parallel.tp_size}{cp} pp={parallel.pp_size}{schedule} dp={parallel.dp_size}{ep} "
+        f"world={parallel.world_size}"
     )
 
 

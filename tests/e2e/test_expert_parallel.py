@@ -1,0 +1,87 @@
+"""Expert parallelism as users run it: ``accelerate launch --config_file accelerate_configs/ep2.yaml
+examples/finetune.py --model tiny-qwen3-moe`` (accelerate's ``megatron_lm_expert_model_parallel_size``).
+
+EP is carved out of data parallelism, so its reference is the same run at EP = 1 with the same DP size (each rank
+routes and balances its own batch, as plain DP does; the load-balancing loss of a batch is not the mean of its
+halves', so one process on the global batch is not the reference). Checkpoints and the saved model hold every
+expert by its global index: a checkpoint written at EP 2 resumes at EP 1 and one written at EP 1 at EP 2, and
+``--save_model`` writes the directory ``from_pretrained`` loads. The exchange itself against one process, per
+model family and with uneven routing, is tests/distributed/test_expert_parallel.py.
+"""
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from mtk.testing import assert_close_rel
+from tests.e2e.conftest import Run
+from tests.e2e.launch import accelerate_launch, assert_same_losses, finetune, one_line_error, step_losses
+
+MOE = ("--model", "tiny-qwen3-moe", "--max_steps", "6", "--batch_size", "4")  # a global batch of 8 over DP 2
+
+
+@pytest.fixture(scope="module")
+def moe_dp2(tmp_path_factory) -> Run:
+    """The reference: tiny-qwen3-moe at DP 2 without EP (checkpoints at 3 and 6, the trained model saved)."""
+    out_dir = tmp_path_factory.mktemp("moe_dp2")
+    losses = finetune("tp1_dp2", out_dir, *MOE, "--save_every", "3", "--save_model", str(out_dir / "model"))
+    return Run(out_dir, losses)
+
+
+def test_ep2_logs_the_dp2_losses_and_its_checkpoints_resume_at_ep1(moe_dp2, tmp_path):
+    out = accelerate_launch("finetune.py", "ep2", "--output_dir", str(tmp_path / "run"), *MOE, "--save_every", "3")
+    assert "tp=1 pp=1 dp=2 ep=2 world=2" in out.stdout + out.stderr
+    assert_same_losses(step_losses(out), moe_dp2.losses, range(1, 7), "ep2 vs dp2")
+    resumed = finetune("tp1_dp2", tmp_path / "at_ep1", *MOE, "--resume", str(tmp_path / "run" / "step_3"))
+    assert_same_losses(resumed, moe_dp2.losses, range(4, 7), "ep2 step 3 resumed at ep1")
+    resumed = finetune("ep2", tmp_path / "at_ep2", *MOE, "--resume", str(moe_dp2.dir / "step_3"))
+    assert_same_losses(resumed, moe_dp2.losses, range(4, 7), "ep1 step 3 resumed at ep2")
+
+
+def test_ep2_with_experts_split_over_tp2_saves_the_model_from_pretrained_loads(moe_dp2, tmp_path):
+    """accelerate_configs/ep2_tp2.yaml: each expert split over TP 2 (megatron_lm_expert_tensor_parallel_size 2)
+    and the experts over EP 2; ``--save_model`` gathers them over EP, then over TP."""
+    saved = tmp_path / "model"
+    losses = finetune("ep2_tp2", tmp_path / "run", *MOE, "--save_model", str(saved))
+    assert_same_losses(losses, moe_dp2.losses, range(1, 7), "ep2 x tp2 vs dp2")
+    ours = dict(AutoModelForCausalLM.from_pretrained(saved).named_parameters())
+    theirs = dict(AutoModelForCausalLM.from_pretrained(moe_dp2.dir / "model").named_parameters())
+    assert sorted(ours) == sorted(theirs) and any("experts" in name for name in ours)
+    for name, param in theirs.items():
+        assert_close_rel(ours[name].detach(), param.detach(), f"saved {name}", tol=1e-4)  # after 6 AdamW steps
+
+
+def _yaml(tmp_path: Path, **keys: str) -> str:
+    """accelerate_configs/ep2_tp2.yaml with some megatron_lm_config keys changed."""
+    text = Path("accelerate_configs/ep2_tp2.yaml").read_text()
+    for key, value in keys.items():
+        line = f"  megatron_lm_{key}: "
+        start = text.index(line)
+        text = text[:start] + line + value + text[text.index("\n", start) :]
+    path = tmp_path / "ep.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"expert_tensor_parallel_size": "1"}, "megatron_lm_expert_tensor_parallel_size: 1: mtk splits each expert"),
+        ({"expert_model_parallel_size": "4"}, "expert parallelism 4 does not divide the 2 ranks"),
+        (
+            {"pp_degree": "2", "tp_degree": "1", "expert_tensor_parallel_size": "1"},
+            "expert parallelism (ep = 2) does not run with pipeline parallelism",
+        ),
+    ],
+)
+def test_what_expert_parallelism_cannot_take_is_one_line(tmp_path, keys, message):
+    out = accelerate_launch("finetune.py", _yaml(tmp_path, **keys), "--model", "tiny-qwen3-moe", "--output_dir",
+                            str(tmp_path / "run"), "--max_steps", "1", check=False)  # fmt: skip
+    one_line_error(out, message)
+
+
+def test_a_dense_model_at_expert_parallelism_is_one_line(tmp_path):
+    out = accelerate_launch("finetune.py", "ep2", "--output_dir", str(tmp_path / "run"), "--max_steps", "1",
+                            check=False)  # fmt: skip
+    one_line_error(out, "LlamaForCausalLM has no mixture-of-experts layer")
