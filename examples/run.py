@@ -39,7 +39,7 @@ from mtk.args import (
     positive_int,
 )
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, rescaled_position, start_point
-from mtk.config import CP_COMM_TYPES, RunSettings
+from mtk.config import CP_COMM_TYPES, ConfigError, RunSettings
 from mtk.convert import parallelize
 from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, tokenizer_for
 from mtk.errors import DataError
@@ -229,6 +229,11 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     # torch.distributed from the launcher; --tp beats the env
     parallel = ParallelState.from_env(tp_size=args.tp, cp_size=args.cp, timeout=collective_timeout(args))
+    if parallel.ep_size > 1:  # MEGATRON_LM_EXPERT_MODEL_PARALLEL_SIZE in the environment
+        raise ConfigError(
+            f"expert parallelism (ep = {parallel.ep_size}, MEGATRON_LM_EXPERT_MODEL_PARALLEL_SIZE) does not run under "
+            "DeepSpeed yet; train MoE models at EP with accelerate_configs/ep2.yaml, or unset the variable"
+        )
     where = placement(parallel)  # which node each rank is on; TP groups inside nodes
     if parallel.rank == 0:
         print(where.describe(), flush=True)

@@ -41,7 +41,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from mtk.config import CP_COMM_TYPES
 from mtk.data.formats import IGNORE_INDEX
-from mtk.errors import ConfigError
+from mtk.errors import ConfigError, UnsupportedModelError
 from mtk.parallel.a2a_attention import all_to_all_attention
 from mtk.parallel.comm import Group, all_reduce, gather_from_sequence, group_rank, group_size
 from mtk.parallel.recompute import never_saved
@@ -49,6 +49,7 @@ from mtk.parallel.ring_attention import ring_attention
 from mtk.parallel.sequence_padding import PER_POSITION, pad_batch
 
 __all__ = [
+    "router_loss_refusal",
     "ATTENTION",
     "KEYWORD",
     "ContextShard",
@@ -302,6 +303,19 @@ def whole_rows(local: torch.Tensor, shard: ContextShard) -> torch.Tensor:
     return gathered.index_select(1, torch.argsort(order)[: shard.row_length or seq])  # [b, S, ...] in row order
 
 
+def router_loss_refusal(config: Any) -> str | None:
+    """Why context parallelism cannot run ``config``'s MoE loss (``None``: it can). The router's load-balancing loss
+    multiplies two means over the tokens of the call: each CP rank would balance its own part of the sequence, and
+    the mean of those is not the whole sequence's (measured: tiny-qwen3-moe at CP 2, 5.59682 against 5.59659)."""
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+        return (
+            f"{config.model_type}: context parallelism with the router's load-balancing loss in the loss is not "
+            "supported yet (each CP rank would balance its own part of the sequence); set output_router_logits to "
+            "false in the model's config, or train without CP"
+        )
+    return None
+
+
 def attach_context_parallel(
     model: Any, group: Group, comm: str = "p2p", sequence_split: int = 1, average: bool = True
 ) -> None:
@@ -314,6 +328,9 @@ def attach_context_parallel(
     only), so each rank backpropagates its share. A second call with the same group changes nothing."""
     if comm not in COMM_TYPES:
         raise ConfigError(f"cp_comm_type {comm!r} is unknown; use one of {COMM_TYPES}")
+    refusal = router_loss_refusal(getattr(model, "config", None))
+    if refusal is not None:
+        raise UnsupportedModelError(refusal)
     cp = group_size(group)
     split = ContextSplit(group, comm, math.lcm(2 * cp, cp * sequence_split), average)
     attached = context_parallel_of(model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from mtk.parallel.context import router_loss_refusal
 from mtk.planner.collectives import Predicted, predict_context_collectives
 from mtk.planner.layouts import Candidate, Request
 from mtk.planner.timing import collective_seconds
@@ -78,4 +79,4 @@ def context_parallel_refusal(config: PretrainedConfig) -> str | None:
         return f"{config.model_type} attends through sliding windows, which context parallelism does not apply"
     if getattr(config, "attn_logit_softcapping", None):
         return f"{config.model_type} soft-caps its attention scores, which context parallelism does not apply"
-    return None
+    return router_loss_refusal(config)

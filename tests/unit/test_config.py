@@ -49,6 +49,12 @@ def test_context_parallelism_comes_from_accelerates_megatron_key_and_its_attenti
         ParallelConfig.from_env({"MEGATRON_LM_CONTEXT_PARALLEL_SIZE": "0"})
 
 
+def test_expert_parallelism_comes_from_accelerates_megatron_key():
+    assert ParallelConfig.from_env({"MEGATRON_LM_EXPERT_MODEL_PARALLEL_SIZE": "2"}).ep_size == 2
+    assert ParallelConfig.from_env({}).ep_size == 1
+    assert ParallelConfig.from_env({"MEGATRON_LM_EXPERT_MODEL_PARALLEL_SIZE": "4"}, ep_size=2).ep_size == 2
+
+
 def test_pipeline_settings_are_checked_against_the_layout():
     interleaved = RunSettings(pipeline_schedule="interleaved", virtual_stages=2, num_micro_batches=3)
     with pytest.raises(ConfigError, match="3 micro-batches is not a multiple; use a multiple of 2"):

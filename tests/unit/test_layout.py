@@ -45,6 +45,19 @@ def test_without_context_parallelism_the_replica_group_is_the_data_parallel_grou
     assert layout.replica_groups() == layout.dp_groups() and layout.cp_groups() == [[r] for r in range(8)]
 
 
+def test_megatron_core_expert_parallel_example_world16_tp2_cp2_ep4():
+    """Megatron-Core's expert grid with the experts' TP equal to TP (tp-ep-dp-pp): EP runs over consecutive
+    replica ranks; the expert replicas (expert-data-parallel) are the ranks at the same place in each run."""
+    layout = Layout(world_size=16, tp_size=2, cp_size=2, ep_size=4)
+    assert layout.ep_groups() == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
+    assert layout.expert_replica_groups() == [[0, 8], [2, 10], [4, 12], [6, 14], [1, 9], [3, 11], [5, 13], [7, 15]]
+    _check_partition(layout, "ep", 4, 4)
+    _check_partition(layout, "expert_replica", 8, 2)
+    assert Layout(world_size=4, tp_size=2).ep_groups() == [[0], [2], [1], [3]]  # ep = 1: every rank its own
+    with pytest.raises(LayoutError, match="expert parallelism 3 does not divide the 4 ranks that hold the same dense"):
+        Layout(world_size=8, tp_size=2, ep_size=3)
+
+
 def _check_partition(layout: Layout, kind: str, n_groups: int, group_len: int) -> None:
     groups = layout.groups(kind)
     assert len(groups) == n_groups

@@ -107,6 +107,8 @@ def check_expert_parallel(config: ParallelConfig, *, deepspeed: bool, distribute
         raise ConfigError(f"{where} does not run under DeepSpeed yet; use a megatron_lm_config YAML (DDP)")
     if config.pp_size > 1:
         raise ConfigError(f"{where} does not run with pipeline parallelism (pp = {config.pp_size}) yet; set pp to 1")
+    if config.cp_size > 1:
+        raise ConfigError(f"{where} with context parallelism (cp = {config.cp_size}) is not supported yet; use cp 1")
     if distributed_optimizer:
         raise ConfigError(
             f"{where} with megatron_lm_use_distributed_optimizer is not supported yet; drop the distributed optimizer"
