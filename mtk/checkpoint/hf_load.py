@@ -26,6 +26,7 @@ from mtk.checkpoint.safetensors_slices import open_safetensors
 from mtk.convert import parallelize
 from mtk.errors import CheckpointError
 from mtk.models import ModelSpecError, auto_class_for, check_weights, resolve_config
+from mtk.parallel.expert_parallel import spread_experts
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.grads import sum_grad_over_tp
 from mtk.parallel.parameters import copy_param_info, param_info
@@ -171,6 +172,8 @@ def load_pretrained_tp(
         loss_chunk_tokens=loss_chunk_tokens,
     )
     load_slices(model, directory, parallel)
+    if parallel.ep_size > 1:  # each rank read every expert of its TP slice; it keeps its own
+        spread_experts(model, parallel.ep_group)
     return model
 
 

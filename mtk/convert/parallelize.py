@@ -20,6 +20,10 @@ from mtk.rules import RuleSet, check_tp_size, parallelize_with, resolve_rules
 __all__ = ["parallelize"]
 
 
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
 def parallelize(
     model: nn.Module,
     parallel: ParallelState,
@@ -68,8 +72,8 @@ def parallelize(
         sequence_parallel=sequence_parallel,
         loss_chunk_tokens=loss_chunk_tokens,
     )
-    if parallel.ep_size > 1:  # each MoE layer's experts over the EP group, after TP split each of them
-        spread_experts(model, parallel.ep_group)
+    if parallel.ep_size > 1 and not _on_meta(model):  # each MoE layer's experts over EP, after TP split each one
+        spread_experts(model, parallel.ep_group)  # (a model read slice by slice is spread once read: hf_load)
     stage = split_stages(model, parallel, rule_set, pipeline_layers, virtual_stages) if parallel.pp_size > 1 else None
     chunks = stage.chunks if stage is not None and stage.virtual_stages > 1 else ()
     rng = apply_regions(model, rule_set, parallel, sequence_parallel=sequence_parallel, chunks=chunks)

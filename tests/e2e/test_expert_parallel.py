@@ -85,3 +85,12 @@ def test_a_dense_model_at_expert_parallelism_is_one_line(tmp_path):
     out = accelerate_launch("finetune.py", "ep2", "--output_dir", str(tmp_path / "run"), "--max_steps", "1",
                             check=False)  # fmt: skip
     one_line_error(out, "LlamaForCausalLM has no mixture-of-experts layer")
+
+
+def test_an_hf_directory_is_read_slice_by_slice_then_spread_over_ep(moe_dp2, tmp_path):
+    """``--model <HF directory>`` at EP 2 x TP 2: each rank reads its TP slice of every expert, then keeps its own
+    experts; the first step's loss is DP 2's from the same directory."""
+    start = ("--model", str(moe_dp2.dir / "model"), "--max_steps", "1", "--batch_size", "4")
+    ours = finetune("ep2_tp2", tmp_path / "ep", *start)
+    theirs = finetune("tp1_dp2", tmp_path / "dp", *start)
+    assert_same_losses(ours, theirs, range(1, 2), "ep2 x tp2 vs dp2 from an HF directory")
