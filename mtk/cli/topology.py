@@ -1,4 +1,4 @@
-"""``mtk topology``: print the Megatron rank layout for a world size, TP, CP and PP degree (no processes)."""
+"""``mtk topology``: print the Megatron rank layout for a world size, TP, CP, PP and EP degree (no processes)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ _TITLES = {
     "dp": "data-parallel",
     "replica": "replica (DP x CP: gradients and optimizer state)",
     "pp": "pipeline-parallel",
+    "ep": "expert-parallel (different experts)",
+    "expert_replica": "expert replica (the same experts: their gradients)",
     "mp": "model-parallel (TP x PP)",
     "embedding": "embedding (first + last stage)",
 }
@@ -21,20 +23,24 @@ _TITLES = {
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "topology",
-        help="print the TP/CP/DP/PP/model-parallel/embedding groups of a layout",
-        description="Print which global ranks form each process group (TP fastest, then CP, then DP, then PP).",
+        help="print the TP/CP/DP/PP/EP/model-parallel/embedding groups of a layout",
+        description="Print which global ranks form each process group (TP fastest, then CP, then DP, then PP; EP "
+        "carved out of DP x CP).",
     )
     parser.add_argument("--world", type=int, required=True, help="total number of processes")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel degree (default 1)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel degree, carved out of DP x CP (default 1)")
     parser.add_argument("--json", action="store_true", help="print the groups as JSON")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    layout = Layout(world_size=args.world, tp_size=args.tp, pp_size=args.pp, cp_size=args.cp)
-    titles = {k: v for k, v in _TITLES.items() if layout.cp_size > 1 or k not in ("cp", "replica")}
+    layout = Layout(world_size=args.world, tp_size=args.tp, pp_size=args.pp, cp_size=args.cp, ep_size=args.ep)
+    hidden = () if layout.cp_size > 1 else ("cp", "replica")
+    hidden += () if layout.ep_size > 1 else ("ep", "expert_replica")
+    titles = {k: v for k, v in _TITLES.items() if k not in hidden}
     groups = {kind: layout.groups(kind) for kind in titles}
     if args.json:
         print(
@@ -45,13 +51,15 @@ def run(args: argparse.Namespace) -> int:
                     "pp": layout.pp_size,
                     "dp": layout.dp_size,
                     "cp": layout.cp_size,
+                    "ep": layout.ep_size,
                     "groups": groups,
                 }
             )
         )
         return 0
     cp = f" x cp {layout.cp_size}" if layout.cp_size > 1 else ""
-    print(f"world {layout.world_size} = tp {layout.tp_size}{cp} x dp {layout.dp_size} x pp {layout.pp_size}")
+    ep = f" (ep {layout.ep_size} inside dp x cp)" if layout.ep_size > 1 else ""
+    print(f"world {layout.world_size} = tp {layout.tp_size}{cp} x dp {layout.dp_size} x pp {layout.pp_size}{ep}")
     for kind, title in titles.items():
         print(f"{title} groups ({len(groups[kind])}): " + " ".join(str(g) for g in groups[kind]))
     return 0

@@ -26,6 +26,11 @@ def test_topology_json_matches_layout():
     data = json.loads(out.stdout)
     assert (data["cp"], data["dp"]) == (2, 2)
     assert data["groups"]["cp"][0] == [0, 2] and data["groups"]["replica"][0] == [0, 2, 4, 6]
+    assert "ep" not in data["groups"]
+    out = _mtk("topology", "--world", "16", "--tp", "2", "--cp", "2", "--ep", "4", "--json")
+    data = json.loads(out.stdout)
+    assert data["ep"] == 4 and data["groups"]["ep"][0] == [0, 2, 4, 6]
+    assert data["groups"]["expert_replica"][0] == [0, 8]
 
 
 def test_topology_bad_input_is_one_line_and_nonzero():
