@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     layout = Layout(world_size=args.world, tp_size=args.tp, pp_size=args.pp, cp_size=args.cp, ep_size=args.ep)
-    hidden = () if layout.cp_size > 1 else ("cp", "replica")
+    hidden: tuple[str, ...] = () if layout.cp_size > 1 else ("cp", "replica")
     hidden += () if layout.ep_size > 1 else ("ep", "expert_replica")
     titles = {k: v for k, v in _TITLES.items() if k not in hidden}
     groups = {kind: layout.groups(kind) for kind in titles}
