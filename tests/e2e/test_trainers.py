@@ -179,6 +179,18 @@ def test_fsdp2_logs_the_trainers_numbers_resumes_at_plain_tp2_dp2_and_saves_the_
         assert_close_rel(ours[name], theirs[name], f"saved {name}", tol=1e-4)  # after 4 AdamW steps in fp32
 
 
+def test_expert_parallelism_logs_the_trainers_dp2_numbers_on_an_moe_model(tmp_path):
+    """accelerate_configs/ep2.yaml with a tiny Qwen3-MoE: transformers' Trainer on 2 plain torchrun processes (EP is
+    carved out of DP, so DP 2 is its reference); save_model gathers the experts over EP."""
+    history = _hf_run(tmp_path / "hf", 2, "--moe")
+    ours = _mtk_run("ep2", tmp_path / "ep2", "--moe", "--save_model")
+    assert_same_history(ours, history, "ep2")
+    saved, theirs = (load_file(d / "final" / "model.safetensors") for d in (tmp_path / "ep2", tmp_path / "hf"))
+    assert sorted(saved) == sorted(theirs) and any("experts" in name for name in theirs)
+    for name in theirs:
+        assert_close_rel(saved[name], theirs[name], f"saved {name}", tol=1e-4)  # after 4 AdamW steps in fp32
+
+
 def test_a_refused_training_argument_is_one_line(tmp_path):
     """Accepted-and-ignored is not an option: what mtk cannot honour stops the run, naming the field, in one line
     (no traceback) even though the script's main is the user's."""

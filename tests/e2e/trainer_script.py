@@ -14,9 +14,30 @@ from pathlib import Path
 import torch
 import transformers
 from datasets import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, TrainingArguments
 
 VOCAB = 101  # not a multiple of the TP size: the vocabulary is padded
+
+
+def moe_model() -> Qwen3MoeForCausalLM:
+    """A tiny Qwen3-MoE (4 experts of width 32, two per token, the load-balancing loss in the loss)."""
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        output_router_logits=True,
+        router_aux_loss_coef=0.01,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    return Qwen3MoeForCausalLM(config)
 
 
 def model() -> LlamaForCausalLM:
@@ -78,6 +99,7 @@ def main() -> None:
     parser.add_argument("--save_model", action="store_true")
     parser.add_argument("--deepspeed", default=None, help="a DeepSpeed JSON (TrainingArguments.deepspeed)")
     parser.add_argument("--metrics", action="store_true", help="evaluate token accuracy from the logits too")
+    parser.add_argument("--moe", action="store_true", help="a tiny Qwen3-MoE instead of the tiny Llama")
     args = parser.parse_args()
     if args.trainer == "mtk":
         from mtk.trainers import Trainer
@@ -104,7 +126,7 @@ def main() -> None:
         deepspeed=args.deepspeed,
     )
     trainer = Trainer(
-        model=model(),
+        model=moe_model() if args.moe else model(),
         args=training,
         data_collator=collate,
         train_dataset=examples(48, seed=1),
