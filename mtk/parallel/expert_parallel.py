@@ -61,7 +61,6 @@ __all__ = [
 
 EXPERT_PARALLEL_ATTRIBUTE = "mtk_expert_parallel"  # the ExpertPlacement of an experts module spread over EP
 EXPERTS_IMPLEMENTATION = "mtk_expert_parallel"  # the name of expert_parallel_forward in transformers' ExpertsInterface
-_LOCAL_IMPLEMENTATION = "_mtk_local_experts_implementation"  # on the config: what the local experts run
 _EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 
 
@@ -171,16 +170,22 @@ def _local_forward(module: nn.Module) -> Any:
     if expert_placement(module) is not None:
         raise UnsupportedModelError(f"{type(module).__name__}: its experts are spread over EP already")
     implementation = getattr(config, "_experts_implementation", None) or "eager"
-    if implementation == EXPERTS_IMPLEMENTATION:  # another layer of the same config is spread already
-        implementation = getattr(config, _LOCAL_IMPLEMENTATION)
+    if implementation == EXPERTS_IMPLEMENTATION:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} shares its config with experts spread already: spread a model's experts "
+            "together (spread_experts)"
+        )
     return ALL_EXPERTS_FUNCTIONS.get_interface(implementation, original)
 
 
-def distribute_experts(module: nn.Module, group: Group) -> ExpertPlacement:
+def distribute_experts(
+    module: nn.Module, group: Group, local_forward: Callable[..., torch.Tensor] | None = None
+) -> ExpertPlacement:
     """Keep this rank's experts of ``module`` (in place) and route its forward through the EP exchange.
 
     ``module`` is a transformers experts module (3D expert tensors, ``num_experts``), materialized; the experts must
-    divide evenly over the group."""
+    divide evenly over the group. ``local_forward``: the experts code it runs on its own experts (default: the
+    config's ``_experts_implementation``, read before the config names the exchange instead)."""
     size, rank = group_size(group), group_rank(group)
     experts = int(getattr(module, "num_experts", 0))
     if experts < 1 or not hasattr(module, "down_proj"):
@@ -190,7 +195,7 @@ def distribute_experts(module: nn.Module, group: Group) -> ExpertPlacement:
             f"{type(module).__name__}: {experts} experts do not divide over expert parallelism {size}; use an "
             f"expert-parallel size that divides {experts}"
         )
-    placement = ExpertPlacement(group, experts, experts // size, rank, _local_forward(module))
+    placement = ExpertPlacement(group, experts, experts // size, rank, local_forward or _local_forward(module))
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     for name in _EXPERT_TENSORS:
@@ -213,10 +218,7 @@ def distribute_experts(module: nn.Module, group: Group) -> ExpertPlacement:
     module.num_experts = placement.local  # type: ignore[assignment]  # the local experts code counts its own
     setattr(module, EXPERT_PARALLEL_ATTRIBUTE, placement)
     ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, expert_parallel_forward)
-    config: Any = module.config
-    if config._experts_implementation != EXPERTS_IMPLEMENTATION:
-        setattr(config, _LOCAL_IMPLEMENTATION, config._experts_implementation or "eager")
-        config._experts_implementation = EXPERTS_IMPLEMENTATION
+    cast(Any, module.config)._experts_implementation = EXPERTS_IMPLEMENTATION  # (not written by save_pretrained)
     return placement
 
 
@@ -229,8 +231,9 @@ def spread_experts(model: nn.Module, group: Group) -> int:
             f"{type(model).__name__} has no mixture-of-experts layer (3D expert tensors): expert parallelism has "
             "nothing to spread; set the expert-parallel size to 1"
         )
-    for module in modules:
-        distribute_experts(module, group)
+    forwards = [_local_forward(module) for module in modules]  # before the shared config names the exchange
+    for module, forward in zip(modules, forwards):
+        distribute_experts(module, group, forward)
     return len(modules)
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from mtk.parallel.expert_parallel import distribute_experts, expert_placement
+from mtk.parallel.expert_parallel import expert_placement, spread_experts
 from mtk.testing import assert_close_rel, run_distributed
 from mtk.verify.sweep import tiny_config
 
@@ -66,9 +66,9 @@ def _ep_worker(rank: int, world: int, model_type: str, ep: int, experts: int, sk
     torch.stack(losses).mean().backward()
 
     ep_group, edp_group = _groups(world, ep)
-    spread = [distribute_experts(m, ep_group) for m in model.modules() if hasattr(m, "down_proj") and hasattr(
-        m, "num_experts")]  # fmt: skip
-    assert spread and all(p.local == experts // ep for p in spread)
+    assert spread_experts(model, ep_group) > 0
+    spread = [p for p in map(expert_placement, model.modules()) if p is not None]
+    assert all(p.local == experts // ep for p in spread)
     routed: list[torch.Tensor] = []  # each MoE layer's expert choices of this rank's tokens, [T, k]
     for module in model.modules():
         if expert_placement(module) is not None:
