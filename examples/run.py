@@ -53,6 +53,7 @@ from mtk.integrations.deepspeed import (
     partition_over_replicas,
     remove_shm_buffers_at_exit,
     save_deepspeed_checkpoint,
+    sums_over_context_parallel,
 )
 from mtk.integrations.deepspeed_batch import dp_layout
 from mtk.lora import get_peft_model
@@ -175,8 +176,9 @@ def build_engine(args: argparse.Namespace, parallel: ParallelState) -> tuple[Any
         enable_recompute(model, RunSettings(recompute_granularity="full"), parallelized(model).rng)
     if lora:  # PEFT's LoRA on the parallel layers: ZeRO shards only the adapters' optimizer state
         model = get_peft_model(model, lora, report=print if parallel.rank == 0 else lambda line: None)
-    if parallel.cp_size > 1:  # each batch split over CP; DeepSpeed sums the CP ranks' gradients, averages over DP
-        attach_context_parallel(model, parallel.cp_group, settings.cp_comm_type, average=False)
+    if parallel.cp_size > 1:  # each batch split over CP; ZeRO 0-2 sum the CP ranks' gradients, ZeRO-3 averages them
+        average = not sums_over_context_parallel(ds_config)
+        attach_context_parallel(model, parallel.cp_group, settings.cp_comm_type, average=average)
 
     def lr_schedule(optimizer):  # DeepSpeed steps it once per optimizer step
         return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_linear(args.warmup_steps, args.max_steps))

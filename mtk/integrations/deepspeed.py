@@ -49,6 +49,7 @@ __all__ = [
     "initialization_cleanup",
     "load_deepspeed_checkpoint",
     "partition_over_replicas",
+    "sums_over_context_parallel",
     "save_deepspeed_checkpoint",
     "sizes_from_config",
     "zero3_gathered",
@@ -309,6 +310,16 @@ def initialization_cleanup(where: str) -> Iterator[None]:
         raise
 
 
+def sums_over_context_parallel(config: dict[str, Any]) -> bool:
+    """Whether DeepSpeed sums the CP ranks' gradients (each rank then backpropagates its share of the tokens) rather
+    than averaging them over DP x CP (each rank backpropagates ``cp`` times its share, as under DDP).
+
+    ZeRO 0, 1 and 2 divide by DP only (their sequence-parallel correction: ``world / sp``). ZeRO-3's reduce-scatter,
+    its default path, divides by the whole partition group and has no such correction (deepspeed 0.19; measured:
+    ``run.py --cp 2`` under ds_configs/zero3.json logged half ZeRO-1's gradient norm, 1.3695 against 2.7391)."""
+    return config.get("zero_optimization", {}).get("stage", 0) != 3
+
+
 def partition_over_replicas(model: nn.Module, config: dict[str, Any], parallel: ParallelState) -> None:
     """Partition ``model``'s parameters for ZeRO-3 over the replica group (DP x CP) before DeepSpeed sees it.
 
@@ -318,10 +329,17 @@ def partition_over_replicas(model: nn.Module, config: dict[str, Any], parallel: 
     steps on the gradient of its own part of the sequence. ``deepspeed.zero.Init(module=...)``, the call DeepSpeed
     itself makes, given the replica group (its documented use under sequence parallelism) places them as the
     optimizer expects; DeepSpeed then finds them converted and keeps the group. At CP = 1 the replica group is the DP
-    group and nothing is done here."""
-    stage = config.get("zero_optimization", {}).get("stage", 0)
-    if parallel.cp_size == 1 or stage != 3:
+    group and nothing is done here. ZeRO-3's settings that this partitioning does not carry, or whose gradient
+    scaling differs at CP, are one line."""
+    zero = config.get("zero_optimization", {})
+    if parallel.cp_size == 1 or zero.get("stage", 0) != 3:
         return
+    where = f"ZeRO-3 with context parallelism (cp = {parallel.cp_size})"
+    if zero.get("reduce_scatter", True) is False:  # its all-reduce path divides by DP x CP or by DP, by bucket size
+        raise ConfigError(f'{where} needs its reduce-scatter: remove "reduce_scatter": false from the DeepSpeed JSON')
+    for key in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+        if zero.get(key, False) not in (False, 1, None):
+            raise ConfigError(f'{where} does not take ZeRO++\'s "{key}" yet; remove it from the DeepSpeed JSON')
     import deepspeed
 
     deepspeed.zero.Init(

@@ -59,6 +59,15 @@ def finetune(config: str, out_dir, *args: str) -> dict[int, float]:
     return step_losses(accelerate_launch("finetune.py", config, "--output_dir", str(out_dir), *args))
 
 
+def logged(out_dir, tag: str = "train/grad_norm") -> dict[int, float]:
+    """One tensorboard scalar of a run (``<out_dir>/runs``, written by rank 0) by step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(Path(out_dir) / "runs"))
+    events.Reload()
+    return {event.step: event.value for event in events.Scalars(tag)}
+
+
 def assert_same_losses(actual: dict[int, float], expected: dict[int, float], steps, what: str = "") -> None:
     """Exactly ``steps`` were logged, each within the exactness bar of ``expected``."""
     from mtk.testing import assert_close_rel

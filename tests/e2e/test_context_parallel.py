@@ -23,6 +23,7 @@ from tests.e2e.launch import (
     assert_same_losses,
     deepspeed_run,
     finetune,
+    logged,
     step_losses,
 )
 
@@ -116,6 +117,7 @@ def test_deepspeed_sums_over_cp_as_its_sequence_parallelism_and_logs_the_tp1_los
     run = tmp_path / "zero2"
     losses = finetune("tp2_cp2_zero2", run, "--max_steps", "6", "--save_every", "3")
     assert_same_losses(losses, llama_tp1.losses, range(1, 7), "tp2 cp2 zero2 vs tp1")
+    assert_same_losses(logged(run), logged(llama_tp1.dir), range(1, 7), "tp2 cp2 zero2 gradient norm vs tp1")
     resumed = finetune("tp2_cp2_zero2", tmp_path / "resumed", "--max_steps", "6", "--resume", str(run / "step_3"))
     assert_same_losses(resumed, llama_tp1.losses, range(4, 7), "tp2 cp2 zero2 resumed at step 3")
 
@@ -128,6 +130,8 @@ def test_zero3_partitions_over_dp_x_cp_and_resumes_at_another_cp_size(llama_tp1,
     run = tmp_path / "zero3"
     losses = finetune("tp2_cp2_zero3", run, "--max_steps", "6", "--save_every", "3")
     assert_same_losses(losses, llama_tp1.losses, range(1, 7), "tp2 cp2 zero3 vs tp1")
+    # the gradient norm too: clipping at 1.0 and AdamW would hide a gradient off by a constant factor in the losses
+    assert_same_losses(logged(run), logged(llama_tp1.dir), range(1, 7), "tp2 cp2 zero3 gradient norm vs tp1")
     resumed = finetune("tp2_dp2_zero3", tmp_path / "dp2", "--max_steps", "6", "--batch_size", "4",
                        "--resume", str(run / "step_3"))  # fmt: skip
     assert_same_losses(resumed, llama_tp1.losses, range(4, 7), "tp2 cp2 zero3 step 3 resumed at tp2 dp2")
@@ -135,6 +139,7 @@ def test_zero3_partitions_over_dp_x_cp_and_resumes_at_another_cp_size(llama_tp1,
                         str(tmp_path / "run_py"))  # fmt: skip
     assert "tp=1 cp=2 dp=1" in out.stdout
     assert_same_losses(step_losses(out), llama_tp1.losses, range(1, 7), "run.py cp2 zero3 vs tp1")
+    assert_same_losses(logged(tmp_path / "run_py"), logged(llama_tp1.dir), range(1, 7), "run.py zero3 gradient norm")
     held = re.search(r"model state held by rank 0: (\d+) parameter elements", out.stdout)
     model = AutoModelForCausalLM.from_config(resolve_config("tiny-llama"))
     assert held is not None and int(held[1]) * 2 == sum(p.numel() for p in model.parameters())  # split over CP

@@ -17,6 +17,7 @@ from mtk.convert.regions import reseed_tp_stream
 from mtk.errors import ConfigError
 from mtk.integrations.accelerate.convert import ReplacedParams, convert_tracking
 from mtk.integrations.accelerate.megatron_keys import act_on_model
+from mtk.integrations.deepspeed import sums_over_context_parallel
 from mtk.parallel.consistency import agree_rng, agree_weights
 from mtk.parallel.context import attach_context_parallel, context_parallel_of
 from mtk.parallel.expert_parallel import spread_experts
@@ -125,10 +126,11 @@ class ModelConversion(_Host):
             return
         chosen = getattr(model.config, "_attn_implementation", None)
         sequence_split = self.parallel.tp_size if self.settings.sequence_parallel else 1
-        # DeepSpeed sums the CP ranks' gradients (its sequence-data-parallel reduction divides by DP only)
-        attach_context_parallel(
-            model, self.parallel.cp_group, self.settings.cp_comm_type, sequence_split, average=not self.uses_deepspeed
+        # ZeRO 0-2 sum the CP ranks' gradients (their sequence-data-parallel reduction divides by DP only)
+        average = not self.uses_deepspeed or not sums_over_context_parallel(
+            self.state.deepspeed_plugin.deepspeed_config
         )
+        attach_context_parallel(model, self.parallel.cp_group, self.settings.cp_comm_type, sequence_split, average)
         if os.environ.get("MEGATRON_LM_ATTENTION_BACKEND", "auto").strip().lower() not in ("", "auto"):
             self.print(
                 f"mtk: context parallelism (cp = {self.parallel.cp_size}) attends with its own "
