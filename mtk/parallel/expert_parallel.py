@@ -102,24 +102,26 @@ class _Exchange(torch.autograd.Function):
 
 
 class _Return(torch.autograd.Function):
-    """The outputs' way back (the reverse exchange), anchored to the dispatched rows: if this rank's experts got no
-    token their output does not need a gradient, yet its backward must still exchange with the other ranks."""
+    """The outputs' way back (the reverse exchange), anchored to the dispatched rows and to the experts' trainable
+    tensors: if this rank's experts got no token their output needs no gradient, yet its backward must still
+    exchange with the other ranks (the rows' anchor keeps the dispatch's backward going too)."""
 
     @staticmethod
     def forward(
-        ctx: Any, out: torch.Tensor, anchor: torch.Tensor, sent: list[int], received: list[int], group: Group
+        ctx: Any, out: torch.Tensor, sent: list[int], received: list[int], group: Group, *anchors: torch.Tensor
     ) -> torch.Tensor:
         ctx.sent, ctx.received, ctx.group = sent, received, group
-        ctx.anchor_shape = anchor.shape
+        ctx.rows_shape = anchors[0].shape  # the dispatched rows; then the experts' tensors
         back = out.new_empty((sum(sent), *out.shape[1:]))  # [sum(sent), ...]: the rows this rank dispatched
         dist.all_to_all_single(back, out.contiguous(), sent, received, group=group)
         return back
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         out_grad = grad.new_empty((sum(ctx.received), *grad.shape[1:]))  # [sum(received), ...]
         dist.all_to_all_single(out_grad, grad.contiguous(), ctx.received, ctx.sent, group=ctx.group)
-        return out_grad, grad.new_zeros(ctx.anchor_shape), None, None, None
+        rows_grad = grad.new_zeros(ctx.rows_shape) if ctx.needs_input_grad[4] else None  # [M, H]
+        return (out_grad, None, None, None, rows_grad) + (None,) * (len(ctx.needs_input_grad) - 5)
 
 
 def _exchange_ints(values: torch.Tensor, sent: list[int], received: list[int], group: Group) -> torch.Tensor:
@@ -151,9 +153,12 @@ def expert_parallel_forward(
     ids = _exchange_ints(expert, sent, received, group) - placement.first  # [M] local expert ids
     ones = torch.ones((rows.shape[0], 1), dtype=top_k_weights.dtype, device=rows.device)  # [M, 1]
     out = placement.local_forward(module, rows, ids.unsqueeze(-1), ones)  # [M, H]
-    back = _Return.apply(out, rows, sent, received, group)  # [T k, H] in sorted order
-    weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)  # [T k, H]
-    return torch.zeros_like(hidden).index_add(0, token, weighted.to(hidden.dtype))  # [T, H]
+    trained = [p for p in module.parameters(recurse=False) if p.requires_grad]
+    back = _Return.apply(out, sent, received, group, rows, *trained)  # [T k, H] in sorted order
+    by_token = back[torch.argsort(order)].view(tokens, chosen, -1)  # [T, k, H]: each token's k outputs
+    # summed over k in fp32, as transformers' grouped experts do (index_add in bf16 would round each addition)
+    combined = (by_token.float() * top_k_weights.float().unsqueeze(-1)).sum(dim=1)  # [T, H]
+    return combined.to(hidden.dtype)
 
 
 def _local_forward(module: nn.Module) -> Any:
@@ -195,6 +200,15 @@ def distribute_experts(
             f"{type(module).__name__}: {experts} experts do not divide over expert parallelism {size}; use an "
             f"expert-parallel size that divides {experts}"
         )
+    unknown = [
+        name
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        if name not in _EXPERT_TENSORS and tensor.dim() > 0 and tensor.shape[0] == experts
+    ]
+    if unknown:  # e.g. fp8 scales per expert: left whole, they would index the wrong experts
+        raise UnsupportedModelError(
+            f"{type(module).__name__}: per-expert tensors {unknown} are not spread over EP yet; run at EP 1"
+        )
     placement = ExpertPlacement(group, experts, experts // size, rank, local_forward or _local_forward(module))
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -204,10 +218,9 @@ def distribute_experts(
             continue
         if old.shape[0] != experts:
             raise UnsupportedModelError(f"{type(module).__name__}.{name}: shape {tuple(old.shape)} is not per expert")
-        if old.device.type == "meta":
+        if old.device.type == "meta":  # parallelize leaves a model read slice by slice to its loader (hf_load)
             raise UnsupportedModelError(
-                "reading an HF directory slice by slice at expert parallelism is not supported yet; build the model "
-                "whole (from_pretrained) and let the conversion keep each rank's experts"
+                f"{type(module).__name__}: its experts are not read yet; spread them once the model is loaded"
             )
         mine = slice(placement.first, placement.first + placement.local)
         data = old.detach()[mine].clone()  # [E/ep, ...]
@@ -304,11 +317,11 @@ def experts_whole(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] 
     kept = {id(p): p.data for p, _ in spread}
     for param, placement in spread:
         param.data = gather_experts(param.data, placement)
-    for optimizer in optimizers:
+    for optimizer in optimizers:  # per-expert state (its first dimension the local experts): whole too
         for param, placement in spread:
             state = optimizer.state.get(param, {})
             for key, value in state.items():
-                if torch.is_tensor(value) and value.shape == kept[id(param)].shape:
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == placement.local:
                     state[key] = gather_experts(value, placement)
     try:
         yield

@@ -280,10 +280,6 @@ class ParallelState:
         return self.ep_ranks.index(self.rank)
 
     @property
-    def expert_replica_size(self) -> int:
-        return len(self.expert_replica_ranks)
-
-    @property
     def replica_rank(self) -> int:
         """This rank's index among the ranks holding its weights (0: the one that writes them)."""
         return self.replica_ranks.index(self.rank)

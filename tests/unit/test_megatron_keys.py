@@ -40,7 +40,6 @@ def test_accelerates_defaults_pass_quietly():
         ("NO_LOAD_OPTIM", "True", "megatron_lm_no_load_optim: True is not supported"),
         ("OPTIMIZER_CPU_OFFLOAD", "True", "zero2_offload.json"),
         ("USE_CUSTOM_FSDP", "True", "FSDP2 through accelerate's parallelism_config"),
-        ("EXPERT_TENSOR_PARALLEL_SIZE", "2", "mtk splits each expert over the TP size (megatron_lm_tp_degree = 1)"),
         ("HIDDEN_DROPOUT", "0.1", "config.json"),
         ("USE_ROTARY_POSITION_EMBEDDINGS", "True", "architecture decides"),
         ("ATTENTION_BACKEND", "triton", "use one of"),

@@ -153,6 +153,7 @@ class Accelerator(
             deepspeed=self.uses_deepspeed,
             distributed_optimizer=self.settings.use_distributed_optimizer,
             fsdp=self.sharding is not None,
+            fp16=self.mixed_precision == "fp16",
         )
         self._data_parallel_mesh: Any = None  # FSDP2's, built with the first prepared model
         self._replaced_params: ReplacedParams = {}  # id(unconverted param) -> (weakref to it, its shard)

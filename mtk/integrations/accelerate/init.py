@@ -98,8 +98,17 @@ def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | N
     return config
 
 
-def check_expert_parallel(config: ParallelConfig, *, deepspeed: bool, distributed_optimizer: bool, fsdp: bool) -> None:
-    """What expert parallelism does not run next to yet, each one line (docs/moe.md)."""
+def check_expert_parallel(
+    config: ParallelConfig, *, deepspeed: bool, distributed_optimizer: bool, fsdp: bool, fp16: bool
+) -> None:
+    """The experts' TP size is the TP size (Megatron-Core's default; ``megatron_lm_expert_tensor_parallel_size``
+    may only repeat it), and what expert parallelism does not run next to yet is one line each (docs/moe.md)."""
+    expert_tp = os.environ.get("MEGATRON_LM_EXPERT_TENSOR_PARALLEL_SIZE", "").strip()
+    if expert_tp.lower() not in ("", "none", str(config.tp_size)):
+        raise ConfigError(
+            f"megatron_lm_expert_tensor_parallel_size: {expert_tp}: mtk splits each expert over the TP size "
+            f"({config.tp_size}); set it to {config.tp_size} or remove the key"
+        )
     if config.ep_size == 1:
         return
     where = f"expert parallelism (ep = {config.ep_size})"
@@ -115,3 +124,5 @@ def check_expert_parallel(config: ParallelConfig, *, deepspeed: bool, distribute
         )
     if fsdp:
         raise ConfigError(f"{where} with FSDP2 (parallelism_config dp_shard_size > 1) is not supported yet")
+    if fp16:  # each EP rank would find an overflow in its own experts only, and skip a step its peers take
+        raise ConfigError(f"{where} with fp16 loss scaling is not supported yet; use mixed_precision bf16 or no")

@@ -42,7 +42,7 @@ ACTED_ON = {
     "PP_DEGREE": "ParallelConfig.pp_size",
     "CONTEXT_PARALLEL_SIZE": "ParallelConfig.cp_size",
     "EXPERT_MODEL_PARALLEL_SIZE": "ParallelConfig.ep_size",
-    "EXPERT_TENSOR_PARALLEL_SIZE": "the experts' TP size: the TP size (checked in check_megatron_environment)",
+    "EXPERT_TENSOR_PARALLEL_SIZE": "the experts' TP size: the TP size (init.check_expert_parallel)",
     "NUM_MICRO_BATCHES": "RunSettings.num_micro_batches",
     "GRADIENT_CLIPPING": "RunSettings.gradient_clipping",
     "SEQUENCE_PARALLELISM": "RunSettings.sequence_parallel",
@@ -92,17 +92,6 @@ def _key(variable: str) -> str:
     return "megatron_lm_" + variable.removeprefix(PREFIX).lower()
 
 
-def _check_expert_tensor_parallel(raw: str, env: Mapping[str, str]) -> None:
-    """Megatron-Core's default (the experts split over TP like the dense layers) is what mtk runs; another size is
-    refused in one line."""
-    tp = env.get(PREFIX + "TP_DEGREE", "1").strip() or "1"
-    if raw.strip().lower() not in ("", "none", tp):
-        raise ConfigError(
-            f"megatron_lm_expert_tensor_parallel_size: {raw}: mtk splits each expert over the TP size "
-            f"(megatron_lm_tp_degree = {tp}); set it to {tp} or remove the key"
-        )
-
-
 def check_megatron_environment(env: Mapping[str, str], report: Callable[[str], None]) -> None:
     """Refuse (``ConfigError``, one line) any ``MEGATRON_LM_*`` variable mtk cannot honour; ``report``
     the ones whose behaviour mtk fixes, and the layout when the block gave neither TP nor PP."""
@@ -110,8 +99,6 @@ def check_megatron_environment(env: Mapping[str, str], report: Callable[[str], N
         if not variable.startswith(PREFIX):
             continue
         name, value = variable.removeprefix(PREFIX), raw.strip().lower()
-        if name == "EXPERT_TENSOR_PARALLEL_SIZE":
-            _check_expert_tensor_parallel(raw, env)
         if name in ACTED_ON:
             continue
         if name in OFF_ONLY:
