@@ -309,10 +309,10 @@ def experts_whole(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] 
     """A context in which every spread experts tensor of ``model`` (and its optimizer moments) holds all ``E``
     experts, as at EP = 1; on leaving, each rank keeps its own experts of what the tensors then hold.
 
-    Checkpoints, the gathered state dict and export read and write the experts this way, so they are the same files
-    at every EP size (a checkpoint written at EP = 2 resumes at EP = 1 and back), and a resume sets whole tensors and
-    keeps its slice. Collective over each EP group. Each tensor is whole only inside the context: the memory of the
-    whole experts is held while it lasts."""
+    Checkpoints are written and read this way, so they are the same files at every EP size (a checkpoint written at
+    EP = 2 resumes at EP = 1 and back), and a resume sets whole tensors and keeps its slice (the gathered state dict
+    takes one tensor at a time through :func:`gather_experts` instead). Collective over each EP group. The whole
+    experts (and their optimizer moments) are held while the context lasts."""
     spread = _spread(model)
     kept = {id(p): p.data for p, _ in spread}
     for param, placement in spread:
