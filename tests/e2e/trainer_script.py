@@ -19,40 +19,28 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3Moe
 VOCAB = 101  # not a multiple of the TP size: the vocabulary is padded
 
 
+# what both tiny models share
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+)
+
+
 def moe_model() -> Qwen3MoeForCausalLM:
     """A tiny Qwen3-MoE (4 experts of width 32, two per token, the load-balancing loss in the loss)."""
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        output_router_logits=True,
-        router_aux_loss_coef=0.01,
-        max_position_embeddings=64,
-        pad_token_id=0,
-    )
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, router_aux_loss_coef=0.01)
+    config = Qwen3MoeConfig(**SHAPE, **experts, num_hidden_layers=2, head_dim=8, output_router_logits=True)
     return Qwen3MoeForCausalLM(config)
 
 
 def model() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-    )
+    config = LlamaConfig(**SHAPE, intermediate_size=64, num_hidden_layers=4, tie_word_embeddings=False)
     return LlamaForCausalLM(config)
 
 
