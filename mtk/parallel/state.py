@@ -81,9 +81,12 @@ def init_distributed(env: Mapping[str, str] | None = None, timeout: timedelta | 
     if world_size == 1 and "MASTER_ADDR" not in env:
         return
     device = default_device(int(env.get("LOCAL_RANK", "0")))
-    if device.type != "cpu":
-        torch.accelerator.set_device_index(device.index)
-    dist.init_process_group(timeout=timeout)
+    if device.type == "cpu":
+        dist.init_process_group(timeout=timeout)
+        return
+    torch.accelerator.set_device_index(device.index)
+    # bound to its device: NCCL then need not guess the rank-to-GPU mapping (a hang where it guesses wrong)
+    dist.init_process_group(timeout=timeout, device_id=device)
 
 
 class ParallelState:
