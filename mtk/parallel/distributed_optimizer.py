@@ -11,6 +11,11 @@ Gradients are still all-reduced (DDP's overlapped buckets; under PP the pipeline
 DeepSpeed's stage 1 does, rather than reduce-scattered: the memory saved is the optimizer state's
 (``(dp - 1) / dp`` of it, 12 of the 16 bytes per parameter of mixed-precision Adam at large dp).
 
+Under expert parallelism the experts of a rank are not every replica's: they are shared only by the ranks holding
+the same experts (the expert-replica group). Their owners are therefore drawn from that group, and their
+all-gather runs over it; the dense parameters keep the DP x CP group (Megatron-Core's distributed optimizer keeps
+an expert-data-parallel buffer beside the dense one in the same way).
+
 Checkpoints keep mtk's layout (one optimizer file per TP x PP rank, written by DP rank 0):
 :func:`full_optimizer_state` gathers the other ranks' state for the save and gives every rank the whole
 state to load from, then drops what it does not own, so a checkpoint resumes and reshards with or without
@@ -26,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from mtk.parallel.comm import Group, all_gather, group_rank, group_size
+from mtk.parallel.expert_parallel import is_expert_parallel
 
 __all__ = ["DataParallelShards", "all_gather_rounds", "assign_owners", "full_optimizer_state", "shard_optimizer"]
 
@@ -60,21 +66,51 @@ def all_gather_rounds(numels: list[int], owners: list[int], dp_size: int) -> lis
     return [[b[i] if i < len(b) else [] for b in per_rank] for i in range(rounds)]
 
 
-class DataParallelShards:
-    """Which DP rank updates which parameter of one optimizer, and the all-gather after its step."""
+class _Domain:
+    """Parameters held alike by every rank of ``group``, their owners among it and the all-gather rounds."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, dp_group: Group) -> None:
-        self.dp_group = dp_group
-        self.dp_size, self.dp_rank = group_size(dp_group), group_rank(dp_group)
+    def __init__(self, params: list[torch.Tensor], group: Group) -> None:
+        self.group, self.params = group, params
+        self.size, self.rank = group_size(group), group_rank(group)
+        owners = assign_owners([p.numel() for p in params], self.size)
+        self.owner = {id(param): rank for param, rank in zip(params, owners)}
+        self.buckets: dict[torch.dtype, list[list[list[torch.Tensor]]]] = {}
+        for dtype in sorted({p.dtype for p in params}, key=str):
+            same = [p for p in params if p.dtype == dtype]
+            rounds = all_gather_rounds([p.numel() for p in same], [self.owner[id(p)] for p in same], self.size)
+            self.buckets[dtype] = [[[same[i] for i in piece] for piece in pieces] for pieces in rounds]
+
+    @torch.no_grad()
+    def all_gather_params(self) -> None:
+        for dtype, rounds in self.buckets.items():
+            device = self.params[0].device
+            for pieces in rounds:  # pieces[r]: what rank r sends this round
+                width = max(sum(p.numel() for p in piece) for piece in pieces)
+                flat = torch.zeros(width, dtype=dtype, device=device)  # [width], padded
+                mine = [p.reshape(-1) for p in pieces[self.rank]]
+                if mine:
+                    torch.cat(mine, out=flat[: sum(t.numel() for t in mine)])
+                gathered = all_gather(flat, self.group, dim=0).view(self.size, width)  # [size, width]
+                for rank, piece in enumerate(pieces):
+                    if rank == self.rank:
+                        continue
+                    offset = 0
+                    for param in piece:
+                        param.copy_(gathered[rank, offset : offset + param.numel()].view_as(param))
+                        offset += param.numel()
+
+
+class DataParallelShards:
+    """Which replica updates which parameter of one optimizer, and the all-gather after its step: the dense
+    parameters over ``dp_group``, the experts spread over EP (if any) over ``expert_group``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, dp_group: Group, expert_group: Group = None) -> None:
         self.groups = [list(group["params"]) for group in optimizer.param_groups]  # every parameter, in order
         self.params = [param for group in self.groups for param in group]
-        owners = assign_owners([p.numel() for p in self.params], self.dp_size)
-        self.owner = {id(param): rank for param, rank in zip(self.params, owners)}
-        self.buckets: dict[torch.dtype, list[list[list[torch.Tensor]]]] = {}
-        for dtype in sorted({p.dtype for p in self.params}, key=str):
-            same = [p for p in self.params if p.dtype == dtype]
-            rounds = all_gather_rounds([p.numel() for p in same], [self.owner[id(p)] for p in same], self.dp_size)
-            self.buckets[dtype] = [[[same[i] for i in piece] for piece in pieces] for pieces in rounds]
+        experts = [p for p in self.params if is_expert_parallel(p)]  # (no expert group: each rank updates its own)
+        dense = [p for p in self.params if not is_expert_parallel(p)]
+        self.domains = [_Domain(dense, dp_group)] + ([_Domain(experts, expert_group)] if experts else [])
+        self.domain = {id(p): domain for domain in self.domains for p in domain.params}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``Optimizer.zero_grad`` over every parameter, not only the ones this rank updates."""
@@ -87,7 +123,8 @@ class DataParallelShards:
                 param.grad.detach_().zero_()
 
     def owns(self, param: torch.Tensor) -> bool:
-        return self.owner[id(param)] == self.dp_rank
+        domain = self.domain[id(param)]
+        return domain.owner[id(param)] == domain.rank
 
     def shard(self, optimizer: torch.optim.Optimizer) -> None:
         """Keep only this rank's parameters (and their state) in ``optimizer``."""
@@ -101,35 +138,21 @@ class DataParallelShards:
         for group, every in zip(optimizer.param_groups, self.groups):
             group["params"] = list(every)
 
-    @torch.no_grad()
     def all_gather_params(self) -> None:
         """Every replica receives every owner's updated parameters: one all-gather per bucket round."""
-        for dtype, rounds in self.buckets.items():
-            device = self.params[0].device
-            for pieces in rounds:  # pieces[r]: what rank r sends this round
-                width = max(sum(p.numel() for p in piece) for piece in pieces)
-                flat = torch.zeros(width, dtype=dtype, device=device)  # [width], padded
-                mine = [p.reshape(-1) for p in pieces[self.dp_rank]]
-                if mine:
-                    torch.cat(mine, out=flat[: sum(t.numel() for t in mine)])
-                gathered = all_gather(flat, self.dp_group, dim=0).view(self.dp_size, width)  # [dp, width]
-                for rank, piece in enumerate(pieces):
-                    if rank == self.dp_rank:
-                        continue
-                    offset = 0
-                    for param in piece:
-                        param.copy_(gathered[rank, offset : offset + param.numel()].view_as(param))
-                        offset += param.numel()
+        for domain in self.domains:
+            domain.all_gather_params()
 
     def gather_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Give every rank every parameter's optimizer state (for a checkpoint), from its owner."""
         for param in self.params:
-            owner = self.owner[id(param)]
-            state = optimizer.state.get(param) if owner == self.dp_rank else None
+            domain = self.domain[id(param)]
+            owner = domain.owner[id(param)]
+            state = optimizer.state.get(param) if owner == domain.rank else None
             box = [{k: v.cpu() if torch.is_tensor(v) else v for k, v in state.items()} if state else None]
-            if self.dp_group is not None and self.dp_size > 1:
-                dist.broadcast_object_list(box, src=dist.get_global_rank(self.dp_group, owner), group=self.dp_group)
-            if owner != self.dp_rank and box[0] is not None:
+            if domain.group is not None and domain.size > 1:
+                dist.broadcast_object_list(box, src=dist.get_global_rank(domain.group, owner), group=domain.group)
+            if owner != domain.rank and box[0] is not None:
                 device = param.device
                 optimizer.state[param] = {
                     k: v.to(device) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in box[0].items()
@@ -140,11 +163,14 @@ def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     getattr(optimizer, _ATTRIBUTE).all_gather_params()
 
 
-def shard_optimizer(optimizer: torch.optim.Optimizer, dp_group: Group) -> DataParallelShards | None:
-    """Shard ``optimizer``'s state over ``dp_group`` (in place; a no-op with one DP rank)."""
-    if group_size(dp_group) == 1 or hasattr(optimizer, _ATTRIBUTE):
+def shard_optimizer(
+    optimizer: torch.optim.Optimizer, dp_group: Group, expert_group: Group = None
+) -> DataParallelShards | None:
+    """Shard ``optimizer``'s state over ``dp_group``, and that of experts spread over EP over ``expert_group`` (their
+    replicas), in place; a no-op where both have one rank."""
+    if hasattr(optimizer, _ATTRIBUTE) or (group_size(dp_group) == 1 and group_size(expert_group) == 1):
         return getattr(optimizer, _ATTRIBUTE, None)
-    shards = DataParallelShards(optimizer, dp_group)
+    shards = DataParallelShards(optimizer, dp_group, expert_group)
     shards.shard(optimizer)
     setattr(optimizer, _ATTRIBUTE, shards)
     optimizer.register_step_post_hook(_after_step)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from mtk.parallel.expert_parallel import expert_placement, spread_experts
+from mtk.parallel.expert_parallel import expert_placement, is_expert_parallel, spread_experts
 from mtk.testing import assert_close_rel, run_distributed
 from mtk.verify.sweep import tiny_config
 
@@ -132,12 +132,16 @@ def test_experts_that_get_no_token_on_a_rank_still_exchange_in_backward():
         assert min(r["fewest_taken"] for r in results) == 0, results  # a rank whose experts got nothing in a layer
 
 
-def _accelerator_worker(rank: int, world: int, tp: int, ep: int) -> list[tuple[float, float]]:
+def _accelerator_worker(rank: int, world: int, tp: int, ep: int, sharded: bool) -> list[tuple[float, float]]:
     """Three optimizer steps through ``mtk.Accelerator`` at EP (DDP ignores the experts, which backward() reduces over
-    their replicas; clipping by the norm that counts each expert once) against one process on the global batch."""
-    from mtk import Accelerator, ParallelConfig
+    their replicas; clipping by the norm that counts each expert once) against one process on the global batch.
+    ``sharded``: with the distributed optimizer (dense state over DP, the experts' over their replicas)."""
+    from mtk import Accelerator, ParallelConfig, RunSettings
 
-    accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=tp, ep_size=ep))
+    accelerator = Accelerator(
+        parallel_config=ParallelConfig(tp_size=tp, ep_size=ep),
+        run_settings=RunSettings(use_distributed_optimizer=sharded),
+    )
     parallel = accelerator.parallel
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config("qwen3_moe", 4)).float()
@@ -146,6 +150,17 @@ def _accelerator_worker(rank: int, world: int, tp: int, ep: int) -> list[tuple[f
     # gradients by their own size, and turn rounding into sign flips of whole updates)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if sharded:  # each parameter updated by one rank of the group holding it alike
+        kept = [p for group in optimizer.param_groups for p in group["params"]]
+        for experts in (True, False):
+            held = sum(p.numel() for p in kept if is_expert_parallel(p) == experts)
+            group = parallel.expert_replica_group if experts else parallel.replica_group
+            every = sum(
+                p.numel() for p in accelerator.unwrap_model(model).parameters() if is_expert_parallel(p) == experts
+            )
+            total = torch.tensor(held)
+            dist.all_reduce(total, group=group)
+            assert int(total) == every and held < every, (experts, held, every)
     expected = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     ids = torch.randint(0, 256, (parallel.dp_size * ROWS, SEQ), generator=torch.Generator().manual_seed(1))
     mine = ids[parallel.dp_rank * ROWS : (parallel.dp_rank + 1) * ROWS]
@@ -179,9 +194,10 @@ def _accelerator_worker(rank: int, world: int, tp: int, ep: int) -> list[tuple[f
     return logged
 
 
-@pytest.mark.parametrize(("world", "tp", "ep"), [(2, 1, 2), (4, 2, 2)])
-def test_accelerator_trains_at_expert_parallelism_as_one_process(world, tp, ep):
-    """EP 2 over DP 2, and EP 2 with the experts split over TP 2 (Megatron's expert-tensor parallelism = TP):
+@pytest.mark.parametrize(("world", "tp", "ep", "sharded"), [(2, 1, 2, False), (4, 2, 2, False), (4, 1, 2, True)])
+def test_accelerator_trains_at_expert_parallelism_as_one_process(world, tp, ep, sharded):
+    """EP 2 over DP 2; EP 2 with the experts split over TP 2 (Megatron's expert-tensor parallelism = TP); EP 2 inside
+    DP 4 with the distributed optimizer (the experts' state sharded over their 2 replicas, the dense over 4):
     losses, clipped gradient norms and (at TP 1) every weight after 3 steps equal one process's."""
-    logged = run_distributed(_accelerator_worker, world_size=world, args=(tp, ep), timeout=600)
+    logged = run_distributed(_accelerator_worker, world_size=world, args=(tp, ep, sharded), timeout=600)
     assert all(run == logged[0] for run in logged)

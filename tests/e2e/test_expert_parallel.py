@@ -41,10 +41,15 @@ def test_ep2_logs_the_dp2_losses_and_its_checkpoints_resume_at_ep1(moe_dp2, tmp_
 
 def test_ep2_with_experts_split_over_tp2_saves_the_model_from_pretrained_loads(moe_dp2, tmp_path):
     """accelerate_configs/ep2_tp2.yaml: each expert split over TP 2 (megatron_lm_expert_tensor_parallel_size 2)
-    and the experts over EP 2; ``--save_model`` gathers them over EP, then over TP."""
+    and the experts over EP 2, with the distributed optimizer (the dense state sharded over DP 2); ``--save_model``
+    gathers the experts over EP, then over TP, and the step-3 checkpoint (its state gathered from its owners)
+    resumes at EP 1 exactly."""
     saved = tmp_path / "model"
-    losses = finetune("ep2_tp2", tmp_path / "run", *MOE, "--save_model", str(saved))
-    assert_same_losses(losses, moe_dp2.losses, range(1, 7), "ep2 x tp2 vs dp2")
+    config = _yaml(tmp_path, use_distributed_optimizer="true")
+    losses = finetune(config, tmp_path / "run", *MOE, "--save_model", str(saved), "--save_every", "3")
+    assert_same_losses(losses, moe_dp2.losses, range(1, 7), "ep2 x tp2 (distributed optimizer) vs dp2")
+    resumed = finetune("tp1_dp2", tmp_path / "at_ep1", *MOE, "--resume", str(tmp_path / "run" / "step_3"))
+    assert_same_losses(resumed, moe_dp2.losses, range(4, 7), "ep2 x tp2 distopt step 3 resumed at ep1")
     ours = dict(AutoModelForCausalLM.from_pretrained(saved).named_parameters())
     theirs = dict(AutoModelForCausalLM.from_pretrained(moe_dp2.dir / "model").named_parameters())
     assert sorted(ours) == sorted(theirs) and any("experts" in name for name in ours)
@@ -53,10 +58,13 @@ def test_ep2_with_experts_split_over_tp2_saves_the_model_from_pretrained_loads(m
 
 
 def _yaml(tmp_path: Path, **keys: str) -> str:
-    """accelerate_configs/ep2_tp2.yaml with some megatron_lm_config keys changed."""
+    """accelerate_configs/ep2_tp2.yaml with some megatron_lm_config keys changed or added."""
     text = Path("accelerate_configs/ep2_tp2.yaml").read_text()
     for key, value in keys.items():
         line = f"  megatron_lm_{key}: "
+        if line not in text:
+            text = text.replace("megatron_lm_config:\n", f"megatron_lm_config:\n{line}{value}\n")
+            continue
         start = text.index(line)
         text = text[:start] + line + value + text[text.index("\n", start) :]
     path = tmp_path / "ep.yaml"

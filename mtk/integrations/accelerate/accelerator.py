@@ -151,7 +151,6 @@ class Accelerator(
         check_expert_parallel(
             config,
             deepspeed=self.uses_deepspeed,
-            distributed_optimizer=self.settings.use_distributed_optimizer,
             fsdp=self.sharding is not None,
             fp16=self.mixed_precision == "fp16",
         )
@@ -218,7 +217,8 @@ class Accelerator(
         if not getattr(optimizer, "_is_accelerate_prepared", False):
             repoint(optimizer, self._replaced_params)
             if self.settings.use_distributed_optimizer and not self.uses_deepspeed:
-                shard_optimizer(optimizer, self.parallel.replica_group)  # ZeRO-1 over DP x CP; re-synced after step
+                # ZeRO-1 over DP x CP, the experts over their replicas; re-synced after step
+                shard_optimizer(optimizer, self.parallel.replica_group, self.parallel.expert_replica_group)
         return super().prepare_optimizer(optimizer, device_placement)
 
     # ---------------------------------------------------------------------- DeepSpeed (ZeRO over DP)

@@ -98,9 +98,7 @@ def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | N
     return config
 
 
-def check_expert_parallel(
-    config: ParallelConfig, *, deepspeed: bool, distributed_optimizer: bool, fsdp: bool, fp16: bool
-) -> None:
+def check_expert_parallel(config: ParallelConfig, *, deepspeed: bool, fsdp: bool, fp16: bool) -> None:
     """The experts' TP size is the TP size (Megatron-Core's default; ``megatron_lm_expert_tensor_parallel_size``
     may only repeat it), and what expert parallelism does not run next to yet is one line each (docs/moe.md)."""
     expert_tp = os.environ.get("MEGATRON_LM_EXPERT_TENSOR_PARALLEL_SIZE", "").strip()
@@ -118,10 +116,6 @@ def check_expert_parallel(
         raise ConfigError(f"{where} does not run with pipeline parallelism (pp = {config.pp_size}) yet; set pp to 1")
     if config.cp_size > 1:
         raise ConfigError(f"{where} with context parallelism (cp = {config.cp_size}) is not supported yet; use cp 1")
-    if distributed_optimizer:
-        raise ConfigError(
-            f"{where} with megatron_lm_use_distributed_optimizer is not supported yet; drop the distributed optimizer"
-        )
     if fsdp:
         raise ConfigError(f"{where} with FSDP2 (parallelism_config dp_shard_size > 1) is not supported yet")
     if fp16:  # each EP rank would find an overflow in its own experts only, and skip a step its peers take
