@@ -20,6 +20,7 @@ from torch import nn
 from mtk.errors import ConfigError
 from mtk.parallel.expert_parallel import refuse_spread_experts
 from mtk.parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardedModule
+from mtk.parallel.parameters import param_info
 from mtk.parallel.record import adapter_configs, hf_model, is_peft_model, parallelized
 
 __all__ = ["adapter_configs", "get_peft_model", "hf_model", "is_peft_model", "split_linear_names"]
@@ -45,13 +46,31 @@ def _linear_kind(module: nn.Module) -> str | None:
     return None
 
 
+def _refuse_split_target_parameters(model: nn.Module, config: Any) -> None:
+    """PEFT's ``target_parameters`` (LoRA on 3D expert tensors) on a tensor mtk split over TP or spread over EP: one
+    line. Its factors would be drawn at the local shape and the ones kept whole would miss their TP reduction."""
+    targets = list(getattr(config, "target_parameters", None) or ())
+    for name, param in model.named_parameters():
+        if not any(name == t or name.endswith(f".{t}") for t in targets):
+            continue
+        if getattr(param, "tensor_model_parallel", False) or param_info(param).expert_parallel:
+            raise ConfigError(
+                f"LoRA target_parameters {name}: mtk splits this tensor over TP or spreads it over EP, and LoRA on "
+                "split expert tensors is not supported yet; run it at TP 1 and EP 1, or target the linear layers "
+                "(target_modules)"
+            )
+
+
 def _resolve_targets(model: nn.Module, config: Any, report) -> Any:
     """``config`` with ``all-linear`` spelt out as mtk's split linears; every target checked (one line each)."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
+    _refuse_split_target_parameters(model, config)
+    config = copy.deepcopy(config)
+    if getattr(config, "target_parameters", None) and not config.target_modules:
+        return config  # PEFT's parameter targets alone, on tensors mtk keeps whole (checked above)
     split = split_linear_names(model)
     suffixes = sorted({name.rpartition(".")[2] for name in split})
-    config = copy.deepcopy(config)
     if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
         whole = sorted(n for n, m in model.named_modules() if _linear_kind(m) == "whole")
         config.target_modules = set(suffixes)

@@ -290,9 +290,12 @@ def _bad_target_messages(rank: int, world_size: int) -> list[str]:
         ("tiny-llama", ["q_proj", "qproj"]),  # a typo
         ("tiny-llama", ["lm_head"]),  # the vocabulary-parallel head
         ("tiny-llama", ["q_proj"], ["lm_head"]),  # a split module PEFT would copy whole
+        ("tiny-qwen3-moe", ["q_proj"], None, ["mlp.experts.gate_up_proj"]),  # PEFT's LoRA on TP-split experts
     ]:
         try:
-            extra = {"modules_to_save": case[0]} if case else {}
+            extra = {"modules_to_save": case[0]} if case and case[0] else {}
+            if len(case) > 1:
+                extra["target_parameters"] = case[1]
             get_peft_model(parallelize(build_model(name, seed=0), state), _config(targets, **extra))
             messages.append("accepted")
         except ConfigError as err:
@@ -307,6 +310,7 @@ def test_bad_targets_are_one_line_each():
     assert "qproj match no module" in messages[2] and "q_proj" in messages[2]
     assert "vocabulary-parallel output head" in messages[3]
     assert "modules_to_save lm_head: lm_head is a tensor-parallel VocabParallelHead" in messages[4]
+    assert "layers.0.mlp.experts.gate_up_proj: mtk splits this tensor over TP" in messages[5], messages[5]
     assert all("\n" not in m for m in messages)
 
 
