@@ -122,6 +122,23 @@ BUILTIN: dict[str, Callable[[], PretrainedConfig]] = {
         num_key_value_heads=4,
         max_position_embeddings=16384,
     ),
+    # bench-llama's attention with Qwen3-MoE's experts (8 of intermediate 768, top 2: about the dense MLP's FLOPs per
+    # token, 4x its expert weights): expert parallelism's benchmark (docs/moe.md).
+    "bench-qwen3-moe": _decoder(
+        Qwen3MoeConfig,
+        vocab_size=8192,
+        hidden_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=768,
+        output_router_logits=True,
+        router_aux_loss_coef=0.01,
+        max_position_embeddings=32768,
+    ),
     # ~216M parameters: large enough to show that a TP load reads only this rank's slices.
     "llama-200m": _decoder(
         LlamaConfig,

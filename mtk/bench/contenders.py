@@ -43,6 +43,7 @@ from mtk.config import RunSettings
 from mtk.convert import parallelize
 from mtk.models import DTYPES, build_model
 from mtk.parallel.context import attach_context_parallel
+from mtk.parallel.expert_parallel import is_expert_parallel, reduce_expert_gradients
 from mtk.parallel.fsdp import ShardingSettings, data_parallel_mesh, shard_over_data_parallel
 from mtk.parallel.grads import all_reduce_coalesced, sync_sequence_parallel_grads
 from mtk.parallel.recompute import enable_recompute
@@ -58,7 +59,9 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     torch.set_num_threads(spec.threads)
     device = bench_device()
     baseline = resident_memory(device)
-    parallel = ParallelState.build(tp_size=spec.tp_size, pp_size=spec.pp_size, cp_size=spec.cp_size, device=device)
+    parallel = ParallelState.build(
+        tp_size=spec.tp_size, pp_size=spec.pp_size, cp_size=spec.cp_size, ep_size=spec.ep_size, device=device
+    )
     model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
     parallelize(
         model,
@@ -79,9 +82,10 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
 
     def sync_grads() -> None:  # and the DP average (DDP's job in the Accelerator; here one coalesced call)
         sync_sequence_parallel()
-        all_reduce_coalesced(
-            [p.grad for p in model.parameters() if p.grad is not None], parallel.dp_group, average=True
-        )
+        dense = [p.grad for p in model.parameters() if p.grad is not None and not is_expert_parallel(p)]
+        all_reduce_coalesced(dense, parallel.dp_group, average=True)
+        if spec.ep_size > 1:  # the experts over the ranks holding the same ones, as the Accelerator's backward
+            reduce_expert_gradients(list(model.parameters()), parallel.expert_replica_group, parallel.dp_size)
 
     def sync_sharded() -> None:  # FSDP2 reduce-scattered in backward; TP's shared gradients, as the Accelerator
         sync_sequence_parallel_grads(model, parallel.tp_group)
@@ -92,7 +96,10 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     if spec.pp_size == 1:
         shard_over = parallel.dp_group if spec.distributed_optimizer else None
         after_backward = sync_sharded if spec.fsdp else sync_grads
-        measured = measure_model(spec, model.to(device), device, after_backward, baseline, shard_over)
+        experts_over = parallel.expert_replica_group if spec.distributed_optimizer else None
+        measured = measure_model(spec, model.to(device), device, after_backward, baseline, shard_over, experts_over)
+        if spec.ep_size > 1:
+            _mean_exchange_bytes(measured, parallel)
         if parallel.dp_size > 1 and not spec.fsdp:
             measured["reduction_s"] = _reduction_seconds(model, parallel.dp_group, device)
         if parallel.tp_size > 1:
@@ -122,6 +129,16 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     if spec.track_memory:  # MemTracker refuses modules run once per micro-batch: live bytes only
         result.memory_by_kind = live_peaks(model, optimizer, step)
     return result.as_dict()
+
+
+def _mean_exchange_bytes(measured: dict, parallel: ParallelState) -> None:
+    """The all-to-alls' bytes as the EP group's mean: routing decides how many rows each rank's experts take (and
+    send back), and only the group's total is fixed (:func:`~mtk.planner.collectives.predict_expert_collectives`)."""
+    exchanged = measured["collectives"].get("all_to_all")
+    total = torch.tensor([exchanged["bytes"] if exchanged else 0], dtype=torch.int64)
+    dist.all_reduce(total, group=parallel.ep_group)
+    if exchanged:
+        exchanged["bytes"] = int(total) // parallel.ep_size
 
 
 def _run_context_parallel(spec: BenchSpec, model, parallel: ParallelState, device, baseline: int) -> dict:
@@ -168,7 +185,12 @@ def _reduction_seconds(model, group, device: torch.device) -> float:
 
 def run_mtk_one_replica(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """mtk at the same TP x PP as one data-parallel replica: what a DP layout's ideal is measured from."""
-    return run_mtk(rank, world_size, replace(spec, dp_size=1, distributed_optimizer=False, fsdp=False))
+    return run_mtk(rank, world_size, replace(spec, dp_size=1, ep_size=1, distributed_optimizer=False, fsdp=False))
+
+
+def run_mtk_without_ep(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """mtk at the same layout with every expert on every replica: what expert parallelism is held against."""
+    return run_mtk(rank, world_size, replace(spec, ep_size=1))
 
 
 def run_mtk_one_stage(rank: int, world_size: int, spec: BenchSpec) -> dict:
@@ -184,6 +206,7 @@ CONTENDERS: dict[str, tuple[Callable, Callable[[BenchSpec], int], Callable[[Benc
     "mtk": (run_mtk, lambda s: s.tp_size * s.cp_size * s.pp_size * s.dp_size, lambda s: 1),
     "mtk-one-stage": (run_mtk_one_stage, lambda s: s.tp_size * s.dp_size, lambda s: 1),
     "mtk-one-replica": (run_mtk_one_replica, lambda s: s.tp_size * s.pp_size, lambda s: 1),
+    "mtk-without-ep": (run_mtk_without_ep, lambda s: s.tp_size * s.dp_size, lambda s: 1),
     "hf-1thread": (run_hf, lambda s: 1, lambda s: 1),
     "accelerate": (run_accelerate, lambda s: 1, lambda s: 1),
     "mtk-accelerator": (run_mtk_accelerator, lambda s: 1, lambda s: 1),

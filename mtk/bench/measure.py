@@ -69,6 +69,7 @@ class BenchSpec:
     loss_chunk_tokens: int | None = None  # mtk only: the chunked loss's tokens per chunk (None: sized; 0: off)
     cp_size: int = 1  # mtk only: context parallelism, the sequence split over this many ranks per TP rank
     cp_comm: str = "p2p"  # mtk only, cp > 1: ring ("p2p") or all-to-all ("a2a") attention
+    ep_size: int = 1  # mtk only: expert parallelism, each MoE layer's experts spread over this many DP replicas
 
 
 @dataclass
@@ -215,13 +216,14 @@ def measure_model(
     after_backward: Callable[[], None] | None = None,
     baseline: int = 0,
     shard_over=None,
+    experts_shard_over=None,
 ) -> dict:
     """The common case: ``model(input_ids, labels).loss.backward()`` and an AdamW step (its state sharded
-    over the ``shard_over`` group when given)."""
+    over the ``shard_over`` group when given, experts spread over EP over ``experts_shard_over``)."""
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if shard_over is not None:
-        shard_optimizer(optimizer, shard_over)
+        shard_optimizer(optimizer, shard_over, experts_shard_over)
     step = train_step(
         model, optimizer, bench_batch(spec, model.config.vocab_size, device), after_backward=after_backward
     )

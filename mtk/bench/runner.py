@@ -20,12 +20,19 @@ from typing import Any, cast
 from mtk.bench.contenders import CONTENDERS, BenchSpec
 from mtk.models import build_model, resolve_config
 from mtk.pipeline.balance import layer_counts, rank_layers
-from mtk.planner.collectives import Predicted, predict_collectives, predict_context_collectives
+from mtk.planner.collectives import (
+    Predicted,
+    predict_collectives,
+    predict_context_collectives,
+    predict_expert_collectives,
+)
 from mtk.planner.shapes import (
     data_parallel_traffic,
     fsdp_traffic,
     has_residual_dropout,
+    moe_layers,
     sequence_parallel_elements,
+    tp_shared_numels,
 )
 from mtk.spawn import DistributedTestError, run_distributed
 
@@ -81,7 +88,17 @@ def predicted_for(spec: BenchSpec) -> Predicted:
     config = resolve_config(spec.model)
     layers = getattr(config, "num_hidden_layers", None) or config.n_layer
     replicas = spec.cp_size if spec.cp_size > 1 else spec.dp_size  # CP ranks sum their gradients in one call
-    dp_traffic = {} if spec.fsdp else data_parallel_traffic(config, spec.tp_size, replicas, spec.distributed_optimizer)
+    dp_traffic = (
+        {}
+        if spec.fsdp
+        else data_parallel_traffic(config, spec.tp_size, replicas, spec.distributed_optimizer, spec.ep_size)
+    )
+    stage_layers = _first_rank_layers(config, spec) if spec.pp_size > 1 else layers
+    moe = moe_layers(config)
+    # rank 0's MoE layers: a pipeline stage's share is known where every layer is one
+    moe_here = stage_layers if moe == layers else (moe if spec.pp_size == 1 else 0)
+    top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+    element_size = 2 if spec.dtype == "bf16" else 4
     predicted = predict_collectives(
         layers,
         config.hidden_size,
@@ -97,8 +114,23 @@ def predicted_for(spec: BenchSpec) -> Predicted:
         residual_dropout=has_residual_dropout(config),
         virtual_stages=spec.virtual_stages,
         stage_layers=_first_rank_layers(config, spec) if spec.pp_size > 1 else None,
+        tp_shared_numels=tuple(tp_shared_numels(config, spec.tp_size)) if spec.tp_size > 1 else (),
+        moe_layers=moe_here if spec.tp_size > 1 else 0,
+        top_k=top_k,
         **dp_traffic,
     )
+    exchange = predict_expert_collectives(
+        moe_here,
+        spec.batch // spec.micro_batches * spec.seq,
+        top_k,
+        config.hidden_size,
+        spec.ep_size,
+        element_size,
+        recompute=spec.recompute is not None,
+        micro_batches=spec.micro_batches,
+    )
+    predicted.counts.update(exchange.counts)
+    predicted.nbytes.update(exchange.nbytes)
     if spec.fsdp:  # FSDP2's gathers and reduce-scatters, per unit
         element_size = 2 if spec.dtype == "bf16" else 4
         for kind, moved in fsdp_traffic(config, spec.tp_size, spec.dp_size, element_size).items():

@@ -15,6 +15,7 @@ from mtk.models import DTYPES, resolve_config
 from mtk.parallel.layout import Layout
 from mtk.parallel.state import default_device
 from mtk.pipeline.stages import stage_layer_counts
+from mtk.planner.shapes import moe_layers
 from mtk.rules import check_tp_size
 
 PEERS = ["hf-1thread", "hf-all-threads", "transformers-tp_plan", "deepspeed-autotp"]
@@ -69,6 +70,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="mtk with FSDP2 over DP: weights, gradients and AdamW state sharded (needs --dp > 1)",
     )
     parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="mtk's expert parallelism: each MoE layer's experts spread over this many of the --dp replicas (a "
+        "divisor of --dp); also runs mtk at EP 1 on the same replicas, the ratio's baseline (default 1)",
+    )
+    parser.add_argument(
         "--cp",
         type=int,
         default=1,
@@ -97,7 +105,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
-    for name in ("tp", "pp", "dp", "cp", "batch", "seq", "steps"):
+    for name in ("tp", "pp", "dp", "cp", "ep", "batch", "seq", "steps"):
         if getattr(args, name) < 1:
             raise MtkError(f"--{name} must be at least 1, got {getattr(args, name)}")
     config = resolve_config(args.model)  # one clear line for an unknown name or a missing directory
@@ -116,6 +124,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     if args.fsdp and args.compare:
         raise MtkError("--fsdp measures mtk's own layout; --compare holds mtk against its peers without it")
     _check_context_parallel(args, config)
+    _check_expert_parallel(args, config)
     micro = args.micro_batches or (args.batch if args.pp > 1 else 1)
     if args.memory and args.dtype != "fp32":
         raise MtkError("--memory holds the run against mtk plan, which models bf16 as mixed precision: use fp32")
@@ -149,8 +158,24 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         loss_chunk_tokens=args.loss_chunk_tokens,
         cp_size=args.cp,
         cp_comm=args.cp_comm_type,
+        ep_size=args.ep,
         track_memory=args.memory,
     )
+
+
+def _check_expert_parallel(args: argparse.Namespace, config) -> None:
+    """``--ep``: carved out of ``--dp`` (a divisor of it), on an MoE model, with what the Accelerator runs next to
+    EP (one line each)."""
+    if args.ep == 1:
+        return
+    if args.dp % args.ep:
+        raise MtkError(f"--ep {args.ep} spreads the experts over data-parallel replicas: give --dp a multiple of it")
+    if not moe_layers(config):
+        raise MtkError(f"--ep {args.ep}: {args.model} has no mixture-of-experts layer; use an MoE model")
+    others = [flag for flag, on in (("--compare", args.compare), ("--fsdp", args.fsdp), ("--memory", args.memory))
+              if on]  # fmt: skip
+    if others:
+        raise MtkError(f"--ep {args.ep} is measured against mtk at EP 1, without {', '.join(others)}")
 
 
 def _check_context_parallel(args: argparse.Namespace, config) -> None:
@@ -201,11 +226,14 @@ def run(args: argparse.Namespace) -> int:
         contenders.insert(1, "mtk-one-stage")  # the pipeline's ideal is measured from it
     if spec.dp_size > 1:
         contenders.insert(1, "mtk-one-replica")  # and data parallelism's
+    if spec.ep_size > 1:
+        contenders.insert(1, "mtk-without-ep")  # expert parallelism's baseline: every expert on every replica
     rounds = args.rounds or (3 if args.compare else 1)
     assert set(contenders) <= set(CONTENDERS)
     print(
         f"mtk bench: {spec.model} tp={spec.tp_size} pp={spec.pp_size}"
         + (f" cp={spec.cp_size} ({spec.cp_comm})" if spec.cp_size > 1 else "")
+        + (f" dp={spec.dp_size} ep={spec.ep_size}" if spec.ep_size > 1 else "")
         + f", {', '.join(contenders)}, {rounds} round(s)",
         flush=True,
     )

@@ -12,6 +12,7 @@ from mtk.errors import ConfigError, MtkError
 from mtk.models import check_seq_len, resolve_config
 from mtk.planner.cluster import INFINIBAND_GBPS, NVLINK_GBPS, PEAK_TFLOPS, Cluster, parse_bytes
 from mtk.planner.search import Estimate, Request, context_parallel_refusal, plan, valid_tp_sizes
+from mtk.planner.shapes import moe_layers
 from mtk.planner.timing import model_size
 from mtk.rules import check_tp_size
 
@@ -48,10 +49,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--pp", type=positive_int, help="only this number of pipeline stages")
     parser.add_argument(
         "--cp",
-        type=_cp_sizes,
+        type=_degrees,
         default=(1,),
         help="context-parallel degree to weigh (each sequence split over N ranks), or 'auto' for every one the GPUs "
         "and --seq_len allow (default 1)",
+    )
+    parser.add_argument(
+        "--ep",
+        type=_degrees,
+        default=(1,),
+        help="expert-parallel degree to weigh on an MoE model (each MoE layer's experts spread over N data-parallel "
+        "replicas), or 'auto' for every one the GPUs allow (default 1)",
     )
     parser.add_argument(
         "--cp_comm_type",
@@ -69,8 +77,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def _cp_sizes(text: str) -> tuple:
-    """``--cp``: one degree, or ``auto``."""
+def _degrees(text: str) -> tuple:
+    """``--cp`` / ``--ep``: one degree, or ``auto``."""
     if text == "auto":
         return ("auto",)
     if not text.isdigit() or int(text) < 1:
@@ -118,6 +126,7 @@ def request_from_args(args: argparse.Namespace) -> Request:
         pp_size=args.pp,
         cp_sizes=args.cp if args.cp != ("auto",) else tuple(range(1, cluster.gpus + 1)),
         cp_comm=args.cp_comm_type,
+        ep_sizes=args.ep if args.ep != ("auto",) else tuple(range(1, cluster.gpus + 1)),
         device=args.device,
         every_setting=args.all,
     )
@@ -145,6 +154,12 @@ def _check_fixed_degrees(request: Request) -> None:
                 f"--cp {cp} needs --seq_len a multiple of {2 * cp} (each rank takes 2 of {2 * cp} equal chunks) and "
                 f"--gpus a multiple of {cp}"
             )
+    if request.ep_sizes != (1,) and len(request.ep_sizes) == 1:
+        ep = request.ep_sizes[0]
+        if not moe_layers(config):
+            raise ConfigError(f"--ep {ep}: {config.model_type} has no mixture-of-experts layer; use --ep 1")
+        if cluster.gpus % ep:
+            raise ConfigError(f"--ep {ep} spreads the experts over data-parallel replicas: use a divisor of --gpus")
     if request.pp_size:
         layers = getattr(config, "num_hidden_layers", None) or config.n_layer
         if layers % request.pp_size:
@@ -167,7 +182,8 @@ def format_table(estimates: list[Estimate], top: int) -> str:
     rows = estimates[:top]
     unit, size = ("GiB", GIB) if max((e.memory.peak for e in rows), default=0) >= GIB else ("MiB", 2**20)
     context = any(e.candidate.cp_size > 1 for e in rows)  # a CP column only where some row splits sequences
-    cp_head = f" {'CP':>6}" if context else ""
+    experts = any(e.candidate.ep_size > 1 for e in rows)  # an EP column only where some row spreads experts
+    cp_head = (f" {'CP':>6}" if context else "") + (f" {'EP':>6}" if experts else "")
     head = (
         f"{'#':>3}  {'layout':<40} {'engine':<10} {'weights':>7} {'grads':>6} {'optim':>6} {'act':>6} "
         f"{'buffers':>7} {'peak':>6} | {'TP':>7}{cp_head} {'PP':>6} {'DP':>6} | "
@@ -176,7 +192,7 @@ def format_table(estimates: list[Estimate], top: int) -> str:
     lines = [f"(memory and traffic in {unit})", head, "-" * len(head)]
     for index, e in enumerate(rows, 1):
         m, t = e.memory, e.traffic
-        cp = f" {t.cp / size:>6.2f}" if context else ""
+        cp = (f" {t.cp / size:>6.2f}" if context else "") + (f" {t.ep / size:>6.2f}" if experts else "")
         lines.append(
             f"{index:>3}  {e.candidate.label:<40} {e.candidate.engine:<10} {m.weights / size:>7.1f} "
             f"{m.gradients / size:>6.1f} {m.optimizer / size:>6.1f} {m.activations / size:>6.1f} "
@@ -237,6 +253,7 @@ def _request_dict(request: Request) -> dict:
         "engines": list(request.engines),
         "offload": request.offload,
         "cp_sizes": list(request.cp_sizes),
+        "ep_sizes": list(request.ep_sizes),
         "cp_comm_type": request.cp_comm,
         "device": request.device,
     }

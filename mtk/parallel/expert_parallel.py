@@ -42,6 +42,7 @@ from torch import nn
 
 from mtk.errors import UnsupportedModelError
 from mtk.parallel.comm import Group, group_rank, group_size
+from mtk.parallel.overlap import gradient_buckets
 from mtk.parallel.parameters import copy_param_info, param_info, set_param_info
 
 __all__ = [
@@ -259,22 +260,27 @@ def is_expert_parallel(param: torch.Tensor) -> bool:
 def reduce_expert_gradients(params: list[torch.Tensor], group: Group, replicas: int) -> None:
     """Average the experts' gradients as data parallelism averages the dense ones: summed over the ranks holding the
     same experts (each already holds its whole EP group's tokens' share) and divided by all ``replicas``. One
-    all-reduce; an expert that got no token contributes zeros (every rank must take part)."""
+    all-reduce per bucket of DDP's size (a flat copy of one bucket at a time, not of every expert); in place, with
+    no collective, where no other rank holds these experts. An expert that got no token contributes zeros (every
+    rank must take part)."""
     experts = [p for p in params if is_expert_parallel(p) and p.requires_grad]
     if not experts:
         return
     for param in experts:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-    flat = torch.cat([cast(torch.Tensor, p.grad).reshape(-1) for p in experts])  # [sum of numels]
-    if group_size(group) > 1:
+    grads = [cast(torch.Tensor, p.grad) for p in experts]
+    if group_size(group) == 1:
+        for grad in grads:
+            grad.div_(replicas)
+        return
+    for bucket in gradient_buckets([(g.numel() * g.element_size(), g.dtype) for g in grads]):
+        same = [grads[i] for i in bucket]
+        flat = torch.cat([g.reshape(-1) for g in same])  # [bucket elements]
         dist.all_reduce(flat, group=group)
-    flat.div_(replicas)
-    offset = 0
-    for param in experts:
-        grad = cast(torch.Tensor, param.grad)
-        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
+        flat.div_(replicas)
+        for grad, chunk in zip(same, flat.split([g.numel() for g in same])):
+            grad.copy_(chunk.view_as(grad))
 
 
 def refuse_spread_experts(model: nn.Module, what: str) -> None:

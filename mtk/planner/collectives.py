@@ -19,9 +19,12 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+import torch
+
+from mtk.parallel.overlap import gradient_buckets
 from mtk.pipeline.balance import rank_layers, stage_layer_counts
 
-__all__ = ["predict_context_collectives", "Predicted", "predict_collectives"]
+__all__ = ["predict_context_collectives", "predict_expert_collectives", "Predicted", "predict_collectives"]
 
 
 @dataclass(frozen=True)
@@ -53,14 +56,26 @@ def predict_collectives(
     recompute: str | None = None,
     residual_dropout: bool = False,
     dp_gradient_elements: int = 0,
+    expert_gradient_numels: tuple[int, ...] = (),
     all_gather_widths: tuple[int, ...] = (),
     stage_layers: int | None = None,
+    tp_shared_numels: tuple[int, ...] = (),
+    moe_layers: int = 0,
+    top_k: int = 0,
 ) -> Predicted:
     """What stage ``stage`` of a TP x PP layout sends per optimizer step (``pp = 1``: the whole model).
 
     ``dp_gradient_elements``: this rank's gradients, averaged over DP replicas in one call (0: one
-    replica); ``all_gather_widths``: the distributed optimizer's all-gather rounds after the step (each
-    rank's input, in elements).
+    replica); ``expert_gradient_numels``: under expert parallelism, its experts' tensors, reduced over their
+    replicas in buckets of DDP's size (:func:`~mtk.parallel.expert_parallel.reduce_expert_gradients`);
+    ``all_gather_widths``: the distributed optimizer's all-gather rounds after the step (each rank's input, in
+    elements).
+
+    ``tp_shared_numels``: one block's replicated parameters applied to one TP rank's heads (per-head q/k norms),
+    each gradient summed over TP in every backward; ``moe_layers`` MoE layers (this stage's) routing ``top_k``
+    experts per token add,
+    with the experts split over TP, the routing weights' gradient ``[b s, k]`` summed over TP in every backward
+    (the experts' input and output are the blocks' MLP pair, counted with them).
 
     With PP, ``batch`` is the step's batch, cut into ``micro_batches``; this stage's layers are
     ``stage_layers`` (:func:`mtk.pipeline.balance.layer_counts` gives the model's split; by default the
@@ -101,6 +116,12 @@ def predict_collectives(
             per_micro = 4 * layers + ends + reruns
             counts["all_reduce"] += per_micro * micro_batches
             nbytes["all_reduce"] += per_micro * micro_batches * activation
+        if tp_shared_numels:
+            counts["all_reduce"] += len(tp_shared_numels) * layers * micro_batches
+            nbytes["all_reduce"] += sum(tp_shared_numels) * layers * element_size * micro_batches
+        if moe_layers:
+            counts["all_reduce"] += moe_layers * micro_batches
+            nbytes["all_reduce"] += moe_layers * micro * seq * top_k * element_size * micro_batches
         if last:  # vocab-parallel cross-entropy: [b, s] maxima, then [2, b, s]
             counts["all_reduce"] += 2 * micro_batches
             nbytes["all_reduce"] += 3 * micro * seq * loss_element_size * micro_batches
@@ -121,6 +142,10 @@ def predict_collectives(
     if dp_gradient_elements:
         counts["all_reduce"] += 1
         nbytes["all_reduce"] += dp_gradient_elements * element_size
+    if expert_gradient_numels:
+        sizes = [(n * element_size, torch.float32) for n in expert_gradient_numels]  # one dtype: one kind of bucket
+        counts["all_reduce"] += len(gradient_buckets(sizes))
+        nbytes["all_reduce"] += sum(expert_gradient_numels) * element_size
     for width in all_gather_widths:
         counts["all_gather"] += 1
         nbytes["all_gather"] += width * element_size
@@ -173,4 +198,34 @@ def predict_context_collectives(
         per_call = batch * local * head_dim * element_size
         counts["all_to_all"] += num_layers * 4 * (forwards + 1)
         nbytes["all_to_all"] += num_layers * (forwards + 1) * per_call * (2 * heads + 2 * moved_kv)
+    return Predicted(counts, nbytes)
+
+
+def predict_expert_collectives(
+    moe_layers: int,
+    tokens: int,
+    top_k: int,
+    hidden: int,
+    ep_size: int,
+    element_size: int = 4,
+    recompute: bool = False,
+    micro_batches: int = 1,
+) -> Predicted:
+    """The all-to-alls expert parallelism adds per step on one rank (:mod:`mtk.parallel.expert_parallel`;
+    ``tokens``: a micro-batch's on this rank). Each MoE layer's forward exchanges the ``[ep]`` int64 counts, then
+    sends its ``tokens · k`` rows ``[h]`` and their int64 expert ids, and returns the rows its experts took; its
+    backward returns the rows' gradients and sends back the taken rows' (recompute: the forward's four again).
+
+    Routing decides how many rows a rank's experts take, so those two calls' bytes vary by rank; over the EP group
+    they add up to ``tokens · k`` rows per rank (every row goes to exactly one rank), which is what is predicted:
+    the EP group's mean."""
+    counts: Counter[str] = Counter()
+    nbytes: Counter[str] = Counter()
+    if ep_size == 1 or not moe_layers:
+        return Predicted(counts, nbytes)
+    forwards = 2 if recompute else 1
+    rows = tokens * top_k * hidden * element_size  # one rank's tokens x k rows of [h]
+    forward = 8 * ep_size + 8 * tokens * top_k + 2 * rows  # counts, ids, rows out, rows back
+    counts["all_to_all"] += moe_layers * (4 * forwards + 2) * micro_batches
+    nbytes["all_to_all"] += moe_layers * (forwards * forward + 2 * rows) * micro_batches
     return Predicted(counts, nbytes)

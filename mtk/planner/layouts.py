@@ -32,6 +32,7 @@ class Request:
     pp_size: int | None = None
     cp_sizes: tuple[int, ...] = (1,)  # context-parallel degrees to weigh (mtk plan --cp)
     cp_comm: str = "p2p"  # context-parallel attention: ring (p2p) or all-to-all (a2a)
+    ep_sizes: tuple[int, ...] = (1,)  # expert-parallel degrees to weigh on an MoE model (mtk plan --ep)
     device: str = "cuda"  # attention kernels of this device (``cpu`` for the validation on this machine)
     ddp: bool = True  # accelerate at pp = 1 reduces through DDP's buckets (False: one coalesced all-reduce)
     every_setting: bool = False
@@ -54,6 +55,7 @@ class Candidate:
     virtual_stages: int = 1  # > 1: the interleaved schedule over this many model chunks per pipeline rank
     pipeline_layers: tuple[int, ...] = ()  # decoder layers per stage (chunk) as given; (): mtk's default split
     cp_size: int = 1  # ranks that split each sequence (they hold the same weights: DP x CP replicas)
+    ep_size: int = 1  # replicas each MoE layer's experts are spread over (carved out of DP)
 
     @property
     def replica_size(self) -> int:
@@ -63,7 +65,8 @@ class Candidate:
     @property
     def label(self) -> str:
         parts = [
-            f"tp{self.tp_size}{f' cp{self.cp_size}' if self.cp_size > 1 else ''} pp{self.pp_size} dp{self.dp_size}",
+            f"tp{self.tp_size}{f' cp{self.cp_size}' if self.cp_size > 1 else ''} pp{self.pp_size} dp{self.dp_size}"
+            + (f" ep{self.ep_size}" if self.ep_size > 1 else ""),
             f"{self.micro_batch_size}x{self.micro_batches}",
         ]
         if self.virtual_stages > 1:
@@ -99,6 +102,7 @@ class Estimate:
                 "pp_size": c.pp_size,
                 "dp_size": c.dp_size,
                 "cp_size": c.cp_size,
+                "ep_size": c.ep_size,
                 "micro_batch_size": c.micro_batch_size,
                 "micro_batches": c.micro_batches,
                 "virtual_stages": c.virtual_stages,
@@ -116,6 +120,7 @@ class Estimate:
             "communication_bytes": {
                 "tp": self.traffic.tp,
                 "cp": self.traffic.cp,
+                "ep": self.traffic.ep,
                 "pp": self.traffic.pp,
                 "dp": self.traffic.dp,
             },

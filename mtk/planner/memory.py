@@ -43,6 +43,7 @@ from mtk.planner.trace import Parameters, Phases, RankTrace
 __all__ = ["RankMemory", "Training", "stage_memory", "stage_parameters"]
 
 GATHER_BUCKET_ELEMENTS = 2**22  # mtk.parallel.distributed_optimizer.BUCKET_ELEMENTS
+REDUCE_BUCKET_BYTES = 25 * 2**20  # mtk.parallel.overlap.BUCKET_BYTES (DDP's default bucket_cap_mb)
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's reduce_bucket_size / stage3 live-parameter defaults
 
 
@@ -57,6 +58,7 @@ class Training:
     dp_size: int = 1
     lora: bool = False  # the frozen base stays in ``dtype``; adapters train in fp32
     ddp: bool = False  # accelerate at pp = 1: DDP's buckets hold a copy of the gradients all step
+    ep_size: int = 1  # expert parallelism: the experts' optimizer state is sharded over dp / ep replicas
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,14 @@ def stage_memory(
     gradients = trainable * weight_size
     optimizer = trainable * (12 if bf16_deepspeed else 8)
     buffers = 0
-    if training.sharding == "distopt":
+    if training.sharding == "distopt" and training.ep_size > 1:  # dense state over DP, experts' over dp / ep
+        flags, ep = params.expert_flags, training.ep_size
+        dense = tuple(n for n, expert in zip(params.trainable, flags) if not expert)
+        experts = tuple(n for n, expert in zip(params.trainable, flags) if expert)
+        owned = _owned(dense, dp, dp_rank)  # an EP group is a run of ep replicas: its index is rank // ep
+        owned += _owned(experts, max(dp // ep, 1), None if dp_rank is None else dp_rank // ep)
+        optimizer = owned * 8
+    elif training.sharding == "distopt":
         optimizer = _owned(params.trainable, dp, dp_rank) * 8
     elif training.sharding == "fsdp2":
 
@@ -180,8 +189,16 @@ def stage_memory(
 
     reduction = 0  # the gradient reduction's own memory, live while every gradient is
     if dp > 1 and training.engine == "accelerate" and training.sharding != "fsdp2":  # FSDP2's are in buffers
+        spread = (
+            sum(n for n, expert in zip(params.trainable, params.expert_flags) if expert) * weight_size
+            if training.ep_size > 1
+            else 0
+        )
         if training.ddp:
-            buffers += gradients  # DDP's buckets: a persistent copy
+            buffers += gradients - spread  # DDP's buckets: a persistent copy (of the dense ones: DDP skips experts)
+            if spread and dp > training.ep_size:  # the experts' reduction copies one bucket at a time
+                largest = max((n for n, e in zip(params.trainable, params.expert_flags) if e), default=0)
+                reduction = max(REDUCE_BUCKET_BYTES, largest * weight_size)
         else:
             reduction = gradients  # the coalesced all-reduce's flat copy
         if training.sharding == "distopt":

@@ -32,6 +32,7 @@ from mtk.pipeline.balance import head_weight, layer_counts, rank_layers
 from mtk.pipeline.schedules import bubble_overhead
 from mtk.planner.collectives import predict_collectives
 from mtk.planner.context import attention_workspace, context_collectives, context_parallel_refusal, context_traffic
+from mtk.planner.experts import expert_collectives, expert_parallel_sizes, expert_traffic
 from mtk.planner.layouts import Candidate, Estimate, Request
 from mtk.planner.memory import RankMemory, Training, stage_memory, stage_parameters
 from mtk.planner.shapes import has_residual_dropout, sequence_parallel_elements
@@ -82,6 +83,7 @@ def _trace_settings(request: Request, candidate: Candidate) -> TraceSettings:
         dtype=request.dtype,
         device=request.device,
         chunked_loss=candidate.sharding != "zero3",  # ZeRO-3's partitioned head computes its logits (vocab_head.py)
+        ep_size=candidate.ep_size,
     )
 
 
@@ -93,7 +95,7 @@ def estimate(request: Request, candidate: Candidate) -> Estimate:
     memories = [rank_memory(request, c, s) for s in range(c.pp_size)]
     stage = max(range(c.pp_size), key=lambda s: memories[s].peak)
     params = stage_parameters(trace, counts[stage], stage, c.pp_size)
-    traffic, collectives = _traffic(request, c, stage, list(params.trainable), params.frozen)
+    traffic, collectives = _traffic(request, c, stage, list(params.trainable), params.frozen, params.expert_flags)
     time = _step_time(request, c, counts, traffic)
     fits = memories[stage].peak <= request.cluster.gpu_memory - request.reserve
     tokens_per_s = request.global_batch * request.seq / time.total
@@ -112,6 +114,7 @@ def rank_memory(request: Request, candidate: Candidate, stage: int, dp_rank: int
         dp_size=c.replica_size,  # what gradients are reduced and optimizer state is sharded over
         lora=request.lora_r > 0,
         ddp=request.ddp and c.engine == "accelerate" and c.pp_size == 1,
+        ep_size=c.ep_size,
     )
     return stage_memory(
         trace,
@@ -137,14 +140,22 @@ def stage_collectives(request: Request, candidate: Candidate, stage: int) -> dic
     )
     layers = _rank_layers(request.config, candidate)[stage]
     params = stage_parameters(trace, layers, stage, candidate.pp_size)
-    return _traffic(request, candidate, stage, list(params.trainable), params.frozen)[1]
+    return _traffic(request, candidate, stage, list(params.trainable), params.frozen, params.expert_flags)[1]
 
 
-def _traffic(request: Request, c: Candidate, stage: int, numels: list[int], frozen: int = 0) -> tuple[Traffic, dict]:
+def _traffic(
+    request: Request,
+    c: Candidate,
+    stage: int,
+    numels: list[int],
+    frozen: int = 0,
+    experts: tuple[bool, ...] = (),
+) -> tuple[Traffic, dict]:
     """Bytes per step of stage ``stage`` by group, their time on the wire, and mtk's collectives by kind
     (what ``mtk bench`` counts: TP and PP from :func:`predict_collectives`, the DP reduction and the
     distributed optimizer's all-gather rounds; DeepSpeed's own ZeRO calls are not mtk's). ``numels``: the
-    trainable parameters' elements; ``frozen``: a LoRA base's, which FSDP2 and ZeRO-3 gather too."""
+    trainable parameters' elements; ``frozen``: a LoRA base's, which FSDP2 and ZeRO-3 gather too; ``experts``:
+    which of ``numels`` are spread experts (under EP reduced and sharded over their ``dp/ep`` replicas instead)."""
     config, cluster = request.config, request.cluster
     predicted = predict_collectives(
         _layers(config),
@@ -168,7 +179,11 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int], froz
         tp_size=c.tp_size,
         pp_size=c.pp_size,
         cp_size=c.cp_size,
+        ep_size=c.ep_size,
     )
+    spread = c.ep_size > 1 and any(experts)
+    expert_numels = [n for n, expert in zip(numels, experts) if expert] if spread else []
+    numels = [n for n, expert in zip(numels, experts or (False,) * len(numels)) if not (spread and expert)]
     # gradients and sharded state go over the DP x CP replicas
     tp_group, cp_group, pp_group, dp_group = (layout.groups(kind)[0] for kind in ("tp", "cp", "pp", "replica"))
     replicas = c.replica_size
@@ -209,6 +224,22 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int], froz
     gathers = _gather_widths(numels, replicas) if c.sharding == "distopt" else ()
     for width in gathers:  # the distributed optimizer's all-gather rounds of the updated weights
         dp_s += collective_seconds("all_gather", width * 4, replicas, cluster.bandwidth(dp_group))
+    expert_replicas = c.dp_size // c.ep_size
+    expert_group = layout.groups("expert_replica")[0] if spread else dp_group
+    expert_bytes = sum(expert_numels) * grad_size if expert_replicas > 1 else 0
+    expert_gathers = _gather_widths(expert_numels, expert_replicas) if c.sharding == "distopt" and spread else ()
+    if spread:  # the experts' own reduction and all-gather rounds, over the replicas holding the same experts
+        dp_s += collective_seconds("all_reduce", expert_bytes, expert_replicas, cluster.bandwidth(expert_group))
+        for width in expert_gathers:
+            dp_s += collective_seconds("all_gather", width * 4, expert_replicas, cluster.bandwidth(expert_group))
+        if expert_bytes:  # in buckets of DDP's size (reduce_expert_gradients)
+            predicted.counts["all_reduce"] += len(
+                gradient_buckets([(n * grad_size, torch.float32) for n in expert_numels])
+            )
+            predicted.nbytes["all_reduce"] += expert_bytes
+        for width in expert_gathers:
+            predicted.counts["all_gather"] += 1
+            predicted.nbytes["all_gather"] += width * 4
     if replicas > 1 and c.engine == "accelerate" and c.sharding != "fsdp2":  # one coalesced all-reduce; under PP,
         # buckets from backward
         buckets = gradient_buckets([(n * grad_size, torch.float32) for n in numels]) if c.pp_size > 1 else [[]]
@@ -220,8 +251,13 @@ def _traffic(request: Request, c: Candidate, stage: int, numels: list[int], froz
     if c.cp_size > 1:  # counted with the rest (TP, PP and DP above are of the model's own collectives)
         predicted.counts.update(context.counts)
         predicted.nbytes.update(context.nbytes)
+    dp_bytes += expert_bytes  # (the dense reduction's prediction above is of the dense gradients alone)
+    exchange = expert_collectives(request, c, _activation_size(request, c))
+    ep_bytes, ep_s = expert_traffic(exchange, c.ep_size, cluster.bandwidth(layout.groups("ep")[0]))
+    predicted.counts.update(exchange.counts)
+    predicted.nbytes.update(exchange.nbytes)
     collectives = {k: {"count": predicted.counts[k], "bytes": predicted.nbytes[k]} for k in sorted(predicted.counts)}
-    return Traffic(tp_bytes, pp_bytes, dp_bytes, tp_s, pp_s, dp_s, cp_bytes, cp_s), collectives
+    return Traffic(tp_bytes, pp_bytes, dp_bytes, tp_s, pp_s, dp_s, cp_bytes, cp_s, ep_bytes, ep_s), collectives
 
 
 def _step_time(request: Request, c: Candidate, rank_layers: list[int], traffic: Traffic) -> StepTime:
@@ -246,10 +282,18 @@ def _step_time(request: Request, c: Candidate, rank_layers: list[int], traffic: 
     if c.sharding in ("fsdp2", "zero3"):  # every micro-batch's gathers and reduce-scatters hide under its compute
         backward = compute
     dp_exposed = traffic.dp_wire_s if c.sharding == "distopt" else max(0.0, traffic.dp_wire_s - backward)
-    stage_s += cp_exposed
+    stage_s += cp_exposed + traffic.ep_wire_s  # the experts wait for their tokens: nothing hides the exchange
     total = stage_s * (1 + bubble) + traffic.pp_wire_s + dp_exposed
     return StepTime(
-        compute, traffic.tp_wire_s, stage_s * bubble, traffic.pp_wire_s, dp_exposed, total, bubble, cp_exposed
+        compute,
+        traffic.tp_wire_s,
+        stage_s * bubble,
+        traffic.pp_wire_s,
+        dp_exposed,
+        total,
+        bubble,
+        cp_exposed,
+        traffic.ep_wire_s,
     )
 
 
@@ -288,7 +332,14 @@ def _pipeline_supported(config: PretrainedConfig) -> bool:
 
 
 def layouts(request: Request) -> Iterator[Candidate]:
-    """Every (tp, cp, pp, dp, micro-batch, engine, sharding) the rules allow, before SP and recompute."""
+    """Every (tp, cp, pp, dp, ep, micro-batch, engine, sharding) the rules allow, before SP and recompute."""
+    for candidate in _dense_layouts(request):
+        for ep in expert_parallel_sizes(request, candidate):
+            yield replace(candidate, ep_size=ep)
+
+
+def _dense_layouts(request: Request) -> Iterator[Candidate]:
+    """:func:`layouts` with every expert on every replica (EP 1)."""
     cluster, layers = request.cluster, _layers(request.config)
     tps = [request.tp_size] if request.tp_size else valid_tp_sizes(request)
     pipeline = _pipeline_supported(request.config)
@@ -360,6 +411,7 @@ def plan(request: Request) -> list[Estimate]:
             layout.cp_size,
             layout.pp_size,
             layout.dp_size,
+            layout.ep_size,
             layout.virtual_stages,
             layout.engine,
             layout.sharding,

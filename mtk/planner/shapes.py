@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -24,17 +25,38 @@ from mtk.planner.trace import TraceSettings, fake_process_group, meta_model, wit
 
 __all__ = [
     "data_parallel_traffic",
+    "expert_flags",
     "fsdp_traffic",
     "has_residual_dropout",
     "local_numels",
+    "moe_layers",
     "sequence_parallel_elements",
+    "tp_shared_numels",
 ]
 
 
 def local_numels(config: PretrainedConfig, tp_size: int) -> list[int]:
     """Elements of each of a TP rank's parameters, in the converted model's order (vocabulary padded, kv heads
     replicated, tied embeddings once)."""
-    return list(_converted(_class_of(config), config.to_json_string(use_diff=False), tp_size, False)[0])
+    return list(_converted(_class_of(config), config.to_json_string(use_diff=False), tp_size, False).numels)
+
+
+def expert_flags(config: PretrainedConfig, tp_size: int) -> list[bool]:
+    """Whether each of :func:`local_numels`' parameters is an MoE layer's 3D expert tensor (what expert parallelism
+    spreads)."""
+    return list(_converted(_class_of(config), config.to_json_string(use_diff=False), tp_size, False).experts)
+
+
+def moe_layers(config: PretrainedConfig) -> int:
+    """MoE layers of the model (modules holding 3D expert tensors): 0 for a dense model."""
+    return _converted(_class_of(config), config.to_json_string(use_diff=False), 1, False).moe_layers
+
+
+def tp_shared_numels(config: PretrainedConfig, tp_size: int) -> list[int]:
+    """Elements of each of one block's replicated parameters applied to one TP rank's heads only (per-head q/k
+    norms): each one's gradient is all-reduced over TP in backward."""
+    one_layer = with_layers(config, 1)
+    return list(_converted(_class_of(one_layer), one_layer.to_json_string(use_diff=False), tp_size, False).tp_shared)
 
 
 def fsdp_traffic(config: PretrainedConfig, tp_size: int, dp_size: int, element_size: int = 4) -> dict[str, Any]:
@@ -77,24 +99,40 @@ def sequence_parallel_elements(config: PretrainedConfig, tp_size: int) -> int:
     """Elements of one block's parameters that sequence parallelism marks (norm weights, row biases: replicated,
     applied to 1/tp of the sequence): what it sums over TP after backward."""
     one_layer = with_layers(config, 1)
-    return _converted(_class_of(one_layer), one_layer.to_json_string(use_diff=False), tp_size, True)[1]
+    return _converted(_class_of(one_layer), one_layer.to_json_string(use_diff=False), tp_size, True).sequence_parallel
 
 
 def _class_of(config: PretrainedConfig) -> Any:
     return type(config)  # a hashable cache key (mypy reads PretrainedConfig's __hash__ as an instance method)
 
 
+@dataclass(frozen=True)
+class _Converted:
+    """TP rank 0 of the converted model: each parameter's elements (in order) and what they are."""
+
+    numels: tuple[int, ...]
+    experts: tuple[bool, ...]  # an MoE layer's 3D expert tensor
+    tp_shared: tuple[int, ...]  # the elements of each parameter marked tp_shared
+    sequence_parallel: int  # elements marked sequence-parallel
+    moe_layers: int
+
+
 @functools.lru_cache(maxsize=64)
-def _converted(
-    config_class: Any, config_json: str, tp_size: int, sequence_parallel: bool
-) -> tuple[tuple[int, ...], int]:
-    """(numel of each parameter, elements marked sequence-parallel) of TP rank 0 of the converted model."""
+def _converted(config_class: Any, config_json: str, tp_size: int, sequence_parallel: bool) -> _Converted:
     config = config_class.from_dict(json.loads(config_json))
     with fake_process_group(tp_size), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' notes belong to a real run
         model = meta_model(config, TraceSettings(tp_size, sequence_parallel=sequence_parallel), pp=1, pp_rank=0)
         params = list(model.parameters())
-    return tuple(p.numel() for p in params), sum(p.numel() for p in params if param_info(p).sequence_parallel)
+        moe = [m for m in model.modules() if hasattr(m, "num_experts") and hasattr(m, "down_proj")]  # spread_experts'
+        experts = {id(p) for m in moe for p in m.parameters(recurse=False)}
+    return _Converted(
+        numels=tuple(p.numel() for p in params),
+        experts=tuple(id(p) in experts for p in params),
+        tp_shared=tuple(p.numel() for p in params if param_info(p).tp_shared),
+        sequence_parallel=sum(p.numel() for p in params if param_info(p).sequence_parallel),
+        moe_layers=len(moe),
+    )
 
 
 def has_residual_dropout(config: PretrainedConfig) -> bool:
@@ -103,17 +141,35 @@ def has_residual_dropout(config: PretrainedConfig) -> bool:
 
 
 def data_parallel_traffic(
-    config: PretrainedConfig, tp_size: int, dp_size: int, distributed_optimizer: bool = False
+    config: PretrainedConfig, tp_size: int, dp_size: int, distributed_optimizer: bool = False, ep_size: int = 1
 ) -> dict[str, Any]:
     """:func:`~mtk.planner.collectives.predict_collectives`' DP arguments for a one-stage replica: this rank's
     gradient elements and, with the distributed optimizer, the all-gather rounds (the same assignment
-    ``shard_optimizer`` makes)."""
+    ``shard_optimizer`` makes). With expert parallelism the experts (``1/ep`` of them here) are reduced in calls
+    of their own over their ``dp/ep`` replicas (``expert_gradient_numels``; none with one replica), and the
+    distributed optimizer's expert rounds run over those replicas too."""
 
     if dp_size == 1:
         return {}
     numels = local_numels(config, tp_size)
-    traffic: dict[str, Any] = {"dp_gradient_elements": sum(numels)}
+    if ep_size > 1:
+        flags = expert_flags(config, tp_size)
+        dense = [n for n, expert in zip(numels, flags) if not expert]
+        experts = [n // ep_size for n, expert in zip(numels, flags) if expert]
+    else:
+        dense, experts = numels, []
+    replicas = dp_size // ep_size
+    traffic: dict[str, Any] = {"dp_gradient_elements": sum(dense)}
+    if experts and replicas > 1:
+        traffic["expert_gradient_numels"] = tuple(experts)
     if distributed_optimizer:
-        rounds = all_gather_rounds(numels, assign_owners(numels, dp_size), dp_size)
-        traffic["all_gather_widths"] = tuple(max(sum(numels[i] for i in p) for p in pieces) for pieces in rounds)
+        widths = _all_gather_widths(dense, dp_size) + (_all_gather_widths(experts, replicas) if experts else ())
+        traffic["all_gather_widths"] = widths
     return traffic
+
+
+def _all_gather_widths(numels: list[int], replicas: int) -> tuple[int, ...]:
+    if replicas == 1:
+        return ()
+    rounds = all_gather_rounds(numels, assign_owners(numels, replicas), replicas)
+    return tuple(max(sum(numels[i] for i in p) for p in pieces) for pieces in rounds)

@@ -36,7 +36,7 @@ class ModelSize:
     """Parameter counts of the whole model (from a meta-device copy; nothing allocated)."""
 
     parameters: int
-    matmul_parameters: int  # without the input embedding (a lookup), with the LM head
+    matmul_parameters: int  # a token's: without the input embedding (a lookup), with the LM head, k of E experts
     layers: int
     hidden: int
     query_width: int  # heads x head dim
@@ -56,6 +56,10 @@ def _size(config_class: Any, config_json: str) -> ModelSize:
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is embedding
     matmul = total - (0 if tied else embedding.numel())
+    top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+    for experts in (m for m in model.modules() if hasattr(m, "num_experts") and hasattr(m, "down_proj")):
+        stored = sum(p.numel() for p in experts.parameters(recurse=False))  # a token runs k of the E experts
+        matmul -= stored - stored * min(top_k or experts.num_experts, experts.num_experts) // experts.num_experts
     layers = getattr(config, "num_hidden_layers", None) or config.n_layer
     hidden = config.hidden_size
     heads = getattr(config, "num_attention_heads", None) or config.n_head
@@ -80,6 +84,8 @@ class Traffic:
     dp_wire_s: float
     cp: int = 0  # context-parallel attention's sends (ring) or all-to-alls
     cp_wire_s: float = 0.0
+    ep: int = 0  # expert parallelism's all-to-alls (the tokens to their experts and back)
+    ep_wire_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,7 @@ class StepTime:
     total: float
     bubble_overhead: float
     cp_exposed: float = 0.0  # context-parallel attention's traffic the attention compute does not hide
+    ep_exposed: float = 0.0  # expert parallelism's all-to-alls: the experts wait for their tokens
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -65,6 +65,7 @@ class TraceSettings:
     dtype: str = "fp32"  # parameters and activations (fp32, bf16)
     device: str = "cuda"  # whose attention kernels: "cuda" (fused, dropout too) or "cpu" (fused without dropout)
     chunked_loss: bool = True  # the loss holds no logits (mtk's default; not under ZeRO-3, whose head cannot defer)
+    ep_size: int = 1  # expert parallelism: each MoE layer keeps 1/ep of its experts' tensors
 
 
 @dataclass(frozen=True)
@@ -73,12 +74,18 @@ class Parameters:
 
     trainable: tuple[int, ...] = ()
     frozen: int = 0
+    experts: tuple[bool, ...] = ()  # per trainable parameter: an MoE layer's expert tensor (empty: none is)
 
     def __add__(self, other: Parameters) -> Parameters:
-        return Parameters(self.trainable + other.trainable, self.frozen + other.frozen)
+        experts = self.expert_flags + other.expert_flags if self.experts or other.experts else ()
+        return Parameters(self.trainable + other.trainable, self.frozen + other.frozen, experts)
 
     def __mul__(self, count: int) -> Parameters:
-        return Parameters(self.trainable * count, self.frozen * count)
+        return Parameters(self.trainable * count, self.frozen * count, self.experts * count)
+
+    @property
+    def expert_flags(self) -> tuple[bool, ...]:
+        return self.experts or (False,) * len(self.trainable)
 
     @property
     def elements(self) -> int:
@@ -166,16 +173,24 @@ def _attention_for(device: str, math_path):
 
 @contextlib.contextmanager
 def _meta_replacements(device: str) -> Iterator[None]:
+    import transformers.integrations.moe as moe
     import transformers.masking_utils as masking
 
     saved_sdpa, saved_packed = F.scaled_dot_product_attention, masking.find_packed_sequence_indices
+    saved_grouped = moe._can_use_grouped_mm
     F.scaled_dot_product_attention = _attention_for(device, saved_sdpa)
     masking.find_packed_sequence_indices = lambda *args, **kwargs: None
+    # torch's grouped matmul has a meta kernel for bf16 only: other dtypes take transformers' own fallback (an op
+    # with a shape function), whose tensors are those of the grouped kernel a CPU or GPU run uses
+    moe._can_use_grouped_mm = lambda input, weight, offs: weight.dtype == torch.bfloat16 and saved_grouped(
+        input, weight, offs
+    )
     try:
         yield
     finally:
         F.scaled_dot_product_attention = saved_sdpa
         masking.find_packed_sequence_indices = saved_packed
+        moe._can_use_grouped_mm = saved_grouped
 
 
 def meta_model(config: PretrainedConfig, settings: TraceSettings, pp: int, pp_rank: int) -> nn.Module:
@@ -208,20 +223,31 @@ def _cache_off(config: PretrainedConfig) -> dict[str, bool]:
     return {"use_cache": False} if _is_causal(config) else {}  # encoders take no use_cache
 
 
-def _parameters(model, block: nn.Module | None) -> tuple[Parameters, Parameters, Parameters]:
+def _parameters(model, block: nn.Module | None, ep_size: int = 1) -> tuple[Parameters, Parameters, Parameters]:
     """(ahead of the layers, one layer, behind them): trainable elements per parameter, in the model's
-    order (the distributed optimizer's buckets follow it), and frozen elements."""
+    order (the distributed optimizer's buckets follow it), and frozen elements; an expert tensor's ``1/ep``."""
     in_block = {id(p) for p in block.parameters()} if block is not None else set()
-    parts: list[tuple[list[int], list[int]]] = [([], []), ([], []), ([], [])]
+    moe = [m for m in model.modules() if hasattr(m, "num_experts") and hasattr(m, "down_proj")]  # spread_experts'
+    experts = {id(p) for m in moe for p in m.parameters(recurse=False)}
+    parts: list[tuple[list[int], list[int], list[bool]]] = [([], [], []), ([], [], []), ([], [], [])]
     part = 0
     for param in model.parameters():
         if id(param) in in_block:
             part = 1
         elif part == 1:
             part = 2
-        trainable, frozen = parts[part]
-        (trainable if param.requires_grad else frozen).append(param.numel())
-    before, layer, after = (Parameters(tuple(trainable), sum(frozen)) for trainable, frozen in parts)
+        trainable, frozen, flags = parts[part]
+        expert = id(param) in experts
+        numel = param.numel() // ep_size if expert else param.numel()
+        if param.requires_grad:
+            trainable.append(numel)
+            flags.append(expert)
+        else:
+            frozen.append(numel)
+    before, layer, after = (
+        Parameters(tuple(trainable), sum(frozen), tuple(flags) if any(flags) else ())
+        for trainable, frozen, flags in parts
+    )
     return before, layer, after
 
 
@@ -238,7 +264,7 @@ def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp: int
         record = parallelized(hf)
         assert record is not None
         blocks = local_blocks(hf, record.rule_set)
-        before, layer, after = _parameters(model, blocks[0] if blocks else None)
+        before, layer, after = _parameters(model, blocks[0] if blocks else None, settings.ep_size)
         enable_recompute(hf, RunSettings(recompute_granularity=settings.recompute), record.rng)
         model.train()
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())

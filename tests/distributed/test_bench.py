@@ -192,3 +192,20 @@ def test_bench_context_parallel_counts_exactly_the_predicted_collectives(tmp_pat
     mtk = report["contenders"][0]
     assert mtk["error"] is None and mtk["collectives"] == report["predicted_collectives"], text
     assert "cp=2" in text and "DIFFERS" not in text
+
+
+def test_bench_expert_parallel_counts_its_all_to_alls_and_holds_mtk_at_ep1(tmp_path, capsys):
+    """--ep 2 inside --dp 4 with the distributed optimizer on tiny-qwen3-moe: 6 all-to-alls per MoE layer, their
+    bytes (the EP group's mean) as predicted, the dense gradients over DP and the experts' over their 2 replicas,
+    each domain's all-gather rounds; mtk at EP 1 on the same replicas runs beside it as the ratio's baseline."""
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", "tiny-qwen3-moe", "--tp", "1", "--dp", "4", "--ep", "2", "--distributed_optimizer",
+                 "--batch", "2", "--seq", "16", "--steps", "1", "--json", str(out)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    mtk = report["contenders"][0]
+    assert mtk["processes"] == 4 and mtk["collectives"] == report["predicted_collectives"], text
+    assert mtk["collectives"]["all_to_all"]["count"] == 2 * 6 and mtk["collectives"]["all_reduce"]["count"] == 2
+    assert [c["name"] for c in report["contenders"]] == ["mtk", "mtk-without-ep", "mtk-one-replica"]
+    assert all(c["error"] is None for c in report["contenders"]) and "dp=4 ep=2" in text

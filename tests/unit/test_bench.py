@@ -8,7 +8,7 @@ from mtk.bench.contenders import BenchSpec
 from mtk.bench.report import format_report, report_dict, write_json
 from mtk.bench.runner import ContenderSummary, predicted_for
 from mtk.cli.main import main
-from mtk.planner.collectives import predict_collectives, predict_context_collectives
+from mtk.planner.collectives import predict_collectives, predict_context_collectives, predict_expert_collectives
 
 
 def test_prediction_follows_the_megatron_math():
@@ -134,3 +134,29 @@ def test_bad_bench_input_is_one_line(capsys):
     assert "num_attention_heads = 4 is not divisible by tp = 3" in capsys.readouterr().err
     assert main(["bench", "--model", "tiny-llama", "--pp", "2", "--batch", "3", "--micro_batches", "2"]) == 2
     assert "--batch 3 does not split into --micro_batches 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--ep", "2", "--dp", "3"], "--ep 2 spreads the experts over data-parallel replicas: give --dp a multiple"),
+        (["--model", "tiny-llama", "--ep", "2", "--dp", "2"], "tiny-llama has no mixture-of-experts layer"),
+        (["--ep", "2", "--dp", "2", "--memory"], "--ep 2 is measured against mtk at EP 1, without --memory"),
+        (["--ep", "0"], "--ep must be at least 1, got 0"),
+    ],
+)
+def test_expert_parallel_bench_input_is_one_line(argv, message, capsys):
+    assert main(["bench", "--model", "tiny-qwen3-moe", "--tp", "1", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_expert_parallel_prediction_per_layer():
+    """Per MoE layer: counts, rows, ids and the rows back forward; the rows' gradients both ways backward."""
+    tokens, k, hidden = 32, 2, 64
+    rows = tokens * k * hidden * 4
+    one = predict_expert_collectives(3, tokens, k, hidden, ep_size=4)
+    assert one.counts == {"all_to_all": 3 * 6}
+    assert one.nbytes["all_to_all"] == 3 * (8 * 4 + 8 * tokens * k + 2 * rows + 2 * rows)
+    again = predict_expert_collectives(3, tokens, k, hidden, ep_size=4, recompute=True, micro_batches=2)
+    assert again.counts == {"all_to_all": 3 * 10 * 2}  # the forward's four rerun in backward, per micro-batch
+    assert predict_expert_collectives(3, tokens, k, hidden, ep_size=1).counts == {}

@@ -13,6 +13,7 @@ from mtk.pipeline.schedules import bubble_overhead
 from mtk.planner.cluster import Cluster, parse_bytes
 from mtk.planner.search import Candidate, Request, estimate, plan
 from mtk.planner.shapes import local_numels
+from mtk.planner.timing import model_size
 from mtk.planner.trace import TraceSettings, _phases, trace_rank, with_layers
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
@@ -307,3 +308,29 @@ def test_context_parallelism_is_weighed_only_where_the_attention_can_take_it(cap
     out = capsys.readouterr().out
     assert "tp1 cp4 pp1 dp1" in out and "tp1 cp2 pp1 dp2" in out and " CP " in out
     assert "tp1 cp2 pp1 dp2 1x2 zero3" in out and "tp1 cp4 pp1 dp1 1x4 zero3" in out  # ZeRO over DP x CP
+
+
+def test_expert_parallelism_divides_the_experts_and_adds_its_all_to_alls():
+    """EP = 4 inside DP 4 on bench-qwen3-moe: each rank holds a quarter of every expert tensor (and of their
+    gradients and moments), the dense weights whole; the exchange's six all-to-alls per MoE layer and micro-batch
+    (an EP column in the table); a token's FLOPs count k of the E experts."""
+    config = resolve_config("bench-qwen3-moe")
+    request = Request(config, Cluster(4, gpu_memory=8 * GIB), 1024, 4, dtype="fp32", reserve=0, ep_sizes=(1, 2, 4))
+    by_label = {e.candidate.label: e for e in plan(request)}
+    whole, spread = by_label["tp1 pp1 dp4 1x1"], by_label["tp1 pp1 dp4 ep4 1x1"]
+    experts = 4 * 3 * 8 * 512 * 768  # layers x (gate, up, down) x E x h x I
+    assert whole.memory.weights - spread.memory.weights == experts * 3 // 4 * 4  # fp32
+    assert whole.memory.optimizer - spread.memory.optimizer == experts * 3 // 4 * 8
+    assert spread.collectives["all_to_all"]["count"] == 4 * 6 and "all_to_all" not in whole.collectives
+    assert spread.traffic.ep > 0 and whole.traffic.ep == 0
+    sharded = by_label["tp1 pp1 dp4 ep2 1x1 distopt"]  # the experts' moments over their 2 replicas
+    # the dense gradients in one call, then the experts' in 25 MiB buckets: a layer's half of its 8 experts (18 MiB)
+    assert sharded.collectives["all_reduce"]["count"] == 1 + 4
+    assert model_size(config).matmul_parameters < model_size(config).parameters - experts * 3 // 4 + 1
+    assert not any(e.candidate.ep_size > 1 and e.candidate.engine == "deepspeed" for e in by_label.values())
+
+
+def test_expert_parallelism_on_a_dense_model_is_one_line(capsys):
+    assert main(["plan", "--model", "bench-llama", "--gpus", "4", "--seq_len", "1024", "--global_batch", "4",
+                 "--ep", "2"]) == 2  # fmt: skip
+    assert "--ep 2: llama has no mixture-of-experts layer" in capsys.readouterr().err

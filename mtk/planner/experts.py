@@ -1,0 +1,50 @@
+"""What expert parallelism adds to a plan: which layouts may spread the experts, the all-to-alls and their time
+(``mtk plan --ep``; docs/moe.md). The experts' memory (``1/ep`` of each expert tensor, their optimizer state
+sharded over ``dp/ep`` replicas) is the trace's (:class:`~mtk.planner.trace.TraceSettings` ``ep_size``)."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from mtk.planner.collectives import Predicted, predict_expert_collectives
+from mtk.planner.layouts import Candidate, Request
+from mtk.planner.shapes import moe_layers
+from mtk.planner.timing import collective_seconds
+
+__all__ = ["expert_collectives", "expert_parallel_sizes", "expert_traffic"]
+
+
+def expert_parallel_sizes(request: Request, c: Candidate) -> list[int]:
+    """The EP sizes ``c`` may run: those asked for that divide its DP size, where mtk runs EP (an MoE model at
+    pp 1 and cp 1 under accelerate, without FSDP2: init.check_expert_parallel)."""
+    if (
+        not moe_layers(request.config)
+        or c.pp_size > 1
+        or c.cp_size > 1
+        or c.engine != "accelerate"
+        or c.sharding == "fsdp2"
+    ):
+        return [1]
+    return [ep for ep in request.ep_sizes if c.dp_size % ep == 0]
+
+
+def expert_collectives(request: Request, c: Candidate, element_size: int) -> Predicted:
+    """The exchange's all-to-alls per step on one rank (nothing at ``ep = 1``)."""
+    config: PretrainedConfig = request.config
+    return predict_expert_collectives(
+        moe_layers(config),
+        c.micro_batch_size * request.seq,
+        int(getattr(config, "num_experts_per_tok", 0) or 0),
+        config.hidden_size,
+        c.ep_size,
+        element_size,
+        recompute=c.recompute is not None,
+        micro_batches=c.micro_batches,
+    )
+
+
+def expert_traffic(exchange: Predicted, ep_size: int, bandwidth: float) -> tuple[int, float]:
+    """(bytes, seconds on the EP group's link) of the exchange: all but a rank's own share of each all-to-all
+    leaves it (at balanced routing)."""
+    nbytes = exchange.nbytes["all_to_all"]
+    return nbytes, collective_seconds("all_to_all", nbytes, ep_size, bandwidth)
