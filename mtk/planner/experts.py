@@ -16,9 +16,10 @@ __all__ = ["expert_collectives", "expert_parallel_sizes", "expert_traffic"]
 
 def expert_parallel_sizes(request: Request, c: Candidate) -> list[int]:
     """The EP sizes ``c`` may run: those asked for that divide its DP size, where mtk runs EP (an MoE model at
-    pp 1 and cp 1 under accelerate, without FSDP2: init.check_expert_parallel)."""
+    pp 1 and cp 1 under accelerate, without FSDP2 or LoRA: init.check_expert_parallel, lora.get_peft_model)."""
     if (
         not moe_layers(request.config)
+        or request.lora_r > 0
         or c.pp_size > 1
         or c.cp_size > 1
         or c.engine != "accelerate"
