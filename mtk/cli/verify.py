@@ -10,6 +10,7 @@ import transformers
 
 from mtk.errors import MtkError
 from mtk.models import resolve_config
+from mtk.planner.shapes import moe_layers
 from mtk.rules import check_tp_size
 from mtk.spawn import DistributedTestError, run_distributed
 from mtk.verify import VERIFY_DTYPES, verify_worker
@@ -43,6 +44,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree = number of processes (default 2)")
     parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="an MoE model's experts spread over this many data-parallel replicas, each on the same batch "
+        "(processes: tp x ep; default 1)",
+    )
+    parser.add_argument(
         "--dtype",
         choices=sorted(VERIFY_DTYPES),
         default="fp32",
@@ -59,8 +67,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.tp < 1:
-        raise MtkError(f"--tp must be at least 1, got {args.tp}")
+    if args.tp < 1 or args.ep < 1:
+        raise MtkError(f"--tp and --ep must be at least 1, got {args.tp} and {args.ep}")
     if args.all:
         # the sweep builds its own tiny models and batches: these options would change nothing there
         fixed = [
@@ -75,15 +83,18 @@ def run(args: argparse.Namespace) -> int:
         raise MtkError("mtk verify needs --model NAME_OR_DIR, or --all for the architecture sweep")
     if args.types or args.write or args.pp != 1:
         raise MtkError("--types, --write and --pp go with --all")
+    if args.ep > 1 and not moe_layers(resolve_config(args.model)):
+        raise MtkError(f"--ep {args.ep}: {args.model} has no mixture-of-experts layer; use --ep 1")
     # Fail fast, in one line, before any process starts: unknown name, missing directory, bad tp.
     check_tp_size(resolve_config(args.model), args.tp)
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
-    print(f"mtk verify: {args.model} at tp={args.tp}, {args.dtype}, batch {args.batch} x seq {args.seq}", flush=True)
+    layout = f"tp={args.tp}" + (f" ep={args.ep}" if args.ep > 1 else "")
+    print(f"mtk verify: {args.model} at {layout}, {args.dtype}, batch {args.batch} x seq {args.seq}", flush=True)
     rounding = args.dtype == "fp32" and args.tolerance is None  # judged against HF's own fp32 rounding
     results = run_distributed(
         verify_worker,
-        world_size=args.tp,
-        args=(args.model, args.dtype, args.batch, args.seq, args.seed, rounding),
+        world_size=args.tp * args.ep,
+        args=(args.model, args.dtype, args.batch, args.seq, args.seed, rounding, args.ep),
         timeout=args.timeout,
     )
     errors = {r.error for r in results if r.error}

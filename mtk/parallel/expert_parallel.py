@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -55,6 +55,7 @@ __all__ = [
     "experts_whole",
     "gather_experts",
     "is_expert_parallel",
+    "local_experts_implementation",
     "reduce_expert_gradients",
     "refuse_spread_experts",
     "spread_experts",
@@ -157,8 +158,10 @@ def expert_parallel_forward(
     trained = [p for p in module.parameters(recurse=False) if p.requires_grad]
     back = _Return.apply(out, sent, received, group, rows, *trained)  # [T k, H] in sorted order
     by_token = back[torch.argsort(order)].view(tokens, chosen, -1)  # [T, k, H]: each token's k outputs
-    # summed over k in fp32, as transformers' grouped experts do (index_add in bf16 would round each addition)
-    combined = (by_token.float() * top_k_weights.float().unsqueeze(-1)).sum(dim=1)  # [T, H]
+    # summed over k in fp32 at least, as transformers' grouped experts do (index_add in bf16 would round each
+    # addition; fp64 stays fp64)
+    wide = torch.promote_types(hidden.dtype, torch.float32)
+    combined = (by_token.to(wide) * top_k_weights.to(wide).unsqueeze(-1)).sum(dim=1)  # [T, H]
     return combined.to(hidden.dtype)
 
 
@@ -342,6 +345,23 @@ def experts_whole(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] 
                 for key, value in state.items():
                     if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == placement.num_experts:
                         state[key] = value[mine].clone()
+
+
+def local_experts_implementation(model: nn.Module, implementation: str) -> int:
+    """Run every spread experts module's own experts with another of transformers' experts implementations (e.g.
+    ``"eager"``: torch's grouped matmul takes no fp64), the exchange around them unchanged; how many there were."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    spread = [m for m in model.modules() if expert_placement(m) is not None]
+    for module in spread:
+        original = type(module).forward.__wrapped__  # type: ignore[attr-defined]  # use_experts_implementation's
+        local_forward = ALL_EXPERTS_FUNCTIONS.get_interface(implementation, original)
+        setattr(
+            module,
+            EXPERT_PARALLEL_ATTRIBUTE,
+            replace(cast(ExpertPlacement, expert_placement(module)), local_forward=local_forward),
+        )
+    return len(spread)
 
 
 def expert_placement(module: nn.Module) -> ExpertPlacement | None:

@@ -61,12 +61,18 @@ def gather_full_tensor(
 def iter_full_tensors(model: nn.Module, tp_group: Group, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, full tensor)`` for every parameter (or its gradient), HF names, no duplicates.
 
-    Collective: every TP rank (and, for FSDP2-split parameters, every DP rank) must iterate to the end together.
+    Collective: every TP rank (and, for FSDP2-split parameters, every DP rank; for experts spread over EP, every
+    rank of the EP group: all experts are gathered first) must iterate to the end together.
     """
     for name, param in model.named_parameters():
         tensor = param.grad if grads else param
         if tensor is None:
             raise ValueError(f"{name} has no gradient to gather; run backward first")
+        placement = (
+            expert_placement(model.get_submodule(name.rpartition(".")[0])) if is_expert_parallel(param) else None
+        )
+        if placement is not None:
+            tensor = gather_experts(tensor.detach(), placement)  # [E, ...] of this TP slice
         shape, spec = full_shape_and_spec(model, name)
         yield name, gather_full_tensor(tensor, spec, shape, tp_group)
 

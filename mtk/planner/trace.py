@@ -182,8 +182,8 @@ def _meta_replacements(device: str) -> Iterator[None]:
     masking.find_packed_sequence_indices = lambda *args, **kwargs: None
     # torch's grouped matmul has a meta kernel for bf16 only: other dtypes take transformers' own fallback (an op
     # with a shape function), whose tensors are those of the grouped kernel a CPU or GPU run uses
-    moe._can_use_grouped_mm = lambda input, weight, offs: weight.dtype == torch.bfloat16 and saved_grouped(
-        input, weight, offs
+    moe._can_use_grouped_mm = lambda input, weight, offs: (
+        weight.dtype == torch.bfloat16 and saved_grouped(input, weight, offs)
     )
     try:
         yield

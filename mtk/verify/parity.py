@@ -21,6 +21,7 @@ from mtk.checkpoint.hf_load import load_pretrained_tp
 from mtk.convert import parallelize
 from mtk.errors import CheckpointError
 from mtk.models import DTYPES, ModelSpecError, auto_class_for, build_model, resolve_config
+from mtk.parallel.expert_parallel import local_experts_implementation, reduce_expert_gradients
 from mtk.parallel.gather import iter_full_tensors
 from mtk.parallel.parameters import param_info
 from mtk.parallel.record import parallelized
@@ -48,7 +49,10 @@ class VerifyResult:
 
 
 def _eager_experts(model):
-    """MoE experts looped in plain matmuls: torch's grouped matmul takes no fp64."""
+    """MoE experts looped in plain matmuls: torch's grouped matmul takes no fp64 (experts spread over EP keep their
+    exchange and loop over their own experts)."""
+    if local_experts_implementation(model, "eager"):
+        return model
     if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
         model.set_experts_implementation("eager")
     return model
@@ -123,12 +127,17 @@ def verify_worker(
     seq: int,
     seed: int,
     rounding: bool = False,
+    ep_size: int = 1,
 ) -> VerifyResult:
-    """Run in each of ``world_size`` processes (TP = world size); returns this rank's measurements.
+    """Run in each of ``world_size`` processes (TP = world size / ``ep_size``); returns this rank's measurements.
 
     ``rounding`` (fp32): also measure HF's own fp32 model against an fp64 copy of it on the same input, the
-    error rounding alone reaches on this model (deep real models cross a flat 1e-5 by rounding alone)."""
-    parallel = ParallelState.build(tp_size=world_size)
+    error rounding alone reaches on this model (deep real models cross a flat 1e-5 by rounding alone).
+    ``ep_size`` > 1: the MoE layers' experts spread over ``ep_size`` data-parallel replicas, each running the
+    same batch; each rank's experts then hold ``ep`` times one batch's gradient, averaged over the replicas as
+    training does (:func:`~mtk.parallel.expert_parallel.reduce_expert_gradients`), and every expert's is compared
+    once gathered over EP."""
+    parallel = ParallelState.build(tp_size=world_size // ep_size, ep_size=ep_size)
     try:
         reference, model = _models(spec, parallel, VERIFY_DTYPES[dtype], seed)
         if dtype == "fp64":
@@ -140,6 +149,7 @@ def verify_worker(
     ref_out.loss.backward()
     out = model(**inputs)
     out.loss.backward()
+    reduce_expert_gradients(list(model.parameters()), parallel.expert_replica_group, parallel.dp_size)
     with torch.no_grad():
         no_labels = {k: v for k, v in inputs.items() if k != "labels"}
         logits = model(**no_labels).logits

@@ -199,8 +199,9 @@ def test_bench_expert_parallel_counts_its_all_to_alls_and_holds_mtk_at_ep1(tmp_p
     bytes (the EP group's mean) as predicted, the dense gradients over DP and the experts' over their 2 replicas,
     each domain's all-gather rounds; mtk at EP 1 on the same replicas runs beside it as the ratio's baseline."""
     out = tmp_path / "bench.json"
-    code = main(["bench", "--model", "tiny-qwen3-moe", "--tp", "1", "--dp", "4", "--ep", "2", "--distributed_optimizer",
-                 "--batch", "2", "--seq", "16", "--steps", "1", "--json", str(out)])  # fmt: skip
+    code = main(["bench", "--model", "tiny-qwen3-moe", "--tp", "1", "--dp", "4", "--ep", "2",
+                 "--distributed_optimizer", "--batch", "2", "--seq", "16", "--steps", "1",
+                 "--json", str(out)])  # fmt: skip
     text = capsys.readouterr().out
     assert code == 0, text
     report = json.loads(out.read_text())

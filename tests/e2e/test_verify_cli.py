@@ -38,6 +38,7 @@ def test_verify_local_directory_and_failing_tolerance(tmp_path):
         (("--model", "no-such-model"), "is neither a built-in config"),
         (("--all", "--seq", "8"), "--seq cannot go with --all"),  # the sweep builds its own batches
         (("--model", "tiny-llama", "--pp", "2"), "--types, --write and --pp go with --all"),
+        (("--model", "tiny-llama", "--ep", "2"), "--ep 2: tiny-llama has no mixture-of-experts layer"),
     ],
 )
 def test_verify_bad_input_is_one_line(args, message):
@@ -76,3 +77,19 @@ def test_verify_moe_directory_read_through_transformers_conversion(tmp_path):
     out = _mtk("verify", "--model", str(tmp_path), "--tp", "2")
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "mixtral (transformers' base_model_tp_plan)" in out.stdout
+    # the same directory with its 4 experts spread over EP 2, in fp64: rounding only
+    out = _mtk("verify", "--model", str(tmp_path), "--tp", "1", "--ep", "2", "--dtype", "fp64")
+    assert out.returncode == 0 and "at tp=1 ep=2" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert "PASS (tolerance 1e-10)" in out.stdout
+
+
+def test_verify_at_expert_parallelism_inside_tensor_parallelism_in_fp64():
+    """tiny-qwen3-moe with each expert split over TP 2 and the experts over EP 2 (4 processes, each replica on the
+    same batch): logits, the loss with its load-balancing term and every gradient (the experts' averaged over their
+    replicas, then gathered over EP and TP) within fp64 rounding of one process."""
+    out = _mtk("verify", "--model", "tiny-qwen3-moe", "--tp", "2", "--ep", "2", "--dtype", "fp64")
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    errors = [
+        float(line.split("max rel error")[1].split()[0]) for line in out.stdout.splitlines() if "rel error" in line
+    ]
+    assert len(errors) == 3 and max(errors) < 1e-12, out.stdout
