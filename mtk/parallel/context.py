@@ -303,15 +303,24 @@ def whole_rows(local: torch.Tensor, shard: ContextShard) -> torch.Tensor:
     return gathered.index_select(1, torch.argsort(order)[: shard.row_length or seq])  # [b, S, ...] in row order
 
 
-def router_loss_refusal(config: Any) -> str | None:
-    """Why context parallelism cannot run ``config``'s MoE loss (``None``: it can). The router's load-balancing loss
-    multiplies two means over the tokens of the call: each CP rank would balance its own part of the sequence, and
-    the mean of those is not the whole sequence's (measured: tiny-qwen3-moe at CP 2, 5.59682 against 5.59659)."""
+ROUTER_LOSS_LIMITS = {
+    # parallelism -> (why its loss would differ, what else to do)
+    "context parallelism": ("each CP rank would balance its own part of the sequence", "train without CP"),
+    "pipeline parallelism": ("the last stage would balance its own layers' routers only", "use pp = 1"),
+}
+
+
+def router_loss_refusal(config: Any, parallelism: str = "context parallelism") -> str | None:
+    """Why ``parallelism`` cannot run ``config``'s MoE loss (``None``: it can). The router's load-balancing loss
+    multiplies two means over the tokens and layers of the call: each CP rank would balance its own part of the
+    sequence, and the mean of those is not the whole sequence's (measured: tiny-qwen3-moe at CP 2, 5.59682 against
+    5.59659); a pipeline's last stage holds its own layers' router logits only (tiny-qwen3-moe at PP 2 with 4
+    micro-batches logged 5.597176 where one process accumulating the same 4 logs 5.596632)."""
     if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+        why, instead = ROUTER_LOSS_LIMITS[parallelism]
         return (
-            f"{config.model_type}: context parallelism with the router's load-balancing loss in the loss is not "
-            "supported yet (each CP rank would balance its own part of the sequence); set output_router_logits to "
-            "false in the model's config, or train without CP"
+            f"{config.model_type}: {parallelism} with the router's load-balancing loss in the loss is not supported "
+            f"yet ({why}); set output_router_logits to false in the model's config, or {instead}"
         )
     return None
 

@@ -30,7 +30,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from mtk.config import ConfigError, check_schedule
 from mtk.data.batching import loss_tokens
-from mtk.parallel.context import SPLIT_INPUTS, ContextSplit, context_parallel_of
+from mtk.errors import UnsupportedModelError
+from mtk.parallel.context import SPLIT_INPUTS, ContextSplit, context_parallel_of, router_loss_refusal
 from mtk.parallel.fsdp import local
 from mtk.parallel.grads import all_reduce_coalesced
 from mtk.parallel.overlap import OverlappedReduction
@@ -88,6 +89,9 @@ class PipelineModel(nn.Module):
         record = parallelized(module)
         if record is None or record.stage is None or record.pp_size != parallel.pp_size:
             raise ConfigError(f"PipelineModel needs a model cut by mtk.parallelize for pp = {parallel.pp_size}")
+        refusal = router_loss_refusal(getattr(hf_model(module), "config", None), "pipeline parallelism")
+        if refusal is not None:
+            raise UnsupportedModelError(refusal)
         self.info: StageInfo = record.stage
         self.sequence_parallel = record.sequence_parallel and parallel.tp_size > 1
         self.num_micro_batches = num_micro_batches

@@ -25,6 +25,7 @@ from transformers import PretrainedConfig
 
 from mtk.config import check_schedule
 from mtk.errors import MtkError
+from mtk.parallel.context import router_loss_refusal
 from mtk.parallel.distributed_optimizer import all_gather_rounds, assign_owners
 from mtk.parallel.layout import Layout
 from mtk.parallel.overlap import gradient_buckets
@@ -328,7 +329,8 @@ def _sequence_parallel_rules(config: PretrainedConfig, tp: int) -> bool:
 
 def _pipeline_supported(config: PretrainedConfig) -> bool:
     rule_set = find_rules(config)
-    return rule_set is not None and rule_set.pipeline is not None
+    pipeline_rules = rule_set is not None and rule_set.pipeline is not None
+    return pipeline_rules and router_loss_refusal(config, "pipeline parallelism") is None
 
 
 def layouts(request: Request) -> Iterator[Candidate]:

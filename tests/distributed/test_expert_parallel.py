@@ -201,3 +201,28 @@ def test_accelerator_trains_at_expert_parallelism_as_one_process(world, tp, ep, 
     losses, clipped gradient norms and (at TP 1) every weight after 3 steps equal one process's."""
     logged = run_distributed(_accelerator_worker, world_size=world, args=(tp, ep, sharded), timeout=600)
     assert all(run == logged[0] for run in logged)
+
+
+def _pipeline_refusal(rank: int, world: int) -> str:
+    from mtk.convert import parallelize
+    from mtk.errors import UnsupportedModelError
+    from mtk.models import build_model
+    from mtk.parallel.state import ParallelState
+    from mtk.pipeline.engine import PipelineModel
+
+    parallel = ParallelState.build(tp_size=1, pp_size=2)
+    model = parallelize(build_model("tiny-qwen3-moe", seed=0), parallel)
+    try:
+        PipelineModel(model, parallel, num_micro_batches=2)
+    except UnsupportedModelError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_a_pipeline_refuses_the_router_loss_its_last_stage_cannot_compute():
+    """The load-balancing loss pools every layer's router logits; a pipeline's last stage holds its own layers' only
+    (tiny-qwen3-moe at PP 2 logged 5.597176 where one process accumulating the same micro-batches logs 5.596632):
+    one line on every rank, which output_router_logits false lifts; mtk plan weighs no pipeline for such a model."""
+    messages = run_distributed(_pipeline_refusal, world_size=2)
+    assert all("pipeline parallelism with the router's load-balancing loss" in m for m in messages), messages
+    assert all("set output_router_logits to false" in m and "\n" not in m for m in messages)

@@ -1,6 +1,7 @@
 """``mtk plan`` in one process: the ranked table, its JSON, the published rules it must reproduce, its
 refusals, and the trace's internal consistency (what a layer keeps; parameters counted by the rules)."""
 
+import copy
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -334,3 +335,12 @@ def test_expert_parallelism_on_a_dense_model_is_one_line(capsys):
     assert main(["plan", "--model", "bench-llama", "--gpus", "4", "--seq_len", "1024", "--global_batch", "4",
                  "--ep", "2"]) == 2  # fmt: skip
     assert "--ep 2: llama has no mixture-of-experts layer" in capsys.readouterr().err
+
+
+def test_no_pipeline_for_a_router_loss_its_last_stage_cannot_compute():
+    config = resolve_config("tiny-qwen3-moe")
+    request = Request(config, Cluster(4, gpu_memory=8 * GIB), 64, 4, dtype="fp32", reserve=0)
+    assert {e.candidate.pp_size for e in plan(request)} == {1}
+    without = copy.deepcopy(config)
+    without.output_router_logits = False
+    assert 2 in {e.candidate.pp_size for e in plan(replace(request, config=without))}
