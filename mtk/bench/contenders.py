@@ -31,6 +31,7 @@ from mtk.bench.measure import (
 )
 from mtk.bench.peers import (
     run_accelerate,
+    run_autoep,
     run_autotp,
     run_hf,
     run_mtk_accelerator,
@@ -213,6 +214,7 @@ CONTENDERS: dict[str, tuple[Callable, Callable[[BenchSpec], int], Callable[[Benc
     "hf-all-threads": (run_hf, lambda s: 1, lambda s: os.cpu_count() or 1),
     "transformers-tp_plan": (run_tp_plan, lambda s: s.tp_size, lambda s: 1),
     "deepspeed-autotp": (run_autotp, lambda s: s.tp_size, lambda s: 1),
+    "deepspeed-autoep": (run_autoep, lambda s: s.dp_size, lambda s: 1),
     "torch-pipelining": (run_torch_pipelining, lambda s: s.pp_size, lambda s: 1),
     "deepspeed-zero1": (run_zero1, lambda s: s.dp_size, lambda s: 1),
     "deepspeed-zero2": (run_zero2, lambda s: s.dp_size, lambda s: 1),

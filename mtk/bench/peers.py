@@ -1,5 +1,5 @@
 """mtk's peers in ``mtk bench``: plain transformers, accelerate's own loop, transformers' ``tp_plan``, DeepSpeed
-AutoTP and ZeRO, and torch's ``torch.distributed.pipelining``, each on the same weights and batch as mtk.
+AutoTP, AutoEP and ZeRO, and torch's ``torch.distributed.pipelining``, each on the same weights and batch as mtk.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from mtk.pipeline.balance import layer_counts
 
 __all__ = [
     "run_accelerate",
+    "run_autoep",
     "run_autotp",
     "run_hf",
     "run_mtk_accelerator",
@@ -198,3 +199,39 @@ def run_zero1(rank: int, world_size: int, spec: BenchSpec) -> dict:
 
 def run_zero2(rank: int, world_size: int, spec: BenchSpec) -> dict:
     return run_zero(rank, world_size, spec, 2)
+
+
+def _string_keyed_capture_registry() -> None:
+    """DeepSpeed 0.19.8's AutoEP moves the model's router-logits recorder with a plain dict's calls on transformers'
+    output-capturing registry (``auto_ep_presets/base.py``: ``registry.get(class_name, default)``,
+    ``registry[class_name] = ...``); transformers 5.24 made that registry a dict subclass whose ``get`` and
+    ``__setitem__`` take a model, and ``deepspeed.initialize`` fails with a TypeError. In the AutoEP contender's
+    processes only, string keys are served as a dict serves them (models as transformers does)."""
+    from transformers.utils import output_capturing
+
+    registry: Any = getattr(output_capturing, "_CanRecordRegistry", None)
+    if registry is None or getattr(registry, "mtk_string_keys", False):
+        return
+    by_model_get, by_model_set = registry.get, registry.__setitem__
+
+    def get(self, key, *default):
+        return dict.get(self, key, *default) if isinstance(key, str) else by_model_get(self, key)
+
+    def set_item(self, key, value):
+        return dict.__setitem__(self, key, value) if isinstance(key, str) else by_model_set(self, key, value)
+
+    registry.get, registry.__setitem__, registry.mtk_string_keys = get, set_item, True
+
+
+def run_autoep(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """DeepSpeed AutoEP (``"expert_parallel": {"autoep_size": N, "preset_model": <model type>}``: dropless, the
+    model's router and aux loss kept) with ZeRO-1 over the same DP processes as mtk's EP: the expert-parallel peer.
+    Its grouped matmul on GPUs only (on CPU it measured slower than its per-expert loop)."""
+    _string_keyed_capture_registry()
+    autoep = {
+        "enabled": True,
+        "autoep_size": spec.ep_size,
+        "preset_model": resolve_config(spec.model).model_type,
+        "use_grouped_mm": bench_device().type == "cuda",
+    }
+    return _deepspeed_run(spec, 1, expert_parallel=autoep)

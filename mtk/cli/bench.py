@@ -74,7 +74,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         help="mtk's expert parallelism: each MoE layer's experts spread over this many of the --dp replicas (a "
-        "divisor of --dp); also runs mtk at EP 1 on the same replicas, the ratio's baseline (default 1)",
+        "divisor of --dp); also runs mtk at EP 1 on the same replicas (and, with --compare, DeepSpeed AutoEP) "
+        "(default 1)",
     )
     parser.add_argument(
         "--cp",
@@ -172,10 +173,13 @@ def _check_expert_parallel(args: argparse.Namespace, config) -> None:
         raise MtkError(f"--ep {args.ep} spreads the experts over data-parallel replicas: give --dp a multiple of it")
     if not moe_layers(config):
         raise MtkError(f"--ep {args.ep}: {args.model} has no mixture-of-experts layer; use an MoE model")
-    others = [flag for flag, on in (("--compare", args.compare), ("--fsdp", args.fsdp), ("--memory", args.memory))
-              if on]  # fmt: skip
+    others = [flag for flag, on in (("--fsdp", args.fsdp), ("--memory", args.memory)) if on]
     if others:
         raise MtkError(f"--ep {args.ep} is measured against mtk at EP 1, without {', '.join(others)}")
+    if args.compare and args.tp > 1:
+        raise MtkError(
+            f"--ep {args.ep} --compare holds mtk against DeepSpeed AutoEP, whose experts are whole: use --tp 1"
+        )
 
 
 def _check_context_parallel(args: argparse.Namespace, config) -> None:
@@ -222,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
         args.compare and spec.tp_size == spec.pp_size == spec.dp_size == 1
     ):  # TP = 1: mtk's overhead on accelerate's own loop
         contenders = ["mtk", "mtk-accelerator", "accelerate", "hf-1thread", "hf-all-threads"]
+    if args.compare and spec.ep_size > 1:  # the expert-parallel axis: DeepSpeed AutoEP over the same replicas
+        contenders = ["mtk", "deepspeed-autoep"]
     if spec.pp_size > 1:
         contenders.insert(1, "mtk-one-stage")  # the pipeline's ideal is measured from it
     if spec.dp_size > 1:

@@ -82,7 +82,7 @@ class _Domain:
 
     @torch.no_grad()
     def all_gather_params(self) -> None:
-        for dtype, rounds in self.buckets.items():
+        for dtype, rounds in self.buckets.items():  # (none without parameters)
             device = self.params[0].device
             for pieces in rounds:  # pieces[r]: what rank r sends this round
                 width = max(sum(p.numel() for p in piece) for piece in pieces)

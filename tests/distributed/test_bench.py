@@ -210,3 +210,19 @@ def test_bench_expert_parallel_counts_its_all_to_alls_and_holds_mtk_at_ep1(tmp_p
     assert mtk["collectives"]["all_to_all"]["count"] == 2 * 6 and mtk["collectives"]["all_reduce"]["count"] == 2
     assert [c["name"] for c in report["contenders"]] == ["mtk", "mtk-without-ep", "mtk-one-replica"]
     assert all(c["error"] is None for c in report["contenders"]) and "dp=4 ep=2" in text
+
+
+def test_bench_expert_parallel_against_deepspeed_autoep(tmp_path, capsys):
+    """--ep 2 --compare: DeepSpeed AutoEP (dropless, the model's own router and load-balancing loss) over the same 2
+    replicas, on the same weights and batch, ends on mtk's loss."""
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", "tiny-qwen3-moe", "--tp", "1", "--dp", "2", "--ep", "2", "--compare",
+                 "--rounds", "1", "--batch", "2", "--seq", "16", "--steps", "2", "--json", str(out)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    by_name = {c["name"]: c for c in report["contenders"]}
+    assert set(by_name) == {"mtk", "mtk-without-ep", "mtk-one-replica", "deepspeed-autoep"}, text
+    assert all(c["error"] is None for c in by_name.values()), text
+    assert abs(by_name["deepspeed-autoep"]["loss"] - by_name["mtk"]["loss"]) < 1e-4 * by_name["mtk"]["loss"]
+    assert by_name["mtk"]["loss"] == pytest.approx(by_name["mtk-without-ep"]["loss"], rel=1e-5)

@@ -26,7 +26,7 @@ def _checks(rank: int, world_size: int, directory: str) -> dict:
     sharded = torch.optim.AdamW(sharded_model.parameters(), lr=3e-3)
     distributed_optimizer.BUCKET_ELEMENTS = 1000  # several all-gather rounds even on the tiny model
     shards = shard_optimizer(sharded, state.dp_group)
-    assert shards is not None and len(shards.buckets[torch.float32]) > 2
+    assert shards is not None and len(shards.domains[0].buckets[torch.float32]) > 2  # the dense domain
     generator = torch.Generator().manual_seed(10 + state.dp_rank)  # each replica its own data
     for step in range(10):
         ids = torch.randint(0, 256, (2, 16), generator=generator)
