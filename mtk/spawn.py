@@ -112,11 +112,13 @@ def _worker(
     torch.set_num_threads(1)
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False)  # the caller's (module docstring)
-        accelerator = torch.accelerator.current_accelerator() if backend != "gloo" else None
+        accelerator = torch.accelerator.current_accelerator(check_available=True) if backend != "gloo" else None
         device = None
         if accelerator is not None:  # one device per rank, named up front (NCCL would otherwise guess it)
             device = torch.device(accelerator.type, rank % max(torch.accelerator.device_count(), 1))
             torch.accelerator.set_device_index(device.index)
+            # named with a device, no backend would mean the device's alone: CPU tensors keep gloo
+            backend = backend or f"cpu:gloo,{device.type}:{dist.Backend.default_device_backend_map[device.type]}"
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, device_id=device)
         result = fn(rank, world_size, *args)
         # By value: torch's queue would pass tensors as file descriptors that die with this process,

@@ -136,7 +136,7 @@ def _mean_exchange_bytes(measured: dict, parallel: ParallelState) -> None:
     """The all-to-alls' bytes as the EP group's mean: routing decides how many rows each rank's experts take (and
     send back), and only the group's total is fixed (:func:`~mtk.planner.collectives.predict_expert_collectives`)."""
     exchanged = measured["collectives"].get("all_to_all")
-    total = torch.tensor([exchanged["bytes"] if exchanged else 0], dtype=torch.int64)
+    total = torch.tensor([exchanged["bytes"] if exchanged else 0], dtype=torch.int64, device=parallel.device)
     dist.all_reduce(total, group=parallel.ep_group)
     if exchanged:
         exchanged["bytes"] = int(total) // parallel.ep_size

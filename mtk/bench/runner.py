@@ -30,8 +30,8 @@ from mtk.planner.shapes import (
     data_parallel_traffic,
     fsdp_traffic,
     has_residual_dropout,
-    moe_layers,
     sequence_parallel_elements,
+    stage_moe_layers,
     tp_shared_numels,
 )
 from mtk.spawn import DistributedTestError, run_distributed
@@ -94,9 +94,7 @@ def predicted_for(spec: BenchSpec) -> Predicted:
         else data_parallel_traffic(config, spec.tp_size, replicas, spec.distributed_optimizer, spec.ep_size)
     )
     stage_layers = _first_rank_layers(config, spec) if spec.pp_size > 1 else layers
-    moe = moe_layers(config)
-    # rank 0's MoE layers: a pipeline stage's share is known where every layer is one
-    moe_here = stage_layers if moe == layers else (moe if spec.pp_size == 1 else 0)
+    moe_here = stage_moe_layers(config, stage_layers, spec.pp_size)  # rank 0's
     top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
     element_size = 2 if spec.dtype == "bf16" else 4
     predicted = predict_collectives(

@@ -15,7 +15,7 @@ from mtk.models import DTYPES, resolve_config
 from mtk.parallel.layout import Layout
 from mtk.parallel.state import default_device
 from mtk.pipeline.stages import stage_layer_counts
-from mtk.planner.shapes import moe_layers
+from mtk.planner.shapes import expert_parallel_refusal
 from mtk.rules import check_tp_size
 
 PEERS = ["hf-1thread", "hf-all-threads", "transformers-tp_plan", "deepspeed-autotp"]
@@ -171,9 +171,10 @@ def _check_expert_parallel(args: argparse.Namespace, config) -> None:
         return
     if args.dp % args.ep:
         raise MtkError(f"--ep {args.ep} spreads the experts over data-parallel replicas: give --dp a multiple of it")
-    if not moe_layers(config):
-        raise MtkError(f"--ep {args.ep}: {args.model} has no mixture-of-experts layer; use an MoE model")
-    others = [flag for flag, on in (("--fsdp", args.fsdp), ("--memory", args.memory)) if on]
+    refusal = expert_parallel_refusal(config, args.ep)
+    if refusal:
+        raise MtkError(f"--ep {args.ep}: {refusal}; use an MoE model and an EP size dividing its experts")
+    others = [flag for flag, on in (("--fsdp", args.fsdp), ("--memory", args.memory)) if on]  # (--pp: refused at DP)
     if others:
         raise MtkError(f"--ep {args.ep} is measured against mtk at EP 1, without {', '.join(others)}")
     if args.compare and args.tp > 1:

@@ -10,9 +10,10 @@ from mtk.args import positive_int
 from mtk.config import CP_COMM_TYPES
 from mtk.errors import ConfigError, MtkError
 from mtk.models import check_seq_len, resolve_config
+from mtk.parallel.context import router_loss_refusal
 from mtk.planner.cluster import INFINIBAND_GBPS, NVLINK_GBPS, PEAK_TFLOPS, Cluster, parse_bytes
 from mtk.planner.search import Estimate, Request, context_parallel_refusal, plan, valid_tp_sizes
-from mtk.planner.shapes import moe_layers
+from mtk.planner.shapes import expert_parallel_refusal
 from mtk.planner.timing import model_size
 from mtk.rules import check_tp_size
 
@@ -156,10 +157,15 @@ def _check_fixed_degrees(request: Request) -> None:
             )
     if request.ep_sizes != (1,) and len(request.ep_sizes) == 1:
         ep = request.ep_sizes[0]
-        if not moe_layers(config):
-            raise ConfigError(f"--ep {ep}: {config.model_type} has no mixture-of-experts layer; use --ep 1")
+        refusal = expert_parallel_refusal(config, ep)
+        if refusal:
+            raise ConfigError(f"--ep {ep}: {refusal}; use --ep 1 or a divisor of the experts")
         if cluster.gpus % ep:
             raise ConfigError(f"--ep {ep} spreads the experts over data-parallel replicas: use a divisor of --gpus")
+    if request.pp_size and request.pp_size > 1:
+        refusal = router_loss_refusal(config, "pipeline parallelism")
+        if refusal:
+            raise ConfigError(f"--pp {request.pp_size}: {refusal}")
     if request.pp_size:
         layers = getattr(config, "num_hidden_layers", None) or config.n_layer
         if layers % request.pp_size:

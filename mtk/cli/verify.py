@@ -10,7 +10,7 @@ import transformers
 
 from mtk.errors import MtkError
 from mtk.models import resolve_config
-from mtk.planner.shapes import moe_layers
+from mtk.planner.shapes import expert_parallel_refusal
 from mtk.rules import check_tp_size
 from mtk.spawn import DistributedTestError, run_distributed
 from mtk.verify import VERIFY_DTYPES, verify_worker
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         # the sweep builds its own tiny models and batches: these options would change nothing there
         fixed = [
             f"--{k}"
-            for k, default in (("model", None), ("batch", 2), ("seq", 16), ("seed", 0))
+            for k, default in (("model", None), ("batch", 2), ("seq", 16), ("seed", 0), ("ep", 1))
             if getattr(args, k) != default
         ]
         if fixed:
@@ -83,8 +83,9 @@ def run(args: argparse.Namespace) -> int:
         raise MtkError("mtk verify needs --model NAME_OR_DIR, or --all for the architecture sweep")
     if args.types or args.write or args.pp != 1:
         raise MtkError("--types, --write and --pp go with --all")
-    if args.ep > 1 and not moe_layers(resolve_config(args.model)):
-        raise MtkError(f"--ep {args.ep}: {args.model} has no mixture-of-experts layer; use --ep 1")
+    refusal = expert_parallel_refusal(resolve_config(args.model), args.ep) if args.ep > 1 else None
+    if refusal:
+        raise MtkError(f"--ep {args.ep}: {refusal}; use --ep 1 or a divisor of the experts")
     # Fail fast, in one line, before any process starts: unknown name, missing directory, bad tp.
     check_tp_size(resolve_config(args.model), args.tp)
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]

@@ -68,6 +68,7 @@ def _resolve_targets(model: nn.Module, config: Any, report) -> Any:
     _refuse_split_target_parameters(model, config)
     config = copy.deepcopy(config)
     if getattr(config, "target_parameters", None) and not config.target_modules:
+        _refuse_split_modules_to_save(model, config)
         return config  # PEFT's parameter targets alone, on tensors mtk keeps whole (checked above)
     split = split_linear_names(model)
     suffixes = sorted({name.rpartition(".")[2] for name in split})
@@ -104,14 +105,19 @@ def _resolve_targets(model: nn.Module, config: Any, report) -> Any:
     unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
     if unmatched and stage is None:  # with pp > 1 a target may live on another stage
         raise ConfigError(f"LoRA target(s) {', '.join(unmatched)} match no module; {valid}")
-    for name, module in model.named_modules():  # PEFT copies these whole: mtk's layer hooks would not follow
+    _refuse_split_modules_to_save(model, config)
+    return config
+
+
+def _refuse_split_modules_to_save(model: nn.Module, config: Any) -> None:
+    """PEFT copies ``modules_to_save`` whole: mtk's layer hooks would not follow a split one (one line)."""
+    for name, module in model.named_modules():
         saved = [m for m in (config.modules_to_save or ()) if name == m or name.endswith(f".{m}")]
         if saved and isinstance(module, ShardedModule):
             raise ConfigError(
                 f"modules_to_save {saved[0]}: {name} is a tensor-parallel {type(module).__name__}; only modules mtk "
                 "keeps whole (a classifier head, a norm) can be trained next to the adapters"
             )
-    return config
 
 
 def _seed(device: torch.device) -> int:

@@ -82,6 +82,9 @@ class _Domain:
 
     @torch.no_grad()
     def all_gather_params(self) -> None:
+        """Every rank of the group receives the owners' updated parameters (nothing to do alone in the group)."""
+        if self.size == 1:
+            return
         for dtype, rounds in self.buckets.items():  # (none without parameters)
             device = self.params[0].device
             for pieces in rounds:  # pieces[r]: what rank r sends this round

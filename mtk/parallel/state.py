@@ -45,7 +45,10 @@ def new_group(ranks: list[int], device: torch.device) -> dist.ProcessGroup:
 
 def default_device(local_rank: int = 0) -> torch.device:
     """This process's accelerator (``cuda:<local_rank>``, ...) when one exists, else the CPU."""
-    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    # (check_available: a CUDA build on a machine without a GPU runs on the CPU)
+    accelerator = (
+        torch.accelerator.current_accelerator(check_available=True) if hasattr(torch, "accelerator") else None
+    )
     if accelerator is None:
         return torch.device("cpu")
     return torch.device(accelerator.type, local_rank % max(torch.accelerator.device_count(), 1))
@@ -70,9 +73,9 @@ def init_distributed(env: Mapping[str, str] | None = None, timeout: timedelta | 
     """Create the default process group from the launcher's environment (torchrun, accelerate, deepspeed).
 
     Does nothing when a group already exists or when the job is a single process without launcher
-    variables. The backend is left to torch's per-device default so the same call works on CPU
-    (gloo) and CUDA (NCCL). ``timeout``: how long a collective waits for a peer that hung or died
-    before it fails (torch's default when ``None``).
+    variables. The backends are torch's per-device defaults, so the same call works on CPU (gloo) and
+    CUDA (NCCL for CUDA tensors, gloo for CPU ones). ``timeout``: how long a collective waits for a peer
+    that hung or died before it fails (torch's default when ``None``).
     """
     env = os.environ if env is None else env
     if dist.is_initialized():
@@ -85,8 +88,10 @@ def init_distributed(env: Mapping[str, str] | None = None, timeout: timedelta | 
         dist.init_process_group(timeout=timeout)
         return
     torch.accelerator.set_device_index(device.index)
-    # bound to its device: NCCL then need not guess the rank-to-GPU mapping (a hang where it guesses wrong)
-    dist.init_process_group(timeout=timeout, device_id=device)
+    # bound to its device: NCCL then need not guess the rank-to-GPU mapping (a hang where it guesses wrong); a
+    # device without a backend named would get the device's backend alone, so CPU tensors keep gloo
+    backend = f"cpu:gloo,{device.type}:{dist.Backend.default_device_backend_map[device.type]}"
+    dist.init_process_group(backend=backend, timeout=timeout, device_id=device)
 
 
 class ParallelState:

@@ -8,15 +8,16 @@ from transformers import PretrainedConfig
 
 from mtk.planner.collectives import Predicted, predict_expert_collectives
 from mtk.planner.layouts import Candidate, Request
-from mtk.planner.shapes import moe_layers
+from mtk.planner.shapes import expert_parallel_refusal, moe_layers
 from mtk.planner.timing import collective_seconds
 
 __all__ = ["expert_collectives", "expert_parallel_sizes", "expert_traffic"]
 
 
 def expert_parallel_sizes(request: Request, c: Candidate) -> list[int]:
-    """The EP sizes ``c`` may run: those asked for that divide its DP size, where mtk runs EP (an MoE model at
-    pp 1 and cp 1 under accelerate, without FSDP2 or LoRA: init.check_expert_parallel, lora.get_peft_model)."""
+    """The EP sizes ``c`` may run: those asked for that divide its DP size and the experts, where mtk runs EP (an
+    MoE model at pp 1 and cp 1 under accelerate, without FSDP2 or LoRA: init.check_expert_parallel and
+    lora.get_peft_model)."""
     if (
         not moe_layers(request.config)
         or request.lora_r > 0
@@ -25,15 +26,17 @@ def expert_parallel_sizes(request: Request, c: Candidate) -> list[int]:
         or c.engine != "accelerate"
         or c.sharding == "fsdp2"
     ):
-        return [1]
-    return [ep for ep in request.ep_sizes if c.dp_size % ep == 0]
+        return [1] if 1 in request.ep_sizes else []  # as --cp N, --ep N weighs EP N layouts only
+    return [
+        ep for ep in request.ep_sizes if c.dp_size % ep == 0 and expert_parallel_refusal(request.config, ep) is None
+    ]
 
 
 def expert_collectives(request: Request, c: Candidate, element_size: int) -> Predicted:
     """The exchange's all-to-alls per step on one rank (nothing at ``ep = 1``)."""
     config: PretrainedConfig = request.config
     return predict_expert_collectives(
-        moe_layers(config),
+        moe_layers(config),  # (EP runs at pp 1: every MoE layer)
         c.micro_batch_size * request.seq,
         int(getattr(config, "num_experts_per_tok", 0) or 0),
         config.hidden_size,

@@ -141,7 +141,9 @@ def stage_memory(
         flags, ep = params.expert_flags, training.ep_size
         dense = tuple(n for n, expert in zip(params.trainable, flags) if not expert)
         experts = tuple(n for n, expert in zip(params.trainable, flags) if expert)
-        owned = _owned(dense, dp, dp_rank)  # an EP group is a run of ep replicas: its index is rank // ep
+        # an EP group is a run of ep replicas: its index is rank // ep (dp_rank None: each domain's fullest rank,
+        # which may be two ranks: an upper bound)
+        owned = _owned(dense, dp, dp_rank)
         owned += _owned(experts, max(dp // ep, 1), None if dp_rank is None else dp_rank // ep)
         optimizer = owned * 8
     elif training.sharding == "distopt":
@@ -198,7 +200,7 @@ def stage_memory(
             buffers += gradients - spread  # DDP's buckets: a persistent copy (of the dense ones: DDP skips experts)
             if spread and dp > training.ep_size:  # the experts' reduction copies one bucket at a time
                 largest = max((n for n, e in zip(params.trainable, params.expert_flags) if e), default=0)
-                reduction = max(REDUCE_BUCKET_BYTES, largest * weight_size)
+                reduction = min(spread, max(REDUCE_BUCKET_BYTES, largest * weight_size))
         else:
             reduction = gradients  # the coalesced all-reduce's flat copy
         if training.sharding == "distopt":

@@ -26,11 +26,13 @@ from mtk.planner.trace import TraceSettings, fake_process_group, meta_model, wit
 __all__ = [
     "data_parallel_traffic",
     "expert_flags",
+    "expert_parallel_refusal",
     "fsdp_traffic",
     "has_residual_dropout",
     "local_numels",
     "moe_layers",
     "sequence_parallel_elements",
+    "stage_moe_layers",
     "tp_shared_numels",
 ]
 
@@ -50,6 +52,24 @@ def expert_flags(config: PretrainedConfig, tp_size: int) -> list[bool]:
 def moe_layers(config: PretrainedConfig) -> int:
     """MoE layers of the model (modules holding 3D expert tensors): 0 for a dense model."""
     return _converted(_class_of(config), config.to_json_string(use_diff=False), 1, False).moe_layers
+
+
+def stage_moe_layers(config: PretrainedConfig, stage_layers: int, pp_size: int) -> int:
+    """MoE layers among a stage's ``stage_layers`` decoder layers: known where every layer is one (or pp is 1)."""
+    moe = moe_layers(config)
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
+    return stage_layers if moe == layers else (moe if pp_size == 1 else 0)
+
+
+def expert_parallel_refusal(config: PretrainedConfig, ep_size: int) -> str | None:
+    """Why the experts of ``config`` cannot spread over ``ep_size`` ranks (``None``: they can): a dense model, or
+    experts that do not divide evenly (as :func:`~mtk.parallel.expert_parallel.distribute_experts` refuses)."""
+    converted = _converted(_class_of(config), config.to_json_string(use_diff=False), 1, False)
+    if not converted.moe_layers:
+        return f"{config.model_type} has no mixture-of-experts layer"
+    if converted.experts_per_layer % ep_size:
+        return f"its {converted.experts_per_layer} experts per layer do not divide over {ep_size} ranks"
+    return None
 
 
 def tp_shared_numels(config: PretrainedConfig, tp_size: int) -> list[int]:
@@ -115,6 +135,7 @@ class _Converted:
     tp_shared: tuple[int, ...]  # the elements of each parameter marked tp_shared
     sequence_parallel: int  # elements marked sequence-parallel
     moe_layers: int
+    experts_per_layer: int  # E of the first MoE layer (0: none)
 
 
 @functools.lru_cache(maxsize=64)
@@ -132,6 +153,7 @@ def _converted(config_class: Any, config_json: str, tp_size: int, sequence_paral
         tp_shared=tuple(p.numel() for p in params if param_info(p).tp_shared),
         sequence_parallel=sum(p.numel() for p in params if param_info(p).sequence_parallel),
         moe_layers=len(moe),
+        experts_per_layer=int(moe[0].num_experts) if moe else 0,
     )
 
 

@@ -291,6 +291,7 @@ def _bad_target_messages(rank: int, world_size: int) -> list[str]:
         ("tiny-llama", ["lm_head"]),  # the vocabulary-parallel head
         ("tiny-llama", ["q_proj"], ["lm_head"]),  # a split module PEFT would copy whole
         ("tiny-qwen3-moe", ["q_proj"], None, ["mlp.experts.gate_up_proj"]),  # PEFT's LoRA on TP-split experts
+        ("tiny-qwen3-moe", None, ["lm_head"], ["mlp.gate.weight"]),  # parameter targets only, a split module saved
     ]:
         try:
             extra = {"modules_to_save": case[0]} if case and case[0] else {}
@@ -311,6 +312,7 @@ def test_bad_targets_are_one_line_each():
     assert "vocabulary-parallel output head" in messages[3]
     assert "modules_to_save lm_head: lm_head is a tensor-parallel VocabParallelHead" in messages[4]
     assert "layers.0.mlp.experts.gate_up_proj: mtk splits this tensor over TP" in messages[5], messages[5]
+    assert "modules_to_save lm_head: lm_head is a tensor-parallel" in messages[6], messages[6]
     assert all("\n" not in m for m in messages)
 
 

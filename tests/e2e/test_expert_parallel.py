@@ -102,3 +102,18 @@ def test_an_hf_directory_is_read_slice_by_slice_then_spread_over_ep(moe_dp2, tmp
     ours = finetune("ep2_tp2", tmp_path / "ep", *start)
     theirs = finetune("tp1_dp2", tmp_path / "dp", *start)
     assert_same_losses(ours, theirs, range(1, 2), "ep2 x tp2 vs dp2 from an HF directory")
+
+
+def test_ep2_inside_dp4_with_the_distributed_optimizer_resumes_at_ep1_exactly(tmp_path):
+    """4 processes at EP 2 with the distributed optimizer: the experts' AdamW moments sharded over their 2 replicas,
+    the dense ones over DP 4. Its step-3 checkpoint (each moment gathered from its owner, then over EP) resumes at
+    EP 1 on the same 4 replicas to the EP 2 run's own steps 4-6."""
+    keys = {"tp_degree": "1", "expert_tensor_parallel_size": "1", "use_distributed_optimizer": "true"}
+    spread = _yaml(tmp_path, **keys)
+    out = accelerate_launch("finetune.py", spread, "--output_dir", str(tmp_path / "run"), *MOE, "--save_every", "3")
+    assert "tp=1 pp=1 dp=4 ep=2 world=4" in out.stdout + out.stderr
+    losses = step_losses(out)
+    (tmp_path / "ep1").mkdir()
+    whole = _yaml(tmp_path / "ep1", **{**keys, "expert_model_parallel_size": "1"})
+    resumed = finetune(whole, tmp_path / "at_ep1", *MOE, "--resume", str(tmp_path / "run" / "step_3"))
+    assert_same_losses(resumed, losses, range(4, 7), "ep2 x dp4 distopt step 3 resumed at ep1")

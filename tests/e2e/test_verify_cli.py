@@ -38,7 +38,8 @@ def test_verify_local_directory_and_failing_tolerance(tmp_path):
         (("--model", "no-such-model"), "is neither a built-in config"),
         (("--all", "--seq", "8"), "--seq cannot go with --all"),  # the sweep builds its own batches
         (("--model", "tiny-llama", "--pp", "2"), "--types, --write and --pp go with --all"),
-        (("--model", "tiny-llama", "--ep", "2"), "--ep 2: tiny-llama has no mixture-of-experts layer"),
+        (("--model", "tiny-llama", "--ep", "2"), "--ep 2: llama has no mixture-of-experts layer"),
+        (("--all", "--ep", "2"), "--ep cannot go with --all"),
     ],
 )
 def test_verify_bad_input_is_one_line(args, message):

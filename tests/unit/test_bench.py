@@ -140,7 +140,9 @@ def test_bad_bench_input_is_one_line(capsys):
     "argv,message",
     [
         (["--ep", "2", "--dp", "3"], "--ep 2 spreads the experts over data-parallel replicas: give --dp a multiple"),
-        (["--model", "tiny-llama", "--ep", "2", "--dp", "2"], "tiny-llama has no mixture-of-experts layer"),
+        (["--model", "tiny-llama", "--ep", "2", "--dp", "2"], "--ep 2: llama has no mixture-of-experts layer"),
+        (["--ep", "3", "--dp", "3"], "--ep 3: its 8 experts per layer do not divide over 3 ranks"),
+        (["--ep", "2", "--dp", "2", "--pp", "2"], "--dp > 1 runs with --pp 1"),
         (["--ep", "2", "--dp", "2", "--memory"], "--ep 2 is measured against mtk at EP 1, without --memory"),
         (["--ep", "0"], "--ep must be at least 1, got 0"),
     ],

@@ -331,10 +331,15 @@ def test_expert_parallelism_divides_the_experts_and_adds_its_all_to_alls():
     assert not any(e.candidate.ep_size > 1 and e.candidate.engine == "deepspeed" for e in by_label.values())
 
 
-def test_expert_parallelism_on_a_dense_model_is_one_line(capsys):
+def test_what_mtk_cannot_run_on_an_moe_model_is_one_line(capsys):
     assert main(["plan", "--model", "bench-llama", "--gpus", "4", "--seq_len", "1024", "--global_batch", "4",
                  "--ep", "2"]) == 2  # fmt: skip
     assert "--ep 2: llama has no mixture-of-experts layer" in capsys.readouterr().err
+    moe = ["plan", "--model", "tiny-qwen3-moe", "--gpus", "6", "--seq_len", "64", "--global_batch", "6"]
+    assert main([*moe, "--ep", "3"]) == 2
+    assert "--ep 3: its 8 experts per layer do not divide over 3 ranks" in capsys.readouterr().err
+    assert main([*moe, "--pp", "2"]) == 2
+    assert "--pp 2: qwen3_moe: pipeline parallelism with the router's load-balancing loss" in capsys.readouterr().err
 
 
 def test_no_pipeline_for_a_router_loss_its_last_stage_cannot_compute():
