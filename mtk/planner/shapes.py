@@ -14,7 +14,7 @@ import functools
 import json
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from transformers import PretrainedConfig
 
@@ -153,7 +153,7 @@ def _converted(config_class: Any, config_json: str, tp_size: int, sequence_paral
         tp_shared=tuple(p.numel() for p in params if param_info(p).tp_shared),
         sequence_parallel=sum(p.numel() for p in params if param_info(p).sequence_parallel),
         moe_layers=len(moe),
-        experts_per_layer=int(moe[0].num_experts) if moe else 0,
+        experts_per_layer=int(cast(Any, moe[0]).num_experts) if moe else 0,
     )
 
 
