@@ -67,8 +67,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.tp < 1 or args.ep < 1:
-        raise MtkError(f"--tp and --ep must be at least 1, got {args.tp} and {args.ep}")
+    for name in ("tp", "ep"):
+        if getattr(args, name) < 1:
+            raise MtkError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.all:
         # the sweep builds its own tiny models and batches: these options would change nothing there
         fixed = [
