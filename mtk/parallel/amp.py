@@ -3,7 +3,9 @@
 ``GradScaler`` skips a step when a gradient overflowed. With the model split over ranks, each rank
 sees only its shards: one rank may find an inf its peers do not, and if it alone skipped the step the
 replicated weights would diverge. :class:`TPGradScaler` takes the max of the overflow flags over the
-model-parallel group after unscaling, so every rank makes the same decision (as Megatron does).
+model-parallel group after unscaling, so every rank makes the same decision (as Megatron does). Under expert
+parallelism a rank's experts are its alone within its EP group: the flag then spans the EP group too (TP x PP x EP,
+every rank holding a part of one model; the other EP groups hold the same reduced gradients and decide alike).
 """
 
 from __future__ import annotations
@@ -42,3 +44,5 @@ class TPGradScaler(torch.amp.GradScaler):
         found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         for flag in found.values():
             all_reduce(flag.view(1), self.parallel.mp_group, op=dist.ReduceOp.MAX)
+            if self.parallel.ep_size > 1:
+                all_reduce(flag.view(1), self.parallel.ep_group, op=dist.ReduceOp.MAX)

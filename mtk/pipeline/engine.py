@@ -32,6 +32,7 @@ from mtk.config import ConfigError, check_schedule
 from mtk.data.batching import loss_tokens
 from mtk.errors import UnsupportedModelError
 from mtk.parallel.context import SPLIT_INPUTS, ContextSplit, context_parallel_of, router_loss_refusal
+from mtk.parallel.expert_parallel import is_expert_parallel
 from mtk.parallel.fsdp import local
 from mtk.parallel.grads import all_reduce_coalesced
 from mtk.parallel.overlap import OverlappedReduction
@@ -346,7 +347,7 @@ class PipelineModel(nn.Module):
         if self.sharded_over_data_parallel:
             return None
         tied = {id(p) for p in self._tied_params()}  # summed over the embedding group first, in finalize_grads
-        untied = [p for p in self.module.parameters() if p.requires_grad and id(p) not in tied]
+        untied = [p for p in self._replicated_params() if id(p) not in tied]
         self._reduction = OverlappedReduction(untied, self.parallel.replica_group)
         return self._reduction
 
@@ -364,5 +365,11 @@ class PipelineModel(nn.Module):
             self._reduction = None
             all_reduce_coalesced(tied, self.parallel.replica_group, average=True)
             return
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in self._replicated_params() if p.grad is not None]
         all_reduce_coalesced(grads, self.parallel.replica_group, average=True)  # DP x CP: the same weights
+
+    def _replicated_params(self) -> list[nn.Parameter]:
+        """The trainable parameters every DP x CP replica holds alike: all but experts spread over EP, which
+        ``accelerator.backward`` reduces over the ranks holding the same experts
+        (:func:`~mtk.parallel.expert_parallel.reduce_expert_gradients`)."""
+        return [p for p in self.module.parameters() if p.requires_grad and not is_expert_parallel(p)]

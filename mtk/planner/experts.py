@@ -8,36 +8,36 @@ from transformers import PretrainedConfig
 
 from mtk.planner.collectives import Predicted, predict_expert_collectives
 from mtk.planner.layouts import Candidate, Request
-from mtk.planner.shapes import expert_parallel_refusal, moe_layers
+from mtk.planner.shapes import expert_parallel_refusal, moe_layers, stage_moe_layers
 from mtk.planner.timing import collective_seconds
 
 __all__ = ["expert_collectives", "expert_parallel_sizes", "expert_traffic"]
 
 
 def expert_parallel_sizes(request: Request, c: Candidate) -> list[int]:
-    """The EP sizes ``c`` may run: those asked for that divide its DP size and the experts, where mtk runs EP (an
-    MoE model at pp 1 and cp 1 under accelerate, without FSDP2 or LoRA: init.check_expert_parallel and
-    lora.get_peft_model)."""
+    """The EP sizes ``c`` may run: those asked for that divide its DP x CP replicas and the experts, where mtk runs
+    EP (an MoE model under accelerate, without FSDP2 or LoRA: init.check_expert_parallel and lora.get_peft_model;
+    with a pipeline only where every decoder layer is an MoE layer, so that each stage's exchanges are known)."""
+    config = request.config
+    every_layer = moe_layers(config) == (getattr(config, "num_hidden_layers", None) or 0)
     if (
-        not moe_layers(request.config)
+        not moe_layers(config)
         or request.lora_r > 0
-        or c.pp_size > 1
-        or c.cp_size > 1
+        or (c.pp_size > 1 and not every_layer)
         or c.engine != "accelerate"
         or c.sharding == "fsdp2"
     ):
         return [1] if 1 in request.ep_sizes else []  # as --cp N, --ep N weighs EP N layouts only
-    return [
-        ep for ep in request.ep_sizes if c.dp_size % ep == 0 and expert_parallel_refusal(request.config, ep) is None
-    ]
+    return [ep for ep in request.ep_sizes if c.replica_size % ep == 0 and expert_parallel_refusal(config, ep) is None]
 
 
-def expert_collectives(request: Request, c: Candidate, element_size: int) -> Predicted:
-    """The exchange's all-to-alls per step on one rank (nothing at ``ep = 1``)."""
+def expert_collectives(request: Request, c: Candidate, element_size: int, stage_layers: int) -> Predicted:
+    """The exchange's all-to-alls per step on a rank of a stage of ``stage_layers`` decoder layers (nothing at
+    ``ep = 1``)."""
     config: PretrainedConfig = request.config
     return predict_expert_collectives(
-        moe_layers(config),  # (EP runs at pp 1: every MoE layer)
-        c.micro_batch_size * request.seq,
+        stage_moe_layers(config, stage_layers, c.pp_size),
+        c.micro_batch_size * request.seq // c.cp_size,  # a CP rank dispatches its part of each row
         int(getattr(config, "num_experts_per_tok", 0) or 0),
         config.hidden_size,
         c.ep_size,

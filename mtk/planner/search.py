@@ -156,7 +156,7 @@ def _traffic(
     (what ``mtk bench`` counts: TP and PP from :func:`predict_collectives`, the DP reduction and the
     distributed optimizer's all-gather rounds; DeepSpeed's own ZeRO calls are not mtk's). ``numels``: the
     trainable parameters' elements; ``frozen``: a LoRA base's, which FSDP2 and ZeRO-3 gather too; ``experts``:
-    which of ``numels`` are spread experts (under EP reduced and sharded over their ``dp/ep`` replicas instead)."""
+    which of ``numels`` are spread experts (under EP reduced and sharded over their ``dp*cp/ep`` replicas instead)."""
     config, cluster = request.config, request.cluster
     predicted = predict_collectives(
         _layers(config),
@@ -228,7 +228,7 @@ def _traffic(
     gathers = _gather_widths(numels, replicas) if c.sharding == "distopt" else ()
     for width in gathers:  # the distributed optimizer's all-gather rounds of the updated weights
         dp_s += collective_seconds("all_gather", width * 4, replicas, cluster.bandwidth(dp_group))
-    expert_replicas = c.dp_size // c.ep_size
+    expert_replicas = replicas // c.ep_size
     expert_group = layout.groups("expert_replica")[0] if spread else dp_group
     expert_bytes = sum(expert_numels) * grad_size if expert_replicas > 1 else 0
     expert_gathers = _gather_widths(expert_numels, expert_replicas) if c.sharding == "distopt" and spread else ()
@@ -256,7 +256,7 @@ def _traffic(
         predicted.counts.update(context.counts)
         predicted.nbytes.update(context.nbytes)
     dp_bytes += expert_bytes  # (the dense reduction's prediction above is of the dense gradients alone)
-    exchange = expert_collectives(request, c, _activation_size(request, c))
+    exchange = expert_collectives(request, c, _activation_size(request, c), _rank_layers(config, c)[stage])
     ep_bytes, ep_s = expert_traffic(exchange, c.ep_size, cluster.bandwidth(layout.groups("ep")[0]))
     predicted.counts.update(exchange.counts)
     predicted.nbytes.update(exchange.nbytes)

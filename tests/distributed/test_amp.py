@@ -7,8 +7,8 @@ from mtk.parallel.amp import TPGradScaler
 from mtk.testing import run_distributed
 
 
-def _overflow_on_rank_1(rank: int, world_size: int) -> dict:
-    state = ParallelState.build(tp_size=world_size)
+def _overflow_on_rank_1(rank: int, world_size: int, tp: int = 2, ep: int = 1) -> dict:
+    state = ParallelState.build(tp_size=tp, ep_size=ep)
     param = torch.nn.Parameter(torch.ones(4))
     optimizer = torch.optim.SGD([param], lr=0.1)
     scaler = TPGradScaler("cpu", parallel=state, init_scale=1024.0)
@@ -24,3 +24,10 @@ def test_every_rank_skips_when_one_overflows():
     for result in run_distributed(_overflow_on_rank_1, world_size=2):
         assert result["param"] == [1.0] * 4, "step skipped on every rank, including the one without inf"
         assert result["scale"] == 512.0, "scale backed off identically"
+
+
+def test_an_overflow_in_one_ranks_experts_skips_the_step_across_its_expert_parallel_group():
+    """TP 1 x EP 2 inside DP 2: rank 1's experts overflowed; rank 0, its EP peer, holds other experts and must
+    skip too (its dense weights would otherwise leave rank 1's behind)."""
+    for result in run_distributed(_overflow_on_rank_1, world_size=2, args=(1, 2)):
+        assert result["param"] == [1.0] * 4 and result["scale"] == 512.0

@@ -132,19 +132,30 @@ def test_experts_that_get_no_token_on_a_rank_still_exchange_in_backward():
         assert min(r["fewest_taken"] for r in results) == 0, results  # a rank whose experts got nothing in a layer
 
 
-def _accelerator_worker(rank: int, world: int, tp: int, ep: int, sharded: bool) -> list[tuple[float, float]]:
+def _accelerator_worker(
+    rank: int, world: int, tp: int, ep: int, sharded: bool, cp: int = 1, pp: int = 1
+) -> list[tuple[float, float]]:
     """Three optimizer steps through ``mtk.Accelerator`` at EP (DDP ignores the experts, which backward() reduces over
     their replicas; clipping by the norm that counts each expert once) against one process on the global batch.
     ``sharded``: with the distributed optimizer (dense state over DP, the experts' over their replicas)."""
     from mtk import Accelerator, ParallelConfig, RunSettings
 
     accelerator = Accelerator(
-        parallel_config=ParallelConfig(tp_size=tp, ep_size=ep),
-        run_settings=RunSettings(use_distributed_optimizer=sharded),
+        parallel_config=ParallelConfig(tp_size=tp, ep_size=ep, cp_size=cp, pp_size=pp),
+        run_settings=RunSettings(
+            use_distributed_optimizer=sharded,
+            num_micro_batches=2,
+            # the 4-rank pipeline interleaved (two chunks of one layer per stage: every chunk's experts exchange)
+            pipeline_schedule="interleaved" if pp > 1 and world == 4 else "1f1b",
+            virtual_stages=2 if pp > 1 and world == 4 else 1,
+        ),
     )
     parallel = accelerator.parallel
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config("qwen3_moe", 4)).float()
+    config = _config("qwen3_moe", 4)
+    # CP and PP refuse the load-balancing term (a CP rank sees part of a row, a pipeline's last stage its own layers)
+    config.output_router_logits = cp == pp == 1
+    model = AutoModelForCausalLM.from_config(config).float()
     reference = copy.deepcopy(model)
     # SGD with momentum: linear in the gradients, so the weights compare at the bar (Adam's first steps divide tiny
     # gradients by their own size, and turn rounding into sign flips of whole updates)
@@ -160,7 +171,7 @@ def _accelerator_worker(rank: int, world: int, tp: int, ep: int, sharded: bool) 
             )
             total = torch.tensor(held)
             dist.all_reduce(total, group=group)
-            assert int(total) == every and held < every, (experts, held, every)
+            assert int(total) == every and (held < every or dist.get_world_size(group) == 1), (experts, held, every)
     expected = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     ids = torch.randint(0, 256, (parallel.dp_size * ROWS, SEQ), generator=torch.Generator().manual_seed(1))
     mine = ids[parallel.dp_rank * ROWS : (parallel.dp_rank + 1) * ROWS]
@@ -194,12 +205,27 @@ def _accelerator_worker(rank: int, world: int, tp: int, ep: int, sharded: bool) 
     return logged
 
 
-@pytest.mark.parametrize(("world", "tp", "ep", "sharded"), [(2, 1, 2, False), (4, 2, 2, False), (4, 1, 2, True)])
-def test_accelerator_trains_at_expert_parallelism_as_one_process(world, tp, ep, sharded):
+@pytest.mark.parametrize(
+    ("world", "tp", "ep", "sharded", "cp", "pp"),
+    [
+        (2, 1, 2, False, 1, 1),
+        (4, 2, 2, False, 1, 1),
+        (4, 1, 2, True, 1, 1),
+        (4, 1, 2, False, 2, 1),
+        (8, 2, 2, True, 2, 1),
+        (4, 1, 2, False, 1, 2),
+        (8, 2, 2, True, 1, 2),
+    ],
+)
+def test_accelerator_trains_at_expert_parallelism_as_one_process(world, tp, ep, sharded, cp, pp):
     """EP 2 over DP 2; EP 2 with the experts split over TP 2 (Megatron's expert-tensor parallelism = TP); EP 2 inside
-    DP 4 with the distributed optimizer (the experts' state sharded over their 2 replicas, the dense over 4):
-    losses, clipped gradient norms and (at TP 1) every weight after 3 steps equal one process's."""
-    logged = run_distributed(_accelerator_worker, world_size=world, args=(tp, ep, sharded), timeout=600)
+    DP 4 with the distributed optimizer (the experts' state sharded over their 2 replicas, the dense over 4); EP 2
+    over a CP 2 x DP 2 replica set (the EP group is the CP pair: its ranks dispatch different parts of one row); EP 2
+    inside DP 2 x CP 2 with TP 2 and the distributed optimizer; EP 2 over the DP pairs of an interleaved PP 2 (each
+    stage's chunks exchange with their counterparts; the pipeline's DP reduction leaves the experts alone); EP 2 x
+    TP 2 x PP 2 (1F1B) with the distributed optimizer: losses, clipped gradient norms and (at TP 1) every weight a
+    rank holds after 3 steps equal one process's. CP and PP run without the load-balancing term, which they refuse."""
+    logged = run_distributed(_accelerator_worker, world_size=world, args=(tp, ep, sharded, cp, pp), timeout=600)
     assert all(run == logged[0] for run in logged)
 
 

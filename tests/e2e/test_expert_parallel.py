@@ -9,6 +9,8 @@ expert by its global index: a checkpoint written at EP 2 resumes at EP 1 and one
 model family and with uneven routing, is tests/distributed/test_expert_parallel.py.
 """
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -79,7 +81,7 @@ def _yaml(tmp_path: Path, **keys: str) -> str:
         ({"expert_model_parallel_size": "4"}, "expert parallelism 4 does not divide the 2 ranks"),
         (
             {"pp_degree": "2", "tp_degree": "1", "expert_tensor_parallel_size": "1"},
-            "expert parallelism (ep = 2) does not run with pipeline parallelism",
+            "pipeline parallelism with the router's load-balancing loss in the loss is not supported",
         ),
     ],
 )
@@ -117,3 +119,23 @@ def test_ep2_inside_dp4_with_the_distributed_optimizer_resumes_at_ep1_exactly(tm
     whole = _yaml(tmp_path / "ep1", **{**keys, "expert_model_parallel_size": "1"})
     resumed = finetune(whole, tmp_path / "at_ep1", *MOE, "--resume", str(tmp_path / "run" / "step_3"))
     assert_same_losses(resumed, losses, range(4, 7), "ep2 x dp4 distopt step 3 resumed at ep1")
+
+
+def test_ep2_inside_a_pp2_pipeline_logs_the_dp2_losses_and_resumes_at_ep1(moe_dp2, tmp_path):
+    """TP 1 x PP 2 x DP 2 with EP 2 over the DP pairs of each stage: each stage's experts spread over EP, the
+    pipeline's DP reduction leaves them to their replicas. The model's load-balancing term is off (a pipeline's last
+    stage holds its own layers' router logits only: one line above), so the reference is DP 2 on the same
+    directory; the step-3 checkpoint (experts gathered over EP on each stage) resumes at EP 1 without a pipeline."""
+    model = tmp_path / "unbalanced"
+    shutil.copytree(moe_dp2.dir / "model", model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "output_router_logits": False}))
+    run = ("--model", str(model), *MOE[2:])
+    reference = finetune("tp1_dp2", tmp_path / "dp2", *run)
+    keys = {"pp_degree": "2", "tp_degree": "1", "expert_tensor_parallel_size": "1", "num_micro_batches": "2"}
+    out = accelerate_launch("finetune.py", _yaml(tmp_path, **keys), "--output_dir", str(tmp_path / "run"), *run,
+                            "--save_every", "3")  # fmt: skip
+    assert "tp=1 pp=2 (1f1b, 2 micro-batches) dp=2 ep=2 world=4" in out.stdout + out.stderr
+    assert_same_losses(step_losses(out), reference, range(1, 7), "pp2 x ep2 vs dp2")
+    resumed = finetune("tp1_dp2", tmp_path / "at_ep1", *run, "--resume", str(tmp_path / "run" / "step_3"))
+    assert_same_losses(resumed, reference, range(4, 7), "pp2 x ep2 step 3 resumed at pp1 x ep1")

@@ -329,6 +329,19 @@ def test_expert_parallelism_divides_the_experts_and_adds_its_all_to_alls():
     assert sharded.collectives["all_reduce"]["count"] == 1 + 4
     assert model_size(config).matmul_parameters < model_size(config).parameters - experts * 3 // 4 + 1
     assert not any(e.candidate.ep_size > 1 and e.candidate.engine == "deepspeed" for e in by_label.values())
+    # at CP 2 (without the load-balancing term CP refuses) EP is carved out of the DP x CP replicas, and a CP rank
+    # dispatches its half of each row: micro-batches of 2 rows move what 1 row does at CP 1
+    unbalanced = copy.deepcopy(config)
+    unbalanced.output_router_logits = False
+    at_cp = Request(unbalanced, Cluster(4, gpu_memory=8 * GIB), 1024, 4, dtype="fp32", reserve=0, ep_sizes=(4,),
+                    cp_sizes=(2,))  # fmt: skip
+    by_label = {e.candidate.label: e for e in plan(at_cp)}
+    split = by_label["tp1 cp2 pp1 dp2 ep4 2x1"]
+    assert split.collectives["all_to_all"] == spread.collectives["all_to_all"]
+    assert split.memory.weights == spread.memory.weights
+    # at PP 2 (the load-balancing term off) a stage exchanges for its own 2 MoE layers, per pipeline micro-batch
+    piped = {e.candidate.label: e for e in plan(replace(at_cp, cp_sizes=(1,), ep_sizes=(2,), pp_size=2))}
+    assert piped["tp1 pp2 dp2 ep2 1x2"].collectives["all_to_all"]["count"] == 2 * 2 * 6
 
 
 def test_what_mtk_cannot_run_on_an_moe_model_is_one_line(capsys):

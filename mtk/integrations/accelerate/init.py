@@ -112,11 +112,5 @@ def check_expert_parallel(config: ParallelConfig, *, deepspeed: bool, fsdp: bool
     where = f"expert parallelism (ep = {config.ep_size})"
     if deepspeed:
         raise ConfigError(f"{where} does not run under DeepSpeed yet; use a megatron_lm_config YAML (DDP)")
-    if config.pp_size > 1:
-        raise ConfigError(f"{where} does not run with pipeline parallelism (pp = {config.pp_size}) yet; set pp to 1")
-    if config.cp_size > 1:
-        raise ConfigError(f"{where} with context parallelism (cp = {config.cp_size}) is not supported yet; use cp 1")
     if fsdp:
         raise ConfigError(f"{where} with FSDP2 (parallelism_config dp_shard_size > 1) is not supported yet")
-    if fp16:  # each EP rank would find an overflow in its own experts only, and skip a step its peers take
-        raise ConfigError(f"{where} with fp16 loss scaling is not supported yet; use mixed_precision bf16 or no")
