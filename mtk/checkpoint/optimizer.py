@@ -17,6 +17,7 @@ from torch import nn
 from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.checkpoint.weights import read_safetensors, source_name
 from mtk.errors import CheckpointError
+from mtk.parallel.expert_parallel import experts_piece, spread_placement
 from mtk.parallel.fsdp import shard_like
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.pieces import Piece, flat_piece
@@ -40,14 +41,15 @@ def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str
 def save_optimizer(
     model: nn.Module, optimizer: torch.optim.Optimizer, stem: Path, piece: Piece | None = None, *, groups: Path
 ) -> None:
-    """Moments as whole TP shards, like the weights; with ``piece`` (FSDP2), this rank's flat piece of each (a
-    moment is split as its parameter is, so the weights file's ranges place it). Param groups and non-tensor
+    """Moments as whole TP shards, like the weights; with ``piece`` (FSDP2, ZeRO-3, EP), this rank's flat piece of
+    each (a moment is split as its parameter is, so the weights file's ranges place it). Param groups and non-tensor
     state go to ``groups`` (JSON), written with piece 0 only."""
     names = _param_names(model, optimizer)
     state_dict = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     other: dict[str, dict[str, Any]] = {}
     for index, param_state in state_dict["state"].items():
+        placement = spread_placement(model, names[index]) if piece is not None else None
         for key, value in param_state.items():
             if not torch.is_tensor(value):
                 other.setdefault(names[index], {})[key] = value
@@ -56,6 +58,8 @@ def save_optimizer(
             elif value.dim() == 0:  # a scalar (Adam's step): piece 0 keeps it as it is
                 if piece.index == 0:
                     tensors[f"{names[index]}::{key}"] = value.detach().cpu()
+            elif placement is not None:  # a moment of this EP rank's experts: placed by the weights file's range
+                tensors[f"{names[index]}::{key}"] = experts_piece(value, placement)[0].contiguous().cpu()
             elif (held := flat_piece(value, piece)) is not None:
                 tensors[f"{names[index]}::{key}"] = held[0].cpu()  # [stop - start]
     save_file(tensors, str(stem.with_suffix(".safetensors")))
@@ -124,7 +128,11 @@ def reshard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, reader
             else:
                 shape, spec = full_shape_and_spec(model, name)
                 # contiguous, as the parameter is: a fused optimizer reads its state by memory, not by index
-                value = take_shard(spec, shape, full.__getitem__).contiguous()
+                value = take_shard(spec, shape, full.__getitem__)
+                placement = spread_placement(model, name)
+                if placement is not None:  # this EP rank's experts' moments
+                    value = value[placement.first : placement.first + placement.local]
+                value = value.contiguous()
             state.setdefault(i, {})[field] = value
         if source in saved_groups["state"]:  # non-tensor per-parameter state
             state.setdefault(i, {}).update(saved_groups["state"][source])

@@ -33,7 +33,7 @@ from mtk.checkpoint.rng import restore_rng, rng_state
 from mtk.checkpoint.weights import load_weights, reshard_weights, save_weights
 from mtk.errors import CheckpointError
 from mtk.parallel.distributed_optimizer import full_optimizer_state
-from mtk.parallel.expert_parallel import experts_whole
+from mtk.parallel.expert_parallel import is_expert_parallel
 from mtk.parallel.fsdp import module_class, piece_of
 from mtk.parallel.layout import Layout
 from mtk.parallel.pieces import Piece
@@ -97,13 +97,14 @@ def save_checkpoint(
     ``piece``: where this rank's pieces sit when the model's parameters are split over DP by an engine (ZeRO-3);
     FSDP2's are found from the parameters themselves.
     """
-    piece = piece or piece_of(model)
+    piece = piece or piece_of(model) or _expert_piece(model, parallel)
     if piece is not None and len(optimizers) > 1:  # a checkpoint in pieces is read back through the resharding
         raise CheckpointError(  # reader, which restores one optimizer
-            f"saving {len(optimizers)} optimizers with parameters split over data parallelism (FSDP2) is not "
-            "supported; use one optimizer (parameter groups for different settings)"
+            f"saving {len(optimizers)} optimizers with parameters split over data parallelism (FSDP2) or experts "
+            "spread over expert parallelism is not supported; use one optimizer (parameter groups for different "
+            "settings)"
         )
-    with atomic_dir(directory, owner=parallel.rank == 0, barrier=_barrier) as tmp, experts_whole(model, optimizers):
+    with atomic_dir(directory, owner=parallel.rank == 0, barrier=_barrier) as tmp:
         paths = CheckpointPaths(tmp)
         if parallel.rank == 0:
             paths.make_dirs()
@@ -111,7 +112,8 @@ def save_checkpoint(
         checksums = Checksums(tmp)  # hashes each big file in the background while the next is written
         # weights and optimizer are replicated over DP x CP: one copy per (tp, pp), written by replica rank 0 (a
         # distributed optimizer first gathers its state there: collective, every replica takes part). FSDP2 splits
-        # them over DP (ZeRO-3 too): each rank writes its own flat piece of its TP shard (HSDP: the first replica)
+        # them over DP (ZeRO-3 too): each rank writes its own flat piece of its TP shard (HSDP: the first replica).
+        # Under EP each rank of the first EP group writes its experts as its piece (piece 0 the dense tensors too)
         index = piece.index if piece is not None else None
         tp, pp = parallel.tp_rank, parallel.pp_rank
         with full_optimizer_state(optimizers, gather=True):
@@ -176,9 +178,11 @@ def load_checkpoint(
     paths = CheckpointPaths(directory)
     saved = meta.topology
     check_base(str(directory), meta.base_model, model, parallel)  # collective
-    # every rank loads all, then keeps its own share (of the distributed optimizer's state; of the experts at EP)
-    with full_optimizer_state(optimizers, gather=False), experts_whole(model, optimizers):
-        if (saved.tp_size, saved.pp_size, meta.pieces) == (parallel.tp_size, parallel.pp_size, None):
+    # every rank loads all of the distributed optimizer's state, then keeps its own share; a rank holding experts
+    # spread over EP reads its own experts (one tensor at a time, through the resharding reader)
+    spread = parallel.ep_size > 1 and _expert_piece(model, parallel) is not None
+    with full_optimizer_state(optimizers, gather=False):
+        if (saved.tp_size, saved.pp_size, meta.pieces, spread) == (parallel.tp_size, parallel.pp_size, None, False):
             load_weights(model, paths.weights(parallel.tp_rank, parallel.pp_rank))
             for i, optimizer in enumerate(optimizers):
                 load_optimizer(model, optimizer, paths.optimizer(parallel.tp_rank, parallel.pp_rank, i))
@@ -195,6 +199,15 @@ def load_checkpoint(
     meta.rng = restore_rng(paths, meta, parallel)
     restore_streams(model, meta, parallel)
     return meta
+
+
+def _expert_piece(model: nn.Module, parallel: ParallelState) -> Piece | None:
+    """Under EP, where this rank's experts sit in a checkpoint: piece ``ep_rank`` of ``ep_size``, written by the
+    first of the ranks holding the same experts; ``None`` when the model has no experts spread over EP."""
+    if parallel.ep_size == 1 or not any(is_expert_parallel(p) for p in model.parameters()):
+        return None
+    first_holder = parallel.expert_replica_ranks[0] == parallel.rank
+    return Piece(parallel.ep_rank, parallel.ep_size, writes=first_holder)
 
 
 def _streams_state(model: nn.Module) -> dict[str, Any]:

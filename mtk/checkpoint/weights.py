@@ -16,6 +16,7 @@ from torch import nn
 
 from mtk.checkpoint.base_model import checkpointed_parameters
 from mtk.errors import CheckpointError
+from mtk.parallel.expert_parallel import experts_piece, spread_placement
 from mtk.parallel.fsdp import copy_into
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.parameters import param_info
@@ -26,9 +27,9 @@ __all__ = ["load_weights", "read_safetensors", "reshard_weights", "save_weights"
 
 
 def save_weights(model: nn.Module, path: Path, piece: Piece | None = None) -> None:
-    """This rank's TP shard of every checkpointed tensor, with its spec; with ``piece`` (FSDP2, ZeRO-3), only this
-    rank's flat piece of each, with the elements of the shard it covers (``flat``) and the shard's shape: no rank
-    gathers anything, each writes what it holds."""
+    """This rank's TP shard of every checkpointed tensor, with its spec; with ``piece`` (FSDP2, ZeRO-3, EP), only
+    this rank's flat piece of each, with the elements of the shard it covers (``flat``) and the shard's shape: no
+    rank gathers anything, each writes what it holds (under EP: its own experts, and piece 0 the dense tensors)."""
     tensors: dict[str, torch.Tensor] = {}
     specs: dict[str, dict[str, Any]] = {}
     for name, param in checkpointed_parameters(model):
@@ -41,8 +42,13 @@ def save_weights(model: nn.Module, path: Path, piece: Piece | None = None) -> No
         }
         if param_info(param).pipeline_duplicate:  # last stage's copy of a tied embedding
             record["tied_to"] = param_info(param).tied_to
+        placement = spread_placement(model, name)
         if piece is None:
             tensors[name] = param.detach().contiguous().cpu()
+        elif placement is not None:  # this EP rank's experts: its run of the tensor of every expert
+            values, flat, whole = experts_piece(param, placement)
+            tensors[name] = values.contiguous().cpu()  # [stop - start]
+            record.update(flat=list(flat), shard_shape=list(whole))
         else:
             held = flat_piece(param, piece)
             if held is None:
@@ -93,4 +99,8 @@ def reshard_weights(model: nn.Module, reader) -> None:
             full = reader.full(source_name(model, name, available))
             if tuple(full.shape) != tuple(shape):
                 raise CheckpointError(f"{name}: checkpoint has shape {tuple(full.shape)}, this model {tuple(shape)}")
-            copy_into(param, take_shard(spec, shape, full.__getitem__))
+            shard = take_shard(spec, shape, full.__getitem__)
+            placement = spread_placement(model, name)
+            if placement is not None:  # this EP rank's experts of the TP shard
+                shard = shard[placement.first : placement.first + placement.local]
+            copy_into(param, shard)

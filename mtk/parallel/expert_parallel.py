@@ -31,8 +31,8 @@ returning exchange is anchored to the dispatched rows so that autograd always re
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -52,13 +52,14 @@ __all__ = [
     "distribute_experts",
     "expert_parallel_forward",
     "expert_placement",
-    "experts_whole",
+    "experts_piece",
     "gather_experts",
     "is_expert_parallel",
     "local_experts_implementation",
     "reduce_expert_gradients",
     "refuse_spread_experts",
     "spread_experts",
+    "spread_placement",
 ]
 
 EXPERT_PARALLEL_ATTRIBUTE = "mtk_expert_parallel"  # the ExpertPlacement of an experts module spread over EP
@@ -296,16 +297,6 @@ def refuse_spread_experts(model: nn.Module, what: str) -> None:
         )
 
 
-def _spread(model: nn.Module) -> list[tuple[nn.Parameter, ExpertPlacement]]:
-    """Every parameter holding this rank's experts, with its module's placement."""
-    found = []
-    for module in model.modules():
-        placement = expert_placement(module)
-        if placement is not None:
-            found += [(p, placement) for p in module.parameters(recurse=False) if is_expert_parallel(p)]
-    return found
-
-
 def gather_experts(local: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
     """Every rank's experts of one tensor, in global order: ``[E/ep, ...]`` -> ``[E, ...]`` (collective)."""
     whole = local.new_empty((placement.num_experts, *local.shape[1:]))
@@ -313,38 +304,24 @@ def gather_experts(local: torch.Tensor, placement: ExpertPlacement) -> torch.Ten
     return whole
 
 
-@contextmanager
-def experts_whole(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> Iterator[None]:
-    """A context in which every spread experts tensor of ``model`` (and its optimizer moments) holds all ``E``
-    experts, as at EP = 1; on leaving, each rank keeps its own experts of what the tensors then hold.
+def spread_placement(model: nn.Module, name: str) -> ExpertPlacement | None:
+    """The placement of parameter ``name`` of ``model`` where it holds this rank's experts only (else ``None``)."""
+    if not is_expert_parallel(model.get_parameter(name)):
+        return None
+    return expert_placement(model.get_submodule(name.rpartition(".")[0]))
 
-    Checkpoints are written and read this way, so they are the same files at every EP size (a checkpoint written at
-    EP = 2 resumes at EP = 1 and back), and a resume sets whole tensors and keeps its slice (the gathered state dict
-    takes one tensor at a time through :func:`gather_experts` instead). Collective over each EP group. The whole
-    experts (and their optimizer moments) are held while the context lasts."""
-    spread = _spread(model)
-    kept = {id(p): p.data for p, _ in spread}
-    for param, placement in spread:
-        param.data = gather_experts(param.data, placement)
-    for optimizer in optimizers:  # per-expert state (its first dimension the local experts): whole too
-        for param, placement in spread:
-            state = optimizer.state.get(param, {})
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == placement.local:
-                    state[key] = gather_experts(value, placement)
-    try:
-        yield
-    finally:
-        for param, placement in spread:
-            mine = slice(placement.first, placement.first + placement.local)
-            param.data = param.data[mine].clone() if param.shape[0] == placement.num_experts else kept[id(param)]
-        for optimizer in optimizers:  # read afresh: loading a state dict replaces the optimizer's state mapping
-            for param, placement in spread:
-                mine = slice(placement.first, placement.first + placement.local)
-                state = optimizer.state.get(param, {})
-                for key, value in state.items():
-                    if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == placement.num_experts:
-                        state[key] = value[mine].clone()
+
+def experts_piece(
+    tensor: torch.Tensor, placement: ExpertPlacement
+) -> tuple[torch.Tensor, tuple[int, int], tuple[int, ...]]:
+    """A spread experts tensor (or one of its optimizer moments) as a flat piece of the tensor of all ``E`` experts:
+    ``(values, (start, stop), whole shape)``. This rank's experts are consecutive rows, so they are one contiguous
+    run of the row-major whole; a checkpoint stores each EP rank's run (:mod:`mtk.parallel.pieces`) and no rank
+    gathers the experts."""
+    row = math.prod(tensor.shape[1:])
+    start = placement.first * row
+    whole = (placement.num_experts, *tensor.shape[1:])
+    return tensor.detach().reshape(-1), (start, start + placement.local * row), whole
 
 
 def local_experts_implementation(model: nn.Module, implementation: str) -> int:

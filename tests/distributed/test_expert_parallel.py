@@ -4,6 +4,7 @@ the EP group, tokens dispatched by all-to-all. Logits, the loss with its load-ba
 one-process model's on the same batches (fp32, 1e-5)."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -252,3 +253,63 @@ def test_a_pipeline_refuses_the_router_loss_its_last_stage_cannot_compute():
     messages = run_distributed(_pipeline_refusal, world_size=2)
     assert all("pipeline parallelism with the router's load-balancing loss" in m for m in messages), messages
     assert all("set output_router_logits to false" in m and "\n" not in m for m in messages)
+
+
+def _checkpoint_worker(rank: int, world: int, directory: str) -> dict:
+    """One AdamW step at EP 2 inside DP 4 with the distributed optimizer, a checkpoint, then the weights and moments
+    scrambled and the checkpoint loaded back."""
+    from safetensors import safe_open
+
+    from mtk import Accelerator, ParallelConfig, RunSettings
+    from mtk.parallel.collective_count import count_collectives
+
+    accelerator = Accelerator(
+        parallel_config=ParallelConfig(ep_size=2), run_settings=RunSettings(use_distributed_optimizer=True)
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config("qwen3_moe", 4)).float()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ids = torch.randint(0, 256, (ROWS, SEQ), generator=torch.Generator().manual_seed(rank))
+    accelerator.backward(model(input_ids=ids, labels=ids, use_cache=False).loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    trained = accelerator.unwrap_model(model)
+    expert_numel = max(p.numel() for p in trained.parameters() if is_expert_parallel(p))
+    with count_collectives() as log:
+        accelerator.save_state(directory)
+    gathered = max((e.nbytes for e in log.of("all_gather")), default=0)
+    assert gathered < expert_numel * 4, f"a save gathered {gathered} bytes: an experts tensor is {expert_numel * 4}"
+    saved = {n: p.detach().clone() for n, p in trained.named_parameters()}
+    moments = {id(p): {k: v.clone() for k, v in s.items()} for p, s in optimizer.optimizer.state.items()}
+    with torch.no_grad():
+        for param in trained.parameters():
+            param.fill_(0.5)
+    for state in optimizer.optimizer.state.values():
+        for value in state.values():
+            if value.dim():
+                value.fill_(0.5)
+    accelerator.load_state(directory)
+    for name, param in trained.named_parameters():
+        assert torch.equal(param.detach(), saved[name]), f"{name} after load"
+    for param, state in optimizer.optimizer.state.items():
+        for key, value in state.items():
+            assert torch.equal(value, moments[id(param)][key]), f"moment {key} after load"
+    files = {}
+    if rank == 0:
+        for stem in ("piece00", "piece01"):
+            with safe_open(f"{directory}/model/tp00-pp00-{stem}.safetensors", "pt") as handle:
+                files[stem] = sorted(handle.keys())
+    return files
+
+
+def test_a_checkpoint_at_expert_parallelism_is_written_in_pieces_and_reads_back_exactly(tmp_path):
+    """Each rank of the first EP group writes its own experts (piece ``ep_rank``; piece 0 also the dense tensors):
+    no rank gathers an experts tensor (at Qwen3-30B-A3B's EP 8 gathering them all took 8x each rank's experts and
+    their moments). Its weights and AdamW moments (the distributed optimizer's, gathered from their owners) load
+    back exactly at the same layout; tests/e2e/test_expert_parallel.py resumes such checkpoints at EP 1."""
+    results = run_distributed(_checkpoint_worker, world_size=4, args=(str(tmp_path / "step"),), timeout=600)
+    files = results[0]
+    assert files["piece01"] and all(".mlp.experts." in name for name in files["piece01"]), files
+    assert any(".mlp.experts." in name for name in files["piece00"]) and "lm_head.weight" in files["piece00"]
+    meta = json.loads((tmp_path / "step" / "metadata.json").read_text())
+    assert meta["pieces"] == 2
