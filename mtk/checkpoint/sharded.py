@@ -14,6 +14,7 @@ filesystem.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any, cast
@@ -222,7 +223,7 @@ def restore_streams(model: nn.Module, meta: CheckpointMeta, parallel: ParallelSt
     record = parallelized(model)
     if record is None or record.rng is None or "streams" not in meta.rng:
         return
-    if meta.topology == topology_of(parallel):
+    if replace(meta.topology, ep_size=1) == replace(topology_of(parallel), ep_size=1):  # EP moves no TP rank
         record.rng.load_state_dict(meta.rng["streams"])
 
 

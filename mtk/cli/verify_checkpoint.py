@@ -23,7 +23,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     meta = read_verified(args.checkpoint)
-    where = f"step {meta.step}, tp={meta.topology.tp_size} pp={meta.topology.pp_size} dp={meta.topology.dp_size}"
+    layout = meta.topology
+    cp = f" cp={layout.cp_size}" if layout.cp_size > 1 else ""
+    ep = f" ep={layout.ep_size}" if layout.ep_size > 1 else ""
+    where = f"step {meta.step}, tp={layout.tp_size}{cp} pp={layout.pp_size} dp={layout.dp_size}{ep}"
     if not meta.files:
         print(f"{args.checkpoint}: {meta.format} has no checksums; only its metadata was read ({where})")
         return 0

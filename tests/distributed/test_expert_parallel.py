@@ -312,4 +312,4 @@ def test_a_checkpoint_at_expert_parallelism_is_written_in_pieces_and_reads_back_
     assert files["piece01"] and all(".mlp.experts." in name for name in files["piece01"]), files
     assert any(".mlp.experts." in name for name in files["piece00"]) and "lm_head.weight" in files["piece00"]
     meta = json.loads((tmp_path / "step" / "metadata.json").read_text())
-    assert meta["pieces"] == 2
+    assert meta["pieces"] == 2 and meta["topology"] == {"world": 4, "tp": 1, "pp": 1, "dp": 4, "ep": 2}
