@@ -148,3 +148,34 @@ def test_dpo_with_a_pipeline_and_dropout_is_refused_in_one_line(chat_setup, tmp_
     launch = accelerate_launch(SCRIPT, "tp1_pp2", *args, check=False)
     assert launch.returncode != 0
     assert "DPOConfig.disable_dropout=False with pp > 1" in launch.stderr, launch.stderr[-3000:]
+
+
+@pytest.mark.parametrize("task", ["sft", "dpo"])
+def test_an_moe_model_at_expert_parallelism_logs_trls_numbers(chat_setup, tmp_path, task):
+    """TRL's SFTTrainer and DPOTrainer (its reference model spread alike) on a tiny Qwen3-MoE (its load-balancing
+    term in the loss) at accelerate_configs/ep2.yaml: the experts spread over the 2 DP ranks, tokens exchanged by
+    all-to-all. EP is carved out of DP, so the reference is TRL on 2 plain torchrun processes: every number TRL logs
+    agrees."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mtk.models import builtin_config
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_setup.model)
+    config = builtin_config("tiny-qwen3-moe")
+    config.update(
+        dict(
+            vocab_size=len(tokenizer),
+            bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+    torch.manual_seed(0)
+    moe = tmp_path / "moe"
+    AutoModelForCausalLM.from_config(config).save_pretrained(moe)
+    tokenizer.save_pretrained(moe)
+    setup = type(chat_setup)(moe, chat_setup.data, chat_setup.eval_data)
+    expected = _trl_run(task, setup, tmp_path / "trl", 2)
+    ours = _mtk_run(task, "ep2", setup, tmp_path / "mtk")
+    assert_trl_numbers(ours, expected, f"{task} ep2")
