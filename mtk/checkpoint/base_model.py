@@ -4,7 +4,8 @@ A LoRA checkpoint (``step_N`` of a ``PeftModel``) stores only the trainable para
 another base would silently train a different model. The fingerprint is a function of the base's full weights
 only, not of the layout that computes it: the frozen parameters' count, full element count, and the fp64 sums of
 their elements, magnitudes and squares, each rank adding its shard (vocabulary padding adds zeros; a copy held by
-several TP ranks adds ``1 / copies`` each; another stage's copy of a tied embedding adds nothing). Two bases agree
+several TP ranks adds ``1 / copies`` each; another stage's copy of a tied embedding adds nothing; experts spread
+over EP are added by the first of the ranks holding each: every expert once). Two bases agree
 when the counts are equal and the sums agree to 1e-9 of their scale (the order of additions differs by layout).
 """
 
@@ -50,7 +51,10 @@ def fingerprint(model: nn.Module, parallel: ParallelState | None = None) -> dict
         info = param_info(param)
         if (param.requires_grad and parallel is not None) or info.pipeline_duplicate:
             continue
-        if not counted_here(param, replica_rank):  # one replica counts (FSDP2: each piece of the first, once)
+        if parallel is not None and info.expert_parallel:  # this EP rank's experts: their first holder counts them
+            if parallel.expert_replica_ranks[0] != parallel.rank:
+                continue
+        elif not counted_here(param, replica_rank):  # one replica counts (FSDP2: each piece of the first, once)
             continue
         shape, spec = full_shape_and_spec(model, name)
         if spec.is_replicated and not first:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtk.checkpoint.atomic import atomic_dir, write_synced
-from mtk.checkpoint.base_model import base_record, check_base
+from mtk.checkpoint.base_model import base_record, check_base, checkpointed_parameters
 from mtk.checkpoint.integrity import Checksums, checksum_files, read_verified
 from mtk.checkpoint.meta import FORMAT, RUN_ID, CheckpointMeta, read_metadata
 from mtk.checkpoint.optimizer import load_optimizer, reshard_optimizer, save_optimizer, saved_optimizer_groups
@@ -204,8 +204,9 @@ def load_checkpoint(
 
 def _expert_piece(model: nn.Module, parallel: ParallelState) -> Piece | None:
     """Under EP, where this rank's experts sit in a checkpoint: piece ``ep_rank`` of ``ep_size``, written by the
-    first of the ranks holding the same experts; ``None`` when the model has no experts spread over EP."""
-    if parallel.ep_size == 1 or not any(is_expert_parallel(p) for p in model.parameters()):
+    first of the ranks holding the same experts; ``None`` when it saves no experts spread over EP (none, or a LoRA
+    run's frozen ones: its checkpoint holds the adapters)."""
+    if parallel.ep_size == 1 or not any(is_expert_parallel(p) for _, p in checkpointed_parameters(model)):
         return None
     first_holder = parallel.expert_replica_ranks[0] == parallel.rank
     return Piece(parallel.ep_rank, parallel.ep_size, writes=first_holder)

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch import nn
 
 from mtk.errors import ConfigError
-from mtk.parallel.expert_parallel import refuse_spread_experts
 from mtk.parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardedModule
 from mtk.parallel.parameters import param_info
 from mtk.parallel.record import adapter_configs, hf_model, is_peft_model, parallelized
@@ -146,7 +145,6 @@ def get_peft_model(
 
     from mtk.lora.layers import SEED_ATTRIBUTE, ParallelLoraLinear
 
-    refuse_spread_experts(model, "LoRA")
     record = parallelized(model)
     if record is None:
         raise ConfigError(

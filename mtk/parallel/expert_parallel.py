@@ -57,7 +57,6 @@ __all__ = [
     "is_expert_parallel",
     "local_experts_implementation",
     "reduce_expert_gradients",
-    "refuse_spread_experts",
     "spread_experts",
     "spread_placement",
 ]
@@ -285,16 +284,6 @@ def reduce_expert_gradients(params: list[torch.Tensor], group: Group, replicas: 
         flat.div_(replicas)
         for grad, chunk in zip(same, flat.split([g.numel() for g in same])):
             grad.copy_(chunk.view_as(grad))
-
-
-def refuse_spread_experts(model: nn.Module, what: str) -> None:
-    """One line where ``what`` would need every expert on the rank and is not built for a model whose experts are
-    spread over EP (LoRA)."""
-    if any(is_expert_parallel(p) for p in model.parameters()):
-        raise UnsupportedModelError(
-            f"{what} at expert parallelism is not supported yet (each rank holds only its experts); run it at an "
-            "expert-parallel size of 1"
-        )
 
 
 def gather_experts(local: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:

@@ -16,13 +16,12 @@ __all__ = ["expert_collectives", "expert_parallel_sizes", "expert_traffic"]
 
 def expert_parallel_sizes(request: Request, c: Candidate) -> list[int]:
     """The EP sizes ``c`` may run: those asked for that divide its DP x CP replicas and the experts, where mtk runs
-    EP (an MoE model under accelerate, without FSDP2 or LoRA: init.check_expert_parallel and lora.get_peft_model;
+    EP (an MoE model under accelerate, without FSDP2: init.check_expert_parallel; with LoRA the experts stay frozen;
     with a pipeline only where every decoder layer is an MoE layer, so that each stage's exchanges are known)."""
     config = request.config
     every_layer = moe_layers(config) == (getattr(config, "num_hidden_layers", None) or 0)
     if (
         not moe_layers(config)
-        or request.lora_r > 0
         or (c.pp_size > 1 and not every_layer)
         or c.engine != "accelerate"
         or c.sharding == "fsdp2"

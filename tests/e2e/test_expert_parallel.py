@@ -139,3 +139,16 @@ def test_ep2_inside_a_pp2_pipeline_logs_the_dp2_losses_and_resumes_at_ep1(moe_dp
     assert_same_losses(step_losses(out), reference, range(1, 7), "pp2 x ep2 vs dp2")
     resumed = finetune("tp1_dp2", tmp_path / "at_ep1", *run, "--resume", str(tmp_path / "run" / "step_3"))
     assert_same_losses(resumed, reference, range(4, 7), "pp2 x ep2 step 3 resumed at pp1 x ep1")
+
+
+def test_lora_at_ep2_logs_the_dp2_losses_and_its_checkpoint_resumes_at_ep1(tmp_path):
+    """LoRA on the attention (PEFT on mtk's linears) while the frozen experts are spread over EP 2: the DP 2 LoRA
+    run's losses; the adapter-only checkpoint records the base's fingerprint with every expert counted once (its
+    first holder adds it), so it resumes on the same base at EP 1."""
+    lora = (*MOE, "--lora_r", "4")
+    reference = finetune("tp1_dp2", tmp_path / "dp2", *lora)
+    out = accelerate_launch("finetune.py", "ep2", "--output_dir", str(tmp_path / "run"), *lora, "--save_every", "3")
+    assert "LoRA all-linear" in out.stdout + out.stderr and "ep=2" in out.stdout + out.stderr
+    assert_same_losses(step_losses(out), reference, range(1, 7), "LoRA at ep2 vs dp2")
+    resumed = finetune("tp1_dp2", tmp_path / "at_ep1", *lora, "--resume", str(tmp_path / "run" / "step_3"))
+    assert_same_losses(resumed, reference, range(4, 7), "LoRA ep2 step 3 resumed at ep1")

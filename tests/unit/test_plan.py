@@ -342,6 +342,10 @@ def test_expert_parallelism_divides_the_experts_and_adds_its_all_to_alls():
     # at PP 2 (the load-balancing term off) a stage exchanges for its own 2 MoE layers, per pipeline micro-batch
     piped = {e.candidate.label: e for e in plan(replace(at_cp, cp_sizes=(1,), ep_sizes=(2,), pp_size=2))}
     assert piped["tp1 pp2 dp2 ep2 1x2"].collectives["all_to_all"]["count"] == 2 * 2 * 6
+    # LoRA on the linears keeps the experts frozen: spread, without gradients or moments
+    adapted = {e.candidate.label: e for e in plan(replace(request, lora_r=8, ep_sizes=(1, 2), dtype="bf16"))}
+    frozen = adapted["tp1 pp1 dp4 1x1"].memory.weights - adapted["tp1 pp1 dp4 ep2 1x1"].memory.weights
+    assert frozen == experts // 2 * 2  # half the experts, bf16
 
 
 def test_what_mtk_cannot_run_on_an_moe_model_is_one_line(capsys):
