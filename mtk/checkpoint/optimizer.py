@@ -59,7 +59,8 @@ def save_optimizer(
                 if piece.index == 0:
                     tensors[f"{names[index]}::{key}"] = value.detach().cpu()
             elif placement is not None:  # a moment of this EP rank's experts: placed by the weights file's range
-                tensors[f"{names[index]}::{key}"] = experts_piece(value, placement)[0].contiguous().cpu()
+                if piece.experts:  # (another rank holding the same experts saves them otherwise)
+                    tensors[f"{names[index]}::{key}"] = experts_piece(value, placement)[0].contiguous().cpu()
             elif (held := flat_piece(value, piece)) is not None:
                 tensors[f"{names[index]}::{key}"] = held[0].cpu()  # [stop - start]
     save_file(tensors, str(stem.with_suffix(".safetensors")))

@@ -98,7 +98,7 @@ def save_checkpoint(
     ``piece``: where this rank's pieces sit when the model's parameters are split over DP by an engine (ZeRO-3);
     FSDP2's are found from the parameters themselves.
     """
-    piece = piece or piece_of(model) or _expert_piece(model, parallel)
+    piece = _with_experts(piece or piece_of(model), model, parallel)
     if piece is not None and len(optimizers) > 1:  # a checkpoint in pieces is read back through the resharding
         raise CheckpointError(  # reader, which restores one optimizer
             f"saving {len(optimizers)} optimizers with parameters split over data parallelism (FSDP2) or experts "
@@ -181,7 +181,7 @@ def load_checkpoint(
     check_base(str(directory), meta.base_model, model, parallel)  # collective
     # every rank loads all of the distributed optimizer's state, then keeps its own share; a rank holding experts
     # spread over EP reads its own experts (one tensor at a time, through the resharding reader)
-    spread = parallel.ep_size > 1 and _expert_piece(model, parallel) is not None
+    spread = _saves_spread_experts(model, parallel)
     with full_optimizer_state(optimizers, gather=False):
         if (saved.tp_size, saved.pp_size, meta.pieces, spread) == (parallel.tp_size, parallel.pp_size, None, False):
             load_weights(model, paths.weights(parallel.tp_rank, parallel.pp_rank))
@@ -202,14 +202,22 @@ def load_checkpoint(
     return meta
 
 
-def _expert_piece(model: nn.Module, parallel: ParallelState) -> Piece | None:
-    """Under EP, where this rank's experts sit in a checkpoint: piece ``ep_rank`` of ``ep_size``, written by the
-    first of the ranks holding the same experts; ``None`` when it saves no experts spread over EP (none, or a LoRA
-    run's frozen ones: its checkpoint holds the adapters)."""
-    if parallel.ep_size == 1 or not any(is_expert_parallel(p) for _, p in checkpointed_parameters(model)):
-        return None
+def _saves_spread_experts(model: nn.Module, parallel: ParallelState) -> bool:
+    """Whether a checkpoint of ``model`` holds experts spread over EP (not a LoRA run's frozen ones)."""
+    return parallel.ep_size > 1 and any(is_expert_parallel(p) for _, p in checkpointed_parameters(model))
+
+
+def _with_experts(piece: Piece | None, model: nn.Module, parallel: ParallelState) -> Piece | None:
+    """Where this rank's experts spread over EP go: each is saved once, by the first of the ranks holding it. With
+    nothing else split, EP rank ``r`` writes piece ``r`` of ``ep_size`` (piece 0 with the dense tensors); under
+    FSDP2 its experts go into its FSDP2 piece (the first holders all lie in HSDP's first replica:
+    :meth:`~mtk.integrations.accelerate.parameter_sharding.ParameterSharding._check_sharding`)."""
+    if not _saves_spread_experts(model, parallel):
+        return piece
     first_holder = parallel.expert_replica_ranks[0] == parallel.rank
-    return Piece(parallel.ep_rank, parallel.ep_size, writes=first_holder)
+    if piece is None:
+        return Piece(parallel.ep_rank, parallel.ep_size, writes=first_holder)
+    return replace(piece, experts=first_holder)
 
 
 def _streams_state(model: nn.Module) -> dict[str, Any]:

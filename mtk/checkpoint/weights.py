@@ -46,6 +46,8 @@ def save_weights(model: nn.Module, path: Path, piece: Piece | None = None) -> No
         if piece is None:
             tensors[name] = param.detach().contiguous().cpu()
         elif placement is not None:  # this EP rank's experts: its run of the tensor of every expert
+            if not piece.experts:  # another rank holding the same experts saves them
+                continue
             values, flat, whole = experts_piece(param, placement)
             tensors[name] = values.contiguous().cpu()  # [stop - start]
             record.update(flat=list(flat), shard_shape=list(whole))

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mtk.errors import ConfigError
+from mtk.parallel.expert_parallel import is_expert_parallel
 from mtk.parallel.parameters import copy_param_info
 from mtk.parallel.pieces import Piece
 from mtk.parallel.state import ParallelState, new_group
@@ -129,13 +130,17 @@ def shard_over_data_parallel(
     without FSDP.
     """
     before = dict(model.named_parameters(remove_duplicate=False))
+    # experts spread over EP are this rank's alone within its EP group: FSDP2 leaves them whole (not sharded, not
+    # reduced), and the Accelerator reduces them over the ranks holding the same experts, as without FSDP2
+    experts = {p for p in model.parameters() if is_expert_parallel(p)} or None
     # innermost first (FSDP2 leaves a unit's already sharded children to them): the named classes, nested or not,
     # then the decoder around the layers, then the root
     units = [*reversed(sharded_modules(model, settings.unit_classes)), *([decoder] if decoder is not None else [])]
     for module in units:
-        fully_shard(module, mesh=mesh, reshard_after_forward=settings.reshard_after_forward)
+        fully_shard(module, mesh=mesh, reshard_after_forward=settings.reshard_after_forward, ignored_params=experts)
     # the root left to FSDP2's default (None): kept gathered from its forward to its backward, which follows at once
-    fully_shard(model, mesh=mesh, reshard_after_forward=None if settings.reshard_after_forward else False)
+    root_reshard = None if settings.reshard_after_forward else False
+    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, ignored_params=experts)
     pairs = []
     for name, param in model.named_parameters(remove_duplicate=False):
         old = before[name]

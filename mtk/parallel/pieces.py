@@ -22,11 +22,14 @@ __all__ = ["Piece", "flat_piece", "shard_shape"]
 @dataclass(frozen=True)
 class Piece:
     """This rank's place among the ranks that split every TP shard: piece ``index`` of ``count``. ``writes``:
-    whether its pieces are saved from this rank (HSDP's first replica; the other replicas hold the same)."""
+    whether its pieces are saved from this rank (HSDP's first replica; the other replicas hold the same).
+    ``experts``: whether its piece holds its experts spread over EP (the first of the ranks holding them saves them,
+    as a run of the tensor of every expert: :func:`~mtk.parallel.expert_parallel.experts_piece`)."""
 
     index: int
     count: int
     writes: bool = True
+    experts: bool = True
 
 
 def shard_shape(tensor: torch.Tensor) -> tuple[int, ...]:

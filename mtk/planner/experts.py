@@ -16,7 +16,8 @@ __all__ = ["expert_collectives", "expert_parallel_sizes", "expert_traffic"]
 
 def expert_parallel_sizes(request: Request, c: Candidate) -> list[int]:
     """The EP sizes ``c`` may run: those asked for that divide its DP x CP replicas and the experts, where mtk runs
-    EP (an MoE model under accelerate, without FSDP2: init.check_expert_parallel; with LoRA the experts stay frozen;
+    EP (an MoE model under accelerate: init.check_expert_parallel; with LoRA the experts stay frozen, not weighed
+    next to FSDP2;
     with a pipeline only where every decoder layer is an MoE layer, so that each stage's exchanges are known)."""
     config = request.config
     every_layer = moe_layers(config) == (getattr(config, "num_hidden_layers", None) or 0)
@@ -24,7 +25,7 @@ def expert_parallel_sizes(request: Request, c: Candidate) -> list[int]:
         not moe_layers(config)
         or (c.pp_size > 1 and not every_layer)
         or c.engine != "accelerate"
-        or c.sharding == "fsdp2"
+        or (c.sharding == "fsdp2" and request.lora_r > 0)  # (frozen experts are not told apart in the trace)
     ):
         return [1] if 1 in request.ep_sizes else []  # as --cp N, --ep N weighs EP N layouts only
     return [ep for ep in request.ep_sizes if c.replica_size % ep == 0 and expert_parallel_refusal(config, ep) is None]

@@ -150,8 +150,13 @@ def stage_memory(
         optimizer = _owned(params.trainable, dp, dp_rank) * 8
     elif training.sharding == "fsdp2":
 
+        def spread(part: Parameters) -> int:
+            """Elements of ``part``'s experts spread over EP: FSDP2 leaves them whole (neither split nor gathered)."""
+            return sum(n for n, e in zip(part.trainable, part.expert_flags) if e) if training.ep_size > 1 else 0
+
         def gathered(part: Parameters) -> int:
-            return sum(part.trainable) * weight_size + part.frozen * (base_size if training.lora else weight_size)
+            trainable = sum(part.trainable) - spread(part)
+            return trainable * weight_size + part.frozen * (base_size if training.lora else weight_size)
 
         ends = _stage_phases(trace, stage, pp)  # the root unit: what the stage holds outside its layers
         root = (ends.before + ends.after) if ends is not None else Parameters()
@@ -159,7 +164,11 @@ def stage_memory(
         # the root stays gathered from its forward to its backward, a layer and the next one (prefetched) with it,
         # and the larger unit's unsharded gradients wait for their reduce-scatter
         buffers += gathered(root) + 2 * gathered(layer) + max(sum(layer.trainable), sum(root.trainable)) * 4
-        weights, gradients, optimizer = (-(-part // dp) for part in (weights, gradients, optimizer))
+        whole = spread(params)
+        weights, gradients = (
+            -(-(part - whole * weight_size) // dp) + whole * weight_size for part in (weights, gradients)
+        )
+        optimizer = -(-(optimizer - whole * 8) // dp) + whole * 8
     elif training.sharding in ("zero1", "zero2", "zero3"):
         optimizer = -(-optimizer // dp)
         if training.sharding in ("zero2", "zero3"):

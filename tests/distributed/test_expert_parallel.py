@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from mtk.parallel.expert_parallel import expert_placement, is_expert_parallel, spread_experts
@@ -134,14 +135,20 @@ def test_experts_that_get_no_token_on_a_rank_still_exchange_in_backward():
 
 
 def _accelerator_worker(
-    rank: int, world: int, tp: int, ep: int, sharded: bool, cp: int = 1, pp: int = 1
+    rank: int, world: int, tp: int, ep: int, sharded: bool, cp: int = 1, pp: int = 1, shard: int = 1
 ) -> list[tuple[float, float]]:
     """Three optimizer steps through ``mtk.Accelerator`` at EP (DDP ignores the experts, which backward() reduces over
     their replicas; clipping by the norm that counts each expert once) against one process on the global batch.
-    ``sharded``: with the distributed optimizer (dense state over DP, the experts' over their replicas)."""
+    ``sharded``: with the distributed optimizer (dense state over DP, the experts' over their replicas); ``shard``
+    > 1: FSDP2 over ``shard`` DP ranks (HSDP where they are fewer than DP), the experts left whole."""
+    from accelerate.parallelism_config import ParallelismConfig
+
     from mtk import Accelerator, ParallelConfig, RunSettings
 
+    dp = world // (tp * cp * pp)
+    fsdp = dict(parallelism_config=ParallelismConfig(dp_shard_size=shard, dp_replicate_size=dp // shard))
     accelerator = Accelerator(
+        **(fsdp if shard > 1 else {}),
         parallel_config=ParallelConfig(tp_size=tp, ep_size=ep, cp_size=cp, pp_size=pp),
         run_settings=RunSettings(
             use_distributed_optimizer=sharded,
@@ -173,6 +180,9 @@ def _accelerator_worker(
             total = torch.tensor(held)
             dist.all_reduce(total, group=group)
             assert int(total) == every and (held < every or dist.get_world_size(group) == 1), (experts, held, every)
+    if shard > 1:  # the dense parameters split over DP by FSDP2, the spread experts left whole
+        held = list(accelerator.unwrap_model(model).parameters())
+        assert all(isinstance(p, DTensor) != is_expert_parallel(p) for p in held)
     expected = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     ids = torch.randint(0, 256, (parallel.dp_size * ROWS, SEQ), generator=torch.Generator().manual_seed(1))
     mine = ids[parallel.dp_rank * ROWS : (parallel.dp_rank + 1) * ROWS]
@@ -200,6 +210,7 @@ def _accelerator_worker(
         for name, param in trained.named_parameters():
             placement = expert_placement(trained.get_submodule(name.rsplit(".", 1)[0]))
             want = wanted[name].detach()
+            param = param.full_tensor() if isinstance(param, DTensor) else param  # FSDP2's: gathered over DP
             if placement is not None:
                 want = want[placement.first : placement.first + placement.local]
             assert_close_rel(param.detach(), want, f"{name} after 3 steps")
@@ -207,26 +218,30 @@ def _accelerator_worker(
 
 
 @pytest.mark.parametrize(
-    ("world", "tp", "ep", "sharded", "cp", "pp"),
+    ("world", "tp", "ep", "sharded", "cp", "pp", "shard"),
     [
-        (2, 1, 2, False, 1, 1),
-        (4, 2, 2, False, 1, 1),
-        (4, 1, 2, True, 1, 1),
-        (4, 1, 2, False, 2, 1),
-        (8, 2, 2, True, 2, 1),
-        (4, 1, 2, False, 1, 2),
-        (8, 2, 2, True, 1, 2),
+        (2, 1, 2, False, 1, 1, 1),
+        (4, 2, 2, False, 1, 1, 1),
+        (4, 1, 2, True, 1, 1, 1),
+        (4, 1, 2, False, 2, 1, 1),
+        (8, 2, 2, True, 2, 1, 1),
+        (4, 1, 2, False, 1, 2, 1),
+        (8, 2, 2, True, 1, 2, 1),
+        (4, 1, 2, False, 1, 1, 4),
+        (8, 2, 2, False, 1, 1, 2),
     ],
 )
-def test_accelerator_trains_at_expert_parallelism_as_one_process(world, tp, ep, sharded, cp, pp):
+def test_accelerator_trains_at_expert_parallelism_as_one_process(world, tp, ep, sharded, cp, pp, shard):
     """EP 2 over DP 2; EP 2 with the experts split over TP 2 (Megatron's expert-tensor parallelism = TP); EP 2 inside
     DP 4 with the distributed optimizer (the experts' state sharded over their 2 replicas, the dense over 4); EP 2
     over a CP 2 x DP 2 replica set (the EP group is the CP pair: its ranks dispatch different parts of one row); EP 2
     inside DP 2 x CP 2 with TP 2 and the distributed optimizer; EP 2 over the DP pairs of an interleaved PP 2 (each
     stage's chunks exchange with their counterparts; the pipeline's DP reduction leaves the experts alone); EP 2 x
-    TP 2 x PP 2 (1F1B) with the distributed optimizer: losses, clipped gradient norms and (at TP 1) every weight a
-    rank holds after 3 steps equal one process's. CP and PP run without the load-balancing term, which they refuse."""
-    logged = run_distributed(_accelerator_worker, world_size=world, args=(tp, ep, sharded, cp, pp), timeout=600)
+    TP 2 x PP 2 (1F1B) with the distributed optimizer; EP 2 inside FSDP2 over DP 4; EP 2 x TP 2 inside HSDP (2
+    replicas of dp_shard 2): losses, clipped gradient norms and (at TP 1) every weight a rank holds after 3 steps
+    equal one process's. CP and PP run without the load-balancing term, which they refuse."""
+    args = (tp, ep, sharded, cp, pp, shard)
+    logged = run_distributed(_accelerator_worker, world_size=world, args=args, timeout=600)
     assert all(run == logged[0] for run in logged)
 
 
@@ -255,16 +270,21 @@ def test_a_pipeline_refuses_the_router_loss_its_last_stage_cannot_compute():
     assert all("set output_router_logits to false" in m and "\n" not in m for m in messages)
 
 
-def _checkpoint_worker(rank: int, world: int, directory: str) -> dict:
-    """One AdamW step at EP 2 inside DP 4 with the distributed optimizer, a checkpoint, then the weights and moments
-    scrambled and the checkpoint loaded back."""
+def _checkpoint_worker(rank: int, world: int, directory: str, fsdp: bool) -> dict:
+    """One AdamW step at EP 2 inside DP 4 with the distributed optimizer (or FSDP2 over the 4), a checkpoint, then
+    the weights and moments scrambled and the checkpoint loaded back."""
+    from accelerate.parallelism_config import ParallelismConfig
     from safetensors import safe_open
 
     from mtk import Accelerator, ParallelConfig, RunSettings
     from mtk.parallel.collective_count import count_collectives
+    from mtk.parallel.fsdp import local
 
+    sharding = dict(parallelism_config=ParallelismConfig(dp_shard_size=world)) if fsdp else {}
     accelerator = Accelerator(
-        parallel_config=ParallelConfig(ep_size=2), run_settings=RunSettings(use_distributed_optimizer=True)
+        **sharding,
+        parallel_config=ParallelConfig(ep_size=2),
+        run_settings=RunSettings(use_distributed_optimizer=not fsdp),
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config("qwen3_moe", 4)).float()
@@ -279,37 +299,48 @@ def _checkpoint_worker(rank: int, world: int, directory: str) -> dict:
         accelerator.save_state(directory)
     gathered = max((e.nbytes for e in log.of("all_gather")), default=0)
     assert gathered < expert_numel * 4, f"a save gathered {gathered} bytes: an experts tensor is {expert_numel * 4}"
-    saved = {n: p.detach().clone() for n, p in trained.named_parameters()}
-    moments = {id(p): {k: v.clone() for k, v in s.items()} for p, s in optimizer.optimizer.state.items()}
+    saved = {n: local(p).detach().clone() for n, p in trained.named_parameters()}
+    moments = {id(p): {k: local(v).clone() for k, v in s.items()} for p, s in optimizer.optimizer.state.items()}
     with torch.no_grad():
         for param in trained.parameters():
-            param.fill_(0.5)
+            local(param).fill_(0.5)
     for state in optimizer.optimizer.state.values():
         for value in state.values():
             if value.dim():
-                value.fill_(0.5)
+                local(value).fill_(0.5)
     accelerator.load_state(directory)
     for name, param in trained.named_parameters():
-        assert torch.equal(param.detach(), saved[name]), f"{name} after load"
+        assert torch.equal(local(param).detach(), saved[name]), f"{name} after load"
     for param, state in optimizer.optimizer.state.items():
         for key, value in state.items():
-            assert torch.equal(value, moments[id(param)][key]), f"moment {key} after load"
+            assert torch.equal(local(value), moments[id(param)][key]), f"moment {key} after load"
     files = {}
     if rank == 0:
-        for stem in ("piece00", "piece01"):
+        for stem in [f"piece{i:02d}" for i in range(4 if fsdp else 2)]:
             with safe_open(f"{directory}/model/tp00-pp00-{stem}.safetensors", "pt") as handle:
                 files[stem] = sorted(handle.keys())
     return files
 
 
-def test_a_checkpoint_at_expert_parallelism_is_written_in_pieces_and_reads_back_exactly(tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["distributed-optimizer", "fsdp2"])
+def test_a_checkpoint_at_expert_parallelism_is_written_in_pieces_and_reads_back_exactly(tmp_path, fsdp):
     """Each rank of the first EP group writes its own experts (piece ``ep_rank``; piece 0 also the dense tensors):
     no rank gathers an experts tensor (at Qwen3-30B-A3B's EP 8 gathering them all took 8x each rank's experts and
-    their moments). Its weights and AdamW moments (the distributed optimizer's, gathered from their owners) load
-    back exactly at the same layout; tests/e2e/test_expert_parallel.py resumes such checkpoints at EP 1."""
-    results = run_distributed(_checkpoint_worker, world_size=4, args=(str(tmp_path / "step"),), timeout=600)
+    their moments). Under FSDP2 (over DP 4) the pieces are FSDP2's, each rank's holding its part of every dense
+    tensor and, on the first holders (ranks 0 and 1), their experts. Its weights and AdamW moments (the distributed
+    optimizer's gathered from their owners) load back exactly at the same layout; tests/e2e/test_expert_parallel.py
+    resumes such checkpoints at EP 1."""
+    results = run_distributed(_checkpoint_worker, world_size=4, args=(str(tmp_path / "step"), fsdp), timeout=600)
     files = results[0]
-    assert files["piece01"] and all(".mlp.experts." in name for name in files["piece01"]), files
-    assert any(".mlp.experts." in name for name in files["piece00"]) and "lm_head.weight" in files["piece00"]
+    experts = {stem: [n for n in names if ".mlp.experts." in n] for stem, names in files.items()}
+    assert experts["piece00"] and sorted(experts["piece01"]) == sorted(experts["piece00"])
+    assert all(not experts[stem] for stem in files if stem not in ("piece00", "piece01")), experts
+    assert "lm_head.weight" in files["piece00"] and (files["piece01"] == experts["piece01"]) != fsdp
     meta = json.loads((tmp_path / "step" / "metadata.json").read_text())
-    assert meta["pieces"] == 2 and meta["topology"] == {"world": 4, "tp": 1, "pp": 1, "dp": 4, "ep": 2}
+    assert meta["pieces"] == (4 if fsdp else 2) and meta["topology"] == {
+        "world": 4,
+        "tp": 1,
+        "pp": 1,
+        "dp": 4,
+        "ep": 2,
+    }

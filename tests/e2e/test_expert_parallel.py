@@ -10,6 +10,7 @@ model family and with uneven routing, is tests/distributed/test_expert_parallel.
 """
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -152,3 +153,19 @@ def test_lora_at_ep2_logs_the_dp2_losses_and_its_checkpoint_resumes_at_ep1(tmp_p
     assert_same_losses(step_losses(out), reference, range(1, 7), "LoRA at ep2 vs dp2")
     resumed = finetune("tp1_dp2", tmp_path / "at_ep1", *lora, "--resume", str(tmp_path / "run" / "step_3"))
     assert_same_losses(resumed, reference, range(4, 7), "LoRA ep2 step 3 resumed at ep1")
+
+
+def test_fsdp2_with_ep2_logs_the_dp2_losses_and_its_checkpoint_resumes_without_either(moe_dp2, tmp_path):
+    """FSDP2 over DP 2 (accelerate's FSDP yaml) with EP 2 from the environment, as a pipeline size is given next to
+    FSDP2: the dense parameters sharded, the spread experts left whole and reduced over their replicas. The step-3
+    checkpoint, FSDP2's pieces with each expert saved by its first holder, resumes at plain DP 2 and EP 1."""
+    text = Path("accelerate_configs/tp2_fsdp2.yaml").read_text()
+    config = tmp_path / "fsdp2_dp2.yaml"
+    config.write_text(text.replace("num_processes: 4", "num_processes: 2").replace("tp_size: 2", "tp_size: 1"))
+    env = {**os.environ, "MEGATRON_LM_EXPERT_MODEL_PARALLEL_SIZE": "2"}
+    out = accelerate_launch("finetune.py", str(config), "--output_dir", str(tmp_path / "run"), *MOE, "--save_every",
+                            "3", env=env)  # fmt: skip
+    assert "FSDP2 over data parallelism" in out.stdout + out.stderr and "dp=2 ep=2" in out.stdout + out.stderr
+    assert_same_losses(step_losses(out), moe_dp2.losses, range(1, 7), "fsdp2 x ep2 vs dp2")
+    resumed = finetune("tp1_dp2", tmp_path / "at_ep1", *MOE, "--resume", str(tmp_path / "run" / "step_3"))
+    assert_same_losses(resumed, moe_dp2.losses, range(4, 7), "fsdp2 x ep2 step 3 resumed at dp2")

@@ -317,7 +317,7 @@ def test_expert_parallelism_divides_the_experts_and_adds_its_all_to_alls():
     (an EP column in the table); a token's FLOPs count k of the E experts."""
     config = resolve_config("bench-qwen3-moe")
     request = Request(config, Cluster(4, gpu_memory=8 * GIB), 1024, 4, dtype="fp32", reserve=0, ep_sizes=(1, 2, 4))
-    by_label = {e.candidate.label: e for e in plan(request)}
+    by_label = layouts = {e.candidate.label: e for e in plan(request)}
     whole, spread = by_label["tp1 pp1 dp4 1x1"], by_label["tp1 pp1 dp4 ep4 1x1"]
     experts = 4 * 3 * 8 * 512 * 768  # layers x (gate, up, down) x E x h x I
     assert whole.memory.weights - spread.memory.weights == experts * 3 // 4 * 4  # fp32
@@ -342,6 +342,10 @@ def test_expert_parallelism_divides_the_experts_and_adds_its_all_to_alls():
     # at PP 2 (the load-balancing term off) a stage exchanges for its own 2 MoE layers, per pipeline micro-batch
     piped = {e.candidate.label: e for e in plan(replace(at_cp, cp_sizes=(1,), ep_sizes=(2,), pp_size=2))}
     assert piped["tp1 pp2 dp2 ep2 1x2"].collectives["all_to_all"]["count"] == 2 * 2 * 6
+    # FSDP2 shards the dense parameters over DP 4 and leaves the spread experts whole
+    sharded_ep, sharded = layouts["tp1 pp1 dp4 ep2 1x1 fsdp2"], layouts["tp1 pp1 dp4 1x1 fsdp2"]
+    dense = sharded.memory.weights * 4 - experts * 4  # fp32 bytes of the dense weights (4 ranks' quarters)
+    assert abs(sharded_ep.memory.weights - (dense // 4 + experts // 2 * 4)) <= 4 * 4
     # LoRA on the linears keeps the experts frozen: spread, without gradients or moments
     adapted = {e.candidate.label: e for e in plan(replace(request, lora_r=8, ep_sizes=(1, 2), dtype="bf16"))}
     frozen = adapted["tp1 pp1 dp4 1x1"].memory.weights - adapted["tp1 pp1 dp4 ep2 1x1"].memory.weights

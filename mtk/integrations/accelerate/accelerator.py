@@ -148,12 +148,7 @@ class Accelerator(
         for line in self.settings.check_pipeline(self.parallel.pp_size):
             self.print(line)
         self._check_sharding()
-        check_expert_parallel(
-            config,
-            deepspeed=self.uses_deepspeed,
-            fsdp=self.sharding is not None,
-            fp16=self.mixed_precision == "fp16",
-        )
+        check_expert_parallel(config, deepspeed=self.uses_deepspeed, sharding=self.sharding)
         self._data_parallel_mesh: Any = None  # FSDP2's, built with the first prepared model
         self._replaced_params: ReplacedParams = {}  # id(unconverted param) -> (weakref to it, its shard)
         # The data position, across epochs (accelerate's ``step`` restarts at every epoch end).

@@ -16,6 +16,7 @@ from accelerate.utils import InitProcessGroupKwargs
 from mtk.config import ParallelConfig, report_override
 from mtk.errors import ConfigError
 from mtk.integrations.deepspeed import sizes_from_config
+from mtk.parallel.fsdp import ShardingSettings
 from mtk.parallel.state import group_timeout
 
 __all__ = ["apply_timeout", "gloo_for_deepspeed", "megatron_plugin_off", "resolve_topology"]
@@ -98,7 +99,7 @@ def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | N
     return config
 
 
-def check_expert_parallel(config: ParallelConfig, *, deepspeed: bool, fsdp: bool, fp16: bool) -> None:
+def check_expert_parallel(config: ParallelConfig, *, deepspeed: bool, sharding: ShardingSettings | None) -> None:
     """The experts' TP size is the TP size (Megatron-Core's default; ``megatron_lm_expert_tensor_parallel_size``
     may only repeat it), and what expert parallelism does not run next to yet is one line each (docs/moe.md)."""
     expert_tp = os.environ.get("MEGATRON_LM_EXPERT_TENSOR_PARALLEL_SIZE", "").strip()
@@ -112,5 +113,11 @@ def check_expert_parallel(config: ParallelConfig, *, deepspeed: bool, fsdp: bool
     where = f"expert parallelism (ep = {config.ep_size})"
     if deepspeed:
         raise ConfigError(f"{where} does not run under DeepSpeed yet; use a megatron_lm_config YAML (DDP)")
-    if fsdp:
-        raise ConfigError(f"{where} with FSDP2 (parallelism_config dp_shard_size > 1) is not supported yet")
+    shard = sharding.dp_shard_size * config.cp_size if sharding is not None else 0
+    if sharding is not None and sharding.dp_replicate_size > 1 and shard % config.ep_size:
+        # HSDP's first replica writes a checkpoint: every expert must have a holder there
+        raise ConfigError(
+            f"{where} with HSDP (parallelism_config dp_replicate_size {sharding.dp_replicate_size}) needs the EP "
+            f"size to divide the {shard} ranks that shard each parameter (dp_shard_size x cp); use an EP size "
+            "dividing it, or dp_replicate_size 1"
+        )

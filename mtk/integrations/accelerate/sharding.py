@@ -175,6 +175,7 @@ def sharding_from_accelerate(
             tp_size=pc.tp_size,
             pp_size=explicit.pp_size if explicit else launcher.pp_size,
             cp_size=explicit.cp_size if explicit else launcher.cp_size,
+            ep_size=explicit.ep_size if explicit else launcher.ep_size,
         )
     if pc.cp_size > 1:
         config = dataclasses.replace(config or ParallelConfig.from_env(env), cp_size=pc.cp_size)
