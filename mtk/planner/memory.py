@@ -150,12 +150,12 @@ def stage_memory(
         optimizer = _owned(params.trainable, dp, dp_rank) * 8
     elif training.sharding == "fsdp2":
 
-        def spread(part: Parameters) -> int:
+        def ignored(part: Parameters) -> int:
             """Elements of ``part``'s experts spread over EP: FSDP2 leaves them whole (neither split nor gathered)."""
             return sum(n for n, e in zip(part.trainable, part.expert_flags) if e) if training.ep_size > 1 else 0
 
         def gathered(part: Parameters) -> int:
-            trainable = sum(part.trainable) - spread(part)
+            trainable = sum(part.trainable) - ignored(part)
             return trainable * weight_size + part.frozen * (base_size if training.lora else weight_size)
 
         ends = _stage_phases(trace, stage, pp)  # the root unit: what the stage holds outside its layers
