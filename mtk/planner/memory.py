@@ -164,10 +164,9 @@ def stage_memory(
         # the root stays gathered from its forward to its backward, a layer and the next one (prefetched) with it,
         # and the larger unit's unsharded gradients wait for their reduce-scatter
         buffers += gathered(root) + 2 * gathered(layer) + max(sum(layer.trainable), sum(root.trainable)) * 4
-        whole = spread(params)
-        weights, gradients = (
-            -(-(part - whole * weight_size) // dp) + whole * weight_size for part in (weights, gradients)
-        )
+        whole = ignored(params)  # elements; bytes below
+        weights = -(-(weights - whole * weight_size) // dp) + whole * weight_size
+        gradients = -(-(gradients - whole * weight_size) // dp) + whole * weight_size
         optimizer = -(-(optimizer - whole * 8) // dp) + whole * 8
     elif training.sharding in ("zero1", "zero2", "zero3"):
         optimizer = -(-optimizer // dp)
