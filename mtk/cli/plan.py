@@ -162,6 +162,11 @@ def _check_fixed_degrees(request: Request) -> None:
             raise ConfigError(f"--ep {ep}: {refusal}; use --ep 1 or a divisor of the experts")
         if cluster.gpus % ep:
             raise ConfigError(f"--ep {ep} spreads the experts over data-parallel replicas: use a divisor of --gpus")
+        if "accelerate" not in request.engines:
+            raise ConfigError(
+                f"--ep {ep} runs under accelerate (DDP, the distributed optimizer or FSDP2), not DeepSpeed; use "
+                "--engine accelerate or any"
+            )
     if request.pp_size and request.pp_size > 1:
         refusal = router_loss_refusal(config, "pipeline parallelism")
         if refusal:

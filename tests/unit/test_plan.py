@@ -359,6 +359,8 @@ def test_what_mtk_cannot_run_on_an_moe_model_is_one_line(capsys):
     moe = ["plan", "--model", "tiny-qwen3-moe", "--gpus", "6", "--seq_len", "64", "--global_batch", "6"]
     assert main([*moe, "--ep", "3"]) == 2
     assert "--ep 3: its 8 experts per layer do not divide over 3 ranks" in capsys.readouterr().err
+    assert main([*moe, "--ep", "2", "--engine", "deepspeed"]) == 2
+    assert "--ep 2 runs under accelerate" in capsys.readouterr().err
     assert main([*moe, "--pp", "2"]) == 2
     assert "--pp 2: qwen3_moe: pipeline parallelism with the router's load-balancing loss" in capsys.readouterr().err
 
