@@ -31,8 +31,9 @@ def _expert_order(key: str) -> tuple[int, ...]:
 class MergedSlicer:
     """``cat_dim(stack_0(part_0), stack_0(part_1), ...)`` of the parts' per-expert tensors, read by slice."""
 
-    def __init__(self, parts: list[list[Slicer]], concat_dim: int | None) -> None:
+    def __init__(self, parts: list[list[Slicer]], concat_dim: int | None, sources: tuple[str, ...] = ()) -> None:
         self.parts, self.concat_dim = parts, concat_dim
+        self.sources = sources  # the checkpoint keys it reads
         shapes = {tuple(s.get_shape()) for part in parts for s in part}
         experts = {len(part) for part in parts}
         if len(experts) != 1 or (concat_dim is None and len(parts) != 1):
@@ -107,5 +108,6 @@ def converted_tensors(lookup: tuple[str, ...], keys: list[str], open_slice: Call
         converter = converters[name]
         order = [p for p in converter.source_patterns if p in by_source]
         parts = [[open_slice(k) for k in sorted(by_source[p], key=_expert_order)] for p in order]
-        result[name] = MergedSlicer(parts, _plan(list(converter.operations)))
+        sources = tuple(k for p in order for k in by_source[p])
+        result[name] = MergedSlicer(parts, _plan(list(converter.operations)), sources)
     return result

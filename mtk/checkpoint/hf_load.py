@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from accelerate import init_empty_weights
 from torch import nn
 from transformers import GenerationConfig, PretrainedConfig
@@ -83,6 +84,13 @@ def _checkpoint_key(name: str, index: dict[str, Path], prefix: str, tied_to: str
     raise CheckpointError(f"the checkpoint has no tensor for parameter {name!r} (looked for {candidates})")
 
 
+def _checkpoint_key_or_none(name: str, index: dict[str, Path], prefix: str) -> str | None:
+    try:
+        return _checkpoint_key(name, index, prefix)
+    except CheckpointError:
+        return None
+
+
 def empty_model(
     directory: str | Path,
     *,
@@ -115,7 +123,17 @@ def load_slices(model: nn.Module, directory: str | Path, parallel: ParallelState
     evaluation mode, as HF's ``from_pretrained`` returns a model."""
     index = safetensors_index(directory)
     _check_layer_count(index, model, directory)
-    _fill_from_checkpoint(model, index, parallel.device, parallel.tp_group)
+    unused = set(_fill_from_checkpoint(model, index, parallel.device, parallel.tp_group))
+    if parallel.pp_size > 1:  # a stage reads its own layers: unused is what no stage read
+        stages: list[Any] = [None] * parallel.pp_size
+        dist.all_gather_object(stages, unused, group=parallel.pp_group)
+        unused = set.intersection(*stages)
+    if unused and parallel.rank == 0:  # as from_pretrained's load report, in one line: a tensor the config builds
+        # no module for (a Qwen3 checkpoint's q_norm under a config without it) would otherwise be dropped unseen
+        names = sorted(unused)
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        print(f"mtk: {directory}: {len(names)} tensor(s) no parameter of the model uses, not loaded: {shown}",
+              flush=True)  # fmt: skip
     model.eval()
 
 
@@ -177,7 +195,8 @@ def load_pretrained_tp(
     return model
 
 
-def _fill_from_checkpoint(model: nn.Module, index: dict[str, Path], device, tp_group) -> None:
+def _fill_from_checkpoint(model: nn.Module, index: dict[str, Path], device, tp_group) -> list[str]:
+    """Read this rank's slice of every parameter; returns the checkpoint's tensors it did not use."""
     prefix = getattr(model, "base_model_prefix", "")
     owners: dict[int, list[tuple[nn.Module, str]]] = {}  # tied parameters have several owners
     for module in model.modules():
@@ -188,12 +207,14 @@ def _fill_from_checkpoint(model: nn.Module, index: dict[str, Path], device, tp_g
         # tensors transformers assembles while loading (MoE experts stored per expert): read from their sources
         lookup = (type(model).__name__, cast(Any, model).config.model_type)
         converted = converted_tensors(lookup, list(index), lambda key: handles[index[key]].get_slice(key))
+        read: set[str] = set()  # the checkpoint keys the model's parameters come from
         for name, param in list(model.named_parameters()):  # one name per tied group
             source = converted.get(name) or converted.get(name.partition(".")[2] if prefix else "")
             if isinstance(source, str):  # renamed only: read it under its checkpoint name
                 key, tensor_slice = source, handles[index[source]].get_slice(source)
             elif source is not None:
                 key, tensor_slice = name, source
+                read.update(source.sources)
             else:
                 key = _checkpoint_key(name, index, prefix, param_info(param).tied_to)
                 tensor_slice = handles[index[key]].get_slice(key)
@@ -203,6 +224,7 @@ def _fill_from_checkpoint(model: nn.Module, index: dict[str, Path], device, tp_g
                     f"{key} in the checkpoint has shape {tuple(tensor_slice.get_shape())}, the model expects "
                     f"{tuple(full_shape)} (config and weights disagree)"
                 )
+            read.add(key)
             local = take_shard(spec, full_shape, tensor_slice.__getitem__)  # owned, contiguous: this rank's bytes
             real = nn.Parameter(local.to(device=device, dtype=param.dtype), requires_grad=param.requires_grad)
             copy_param_info(param, real)
@@ -210,6 +232,65 @@ def _fill_from_checkpoint(model: nn.Module, index: dict[str, Path], device, tp_g
                 sum_grad_over_tp(real, tp_group)
             for module, attr in owners[id(param)]:
                 setattr(module, attr, real)
+        _fill_buffers(model, index, handles, converted, read, device)
+    # every name of a tied group was read (a checkpoint may hold the head under its own name too)
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    for names in aliases.values():
+        if any(_checkpoint_key_or_none(n, index, prefix) in read for n in names):
+            read.update(k for n in names if (k := _checkpoint_key_or_none(n, index, prefix)) is not None)
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if still_meta:
         raise CheckpointError(f"tensors not filled from the checkpoint: {still_meta[:5]}")
+    return unused_tensors(model, index, read)
+
+
+def _fill_buffers(
+    model: nn.Module, index: dict[str, Path], handles: dict, converted: dict[str, Any], read: set[str], device
+) -> None:
+    """The persistent buffers the checkpoint holds, as ``from_pretrained`` loads them: a trained router's
+    ``e_score_correction_bias`` (GLM-4-MoE, DeepSeek-V3) is a buffer, and its initial zeros would route differently
+    from the checkpoint without a word. A buffer the checkpoint lacks keeps the model's own value, as in HF."""
+    prefix = getattr(model, "base_model_prefix", "")
+    for module_name, module in model.named_modules():
+        for attr, buffer in module.named_buffers(recurse=False):
+            if buffer is None or attr in module._non_persistent_buffers_set:
+                continue
+            name = f"{module_name}.{attr}" if module_name else attr
+            source = converted.get(name) or converted.get(name.partition(".")[2] if prefix else "")
+            key = source if isinstance(source, str) else _checkpoint_key_or_none(name, index, prefix)
+            if key is None:
+                continue
+            slicer = handles[index[key]].get_slice(key)
+            if tuple(slicer.get_shape()) != tuple(buffer.shape):
+                raise CheckpointError(
+                    f"{key} in the checkpoint has shape {tuple(slicer.get_shape())}, the model's buffer {name} "
+                    f"{tuple(buffer.shape)} (config and weights disagree)"
+                )
+            value = slicer[tuple(slice(None) for _ in buffer.shape)]
+            with torch.no_grad():
+                buffer.copy_(value.to(device=buffer.device, dtype=buffer.dtype))
+            read.add(key)
+
+
+def unused_tensors(model: nn.Module, index: dict[str, Path], read: set[str]) -> list[str]:
+    """The checkpoint's tensors no parameter came from, but for those ``from_pretrained`` drops by design: the
+    model's buffers (rotary frequencies and position ids some versions saved), the keys its class lists in
+    ``_keys_to_ignore_on_load_unexpected``, and multi-token-prediction layers its config declares (beyond
+    ``num_hidden_layers``, which :func:`_check_layer_count` allowed)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    buffers = {name for name, _ in model.named_buffers()}
+    buffers |= {f"{prefix}.{name}" for name in buffers} | {name.partition(".")[2] for name in buffers}
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    config = cast(Any, model).config
+    layers = getattr(config, "num_hidden_layers", None)
+    unused = []
+    for key in index:
+        if key in read or key in buffers or any(p.search(key) for p in ignored):
+            continue
+        layer = _LAYER.search(key)
+        if layer and isinstance(layers, int) and int(layer.group(1)) >= layers:
+            continue  # a declared MTP layer (more than declared: refused before)
+        unused.append(key)
+    return unused

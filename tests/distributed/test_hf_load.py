@@ -160,3 +160,45 @@ def test_pp_load_reads_only_this_stages_tensors(tmp_path, tp=2):
             assert "transformer.wpe.weight" not in result["read"]
             assert "lm_head.weight" in result["params"], "the last stage's copy of the tied embedding"
         assert "transformer.wte.weight" in result["read"], "both ends read the tied embedding"
+
+
+def _load_buffers_and_report(rank: int, world_size: int, directory: str, pp: int) -> dict:
+    import contextlib
+    import io
+
+    state = ParallelState.build(tp_size=world_size // pp, pp_size=pp)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        model = load_pretrained_tp(directory, state)
+    reference = AutoModelForCausalLM.from_pretrained(directory)
+    buffers = {n: b for n, b in model.named_buffers() if "e_score_correction_bias" in n}
+    for name, buffer in buffers.items():
+        assert torch.equal(buffer, reference.get_buffer(name)), name
+    return {"buffers": len(buffers), "printed": printed.getvalue()}
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_persistent_buffers_load_and_tensors_nothing_uses_are_named(tmp_path, pp):
+    """GLM-4-MoE's router keeps a trained ``e_score_correction_bias`` as a persistent buffer: it is read as
+    ``from_pretrained`` reads it (mtk kept the initial zeros, routing otherwise than the checkpoint, without a word).
+    Tensors the model has no parameter or buffer for (a stray head, an extra projection) are not read and are named
+    in one line by rank 0; under a pipeline only what no stage reads is named."""
+    from safetensors.torch import load_file, save_file
+
+    from mtk.verify.sweep import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("glm4_moe"))
+    for name, buffer in model.named_buffers():
+        if "e_score_correction_bias" in name:
+            buffer.copy_(torch.randn_like(buffer))
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(4, 4)
+    tensors["stray_head.weight"] = torch.zeros(2, 2)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    results = run_distributed(_load_buffers_and_report, world_size=2, args=(str(tmp_path), pp))
+    assert sum(r["buffers"] for r in results) > 0
+    line = "2 tensor(s) no parameter of the model uses, not loaded: model.layers.0.mlp.extra_proj.weight, stray_head"
+    assert line in results[0]["printed"] and results[0]["printed"].count("\n") == 1, results[0]["printed"]
+    assert not results[1]["printed"]
