@@ -31,3 +31,32 @@ def test_an_overflow_in_one_ranks_experts_skips_the_step_across_its_expert_paral
     skip too (its dense weights would otherwise leave rank 1's behind)."""
     for result in run_distributed(_overflow_on_rank_1, world_size=2, args=(1, 2)):
         assert result["param"] == [1.0] * 4 and result["scale"] == 512.0
+
+
+def _overflow_in_a_parameter_another_rank_updates(rank: int, world_size: int) -> dict:
+    from mtk.parallel.distributed_optimizer import shard_optimizer
+
+    state = ParallelState.build(tp_size=1)
+    params = [torch.nn.Parameter(torch.ones(4)) for _ in range(2)]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    shards = shard_optimizer(optimizer, state.replica_group)
+    mine = [shards.owns(p) for p in params]
+    scaler = TPGradScaler("cpu", parallel=state, init_scale=1024.0)
+    scaler.scale(torch.tensor(1.0))
+    params[0].grad = torch.full((4,), float("inf"))  # the same reduced gradients on both replicas
+    params[1].grad = torch.full((4,), 2048.0)
+    scaler.unscale_(optimizer)
+    unscaled = params[1].grad.tolist()
+    scaler.step(optimizer)
+    scaler.update()
+    return {"owns": mine, "unscaled": unscaled, "scale": scaler.get_scale()}
+
+
+def test_under_the_distributed_optimizer_every_gradient_is_unscaled_and_checked():
+    """DP 2 with the distributed optimizer: each rank updates one of the two parameters, the overflow is in one of
+    them. Both ranks skip (the rank updating the other parameter saw no inf in its own) and both unscale every
+    gradient (clipping reads them all)."""
+    results = run_distributed(_overflow_in_a_parameter_another_rank_updates, world_size=2)
+    assert sorted(r["owns"] for r in results) == [[False, True], [True, False]]
+    for result in results:
+        assert result["unscaled"] == [2.0] * 4 and result["scale"] == 512.0
