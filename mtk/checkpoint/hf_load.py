@@ -191,7 +191,7 @@ def load_pretrained_tp(
     )
     load_slices(model, directory, parallel)
     if parallel.ep_size > 1:  # each rank read every expert of its TP slice; it keeps its own
-        spread_experts(model, parallel.ep_group)
+        spread_experts(model, parallel.ep_group, parallel.pp_group)
     return model
 
 

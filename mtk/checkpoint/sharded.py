@@ -203,15 +203,22 @@ def load_checkpoint(
 
 
 def _saves_spread_experts(model: nn.Module, parallel: ParallelState) -> bool:
-    """Whether a checkpoint of ``model`` holds experts spread over EP (not a LoRA run's frozen ones)."""
-    return parallel.ep_size > 1 and any(is_expert_parallel(p) for _, p in checkpointed_parameters(model))
+    """Whether a checkpoint of ``model`` holds experts spread over EP (not a LoRA run's frozen ones). Decided for
+    the whole model (collective): a pipeline stage of dense layers only writes pieces as the others do."""
+    if parallel.ep_size == 1:
+        return False
+    here = any(is_expert_parallel(p) for _, p in checkpointed_parameters(model))
+    anywhere = torch.tensor([int(here)], device=parallel.device)
+    if dist.is_initialized():
+        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+    return bool(anywhere.item())
 
 
 def _with_experts(piece: Piece | None, model: nn.Module, parallel: ParallelState) -> Piece | None:
     """Where this rank's experts spread over EP go: each is saved once, by the first of the ranks holding it. With
     nothing else split, EP rank ``r`` writes piece ``r`` of ``ep_size`` (piece 0 with the dense tensors); under
     FSDP2 its experts go into its FSDP2 piece (the first holders all lie in HSDP's first replica:
-    :meth:`~mtk.integrations.accelerate.parameter_sharding.ParameterSharding._check_sharding`)."""
+    :func:`~mtk.integrations.accelerate.init.check_expert_parallel`)."""
     if not _saves_spread_experts(model, parallel):
         return piece
     first_holder = parallel.expert_replica_ranks[0] == parallel.rank

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtk.errors import UnsupportedModelError
-from mtk.parallel.comm import Group, group_rank, group_size
+from mtk.parallel.comm import Group, all_reduce, group_rank, group_size
 from mtk.parallel.overlap import gradient_buckets
 from mtk.parallel.parameters import copy_param_info, param_info, set_param_info
 
@@ -239,11 +239,14 @@ def distribute_experts(
     return placement
 
 
-def spread_experts(model: nn.Module, group: Group) -> int:
+def spread_experts(model: nn.Module, group: Group, stages: Group = None) -> int:
     """Spread every experts module of ``model`` over ``group`` (:func:`distribute_experts`); how many there were.
-    A model without one is one line: expert parallelism would do nothing."""
+    A model without one is one line: expert parallelism would do nothing. ``stages``: the pipeline group when
+    ``model`` is one stage of the model; a stage of dense layers only has nothing to spread, and the line is for a
+    model no stage of which has an MoE layer (collective over ``stages``)."""
     modules = [m for m in model.modules() if hasattr(m, "num_experts") and hasattr(m, "down_proj")]
-    if not modules:
+    found = all_reduce(torch.tensor([len(modules)], device=_device_of(model)), stages)
+    if not int(found.item()):
         raise UnsupportedModelError(
             f"{type(model).__name__} has no mixture-of-experts layer (3D expert tensors): expert parallelism has "
             "nothing to spread; set the expert-parallel size to 1"
@@ -252,6 +255,11 @@ def spread_experts(model: nn.Module, group: Group) -> int:
     for module, forward in zip(modules, forwards):
         distribute_experts(module, group, forward)
     return len(modules)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """Where a collective on ``model``'s behalf puts its tensor (the device of its first real parameter)."""
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
 
 
 def is_expert_parallel(param: torch.Tensor) -> bool:

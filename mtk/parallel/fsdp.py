@@ -15,6 +15,7 @@ which is what a state dict gathers.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -132,15 +133,18 @@ def shard_over_data_parallel(
     before = dict(model.named_parameters(remove_duplicate=False))
     # experts spread over EP are this rank's alone within its EP group: FSDP2 leaves them whole (not sharded, not
     # reduced), and the Accelerator reduces them over the ranks holding the same experts, as without FSDP2
-    experts = {p for p in model.parameters() if is_expert_parallel(p)} or None
+    experts = {p for p in model.parameters() if is_expert_parallel(p)}
+    ignored: dict[str, Any] = {"ignored_params": experts} if experts else {}  # (fully_shard takes it from torch 2.7)
+    if experts and "ignored_params" not in inspect.signature(fully_shard).parameters:
+        raise ConfigError(f"expert parallelism with FSDP2 needs torch >= 2.7 (this is {torch.__version__})")
     # innermost first (FSDP2 leaves a unit's already sharded children to them): the named classes, nested or not,
     # then the decoder around the layers, then the root
     units = [*reversed(sharded_modules(model, settings.unit_classes)), *([decoder] if decoder is not None else [])]
     for module in units:
-        fully_shard(module, mesh=mesh, reshard_after_forward=settings.reshard_after_forward, ignored_params=experts)
+        fully_shard(module, mesh=mesh, reshard_after_forward=settings.reshard_after_forward, **ignored)
     # the root left to FSDP2's default (None): kept gathered from its forward to its backward, which follows at once
     root_reshard = None if settings.reshard_after_forward else False
-    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, ignored_params=experts)
+    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, **ignored)
     pairs = []
     for name, param in model.named_parameters(remove_duplicate=False):
         old = before[name]

@@ -8,7 +8,7 @@ from transformers import PretrainedConfig
 
 from mtk.planner.collectives import Predicted, predict_expert_collectives
 from mtk.planner.layouts import Candidate, Request
-from mtk.planner.shapes import expert_parallel_refusal, moe_layers, stage_moe_layers
+from mtk.planner.shapes import every_layer_moe, expert_parallel_refusal, moe_layers, stage_moe_layers
 from mtk.planner.timing import collective_seconds
 
 __all__ = ["expert_collectives", "expert_parallel_sizes", "expert_traffic"]
@@ -16,14 +16,13 @@ __all__ = ["expert_collectives", "expert_parallel_sizes", "expert_traffic"]
 
 def expert_parallel_sizes(request: Request, c: Candidate) -> list[int]:
     """The EP sizes ``c`` may run: those asked for that divide its DP x CP replicas and the experts, where mtk runs
-    EP (an MoE model under accelerate: init.check_expert_parallel; with LoRA the experts stay frozen, not weighed
-    next to FSDP2;
-    with a pipeline only where every decoder layer is an MoE layer, so that each stage's exchanges are known)."""
+    EP (init.check_expert_parallel): an MoE model under accelerate. Not weighed: FSDP2 with LoRA (the trace does
+    not tell frozen experts apart), and a pipeline unless every decoder layer is an MoE layer (each stage's
+    exchanges are then known)."""
     config = request.config
-    every_layer = moe_layers(config) == (getattr(config, "num_hidden_layers", None) or 0)
     if (
         not moe_layers(config)
-        or (c.pp_size > 1 and not every_layer)
+        or (c.pp_size > 1 and not every_layer_moe(config))
         or c.engine != "accelerate"
         or (c.sharding == "fsdp2" and request.lora_r > 0)  # (frozen experts are not told apart in the trace)
     ):

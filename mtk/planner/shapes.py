@@ -54,11 +54,14 @@ def moe_layers(config: PretrainedConfig) -> int:
     return _converted(_class_of(config), config.to_json_string(use_diff=False), 1, False).moe_layers
 
 
+def every_layer_moe(config: PretrainedConfig) -> bool:
+    """Whether every decoder layer is an MoE layer (then a pipeline stage's MoE layers are its layers)."""
+    return moe_layers(config) == (getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0))
+
+
 def stage_moe_layers(config: PretrainedConfig, stage_layers: int, pp_size: int) -> int:
     """MoE layers among a stage's ``stage_layers`` decoder layers: known where every layer is one (or pp is 1)."""
-    moe = moe_layers(config)
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
-    return stage_layers if moe == layers else (moe if pp_size == 1 else 0)
+    return stage_layers if every_layer_moe(config) else (moe_layers(config) if pp_size == 1 else 0)
 
 
 def expert_parallel_refusal(config: PretrainedConfig, ep_size: int) -> str | None:

@@ -5,6 +5,7 @@ one-process model's on the same batches (fp32, 1e-5)."""
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -344,3 +345,62 @@ def test_a_checkpoint_at_expert_parallelism_is_written_in_pieces_and_reads_back_
         "dp": 4,
         "ep": 2,
     }
+
+
+def _two_optimizers(rank: int, world: int) -> str:
+    from mtk import Accelerator, ParallelConfig
+    from mtk.errors import ConfigError
+
+    accelerator = Accelerator(parallel_config=ParallelConfig(ep_size=2))
+    model = accelerator.prepare(AutoModelForCausalLM.from_config(_config("qwen3_moe", 4)).float())
+    experts = [p for p in model.parameters() if is_expert_parallel(p)]
+    dense = [p for p in model.parameters() if not is_expert_parallel(p)]
+    accelerator.prepare(torch.optim.SGD(dense, lr=0.1))
+    try:
+        accelerator.prepare(torch.optim.SGD(experts, lr=0.1))
+    except ConfigError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_a_second_optimizer_at_expert_parallelism_is_one_line_when_prepared():
+    """Checkpoints of spread experts are pieces, read back for one optimizer: a second optimizer is refused when it
+    is prepared, before any training, not at the first save."""
+    messages = run_distributed(_two_optimizers, world_size=2)
+    assert all("expert parallelism (ep = 2) with 2 optimizers" in m for m in messages), messages
+
+
+def _dense_stage_worker(rank: int, world: int, directory: str) -> list[str]:
+    from mtk import Accelerator, ParallelConfig, RunSettings
+
+    accelerator = Accelerator(
+        parallel_config=ParallelConfig(pp_size=2, ep_size=2), run_settings=RunSettings(num_micro_batches=2)
+    )
+    config = _config("qwen3_moe", 4)
+    config.output_router_logits = False  # a pipeline refuses the load-balancing term
+    config.mlp_only_layers = [0, 1]  # stage 0: dense layers only
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ids = torch.randint(0, 256, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
+    accelerator.backward(model(input_ids=ids, labels=ids, use_cache=False).loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    trained = accelerator.unwrap_model(model)
+    saved = {n: p.detach().clone() for n, p in trained.named_parameters()}
+    accelerator.save_state(directory)
+    with torch.no_grad():
+        for param in trained.parameters():
+            param.fill_(0.5)
+    accelerator.load_state(directory)
+    for name, param in trained.named_parameters():
+        assert torch.equal(param.detach(), saved[name]), name
+    return sorted(p.name for p in Path(directory, "model").iterdir())
+
+
+def test_a_pipeline_stage_of_dense_layers_at_expert_parallelism_saves_as_the_others(tmp_path):
+    """Qwen3-MoE whose first two layers are dense (mlp_only_layers) at PP 2 x EP 2: stage 0 has no experts to
+    spread, and still writes its tensors in the pieces every stage writes (the choice is the whole model's), so the
+    checkpoint reads back exactly on both stages."""
+    files = run_distributed(_dense_stage_worker, world_size=4, args=(str(tmp_path / "step"),), timeout=600)[0]
+    assert files == [f"tp00-pp0{s}-piece0{p}.safetensors" for s in (0, 1) for p in (0, 1)], files

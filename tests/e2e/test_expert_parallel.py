@@ -109,8 +109,8 @@ def test_an_hf_directory_is_read_slice_by_slice_then_spread_over_ep(moe_dp2, tmp
 
 def test_ep2_inside_dp4_with_the_distributed_optimizer_resumes_at_ep1_exactly(tmp_path):
     """4 processes at EP 2 with the distributed optimizer: the experts' AdamW moments sharded over their 2 replicas,
-    the dense ones over DP 4. Its step-3 checkpoint (each moment gathered from its owner, then over EP) resumes at
-    EP 1 on the same 4 replicas to the EP 2 run's own steps 4-6."""
+    the dense ones over DP 4. Its step-3 checkpoint (each moment gathered from its owner; each EP rank's experts as
+    its piece) resumes at EP 1 on the same 4 replicas to the EP 2 run's own steps 4-6."""
     keys = {"tp_degree": "1", "expert_tensor_parallel_size": "1", "use_distributed_optimizer": "true"}
     spread = _yaml(tmp_path, **keys)
     out = accelerate_launch("finetune.py", spread, "--output_dir", str(tmp_path / "run"), *MOE, "--save_every", "3")
@@ -126,7 +126,8 @@ def test_ep2_inside_a_pp2_pipeline_logs_the_dp2_losses_and_resumes_at_ep1(moe_dp
     """TP 1 x PP 2 x DP 2 with EP 2 over the DP pairs of each stage: each stage's experts spread over EP, the
     pipeline's DP reduction leaves them to their replicas. The model's load-balancing term is off (a pipeline's last
     stage holds its own layers' router logits only: one line above), so the reference is DP 2 on the same
-    directory; the step-3 checkpoint (experts gathered over EP on each stage) resumes at EP 1 without a pipeline."""
+    directory; the step-3 checkpoint (each stage's experts in its EP ranks' pieces) resumes at EP 1 without a
+    pipeline."""
     model = tmp_path / "unbalanced"
     shutil.copytree(moe_dp2.dir / "model", model)
     config = json.loads((model / "config.json").read_text())

@@ -317,7 +317,7 @@ def test_expert_parallelism_divides_the_experts_and_adds_its_all_to_alls():
     (an EP column in the table); a token's FLOPs count k of the E experts."""
     config = resolve_config("bench-qwen3-moe")
     request = Request(config, Cluster(4, gpu_memory=8 * GIB), 1024, 4, dtype="fp32", reserve=0, ep_sizes=(1, 2, 4))
-    by_label = layouts = {e.candidate.label: e for e in plan(request)}
+    layouts = by_label = {e.candidate.label: e for e in plan(request)}  # (by_label is rebound below)
     whole, spread = by_label["tp1 pp1 dp4 1x1"], by_label["tp1 pp1 dp4 ep4 1x1"]
     experts = 4 * 3 * 8 * 512 * 768  # layers x (gate, up, down) x E x h x I
     assert whole.memory.weights - spread.memory.weights == experts * 3 // 4 * 4  # fp32

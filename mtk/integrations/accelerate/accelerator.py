@@ -211,10 +211,23 @@ class Accelerator(
         built before ``prepare`` holds the unconverted ones; another stage's parameters are dropped)."""
         if not getattr(optimizer, "_is_accelerate_prepared", False):
             repoint(optimizer, self._replaced_params)
+            self._check_one_optimizer_for_experts(optimizer)
             if self.settings.use_distributed_optimizer and not self.uses_deepspeed:
                 # ZeRO-1 over DP x CP, the experts over their replicas; re-synced after step
                 shard_optimizer(optimizer, self.parallel.replica_group, self.parallel.expert_replica_group)
         return super().prepare_optimizer(optimizer, device_placement)
+
+    def _check_one_optimizer_for_experts(self, optimizer: torch.optim.Optimizer) -> None:
+        """A checkpoint of experts spread over EP is written in pieces, which are read back for one optimizer: a
+        second one is one line when it is prepared, not when the first save comes."""
+        if self.parallel.ep_size == 1 or not self._optimizers:
+            return
+        held = [p for o in (*self._optimizers, optimizer) for group in o.param_groups for p in group["params"]]
+        if any(is_expert_parallel(p) for p in held):
+            raise ConfigError(
+                f"expert parallelism (ep = {self.parallel.ep_size}) with {len(self._optimizers) + 1} optimizers: its "
+                "checkpoints hold one optimizer's state; use one optimizer (parameter groups for different settings)"
+            )
 
     # ---------------------------------------------------------------------- DeepSpeed (ZeRO over DP)
     @property

@@ -101,7 +101,8 @@ def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | N
 
 def check_expert_parallel(config: ParallelConfig, *, deepspeed: bool, sharding: ShardingSettings | None) -> None:
     """The experts' TP size is the TP size (Megatron-Core's default; ``megatron_lm_expert_tensor_parallel_size``
-    may only repeat it), and what expert parallelism does not run next to yet is one line each (docs/moe.md)."""
+    may only repeat it); DeepSpeed next to EP, and an HSDP whose writing replica would miss experts, are one line
+    each (docs/moe.md)."""
     expert_tp = os.environ.get("MEGATRON_LM_EXPERT_TENSOR_PARALLEL_SIZE", "").strip()
     if expert_tp.lower() not in ("", "none", str(config.tp_size)):
         raise ConfigError(

@@ -115,7 +115,7 @@ class ModelConversion(_Host):
         else:  # no optimizer can hold a parameter of a model that was never read
             load_slices(model, checkpoint, self.parallel)
             if self.parallel.ep_size > 1:  # each rank read every expert of its TP slice; it keeps its own
-                spread_experts(model, self.parallel.ep_group)
+                spread_experts(model, self.parallel.ep_group, self.parallel.pp_group)
         return model
 
     def _context_parallel(self, model: nn.Module) -> None:
