@@ -73,20 +73,15 @@ def chat_conversations(count: int, seed: int = 0) -> list[list[dict[str, str]]]:
     return conversations
 
 
-@pytest.fixture(scope="session")
-def chat_setup(tmp_path_factory) -> ChatSetup:
-    import json
-
+def save_chat_model(name: str, tokenizer, directory: Path) -> Path:
+    """Built-in model ``name`` sized to ``tokenizer``'s vocabulary and special ids (seed 0), saved with the tokenizer
+    into ``directory``: a local HF directory as TRL's scripts take it."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from mtk.models import builtin_config
-    from mtk.testing import train_chat_tokenizer
 
-    root = tmp_path_factory.mktemp("chat")
-    conversations = chat_conversations(240)
-    tokenizer = train_chat_tokenizer([turn["content"] for chat in conversations for turn in chat])
-    config = builtin_config("tiny-llama")
+    config = builtin_config(name)
     config.update(
         dict(
             vocab_size=len(tokenizer),
@@ -96,9 +91,21 @@ def chat_setup(tmp_path_factory) -> ChatSetup:
         )
     )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def chat_setup(tmp_path_factory) -> ChatSetup:
+    import json
+
+    from mtk.testing import train_chat_tokenizer
+
+    root = tmp_path_factory.mktemp("chat")
+    conversations = chat_conversations(240)
+    tokenizer = train_chat_tokenizer([turn["content"] for chat in conversations for turn in chat])
+    save_chat_model("tiny-llama", tokenizer, root / "model")
     data, eval_data = root / "chat.jsonl", root / "chat_eval.jsonl"
     data.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in conversations))
     eval_data.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in chat_conversations(30, seed=1)))

@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from mtk.spawn import free_port
 from mtk.testing import assert_close_rel
+from tests.e2e.conftest import ChatSetup, save_chat_model
 from tests.e2e.launch import ROOT, accelerate_launch
 
 SCRIPT = "tests/e2e/trl_script.py"
@@ -156,26 +157,11 @@ def test_an_moe_model_at_expert_parallelism_logs_trls_numbers(chat_setup, tmp_pa
     term in the loss) at accelerate_configs/ep2.yaml: the experts spread over the 2 DP ranks, tokens exchanged by
     all-to-all. EP is carved out of DP, so the reference is TRL on 2 plain torchrun processes: every number TRL logs
     agrees."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from mtk.models import builtin_config
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(chat_setup.model)
-    config = builtin_config("tiny-qwen3-moe")
-    config.update(
-        dict(
-            vocab_size=len(tokenizer),
-            bos_token_id=None,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    )
-    torch.manual_seed(0)
-    moe = tmp_path / "moe"
-    AutoModelForCausalLM.from_config(config).save_pretrained(moe)
-    tokenizer.save_pretrained(moe)
-    setup = type(chat_setup)(moe, chat_setup.data, chat_setup.eval_data)
+    moe = save_chat_model("tiny-qwen3-moe", tokenizer, tmp_path / "moe")
+    setup = ChatSetup(moe, chat_setup.data, chat_setup.eval_data)
     expected = _trl_run(task, setup, tmp_path / "trl", 2)
     ours = _mtk_run(task, "ep2", setup, tmp_path / "mtk")
     assert_trl_numbers(ours, expected, f"{task} ep2")
