@@ -14,8 +14,8 @@ a multiplication. A two-stage pipeline of one layer each gives what the first an
 What the meta device cannot do itself is replaced for the trace, nowhere else:
 - scaled-dot-product attention runs as a fused kernel (flash / memory-efficient attention on CUDA, the
   flash kernel on CPU) saving ``q, k, v``, the output and the ``[b, a, s]`` log-sum-exp, not the decomposed
-  math path whose ``[b, a, s, s]`` scores the meta device would otherwise count; except for a CPU target
-  with attention dropout, where torch itself takes the math path;
+  math path whose ``[b, a, s, s]`` scores the meta device would otherwise count; except where torch itself
+  takes the math path (a CPU target with attention dropout; CUDA in fp32 with grouped-query heads);
 - transformers' packed-sequence detection reads the data (``.all()``): the traced batch is unpacked.
 """
 
@@ -63,7 +63,7 @@ class TraceSettings:
     recompute: str | None = None  # None, "selective" or "full"
     lora_r: int = 0  # LoRA rank on every linear mtk splits (0: full fine-tuning)
     dtype: str = "fp32"  # parameters and activations (fp32, bf16)
-    device: str = "cuda"  # whose attention kernels: "cuda" (fused, dropout too) or "cpu" (fused without dropout)
+    device: str = "cuda"  # attention kernels of: "cuda" (fused; math in fp32 with GQA), "cpu" (math under dropout)
     chunked_loss: bool = True  # the loss holds no logits (mtk's default; not under ZeRO-3, whose head cannot defer)
     ep_size: int = 1  # expert parallelism: each MoE layer keeps 1/ep of its experts' tensors
 
@@ -160,11 +160,20 @@ class _FusedAttention(torch.autograd.Function):
         return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
+def _takes_math_path(device: str, query: torch.Tensor, dropout_p: float, enable_gqa: bool) -> bool:
+    """Where torch falls back to its math path: on CPU under dropout; on CUDA in fp32 with grouped-query heads
+    passed whole (flash attention takes no fp32, the memory-efficient kernel no ``enable_gqa``; transformers passes
+    it when there is no mask). Seen on an H200 (docs/bench.md): one ``[b, a, s, s]`` tensor kept per layer."""
+    if device == "cpu":
+        return dropout_p > 0
+    return enable_gqa and query.dtype == torch.float32
+
+
 def _attention_for(device: str, math_path):
-    """SDPA as ``device`` runs it: a fused kernel, except on CPU with dropout (torch's math path there)."""
+    """SDPA as ``device`` runs it: a fused kernel, or torch's math path where torch itself takes it."""
 
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
-        if device == "cpu" and dropout_p > 0:
+        if _takes_math_path(device, query, dropout_p, bool(kwargs.get("enable_gqa", False))):
             return math_path(query, key, value, attn_mask, dropout_p, *args, **kwargs)
         return _FusedAttention.apply(query, key, value)
 

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from mtk.bench.allocations import peak_allocations
 from mtk.bench.contenders import BenchSpec
 from mtk.bench.report import format_report, report_dict, write_json
 from mtk.bench.runner import ContenderSummary, predicted_for
@@ -162,3 +163,22 @@ def test_expert_parallel_prediction_per_layer():
     again = predict_expert_collectives(3, tokens, k, hidden, ep_size=4, recompute=True, micro_batches=2)
     assert again.counts == {"all_to_all": 3 * 10 * 2}  # the forward's four rerun in backward, per micro-batch
     assert predict_expert_collectives(3, tokens, k, hidden, ep_size=1).counts == {}
+
+
+def test_peak_allocations_replays_the_allocator_trace_to_its_highest_point():
+    """Blocks live at the trace's highest point, by the first mtk / transformers frame; a freed block leaves."""
+    sdpa = [{"filename": "/x/site-packages/transformers/integrations/sdpa_attention.py", "line": 182, "name": "f"}]
+    engine = [{"filename": "/x/torch/autograd/graph.py", "line": 1, "name": "backward"}]
+    events = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": sdpa},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": engine},
+        {"action": "free_requested", "addr": 2, "size": 50},
+        {"action": "free_completed", "addr": 2, "size": 50},  # the second event of the same free
+        {"action": "alloc", "addr": 3, "size": 70, "frames": sdpa},  # 170: the peak
+        {"action": "free_requested", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 4, "size": 60, "frames": engine},  # 130
+        {"action": "segment_alloc", "addr": 9, "size": 1000},  # the allocator's own reservation: not counted
+    ]
+    found = peak_allocations(events)
+    assert found.peak == 170
+    assert dict(found.by_frame) == {"transformers/integrations/sdpa_attention.py:182 f": 170}

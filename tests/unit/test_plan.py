@@ -229,6 +229,19 @@ def test_one_layer_keeps_what_a_second_layer_adds(model, settings):
     assert _phases(with_layers(config, 2), settings, 64, 1, 0).saved - trace.whole.saved == trace.layer_saved > 0
 
 
+def test_cuda_takes_the_math_path_for_fp32_grouped_query_attention():
+    """On CUDA no fused kernel takes fp32 with ``enable_gqa`` (seen on an H200): each layer keeps its ``[a, s, s]``
+    fp32 scores instead of the ``[a, s]`` log-sum-exp. bf16 (flash) and CPU without dropout stay fused."""
+    config, seq = resolve_config("tiny-llama"), 64  # 4 heads, 2 kv heads
+
+    def saved(**settings) -> int:
+        return trace_rank(config, TraceSettings(1, **settings), seq, pipeline=False).layer_saved
+
+    heads = config.num_attention_heads
+    assert saved(device="cuda") - saved(device="cpu") == heads * seq * seq * 4 - heads * seq * 4
+    assert saved(device="cuda", dtype="bf16") == saved(device="cpu", dtype="bf16")
+
+
 @pytest.mark.parametrize("model, tp", [("tiny-llama", 2), ("tiny-qwen2", 2), ("bench-llama", 4), ("tiny-gpt2", 2)])
 def test_parameters_equal_the_rules_count(model, tp):
     """The trace's parameters per TP rank (the converted meta model) equal the rules' own count (vocabulary
