@@ -324,10 +324,11 @@ def valid_tp_sizes(request: Request) -> list[int]:
 
 
 def _sequence_parallel_rules(config: PretrainedConfig, tp: int) -> bool:
-    """Whether the rules mtk picks name the shared inputs sequence parallelism gathers (hand-written plans do;
-    transformers' tp plans and the generic rules do not, and mtk refuses SP with them)."""
+    """Whether the rules mtk picks take sequence parallelism: hand-written plans do; transformers' tp plans (not
+    checked under SP) and the generic rules (no shared inputs to gather the sequence) do not, and mtk refuses SP
+    with them."""
     rule_set = find_rules(config, tp)
-    return rule_set is not None and bool(rule_set.shared_inputs)
+    return rule_set is not None and rule_set.sequence_parallel and bool(rule_set.shared_inputs)
 
 
 def _pipeline_supported(config: PretrainedConfig) -> bool:

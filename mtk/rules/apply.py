@@ -10,6 +10,7 @@ copied from its full weight. :func:`mtk.convert.parallelize` is the entry point 
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -176,6 +177,11 @@ def parallelize_with(
     from the vocabulary; 0: the logits are computed, then the loss, as with any caller that asks for them).
     """
     sequence_parallel = sequence_parallel and parallel.tp_size > 1
+    if sequence_parallel and not rule_set.sequence_parallel:
+        raise UnsupportedModelError(
+            f"sequence parallelism: the {rule_set.name} rules are not checked exact under it; turn "
+            "megatron_lm_sequence_parallelism off for this model"
+        )
     modules = dict(model.named_modules())
     shared = _shared_inputs(modules, rule_set) if parallel.tp_size > 1 else {}
     ctx = BuildContext(
@@ -253,7 +259,8 @@ def _check_coverage(model: nn.Module, rule_set: RuleSet, rules: dict[str, Rule],
 def _hook_shared_inputs(modules: dict[str, nn.Module], shared: dict[str, SharedInput], ctx: BuildContext) -> None:
     """Copy each shared input into the TP region once, before the module whose columns read it."""
     for name, spec in shared.items():
-        hook = CopyInputToTP(spec.argument, ctx.parallel.tp_group, ctx.sequence_parallel)
+        argument = spec.argument or next(iter(inspect.signature(modules[name].forward).parameters))
+        hook = CopyInputToTP(argument, ctx.parallel.tp_group, ctx.sequence_parallel)
         modules[name].register_forward_pre_hook(hook, with_kwargs=True)
 
 

@@ -142,11 +142,12 @@ class SharedInput:
 
     Attributes:
         pattern: module path pattern (as in :class:`Rule`).
-        argument: the input's keyword name, used when the module is called without positional arguments.
+        argument: the input's keyword name, used when the module is called without positional arguments
+            (``None``: the first parameter of the module's ``forward``, for rules written without the module).
     """
 
     pattern: str
-    argument: str = "hidden_states"
+    argument: str | None = "hidden_states"
 
     def matches(self, name: str) -> bool:
         return compile_pattern(self.pattern).match(name) is not None
@@ -210,6 +211,8 @@ class RuleSet:
         residual_dropouts: dropouts on the residual stream inside the blocks: replicated without
             sequence parallelism (the shared stream, also inside a ``split_random`` module), split along
             the sequence with it (the TP stream).
+        sequence_parallel: whether these rules are checked exact under sequence parallelism (``False``: it is
+            refused in one line, even where the shared inputs would gather every column's sequence).
     """
 
     name: str
@@ -223,6 +226,7 @@ class RuleSet:
     layers: str | None = None
     split_random: tuple[str, ...] = ()
     residual_dropouts: tuple[str, ...] = ()
+    sequence_parallel: bool = True
     notes: str = field(default="", compare=False)
 
     @property

@@ -44,6 +44,7 @@ from mtk.rules.base import (
     PipelineSpec,
     Rule,
     RuleSet,
+    SharedInput,
 )
 from mtk.rules.llama import llama_head_counts
 
@@ -77,6 +78,29 @@ def _rule(pattern: str, style: str) -> Rule:
     if style == "colwise" and pattern.rpartition(".")[2] in KV_NAMES:  # by kv heads, replicated when tp > kv
         return replace(rule, style=KV_COLUMN)
     return rule
+
+
+_COLUMNS = ("colwise", "packed_colwise", "colwise_gather_output")
+
+
+def _shared_inputs(tp_plan: dict[str, str]) -> tuple[SharedInput, ...]:
+    """A module holding two column-parallel linears or more (attention's q/k/v, the MLP's gate/up) takes their
+    input into the TP region once: one backward all-reduce for all of them, as with mtk's own rules. HF's plan
+    does not say whether that input also feeds something else inside the module (which would then be summed over
+    TP); the parity check compares every gradient before such rules convert a model (``mtk.rules.registry``). An
+    MoE block is never one: its input feeds the router too (Qwen3-MoE's ``mlp`` names the gate/up of its dense
+    layers and the experts of its sparse ones)."""
+    columns: dict[str, int] = {}
+    for pattern, style in tp_plan.items():
+        if style in _COLUMNS:
+            parent = pattern.rpartition(".")[0]
+            columns[parent] = columns.get(parent, 0) + 1
+    moe_blocks = {pattern.rpartition(".")[0] for pattern, style in tp_plan.items() if style == "moe_tp_experts"}
+    return tuple(
+        SharedInput(f"**.{parent}", argument=None)
+        for parent, count in columns.items()
+        if count > 1 and parent not in moe_blocks
+    )
 
 
 def _pipeline(pp_plan: dict[str, Any]) -> PipelineSpec | None:
@@ -131,6 +155,8 @@ def rules_from_tp_plan(config: Any) -> tuple[RuleSet | None, str]:
     )
     rule_set = RuleSet(
         name=f"{config.model_type} (transformers' base_model_tp_plan)",
+        shared_inputs=_shared_inputs(tp_plan),
+        sequence_parallel=False,
         model_types=(config.model_type,),
         rules=tuple(rules),
         head_counts=llama_head_counts,

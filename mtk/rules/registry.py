@@ -8,12 +8,14 @@ converted and its logits compared with the unconverted copy on every rank.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from mtk.parallel.comm import all_reduce
+from mtk.parallel.gather import full_shape_and_spec, gather_full_tensor
 from mtk.parallel.state import ParallelState
 from mtk.rules.apply import parallelize_with
 from mtk.rules.base import RuleSet, UnsupportedModelError
@@ -88,7 +90,8 @@ def _one_layer_config(config):
 
 def _check_parity(model_class: type, config, parallel: ParallelState, rule_set: RuleSet = GENERIC) -> None:
     """Convert a one-layer random copy with ``rule_set`` (the generic rules, or ones derived from HF's tp plan);
-    raise unless its logits match."""
+    raise unless its logits and every gradient match (a shared input that also fed something else inside its
+    module would change gradients only)."""
     small = _one_layer_config(config)
     small._attn_implementation = "eager"
     generator_state = torch.random.get_rng_state()
@@ -103,25 +106,44 @@ def _check_parity(model_class: type, config, parallel: ParallelState, rule_set: 
         parallelize_with(converted, parallel, rule_set)
     except UnsupportedModelError as err:
         raise UnsupportedModelError(f"no rules for model_type {config.model_type!r} ({err}); {_HOW_TO_ADD}") from None
-    with torch.no_grad():
-        expected = reference(input_ids).logits
-        try:
-            actual = converted(input_ids).logits
-            error = torch.tensor([(actual - expected).abs().max().item() / expected.abs().max().item()])
-        except RuntimeError as err:  # e.g. a norm over all heads fed one rank's heads: shapes disagree
-            first_line = str(err).strip().splitlines()[0]
-            raise UnsupportedModelError(
-                f"no rules for model_type {config.model_type!r}: the {rule_set.name} rules convert "
-                f"{model_class.__name__} but its forward then fails ({first_line}); {_HOW_TO_ADD}"
-            ) from None
+    expected = reference(input_ids).logits
+    try:
+        actual = converted(input_ids).logits
+    except RuntimeError as err:  # e.g. a norm over all heads fed one rank's heads: shapes disagree
+        first_line = str(err).strip().splitlines()[0]
+        raise UnsupportedModelError(
+            f"no rules for model_type {config.model_type!r}: the {rule_set.name} rules convert "
+            f"{model_class.__name__} but its forward then fails ({first_line}); {_HOW_TO_ADD}"
+        ) from None
+    worst = ("its logits", _relative_error(actual.detach(), expected.detach()))
+    probe = torch.linspace(-1, 1, expected.numel()).reshape(expected.shape)  # [b, s, V]: every logit weighted
+    (expected * probe).sum().backward()
+    (actual * probe).sum().backward()
+    reference_params = dict(reference.named_parameters())
+    for name, param in converted.named_parameters():  # the same on every TP rank: each gathers together
+        if param.grad is None or name not in reference_params:
+            continue
+        shape, spec = full_shape_and_spec(converted, name)
+        grad = gather_full_tensor(param.grad, spec, shape, parallel.tp_group)
+        grad_error = _relative_error(grad, reference_params[name].grad)
+        if grad_error > worst[1]:
+            worst = (f"the gradient of {name}", grad_error)
+    error = torch.tensor([worst[1]])
     if dist.is_initialized():
         all_reduce(error, parallel.tp_group, op=dist.ReduceOp.MAX)  # every rank decides the same way
     if not error.item() <= PARITY_TOLERANCE:
         raise UnsupportedModelError(
             f"no rules for model_type {config.model_type!r}: the {rule_set.name} rules convert "
-            f"{model_class.__name__} but its logits differ from the original (relative error {error.item():.1e}); "
-            f"{_HOW_TO_ADD}"
+            f"{model_class.__name__} but it differs from the original in {worst[0]} (relative error "
+            f"{error.item():.1e}); {_HOW_TO_ADD}"
         )
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor | None) -> float:
+    if expected is None:
+        return float("inf")
+    scale = expected.abs().max().item()
+    return (actual - expected).abs().max().item() / scale if scale else (actual - expected).abs().max().item()
 
 
 def resolve_rules(model: nn.Module, parallel: ParallelState) -> RuleSet:
@@ -134,5 +156,12 @@ def resolve_rules(model: nn.Module, parallel: ParallelState) -> RuleSet:
     candidate = rule_set or GENERIC
     problem = candidate.head_counts(model.config).problem(parallel.tp_size)
     if problem is None:  # sizes first: a clear size error beats a parity run that cannot pass
-        _check_parity(type(model), model.config, parallel, candidate)
+        try:
+            _check_parity(type(model), model.config, parallel, candidate)
+        except UnsupportedModelError:
+            if not candidate.shared_inputs:
+                raise
+            # shared inputs derived from HF's plan whose module feeds more than its columns: one copy per column
+            candidate = replace(candidate, shared_inputs=())
+            _check_parity(type(model), model.config, parallel, candidate)
     return candidate

@@ -92,3 +92,42 @@ def test_sweep_runs_pipelines():
     assert [(r.model_type, r.status) for r in rows] == [("gpt_neox", "exact"), ("gemma2", "exact")], [
         (r.model_type, r.reason) for r in rows
     ]
+
+
+def _shared_input_checks(rank: int, world_size: int) -> dict:
+    """Qwen3-MoE through its tp plan: attention's q/k/v take their input into the TP region once (the MoE block's
+    input also feeds the router: not shared); sequence parallelism is one line; a derived shared input whose
+    module feeds more than its columns fails the gradient parity check and falls back to one copy per column."""
+    import pytest
+
+    import mtk.rules.from_tp_plan as from_tp_plan
+    from mtk.convert import parallelize
+    from mtk.models import build_model
+    from mtk.parallel import ParallelState
+    from mtk.rules.apply import CopyInputToTP
+    from mtk.rules.base import SharedInput, UnsupportedModelError
+    from mtk.rules.registry import resolve_rules
+
+    state = ParallelState.build(tp_size=world_size)
+    model = parallelize(build_model("tiny-qwen3-moe", seed=0), state)
+    layer = model.model.layers[0]
+    hooked = {
+        name
+        for name, module in layer.named_modules()
+        if any(isinstance(h, CopyInputToTP) for h in module._forward_pre_hooks.values())
+    }
+    copying = {n for n in ("q_proj", "k_proj", "v_proj") if getattr(layer.self_attn, n).copy_input}
+    with pytest.raises(UnsupportedModelError, match="not checked exact under it"):
+        parallelize(build_model("tiny-qwen3-moe", seed=0), state, sequence_parallel=True)
+    derived = from_tp_plan._shared_inputs
+    from_tp_plan._shared_inputs = lambda plan: (*derived(plan), SharedInput("**.layers.*.mlp", argument=None))
+    try:
+        fallback = resolve_rules(build_model("tiny-qwen3-moe", seed=0), state).shared_inputs
+    finally:
+        from_tp_plan._shared_inputs = derived
+    return {"hooked": sorted(hooked), "copying": sorted(copying), "fallback": fallback}
+
+
+def test_tp_plan_rules_share_the_input_of_sibling_columns():
+    result = run_distributed(_shared_input_checks, world_size=2)[0]
+    assert result == {"hooked": ["self_attn"], "copying": [], "fallback": ()}

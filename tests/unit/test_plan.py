@@ -298,7 +298,10 @@ def test_context_parallelism_divides_what_a_rank_keeps_and_adds_its_traffic():
     of its heads, holds the whole model state (sharded over DP x CP only by FSDP2 or the distributed optimizer)
     and sends the key/value blocks round the ring (a CP column in the table)."""
     config = resolve_config("bench-llama")
-    request = Request(config, Cluster(4, gpu_memory=8 * GIB), 16384, 4, dtype="fp32", reserve=0, cp_sizes=(1, 4))
+    # the fused attention without CP (on CUDA fp32 with GQA is torch's math path: an [a, s, s] tensor per layer)
+    request = Request(
+        config, Cluster(4, gpu_memory=8 * GIB), 16384, 4, dtype="fp32", reserve=0, cp_sizes=(1, 4), device="cpu"
+    )
     by_label = {e.candidate.label: e for e in plan(request)}
     whole, split = by_label["tp1 pp1 dp4 1x1"], by_label["tp1 cp4 pp1 dp1 1x4"]
     blocks = 8 * 4096 * 4096 * 2 * 4 + 4096 * 4096  # [h, s/cp, s/cp] fp32 twice, and the block's mask
