@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, cast
@@ -27,7 +28,7 @@ from mtk.checkpoint.safetensors_slices import open_safetensors
 from mtk.convert import parallelize
 from mtk.errors import CheckpointError
 from mtk.models import ModelSpecError, auto_class_for, check_weights, resolve_config
-from mtk.parallel.expert_parallel import spread_experts
+from mtk.parallel.expert_parallel import own_expert_rows, spread_experts
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.grads import sum_grad_over_tp
 from mtk.parallel.parameters import copy_param_info, param_info
@@ -123,7 +124,7 @@ def load_slices(model: nn.Module, directory: str | Path, parallel: ParallelState
     evaluation mode, as HF's ``from_pretrained`` returns a model."""
     index = safetensors_index(directory)
     _check_layer_count(index, model, directory)
-    unused = set(_fill_from_checkpoint(model, index, parallel.device, parallel.tp_group))
+    unused = set(_fill_from_checkpoint(model, index, parallel))
     if parallel.pp_size > 1:  # a stage reads its own layers: unused is what no stage read
         stages: list[Any] = [None] * parallel.pp_size
         dist.all_gather_object(stages, unused, group=parallel.pp_group)
@@ -134,7 +135,21 @@ def load_slices(model: nn.Module, directory: str | Path, parallel: ParallelState
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         print(f"mtk: {directory}: {len(names)} tensor(s) no parameter of the model uses, not loaded: {shown}",
               flush=True)  # fmt: skip
+    if parallel.ep_size > 1:  # each rank read its own experts of its TP slice
+        spread_experts(model, parallel.ep_group, parallel.pp_group, read_local=True)
     model.eval()
+
+
+def _rows_of(read: Callable[[tuple[slice, ...]], torch.Tensor], rows: tuple[int, int]) -> Callable:
+    """``read`` of the tensor's rows ``[start, stop)`` alone: an index into those rows, shifted into the whole."""
+
+    def read_rows(index: tuple[slice, ...]) -> torch.Tensor:
+        first = index[0]
+        start = rows[0] + (first.start or 0)
+        stop = rows[0] + (first.stop if first.stop is not None else rows[1] - rows[0])
+        return read((slice(start, stop), *index[1:]))
+
+    return read_rows
 
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|layer|blocks)\.(\d+)\.")
@@ -190,13 +205,13 @@ def load_pretrained_tp(
         loss_chunk_tokens=loss_chunk_tokens,
     )
     load_slices(model, directory, parallel)
-    if parallel.ep_size > 1:  # each rank read every expert of its TP slice; it keeps its own
-        spread_experts(model, parallel.ep_group, parallel.pp_group)
     return model
 
 
-def _fill_from_checkpoint(model: nn.Module, index: dict[str, Path], device, tp_group) -> list[str]:
-    """Read this rank's slice of every parameter; returns the checkpoint's tensors it did not use."""
+def _fill_from_checkpoint(model: nn.Module, index: dict[str, Path], parallel: ParallelState) -> list[str]:
+    """Read this rank's slice of every parameter (with EP, of its own experts only); returns the checkpoint's
+    tensors it did not use."""
+    device, tp_group = parallel.device, parallel.tp_group
     prefix = getattr(model, "base_model_prefix", "")
     owners: dict[int, list[tuple[nn.Module, str]]] = {}  # tied parameters have several owners
     for module in model.modules():
@@ -225,7 +240,12 @@ def _fill_from_checkpoint(model: nn.Module, index: dict[str, Path], device, tp_g
                     f"{tuple(full_shape)} (config and weights disagree)"
                 )
             read.add(key)
-            local = take_shard(spec, full_shape, tensor_slice.__getitem__)  # owned, contiguous: this rank's bytes
+            module_name, _, attr = name.rpartition(".")
+            rows = own_expert_rows(model.get_submodule(module_name), attr, parallel.ep_group)
+            reader = tensor_slice.__getitem__ if rows is None else _rows_of(tensor_slice.__getitem__, rows)
+            if rows is not None:  # [E, ...] -> [E/ep, ...]: this rank's experts, then its TP slice of them
+                full_shape = (rows[1] - rows[0], *full_shape[1:])
+            local = take_shard(spec, full_shape, reader)  # owned, contiguous: this rank's bytes
             real = nn.Parameter(local.to(device=device, dtype=param.dtype), requires_grad=param.requires_grad)
             copy_param_info(param, real)
             if param_info(real).tp_shared:  # the gradient hook belongs to the tensor: give the new one its own

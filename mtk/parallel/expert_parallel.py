@@ -57,6 +57,7 @@ __all__ = [
     "is_expert_parallel",
     "local_experts_implementation",
     "reduce_expert_gradients",
+    "own_expert_rows",
     "spread_experts",
     "spread_placement",
 ]
@@ -188,13 +189,17 @@ def _local_forward(module: nn.Module) -> Any:
 
 
 def distribute_experts(
-    module: nn.Module, group: Group, local_forward: Callable[..., torch.Tensor] | None = None
+    module: nn.Module,
+    group: Group,
+    local_forward: Callable[..., torch.Tensor] | None = None,
+    read_local: bool = False,
 ) -> ExpertPlacement:
     """Keep this rank's experts of ``module`` (in place) and route its forward through the EP exchange.
 
     ``module`` is a transformers experts module (3D expert tensors, ``num_experts``), materialized; the experts must
     divide evenly over the group. ``local_forward``: the experts code it runs on its own experts (default: the
-    config's ``_experts_implementation``, read before the config names the exchange instead)."""
+    config's ``_experts_implementation``, read before the config names the exchange instead). ``read_local``: its
+    expert tensors hold this rank's experts already (a loader read only those: :func:`own_expert_rows`)."""
     size, rank = group_size(group), group_rank(group)
     experts = int(getattr(module, "num_experts", 0))
     if experts < 1 or not hasattr(module, "down_proj"):
@@ -220,13 +225,13 @@ def distribute_experts(
         old = getattr(module, name, None)
         if not isinstance(old, nn.Parameter):
             continue
-        if old.shape[0] != experts:
+        if old.shape[0] != (placement.local if read_local else experts):
             raise UnsupportedModelError(f"{type(module).__name__}.{name}: shape {tuple(old.shape)} is not per expert")
         if old.device.type == "meta":  # parallelize leaves a model read slice by slice to its loader (hf_load)
             raise UnsupportedModelError(
                 f"{type(module).__name__}: its experts are not read yet; spread them once the model is loaded"
             )
-        mine = slice(placement.first, placement.first + placement.local)
+        mine = slice(None) if read_local else slice(placement.first, placement.first + placement.local)
         data = old.detach()[mine].clone()  # [E/ep, ...]
         param = nn.Parameter(data, requires_grad=old.requires_grad)
         copy_param_info(old, param)  # TP's marks (the experts' TP split) stay
@@ -239,11 +244,12 @@ def distribute_experts(
     return placement
 
 
-def spread_experts(model: nn.Module, group: Group, stages: Group = None) -> int:
+def spread_experts(model: nn.Module, group: Group, stages: Group = None, read_local: bool = False) -> int:
     """Spread every experts module of ``model`` over ``group`` (:func:`distribute_experts`); how many there were.
     A model without one is one line: expert parallelism would do nothing. ``stages``: the pipeline group when
     ``model`` is one stage of the model; a stage of dense layers only has nothing to spread, and the line is for a
-    model no stage of which has an MoE layer (collective over ``stages``)."""
+    model no stage of which has an MoE layer (collective over ``stages``). ``read_local``: a loader read each
+    rank's own experts only."""
     modules = [m for m in model.modules() if hasattr(m, "num_experts") and hasattr(m, "down_proj")]
     found = all_reduce(torch.tensor([len(modules)], device=_device_of(model)), stages)
     if not int(found.item()):
@@ -253,8 +259,21 @@ def spread_experts(model: nn.Module, group: Group, stages: Group = None) -> int:
         )
     forwards = [_local_forward(module) for module in modules]  # before the shared config names the exchange
     for module, forward in zip(modules, forwards):
-        distribute_experts(module, group, forward)
+        distribute_experts(module, group, forward, read_local)
     return len(modules)
+
+
+def own_expert_rows(module: nn.Module, name: str, group: Group) -> tuple[int, int] | None:
+    """The experts ``[start, stop)`` this rank of ``group`` will hold of tensor ``name`` of ``module``, for a loader
+    to read those rows only; ``None`` where it reads the whole tensor (not an experts module's expert tensor, EP 1, or
+    experts that do not divide: :func:`distribute_experts` then says so in one line)."""
+    size = group_size(group)
+    experts = int(getattr(module, "num_experts", 0) or 0)
+    if size == 1 or name not in _EXPERT_TENSORS or not hasattr(module, "down_proj") or experts % size or not experts:
+        return None
+    local = experts // size
+    start = group_rank(group) * local
+    return start, start + local
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -202,3 +202,24 @@ def test_persistent_buffers_load_and_tensors_nothing_uses_are_named(tmp_path, pp
     line = "2 tensor(s) no parameter of the model uses, not loaded: model.layers.0.mlp.extra_proj.weight, stray_head"
     assert line in results[0]["printed"] and results[0]["printed"].count("\n") == 1, results[0]["printed"]
     assert not results[1]["printed"]
+
+
+def _load_at_ep(rank: int, world_size: int, directory: str) -> dict:
+    state = ParallelState.build(tp_size=1, ep_size=world_size)
+    model = _load_recording(directory, state)
+    read_experts = sum(s.bytes_read // s.dtype.itemsize for s in _RecordingFile.slicers if ".experts." in s.name)
+    reference = AutoModelForCausalLM.from_pretrained(directory).eval()
+    ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # every rank the same rows: the all-to-alls bring each token to its experts' rank
+        assert_close_rel(model(ids).logits, reference(ids).logits, "logits of the EP-loaded model")
+    held = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    whole = sum(p.numel() for n, p in reference.named_parameters() if ".experts." in n)
+    return {"read": read_experts, "held": held, "whole": whole}
+
+
+def test_ep_load_reads_only_this_ranks_experts(tmp_path):
+    """``--model <dir>`` at EP 2: each rank reads its own experts' rows (of the per-expert tensors transformers
+    writes, or of merged ones) and nothing of the other rank's, then runs HF's model exactly."""
+    build_model("tiny-qwen3-moe", seed=3).save_pretrained(tmp_path)
+    for result in run_distributed(_load_at_ep, world_size=2, args=(str(tmp_path),)):
+        assert result["read"] == result["held"] == result["whole"] // 2, result

@@ -99,8 +99,8 @@ def test_a_dense_model_at_expert_parallelism_is_one_line(tmp_path):
 
 
 def test_an_hf_directory_is_read_slice_by_slice_then_spread_over_ep(moe_dp2, tmp_path):
-    """``--model <HF directory>`` at EP 2 x TP 2: each rank reads its TP slice of every expert, then keeps its own
-    experts; the first step's loss is DP 2's from the same directory."""
+    """``--model <HF directory>`` at EP 2 x TP 2: each rank reads its TP slice of its own experts only; the first
+    step's loss is DP 2's from the same directory."""
     start = ("--model", str(moe_dp2.dir / "model"), "--max_steps", "1", "--batch_size", "4")
     ours = finetune("ep2_tp2", tmp_path / "ep", *start)
     theirs = finetune("tp1_dp2", tmp_path / "dp", *start)

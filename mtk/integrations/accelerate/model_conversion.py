@@ -20,7 +20,6 @@ from mtk.integrations.accelerate.megatron_keys import act_on_model
 from mtk.integrations.deepspeed import sums_over_context_parallel
 from mtk.parallel.consistency import agree_rng, agree_weights
 from mtk.parallel.context import attach_context_parallel, context_parallel_of
-from mtk.parallel.expert_parallel import spread_experts
 from mtk.parallel.record import parallelized
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.engine import PipelineModel
@@ -113,9 +112,7 @@ class ModelConversion(_Host):
         if checkpoint is None:
             self._replaced_params.update(replaced)
         else:  # no optimizer can hold a parameter of a model that was never read
-            load_slices(model, checkpoint, self.parallel)
-            if self.parallel.ep_size > 1:  # each rank read every expert of its TP slice; it keeps its own
-                spread_experts(model, self.parallel.ep_group, self.parallel.pp_group)
+            load_slices(model, checkpoint, self.parallel)  # with EP, each rank's own experts only (spread)
         return model
 
     def _context_parallel(self, model: nn.Module) -> None:
