@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mtk.checkpoint.paths import CheckpointPaths, reading
-from mtk.checkpoint.weights import read_safetensors, source_name
+from mtk.checkpoint.weights import own_rows, read_safetensors, source_name
 from mtk.errors import CheckpointError
 from mtk.parallel.expert_parallel import experts_piece, spread_placement
 from mtk.parallel.fsdp import shard_like
@@ -122,18 +122,17 @@ def reshard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, reader
     state: dict[int, dict[str, Any]] = {}
     for i, name in enumerate(names):
         source = source_name(model, name, fields)
+        rows = own_rows(model, name)  # this EP rank's experts' moments, read alone
         for field in fields.get(source, ()):
-            full = reader.full_optimizer_state(f"{source}::{field}")
+            full = reader.full_optimizer_state(f"{source}::{field}", rows=rows)
             if full.dim() == 0:
                 value = full
             else:
                 shape, spec = full_shape_and_spec(model, name)
+                if rows is not None:
+                    shape = (rows[1] - rows[0], *shape[1:])
                 # contiguous, as the parameter is: a fused optimizer reads its state by memory, not by index
-                value = take_shard(spec, shape, full.__getitem__)
-                placement = spread_placement(model, name)
-                if placement is not None:  # this EP rank's experts' moments
-                    value = value[placement.first : placement.first + placement.local]
-                value = value.contiguous()
+                value = take_shard(spec, shape, full.__getitem__).contiguous()
             state.setdefault(i, {})[field] = value
         if source in saved_groups["state"]:  # non-tensor per-parameter state
             state.setdefault(i, {}).update(saved_groups["state"][source])

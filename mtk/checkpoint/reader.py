@@ -96,12 +96,21 @@ class ShardedCheckpointReader:
         """Every distinct tensor (a tied embedding's pipeline copy is the embedding: listed once)."""
         return [name for name in self.shards if name not in self.tied]
 
-    def full(self, name: str) -> torch.Tensor:
-        """The full, unpadded tensor ``name`` (merged from every rank that holds a piece)."""
+    def full(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The full, unpadded tensor ``name`` (merged from every rank that holds a piece). ``rows``: its rows
+        ``[start, stop)`` alone (a rank's own experts), the only bytes read where no shard splits the rows."""
         if name not in self.shards:
             raise CheckpointError(f"{self.directory} has no tensor {name!r}")
-        shards = self.shards[name]
-        return self._merge(name, [(self._shard(s, name, name, optimizer=False), spec) for s, spec in shards])
+        shards, rows_read = self.shards[name], self._rows_readable(name, rows)
+        pieces = [(self._shard(s, name, name, optimizer=False, rows=rows_read), spec) for s, spec in shards]
+        return self._merge(name, pieces, rows, rows_read)
+
+    def _rows_readable(self, name: str, rows: tuple[int, int] | None) -> tuple[int, int] | None:
+        """``rows`` where every shard of ``name`` holds whole rows of it (a TP split along another dimension)."""
+        if rows is None:
+            return None
+        ndim = len(self.full_shapes[name])
+        return None if any(spec.dim is not None and spec.dim % ndim == 0 for _, spec in self.shards[name]) else rows
 
     def _open_optimizer(self) -> None:
         """The optimizer file beside each model file (opened on first use)."""
@@ -116,60 +125,94 @@ class ShardedCheckpointReader:
         self._open_optimizer()
         return sorted({key for parts in self._parts for part in parts for key in part.file(optimizer=True).keys()})
 
-    def full_optimizer_state(self, key: str) -> torch.Tensor:
-        """``<param>::<state>`` merged like its parameter; scalars (AdamW's ``step``) are replicated."""
+    def full_optimizer_state(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """``<param>::<state>`` merged like its parameter (``rows``: as :meth:`full`); scalars (AdamW's ``step``)
+        are replicated."""
         self._open_optimizer()
         name = key.rpartition("::")[0]
         shards = [(s, spec) for s, spec in self.shards.get(name, []) if self._holds(s, key)]
         if not shards:
             raise CheckpointError(f"{self.directory}: no optimizer state {key!r}")
-        first = self._shard(shards[0][0], key, name, optimizer=True)
+        rows_read = self._rows_readable(name, rows)
+        first = self._shard(shards[0][0], key, name, optimizer=True, rows=rows_read)
         if first.dim() == 0:
             return first
-        return self._merge(
-            name,
-            [(first, shards[0][1])] + [(self._shard(s, key, name, optimizer=True), spec) for s, spec in shards[1:]],
-        )
+        rest = [(self._shard(s, key, name, optimizer=True, rows=rows_read), spec) for s, spec in shards[1:]]
+        return self._merge(name, [(first, shards[0][1]), *rest], rows, rows_read)
 
     def _holds(self, shard: int, key: str) -> bool:
         return any(key in part.file(optimizer=True) for part in self._parts[shard])
 
-    def _shard(self, shard: int, key: str, name: str, *, optimizer: bool) -> torch.Tensor:
-        """One (tp, pp) rank's tensor ``key`` (of parameter ``name``): its file's, or its pieces joined."""
+    def _shard(
+        self, shard: int, key: str, name: str, *, optimizer: bool, rows: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """One (tp, pp) rank's tensor ``key`` (of parameter ``name``): its file's, or its pieces joined; ``rows``:
+        only those rows of it, read alone (of the pieces, the runs that hold them)."""
         files = [part.file(optimizer) for part in self._parts[shard]]
         parts = [part for part, handle in zip(self._parts[shard], files) if key in handle]
         files = [part.file(optimizer) for part in parts]
         if self._piece_ids == [None] or not parts:
-            return self._read_all(files[0].get_slice(key)) if parts else self._missing(shard, key)
+            return self._read_rows(files[0].get_slice(key), rows) if parts else self._missing(shard, key)
         runs = []
+        wanted: tuple[int, int] | None = None  # the elements of ``rows`` in the shard's row-major order
         for part, handle in zip(parts, files):
-            value = self._read_all(handle.get_slice(key))
-            if value.dim() == 0:  # a scalar, saved whole by piece 0
-                return value
+            slicer = handle.get_slice(key)
+            if not slicer.get_shape():  # a scalar, saved whole by piece 0
+                return self._read_all(slicer)
             if name not in part.flat:
                 raise CheckpointError(f"{handle.path} holds {key!r} but no range of {name!r} for it")
-            runs.append((part.flat[name], value, part.shard_shapes[name], handle.path))
+            (start, stop), shape = part.flat[name], part.shard_shapes[name]
+            if rows is not None:
+                row = math.prod(shape[1:])
+                wanted = (rows[0] * row, rows[1] * row)
+                low, high = max(start, wanted[0]), min(stop, wanted[1])
+                if low < high:
+                    runs.append(((low, high), slicer[(slice(low - start, high - start),)], shape, handle.path))
+                continue
+            runs.append(((start, stop), self._read_all(slicer), shape, handle.path))
+        if not runs:
+            raise CheckpointError(f"{self.directory}: no piece holds rows {rows} of {key!r}")
         runs.sort(key=lambda run: run[0][0])
         shape = runs[0][2]
-        end = 0
+        begin, end = wanted or (0, math.prod(shape))
+        at = begin
         for (start, stop), value, _, path in runs:
-            if start != end or value.numel() != stop - start:
+            if start != at or value.numel() != stop - start:
                 raise CheckpointError(
-                    f"{path}: the pieces of {key!r} do not join (elements [{start}, {stop}) after {end})"
+                    f"{path}: the pieces of {key!r} do not join (elements [{start}, {stop}) after {at})"
                 )
-            end = stop
-        if end != math.prod(shape):
-            raise CheckpointError(f"{self.directory}: the pieces of {key!r} hold {end} of {math.prod(shape)} elements")
-        return torch.cat([value for _, value, _, _ in runs]).reshape(shape)
+            at = stop
+        if at != end:
+            held_elements = f"{at - begin} of {end - begin} elements"
+            raise CheckpointError(f"{self.directory}: the pieces of {key!r} hold {held_elements}")
+        held = shape if rows is None else (rows[1] - rows[0], *shape[1:])
+        return torch.cat([value for _, value, _, _ in runs]).reshape(held)
+
+    @classmethod
+    def _read_rows(cls, slicer, rows: tuple[int, int] | None) -> torch.Tensor:
+        if rows is None or not slicer.get_shape():
+            return cls._read_all(slicer)
+        return slicer[(slice(*rows), *(slice(None) for _ in slicer.get_shape()[1:]))]
 
     def _missing(self, shard: int, key: str) -> torch.Tensor:
         raise CheckpointError(f"{self.directory}: shard {self.ranks[shard]} holds no {key!r}")
 
-    def _merge(self, name: str, pieces: list[tuple[torch.Tensor, ShardSpec]]) -> torch.Tensor:
+    def _merge(
+        self,
+        name: str,
+        pieces: list[tuple[torch.Tensor, ShardSpec]],
+        rows: tuple[int, int] | None = None,
+        rows_read: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """The full tensor, or its ``rows``: read alone (``rows_read``), else cut from the merged whole."""
+        shape = self.full_shapes[name]
+        if rows_read is not None:
+            shape = (rows_read[1] - rows_read[0], *shape[1:])
         try:
-            return merge_shards(pieces, self.full_shapes[name])
+            merged = merge_shards(pieces, shape)
         except ValueError as err:
             raise CheckpointError(f"{self.directory}: cannot rebuild {name} ({err})") from None
+        return merged[rows[0] : rows[1]] if rows is not None and rows_read is None else merged
 
     @staticmethod
     def _read_all(slicer) -> torch.Tensor:

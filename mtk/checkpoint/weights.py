@@ -93,16 +93,25 @@ def source_name(model: nn.Module, name: str, available) -> str:
     return param_info(model.get_parameter(name)).tied_to or name
 
 
+def own_rows(model: nn.Module, name: str) -> tuple[int, int] | None:
+    """The experts ``[start, stop)`` parameter ``name`` holds where EP spread it (``None``: the whole tensor)."""
+    placement = spread_placement(model, name)
+    return None if placement is None else (placement.first, placement.first + placement.local)
+
+
 def reshard_weights(model: nn.Module, reader) -> None:
     available = set(reader.shards)
     with torch.no_grad():
         for name, param in checkpointed_parameters(model):
             shape, spec = full_shape_and_spec(model, name)
-            full = reader.full(source_name(model, name, available))
+            rows = own_rows(model, name)
+            source = source_name(model, name, available)
+            if rows is not None:  # this EP rank's experts, read alone: [E, ...] -> [E/ep, ...], then its TP shard
+                whole = reader.full_shapes.get(source)
+                if whole is not None and tuple(whole) != tuple(shape):
+                    raise CheckpointError(f"{name}: checkpoint has shape {tuple(whole)}, this model {tuple(shape)}")
+                shape = (rows[1] - rows[0], *shape[1:])
+            full = reader.full(source, rows=rows)
             if tuple(full.shape) != tuple(shape):
                 raise CheckpointError(f"{name}: checkpoint has shape {tuple(full.shape)}, this model {tuple(shape)}")
-            shard = take_shard(spec, shape, full.__getitem__)
-            placement = spread_placement(model, name)
-            if placement is not None:  # this EP rank's experts of the TP shard
-                shard = shard[placement.first : placement.first + placement.local]
-            copy_into(param, shard)
+            copy_into(param, take_shard(spec, shape, full.__getitem__))

@@ -3,6 +3,7 @@ the EP group, tokens dispatched by all-to-all. Logits, the loss with its load-ba
 (dense ones averaged over DP, expert ones summed over the expert-data-parallel ranks and divided by DP) equal the
 one-process model's on the same batches (fp32, 1e-5)."""
 
+import contextlib
 import copy
 import json
 from pathlib import Path
@@ -271,6 +272,27 @@ def test_a_pipeline_refuses_the_router_loss_its_last_stage_cannot_compute():
     assert all("set output_router_logits to false" in m and "\n" not in m for m in messages)
 
 
+@contextlib.contextmanager
+def _recording_reads():
+    """Every safetensors slicer the checkpoint reader opens (``bytes_read`` counts what it read from disk)."""
+    import mtk.checkpoint.safetensors_slices as slices
+
+    opened: list = []
+
+    class Recording(slices.SafetensorsFile):
+        def get_slice(self, name):
+            slicer = super().get_slice(name)
+            opened.append(slicer)
+            return slicer
+
+    original = slices.SafetensorsFile
+    slices.SafetensorsFile = Recording  # type: ignore[misc]  # what open_safetensors constructs
+    try:
+        yield opened
+    finally:
+        slices.SafetensorsFile = original  # type: ignore[misc]
+
+
 def _checkpoint_worker(rank: int, world: int, directory: str, fsdp: bool) -> dict:
     """One AdamW step at EP 2 inside DP 4 with the distributed optimizer (or FSDP2 over the 4), a checkpoint, then
     the weights and moments scrambled and the checkpoint loaded back."""
@@ -309,7 +331,13 @@ def _checkpoint_worker(rank: int, world: int, directory: str, fsdp: bool) -> dic
         for value in state.values():
             if value.dim():
                 local(value).fill_(0.5)
-    accelerator.load_state(directory)
+    with _recording_reads() as slicers:
+        accelerator.load_state(directory)
+    read_experts = sum(  # AdamW's step scalars aside
+        s.bytes_read // s.dtype.itemsize for s in slicers if ".mlp.experts." in s.name and s.get_shape()
+    )
+    own_experts = sum(p.numel() for p in trained.parameters() if is_expert_parallel(p))
+    assert read_experts == 3 * own_experts, f"read {read_experts} expert elements, holds 3 x {own_experts}"
     for name, param in trained.named_parameters():
         assert torch.equal(local(param).detach(), saved[name]), f"{name} after load"
     for param, state in optimizer.optimizer.state.items():
@@ -329,8 +357,8 @@ def test_a_checkpoint_at_expert_parallelism_is_written_in_pieces_and_reads_back_
     no rank gathers an experts tensor (at Qwen3-30B-A3B's EP 8 gathering them all took 8x each rank's experts and
     their moments). Under FSDP2 (over DP 4) the pieces are FSDP2's, each rank's holding its part of every dense
     tensor and, on the first holders (ranks 0 and 1), their experts. Its weights and AdamW moments (the distributed
-    optimizer's gathered from their owners) load back exactly at the same layout; tests/e2e/test_expert_parallel.py
-    resumes such checkpoints at EP 1."""
+    optimizer's gathered from their owners) load back exactly at the same layout, each rank reading its own experts'
+    rows of the weights and moments only; tests/e2e/test_expert_parallel.py resumes such checkpoints at EP 1."""
     results = run_distributed(_checkpoint_worker, world_size=4, args=(str(tmp_path / "step"), fsdp), timeout=600)
     files = results[0]
     experts = {stem: [n for n in names if ".mlp.experts." in n] for stem, names in files.items()}
