@@ -16,16 +16,10 @@ __all__ = ["expert_collectives", "expert_parallel_sizes", "expert_traffic"]
 
 def expert_parallel_sizes(request: Request, c: Candidate) -> list[int]:
     """The EP sizes ``c`` may run: those asked for that divide its DP x CP replicas and the experts, where mtk runs
-    EP (init.check_expert_parallel): an MoE model under accelerate. Not weighed: FSDP2 with LoRA (the trace does
-    not tell frozen experts apart), and a pipeline unless every decoder layer is an MoE layer (each stage's
-    exchanges are then known)."""
+    EP (init.check_expert_parallel): an MoE model under accelerate. Not weighed: a pipeline unless every decoder
+    layer is an MoE layer (each stage's exchanges are then known)."""
     config = request.config
-    if (
-        not moe_layers(config)
-        or (c.pp_size > 1 and not every_layer_moe(config))
-        or c.engine != "accelerate"
-        or (c.sharding == "fsdp2" and request.lora_r > 0)  # (frozen experts are not told apart in the trace)
-    ):
+    if not moe_layers(config) or (c.pp_size > 1 and not every_layer_moe(config)) or c.engine != "accelerate":
         return [1] if 1 in request.ep_sizes else []  # as --cp N, --ep N weighs EP N layouts only
     return [ep for ep in request.ep_sizes if c.replica_size % ep == 0 and expert_parallel_refusal(config, ep) is None]
 

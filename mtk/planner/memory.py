@@ -149,14 +149,20 @@ def stage_memory(
     elif training.sharding == "distopt":
         optimizer = _owned(params.trainable, dp, dp_rank) * 8
     elif training.sharding == "fsdp2":
+        frozen_size = base_size if training.lora else weight_size
 
         def ignored(part: Parameters) -> int:
-            """Elements of ``part``'s experts spread over EP: FSDP2 leaves them whole (neither split nor gathered)."""
+            """Trainable elements of ``part``'s experts spread over EP: FSDP2 leaves them whole (neither split nor
+            gathered)."""
             return sum(n for n, e in zip(part.trainable, part.expert_flags) if e) if training.ep_size > 1 else 0
+
+        def ignored_frozen(part: Parameters) -> int:
+            """The same of its frozen experts (LoRA's)."""
+            return part.frozen_experts if training.ep_size > 1 else 0
 
         def gathered(part: Parameters) -> int:
             trainable = sum(part.trainable) - ignored(part)
-            return trainable * weight_size + part.frozen * (base_size if training.lora else weight_size)
+            return trainable * weight_size + (part.frozen - ignored_frozen(part)) * frozen_size
 
         ends = _stage_phases(trace, stage, pp)  # the root unit: what the stage holds outside its layers
         root = (ends.before + ends.after) if ends is not None else Parameters()
@@ -165,7 +171,8 @@ def stage_memory(
         # and the larger unit's unsharded gradients wait for their reduce-scatter
         buffers += gathered(root) + 2 * gathered(layer) + max(sum(layer.trainable), sum(root.trainable)) * 4
         whole = ignored(params)  # elements; bytes below
-        weights = -(-(weights - whole * weight_size) // dp) + whole * weight_size
+        whole_weights = whole * weight_size + ignored_frozen(params) * frozen_size
+        weights = -(-(weights - whole_weights) // dp) + whole_weights
         gradients = -(-(gradients - whole * weight_size) // dp) + whole * weight_size
         optimizer = -(-(optimizer - whole * 8) // dp) + whole * 8
     elif training.sharding in ("zero1", "zero2", "zero3"):

@@ -38,7 +38,7 @@ from mtk.planner.layouts import Candidate, Estimate, Request
 from mtk.planner.memory import RankMemory, Training, stage_memory, stage_parameters
 from mtk.planner.shapes import has_residual_dropout, sequence_parallel_elements, stage_moe_layers, tp_shared_numels
 from mtk.planner.timing import StepTime, Traffic, collective_seconds, flops_per_token, model_size
-from mtk.planner.trace import TraceSettings, trace_rank
+from mtk.planner.trace import Parameters, TraceSettings, trace_rank
 from mtk.rules import check_tp_size
 from mtk.rules.registry import find_rules
 
@@ -96,7 +96,7 @@ def estimate(request: Request, candidate: Candidate) -> Estimate:
     memories = [rank_memory(request, c, s) for s in range(c.pp_size)]
     stage = max(range(c.pp_size), key=lambda s: memories[s].peak)
     params = stage_parameters(trace, counts[stage], stage, c.pp_size)
-    traffic, collectives = _traffic(request, c, stage, list(params.trainable), params.frozen, params.expert_flags)
+    traffic, collectives = _traffic(request, c, stage, params)
     time = _step_time(request, c, counts, traffic)
     fits = memories[stage].peak <= request.cluster.gpu_memory - request.reserve
     tokens_per_s = request.global_batch * request.seq / time.total
@@ -141,22 +141,18 @@ def stage_collectives(request: Request, candidate: Candidate, stage: int) -> dic
     )
     layers = _rank_layers(request.config, candidate)[stage]
     params = stage_parameters(trace, layers, stage, candidate.pp_size)
-    return _traffic(request, candidate, stage, list(params.trainable), params.frozen, params.expert_flags)[1]
+    return _traffic(request, candidate, stage, params)[1]
 
 
-def _traffic(
-    request: Request,
-    c: Candidate,
-    stage: int,
-    numels: list[int],
-    frozen: int = 0,
-    experts: tuple[bool, ...] = (),
-) -> tuple[Traffic, dict]:
+def _traffic(request: Request, c: Candidate, stage: int, params: Parameters) -> tuple[Traffic, dict]:
     """Bytes per step of stage ``stage`` by group, their time on the wire, and mtk's collectives by kind
     (what ``mtk bench`` counts: TP and PP from :func:`predict_collectives`, the DP reduction and the
-    distributed optimizer's all-gather rounds; DeepSpeed's own ZeRO calls are not mtk's). ``numels``: the
-    trainable parameters' elements; ``frozen``: a LoRA base's, which FSDP2 and ZeRO-3 gather too; ``experts``:
-    which of ``numels`` are spread experts (under EP reduced and sharded over their ``dp*cp/ep`` replicas instead)."""
+    distributed optimizer's all-gather rounds; DeepSpeed's own ZeRO calls are not mtk's). ``params``: the stage's
+    trainable parameters' elements (which of them spread experts, under EP reduced and sharded over their
+    ``dp*cp/ep`` replicas instead) and a LoRA base's frozen ones, which FSDP2 and ZeRO-3 gather too (not the spread
+    experts among them: FSDP2 leaves those whole)."""
+    numels, experts = list(params.trainable), params.expert_flags
+    frozen = params.frozen - (params.frozen_experts if c.ep_size > 1 else 0)
     config, cluster = request.config, request.cluster
     predicted = predict_collectives(
         _layers(config),

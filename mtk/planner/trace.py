@@ -75,13 +75,20 @@ class Parameters:
     trainable: tuple[int, ...] = ()
     frozen: int = 0
     experts: tuple[bool, ...] = ()  # per trainable parameter: an MoE layer's expert tensor (empty: none is)
+    frozen_experts: int = 0  # of ``frozen``, the elements of expert tensors (LoRA's frozen experts)
 
     def __add__(self, other: Parameters) -> Parameters:
         experts = self.expert_flags + other.expert_flags if self.experts or other.experts else ()
-        return Parameters(self.trainable + other.trainable, self.frozen + other.frozen, experts)
+        return Parameters(
+            self.trainable + other.trainable,
+            self.frozen + other.frozen,
+            experts,
+            self.frozen_experts + other.frozen_experts,
+        )
 
     def __mul__(self, count: int) -> Parameters:
-        return Parameters(self.trainable * count, self.frozen * count, self.experts * count)
+        frozen_experts = self.frozen_experts * count
+        return Parameters(self.trainable * count, self.frozen * count, self.experts * count, frozen_experts)
 
     @property
     def expert_flags(self) -> tuple[bool, ...]:
@@ -238,14 +245,14 @@ def _parameters(model, block: nn.Module | None, ep_size: int = 1) -> tuple[Param
     in_block = {id(p) for p in block.parameters()} if block is not None else set()
     moe = [m for m in model.modules() if hasattr(m, "num_experts") and hasattr(m, "down_proj")]  # spread_experts'
     experts = {id(p) for m in moe for p in m.parameters(recurse=False)}
-    parts: list[tuple[list[int], list[int], list[bool]]] = [([], [], []), ([], [], []), ([], [], [])]
+    parts: list[tuple[list[int], list[int], list[bool], list[int]]] = [([], [], [], []) for _ in range(3)]
     part = 0
     for param in model.parameters():
         if id(param) in in_block:
             part = 1
         elif part == 1:
             part = 2
-        trainable, frozen, flags = parts[part]
+        trainable, frozen, flags, frozen_experts = parts[part]
         expert = id(param) in experts
         numel = param.numel() // ep_size if expert else param.numel()
         if param.requires_grad:
@@ -253,9 +260,10 @@ def _parameters(model, block: nn.Module | None, ep_size: int = 1) -> tuple[Param
             flags.append(expert)
         else:
             frozen.append(numel)
+            frozen_experts.append(numel if expert else 0)
     before, layer, after = (
-        Parameters(tuple(trainable), sum(frozen), tuple(flags) if any(flags) else ())
-        for trainable, frozen, flags in parts
+        Parameters(tuple(trainable), sum(frozen), tuple(flags) if any(flags) else (), sum(frozen_experts))
+        for trainable, frozen, flags, frozen_experts in parts
     )
     return before, layer, after
 

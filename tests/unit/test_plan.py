@@ -366,6 +366,11 @@ def test_expert_parallelism_divides_the_experts_and_adds_its_all_to_alls():
     adapted = {e.candidate.label: e for e in plan(replace(request, lora_r=8, ep_sizes=(1, 2), dtype="bf16"))}
     frozen = adapted["tp1 pp1 dp4 1x1"].memory.weights - adapted["tp1 pp1 dp4 ep2 1x1"].memory.weights
     assert frozen == experts // 2 * 2  # half the experts, bf16
+    # and under FSDP2: the frozen dense base and the adapters sharded over DP 4, the frozen experts whole at 1/2
+    sharded, sharded_ep = adapted["tp1 pp1 dp4 1x1 fsdp2"], adapted["tp1 pp1 dp4 ep2 1x1 fsdp2"]
+    assert abs(sharded_ep.memory.weights - sharded.memory.weights - experts * 2 * (1 / 2 - 1 / 4)) <= 16
+    assert sharded_ep.memory.gradients == sharded.memory.gradients > 0  # the adapters' alone
+    assert sharded_ep.collectives["all_gather"]["bytes"] < sharded.collectives["all_gather"]["bytes"]
 
 
 def test_what_mtk_cannot_run_on_an_moe_model_is_one_line(capsys):
