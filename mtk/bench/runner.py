@@ -30,6 +30,7 @@ from mtk.planner.shapes import (
     data_parallel_traffic,
     fsdp_traffic,
     has_residual_dropout,
+    router_experts,
     sequence_parallel_elements,
     stage_moe_layers,
     tp_shared_numels,
@@ -150,6 +151,7 @@ def predicted_for(spec: BenchSpec) -> Predicted:
             2 if spec.dtype == "bf16" else 4,
             recompute=spec.recompute is not None,
             losses=spec.micro_batches,
+            router_experts=router_experts(config),
         )
         predicted.counts.update(context.counts)  # Counter.update adds
         predicted.nbytes.update(context.nbytes)

@@ -46,6 +46,12 @@ from mtk.parallel.a2a_attention import all_to_all_attention
 from mtk.parallel.comm import Group, all_reduce, gather_from_sequence, group_rank, group_size
 from mtk.parallel.recompute import never_saved
 from mtk.parallel.ring_attention import ring_attention
+from mtk.parallel.router_loss import (
+    has_router_loss_function,
+    router_loss_in_loss,
+    set_active,
+    sum_router_loss_over_context,
+)
 from mtk.parallel.sequence_padding import PER_POSITION, pad_batch
 
 __all__ = [
@@ -247,6 +253,7 @@ class _SplitInputs:
 
     def __call__(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
         if KEYWORD in kwargs:
+            set_active(kwargs[KEYWORD])
             return None  # split already (a pipeline splits before it cuts micro-batches)
         if args:
             kwargs = {"input_ids": args[0], **kwargs}
@@ -259,6 +266,7 @@ class _SplitInputs:
         for k in SPLIT_INPUTS:
             kwargs.pop(k, None)
         local = self.split(tensors, kwargs.pop("num_items_in_batch", None))
+        set_active(local[KEYWORD])  # the router's load-balancing loss sums over the group (mtk.parallel.router_loss)
         return (), {**kwargs, **local}
 
 
@@ -272,6 +280,7 @@ def _whole_outputs(module: Any, args: tuple, kwargs: dict[str, Any], output: Any
     which the average over the replicas then divides; where the replicas sum, this rank's own). The chunked loss's
     logits stand-in holds nothing and stays as it is."""
     shard = kwargs.get(KEYWORD)
+    set_active(None)
     if not isinstance(shard, ContextShard):
         return output
     loss = getattr(output, "loss", None)
@@ -305,18 +314,24 @@ def whole_rows(local: torch.Tensor, shard: ContextShard) -> torch.Tensor:
 
 ROUTER_LOSS_LIMITS = {
     # parallelism -> (why its loss would differ, what else to do)
-    "context parallelism": ("each CP rank would balance its own part of the sequence", "train without CP"),
+    "context parallelism": (
+        "its modeling code has no load_balancing_loss_func to sum over the CP group",
+        "train without CP",
+    ),
     "pipeline parallelism": ("the last stage would balance its own layers' routers only", "use pp = 1"),
 }
 
 
 def router_loss_refusal(config: Any, parallelism: str = "context parallelism") -> str | None:
     """Why ``parallelism`` cannot run ``config``'s MoE loss (``None``: it can). The router's load-balancing loss
-    multiplies two means over the tokens and layers of the call: each CP rank would balance its own part of the
-    sequence, and the mean of those is not the whole sequence's (measured: tiny-qwen3-moe at CP 2, 5.59682 against
-    5.59659); a pipeline's last stage holds its own layers' router logits only (tiny-qwen3-moe at PP 2 with 4
-    micro-batches logged 5.597176 where one process accumulating the same 4 logs 5.596632)."""
-    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+    multiplies two means over the tokens and layers of the call. Under CP it is summed over the group
+    (:mod:`mtk.parallel.router_loss`) wherever the model's modeling code computes it with transformers'
+    ``load_balancing_loss_func`` (every MoE model transformers ships); a pipeline's last stage holds its own layers'
+    router logits only (tiny-qwen3-moe at PP 2 with 4 micro-batches logged 5.597176 where one process accumulating
+    the same 4 logs 5.596632)."""
+    if router_loss_in_loss(config):
+        if parallelism == "context parallelism" and has_router_loss_function(config):
+            return None
         why, instead = ROUTER_LOSS_LIMITS[parallelism]
         return (
             f"{config.model_type}: {parallelism} with the router's load-balancing loss in the loss is not supported "
@@ -337,7 +352,13 @@ def attach_context_parallel(
     only), so each rank backpropagates its share. A second call with the same group changes nothing."""
     if comm not in COMM_TYPES:
         raise ConfigError(f"cp_comm_type {comm!r} is unknown; use one of {COMM_TYPES}")
-    refusal = router_loss_refusal(getattr(model, "config", None))
+    config = getattr(model, "config", None)
+    refusal = router_loss_refusal(config)
+    if refusal is None and router_loss_in_loss(config) and not sum_router_loss_over_context(model):
+        refusal = (
+            f"{type(model).__name__}: context parallelism with the router's load-balancing loss in the loss needs "
+            "transformers' load_balancing_loss_func in the model's modeling code; set output_router_logits to false"
+        )
     if refusal is not None:
         raise UnsupportedModelError(refusal)
     cp = group_size(group)

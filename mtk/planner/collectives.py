@@ -164,6 +164,7 @@ def predict_context_collectives(
     element_size: int = 4,
     recompute: bool = False,
     losses: int = 1,
+    router_experts: int = 0,
 ) -> Predicted:
     """What context-parallel attention adds per step on one rank (``heads``, ``kv_heads``: this TP rank's; ``seq``:
     the whole row): every layer all-gathers its tokens' ``[3, b, s/cp]`` int64 metadata, then
@@ -174,7 +175,9 @@ def predict_context_collectives(
       query head where the kv heads do not split over CP).
 
     ``recompute`` (full or selective: the attention reruns in backward either way): the forward's again. Each of
-    the ``losses`` forward calls with a loss then all-reduces its fp32 value (every CP rank returns the batch's).
+    the ``losses`` forward calls with a loss then all-reduces its fp32 value (every CP rank returns the batch's) and,
+    with ``router_experts`` (E of an MoE model whose loss has the router's load-balancing term), first its ``2E + 1``
+    fp32 sums (mtk.parallel.router_loss).
     """
     counts: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
@@ -182,8 +185,8 @@ def predict_context_collectives(
         return Predicted(counts, nbytes)
     local = seq // cp_size
     forwards = 2 if recompute else 1
-    counts["all_reduce"] += losses
-    nbytes["all_reduce"] += 4 * losses
+    counts["all_reduce"] += losses * (2 if router_experts else 1)
+    nbytes["all_reduce"] += 4 * losses + (4 * (2 * router_experts + 1) * losses if router_experts else 0)
     counts["all_gather"] += num_layers * forwards
     nbytes["all_gather"] += num_layers * forwards * 3 * batch * local * 8
     if comm == "p2p":

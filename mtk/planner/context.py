@@ -8,6 +8,7 @@ from transformers import PretrainedConfig
 from mtk.parallel.context import router_loss_refusal
 from mtk.planner.collectives import Predicted, predict_context_collectives
 from mtk.planner.layouts import Candidate, Request
+from mtk.planner.shapes import router_experts
 from mtk.planner.timing import collective_seconds
 from mtk.rules.registry import find_rules
 
@@ -49,6 +50,7 @@ def context_collectives(request: Request, c: Candidate, stage_layers: int, eleme
         head_dim,
         element_size,
         recompute=c.recompute is not None,
+        router_experts=router_experts(request.config),
     )
     for kind in list(context.counts):
         context.counts[kind] *= c.micro_batches

@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 from mtk.parallel.distributed_optimizer import all_gather_rounds, assign_owners
 from mtk.parallel.fsdp import sharded_modules
 from mtk.parallel.parameters import param_info
+from mtk.parallel.router_loss import router_loss_in_loss
 from mtk.planner.trace import TraceSettings, fake_process_group, meta_model, with_layers
 
 __all__ = [
@@ -52,6 +53,13 @@ def expert_flags(config: PretrainedConfig, tp_size: int) -> list[bool]:
 def moe_layers(config: PretrainedConfig) -> int:
     """MoE layers of the model (modules holding 3D expert tensors): 0 for a dense model."""
     return _converted(_class_of(config), config.to_json_string(use_diff=False), 1, False).moe_layers
+
+
+def router_experts(config: PretrainedConfig) -> int:
+    """E where the model's loss has the router's load-balancing term (summed over a CP group), else 0."""
+    if not router_loss_in_loss(config):
+        return 0
+    return _converted(_class_of(config), config.to_json_string(use_diff=False), 1, False).experts_per_layer
 
 
 def every_layer_moe(config: PretrainedConfig) -> bool:

@@ -184,11 +184,16 @@ def test_bench_pipeline_against_torch_pipelining(tmp_path, capsys, schedule):
 
 @pytest.mark.parametrize(
     "layout",
-    [["--tp", "1", "--cp", "2"], ["--tp", "2", "--cp", "2", "--cp_comm_type", "a2a", "--sequence_parallel"]],
+    [
+        ["--tp", "1", "--cp", "2"],
+        ["--tp", "2", "--cp", "2", "--cp_comm_type", "a2a", "--sequence_parallel"],
+        ["--model", "tiny-qwen3-moe", "--tp", "1", "--cp", "2"],  # the load-balancing term's sums over CP
+    ],
 )
 def test_bench_context_parallel_counts_exactly_the_predicted_collectives(tmp_path, capsys, layout):
     out = tmp_path / "bench.json"
-    code = main(["bench", "--model", "tiny-llama", *layout, "--batch", "2", "--seq", "32", "--steps", "1",
+    model = [] if "--model" in layout else ["--model", "tiny-llama"]
+    code = main(["bench", *model, *layout, "--batch", "2", "--seq", "32", "--steps", "1",
                  "--json", str(out)])  # fmt: skip
     text = capsys.readouterr().out
     assert code == 0, text

@@ -163,8 +163,8 @@ def _accelerator_worker(
     parallel = accelerator.parallel
     torch.manual_seed(0)
     config = _config("qwen3_moe", 4)
-    # CP and PP refuse the load-balancing term (a CP rank sees part of a row, a pipeline's last stage its own layers)
-    config.output_router_logits = cp == pp == 1
+    # a pipeline refuses the load-balancing term (its last stage holds its own layers'); CP sums it over the group
+    config.output_router_logits = pp == 1
     model = AutoModelForCausalLM.from_config(config).float()
     reference = copy.deepcopy(model)
     # SGD with momentum: linear in the gradients, so the weights compare at the bar (Adam's first steps divide tiny
@@ -227,6 +227,7 @@ def _accelerator_worker(
         (4, 1, 2, True, 1, 1, 1),
         (4, 1, 2, False, 2, 1, 1),
         (8, 2, 2, True, 2, 1, 1),
+        (4, 1, 1, False, 2, 1, 1),
         (4, 1, 2, False, 1, 2, 1),
         (8, 2, 2, True, 1, 2, 1),
         (4, 1, 2, False, 1, 1, 4),
@@ -240,8 +241,9 @@ def test_accelerator_trains_at_expert_parallelism_as_one_process(world, tp, ep, 
     inside DP 2 x CP 2 with TP 2 and the distributed optimizer; EP 2 over the DP pairs of an interleaved PP 2 (each
     stage's chunks exchange with their counterparts; the pipeline's DP reduction leaves the experts alone); EP 2 x
     TP 2 x PP 2 (1F1B) with the distributed optimizer; EP 2 inside FSDP2 over DP 4; EP 2 x TP 2 inside HSDP (2
-    replicas of dp_shard 2): losses, clipped gradient norms and (at TP 1) every weight a rank holds after 3 steps
-    equal one process's. CP and PP run without the load-balancing term, which they refuse."""
+    replicas of dp_shard 2); CP 2 x DP 2 without EP: losses, clipped gradient norms and (at TP 1) every weight a rank
+    holds after 3 steps equal one process's. The loss includes the load-balancing term (at CP summed over the group:
+    mtk.parallel.router_loss), except under a pipeline, which refuses it."""
     args = (tp, ep, sharded, cp, pp, shard)
     logged = run_distributed(_accelerator_worker, world_size=world, args=args, timeout=600)
     assert all(run == logged[0] for run in logged)

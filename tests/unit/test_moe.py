@@ -2,7 +2,6 @@
 tests/distributed/test_expert_parallel.py and tests/e2e/test_expert_parallel.py)."""
 
 import pytest
-from transformers import AutoModelForCausalLM
 
 from mtk.errors import UnsupportedModelError
 from mtk.models import build_model, builtin_config
@@ -10,14 +9,25 @@ from mtk.parallel.context import attach_context_parallel, router_loss_refusal
 from mtk.parallel.expert_parallel import spread_experts
 
 
-def test_context_parallelism_refuses_the_routers_load_balancing_loss_and_takes_the_model_without_it():
+def test_context_parallelism_takes_the_routers_load_balancing_loss_where_it_can_sum_it_and_a_pipeline_does_not():
+    """CP sums transformers' load_balancing_loss_func over its group (tests/distributed/test_expert_parallel.py: exact
+    against one process); a model whose code has no such function is one line, and so is a pipeline."""
+    from torch import nn
+
     config = builtin_config("tiny-qwen3-moe")
-    assert "set output_router_logits to false" in router_loss_refusal(config)
-    with pytest.raises(UnsupportedModelError, match="load-balancing loss in the loss is not supported yet"):
-        attach_context_parallel(AutoModelForCausalLM.from_config(config), None)
-    config.output_router_logits = False
     assert router_loss_refusal(config) is None
-    assert router_loss_refusal(builtin_config("tiny-llama")) is None
+    assert "set output_router_logits to false" in router_loss_refusal(config, "pipeline parallelism")
+
+    class OwnCode(nn.Module):  # an MoE model of its own code: its loss cannot be summed over the group
+        pass
+
+    own = OwnCode()
+    own.config = config
+    with pytest.raises(UnsupportedModelError, match="needs transformers' load_balancing_loss_func"):
+        attach_context_parallel(own, None)
+    config.output_router_logits = False
+    assert router_loss_refusal(config, "pipeline parallelism") is None
+    assert router_loss_refusal(builtin_config("tiny-llama"), "pipeline parallelism") is None
 
 
 def test_expert_parallelism_on_a_dense_model_is_one_line():
