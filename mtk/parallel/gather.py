@@ -59,12 +59,15 @@ def gather_full_tensor(
 
 
 def iter_full_tensors(model: nn.Module, tp_group: Group, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, full tensor)`` for every parameter (or its gradient), HF names, no duplicates.
+    """Yield ``(name, full tensor)`` for every parameter (or the gradient of every trainable one), HF names, no
+    duplicates.
 
     Collective: every TP rank (and, for FSDP2-split parameters, every DP rank; for experts spread over EP, every
     rank of the EP group: all experts are gathered first) must iterate to the end together.
     """
     for name, param in model.named_parameters():
+        if grads and not param.requires_grad:  # frozen (AFMoE's expert bias, a LoRA base): no gradient to compare
+            continue
         tensor = param.grad if grads else param
         if tensor is None:
             raise ValueError(f"{name} has no gradient to gather; run backward first")

@@ -227,8 +227,28 @@ def _rule_context(model: nn.Module, tp_size: int, rule_set: RuleSet) -> RuleCont
 
 
 def _shared_inputs(modules: dict[str, nn.Module], rule_set: RuleSet) -> dict[str, SharedInput]:
-    """The modules whose input is copied into the TP region once, for all their columns -> their spec."""
-    return {n: s for n in modules for s in rule_set.shared_inputs if s.matches(n)}
+    """The modules whose input is copied into the TP region once, for all their columns -> their spec. One derived
+    from HF's plan (``argument`` None) only where every linear inside is one the rules split and no experts module
+    is (a hybrid model's linear-attention layer shares the attention's name but holds whole linears)."""
+    return {
+        n: s
+        for n in modules
+        for s in rule_set.shared_inputs
+        if s.matches(n) and (s.argument is not None or _only_split_linears(n, modules[n], rule_set))
+    }
+
+
+def _only_split_linears(name: str, module: nn.Module, rule_set: RuleSet) -> bool:
+    for sub_name, sub in module.named_modules(prefix=name):
+        if sub is module:
+            continue
+        if hasattr(sub, "num_experts"):
+            return False
+        if isinstance(sub, nn.Linear) or type(sub).__name__ == "Conv1D":
+            rule = rule_set.rule_for(sub_name)
+            if rule is None or not rule.style.splits_linear:
+                return False
+    return True
 
 
 def _tied_to_embedding(modules: dict[str, nn.Module], rule_set: RuleSet) -> tuple[nn.Parameter | None, list[str]]:

@@ -7,6 +7,7 @@ converted and its logits compared with the unconverted copy on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import replace
 
@@ -81,10 +82,17 @@ def check_tp_size(config, tp_size: int) -> None:
 
 
 def _one_layer_config(config):
+    """``config`` with one decoder layer, or (a hybrid with ``layer_types``) the fewest first layers that hold one of
+    each type: a rule that is right for one kind of layer and wrong for another fails the parity check."""
     small = copy.deepcopy(config)
+    types = list(getattr(small, "layer_types", None) or [])
+    layers = max(types.index(t) for t in set(types)) + 1 if types else 1
     for key in ("num_hidden_layers", "n_layer", "num_layers"):
         if hasattr(small, key):
-            setattr(small, key, 1)
+            setattr(small, key, layers)
+    if types:
+        with contextlib.suppress(AttributeError):  # a property computed from other fields (Jamba, Bamba) follows
+            small.layer_types = types[:layers]
     return small
 
 

@@ -96,8 +96,8 @@ def test_sweep_runs_pipelines():
 
 def _shared_input_checks(rank: int, world_size: int) -> dict:
     """Qwen3-MoE through its tp plan: attention's q/k/v take their input into the TP region once (the MoE block's
-    input also feeds the router: not shared); sequence parallelism is one line; a derived shared input whose
-    module feeds more than its columns fails the gradient parity check and falls back to one copy per column."""
+    input also feeds the router: not shared); sequence parallelism is one line; a shared input whose module feeds
+    more than its columns fails the gradient parity check and the plan falls back to one copy per column."""
     import pytest
 
     import mtk.rules.from_tp_plan as from_tp_plan
@@ -120,7 +120,9 @@ def _shared_input_checks(rank: int, world_size: int) -> dict:
     with pytest.raises(UnsupportedModelError, match="not checked exact under it"):
         parallelize(build_model("tiny-qwen3-moe", seed=0), state, sequence_parallel=True)
     derived = from_tp_plan._shared_inputs
-    from_tp_plan._shared_inputs = lambda plan: (*derived(plan), SharedInput("**.layers.*.mlp", argument=None))
+    # named with its argument, as hand-written rules are: past the check that a derived one's module holds only split
+    # linears, so only the parity check's gradients can tell
+    from_tp_plan._shared_inputs = lambda plan: (*derived(plan), SharedInput("**.layers.*.mlp"))
     try:
         fallback = resolve_rules(build_model("tiny-qwen3-moe", seed=0), state).shared_inputs
     finally:
