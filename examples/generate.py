@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mtk.data.formats import chat_template_refusals
 from mtk.errors import CheckpointError, DataError
 from mtk.models import resolve_config
 from mtk.training.entry import run_main
@@ -46,7 +47,10 @@ def main(argv: list[str] | None = None) -> None:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}
     ]
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with chat_template_refusals(f"{args.model}'s tokenizer"):
+        inputs = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
     print(tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip())

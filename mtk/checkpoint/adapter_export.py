@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from mtk.checkpoint.base_model import differs, fingerprint
 from mtk.checkpoint.export import check_new_directory, copy_tokenizer, drop_auto_map, staged_directory
+from mtk.checkpoint.hf_load import safetensors_index
 from mtk.checkpoint.integrity import read_verified
 from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.reader import ShardedCheckpointReader
@@ -106,6 +107,7 @@ def _base_directory(meta: CheckpointMeta, base: str | Path | None) -> Path:
         )
     if not directory.is_dir():
         raise CheckpointError(f"--base {directory} is not a directory")
+    safetensors_index(directory)  # a model directory's own checks: safetensors only, every shard inside it
     return directory
 
 
@@ -127,7 +129,11 @@ def export_merged(
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
     directory = _base_directory(meta, base)
-    model = _hf_class(meta).from_pretrained(directory, dtype=torch.float32, use_safetensors=True)
+    try:
+        model = _hf_class(meta).from_pretrained(directory, dtype=torch.float32, use_safetensors=True)
+    except OSError as err:  # transformers' word for a directory it cannot read a model from
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(f"--base {directory}: transformers cannot load it ({first})") from None
     assert meta.base_model is not None
     if differs(meta.base_model["fingerprint"], fingerprint(model)):
         raise CheckpointError(

@@ -13,7 +13,9 @@ to learn from are dropped and counted (:class:`TokenizeReport`).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,13 +81,27 @@ def _check_messages(messages: Any, row: int, source: str) -> None:
             raise DataError(f"{source} row {row}: unknown role {turn['role']!r}; allowed: {', '.join(ROLES)}")
 
 
+@contextlib.contextmanager
+def chat_template_refusals(where: str) -> Iterator[None]:
+    """A chat template's refusal (Jinja's sandbox, a template's ``raise_exception``) while ``where`` renders
+    conversations itself (TRL's dataset preparation, generation): one line, not a traceback."""
+    try:
+        yield
+    except TemplateError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataError(
+            f"{where}: the tokenizer's chat template refuses a conversation ({first}); give a tokenizer whose "
+            "template renders these conversations, or fix the rows"
+        ) from None
+
+
 def _render(tokenizer: Any, messages: list[dict], row: int, source: str, generation_prompt: bool = False) -> str:
     """The conversation through the tokenizer's chat template (transformers renders it in Jinja's sandbox); a
     template that refuses it (roles that must alternate, a first turn it does not allow) or that tries to leave
     the sandbox is one line naming the row."""
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    except TemplateError as err:
+    except (TemplateError, ValueError) as err:  # ValueError: transformers' own refusals (an empty conversation)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise DataError(
             f"{source} row {row}: the tokenizer's chat template refuses this conversation ({first})"
@@ -106,6 +122,12 @@ def _conversation(tokenizer: Any, messages: list[dict], loss_on: str, row: int, 
         for i, turn in enumerate(messages):
             if turn["role"] != "assistant":
                 continue
+            if i == 0:  # its start would be the rendering of no conversation, which templates refuse
+                raise DataError(
+                    f"{source} row {row}: the conversation starts with an assistant turn, whose tokens cannot be "
+                    "located by rendering what comes before it; start it with a system or user turn, or use "
+                    "--loss_on all"
+                )
             start = _render(tokenizer, messages[:i], row, source, generation_prompt=True)
             end = _render(tokenizer, messages[: i + 1], row, source)
             if not (text.startswith(start) and text.startswith(end)):

@@ -32,6 +32,7 @@ import trl
 import trl.trainer.dpo_trainer as trl_dpo
 import trl.trainer.sft_trainer as trl_sft
 
+from mtk.data.formats import chat_template_refusals
 from mtk.errors import ConfigError
 from mtk.pipeline.engine import PipelineModel
 from mtk.rules.fused_head import replace_trl_fused_head
@@ -82,7 +83,7 @@ class SFTTrainer(ParallelTrainerMixin, trl.SFTTrainer):
         _refuse_unverified(config, "SFTTrainer")
         _refuse_cloned_template(_argument(args, kwargs, "model", 0), config)
         self._path_loader = PathLoader(self, trl_sft.create_model_from_path)
-        with trl_loading(trl_sft, self._path_loader):
+        with trl_loading(trl_sft, self._path_loader), chat_template_refusals("SFTTrainer's data"):
             super().__init__(*args, **kwargs)
         check_adapters_in_place(self)
         parallel = self.accelerator.parallel
@@ -119,7 +120,7 @@ class DPOTrainer(ParallelTrainerMixin, trl.DPOTrainer):
         given = list(args)
         reference = take_reference_directory(given, kwargs, self._peft_config)
         self._path_loader = PathLoader(self, trl_dpo.create_model_from_path, reference)
-        with trl_loading(trl_dpo, self._path_loader):
+        with trl_loading(trl_dpo, self._path_loader), chat_template_refusals("DPOTrainer's data"):
             super().__init__(*given, **kwargs)
         check_adapters_in_place(self)
         if self.accelerator.parallel.pp_size > 1:

@@ -7,6 +7,7 @@ runs exactly the base model's collectives (the adapters ride on them).
 """
 
 import copy
+import json
 
 import pytest
 import torch
@@ -210,7 +211,7 @@ def test_adapter_checkpoint_export_reproduces_logits(tmp_path):
     from peft import PeftModel
 
     from mtk.checkpoint.adapter_export import export_adapter, export_merged
-    from mtk.errors import CheckpointError
+    from mtk.errors import CheckpointError, MtkError
 
     results = run_distributed(_train_and_save, world_size=2, args=(str(tmp_path),))
     assert results[0]["stored"] == 2 * 7 * 2  # 2 layers x 7 linears x (A, B)
@@ -228,6 +229,20 @@ def test_adapter_checkpoint_export_reproduces_logits(tmp_path):
     with pytest.raises(CheckpointError, match="not the base"):
         export_merged(tmp_path / "step_1", tmp_path / "merged_other", base=tmp_path / "other_base")
     assert not list(tmp_path.glob("merged_other*"))
+    # a base whose index maps its tensors outside it, or with pickled weights only: a model directory's own checks
+    outside, pickled = tmp_path / "outside_base", tmp_path / "pickled_base"
+    for directory in (outside, pickled):
+        directory.mkdir()
+        for name in ("config.json",):
+            (directory / name).write_bytes((tmp_path / "base" / name).read_bytes())
+    (outside / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "../base/model.safetensors"}})
+    )
+    (pickled / "pytorch_model.bin").write_bytes(b"not read")
+    for directory, message in ((outside, "not a file beside it"), (pickled, "only as pickles")):
+        with pytest.raises(MtkError, match=message):
+            export_merged(tmp_path / "step_1", tmp_path / "merged_bad", base=directory)
+    assert not list(tmp_path.glob("merged_bad*"))
 
 
 def _dropout_checks(rank: int, world_size: int) -> None:

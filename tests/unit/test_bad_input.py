@@ -328,6 +328,25 @@ def test_generate_on_a_directory_it_cannot_use_is_one_line(checkpoint, tmp_path,
         _one_line(capsys.readouterr().err, "generate.py", message)
 
 
+def test_generate_with_a_chat_template_that_leaves_the_sandbox_is_one_line(tmp_path, capsys, monkeypatch):
+    """transformers renders the template in Jinja's sandbox, which refuses ``__class__``: it was its traceback."""
+    import transformers.utils.logging as tqdm_logging
+
+    from mtk.testing import train_chat_tokenizer
+
+    tokenizer = train_chat_tokenizer(["a river runs by the mill"] * 20)
+    tokenizer.chat_template = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    model = build_model("tiny-llama", seed=0)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    capsys.readouterr()  # (the save's progress bar)
+    monkeypatch.setattr(tqdm_logging, "_tqdm_active", False)  # (the load's)
+    with pytest.raises(SystemExit) as exit_:
+        run_main(partial(EXAMPLES["generate"].main, [str(tmp_path), "--prompt", "hi"]), "generate.py")
+    assert exit_.value.code == 2
+    _one_line(capsys.readouterr().err, "generate.py", "the tokenizer's chat template refuses a conversation")
+
+
 def test_weights_for_more_layers_than_the_config_builds_are_one_line(tmp_path):
     """A config that says 2 layers beside weights for 8 trained a 2-layer model without a word (the rest ignored)."""
     from safetensors.torch import save_file

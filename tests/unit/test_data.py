@@ -287,8 +287,10 @@ def test_a_tokenizer_that_needs_code_cannot_load_or_outgrows_the_model_is_one_li
          "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}", "row 0: the tokenizer's chat template "
          "refuses this conversation (Conversation must start with the user)"),
         ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "row 0: the tokenizer's chat template refuses this"),
+        ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "row 0: the conversation starts with an assistant "
+         "turn"),  # a template that takes it: its start cannot be rendered (no conversation before it)
     ],
-    ids=["refused-by-the-template", "escaping-the-sandbox"],
+    ids=["refused-by-the-template", "escaping-the-sandbox", "assistant-first"],
 )  # fmt: skip
 def test_a_chat_template_that_refuses_a_row_is_one_line_naming_it(tokenizer, template, message):
     """transformers renders templates in Jinja's sandbox: its refusals (a template's raise_exception, an attribute
@@ -300,3 +302,15 @@ def test_a_chat_template_that_refuses_a_row_is_one_line_naming_it(tokenizer, tem
     )
     with pytest.raises(DataError, match=re.escape(message)):
         tokenize_examples(rows, chat, 64)
+
+
+def test_a_template_refusal_where_trl_or_generation_renders_is_one_line(tokenizer):
+    """TRL's trainers and generate.py render conversations themselves: the sandbox's refusal is one line there too
+    (mtk.trainers.trl wraps SFTTrainer's and DPOTrainer's data preparation in it)."""
+    from mtk.data.formats import chat_template_refusals
+
+    chat = copy.copy(tokenizer)
+    chat.chat_template = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(DataError, match=r"^SFTTrainer's data: the tokenizer's chat template refuses a conversation"):
+        with chat_template_refusals("SFTTrainer's data"):
+            chat.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
