@@ -25,6 +25,7 @@ import transformers
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from mtk import jsonio
 from mtk.checkpoint.atomic import fsync_dir, fsync_tree, refuse_link, storage_reason
 from mtk.checkpoint.hf_load import INDEX_FILE, SINGLE_FILE
 from mtk.checkpoint.integrity import contained, list_files, read_verified
@@ -193,7 +194,7 @@ def copy_tokenizer(checkpoint: str | Path, meta: CheckpointMeta, out: Path) -> N
 def drop_auto_map(path: Path) -> None:
     """Remove ``auto_map`` (custom code to import) from a config or tokenizer config JSON written by an export."""
     try:
-        record = json.loads(path.read_text())
+        record = jsonio.loads(path.read_text())
     except (OSError, ValueError):
         return
     if isinstance(record, dict) and "auto_map" in record:

@@ -23,6 +23,7 @@ from torch import nn
 from transformers import GenerationConfig, PretrainedConfig
 from transformers.utils import GENERATION_CONFIG_NAME
 
+from mtk import jsonio
 from mtk.checkpoint.hf_conversion import converted_tensors
 from mtk.checkpoint.safetensors_slices import open_safetensors
 from mtk.convert import parallelize
@@ -46,7 +47,7 @@ def safetensors_index(directory: str | Path) -> dict[str, Path]:
     directory = Path(directory)
     if (directory / INDEX_FILE).is_file():
         try:
-            weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
+            weight_map = jsonio.loads((directory / INDEX_FILE).read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as err:
             raise CheckpointError(f"{directory / INDEX_FILE} is not a valid safetensors index ({err})") from None
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtk import jsonio
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.errors import CheckpointError, LayoutError
 from mtk.parallel.layout import Layout
@@ -117,7 +118,7 @@ class CheckpointMeta:
     def from_json(cls, text: str, where: Path) -> CheckpointMeta:
         """Parse ``metadata.json``; one clear line for anything that is not this format's metadata."""
         try:
-            record = json.loads(text)
+            record = jsonio.loads(text)
             if not isinstance(record, dict):
                 raise TypeError("not a JSON object")
             if record.get("format") not in _READABLE:

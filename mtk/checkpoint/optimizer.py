@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from mtk import jsonio
 from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.checkpoint.weights import own_rows, read_safetensors, source_name
 from mtk.errors import CheckpointError
@@ -80,7 +81,7 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Pat
 def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Path) -> None:
     names = _param_names(model, optimizer)
     tensors = read_safetensors(stem.with_suffix(".safetensors"))
-    meta = json.loads(stem.with_suffix(".json").read_text())
+    meta = jsonio.loads(stem.with_suffix(".json").read_text())
     index = {name: i for i, name in enumerate(names)}
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
@@ -155,7 +156,7 @@ def saved_optimizer_groups(paths: CheckpointPaths, pp_size: int) -> dict:
     for stage in range(pp_size):
         path = paths.optimizer(0, stage).with_suffix(".json")
         with reading(path):
-            meta = json.loads(path.read_text())
+            meta = jsonio.loads(path.read_text())
             merged["param_groups"] = merged["param_groups"] or meta["param_groups"]
             merged["state"].update(meta["state"])
     return merged

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from mtk import jsonio
 from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.safetensors_slices import SafetensorsFile, open_safetensors
@@ -72,7 +73,7 @@ class ShardedCheckpointReader:
     def _read_specs(self, shard: int, part: _Part, *, whole: bool) -> None:
         handle = part.model
         try:
-            specs = json.loads(handle.metadata["mtk_specs"])
+            specs = jsonio.loads(handle.metadata["mtk_specs"])
         except (KeyError, json.JSONDecodeError):
             raise CheckpointError(f"{handle.path} has no mtk shard specs (not written by mtk save_state)") from None
         try:  # data from the file (possibly crafted, its checksum rewritten with it): one line if malformed

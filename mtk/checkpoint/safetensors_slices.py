@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from mtk import jsonio
 from mtk.errors import CheckpointError
 
 __all__ = ["SafetensorsError", "SafetensorsFile", "open_safetensors", "TensorSlicer"]
@@ -126,7 +127,7 @@ class SafetensorsFile:
         if header_len > min(_MAX_HEADER, size - 8):
             raise SafetensorsError(f"{self.path} is not a safetensors file (header length {header_len} is invalid)")
         try:
-            header = json.loads(os.pread(self.fd, header_len, 8))
+            header = jsonio.loads(os.pread(self.fd, header_len, 8))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise SafetensorsError(f"{self.path} is not a safetensors file (its header is not JSON)") from None
         self.metadata = header.pop("__metadata__", None) or {}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import datasets
 import pyarrow as pa
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
+from mtk import jsonio
 from mtk.errors import DataError
 
 __all__ = ["COMPRESSIONS", "FORMATS", "data_fingerprint", "load_data"]
@@ -83,7 +83,7 @@ def _read_files(path: Path) -> list[Path]:
     files = []
     for state in sorted([path / "state.json", *path.glob("*/state.json")]):
         if state.is_file():
-            listed = json.loads(state.read_text()).get("_data_files", [])
+            listed = jsonio.loads(state.read_text()).get("_data_files", [])
             files += [state.parent / entry["filename"] for entry in listed]
     return files
 

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mtk import jsonio
 from mtk.errors import DataError
 
 __all__ = ["BYTES", "ByteTokenizer", "add_tokenizer_argument", "tokenizer_for"]
@@ -80,7 +81,7 @@ def _hf_tokenizer(source: Path, option: str, vocab_size: int | None) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        record = json.loads((source / "tokenizer_config.json").read_text())
+        record = jsonio.loads((source / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
         record = {}
     if isinstance(record, dict) and record.get("auto_map"):

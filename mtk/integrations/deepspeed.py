@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mtk import jsonio
 from mtk.checkpoint.base_model import check_base
 from mtk.checkpoint.integrity import read_verified
 from mtk.checkpoint.meta import CheckpointMeta
@@ -80,7 +81,7 @@ def deepspeed_config(
     if not path.is_file():
         raise ConfigError(f"--deepspeed_config {path} does not exist")
     try:
-        config = json.loads(path.read_text())
+        config = jsonio.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(f"--deepspeed_config {path} is not valid JSON ({err})") from None
     if not isinstance(config, dict):

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from mtk import jsonio
 from mtk.checkpoint.base_model import checkpointed_parameters
 from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.paths import CheckpointPaths, reading
@@ -118,7 +119,7 @@ def load_at_another_layout(directory: str | Path, engine, meta: CheckpointMeta, 
             "start over); resume at the checkpoint's layout, or train in bf16"
         )
     with reading(groups_file):
-        saved_groups = json.loads(groups_file.read_text())["param_groups"]
+        saved_groups = jsonio.loads(groups_file.read_text())["param_groups"]
         rates = [float(group["lr"]) for group in saved_groups]
     if len(saved_groups) != len(inner.param_groups):
         raise CheckpointError(

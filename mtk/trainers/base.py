@@ -27,7 +27,6 @@ its processes:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Iterator
 from datetime import timedelta
@@ -37,6 +36,7 @@ from typing import Any
 import torch
 import transformers.trainer as hf_trainer
 
+from mtk import jsonio
 from mtk.errors import ConfigError
 from mtk.integrations.accelerate import Accelerator
 from mtk.parallel.state import default_device
@@ -83,7 +83,7 @@ def _derive_global_batch(args: Any) -> None:
     data-parallel replicas multiply the batch, which mtk's DeepSpeed set-up derives from the other two fields."""
     given = args.deepspeed
     if isinstance(given, str):
-        given = json.loads(Path(given).read_text())
+        given = jsonio.loads(Path(given).read_text())
     if given.get("train_batch_size", "auto") != "auto":
         return  # the user's number: mtk checks it against the layout (one line if it disagrees)
     for config in (

@@ -361,3 +361,23 @@ def test_weights_for_more_layers_than_the_config_builds_are_one_line(tmp_path):
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="holds weights for 8 layers but its config builds 2"):
         load_pretrained_tp(tmp_path, ParallelState.build())
+
+
+def test_json_nested_too_deeply_to_parse_is_each_readers_one_line(tmp_path):
+    """Python's parser recurses once per nesting level: 100,000 nested brackets raised RecursionError past every
+    handler (checkpoint metadata, a model directory's index, a DeepSpeed config). mtk.jsonio makes it malformed JSON,
+    which each reader names in one line."""
+    from mtk.checkpoint.hf_load import safetensors_index
+    from mtk.checkpoint.meta import CheckpointMeta
+    from mtk.errors import CheckpointError, ConfigError
+    from mtk.integrations.deepspeed import deepspeed_config
+
+    deep = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(CheckpointError, match="is not valid mtk checkpoint metadata .*nested too deeply"):
+        CheckpointMeta.from_json(deep, tmp_path / "metadata.json")
+    (tmp_path / "model.safetensors.index.json").write_text(deep)
+    with pytest.raises(CheckpointError, match="is not a valid safetensors index .*nested too deeply"):
+        safetensors_index(tmp_path)
+    (tmp_path / "ds.json").write_text(deep)
+    with pytest.raises(ConfigError, match="is not valid JSON .*nested too deeply"):
+        deepspeed_config(tmp_path / "ds.json", 1)

@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from mtk import jsonio
 from mtk.errors import ConfigError
 from mtk.integrations.accelerate.scheduler import DataParallelScheduler
 from mtk.integrations.deepspeed import check_precision, initialization_cleanup, partition_over_replicas
@@ -40,7 +41,7 @@ def user_batch_fields(plugin, from_launcher: bool = True) -> tuple[dict[str, Any
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if from_launcher else None
     if path and Path(path).is_file():
         try:
-            raw = json.loads(Path(path).read_text())
+            raw = jsonio.loads(Path(path).read_text())
         except json.JSONDecodeError:
             raw = None
         if isinstance(raw, dict):
