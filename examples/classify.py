@@ -14,6 +14,11 @@ as names or as ids 0..K-1); without ``--eval_data`` a fifth of ``--data`` is hel
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C while the libraries below load (seconds): stop quietly, not their traceback
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (run_main says it in one line from then on)
+
 import argparse
 import functools
 from pathlib import Path

@@ -14,6 +14,11 @@ reference model is a frozen copy converted to the same layout, as TRL keeps one.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C while the libraries below load (seconds): stop quietly, not their traceback
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (run_main says it in one line from then on)
+
 import copy
 import json
 import random

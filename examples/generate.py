@@ -9,6 +9,11 @@ Plain transformers: ``from_pretrained``, the tokenizer's chat template with the 
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C while the libraries below load (seconds): stop quietly, not their traceback
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (run_main says it in one line from then on)
+
 import argparse
 from pathlib import Path
 

@@ -16,6 +16,11 @@ gradient_accumulation_steps follow DeepSpeed's rule (global = micro x accumulati
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C while the libraries below load (seconds): stop quietly, not their traceback
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (run_main says it in one line from then on)
+
 import argparse
 import os
 import time

@@ -15,6 +15,11 @@ is on the completions); fp32 on a machine without a GPU. ``--data`` takes TRL's 
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C while the libraries below load (seconds): stop quietly, not their traceback
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (run_main says it in one line from then on)
+
 from dataclasses import dataclass, field
 from pathlib import Path
 

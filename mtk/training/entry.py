@@ -7,7 +7,9 @@ import contextlib
 import hashlib
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -60,6 +62,8 @@ def run_main(main: Callable[[], None], prog: str) -> None:
 
 
 def _run(main: Callable[[], None], prog: str) -> None:
+    if threading.current_thread() is threading.main_thread():  # a script stopped Ctrl-C quietly while it imported
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         main()
     except KeyboardInterrupt:  # Ctrl-C before the script's ExitSignal took over (start-up): no traceback

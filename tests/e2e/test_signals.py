@@ -164,3 +164,18 @@ def test_a_second_run_into_an_output_dir_in_use_is_refused_and_a_killed_run_bloc
     newest = max(int(p.name.split("_")[1]) for p in tmp_path.glob("step_*") if p.name.split("_")[1].isdigit())
     requeued = finetune("tp2", tmp_path, "--resume", "auto", "--max_steps", str(newest + 2), "--save_every", "1")
     assert sorted(requeued) == [newest + 1, newest + 2]
+
+
+def test_ctrl_c_while_a_script_imports_its_libraries_stops_it_without_a_traceback(tmp_path):
+    """A terminal's Ctrl-C in the seconds torch, transformers and mtk take to load printed the KeyboardInterrupt's
+    traceback through whichever import was running (found by the bad-input campaign): each script stops quietly
+    with the shell's status for SIGINT until run_main takes over."""
+    for script in ("finetune.py", "generate.py"):
+        process = subprocess.Popen(
+            ["python", f"examples/{script}", "--output_dir", str(tmp_path / script)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )  # fmt: skip
+        time.sleep(0.5)  # inside the imports (several seconds here)
+        os.killpg(process.pid, signal.SIGINT)
+        output, _ = process.communicate(timeout=60)
+        assert process.returncode in (-signal.SIGINT, 130) and "Traceback" not in output, (script, output)
