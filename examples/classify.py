@@ -74,12 +74,22 @@ def label_ids(train: Dataset, evaluation: Dataset) -> dict[Any, int]:
         if missing:
             raise DataError(f"{name} has columns {rows.column_names}; classification needs 'text' and 'label'")
     for name, rows in (("--data", train), ("--eval_data", evaluation)):
-        for row, label in enumerate(rows["label"]):  # 0-based, as mtk.data names rows
-            if label is None or (isinstance(label, str) and not label.strip()):
+        labels = rows["label"]
+        for row, label in enumerate(labels):  # 0-based, as mtk.data names rows; first the missing ones: a CSV
+            # column with an empty cell reads as floats, and row 0's 1.0 would be named instead of the empty row
+            if label is None or (isinstance(label, str) and not label.strip()) or label != label:  # NaN
                 raise DataError(f"{name} row {row} has no label; every row needs one")
+        for row, label in enumerate(labels):
             if isinstance(label, float) or isinstance(label, bool) or not isinstance(label, (int, str)):
                 raise DataError(f"{name} row {row} has label {label!r}; labels are names or integer ids 0..K-1")
     values = set(train["label"]) | set(evaluation["label"])
+    numbers = sorted(str(v) for v in values if str(v).strip().lstrip("-").isdigit())
+    names = sorted(str(v) for v in values if not str(v).strip().lstrip("-").isdigit())
+    if numbers and names:  # "1" and "pos" would train as two classes
+        raise DataError(
+            f"the labels mix integer ids and names ({numbers[0]!r} and {names[0]!r}); give every label as a name or "
+            "every label as an id 0..K-1"
+        )
     if len(values) < 2:
         raise DataError(
             f"the data has one label ({next(iter(values))!r}): nothing to classify (a one-label head would train as "

@@ -258,11 +258,14 @@ def test_unreadable_data_is_one_line(tmp_path, content, message):
         (["pos", " ", "neg"], "--data row 1 has no label"),
         ([1.0, 0.0, 1.0], "--data row 0 has label 1.0; labels are names or integer ids"),
         (["pos", "pos", "pos"], "the data has one label ('pos'): nothing to classify"),
+        ([1.0, 0.0, float("nan")], "--data row 2 has no label"),  # a CSV's empty cell: the column reads as floats
+        (["0", "1", "pos"], "the labels mix integer ids and names ('0' and 'pos')"),
     ],
-    ids=["empty-cell", "blank", "float", "one-label"],
+    ids=["empty-cell", "blank", "float", "one-label", "empty-csv-cell", "ids-and-names"],
 )
 def test_classification_labels_are_checked(labels, message):
-    """An empty label cell is not a class named None, and a one-label file does not train as a regression."""
+    """An empty label cell is not a class named None (and is the row named), a one-label file does not train as a
+    regression, and "1" beside "pos" does not train as a class of its own."""
     from datasets import Dataset
 
     train = Dataset.from_dict({"text": ["a", "b", "c"], "label": labels})
