@@ -61,6 +61,10 @@ def test_a_block_without_tp_or_pp_says_which_layout_runs():
     env = {"ACCELERATE_USE_MEGATRON_LM": "true", "MEGATRON_LM_TP_DEGREE": "1", "MEGATRON_LM_PP_DEGREE": "1"}
     check_megatron_environment(env, lines.append)
     assert len(lines) == 1 and "every process is a data-parallel replica" in lines[0]
+    for key in ("MEGATRON_LM_CONTEXT_PARALLEL_SIZE", "MEGATRON_LM_EXPERT_MODEL_PARALLEL_SIZE"):  # they split it too
+        lines.clear()
+        check_megatron_environment({**env, key: "2"}, lines.append)
+        assert not any("data-parallel replica" in line for line in lines), (key, lines)
 
 
 def test_recompute_settings():

@@ -120,8 +120,9 @@ def check_megatron_environment(env: Mapping[str, str], report: Callable[[str], N
         )
     if env.get("ACCELERATE_USE_MEGATRON_LM", "").lower() == "true":
         check_launcher_keys(launcher_config_file())
-        tp, pp = env.get(PREFIX + "TP_DEGREE", "1"), env.get(PREFIX + "PP_DEGREE", "1")
-        if tp == "1" and pp == "1":
+        sizes = [env.get(PREFIX + key, "1").strip() for key in ("TP_DEGREE", "PP_DEGREE", "CONTEXT_PARALLEL_SIZE")]
+        spread = env.get(PREFIX + "EXPERT_MODEL_PARALLEL_SIZE", "1").strip()
+        if sizes == ["1", "1", "1"] and spread in ("", "1"):  # (CP or EP alone split the work too)
             report(
                 "mtk: megatron_lm_config gives tp=1 and pp=1, so every process is a data-parallel replica (accelerate "
                 "exports 1 for a missing megatron_lm_tp_degree, and drops a misspelt key without a word)"
