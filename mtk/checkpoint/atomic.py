@@ -25,6 +25,8 @@ from mtk.errors import CheckpointError
 __all__ = [
     "MARKER",
     "atomic_dir",
+    "check_ours",
+    "check_replaceable",
     "fsync_dir",
     "fsync_tree",
     "incomplete_path",
@@ -48,7 +50,7 @@ def is_ours(directory: Path) -> bool:
     return not directory.is_symlink() and (directory / MARKER).is_file()
 
 
-def _check_ours(directory: Path) -> None:
+def check_ours(directory: Path) -> None:
     """Refuse (one line) a side directory mtk did not create."""
     if (directory.exists() or directory.is_symlink()) and not (directory.is_dir() and is_ours(directory)):
         raise CheckpointError(
@@ -59,7 +61,7 @@ def _check_ours(directory: Path) -> None:
 
 def remove_ours(directory: Path) -> None:
     """Remove a leftover side directory of mtk's own; refuse (one line) to touch anyone else's."""
-    _check_ours(directory)
+    check_ours(directory)
     if directory.exists():
         shutil.rmtree(directory)
 
@@ -84,7 +86,7 @@ def storage_reason(err: BaseException) -> str | None:
     return None
 
 
-def _check_replaceable(final: Path) -> None:
+def check_replaceable(final: Path) -> None:
     """``final`` may be replaced only if it is empty or a checkpoint (mtk's metadata.json is in it), not a link."""
     refuse_link(final)
     if final.exists() and not (final.is_dir() and (not any(final.iterdir()) or (final / "metadata.json").is_file())):
@@ -149,8 +151,8 @@ def atomic_dir(final: str | Path, *, owner: bool = True, barrier: Callable[[], N
     tmp = incomplete_path(final)
     old = final.with_name(final.name + ".old")
     for side in (tmp, old):  # every rank checks (read-only), so all refuse together ...
-        _check_ours(side)
-    _check_replaceable(final)
+        check_ours(side)
+    check_replaceable(final)
     barrier()  # ... and all have checked before the owner changes anything
     try:
         if owner:

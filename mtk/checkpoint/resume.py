@@ -19,7 +19,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mtk.checkpoint.atomic import refuse_link
+from mtk import jsonio
+from mtk.checkpoint.atomic import check_ours, check_replaceable, refuse_link
 from mtk.checkpoint.lock import lock_output_dir
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.data.sources import data_fingerprint
@@ -95,7 +96,7 @@ def start_point(
     output_dir, resume, overwrite = args.output_dir, args.resume, args.overwrite
     if overwrite and resume is not None:
         raise CheckpointError("--overwrite starts a run over and cannot be combined with --resume; choose one")
-    _claim(output_dir, main_process)
+    _on_main_process(lambda: lock_output_dir(output_dir), main_process)
     start = resolve_resume(output_dir, resume, overwrite)
     if resume == AUTO and main_process:
         found = f"resuming from {start}" if start else f"no checkpoint in {output_dir}, starting fresh"
@@ -104,7 +105,20 @@ def start_point(
         if main_process and (removed := remove_checkpoints(output_dir)):
             print(f"mtk: --overwrite: removed {', '.join(removed)} of an earlier run in {output_dir}", flush=True)
         barrier()
+    _on_main_process(lambda: check_steps_to_write(output_dir, _step_of(start)), main_process)
     return start
+
+
+def _step_of(checkpoint: str | None) -> int:
+    """The step a run resumes from (0: a fresh run; a checkpoint named otherwise: its metadata's)."""
+    if checkpoint is None:
+        return 0
+    if match := re.fullmatch(r"step_(\d+)", Path(checkpoint).name):
+        return int(match[1])
+    try:
+        return int(jsonio.loads(CheckpointPaths(checkpoint).metadata.read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0  # (loading it says what is wrong)
 
 
 def rescaled_position(data: dict, samples_now: int | None) -> int:
@@ -123,12 +137,33 @@ def rescaled_position(data: dict, samples_now: int | None) -> int:
     return samples // samples_now
 
 
-def _claim(output_dir: str | Path, main_process: bool) -> None:
-    """The main process locks ``output_dir``; its refusal, if any, is raised on every rank."""
+_STEP_ENTRY = re.compile(r"step_(\d+)(\.incomplete|\.old)?")
+
+
+def check_steps_to_write(output_dir: str | Path, after: int) -> None:
+    """Refuse, before training, what a save of a step past ``after`` would refuse only once reached: a link named as
+    its checkpoint or side directory, a side directory mtk did not create, or a ``step_N`` that is not a checkpoint
+    (the run's compute up to that save would be lost)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return
+    for entry in sorted(root.iterdir()):
+        match = _STEP_ENTRY.fullmatch(entry.name)
+        if not match or int(match[1]) <= after:
+            continue
+        refuse_link(entry, "a save of this run would write there, and mtk never writes through a link")
+        if match[2]:
+            check_ours(entry)
+        else:
+            check_replaceable(entry)
+
+
+def _on_main_process(check: Callable[[], Any], main_process: bool) -> None:
+    """Run ``check`` on the main process; its refusal, if any, is raised on every rank."""
     refusal = None
     if main_process:
         try:
-            lock_output_dir(output_dir)
+            check()
         except CheckpointError as err:
             refusal = str(err)
     if dist.is_available() and dist.is_initialized():  # the main process is rank 0 (accelerate's, DeepSpeed's)

@@ -312,6 +312,31 @@ def test_a_linked_step_is_never_written_through(saved, trained, tmp_path):
     assert not (runs / "step_2.incomplete").exists()
 
 
+def test_what_a_run_would_refuse_to_save_over_is_refused_before_it_trains(saved, tmp_path):
+    """A link named as a later step, a side directory mtk did not create, a step_N that is not a checkpoint: the save
+    refused them once reached (a fresh run's compute was lost); the start refuses them. Steps up to the resumed one,
+    mtk's own leftovers and checkpoints are left as they are."""
+    from mtk.checkpoint.atomic import MARKER
+    from mtk.checkpoint.resume import check_steps_to_write
+
+    runs = tmp_path / "ckpts"
+    runs.mkdir()
+    (runs / "step_2").symlink_to(saved, target_is_directory=True)
+    with pytest.raises(CheckpointError, match="step_2 is a symbolic link; a save of this run would write there"):
+        check_steps_to_write(runs, 0)
+    check_steps_to_write(runs, 2)  # resumed from it: read, not written
+    (runs / "step_3.incomplete").mkdir()
+    with pytest.raises(CheckpointError, match="step_3.incomplete exists and was not created by mtk"):
+        check_steps_to_write(runs, 2)
+    (runs / "step_3.incomplete" / MARKER).write_text("")  # a killed save's leftover: mtk replaces its own
+    (runs / "step_4").mkdir()
+    (runs / "step_4" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="step_4 exists and is not an mtk checkpoint"):
+        check_steps_to_write(runs, 2)
+    (runs / "step_4" / "notes.txt").unlink()
+    check_steps_to_write(runs, 2)
+
+
 def test_export_refuses_links_and_its_own_checkpoint_and_makes_an_ordinary_directory(saved, tmp_path):
     """An export target that is a link, or inside the checkpoint it reads, is refused before anything is
     written (no staging directory is left); a new export is a directory as mkdir makes one (umask applied)."""
