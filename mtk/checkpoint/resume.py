@@ -19,9 +19,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mtk import jsonio
 from mtk.checkpoint.atomic import check_ours, check_replaceable, refuse_link
 from mtk.checkpoint.lock import lock_output_dir
+from mtk.checkpoint.meta import read_metadata
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.data.sources import data_fingerprint
 from mtk.errors import CheckpointError
@@ -116,8 +116,8 @@ def _step_of(checkpoint: str | None) -> int:
     if match := re.fullmatch(r"step_(\d+)", Path(checkpoint).name):
         return int(match[1])
     try:
-        return int(jsonio.loads(CheckpointPaths(checkpoint).metadata.read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return read_metadata(checkpoint).step
+    except CheckpointError:
         return 0  # (loading it says what is wrong)
 
 
