@@ -116,6 +116,7 @@ def predicted_for(spec: BenchSpec) -> Predicted:
         tp_shared_numels=tuple(tp_shared_numels(config, spec.tp_size)) if spec.tp_size > 1 else (),
         moe_layers=moe_here if spec.tp_size > 1 else 0,
         top_k=top_k,
+        router_experts=router_experts(config) if spec.pp_size > 1 else 0,
         **dp_traffic,
     )
     exchange = predict_expert_collectives(

@@ -48,9 +48,9 @@ from mtk.parallel.recompute import never_saved
 from mtk.parallel.ring_attention import ring_attention
 from mtk.parallel.router_loss import (
     has_router_loss_function,
+    replace_load_balancing_loss,
     router_loss_in_loss,
     set_active,
-    sum_router_loss_over_context,
 )
 from mtk.parallel.sequence_padding import PER_POSITION, pad_batch
 
@@ -65,6 +65,7 @@ __all__ = [
     "context_parallel_of",
     "split_for_context",
     "use_context_attention",
+    "whole_router_loss",
     "whole_rows",
 ]
 
@@ -313,31 +314,38 @@ def whole_rows(local: torch.Tensor, shard: ContextShard) -> torch.Tensor:
 
 
 ROUTER_LOSS_LIMITS = {
-    # parallelism -> (why its loss would differ, what else to do)
-    "context parallelism": (
-        "its modeling code has no load_balancing_loss_func to sum over the CP group",
-        "train without CP",
-    ),
-    "pipeline parallelism": ("the last stage would balance its own layers' routers only", "use pp = 1"),
+    # parallelism -> what else to do
+    "context parallelism": "train without CP",
+    "pipeline parallelism": "use pp = 1",
 }
 
 
 def router_loss_refusal(config: Any, parallelism: str = "context parallelism") -> str | None:
     """Why ``parallelism`` cannot run ``config``'s MoE loss (``None``: it can). The router's load-balancing loss
-    multiplies two means over the tokens and layers of the call. Under CP it is summed over the group
-    (:mod:`mtk.parallel.router_loss`) wherever the model's modeling code computes it with transformers'
-    ``load_balancing_loss_func`` (every MoE model transformers ships); a pipeline's last stage holds its own layers'
-    router logits only (tiny-qwen3-moe at PP 2 with 4 micro-batches logged 5.597176 where one process accumulating
-    the same 4 logs 5.596632)."""
-    if router_loss_in_loss(config):
-        if parallelism == "context parallelism" and has_router_loss_function(config):
-            return None
-        why, instead = ROUTER_LOSS_LIMITS[parallelism]
+    multiplies two means over the tokens and layers of the call: summed over a CP group and carried through a
+    pipeline's stages (:mod:`mtk.parallel.router_loss`) wherever the model's modeling code computes it with
+    transformers' ``load_balancing_loss_func`` (every MoE model transformers ships)."""
+    if router_loss_in_loss(config) and not has_router_loss_function(config):
         return (
-            f"{config.model_type}: {parallelism} with the router's load-balancing loss in the loss is not supported "
-            f"yet ({why}); set output_router_logits to false in the model's config, or {instead}"
+            f"{config.model_type}: {parallelism} with the router's load-balancing loss in the loss needs "
+            f"transformers' load_balancing_loss_func in the model's modeling code, which it has not; set "
+            f"output_router_logits to false in the model's config, or {ROUTER_LOSS_LIMITS[parallelism]}"
         )
     return None
+
+
+def whole_router_loss(model: Any, parallelism: str = "context parallelism") -> None:
+    """Make ``model``'s load-balancing loss (if its loss has one) the whole call's under ``parallelism``
+    (:func:`~mtk.parallel.router_loss.replace_load_balancing_loss`), or refuse it in one line."""
+    config = getattr(model, "config", None)
+    refusal = router_loss_refusal(config, parallelism)
+    if refusal is None and router_loss_in_loss(config) and not replace_load_balancing_loss(model):
+        refusal = (
+            f"{type(model).__name__}: {parallelism} with the router's load-balancing loss in the loss needs "
+            "transformers' load_balancing_loss_func in the model's modeling code; set output_router_logits to false"
+        )
+    if refusal is not None:
+        raise UnsupportedModelError(refusal)
 
 
 def attach_context_parallel(
@@ -352,15 +360,7 @@ def attach_context_parallel(
     only), so each rank backpropagates its share. A second call with the same group changes nothing."""
     if comm not in COMM_TYPES:
         raise ConfigError(f"cp_comm_type {comm!r} is unknown; use one of {COMM_TYPES}")
-    config = getattr(model, "config", None)
-    refusal = router_loss_refusal(config)
-    if refusal is None and router_loss_in_loss(config) and not sum_router_loss_over_context(model):
-        refusal = (
-            f"{type(model).__name__}: context parallelism with the router's load-balancing loss in the loss needs "
-            "transformers' load_balancing_loss_func in the model's modeling code; set output_router_logits to false"
-        )
-    if refusal is not None:
-        raise UnsupportedModelError(refusal)
+    whole_router_loss(model)
     cp = group_size(group)
     split = ContextSplit(group, comm, math.lcm(2 * cp, cp * sequence_split), average)
     attached = context_parallel_of(model)

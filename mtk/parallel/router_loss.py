@@ -1,37 +1,62 @@
-"""The router's load-balancing loss of an MoE model under context parallelism, as one process computes it.
+"""The router's load-balancing loss of an MoE model under context and pipeline parallelism, as one process computes it.
 
 transformers' ``load_balancing_loss_func`` (Switch Transformer's ``E · Σ_e f_e · P_e``, in each MoE model's
 modeling module) multiplies two means over every token and layer of the call: the share of routing choices each
-expert gets and its mean router probability. A CP rank holds part of each row, and the mean of the ranks' losses is
-not the whole row's (tiny-qwen3-moe at CP 2 logged 5.59682 against 5.59659). While a context-parallel call runs
-(:func:`set_active`), the module's function is :func:`_whole_rows_loss` instead: each rank sums its tokens'
-choices, probabilities and count (the split's padding left out, as the unsplit model's mask leaves padding out),
-one all-reduce over the CP group adds them up, and the whole rows' loss follows on every rank. Its gradient reaches
-this rank's tokens scaled as the split's token loss is (``cp`` times its share where the CP ranks' gradients are
-averaged), so the averaged gradients are one process's. Outside such a call the function is transformers' own.
+expert gets and its mean router probability. Both are sums divided by one count, so the loss follows from
+:func:`routing_sums` (``[2E + 1]``: choices, probabilities, count) added up over whatever holds part of the call:
+
+- **Context parallelism.** A CP rank holds part of each row, and the mean of the ranks' losses is not the whole
+  row's (tiny-qwen3-moe at CP 2 logged 5.59682 against 5.59659). While a context-parallel call runs
+  (:func:`set_active`), each rank sums its tokens (the split's padding left out, as the unsplit model's mask leaves
+  padding out) and one all-reduce over the CP group adds them up. The gradient reaches this rank's tokens scaled as
+  the split's token loss is (``cp`` times its share where the CP ranks' gradients are averaged), so the averaged
+  gradients are one process's.
+- **A pipeline.** A stage holds some layers' routers, and its last stage's loss over its own layers is not the
+  model's (tiny-qwen3-moe at PP 2 logged 5.597176 where one process accumulating the same 4 micro-batches logs
+  5.596632). Each stage adds its layers' sums to the ones it received and sends them on with the hidden states
+  (:mod:`mtk.pipeline.message`); the last stage's loss adds its own to the ones carried in (:func:`carrying`), and
+  their gradient goes back the same way, as Megatron-Core's ``MoEAuxLossAutoScaler`` sends its loss's gradient back
+  through the schedule.
+
+While neither applies, the function is transformers' own. :func:`replace_load_balancing_loss` puts
+:func:`load_balancing_loss` in its place in the model's modeling modules; mtk's own callers (TRL's fused head) call
+it directly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
+import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+from mtk.errors import ConfigError
 from mtk.parallel.comm import all_reduce, group_size
 
 if TYPE_CHECKING:
     from mtk.parallel.context import ContextShard
 
-__all__ = ["has_router_loss_function", "router_loss_in_loss", "set_active", "sum_router_loss_over_context"]
+__all__ = [
+    "carrying",
+    "has_router_loss_function",
+    "load_balancing_loss",
+    "replace_load_balancing_loss",
+    "router_loss_in_loss",
+    "routing_sums",
+    "set_active",
+]
 
 _FUNCTION = "load_balancing_loss_func"
-_WRAPPED = "mtk_context_parallel"
+_MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
+_WRAPPED = "mtk_load_balancing"
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("mtk_router_loss_shard", default=None)
+_CARRIED: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("mtk_router_sums", default=None)
 
 
 def router_loss_in_loss(config: Any) -> bool:
@@ -51,19 +76,19 @@ def has_router_loss_function(config: Any) -> bool:
     return callable(getattr(sys.modules.get(model_class.__module__), _FUNCTION, None))
 
 
-def sum_router_loss_over_context(model: Any) -> bool:
+def replace_load_balancing_loss(model: Any) -> bool:
     """Route the load-balancing loss of ``model`` (any wrapper of it: a ``PeftModel``, a stage) through
-    :func:`_whole_rows_loss` while a context-parallel call runs: in every modeling module its modules' classes come
-    from; ``False`` when none of them has a ``load_balancing_loss_func`` to replace."""
+    :func:`load_balancing_loss`: in every modeling module its modules' classes come from, and in Mixtral's (which TRL's
+    fused head calls for every MoE family); ``False`` when none of them has a ``load_balancing_loss_func`` to
+    replace."""
     modules = {sys.modules.get(type(m).__module__) for m in model.modules()}
-    found = False
+    found = any(callable(getattr(module, _FUNCTION, None)) for module in modules)
+    if found:  # TRL's fused head computes every MoE family's term with Mixtral's function
+        modules.add(importlib.import_module(_MIXTRAL))
     for module in modules:
         original = getattr(module, _FUNCTION, None)
-        if not callable(original):
-            continue
-        found = True
-        if not getattr(original, _WRAPPED, False):
-            wrapper = functools.wraps(original)(functools.partial(_whole_rows_loss, original))
+        if callable(original) and not getattr(original, _WRAPPED, False):
+            wrapper = functools.wraps(original)(functools.partial(load_balancing_loss, original))
             setattr(wrapper, _WRAPPED, True)
             setattr(module, _FUNCTION, wrapper)
     return found
@@ -74,30 +99,82 @@ def set_active(shard: ContextShard | None) -> None:
     _ACTIVE.set(shard)
 
 
-def _whole_rows_loss(
+@contextlib.contextmanager
+def carrying(sums: torch.Tensor | None) -> Iterator[None]:
+    """While the block runs, the load-balancing loss adds ``sums`` (``[2E + 1]``: the earlier pipeline stages'
+    :func:`routing_sums` of this micro-batch) to its own layers'."""
+    token = _CARRIED.set(sums)
+    try:
+        yield
+    finally:
+        _CARRIED.reset(token)
+
+
+def routing_sums(
+    gate_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int, valid: torch.Tensor | None
+) -> torch.Tensor:
+    """``[2E + 1]`` fp32: each expert's routing choices and router probability summed over the ``valid`` tokens
+    (``[tokens]``, 0 for padding; ``None``: all) of every layer's ``[tokens, E]`` logits, then their count (tokens x
+    layers), as transformers' ``load_balancing_loss_func`` sums them. The probabilities carry the gradient."""
+    device = gate_logits[0].device
+    choices = torch.zeros(num_experts, dtype=torch.float32, device=device)  # [E]
+    probabilities = torch.zeros(num_experts, dtype=torch.float32, device=device)  # [E]
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    for layer_gate in gate_logits:  # [tokens, E] per MoE layer
+        weights = F.softmax(layer_gate.to(device), dim=-1)
+        _, selected = torch.topk(weights, top_k, dim=-1)  # [tokens, k]
+        if valid is None:
+            mask = torch.ones(layer_gate.shape[0], dtype=torch.float32, device=device)  # [tokens]
+        elif valid.numel() == layer_gate.shape[0]:
+            mask = valid.reshape(-1).to(device=device, dtype=torch.float32)
+        else:
+            raise ConfigError(
+                f"the router's load-balancing loss got {layer_gate.shape[0]} tokens of router logits and a mask of "
+                f"{valid.numel()}; pass an attention_mask of shape [batch, sequence] (or none)"
+            )
+        choices = choices.scatter_add(0, selected.reshape(-1), mask.repeat_interleave(top_k))
+        probabilities = probabilities + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
+        rows = rows + mask.sum()
+    return torch.cat([choices, probabilities, rows.reshape(1)])  # [2E + 1]
+
+
+def load_balancing_loss(
     original: Callable[..., Any],
     gate_logits: Any,
     num_experts: int | None = None,
     top_k: int = 2,
     attention_mask: torch.Tensor | None = None,
 ) -> Any:
-    """``E · Σ_e f_e · P_e`` over the whole rows of the CP group's tokens (transformers' own outside a split call)."""
-    shard = _ACTIVE.get()
-    if shard is None or not isinstance(gate_logits, tuple) or not gate_logits or num_experts is None:
+    """``E · Σ_e f_e · P_e`` over the whole rows of the CP group's tokens and every pipeline stage's layers
+    (``original``, transformers' own, where neither holds part of the call)."""
+    shard, carried = _ACTIVE.get(), _CARRIED.get()
+    if (shard is None and carried is None) or not isinstance(gate_logits, tuple) or num_experts is None:
         return original(gate_logits, num_experts, top_k, attention_mask)
-    device = gate_logits[0].device
-    valid = shard.valid.reshape(-1).to(device=device, dtype=torch.float32)  # [b * s/cp]: padding 0
-    if gate_logits[0].shape[0] != valid.numel():  # not this split's call (a stale mark): transformers' own
+    valid = attention_mask
+    if shard is not None:
+        valid = shard.valid  # [b, s/cp]: padding False
+        if gate_logits and gate_logits[0].shape[0] != valid.numel():  # not this split's call (a stale mark)
+            return original(gate_logits, num_experts, top_k, attention_mask)
+    if not gate_logits and carried is None:
         return original(gate_logits, num_experts, top_k, attention_mask)
-    choices = torch.zeros(num_experts, dtype=torch.float32, device=device)  # [E]
-    probabilities = torch.zeros(num_experts, dtype=torch.float32, device=device)  # [E]
-    for layer_gate in gate_logits:  # [b * s/cp, E] per MoE layer
-        weights = F.softmax(layer_gate.to(device), dim=-1)
-        _, selected = torch.topk(weights, top_k, dim=-1)  # [b * s/cp, k]
-        choices = choices.scatter_add(0, selected.reshape(-1), valid.repeat_interleave(top_k))
-        probabilities = probabilities + (weights.float() * valid.unsqueeze(-1)).sum(dim=0)
-    rows = valid.sum() * len(gate_logits)
-    summed = all_reduce(torch.cat([choices, probabilities.detach(), rows.reshape(1)]), shard.group)  # [2E + 1]
+    sums = routing_sums(gate_logits, num_experts, top_k, valid) if gate_logits else None  # [2E + 1]
+    if carried is not None:
+        if carried.numel() != 2 * num_experts + 1:
+            raise ConfigError(
+                f"the pipeline carried routing sums of {(carried.numel() - 1) // 2} experts to a loss over "
+                f"{num_experts}; the model's stages must route over the same experts"
+            )
+        sums = carried if sums is None else sums + carried.to(sums.device)
+    assert sums is not None
+    return _balance(sums, num_experts, shard)
+
+
+def _balance(sums: torch.Tensor, num_experts: int, shard: ContextShard | None) -> torch.Tensor:
+    """The loss of :func:`routing_sums` (``[2E + 1]``), added up over the CP group where a split call runs."""
+    choices, probabilities, rows = sums[:num_experts], sums[num_experts:-1], sums[-1]
+    if shard is None:
+        return torch.sum((choices / rows) * (probabilities / rows)) * num_experts
+    summed = all_reduce(sums.detach().clone(), shard.group)  # [2E + 1]
     total_choices, total_probabilities, total_rows = summed[:num_experts], summed[num_experts:-1], summed[-1]
     scale = group_size(shard.group) if shard.average else 1  # as the split's token loss: cp x this rank's share
     whole = probabilities * scale + (total_probabilities - probabilities.detach() * scale)  # value: the group's sum

@@ -31,21 +31,63 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from mtk.config import ConfigError, check_schedule
 from mtk.data.batching import loss_tokens
 from mtk.errors import UnsupportedModelError
-from mtk.parallel.context import SPLIT_INPUTS, ContextSplit, context_parallel_of, router_loss_refusal
+from mtk.parallel.context import KEYWORD, SPLIT_INPUTS, ContextSplit, context_parallel_of, whole_router_loss
 from mtk.parallel.expert_parallel import is_expert_parallel
 from mtk.parallel.fsdp import local
 from mtk.parallel.grads import all_reduce_coalesced
 from mtk.parallel.overlap import OverlappedReduction
 from mtk.parallel.parameters import param_info
 from mtk.parallel.record import hf_model, parallelized
+from mtk.parallel.router_loss import carrying, router_loss_in_loss, routing_sums
 from mtk.parallel.sequence_padding import pad_batch, trim_output
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.batches import fused_output, split_micro_batches, token_mean_loss
+from mtk.pipeline.message import StageMessage
 from mtk.pipeline.p2p import Posted, StageLink
 from mtk.pipeline.schedules import schedule_order, simulate
 from mtk.pipeline.stages import StageInfo, swapped
 
 __all__ = ["PipelineModel", "PipelineStats", "split_micro_batches"]
+
+Carried = tuple[torch.Tensor | None, torch.Tensor | None]  # what a pass receives: hidden states, routing sums
+
+
+def _record_outputs_of_every_chunk(model: nn.Module) -> None:
+    """Install transformers' output-recording hooks (router logits, ...) now, while every chunk's layers are in the
+    model: transformers installs them at the first call that records, on the modules in the model then, and a chunk's
+    view has swapped the other chunks' layers out (its router logits would go unrecorded ever after)."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # a transformers without output capturing records nothing this way
+        return
+    decoder = cast(Any, model).base_model
+    if getattr(type(decoder), "_can_record_outputs", None):
+        maybe_install_capturing_hooks(decoder)
+
+
+def _router_shape(model: nn.Module) -> tuple[int, int]:
+    """``(E, k)`` of a model whose loss has the router's load-balancing term (its causal LM's own attributes, as its
+    forward passes them to ``load_balancing_loss_func``), else ``(0, 0)``."""
+    config = cast(Any, model).config
+    if not router_loss_in_loss(config):
+        return 0, 0
+    text = config.get_text_config()
+    experts = getattr(model, "num_experts", None) or next(
+        (
+            getattr(text, name)
+            for name in ("num_experts", "num_local_experts", "n_routed_experts")
+            if hasattr(text, name)
+        ),
+        None,
+    )
+    top_k = getattr(model, "num_experts_per_tok", None) or getattr(text, "num_experts_per_tok", None)
+    if not isinstance(experts, int) or not isinstance(top_k, int):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: a pipeline carries the router's load-balancing sums between stages and needs "
+            "the model's num_experts and num_experts_per_tok, which it has not; set output_router_logits to false "
+            "in the model's config, or use pp = 1"
+        )
+    return experts, top_k
 
 
 @dataclass
@@ -90,9 +132,9 @@ class PipelineModel(nn.Module):
         record = parallelized(module)
         if record is None or record.stage is None or record.pp_size != parallel.pp_size:
             raise ConfigError(f"PipelineModel needs a model cut by mtk.parallelize for pp = {parallel.pp_size}")
-        refusal = router_loss_refusal(getattr(hf_model(module), "config", None), "pipeline parallelism")
-        if refusal is not None:
-            raise UnsupportedModelError(refusal)
+        # an MoE loss's load-balancing term: each stage's routing sums travel with its hidden states
+        whole_router_loss(hf_model(module), "pipeline parallelism")
+        self._router_experts, self._router_top_k = _router_shape(hf_model(module))
         self.info: StageInfo = record.stage
         self.sequence_parallel = record.sequence_parallel and parallel.tp_size > 1
         self.num_micro_batches = num_micro_batches
@@ -110,6 +152,8 @@ class PipelineModel(nn.Module):
         self.link = StageLink(parallel, wrap_around=v > 1)
         # While chunk c runs: the rank's other chunks pass through, the ends only where the model's are.
         self._views = [self.info.chunk_view(hf_model(module), chunk) for chunk in range(v)]
+        if v > 1:
+            _record_outputs_of_every_chunk(hf_model(module))
         self._chunk_params = self._params_by_chunk() if v > 1 else [None]
         # Set by the trainer: what to backpropagate for one micro-batch's share of the loss
         # (accelerate divides by gradient-accumulation steps, fp16 multiplies by the loss scale).
@@ -204,8 +248,10 @@ class PipelineModel(nn.Module):
     def _run(self, micro: list[dict[str, torch.Tensor]], train: bool) -> list[torch.Tensor]:
         info, link, m = self.info, self.link, len(micro)
         dtype, device = cast(torch.dtype, cast(Any, self.module).dtype), micro[0]["input_ids"].device
-        hidden = self.config.hidden_size
-        held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (chunk, mb) -> (input, output)
+        message = StageMessage(self.config.hidden_size, dtype, self._router_experts)
+        # (chunk, mb) -> what it received (hidden states, routing sums) and what it returned (the loss on the model's
+        # last chunk, else the same two)
+        held: dict[tuple[int, int], tuple[Carried, Any]] = {}
         losses: list[torch.Tensor] = []
         stats = PipelineStats(self.schedule if train else "forward", m)
         start, wait_before = time.perf_counter(), link.wait_s
@@ -231,22 +277,25 @@ class PipelineModel(nn.Module):
 
         def post(k: int) -> Posted:
             step = order[k]
-            shape = (*micro[step.micro_batch]["input_ids"].shape, hidden)  # [b, s, h] both ways
-            return link.post(step.kind == "F", shape, dtype, device)
+            numel = message.numel(*micro[step.micro_batch]["input_ids"].shape)  # [b, s, h] (+ sums) both ways
+            return link.post(step.kind == "F", (numel,), dtype, device)
 
         def forward(k: int, chunk: int, i: int) -> None:
             inputs = dict(micro[i])
-            stage_input = None
+            received: Carried = (None, None)
             if not info.chunk_is_first(chunk):
-                stage_input = receive(k).requires_grad_(train)
+                received = message.unpack(receive(k), *inputs["input_ids"].shape)
+                for tensor in received:
+                    if tensor is not None:
+                        tensor.requires_grad_(train)
             with swapped(model, self._views[chunk]):
-                output = self._stage_forward(inputs, stage_input, info.chunk_is_last(chunk), i)
+                output = self._stage_forward(inputs, received, info.chunk_is_last(chunk), i)
             if info.chunk_is_last(chunk):
                 losses.append(output.detach())
             else:
-                link.send_forward(output.to(dtype))
+                link.send_forward(message.pack(*output))
             if train:
-                held[chunk, i] = (stage_input, output)
+                held[chunk, i] = (received, output)
                 stats.max_in_flight = max(stats.max_in_flight, len(held))
 
         reduction = self._overlapped_reduction() if train else None
@@ -254,14 +303,16 @@ class PipelineModel(nn.Module):
         def backward(k: int, chunk: int, i: int) -> None:
             if reduction is not None and i == m - 1:  # every schedule runs a chunk's micro-batch m - 1 last
                 reduction.arm(self._chunk_params[chunk])
-            stage_input, output = held.pop((chunk, i))
+            (stage_input, sums_in), output = held.pop((chunk, i))
             if info.chunk_is_last(chunk):
                 self.scale_loss(output / m).backward()
             else:
-                torch.autograd.backward(output, receive(k).to(output.dtype))
+                grads = message.unpack(receive(k), *micro[i]["input_ids"].shape)
+                pairs = [(t, g) for t, g in zip(output, grads) if t is not None and t.requires_grad]
+                torch.autograd.backward([t for t, _ in pairs], [cast(torch.Tensor, g).to(t.dtype) for t, g in pairs])
             if not info.chunk_is_first(chunk):
                 assert stage_input is not None and stage_input.grad is not None
-                link.send_backward(stage_input.grad)
+                link.send_backward(message.pack(stage_input.grad, None if sums_in is None else sums_in.grad))
 
         context = torch.enable_grad() if train else torch.no_grad()
         with context:
@@ -272,16 +323,17 @@ class PipelineModel(nn.Module):
         self.stats = stats
         return losses
 
-    def _stage_forward(
-        self, inputs: dict[str, torch.Tensor], stage_input: torch.Tensor | None, last: bool, index: int
-    ) -> torch.Tensor:
-        """HF's own forward on this chunk: the loss on the model's last chunk, hidden states elsewhere."""
+    def _stage_forward(self, inputs: dict[str, Any], received: Carried, last: bool, index: int) -> Any:
+        """HF's own forward on this chunk: the loss on the model's last chunk, elsewhere the hidden states and (for
+        the router's load-balancing term) the routing sums of every MoE layer so far."""
+        stage_input, sums_in = received
         if stage_input is not None:
             del inputs["input_ids"]
             inputs["inputs_embeds"] = stage_input
         weights = inputs.pop("token_weights", None)
         if last:
-            outputs = self.module(**inputs, use_cache=False, **({"fused_lm_head": True} if self._fused else {}))
+            with carrying(sums_in):
+                outputs = self.module(**inputs, use_cache=False, **({"fused_lm_head": True} if self._fused else {}))
             if self._fused:
                 self._fused_outputs[index] = outputs
             loss = outputs.loss
@@ -299,7 +351,24 @@ class PipelineModel(nn.Module):
         inputs.pop("shift_labels", None)
         inputs.pop("num_items_in_batch", None)
         decoder = cast(Any, hf_model(self.module)).base_model  # HF's, not a PeftModel's (its LoraModel)
-        return decoder(**inputs, use_cache=False).last_hidden_state  # [b, s, h]
+        if not self._router_experts:
+            return decoder(**inputs, use_cache=False).last_hidden_state, None  # [b, s, h]
+        outputs = decoder(**inputs, use_cache=False, output_router_logits=True)
+        return outputs.last_hidden_state, self._routing_sums(outputs.router_logits, inputs, sums_in)
+
+    def _routing_sums(self, router_logits: Any, inputs: dict[str, Any], sums_in: torch.Tensor | None) -> torch.Tensor:
+        """``[2E + 1]`` fp32: this chunk's MoE layers' routing sums added to the ones it received, over the tokens
+        the model's loss counts (its attention mask's; under CP, this rank's part of the rows)."""
+        shard = inputs.get(KEYWORD)
+        valid = shard.valid if shard is not None else inputs.get("attention_mask")
+        logits = tuple(router_logits or ())  # [tokens, E] per MoE layer of this chunk
+        experts, top_k = self._router_experts, self._router_top_k
+        if logits:
+            sums = routing_sums(logits, experts, top_k, valid)  # [2E + 1]
+            return sums if sums_in is None else sums + sums_in.to(device=sums.device, dtype=sums.dtype)
+        if sums_in is not None:
+            return sums_in.float()
+        return torch.zeros(2 * experts + 1, dtype=torch.float32, device=self.parallel.device)  # no MoE layer yet
 
     def _params_by_chunk(self) -> list[list[nn.Parameter] | None]:
         """The parameters each chunk's backward makes final: its blocks', the head's on the last chunk,

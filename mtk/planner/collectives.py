@@ -62,6 +62,7 @@ def predict_collectives(
     tp_shared_numels: tuple[int, ...] = (),
     moe_layers: int = 0,
     top_k: int = 0,
+    router_experts: int = 0,
 ) -> Predicted:
     """What stage ``stage`` of a TP x PP layout sends per optimizer step (``pp = 1``: the whole model).
 
@@ -83,7 +84,9 @@ def predict_collectives(
     ``[b, s, h]`` tensor per micro-batch and direction at each chunk boundary (with TP, each TP rank its
     1/tp slice, all-gathered over TP by the receiver), and the loss is broadcast from the last stage. With
     ``virtual_stages`` chunks per rank (interleaved), every chunk but the model's last sends forward and every
-    chunk but the model's first sends backward.
+    chunk but the model's first sends backward. With ``router_experts`` (E of an MoE model whose loss has the
+    router's load-balancing term), each message carries the ``2E + 1`` fp32 routing sums too
+    (:mod:`mtk.pipeline.message`).
     """
     tp, pp = tp_size, pp_size
     counts: Counter[str] = Counter()
@@ -128,8 +131,10 @@ def predict_collectives(
     if pp > 1:
         v = virtual_stages  # receives: as many as sends
         sends = (v - (1 if last else 0)) * micro_batches + (v - (1 if first else 0)) * micro_batches
-        scattered = tp > 1 and (micro * seq * hidden) % tp == 0  # each TP rank sends its 1/tp slice
-        message = activation // tp if scattered else activation
+        sums = (2 * router_experts + 1) * max(4, element_size) if router_experts else 0  # bytes riding along
+        whole = activation + sums
+        scattered = tp > 1 and (whole // element_size) % tp == 0  # each TP rank sends its 1/tp slice
+        message = whole // tp if scattered else whole
         counts["send"] += sends
         counts["recv"] += sends
         nbytes["send"] += sends * message

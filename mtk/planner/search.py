@@ -36,7 +36,13 @@ from mtk.planner.context import attention_workspace, context_collectives, contex
 from mtk.planner.experts import expert_collectives, expert_parallel_sizes, expert_traffic
 from mtk.planner.layouts import Candidate, Estimate, Request
 from mtk.planner.memory import RankMemory, Training, stage_memory, stage_parameters
-from mtk.planner.shapes import has_residual_dropout, sequence_parallel_elements, stage_moe_layers, tp_shared_numels
+from mtk.planner.shapes import (
+    has_residual_dropout,
+    router_experts,
+    sequence_parallel_elements,
+    stage_moe_layers,
+    tp_shared_numels,
+)
 from mtk.planner.timing import StepTime, Traffic, collective_seconds, flops_per_token, model_size
 from mtk.planner.trace import Parameters, TraceSettings, trace_rank
 from mtk.rules import check_tp_size
@@ -173,6 +179,7 @@ def _traffic(request: Request, c: Candidate, stage: int, params: Parameters) -> 
         tp_shared_numels=tuple(tp_shared_numels(config, c.tp_size)) if c.tp_size > 1 else (),
         moe_layers=stage_moe_layers(config, _rank_layers(config, c)[stage], c.pp_size) if c.tp_size > 1 else 0,
         top_k=int(getattr(config, "num_experts_per_tok", 0) or 0),
+        router_experts=router_experts(config) if c.pp_size > 1 else 0,
     )
     layout = Layout(
         world_size=c.tp_size * c.cp_size * c.pp_size * c.dp_size,

@@ -56,7 +56,8 @@ def moe_layers(config: PretrainedConfig) -> int:
 
 
 def router_experts(config: PretrainedConfig) -> int:
-    """E where the model's loss has the router's load-balancing term (summed over a CP group), else 0."""
+    """E where the model's loss has the router's load-balancing term (summed over a CP group, carried through a
+    pipeline's stages), else 0."""
     if not router_loss_in_loss(config):
         return 0
     return _converted(_class_of(config), config.to_json_string(use_diff=False), 1, False).experts_per_layer

@@ -34,6 +34,7 @@ from torch import nn
 from mtk.errors import ConfigError
 from mtk.parallel.layers import ColumnParallelLinear
 from mtk.parallel.record import hf_model
+from mtk.parallel.router_loss import load_balancing_loss
 from mtk.parallel.vocab_stats import STATISTICS, vocab_parallel_token_stats
 
 __all__ = ["FusedHeadGuard", "FusedHeadSettings", "add_vocab_parallel_fused_head", "replace_trl_fused_head"]
@@ -252,7 +253,10 @@ def _load_balancing_loss(model, text_config, router_logits, kwargs) -> torch.Ten
         num_experts, top_k = model.num_experts, text_config.num_experts_per_tok
     else:
         num_experts, top_k = text_config.num_experts, text_config.num_experts_per_tok
-    loss = load_balancing_loss_func(router_logits, num_experts, top_k, kwargs.get("attention_mask"))
+    # over every CP rank's part of the rows and every pipeline stage's layers, as the model's own forward sums it
+    loss = load_balancing_loss(
+        load_balancing_loss_func, router_logits, num_experts, top_k, kwargs.get("attention_mask")
+    )
     return cast(torch.Tensor, loss)
 
 

@@ -26,6 +26,7 @@ from mtk.parallel.gather import iter_full_tensors
 from mtk.parallel.parameters import param_info
 from mtk.parallel.record import parallelized
 from mtk.parallel.state import ParallelState
+from mtk.pipeline.batches import token_mean_loss
 from mtk.pipeline.engine import PipelineModel
 from mtk.rules import UnsupportedModelError
 from mtk.testing import max_rel_error
@@ -177,8 +178,10 @@ def verify_worker(
 def pipeline_verify_worker(
     rank: int, world_size: int, spec: str | PretrainedConfig, pp_size: int, seed: int = 0
 ) -> VerifyResult:
-    """The model cut into ``pp_size`` stages (TP = world / pp inside each) and run by the 1F1B schedule: its
-    loss and every gradient (gathered over TP, on the stage that owns it) against the unconverted model."""
+    """The model cut into ``pp_size`` stages (TP = world / pp inside each) and run by the 1F1B schedule over 2
+    micro-batches: its loss and every gradient (gathered over TP, on the stage that owns it) against the unconverted
+    model accumulating the same 2 (each row's token losses over the batch's count, and an MoE's load-balancing term
+    per micro-batch, as one process accumulating gradients computes them)."""
 
     parallel = ParallelState.build(tp_size=world_size // pp_size, pp_size=pp_size)
     try:
@@ -186,8 +189,13 @@ def pipeline_verify_worker(
     except (UnsupportedModelError, ModelSpecError, CheckpointError) as err:
         return VerifyResult(error=str(err))
     inputs = _batch(reference.config, 4, 12, seed)
-    ref_out = reference(**inputs)
-    ref_out.loss.backward()
+    count = inputs["labels"][:, 1:].numel()  # every token a label: the micro-batches' losses over the batch's count
+    weighted = {"num_items_in_batch": count / 2} if token_mean_loss(reference, inputs) else {}
+    halves = [
+        {k: v[rows] if torch.is_tensor(v) else v for k, v in inputs.items()} for rows in (slice(0, 2), slice(2, 4))
+    ]
+    ref_loss = torch.stack([reference(**half, **weighted).loss for half in halves]).mean()
+    ref_loss.backward()
     pipe = PipelineModel(model, parallel, num_micro_batches=2)
     loss = pipe(**inputs).loss
     pipe.finalize_grads()
@@ -197,7 +205,7 @@ def pipeline_verify_worker(
         model_class=type(reference).__name__,
         rule_set=record.rule_set.name if (record := parallelized(model)) else "?",
         logits=float("nan"),  # the schedule returns the loss only
-        loss=max_rel_error(loss.double(), ref_out.loss.double()),
+        loss=max_rel_error(loss.double(), ref_loss.double()),
     )
     for name, grad in iter_full_tensors(model, parallel.tp_group, grads=True):
         info = param_info(model.get_parameter(name))

@@ -136,7 +136,6 @@ def sweep_worker(
             continue
         try:
             if pp > 1:
-                config.output_router_logits = False  # the load-balancing loss needs every stage's router logits
                 result = pipeline_verify_worker(rank, world_size, config, pp)
             else:
                 result = verify_worker(rank, world_size, _saved(config, root / model_type, rank), dtype, 2, 12, 0)

@@ -162,9 +162,7 @@ def _accelerator_worker(
     )
     parallel = accelerator.parallel
     torch.manual_seed(0)
-    config = _config("qwen3_moe", 4)
-    # a pipeline refuses the load-balancing term (its last stage holds its own layers'); CP sums it over the group
-    config.output_router_logits = pp == 1
+    config = _config("qwen3_moe", 4)  # the load-balancing term: summed over CP, carried through a pipeline's stages
     model = AutoModelForCausalLM.from_config(config).float()
     reference = copy.deepcopy(model)
     # SGD with momentum: linear in the gradients, so the weights compare at the bar (Adam's first steps divide tiny
@@ -187,18 +185,22 @@ def _accelerator_worker(
         assert all(isinstance(p, DTensor) != is_expert_parallel(p) for p in held)
     expected = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     ids = torch.randint(0, 256, (parallel.dp_size * ROWS, SEQ), generator=torch.Generator().manual_seed(1))
-    mine = ids[parallel.dp_rank * ROWS : (parallel.dp_rank + 1) * ROWS]
+    mask = torch.ones_like(ids)
+    if pp > 1:  # padding the loss and the load-balancing term leave out: the first row of each micro-batch pair
+        mask[::2, -3:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    rows = slice(parallel.dp_rank * ROWS, (parallel.dp_rank + 1) * ROWS)
     logged = []
     for _ in range(3):
-        out = model(input_ids=mine, labels=mine, use_cache=False)
+        out = model(input_ids=ids[rows], attention_mask=mask[rows], labels=labels[rows], use_cache=False)
         accelerator.backward(out.loss)
         norm = accelerator.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
         optimizer.zero_grad()
         loss = accelerator.reduce(out.loss.detach(), reduction="mean")  # over DP: each rank's batch once
 
-        parts = [ids[r * ROWS : (r + 1) * ROWS] for r in range(parallel.dp_size)]
-        whole = torch.stack([reference(input_ids=p, labels=p, use_cache=False).loss for p in parts]).mean()
+        whole = torch.stack([_reference_loss(reference, ids, mask, labels, r, pp) for r in range(parallel.dp_size)])
+        whole = whole.mean()
         whole.backward()
         whole_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
         expected.step()
@@ -219,6 +221,22 @@ def _accelerator_worker(
     return logged
 
 
+def _reference_loss(reference, ids, mask, labels, rank: int, pp: int) -> torch.Tensor:
+    """DP rank ``rank``'s loss on one process: under a pipeline, the mean of its 2 micro-batches' losses (each its
+    own load-balancing term, the tokens' losses over the whole batch's count), as one process accumulating them."""
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    if pp == 1:
+        return reference(input_ids=ids[rows], attention_mask=mask[rows], labels=labels[rows], use_cache=False).loss
+    count = (labels[rows, 1:] != -100).sum()
+    losses = [
+        reference(
+            input_ids=ids[[row]], attention_mask=mask[[row]], labels=labels[[row]], num_items_in_batch=count / 2
+        ).loss
+        for row in range(rows.start, rows.stop)
+    ]
+    return torch.stack(losses).mean()
+
+
 @pytest.mark.parametrize(
     ("world", "tp", "ep", "sharded", "cp", "pp", "shard"),
     [
@@ -230,6 +248,7 @@ def _accelerator_worker(
         (4, 1, 1, False, 2, 1, 1),
         (4, 1, 2, False, 1, 2, 1),
         (8, 2, 2, True, 1, 2, 1),
+        (4, 1, 2, False, 2, 2, 1),
         (4, 1, 2, False, 1, 1, 4),
         (8, 2, 2, False, 1, 1, 2),
     ],
@@ -242,36 +261,12 @@ def test_accelerator_trains_at_expert_parallelism_as_one_process(world, tp, ep, 
     stage's chunks exchange with their counterparts; the pipeline's DP reduction leaves the experts alone); EP 2 x
     TP 2 x PP 2 (1F1B) with the distributed optimizer; EP 2 inside FSDP2 over DP 4; EP 2 x TP 2 inside HSDP (2
     replicas of dp_shard 2); CP 2 x DP 2 without EP: losses, clipped gradient norms and (at TP 1) every weight a rank
-    holds after 3 steps equal one process's. The loss includes the load-balancing term (at CP summed over the group:
-    mtk.parallel.router_loss), except under a pipeline, which refuses it."""
+    holds after 3 steps equal one process's; EP 2 over CP 2 inside an interleaved PP 2. The loss includes the
+    load-balancing term (mtk.parallel.router_loss: at CP summed over the group; under a pipeline each micro-batch's
+    routing sums carried through the stages, with padding the term and the loss leave out)."""
     args = (tp, ep, sharded, cp, pp, shard)
     logged = run_distributed(_accelerator_worker, world_size=world, args=args, timeout=600)
     assert all(run == logged[0] for run in logged)
-
-
-def _pipeline_refusal(rank: int, world: int) -> str:
-    from mtk.convert import parallelize
-    from mtk.errors import UnsupportedModelError
-    from mtk.models import build_model
-    from mtk.parallel.state import ParallelState
-    from mtk.pipeline.engine import PipelineModel
-
-    parallel = ParallelState.build(tp_size=1, pp_size=2)
-    model = parallelize(build_model("tiny-qwen3-moe", seed=0), parallel)
-    try:
-        PipelineModel(model, parallel, num_micro_batches=2)
-    except UnsupportedModelError as err:
-        return str(err)
-    return "accepted"
-
-
-def test_a_pipeline_refuses_the_router_loss_its_last_stage_cannot_compute():
-    """The load-balancing loss pools every layer's router logits; a pipeline's last stage holds its own layers' only
-    (tiny-qwen3-moe at PP 2 logged 5.597176 where one process accumulating the same micro-batches logs 5.596632):
-    one line on every rank, which output_router_logits false lifts; mtk plan weighs no pipeline for such a model."""
-    messages = run_distributed(_pipeline_refusal, world_size=2)
-    assert all("pipeline parallelism with the router's load-balancing loss" in m for m in messages), messages
-    assert all("set output_router_logits to false" in m and "\n" not in m for m in messages)
 
 
 @contextlib.contextmanager
@@ -407,7 +402,6 @@ def _dense_stage_worker(rank: int, world: int, directory: str) -> list[str]:
         parallel_config=ParallelConfig(pp_size=2, ep_size=2), run_settings=RunSettings(num_micro_batches=2)
     )
     config = _config("qwen3_moe", 4)
-    config.output_router_logits = False  # a pipeline refuses the load-balancing term
     config.mlp_only_layers = [0, 1]  # stage 0: dense layers only
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).float()

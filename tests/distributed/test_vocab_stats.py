@@ -266,3 +266,48 @@ def test_single_process_is_plain_torch():
         assert torch.equal(stats.is_top1, ref["is_top1"])
     with pytest.raises(ValueError, match="unknown statistics"):
         vocab_parallel_token_stats(full, target, None, outputs=("log_probs", "logits"))
+
+
+def _pipelined_moe_fused_head(rank: int, world_size: int) -> int:
+    """TRL's own fused head (TP 1) on a Qwen3-MoE cut into 2 stages: its load-balancing term, computed by TRL with
+    Mixtral's function, sums every stage's routers (carried with the hidden states)."""
+    import copy
+
+    from trl.trainer.utils import add_fused_lm_head
+
+    from mtk.convert import parallelize
+    from mtk.data.batching import loss_tokens
+    from mtk.models import build_model
+    from mtk.pipeline.engine import PipelineModel
+
+    state = ParallelState.build(pp_size=2)
+    reference = build_model("tiny-qwen3-moe", seed=0)
+    reference.config.router_aux_loss_coef = 0.5
+    model = copy.deepcopy(reference)
+    for m in (reference, model):
+        add_fused_lm_head(m, outputs=("log_probs", "entropy"))
+    pipe = PipelineModel(parallelize(model, state), state, num_micro_batches=2)
+    batch = _batch()  # 2 rows, the second right-padded: one row per micro-batch
+    out = pipe(**batch, fused_lm_head=True)
+    pipe.finalize_grads()
+    count = loss_tokens(batch)
+    rows = [reference(**{k: v[[r]] for k, v in batch.items()}, fused_lm_head=True, num_items_in_batch=count / 2)
+            for r in range(2)]  # fmt: skip
+    torch.stack([r.loss for r in rows]).mean().backward()
+    assert_close_rel(out.loss, torch.stack([r.loss for r in rows]).mean().detach(), "loss")
+    assert_close_rel(out.aux_loss, torch.stack([r.aux_loss for r in rows]).mean().detach(), "aux_loss")
+    assert_close_rel(out.log_probs, torch.cat([r.log_probs for r in rows]).detach(), "log_probs")
+    wanted = dict(reference.named_parameters())
+    scale = max(p.grad.abs().max().item() for p in wanted.values() if p.grad is not None)
+    compared = 0
+    for name, param in model.named_parameters():
+        expected = wanted[name].grad
+        assert_close_rel(param.grad, expected, f"{name} grad", scale_floor=1e-3 * scale)
+        compared += 1
+    return compared
+
+
+def test_trls_fused_head_on_a_pipelined_moe_sums_every_stages_routers():
+    """PP 2, TRL's fused head on Qwen3-MoE with its load-balancing term: loss, aux_loss, log-probabilities and every
+    stage's gradients equal one process accumulating the same 2 micro-batches (the router of stage 0 included)."""
+    assert all(n > 0 for n in run_distributed(_pipelined_moe_fused_head, world_size=2))

@@ -9,9 +9,7 @@ expert by its global index: a checkpoint written at EP 2 resumes at EP 1 and one
 model family and with uneven routing, is tests/distributed/test_expert_parallel.py.
 """
 
-import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -80,10 +78,6 @@ def _yaml(tmp_path: Path, **keys: str) -> str:
     [
         ({"expert_tensor_parallel_size": "1"}, "megatron_lm_expert_tensor_parallel_size: 1: mtk splits each expert"),
         ({"expert_model_parallel_size": "4"}, "expert parallelism 4 does not divide the 2 ranks"),
-        (
-            {"pp_degree": "2", "tp_degree": "1", "expert_tensor_parallel_size": "1"},
-            "pipeline parallelism with the router's load-balancing loss in the loss is not supported",
-        ),
     ],
 )
 def test_what_expert_parallelism_cannot_take_is_one_line(tmp_path, keys, message):
@@ -122,25 +116,24 @@ def test_ep2_inside_dp4_with_the_distributed_optimizer_resumes_at_ep1_exactly(tm
     assert_same_losses(resumed, losses, range(4, 7), "ep2 x dp4 distopt step 3 resumed at ep1")
 
 
-def test_ep2_inside_a_pp2_pipeline_logs_the_dp2_losses_and_resumes_at_ep1(moe_dp2, tmp_path):
-    """TP 1 x PP 2 x DP 2 with EP 2 over the DP pairs of each stage: each stage's experts spread over EP, the
-    pipeline's DP reduction leaves them to their replicas. The model's load-balancing term is off (a pipeline's last
-    stage holds its own layers' router logits only: one line above), so the reference is DP 2 on the same
-    directory; the step-3 checkpoint (each stage's experts in its EP ranks' pieces) resumes at EP 1 without a
-    pipeline."""
-    model = tmp_path / "unbalanced"
-    shutil.copytree(moe_dp2.dir / "model", model)
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "output_router_logits": False}))
-    run = ("--model", str(model), *MOE[2:])
-    reference = finetune("tp1_dp2", tmp_path / "dp2", *run)
+def test_ep2_inside_a_pp2_pipeline_logs_the_accumulated_dp2_losses_and_resumes_at_ep1(tmp_path):
+    """TP 1 x PP 2 x DP 2 with EP 2 over the DP pairs of each stage, the load-balancing term carried through the
+    stages with each micro-batch's hidden states: the losses of DP 2 accumulating the same 2 micro-batches of 2 rows
+    (each its own term; padded rows, the padding left out), as one process accumulating gradients computes them.
+    The step-3 checkpoint (each stage's experts in its EP ranks' pieces) resumes at EP 1 in the same pipeline."""
+    run = ("--model", "tiny-qwen3-moe", "--max_steps", "6")
+    reference = finetune("tp1_dp2", tmp_path / "dp2", *run, "--batch_size", "2", "--grad_accum", "2")
     keys = {"pp_degree": "2", "tp_degree": "1", "expert_tensor_parallel_size": "1", "num_micro_batches": "2"}
     out = accelerate_launch("finetune.py", _yaml(tmp_path, **keys), "--output_dir", str(tmp_path / "run"), *run,
-                            "--save_every", "3")  # fmt: skip
+                            "--batch_size", "4", "--save_every", "3")  # fmt: skip
     assert "tp=1 pp=2 (1f1b, 2 micro-batches) dp=2 ep=2 world=4" in out.stdout + out.stderr
-    assert_same_losses(step_losses(out), reference, range(1, 7), "pp2 x ep2 vs dp2")
-    resumed = finetune("tp1_dp2", tmp_path / "at_ep1", *run, "--resume", str(tmp_path / "run" / "step_3"))
-    assert_same_losses(resumed, reference, range(4, 7), "pp2 x ep2 step 3 resumed at pp1 x ep1")
+    assert_same_losses(step_losses(out), reference, range(1, 7), "pp2 x ep2 vs dp2 accumulating 2")
+    (tmp_path / "ep1").mkdir()
+    at_ep1 = _yaml(tmp_path / "ep1", **{**keys, "expert_model_parallel_size": "1"})
+    resumed = finetune(
+        at_ep1, tmp_path / "at_ep1", *run, "--batch_size", "4", "--resume", str(tmp_path / "run" / "step_3")
+    )
+    assert_same_losses(resumed, reference, range(4, 7), "pp2 x ep2 step 3 resumed at pp2 x ep1")
 
 
 def test_lora_at_ep2_logs_the_dp2_losses_and_its_checkpoint_resumes_at_ep1(tmp_path):

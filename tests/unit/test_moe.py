@@ -5,29 +5,69 @@ import pytest
 
 from mtk.errors import UnsupportedModelError
 from mtk.models import build_model, builtin_config
-from mtk.parallel.context import attach_context_parallel, router_loss_refusal
+from mtk.parallel.context import attach_context_parallel, router_loss_refusal, whole_router_loss
 from mtk.parallel.expert_parallel import spread_experts
 
 
-def test_context_parallelism_takes_the_routers_load_balancing_loss_where_it_can_sum_it_and_a_pipeline_does_not():
-    """CP sums transformers' load_balancing_loss_func over its group (tests/distributed/test_expert_parallel.py: exact
-    against one process); a model whose code has no such function is one line, and so is a pipeline."""
+def test_context_and_pipeline_parallelism_take_the_routers_load_balancing_loss_where_they_can_sum_it():
+    """CP sums transformers' load_balancing_loss_func over its group and a pipeline carries its sums through the
+    stages (tests/distributed/test_expert_parallel.py: exact against one process); a model whose code has no such
+    function is one line for each."""
     from torch import nn
 
     config = builtin_config("tiny-qwen3-moe")
     assert router_loss_refusal(config) is None
-    assert "set output_router_logits to false" in router_loss_refusal(config, "pipeline parallelism")
+    assert router_loss_refusal(config, "pipeline parallelism") is None
 
     class OwnCode(nn.Module):  # an MoE model of its own code: its loss cannot be summed over the group
         pass
 
     own = OwnCode()
     own.config = config
+    for parallelism in ("context parallelism", "pipeline parallelism"):
+        with pytest.raises(UnsupportedModelError, match="needs transformers' load_balancing_loss_func") as refused:
+            whole_router_loss(own, parallelism)
+        assert parallelism in str(refused.value) and "\n" not in str(refused.value)
     with pytest.raises(UnsupportedModelError, match="needs transformers' load_balancing_loss_func"):
         attach_context_parallel(own, None)
     config.output_router_logits = False
-    assert router_loss_refusal(config, "pipeline parallelism") is None
+    whole_router_loss(own, "pipeline parallelism")  # no term: nothing to sum
     assert router_loss_refusal(builtin_config("tiny-llama"), "pipeline parallelism") is None
+
+
+def test_a_pipeline_carries_routing_sums_bit_for_bit_in_the_models_dtype():
+    """The ``[2E + 1]`` fp32 sums ride in the hidden states' message (bf16, fp32; fp64 sums in an fp64 model)
+    unchanged, and so do their gradients."""
+    import torch
+
+    from mtk.pipeline.message import StageMessage
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        message = StageMessage(hidden_size=6, dtype=dtype, router_experts=5)
+        hidden = torch.randn(2, 3, 6, dtype=dtype)
+        sums = torch.randn(11, dtype=torch.float32) * 1e3
+        packed = message.pack(hidden, sums)
+        assert packed.dtype == dtype and packed.numel() == message.numel(2, 3)
+        got_hidden, got_sums = message.unpack(packed, 2, 3)
+        assert torch.equal(got_hidden, hidden) and torch.equal(got_sums.float(), sums)
+        _, nothing = message.unpack(message.pack(hidden, None), 2, 3)  # no gradient reached the sums: zeros
+        assert not nothing.any()
+    plain = StageMessage(hidden_size=6, dtype=torch.float32)
+    assert plain.numel(2, 3) == 36 and plain.unpack(plain.pack(hidden.float(), None), 2, 3)[1] is None
+
+
+def test_a_pipeline_needs_the_experts_and_top_k_its_sums_count():
+    from torch import nn
+    from transformers import PretrainedConfig
+
+    from mtk.pipeline.engine import _router_shape
+
+    assert _router_shape(build_model("tiny-qwen3-moe", seed=0)) == (8, 2)
+    unnamed = nn.Module()  # a load-balancing term, but no experts or top-k under a name mtk knows
+    unnamed.config = PretrainedConfig(output_router_logits=True, router_aux_loss_coef=0.01)
+    with pytest.raises(UnsupportedModelError, match="needs the model's num_experts and num_experts_per_tok"):
+        _router_shape(unnamed)
+    assert _router_shape(build_model("tiny-llama", seed=0)) == (0, 0)
 
 
 def test_expert_parallelism_on_a_dense_model_is_one_line():

@@ -382,14 +382,19 @@ def test_what_mtk_cannot_run_on_an_moe_model_is_one_line(capsys):
     assert "--ep 3: its 8 experts per layer do not divide over 3 ranks" in capsys.readouterr().err
     assert main([*moe, "--ep", "2", "--engine", "deepspeed"]) == 2
     assert "--ep 2 runs under accelerate" in capsys.readouterr().err
-    assert main([*moe, "--pp", "2"]) == 2
-    assert "--pp 2: qwen3_moe: pipeline parallelism with the router's load-balancing loss" in capsys.readouterr().err
 
 
-def test_no_pipeline_for_a_router_loss_its_last_stage_cannot_compute():
+def test_a_pipeline_for_a_router_loss_carries_its_routing_sums_between_stages():
+    """An MoE model whose loss has the load-balancing term pipelines (each message carries the stages' 2E + 1 fp32
+    routing sums with the hidden states); without the term the messages are the hidden states alone."""
     config = resolve_config("tiny-qwen3-moe")
-    request = Request(config, Cluster(4, gpu_memory=8 * GIB), 64, 4, dtype="fp32", reserve=0)
-    assert {e.candidate.pp_size for e in plan(request)} == {1}
+    request = Request(config, Cluster(4, gpu_memory=8 * GIB), 64, 4, dtype="fp32", reserve=0, pp_size=2)
+    with_term = {e.candidate.label: e for e in plan(request)}
     without = copy.deepcopy(config)
     without.output_router_logits = False
-    assert 2 in {e.candidate.pp_size for e in plan(replace(request, config=without))}
+    plain = {e.candidate.label: e for e in plan(replace(request, config=without))}
+    piped = [label for label in with_term if label.startswith("tp1 pp2")]
+    assert piped and set(piped) <= set(plain)
+    for label in piped:
+        sends = with_term[label].collectives["send"]
+        assert sends["bytes"] - plain[label].collectives["send"]["bytes"] == sends["count"] * (2 * 8 + 1) * 4
