@@ -212,6 +212,22 @@ def check_new_directory(out: Path, source: str | Path | None = None) -> None:
         raise CheckpointError(f"{out} already exists and is not empty; export into a new directory")
     if source is not None and out.resolve().is_relative_to(Path(source).resolve()):
         raise CheckpointError(f"{out} is inside the checkpoint {source}; export into a directory outside it")
+    check_writable_beside(out)
+
+
+def check_writable_beside(out: Path) -> None:
+    """Refuse now (one line) a target whose folder cannot be written, not after the work meant to fill it: a probe
+    directory is made and removed in the nearest folder of ``out``'s path that exists (a read-only file system, a
+    path under a file, a folder without write permission for this user)."""
+    ancestor = out.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".probe", dir=ancestor))
+    except OSError as err:
+        raise CheckpointError(
+            f"cannot write {out}: {err.strerror or err} in {ancestor}; choose a writable directory"
+        ) from None
 
 
 def _umask() -> int:

@@ -452,7 +452,7 @@ class _OneProcess:
 def test_save_model_never_deletes_or_silently_skips(tmp_path):
     """--save_model into a folder holding a user's weight shards is refused before training (transformers' clean-up
     would delete them), and so is a file or a link, or the run's --output_dir or a step_N in it (which the run fills);
-    a new directory gets the model and the tokenizer, whole."""
+    a new directory gets the model and the tokenizer, whole. A target that cannot be written is refused then too."""
     theirs = tmp_path / "mine"
     theirs.mkdir()
     (theirs / "model-00001-of-00003.safetensors").write_bytes(b"user's")
@@ -466,6 +466,10 @@ def test_save_model_never_deletes_or_silently_skips(tmp_path):
         with pytest.raises(CheckpointError, match="is where the run writes its own checkpoints or logs"):
             check_target(tmp_path / inside, tmp_path / "ckpts")
     check_target(tmp_path / "ckpts" / "final", tmp_path / "ckpts")
+    # a folder that cannot be written (here: a path under a file; a read-only file system alike), before training
+    with pytest.raises(CheckpointError, match=r"cannot write .*file/sub/model: Not a directory in .*file; choose"):
+        check_target(tmp_path / "file" / "sub" / "model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "mine"]  # the probes made nothing that stays
     check_no_shards_to_clean(tmp_path / "absent")  # classify.py's target: what HF's own save would delete
     check_no_shards_to_clean(tmp_path / "ckpts")
     with pytest.raises(CheckpointError, match=r"holds weight shards \(model-00001-of-00003.safetensors\)"):
