@@ -205,7 +205,7 @@ class ResumeGuard:
     # the scripts' options that decide which data comes next
     DATA_OPTIONS = ("model", "tokenizer", "data", "seq_len", "max_length", "seed", "packing", "loss_on")
     # the options that decide what the trained adapters are
-    MODEL_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "base_dtype")
+    MODEL_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_target_parameters", "base_dtype")
     _PATHS = ("model", "tokenizer", "data")
     _CONTENTS = "data_contents"  # not an option: the digest of --data's files
 

@@ -34,22 +34,34 @@ from mtk.parallel.sharding import take_shard
 __all__ = ["load_full_adapters", "peft_initial_adapters"]
 
 
-def _adapted_layers(model: nn.Module, config: Any, adapter_name: str) -> list[tuple[str, int, int, int]]:
-    """``(HF module name, in, out, r)`` of every module PEFT adapts in ``model``'s whole HF model, in its order."""
+def _adapted_layers(model: nn.Module, config: Any, adapter_name: str) -> list[tuple[str, int, int, int, int]]:
+    """``(HF module name, in, out, r, experts)`` of every module PEFT adapts in ``model``'s whole HF model, in the
+    order PEFT draws them: the ``target_modules`` in ``named_modules`` order, then the ``target_parameters``'
+    ``ParamWrapper`` s (``experts``: the tensor's ``E``, each factor ``r·E`` wide), per module in its parameters'
+    order (the innermost wrapper of a nested chain first)."""
     import peft
     from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.layer import ParamWrapper
 
     hf: Any = hf_model(model)
     with torch.device("meta"):
         skeleton = type(hf)._from_config(hf.config)
     with torch.random.fork_rng(devices=[]):  # PEFT draws while it builds the copy: not from this run's generator
         adapted = peft.get_peft_model(skeleton, copy.deepcopy(config), adapter_name=adapter_name)
-    layers: list[Any] = [
-        (name, module.in_features, module.out_features, module.r[adapter_name])
-        for name, module in hf_model(adapted).named_modules()
-        if isinstance(module, LoraLayer) and adapter_name in module.r
-    ]
-    return layers
+    Layer = tuple[str, int, int, int, int]
+    modules: list[Layer] = []
+    chains: list[list[Layer]] = []
+    for name, module in hf_model(adapted).named_modules():
+        if not isinstance(module, LoraLayer) or adapter_name not in module.r:
+            continue
+        entry = (name, cast(int, module.in_features), cast(int, module.out_features), module.r[adapter_name])
+        if not isinstance(module, ParamWrapper):
+            modules.append((*entry, 1))
+        elif chains and name == chains[-1][0][0] + ".base_layer":  # wrapped by the one before it: drawn before it
+            chains[-1].insert(0, (*entry, module.num_experts))
+        else:
+            chains.append([(*entry, module.num_experts)])
+    return modules + [layer for chain in chains for layer in chain]
 
 
 def _linear_default(out_features: int, in_features: int, generator: torch.Generator) -> torch.Tensor:
@@ -82,9 +94,9 @@ def peft_initial_adapters(
     generator = torch.Generator().manual_seed(seed)
     live = hf_model(model)
     tensors = {}
-    for name, in_features, out_features, r in _adapted_layers(model, config, adapter_name):
-        lora_a = _linear_default(r, in_features, generator)  # nn.Linear(in, r)
-        lora_b = _linear_default(out_features, r, generator)  # nn.Linear(r, out)
+    for name, in_features, out_features, r, experts in _adapted_layers(model, config, adapter_name):
+        lora_a = _linear_default(r * experts, in_features, generator)  # nn.Linear(in, r E)
+        lora_b = _linear_default(out_features, r * experts, generator)  # nn.Linear(r E, out)
         if init is True:
             nn.init.kaiming_uniform_(lora_a, a=math.sqrt(5), generator=generator)
             lora_b.zero_()

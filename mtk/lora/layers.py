@@ -38,7 +38,7 @@ from mtk.parallel.layers import ColumnParallelLinear, KVReplicatedColumnLinear, 
 from mtk.parallel.parameters import copy_param_info
 from mtk.parallel.random import DEFAULT_STREAM, TP_STREAM, RNGStreams
 
-__all__ = ["ParallelLoraLinear", "adapter_seed"]
+__all__ = ["ParallelLoraLinear", "adapter_seed", "full_factors"]
 
 INITS = (True, False, "gaussian")  # LoraConfig.init_lora_weights values that need no base weight
 SEED_ATTRIBUTE = "mtk_seed"  # set on the LoraConfig by mtk.lora.get_peft_model: rank 0's seed, on every rank
@@ -49,14 +49,20 @@ def adapter_seed(seed: int, module_name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(module_name.encode())) % (2**63)
 
 
-def _full_factors(
-    r: int, in_features: int, out_features: int, init: bool | str, generator: torch.Generator
+def full_factors(
+    r: int, in_features: int, out_features: int, init: bool | str, generator: torch.Generator, rank: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full ``A [r, in]`` and ``B [out, r]`` as PEFT initializes them (on the CPU, fp32)."""
+    """Full ``A [r, in]`` and ``B [out, r]`` as PEFT initializes them (on the CPU, fp32). ``rank``: the adapter's
+    rank where ``r`` counts more rows (``r·E`` of a 3D expert tensor's factors; PEFT's gaussian draws use it)."""
     a, b = torch.empty(r, in_features), torch.zeros(out_features, r)
     if init == "gaussian":
-        a.normal_(std=1 / r, generator=generator)
+        a.normal_(std=1 / (rank or r), generator=generator)
         return a, b
+    bound = 1 / math.sqrt(in_features)  # nn.Linear's default (kaiming_uniform_ with a = sqrt(5))
+    a.uniform_(-bound, bound, generator=generator)
+    if init is False:  # PEFT leaves both factors as nn.Linear made them
+        b.uniform_(-1 / math.sqrt(r), 1 / math.sqrt(r), generator=generator)
+    return a, b
     bound = 1 / math.sqrt(in_features)  # nn.Linear's default (kaiming_uniform_ with a = sqrt(5))
     a.uniform_(-bound, bound, generator=generator)
     if init is False:  # PEFT leaves both factors as nn.Linear made them
@@ -117,7 +123,7 @@ class ParallelLoraLinear(PeftLinear):
         seed = torch.initial_seed() if seed is None else seed
         generator = torch.Generator().manual_seed(adapter_seed(seed, kwargs.get("target_name", "")))
         n_in, n_out = base.in_features, base.out_features
-        full_a, full_b = _full_factors(r, n_in, n_out, config.init_lora_weights, generator)
+        full_a, full_b = full_factors(r, n_in, n_out, config.init_lora_weights, generator)
         for module, full in ((lora_a, full_a), (lora_b, full_b)):
             marked = dict(module.named_parameters())
             module.to_empty(device=base.weight.device)  # new parameters: they keep the shards' marks (grad norms)

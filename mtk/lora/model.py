@@ -19,7 +19,6 @@ from torch import nn
 
 from mtk.errors import ConfigError
 from mtk.parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardedModule
-from mtk.parallel.parameters import param_info
 from mtk.parallel.record import adapter_configs, hf_model, is_peft_model, parallelized
 
 __all__ = ["adapter_configs", "get_peft_model", "hf_model", "is_peft_model", "split_linear_names"]
@@ -45,18 +44,30 @@ def _linear_kind(module: nn.Module) -> str | None:
     return None
 
 
-def _refuse_split_target_parameters(model: nn.Module, config: Any) -> None:
-    """PEFT's ``target_parameters`` (LoRA on 3D expert tensors) on a tensor mtk split over TP or spread over EP: one
-    line. Its factors would be drawn at the local shape and the ones kept whole would miss their TP reduction."""
+def _check_target_parameters(model: nn.Module, config: Any) -> None:
+    """PEFT's ``target_parameters`` (LoRA on 3D expert tensors) naming no parameter, or a tensor mtk split over TP:
+    one line. (PEFT's own error for the first is a traceback.) On a TP-split tensor its factors
+    would be drawn at the local shape, and the ones kept whole would miss their TP reduction. (Spread over EP, every
+    expert's factors are kept whole: :mod:`mtk.lora.experts`.)"""
     targets = list(getattr(config, "target_parameters", None) or ())
+    record = parallelized(model)
+    names = [name for name, _ in model.named_parameters()]
+    unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if unmatched and (record is None or record.stage is None):  # with pp > 1 a target may live on another stage
+        raise ConfigError(
+            f"LoRA target_parameters {', '.join(unmatched)} match no parameter; name a parameter as "
+            "named_parameters() does, e.g. mlp.experts.gate_up_proj"
+        )
+    if record is None or record.tp_size == 1:
+        return
     for name, param in model.named_parameters():
         if not any(name == t or name.endswith(f".{t}") for t in targets):
             continue
-        if getattr(param, "tensor_model_parallel", False) or param_info(param).expert_parallel:
+        if getattr(param, "tensor_model_parallel", False):
             raise ConfigError(
-                f"LoRA target_parameters {name}: mtk splits this tensor over TP or spreads it over EP, and LoRA on "
-                "split expert tensors is not supported yet; run it at TP 1 and EP 1, or target the linear layers "
-                "(target_modules)"
+                f"LoRA target_parameters {name}: mtk splits this tensor over TP, and LoRA on TP-split expert tensors "
+                "is not supported yet; run it at TP 1 (expert parallelism may spread the experts), or target the "
+                "linear layers (target_modules)"
             )
 
 
@@ -64,7 +75,9 @@ def _resolve_targets(model: nn.Module, config: Any, report) -> Any:
     """``config`` with ``all-linear`` spelt out as mtk's split linears; every target checked (one line each)."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    _refuse_split_target_parameters(model, config)
+    _check_target_parameters(model, config)
+    if getattr(config, "target_parameters", None):
+        report(f"mtk: LoRA on the tensors {', '.join(config.target_parameters)} (PEFT's target_parameters)")
     config = copy.deepcopy(config)
     if getattr(config, "target_parameters", None) and not config.target_modules:
         _refuse_split_modules_to_save(model, config)
@@ -143,6 +156,7 @@ def get_peft_model(
     """
     import peft  # PEFT (and mtk's layers built on it) load only when a run asks for LoRA: ~1-2 s of start-up
 
+    from mtk.lora.experts import use_whole_expert_factors
     from mtk.lora.layers import SEED_ATTRIBUTE, ParallelLoraLinear
 
     record = parallelized(model)
@@ -162,4 +176,5 @@ def get_peft_model(
     for module in peft_model.modules():
         if isinstance(module, ParallelLoraLinear):
             module.rng = record.rng
+    use_whole_expert_factors(peft_model, adapter_name, config.init_lora_weights, getattr(config, SEED_ATTRIBUTE))
     return peft_model

@@ -13,7 +13,7 @@ from mtk.models import DTYPES
 
 __all__ = ["add_lora_arguments", "base_dtype", "lora_config"]
 
-_DEPENDENT = ("lora_alpha", "lora_dropout", "lora_targets")
+_DEPENDENT = ("lora_alpha", "lora_dropout", "lora_targets", "lora_target_parameters")
 
 
 def _dropout(text: str) -> float:
@@ -31,6 +31,11 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--lora_targets",
         help="comma-separated HF module names, e.g. q_proj,k_proj,v_proj,o_proj (default: all-linear)",
+    )
+    group.add_argument(
+        "--lora_target_parameters",
+        help="comma-separated HF parameter names to adapt as tensors (PEFT's target_parameters), e.g. an MoE's "
+        "mlp.experts.gate_up_proj,mlp.experts.down_proj (at TP 1; EP may spread them)",
     )
     group.add_argument(
         "--base_dtype",
@@ -56,6 +61,12 @@ def lora_config(args: argparse.Namespace, task_type: str = "CAUSAL_LM") -> Any:
         kwargs["lora_alpha"] = args.lora_alpha
     if args.lora_dropout is not None:
         kwargs["lora_dropout"] = args.lora_dropout
+    if args.lora_target_parameters:
+        kwargs["target_parameters"] = [t.strip() for t in args.lora_target_parameters.split(",") if t.strip()]
+        if kwargs.get("lora_dropout"):
+            raise ConfigError(
+                "--lora_dropout with --lora_target_parameters: PEFT adapts parameters without dropout; drop one"
+            )
     return LoraConfig(**kwargs)
 
 

@@ -428,3 +428,68 @@ def test_a_pipeline_stage_of_dense_layers_at_expert_parallelism_saves_as_the_oth
     checkpoint reads back exactly on both stages."""
     files = run_distributed(_dense_stage_worker, world_size=4, args=(str(tmp_path / "step"),), timeout=600)[0]
     assert files == [f"tp00-pp0{s}-piece0{p}.safetensors" for s in (0, 1) for p in (0, 1)], files
+
+
+def _lora_on_experts_worker(rank: int, world: int, sharded: bool) -> list[tuple[float, float]]:
+    """PEFT's LoRA on the 3D expert tensors (target_parameters) and on q_proj, the experts spread over EP 2: the
+    factors start as PEFT draws them on one process (replayed, bit for bit) and train as PEFT does on one process on
+    the global batch (SGD with momentum, clipping)."""
+    import peft
+    from peft import LoraConfig
+
+    from mtk import Accelerator, ParallelConfig, RunSettings
+    from mtk.lora import get_peft_model, load_full_adapters, peft_initial_adapters
+    from mtk.lora.experts import SpreadExpertsLora
+
+    accelerator = Accelerator(
+        parallel_config=ParallelConfig(ep_size=2), run_settings=RunSettings(use_distributed_optimizer=sharded)
+    )
+    parallel = accelerator.parallel
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(_config("qwen3_moe", 4)).float()
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=experts, init_lora_weights=False)
+    torch.manual_seed(3)
+    reference = peft.get_peft_model(copy.deepcopy(base), copy.deepcopy(lora))
+    model = get_peft_model(accelerator.parallelize(base), lora, report=lambda *_: None)
+    layers = base.config.num_hidden_layers  # every one an MoE layer
+    assert sum(isinstance(m, SpreadExpertsLora) for m in model.modules()) == 2 * layers  # 2 tensors in each
+    load_full_adapters(model, peft_initial_adapters(model, lora, seed=3))
+    wanted = dict(reference.named_parameters())
+    adapters = [(name, param) for name, param in model.named_parameters() if "lora_" in name]
+    assert all(torch.equal(param, wanted[name]) for name, param in adapters)  # PEFT's draws, whole on every rank
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    expected = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+    ids = torch.randint(0, 256, (parallel.dp_size * ROWS, SEQ), generator=torch.Generator().manual_seed(1))
+    mine = ids[parallel.dp_rank * ROWS : (parallel.dp_rank + 1) * ROWS]
+    logged = []
+    for step in range(3):
+        out = model(input_ids=mine, labels=mine, use_cache=False)
+        accelerator.backward(out.loss)
+        norm = accelerator.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = accelerator.reduce(out.loss.detach(), reduction="mean")
+        parts = [ids[r * ROWS : (r + 1) * ROWS] for r in range(parallel.dp_size)]
+        whole = torch.stack([reference(input_ids=p, labels=p, use_cache=False).loss for p in parts]).mean()
+        whole.backward()
+        whole_norm = torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.requires_grad], 0.5)
+        expected.step()
+        expected.zero_grad()
+        assert_close_rel(loss, whole.detach(), f"loss at step {step + 1}")
+        assert_close_rel(norm, whole_norm, f"gradient norm at step {step + 1}")
+        logged.append((float(loss), float(norm)))
+    for name, param in adapters:  # every factor, whole on every rank, after 3 steps
+        assert_close_rel(param.detach(), wanted[name].detach(), f"{name} after 3 steps")
+    return logged
+
+
+@pytest.mark.parametrize(("world", "sharded"), [(2, False), (4, True)])
+def test_lora_on_spread_experts_trains_as_peft_on_one_process(world, sharded):
+    """LoRA on the expert tensors at EP 2 over DP 2, and at EP 2 inside DP 4 with the distributed optimizer (two
+    replicas of each expert): every expert's factors whole on every rank, each rank applying its own experts' part;
+    losses (with the load-balancing term), clipped gradient norms and every factor after 3 steps equal PEFT's on one
+    process."""
+    logged = run_distributed(_lora_on_experts_worker, world_size=world, args=(sharded,), timeout=600)
+    assert all(run == logged[0] for run in logged)

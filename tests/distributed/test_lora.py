@@ -307,6 +307,7 @@ def _bad_target_messages(rank: int, world_size: int) -> list[str]:
         ("tiny-llama", ["q_proj"], ["lm_head"]),  # a split module PEFT would copy whole
         ("tiny-qwen3-moe", ["q_proj"], None, ["mlp.experts.gate_up_proj"]),  # PEFT's LoRA on TP-split experts
         ("tiny-qwen3-moe", None, ["lm_head"], ["mlp.gate.weight"]),  # parameter targets only, a split module saved
+        ("tiny-qwen3-moe", ["q_proj"], None, ["mlp.experts.gate_proj"]),  # a parameter the model does not have
     ]:
         try:
             extra = {"modules_to_save": case[0]} if case and case[0] else {}
@@ -328,6 +329,7 @@ def test_bad_targets_are_one_line_each():
     assert "modules_to_save lm_head: lm_head is a tensor-parallel VocabParallelHead" in messages[4]
     assert "layers.0.mlp.experts.gate_up_proj: mtk splits this tensor over TP" in messages[5], messages[5]
     assert "modules_to_save lm_head: lm_head is a tensor-parallel" in messages[6], messages[6]
+    assert "target_parameters mlp.experts.gate_proj match no parameter" in messages[7], messages[7]
     assert all("\n" not in m for m in messages)
 
 

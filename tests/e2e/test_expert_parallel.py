@@ -10,9 +10,12 @@ model family and with uneven routing, is tests/distributed/test_expert_parallel.
 """
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from mtk.testing import assert_close_rel
@@ -136,17 +139,35 @@ def test_ep2_inside_a_pp2_pipeline_logs_the_accumulated_dp2_losses_and_resumes_a
     assert_same_losses(resumed, reference, range(4, 7), "pp2 x ep2 step 3 resumed at pp2 x ep1")
 
 
-def test_lora_at_ep2_logs_the_dp2_losses_and_its_checkpoint_resumes_at_ep1(tmp_path):
-    """LoRA on the attention (PEFT on mtk's linears) while the frozen experts are spread over EP 2: the DP 2 LoRA
-    run's losses; the adapter-only checkpoint records the base's fingerprint with every expert counted once (its
-    first holder adds it), so it resumes on the same base at EP 1."""
-    lora = (*MOE, "--lora_r", "4")
+def test_lora_at_ep2_logs_the_dp2_losses_resumes_at_ep1_and_exports(moe_dp2, tmp_path):
+    """LoRA on the linears (PEFT on mtk's linears) and on the expert tensors themselves (PEFT's target_parameters,
+    --lora_target_parameters) while the experts are spread over EP 2: every expert's factors whole on every rank,
+    each rank applying its own experts' part. The DP 2 LoRA run's losses; the adapter-only checkpoint records the
+    base's fingerprint with every expert counted once (its first holder adds it), so it resumes on the same base at
+    EP 1; it exports as a PEFT adapter directory and merged into the base, which from_pretrained loads and which
+    computes what PEFT computes with the adapter on one process."""
+    from peft import PeftModel
+
+    experts = "mlp.experts.gate_up_proj,mlp.experts.down_proj"
+    base = str(moe_dp2.dir / "model")
+    lora = ("--model", base, *MOE[2:], "--lora_r", "4", "--lora_target_parameters", experts)
     reference = finetune("tp1_dp2", tmp_path / "dp2", *lora)
     out = accelerate_launch("finetune.py", "ep2", "--output_dir", str(tmp_path / "run"), *lora, "--save_every", "3")
     assert "LoRA all-linear" in out.stdout + out.stderr and "ep=2" in out.stdout + out.stderr
     assert_same_losses(step_losses(out), reference, range(1, 7), "LoRA at ep2 vs dp2")
     resumed = finetune("tp1_dp2", tmp_path / "at_ep1", *lora, "--resume", str(tmp_path / "run" / "step_3"))
     assert_same_losses(resumed, reference, range(4, 7), "LoRA ep2 step 3 resumed at ep1")
+    step = str(tmp_path / "run" / "step_6")
+    for kind in ("--adapter", "--merge"):
+        export = subprocess.run([sys.executable, "-m", "mtk.cli.main", "export", step, str(tmp_path / kind[2:]), kind],
+                                capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert export.returncode == 0, export.stderr[-2000:]
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter").eval()
+    assert any("experts.lora_A" in name for name, _ in adapted.named_parameters())
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merge").eval()
+    ids = torch.arange(1, 17).reshape(2, 8)
+    with torch.no_grad():
+        assert_close_rel(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, "merged vs PEFT logits")
 
 
 def test_fsdp2_with_ep2_logs_the_dp2_losses_and_its_checkpoint_resumes_without_either(moe_dp2, tmp_path):

@@ -28,9 +28,22 @@ def test_options_reach_lora_config():
     assert (config.r, config.lora_alpha, config.lora_dropout) == (8, 16, 0.1)
     assert set(config.target_modules) == {"q_proj", "v_proj"} and config.task_type == "CAUSAL_LM"
     assert lora_config(_parse("--lora_r", "4")).target_modules == "all-linear"
+    experts = lora_config(_parse("--lora_r", "4", "--lora_target_parameters", "mlp.experts.gate_up_proj, x.down_proj"))
+    assert experts.target_parameters == ["mlp.experts.gate_up_proj", "x.down_proj"]
+    assert experts.target_modules == "all-linear"  # and the linears, unless --lora_targets says otherwise
+    with pytest.raises(ConfigError, match="--lora_dropout with --lora_target_parameters: PEFT adapts parameters"):
+        lora_config(_parse("--lora_r", "4", "--lora_dropout", "0.1", "--lora_target_parameters", "x.down_proj"))
 
 
-@pytest.mark.parametrize("argv", [("--lora_alpha", "16"), ("--base_dtype", "bf16"), ("--lora_targets", "q_proj")])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--lora_alpha", "16"),
+        ("--base_dtype", "bf16"),
+        ("--lora_targets", "q_proj"),
+        ("--lora_target_parameters", "a.b"),
+    ],
+)
 def test_a_lora_option_without_a_rank_is_one_line(argv):
     with pytest.raises(ConfigError, match=f"{argv[0]} configure LoRA adapters; add --lora_r R"):
         lora_config(_parse(*argv))
