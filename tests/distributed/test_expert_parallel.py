@@ -430,19 +430,23 @@ def test_a_pipeline_stage_of_dense_layers_at_expert_parallelism_saves_as_the_oth
     assert files == [f"tp00-pp0{s}-piece0{p}.safetensors" for s in (0, 1) for p in (0, 1)], files
 
 
-def _lora_on_experts_worker(rank: int, world: int, sharded: bool) -> list[tuple[float, float]]:
+def _lora_on_experts_worker(rank: int, world: int, sharded: bool, shard: int = 1) -> list[tuple[float, float]]:
     """PEFT's LoRA on the 3D expert tensors (target_parameters) and on q_proj, the experts spread over EP 2: the
     factors start as PEFT draws them on one process (replayed, bit for bit) and train as PEFT does on one process on
     the global batch (SGD with momentum, clipping)."""
     import peft
+    from accelerate.parallelism_config import ParallelismConfig
     from peft import LoraConfig
 
     from mtk import Accelerator, ParallelConfig, RunSettings
     from mtk.lora import get_peft_model, load_full_adapters, peft_initial_adapters
     from mtk.lora.experts import SpreadExpertsLora
 
+    fsdp = dict(parallelism_config=ParallelismConfig(dp_shard_size=shard, dp_replicate_size=world // shard))
     accelerator = Accelerator(
-        parallel_config=ParallelConfig(ep_size=2), run_settings=RunSettings(use_distributed_optimizer=sharded)
+        **(fsdp if shard > 1 else {}),
+        parallel_config=ParallelConfig(ep_size=2),
+        run_settings=RunSettings(use_distributed_optimizer=sharded),
     )
     parallel = accelerator.parallel
     torch.manual_seed(0)
@@ -480,16 +484,20 @@ def _lora_on_experts_worker(rank: int, world: int, sharded: bool) -> list[tuple[
         assert_close_rel(loss, whole.detach(), f"loss at step {step + 1}")
         assert_close_rel(norm, whole_norm, f"gradient norm at step {step + 1}")
         logged.append((float(loss), float(norm)))
-    for name, param in adapters:  # every factor, whole on every rank, after 3 steps
+    trained = [(n, p) for n, p in accelerator.unwrap_model(model).named_parameters() if "lora_" in n]
+    assert len(trained) == len(adapters)
+    for name, param in trained:  # every factor, whole on every rank, after 3 steps (FSDP2's: gathered over DP)
+        param = param.full_tensor() if isinstance(param, DTensor) else param
         assert_close_rel(param.detach(), wanted[name].detach(), f"{name} after 3 steps")
     return logged
 
 
-@pytest.mark.parametrize(("world", "sharded"), [(2, False), (4, True)])
-def test_lora_on_spread_experts_trains_as_peft_on_one_process(world, sharded):
-    """LoRA on the expert tensors at EP 2 over DP 2, and at EP 2 inside DP 4 with the distributed optimizer (two
-    replicas of each expert): every expert's factors whole on every rank, each rank applying its own experts' part;
+@pytest.mark.parametrize(("world", "sharded", "shard"), [(2, False, 1), (4, True, 1), (2, False, 2)])
+def test_lora_on_spread_experts_trains_as_peft_on_one_process(world, sharded, shard):
+    """LoRA on the expert tensors at EP 2 over DP 2, at EP 2 inside DP 4 with the distributed optimizer (two
+    replicas of each expert) and at EP 2 inside FSDP2 over DP 2 (the factors sharded as any replicated parameter, the
+    spread experts left whole): every expert's factors whole on every rank, each rank applying its own experts' part;
     losses (with the load-balancing term), clipped gradient norms and every factor after 3 steps equal PEFT's on one
     process."""
-    logged = run_distributed(_lora_on_experts_worker, world_size=world, args=(sharded,), timeout=600)
+    logged = run_distributed(_lora_on_experts_worker, world_size=world, args=(sharded, shard), timeout=600)
     assert all(run == logged[0] for run in logged)
