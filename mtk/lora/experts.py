@@ -1,22 +1,25 @@
-"""PEFT's LoRA on 3D expert tensors (``target_parameters``) next to expert parallelism.
+"""PEFT's LoRA on 3D expert tensors (``target_parameters``) next to expert and tensor parallelism.
 
 PEFT's ``ParamWrapper`` adapts a parameter of ``E`` experts with two factors that hold every expert:
 ``lora_A [r·E, in]`` (expert-major rows) and ``lora_B [out, r·E]`` (the expert index fastest), drawn at the
-shape of the tensor it wraps. Under EP that tensor is this rank's ``E/ep`` experts, so PEFT alone would draw
-factors of another shape and other numbers at every EP size. mtk keeps the factors whole on every rank, as one
-process holds them (they are small: ``r·E·(in + out)`` per tensor), and each rank applies the rows and columns of
-its own experts (:class:`SpreadExpertsLora`).
+shape of the tensor it wraps. Under EP that tensor is this rank's ``E/ep`` experts, under TP its slice of each
+expert's intermediate width, so PEFT alone would draw factors of another shape and other numbers at every layout.
+mtk keeps the factors whole on every rank, as one process holds them, and each rank applies the part of them its
+own piece of the tensor needs (:class:`LocalExpertsLora`): its experts' rows and columns, and of those the rows
+(``gate_up_proj``'s gate and up halves) or columns (``down_proj``'s) of its TP slice.
 
-Whole factors are replicated parameters like any other. A rank's gradient of them is non-zero in its experts' part
-only: there, the sum over its EP group's tokens routed to those experts. Averaged over the DP x CP replicas as DDP
-averages every replicated gradient, each expert's part becomes the sum over the EP groups divided by DP x CP, which
-is what the spread experts' own reduction computes (:func:`~mtk.parallel.expert_parallel.reduce_expert_gradients`)
-and what one process computes on the global batch. So DDP, clipping, the distributed optimizer, checkpoints (whole
-tensors, resumable at any EP size) and PEFT's adapter files need nothing of their own.
+Whole factors are replicated parameters. Over EP: a rank's gradient of them is non-zero in its experts' part only,
+the sum over its EP group's tokens routed to those experts; averaged over the DP x CP replicas as DDP averages every
+replicated gradient, each expert's part becomes the sum over the EP groups divided by DP x CP, which is what the
+spread experts' own reduction computes (:func:`~mtk.parallel.expert_parallel.reduce_expert_gradients`) and what
+one process computes on the global batch. Over TP: each rank's gradient is its slice's contribution (the factor on
+the split side gets its rows or columns, the other one a partial sum), so backward sums it over TP
+(:func:`~mtk.parallel.grads.sum_grad_over_tp`, as for per-head q/k norms). DDP, clipping, the distributed
+optimizer, FSDP2, checkpoints (whole tensors, resumable at any layout) and PEFT's adapter files need nothing more.
 
 Every ``ParamWrapper`` mtk's :func:`~mtk.lora.get_peft_model` builds draws its factors from a generator of its own,
-seeded by the run's seed and the parameter's HF name (as :class:`~mtk.lora.layers.ParallelLoraLinear` does): the
-same adapters at every EP size.
+seeded by the run's seed and the adapted tensor's HF name (as :class:`~mtk.lora.layers.ParallelLoraLinear` does):
+the same adapters at every layout.
 """
 
 from __future__ import annotations
@@ -28,86 +31,119 @@ from torch import nn
 
 from mtk.errors import ConfigError
 from mtk.lora.layers import adapter_seed, full_factors
+from mtk.parallel.comm import group_size
 from mtk.parallel.expert_parallel import expert_placement
+from mtk.parallel.experts import SPECS_ATTRIBUTE, TP_GROUP_ATTRIBUTE
+from mtk.parallel.grads import sum_grad_over_tp
 
-__all__ = ["SpreadExpertsLora", "use_whole_expert_factors"]
+__all__ = ["LocalExpertsLora", "use_whole_expert_factors"]
 
 
-class SpreadExpertsLora:
-    """Mixed into PEFT's ``ParamWrapper`` of a spread experts tensor: whole factors (``num_experts`` = all ``E``),
-    the delta of this rank's experts ``[first, stop)`` only."""
+class LocalExpertsLora:
+    """Mixed into PEFT's ``ParamWrapper`` of an experts tensor EP spread or TP split: whole factors
+    (``num_experts``, ``in_features``, ``out_features`` of the whole tensor), the delta of this rank's piece only.
+
+    Attributes:
+        mtk_experts: this rank's experts ``[first, stop)``.
+        mtk_tp_cut: ``(dim, ranges)`` of the tensor's TP slice (dim 1 or 2 of ``[E, ., .]``), or ``None``.
+    """
 
     mtk_experts: tuple[int, int]
+    mtk_tp_cut: tuple[int, tuple[tuple[int, int], ...]] | None
 
-    def get_delta_factors(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """``(lhs, rhs, scaling)`` of this rank's experts: ``[E/ep, ., .]`` each (PEFT's of all ``E``, cut)."""
-        self._check_whole(adapter_name)
-        lhs, rhs, scaling = cast(Any, super()).get_delta_factors(adapter_name)  # [E, ., .] each
-        first, stop = self.mtk_experts
-        return lhs[first:stop], rhs[first:stop], scaling
-
-    def get_delta_weight(self, adapter_name: str, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """This rank's experts' delta ``[E/ep, ., .]`` in the layout of the tensor it is added to, computed as PEFT
-        computes the whole one (in the factors' dtype, then cast)."""
-        this = cast(Any, self)
-        self._check_whole(adapter_name)
-        first, stop = self.mtk_experts
-        weight_a = this.lora_A[adapter_name].weight
-        weight_b = this.lora_B[adapter_name].weight
-        weight_a = weight_a.reshape(this.num_experts, -1, weight_a.shape[-1])[first:stop]  # [E/ep, r, in]
-        weight_b = weight_b.reshape(weight_b.shape[0], -1, this.num_experts)[..., first:stop]  # [out, r, E/ep]
-        layout = "o r e, e r i -> e o i" if this._did_swap_in_out_features else "o r e, e r i -> e i o"
-        delta = torch.einsum(layout, weight_b, weight_a) * this.scaling[adapter_name]
-        param = this.get_param()
-        return delta.to(param.device, param.dtype) if param.dtype.is_floating_point else delta.to(param.device)
-
-    def _check_whole(self, adapter_name: str) -> None:
+    def _local_factors(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``lhs [E', d1', r]`` and ``rhs [E', r, d2']`` in the factors' dtype, ``lhs @ rhs`` this rank's piece
+        ``[E', d1', d2']`` of the tensor's delta (before scaling), as PEFT orients them for the whole tensor."""
         this = cast(Any, self)
         rows = this.lora_A[adapter_name].weight.shape[0]
         if rows != this.r[adapter_name] * this.num_experts:
             raise ConfigError(
                 f"LoRA adapter {adapter_name!r} on {this.parameter_name} holds {rows} rows for {this.num_experts} "
-                "spread experts: add every adapter through mtk.lora.get_peft_model (PEFT's add_adapter draws them "
-                "at this rank's experts only)"
+                "experts: add every adapter through mtk.lora.get_peft_model (PEFT's add_adapter draws them at this "
+                "rank's piece of the experts only)"
             )
+        weight_a = this.lora_A[adapter_name].weight
+        weight_b = this.lora_B[adapter_name].weight
+        first, stop = self.mtk_experts
+        weight_a = weight_a.reshape(this.num_experts, -1, weight_a.shape[-1])[first:stop]  # [E', r, in]
+        weight_b = weight_b.reshape(weight_b.shape[0], -1, this.num_experts)[..., first:stop]  # [out, r, E']
+        weight_b = weight_b.permute(2, 0, 1)  # [E', out, r]
+        if this._did_swap_in_out_features:  # the tensor is [E, out, in]
+            lhs, rhs = weight_b, weight_a
+        else:  # [E, in, out]
+            lhs, rhs = weight_a.transpose(-2, -1), weight_b.transpose(-2, -1)
+        if self.mtk_tp_cut is not None:
+            dim, ranges = self.mtk_tp_cut
+            if dim == 1:
+                lhs = torch.cat([lhs[:, start:stop] for start, stop in ranges], dim=1)
+            else:
+                rhs = torch.cat([rhs[:, :, start:stop] for start, stop in ranges], dim=2)
+        return lhs, rhs
+
+    def get_delta_factors(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """PEFT's ``(lhs, rhs, scaling)`` of this rank's piece, in the tensor's dtype."""
+        lhs, rhs = self._local_factors(adapter_name)
+        dtype = cast(Any, self).get_param().dtype
+        return lhs.to(dtype), rhs.to(dtype), cast(Any, self).scaling[adapter_name]
+
+    def get_delta_weight(self, adapter_name: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """This rank's piece of the delta, computed in the factors' dtype and cast as PEFT casts the whole one."""
+        lhs, rhs = self._local_factors(adapter_name)
+        delta = torch.bmm(lhs, rhs) * cast(Any, self).scaling[adapter_name]
+        param = cast(Any, self).get_param()
+        return delta.to(param.device, param.dtype) if param.dtype.is_floating_point else delta.to(param.device)
 
 
-_SPREAD_CLASSES: dict[type, type] = {}
+_LOCAL_CLASSES: dict[type, type] = {}
 
 
-def _spread_class(base: type) -> type:
-    """``base`` (PEFT's ParamWrapper) with :class:`SpreadExpertsLora` before it, one class per base."""
-    if base not in _SPREAD_CLASSES:
-        _SPREAD_CLASSES[base] = type(f"Spread{base.__name__}", (SpreadExpertsLora, base), {})
-    return _SPREAD_CLASSES[base]
+def _local_class(base: type) -> type:
+    """``base`` (PEFT's ParamWrapper) with :class:`LocalExpertsLora` before it, one class per base."""
+    if base not in _LOCAL_CLASSES:
+        _LOCAL_CLASSES[base] = type(f"Local{base.__name__}", (LocalExpertsLora, base), {})
+    return _LOCAL_CLASSES[base]
 
 
 def use_whole_expert_factors(model: nn.Module, adapter_name: str, init: Any, seed: int) -> int:
-    """Give every ``ParamWrapper`` of ``model`` (a ``PeftModel``) whole factors drawn from its own generator
-    (``init``: ``LoraConfig.init_lora_weights``), and make those on a tensor EP spread apply this rank's experts'
-    part (:class:`SpreadExpertsLora`); returns how many were spread."""
+    """Give every ``ParamWrapper`` of ``model`` (a ``PeftModel``) whole factors drawn from a generator of its own
+    (``init``: ``LoraConfig.init_lora_weights``); those on a tensor EP spread or TP split apply this rank's piece
+    (:class:`LocalExpertsLora`), their gradients summed over TP. Returns how many apply a piece."""
     from peft.tuners.lora.layer import ParamWrapper
 
-    spread = 0
+    cut = 0
     for name, found in model.named_modules():
         if not isinstance(found, ParamWrapper) or adapter_name not in found.lora_A:
             continue
         wrapper: Any = found
-        placement = expert_placement(wrapper.get_base_layer())
+        base = wrapper.get_base_layer()
+        placement = expert_placement(base)
+        tp_group = getattr(base, TP_GROUP_ATTRIBUTE, None)
+        full_shape, spec = getattr(base, SPECS_ATTRIBUTE, {}).get(wrapper.parameter_name, (None, None))
+        tp_cut = None
+        if spec is not None and not spec.is_replicated and group_size(tp_group) > 1:
+            tp_cut = (cast(int, spec.dim) % 3, spec.ranges)
         experts = placement.num_experts if placement is not None else wrapper.num_experts
+        if full_shape is not None:  # the whole tensor's in and out, as PEFT reads them from its shape
+            wrapper.in_features, wrapper.out_features = (
+                (full_shape[2], full_shape[1]) if wrapper._did_swap_in_out_features else full_shape[1:]
+            )
         r = wrapper.r[adapter_name]
         generator = torch.Generator().manual_seed(adapter_seed(seed, _hf_name(name, wrapper.parameter_name)))
         a, b = full_factors(r * experts, wrapper.in_features, wrapper.out_features, init, generator, rank=r)
         for factor, value in ((wrapper.lora_A[adapter_name], a), (wrapper.lora_B[adapter_name], b)):
             old = factor.weight
             factor.weight = nn.Parameter(value.to(old.device, old.dtype), requires_grad=old.requires_grad)
-        wrapper.lora_A[adapter_name].out_features = wrapper.lora_B[adapter_name].in_features = r * experts
-        if placement is not None:
+            if tp_cut is not None:
+                sum_grad_over_tp(factor.weight, tp_group)
+        wrapper.lora_A[adapter_name].in_features, wrapper.lora_A[adapter_name].out_features = a.shape[1], a.shape[0]
+        wrapper.lora_B[adapter_name].in_features, wrapper.lora_B[adapter_name].out_features = b.shape[1], b.shape[0]
+        if placement is not None or tp_cut is not None:
             wrapper.num_experts = experts
-            wrapper.mtk_experts = (placement.first, placement.first + placement.local)
-            wrapper.__class__ = _spread_class(type(wrapper))
-            spread += 1
-    return spread
+            wrapper.mtk_experts = (placement.first, placement.first + placement.local) if placement else (0, experts)
+            wrapper.mtk_tp_cut = tp_cut
+            wrapper.__class__ = _local_class(type(wrapper))
+            cut += 1
+    return cut
 
 
 def _hf_name(module_name: str, parameter: str) -> str:

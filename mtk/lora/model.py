@@ -45,10 +45,8 @@ def _linear_kind(module: nn.Module) -> str | None:
 
 
 def _check_target_parameters(model: nn.Module, config: Any) -> None:
-    """PEFT's ``target_parameters`` (LoRA on 3D expert tensors) naming no parameter, or a tensor mtk split over TP:
-    one line. (PEFT's own error for the first is a traceback.) On a TP-split tensor its factors
-    would be drawn at the local shape, and the ones kept whole would miss their TP reduction. (Spread over EP, every
-    expert's factors are kept whole: :mod:`mtk.lora.experts`.)"""
+    """PEFT's ``target_parameters`` (LoRA on 3D expert tensors) naming no parameter: one line (PEFT's own error is a
+    traceback). Tensors EP spread or TP split take whole factors (:mod:`mtk.lora.experts`)."""
     targets = list(getattr(config, "target_parameters", None) or ())
     record = parallelized(model)
     names = [name for name, _ in model.named_parameters()]
@@ -58,17 +56,6 @@ def _check_target_parameters(model: nn.Module, config: Any) -> None:
             f"LoRA target_parameters {', '.join(unmatched)} match no parameter; name a parameter as "
             "named_parameters() does, e.g. mlp.experts.gate_up_proj"
         )
-    if record is None or record.tp_size == 1:
-        return
-    for name, param in model.named_parameters():
-        if not any(name == t or name.endswith(f".{t}") for t in targets):
-            continue
-        if getattr(param, "tensor_model_parallel", False):
-            raise ConfigError(
-                f"LoRA target_parameters {name}: mtk splits this tensor over TP, and LoRA on TP-split expert tensors "
-                "is not supported yet; run it at TP 1 (expert parallelism may spread the experts), or target the "
-                "linear layers (target_modules)"
-            )
 
 
 def _resolve_targets(model: nn.Module, config: Any, report) -> Any:

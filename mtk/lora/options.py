@@ -35,7 +35,7 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--lora_target_parameters",
         help="comma-separated HF parameter names to adapt as tensors (PEFT's target_parameters), e.g. an MoE's "
-        "mlp.experts.gate_up_proj,mlp.experts.down_proj (at TP 1; EP may spread them)",
+        "mlp.experts.gate_up_proj,mlp.experts.down_proj (any TP and EP size)",
     )
     group.add_argument(
         "--base_dtype",

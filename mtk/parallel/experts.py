@@ -28,9 +28,10 @@ from mtk.parallel.comm import Group, copy_to_tp, group_rank, group_size, reduce_
 from mtk.parallel.parameters import mark_tensor_parallel
 from mtk.parallel.sharding import ShardSpec, take_shard
 
-__all__ = ["SPECS_ATTRIBUTE", "split_experts"]
+__all__ = ["SPECS_ATTRIBUTE", "TP_GROUP_ATTRIBUTE", "split_experts"]
 
 SPECS_ATTRIBUTE = "mtk_shard_specs"  # {parameter name: (full shape, ShardSpec)} of a module cut in place
+TP_GROUP_ATTRIBUTE = "mtk_tp_group"  # the TP group an experts module's tensors were cut over
 
 
 def _specs(module: Any, intermediate: int, tp: int, rank: int) -> dict[str, tuple[tuple[int, ...], ShardSpec]]:
@@ -82,6 +83,7 @@ def split_experts(module: Any, tp_group: Group, intermediate: int | None = None)
         mark_tensor_parallel(param, partition_dim=spec.dim)
         setattr(module, name, param)
     setattr(module, SPECS_ATTRIBUTE, specs)
+    setattr(module, TP_GROUP_ATTRIBUTE, tp_group)
     if hasattr(module, "intermediate_dim"):
         module.intermediate_dim = size // tp
     if tp > 1:

@@ -430,7 +430,9 @@ def test_a_pipeline_stage_of_dense_layers_at_expert_parallelism_saves_as_the_oth
     assert files == [f"tp00-pp0{s}-piece0{p}.safetensors" for s in (0, 1) for p in (0, 1)], files
 
 
-def _lora_on_experts_worker(rank: int, world: int, sharded: bool, shard: int = 1) -> list[tuple[float, float]]:
+def _lora_on_experts_worker(
+    rank: int, world: int, sharded: bool, shard: int = 1, tp: int = 1
+) -> list[tuple[float, float]]:
     """PEFT's LoRA on the 3D expert tensors (target_parameters) and on q_proj, the experts spread over EP 2: the
     factors start as PEFT draws them on one process (replayed, bit for bit) and train as PEFT does on one process on
     the global batch (SGD with momentum, clipping)."""
@@ -440,12 +442,12 @@ def _lora_on_experts_worker(rank: int, world: int, sharded: bool, shard: int = 1
 
     from mtk import Accelerator, ParallelConfig, RunSettings
     from mtk.lora import get_peft_model, load_full_adapters, peft_initial_adapters
-    from mtk.lora.experts import SpreadExpertsLora
+    from mtk.lora.experts import LocalExpertsLora
 
     fsdp = dict(parallelism_config=ParallelismConfig(dp_shard_size=shard, dp_replicate_size=world // shard))
     accelerator = Accelerator(
         **(fsdp if shard > 1 else {}),
-        parallel_config=ParallelConfig(ep_size=2),
+        parallel_config=ParallelConfig(tp_size=tp, ep_size=2),
         run_settings=RunSettings(use_distributed_optimizer=sharded),
     )
     parallel = accelerator.parallel
@@ -457,11 +459,12 @@ def _lora_on_experts_worker(rank: int, world: int, sharded: bool, shard: int = 1
     reference = peft.get_peft_model(copy.deepcopy(base), copy.deepcopy(lora))
     model = get_peft_model(accelerator.parallelize(base), lora, report=lambda *_: None)
     layers = base.config.num_hidden_layers  # every one an MoE layer
-    assert sum(isinstance(m, SpreadExpertsLora) for m in model.modules()) == 2 * layers  # 2 tensors in each
+    assert sum(isinstance(m, LocalExpertsLora) for m in model.modules()) == 2 * layers  # 2 tensors in each
     load_full_adapters(model, peft_initial_adapters(model, lora, seed=3))
     wanted = dict(reference.named_parameters())
     adapters = [(name, param) for name, param in model.named_parameters() if "lora_" in name]
-    assert all(torch.equal(param, wanted[name]) for name, param in adapters)  # PEFT's draws, whole on every rank
+    full = [(name, _whole(model, name, param, parallel)) for name, param in adapters]
+    assert all(torch.equal(value, wanted[name]) for name, value in full)  # PEFT's draws, bit for bit
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)
     expected = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
@@ -486,18 +489,30 @@ def _lora_on_experts_worker(rank: int, world: int, sharded: bool, shard: int = 1
         logged.append((float(loss), float(norm)))
     trained = [(n, p) for n, p in accelerator.unwrap_model(model).named_parameters() if "lora_" in n]
     assert len(trained) == len(adapters)
-    for name, param in trained:  # every factor, whole on every rank, after 3 steps (FSDP2's: gathered over DP)
+    for name, param in trained:  # every factor after 3 steps (FSDP2's gathered over DP, TP's over TP)
         param = param.full_tensor() if isinstance(param, DTensor) else param
-        assert_close_rel(param.detach(), wanted[name].detach(), f"{name} after 3 steps")
+        whole = _whole(accelerator.unwrap_model(model), name, param, parallel)
+        assert_close_rel(whole, wanted[name].detach(), f"{name} after 3 steps")
     return logged
 
 
-@pytest.mark.parametrize(("world", "sharded", "shard"), [(2, False, 1), (4, True, 1), (2, False, 2)])
-def test_lora_on_spread_experts_trains_as_peft_on_one_process(world, sharded, shard):
+def _whole(model, name: str, param: torch.Tensor, parallel) -> torch.Tensor:
+    """A LoRA factor whole: the experts' factors are (replicated), a TP-split linear's gathered over TP."""
+    from mtk.parallel.gather import full_shape_and_spec, gather_full_tensor
+
+    shape, spec = full_shape_and_spec(model, name)
+    return gather_full_tensor(param.detach(), spec, shape, parallel.tp_group)
+
+
+@pytest.mark.parametrize(
+    ("world", "sharded", "shard", "tp"), [(2, False, 1, 1), (4, True, 1, 1), (2, False, 2, 1), (4, False, 1, 2)]
+)
+def test_lora_on_spread_experts_trains_as_peft_on_one_process(world, sharded, shard, tp):
     """LoRA on the expert tensors at EP 2 over DP 2, at EP 2 inside DP 4 with the distributed optimizer (two
-    replicas of each expert) and at EP 2 inside FSDP2 over DP 2 (the factors sharded as any replicated parameter, the
-    spread experts left whole): every expert's factors whole on every rank, each rank applying its own experts' part;
-    losses (with the load-balancing term), clipped gradient norms and every factor after 3 steps equal PEFT's on one
-    process."""
-    logged = run_distributed(_lora_on_experts_worker, world_size=world, args=(sharded, shard), timeout=600)
+    replicas of each expert), at EP 2 inside FSDP2 over DP 2 (the factors sharded as any replicated parameter, the
+    spread experts left whole) and at EP 2 x TP 2 (each expert's intermediate width split too: each rank applies its
+    slice of the factors, their gradients summed over TP): every expert's factors whole on every rank, each rank
+    applying its own experts' part; losses (with the load-balancing term), clipped gradient norms and every factor
+    after 3 steps equal PEFT's on one process."""
+    logged = run_distributed(_lora_on_experts_worker, world_size=world, args=(sharded, shard, tp), timeout=600)
     assert all(run == logged[0] for run in logged)
