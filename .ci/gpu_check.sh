@@ -16,6 +16,10 @@ L 120 accelerate launch --config_file accelerate_configs/tp1.yaml examples/finet
 echo "## 3 finetune tiny-qwen3-moe fp32 on CUDA, 6 steps (CPU: 5.596588 ... 4.903358), then bf16 (grouped matmul)"
 L 120 accelerate launch --config_file accelerate_configs/tp1.yaml examples/finetune.py --model tiny-qwen3-moe --max_steps 6 --output_dir /tmp/g3
 L 120 accelerate launch --config_file accelerate_configs/tp1.yaml --mixed_precision bf16 examples/finetune.py --model tiny-qwen3-moe --max_steps 6 --output_dir /tmp/g3b
+echo "## 3c LoRA on the expert tensors (PEFT target_parameters, whole factors) on CUDA, fp32 then bf16 (CPU: 5.596588 ... 5.513254)"
+LX="--model tiny-qwen3-moe --max_steps 6 --lora_r 4 --lora_target_parameters mlp.experts.gate_up_proj,mlp.experts.down_proj"
+L 120 accelerate launch --config_file accelerate_configs/tp1.yaml examples/finetune.py $LX --output_dir /tmp/g3c
+L 120 accelerate launch --config_file accelerate_configs/tp1.yaml --mixed_precision bf16 examples/finetune.py $LX --output_dir /tmp/g3d
 echo "## 4 finetune bf16 on CUDA"
 L 120 accelerate launch --config_file accelerate_configs/tp1.yaml --mixed_precision bf16 examples/finetune.py --max_steps 10 --output_dir /tmp/g4
 echo "## 5 mtk bench TP1 on the GPU, fp32 against the plan, then bf16"

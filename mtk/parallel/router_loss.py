@@ -164,6 +164,7 @@ def load_balancing_loss(
                 f"the pipeline carried routing sums of {(carried.numel() - 1) // 2} experts to a loss over "
                 f"{num_experts}; the model's stages must route over the same experts"
             )
+        carried = carried.float()  # fp32 sums (an fp64 pipeline carries them as fp64: the same values)
         sums = carried if sums is None else sums + carried.to(sums.device)
     assert sums is not None
     return _balance(sums, num_experts, shard)

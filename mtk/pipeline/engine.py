@@ -152,7 +152,7 @@ class PipelineModel(nn.Module):
         self.link = StageLink(parallel, wrap_around=v > 1)
         # While chunk c runs: the rank's other chunks pass through, the ends only where the model's are.
         self._views = [self.info.chunk_view(hf_model(module), chunk) for chunk in range(v)]
-        if v > 1:
+        if v > 1 and self._router_experts:  # the router logits the chunks' routing sums come from
             _record_outputs_of_every_chunk(hf_model(module))
         self._chunk_params = self._params_by_chunk() if v > 1 else [None]
         # Set by the trainer: what to backpropagate for one micro-batch's share of the loss
