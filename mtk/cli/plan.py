@@ -44,6 +44,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--global_batch", type=positive_int, required=True, help="sequences per optimizer step")
     parser.add_argument("--dtype", choices=sorted(PEAK_TFLOPS), default="bf16", help="training precision (bf16)")
     parser.add_argument("--lora_r", type=positive_int, help="LoRA rank on every linear mtk splits (frozen base)")
+    parser.add_argument(
+        "--lora_target_parameters",
+        help="with --lora_r: comma-separated tensors adapted too (PEFT's target_parameters), e.g. an MoE's "
+        "mlp.experts.gate_up_proj,mlp.experts.down_proj",
+    )
     parser.add_argument("--engine", choices=sorted(ENGINES), default="any", help="accelerate, deepspeed or any")
     parser.add_argument("--offload", action="store_true", help="also consider DeepSpeed's optimizer offload to CPU")
     parser.add_argument("--tp", type=positive_int, help="only this tensor-parallel degree")
@@ -87,6 +92,15 @@ def _degrees(text: str) -> tuple:
     return (int(text),)
 
 
+def _target_parameters(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--lora_target_parameters`` as names (one line without ``--lora_r``, as the training scripts say it)."""
+    if not args.lora_target_parameters:
+        return ()
+    if not args.lora_r:
+        raise ConfigError("--lora_target_parameters configures LoRA adapters; add --lora_r R to plan for them")
+    return tuple(t.strip() for t in args.lora_target_parameters.split(",") if t.strip())
+
+
 def _memory_size(text: str) -> int:
     try:
         return parse_bytes(text)
@@ -120,6 +134,7 @@ def request_from_args(args: argparse.Namespace) -> Request:
         global_batch=args.global_batch,
         dtype=args.dtype,
         lora_r=args.lora_r or 0,
+        lora_target_parameters=_target_parameters(args),
         engines=ENGINES[args.engine],
         offload=args.offload,
         reserve=args.reserve,

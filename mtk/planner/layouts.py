@@ -25,6 +25,7 @@ class Request:
     global_batch: int
     dtype: str = "bf16"
     lora_r: int = 0
+    lora_target_parameters: tuple[str, ...] = ()  # with lora_r: tensors adapted too (PEFT's target_parameters)
     engines: tuple[str, ...] = ("accelerate", "deepspeed")
     offload: bool = False
     reserve: int = 2 * 2**30  # per GPU: CUDA context, communicator buffers, allocator slack

@@ -87,6 +87,7 @@ def _trace_settings(request: Request, candidate: Candidate) -> TraceSettings:
         sequence_parallel=candidate.sequence_parallel,
         recompute=candidate.recompute,
         lora_r=request.lora_r,
+        lora_target_parameters=request.lora_target_parameters,
         dtype=request.dtype,
         device=request.device,
         chunked_loss=candidate.sharding != "zero3",  # ZeRO-3's partitioned head computes its logits (vocab_head.py)

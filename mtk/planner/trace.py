@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ class TraceSettings:
     sequence_parallel: bool = False
     recompute: str | None = None  # None, "selective" or "full"
     lora_r: int = 0  # LoRA rank on every linear mtk splits (0: full fine-tuning)
+    lora_target_parameters: tuple[str, ...] = ()  # and on these tensors (an MoE's experts: whole factors)
     dtype: str = "fp32"  # parameters and activations (fp32, bf16)
     device: str = "cuda"  # attention kernels of: "cuda" (fused; math in fp32 with GQA), "cpu" (math under dropout)
     chunked_loss: bool = True  # the loss holds no logits (mtk's default; not under ZeRO-3, whose head cannot defer)
@@ -201,12 +203,21 @@ def _meta_replacements(device: str) -> Iterator[None]:
     moe._can_use_grouped_mm = lambda input, weight, offs: (
         weight.dtype == torch.bfloat16 and saved_grouped(input, weight, offs)
     )
+    # PEFT (loaded where a plan has LoRA) folds a target_parameters delta into its tensor under
+    # autocast(device_type=W's), which has no meta device: the same baddbmm outside autocast (the trace has none)
+    peft_layer = sys.modules.get("peft.tuners.lora.layer")
+    fold = getattr(peft_layer, "_LoraFactorsProxy", None)
+    saved_fold = getattr(fold, "forward", None)
+    if fold is not None:
+        fold.forward = lambda self, W: torch.baddbmm(W, self.lhs, self.rhs, alpha=self.scaling)
     try:
         yield
     finally:
         F.scaled_dot_product_attention = saved_sdpa
         masking.find_packed_sequence_indices = saved_packed
         moe._can_use_grouped_mm = saved_grouped
+        if fold is not None:
+            fold.forward = saved_fold
 
 
 def meta_model(config: PretrainedConfig, settings: TraceSettings, pp: int, pp_rank: int) -> nn.Module:
@@ -225,7 +236,12 @@ def meta_model(config: PretrainedConfig, settings: TraceSettings, pp: int, pp_ra
         loss_chunk_tokens=None if settings.chunked_loss else 0,
     )
     if settings.lora_r:
-        lora = LoraConfig(r=settings.lora_r, lora_alpha=2 * settings.lora_r, target_modules="all-linear")
+        lora = LoraConfig(
+            r=settings.lora_r,
+            lora_alpha=2 * settings.lora_r,
+            target_modules="all-linear",
+            target_parameters=list(settings.lora_target_parameters) or None,
+        )
         with torch.device("meta"):
             model = get_peft_model(model, lora, report=lambda line: None)  # the user's run reports its targets
     return model

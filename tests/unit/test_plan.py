@@ -398,3 +398,17 @@ def test_a_pipeline_for_a_router_loss_carries_its_routing_sums_between_stages():
     for label in piped:
         sends = with_term[label].collectives["send"]
         assert sends["bytes"] - plain[label].collectives["send"]["bytes"] == sends["count"] * (2 * 8 + 1) * 4
+
+
+def test_lora_on_the_expert_tensors_plans_their_whole_factors():
+    """--lora_target_parameters: every expert's factors whole on every rank (r E (in + out) per tensor), trainable
+    next to the linears' adapters; the distributed optimizer shards their moments over DP as any replicated one's."""
+    config = resolve_config("tiny-qwen3-moe")  # 2 MoE layers of 8 experts, hidden 64, expert width 32
+    request = Request(config, Cluster(4, gpu_memory=8 * GIB), 64, 4, dtype="fp32", reserve=0, lora_r=4, ep_sizes=(2,))
+    experts = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    linears = {e.candidate.label: e for e in plan(request)}
+    both = {e.candidate.label: e for e in plan(replace(request, lora_target_parameters=experts))}
+    factors = 2 * 4 * 8 * ((64 + 2 * 32) + (32 + 64))  # layers x r E x (in + out) of gate_up_proj and down_proj
+    for label, dp in (("tp1 pp1 dp4 ep2 1x1", 1), ("tp1 pp1 dp4 ep2 1x1 distopt", 4)):
+        assert both[label].memory.gradients - linears[label].memory.gradients == factors * 4
+        assert both[label].memory.optimizer - linears[label].memory.optimizer == factors * 2 * 4 // dp
