@@ -184,6 +184,8 @@ def _problem(root: Path, name: str, record: dict[str, Any]) -> str | None:
     except CheckpointError as err:
         return str(err)
     if not path.is_file():
+        if path.exists() or path.is_symlink():  # a folder, a FIFO, a device, a dangling link in its place
+            return f"{path} is not a regular file; the checkpoint recorded a file of {record['bytes']} bytes there"
         return f"{path} is missing"
     size = path.stat().st_size
     if size != record["bytes"]:

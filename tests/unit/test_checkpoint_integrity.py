@@ -75,6 +75,12 @@ def test_metadata_records_every_file_and_the_run(saved, trained, capsys):
     assert code == 0 and f"ok, {len(meta['files'])} files" in out
 
 
+def _replace_with_fifo(path):
+    """A named pipe where a file was: reading it would block, so it is named, never opened."""
+    path.unlink()
+    os.mkfifo(path)
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
@@ -82,8 +88,9 @@ def test_metadata_records_every_file_and_the_run(saved, trained, capsys):
         (lambda d: (d / SHARD).write_bytes((d / SHARD).read_bytes()[:-1]), f"{SHARD} has"),
         (lambda d: (d / "rng" / "rank00000.pt").unlink(), "rng/rank00000.pt is missing"),
         (lambda d: (d / "model" / "tp01-pp00.safetensors").write_bytes(b"x"), "is not part of the checkpoint"),
+        (lambda d: _replace_with_fifo(d / "rng" / "rank00000.pt"), "rng/rank00000.pt is not a regular file"),
     ],
-    ids=["flipped-byte", "truncated", "missing", "foreign-file"],
+    ids=["flipped-byte", "truncated", "missing", "foreign-file", "fifo"],
 )
 def test_damage_is_named_by_resume_export_and_verify(saved, trained, tmp_path, capsys, damage, message):
     damage(saved)
