@@ -256,9 +256,9 @@ def step_boundary(
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.save_model:
-        check_target(args.save_model, args.output_dir)  # before hours of training, not after
     accelerator = build_accelerator(args)
+    if args.save_model:  # before hours of training, not after; as the main process, which writes it, sees it
+        check_target(args.save_model, args.output_dir, accelerator)
     parallel, settings = accelerator.parallel, accelerator.settings
     # SIGTERM/SIGINT/SIGHUP from here on: save at the next step boundary and exit (a second one: stop at once)
     exit_signal = ExitSignal(accelerator.device)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from mtk.errors import ConfigError
-from mtk.lora.layers import adapter_seed, full_factors
+from mtk.lora.layers import INITS, adapter_seed, full_factors
 from mtk.parallel.comm import group_size
 from mtk.parallel.expert_parallel import expert_placement
 from mtk.parallel.experts import SPECS_ATTRIBUTE, TP_GROUP_ATTRIBUTE
@@ -110,6 +110,11 @@ def use_whole_expert_factors(model: nn.Module, adapter_name: str, init: Any, see
     (:class:`LocalExpertsLora`), their gradients summed over TP. Returns how many apply a piece."""
     from peft.tuners.lora.layer import ParamWrapper
 
+    if init not in INITS:
+        raise ConfigError(
+            f"init_lora_weights={init!r} needs the whole base tensor; LoRA on expert tensors (target_parameters) "
+            f"takes one of {list(INITS)}"
+        )
     cut = 0
     for name, found in model.named_modules():
         if not isinstance(found, ParamWrapper) or adapter_name not in found.lora_A:
@@ -121,15 +126,21 @@ def use_whole_expert_factors(model: nn.Module, adapter_name: str, init: Any, see
         full_shape, spec = getattr(base, SPECS_ATTRIBUTE, {}).get(wrapper.parameter_name, (None, None))
         tp_cut = None
         if spec is not None and not spec.is_replicated and group_size(tp_group) > 1:
-            tp_cut = (cast(int, spec.dim) % 3, spec.ranges)
+            tp_cut = (cast(int, spec.dim), spec.ranges)  # 1 or 2 of [E, ., .]
         experts = placement.num_experts if placement is not None else wrapper.num_experts
         if full_shape is not None:  # the whole tensor's in and out, as PEFT reads them from its shape
             wrapper.in_features, wrapper.out_features = (
                 (full_shape[2], full_shape[1]) if wrapper._did_swap_in_out_features else full_shape[1:]
             )
         r = wrapper.r[adapter_name]
-        generator = torch.Generator().manual_seed(adapter_seed(seed, _hf_name(name, wrapper.parameter_name)))
-        a, b = full_factors(r * experts, wrapper.in_features, wrapper.out_features, init, generator, rank=r)
+        rows, tensor = r * experts, wrapper.get_param()
+        if tensor.device.type == "meta":  # a plan's trace: shapes only
+            a = torch.empty(rows, wrapper.in_features, device="meta")
+            b = torch.empty(wrapper.out_features, rows, device="meta")
+        else:  # rounded to the tensor's dtype, as PEFT rounds the factors it draws (then keeps them in fp32)
+            generator = torch.Generator().manual_seed(adapter_seed(seed, _hf_name(name, wrapper.parameter_name)))
+            a, b = full_factors(rows, wrapper.in_features, wrapper.out_features, init, generator, rank=r)
+            a, b = a.to(tensor.dtype), b.to(tensor.dtype)
         for factor, value in ((wrapper.lora_A[adapter_name], a), (wrapper.lora_B[adapter_name], b)):
             old = factor.weight
             factor.weight = nn.Parameter(value.to(old.device, old.dtype), requires_grad=old.requires_grad)

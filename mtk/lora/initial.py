@@ -34,7 +34,10 @@ from mtk.parallel.sharding import take_shard
 __all__ = ["load_full_adapters", "peft_initial_adapters"]
 
 
-def _adapted_layers(model: nn.Module, config: Any, adapter_name: str) -> list[tuple[str, int, int, int, int]]:
+Layer = tuple[str, int, int, int, int]  # (HF module name, in, out, r, experts) of one module PEFT adapts
+
+
+def _adapted_layers(model: nn.Module, config: Any, adapter_name: str) -> list[Layer]:
     """``(HF module name, in, out, r, experts)`` of every module PEFT adapts in ``model``'s whole HF model, in the
     order PEFT draws them: the ``target_modules`` in ``named_modules`` order, then the ``target_parameters``'
     ``ParamWrapper`` s (``experts``: the tensor's ``E``, each factor ``r·E`` wide), per module in its parameters'
@@ -48,7 +51,6 @@ def _adapted_layers(model: nn.Module, config: Any, adapter_name: str) -> list[tu
         skeleton = type(hf)._from_config(hf.config)
     with torch.random.fork_rng(devices=[]):  # PEFT draws while it builds the copy: not from this run's generator
         adapted = peft.get_peft_model(skeleton, copy.deepcopy(config), adapter_name=adapter_name)
-    Layer = tuple[str, int, int, int, int]
     modules: list[Layer] = []
     chains: list[list[Layer]] = []
     for name, module in hf_model(adapted).named_modules():
@@ -72,11 +74,14 @@ def _linear_default(out_features: int, in_features: int, generator: torch.Genera
 
 
 def _base_dtype(model: nn.Module, name: str) -> torch.dtype | None:
-    """The dtype of the base weight of module ``name``; ``None`` when this rank's stage does not hold it."""
+    """The dtype PEFT rounds module ``name``'s factors to: its base weight's (a ``ParamWrapper``'s: the adapted
+    tensor's); ``None`` when this rank's stage does not hold it."""
     try:
         module: Any = model.get_submodule(name)
     except AttributeError:
         return None
+    if hasattr(module, "get_param") and hasattr(module, "parameter_name"):  # PEFT's ParamWrapper
+        return module.get_param().dtype
     base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
     return base.weight.dtype if isinstance(getattr(base, "weight", None), torch.Tensor) else None
 

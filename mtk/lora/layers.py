@@ -50,23 +50,19 @@ def adapter_seed(seed: int, module_name: str) -> int:
 
 
 def full_factors(
-    r: int, in_features: int, out_features: int, init: bool | str, generator: torch.Generator, rank: int = 0
+    rows: int, in_features: int, out_features: int, init: bool | str, generator: torch.Generator, rank: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full ``A [r, in]`` and ``B [out, r]`` as PEFT initializes them (on the CPU, fp32). ``rank``: the adapter's
-    rank where ``r`` counts more rows (``r·E`` of a 3D expert tensor's factors; PEFT's gaussian draws use it)."""
-    a, b = torch.empty(r, in_features), torch.zeros(out_features, r)
+    """Full ``A [rows, in]`` and ``B [out, rows]`` as PEFT initializes them (on the CPU, fp32). ``rows``: the
+    adapter's rank, or ``r·E`` for the factors of a 3D tensor of ``E`` experts, whose gaussian draws still use the
+    adapter's ``rank``."""
+    a, b = torch.empty(rows, in_features, device="cpu"), torch.zeros(out_features, rows, device="cpu")
     if init == "gaussian":
-        a.normal_(std=1 / (rank or r), generator=generator)
+        a.normal_(std=1 / (rank or rows), generator=generator)
         return a, b
     bound = 1 / math.sqrt(in_features)  # nn.Linear's default (kaiming_uniform_ with a = sqrt(5))
     a.uniform_(-bound, bound, generator=generator)
-    if init is False:  # PEFT leaves both factors as nn.Linear made them
-        b.uniform_(-1 / math.sqrt(r), 1 / math.sqrt(r), generator=generator)
-    return a, b
-    bound = 1 / math.sqrt(in_features)  # nn.Linear's default (kaiming_uniform_ with a = sqrt(5))
-    a.uniform_(-bound, bound, generator=generator)
-    if init is False:  # PEFT leaves both factors as nn.Linear made them
-        b.uniform_(-1 / math.sqrt(r), 1 / math.sqrt(r), generator=generator)
+    if init is False:  # PEFT leaves both factors as nn.Linear made them (B's fan-in is its rows)
+        b.uniform_(-1 / math.sqrt(rows), 1 / math.sqrt(rows), generator=generator)
     return a, b
 
 

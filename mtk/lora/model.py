@@ -48,10 +48,15 @@ def _check_target_parameters(model: nn.Module, config: Any) -> None:
     """PEFT's ``target_parameters`` (LoRA on 3D expert tensors) naming no parameter: one line (PEFT's own error is a
     traceback). Tensors EP spread or TP split take whole factors (:mod:`mtk.lora.experts`)."""
     targets = list(getattr(config, "target_parameters", None) or ())
-    record = parallelized(model)
     names = [name for name, _ in model.named_parameters()]
     unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
-    if unmatched and (record is None or record.stage is None):  # with pp > 1 a target may live on another stage
+    record = parallelized(model)
+    if unmatched and record is not None and record.stage is not None:  # another stage's: the whole model's names
+        hf: Any = hf_model(model)
+        with torch.device("meta"):
+            names = [name for name, _ in type(hf)._from_config(hf.config).named_parameters()]
+        unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if unmatched:
         raise ConfigError(
             f"LoRA target_parameters {', '.join(unmatched)} match no parameter; name a parameter as "
             "named_parameters() does, e.g. mlp.experts.gate_up_proj"
@@ -68,7 +73,7 @@ def _resolve_targets(model: nn.Module, config: Any, report) -> Any:
     config = copy.deepcopy(config)
     if getattr(config, "target_parameters", None) and not config.target_modules:
         _refuse_split_modules_to_save(model, config)
-        return config  # PEFT's parameter targets alone, on tensors mtk keeps whole (checked above)
+        return config  # PEFT's parameter targets alone (their names checked above)
     split = split_linear_names(model)
     suffixes = sorted({name.rpartition(".")[2] for name in split})
     if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:

@@ -326,12 +326,16 @@ def router_loss_refusal(config: Any, parallelism: str = "context parallelism") -
     pipeline's stages (:mod:`mtk.parallel.router_loss`) wherever the model's modeling code computes it with
     transformers' ``load_balancing_loss_func`` (every MoE model transformers ships)."""
     if router_loss_in_loss(config) and not has_router_loss_function(config):
-        return (
-            f"{config.model_type}: {parallelism} with the router's load-balancing loss in the loss needs "
-            f"transformers' load_balancing_loss_func in the model's modeling code, which it has not; set "
-            f"output_router_logits to false in the model's config, or {ROUTER_LOSS_LIMITS[parallelism]}"
-        )
+        return _needs_loss_function(config.model_type, parallelism)
     return None
+
+
+def _needs_loss_function(what: str, parallelism: str) -> str:
+    return (
+        f"{what}: {parallelism} with the router's load-balancing loss in the loss needs transformers' "
+        f"load_balancing_loss_func in the model's modeling code, which it has not; set output_router_logits to "
+        f"false in the model's config, or {ROUTER_LOSS_LIMITS[parallelism]}"
+    )
 
 
 def whole_router_loss(model: Any, parallelism: str = "context parallelism") -> None:
@@ -340,10 +344,7 @@ def whole_router_loss(model: Any, parallelism: str = "context parallelism") -> N
     config = getattr(model, "config", None)
     refusal = router_loss_refusal(config, parallelism)
     if refusal is None and router_loss_in_loss(config) and not replace_load_balancing_loss(model):
-        refusal = (
-            f"{type(model).__name__}: {parallelism} with the router's load-balancing loss in the loss needs "
-            "transformers' load_balancing_loss_func in the model's modeling code; set output_router_logits to false"
-        )
+        refusal = _needs_loss_function(type(model).__name__, parallelism)
     if refusal is not None:
         raise UnsupportedModelError(refusal)
 

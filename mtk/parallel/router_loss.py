@@ -66,7 +66,7 @@ def router_loss_in_loss(config: Any) -> bool:
 
 def has_router_loss_function(config: Any) -> bool:
     """Whether the causal LM transformers builds for ``config`` computes its load-balancing loss with a module-level
-    ``load_balancing_loss_func`` (what :func:`sum_router_loss_over_context` replaces)."""
+    ``load_balancing_loss_func`` (what :func:`replace_load_balancing_loss` replaces)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
@@ -148,13 +148,20 @@ def load_balancing_loss(
     """``E · Σ_e f_e · P_e`` over the whole rows of the CP group's tokens and every pipeline stage's layers
     (``original``, transformers' own, where neither holds part of the call)."""
     shard, carried = _ACTIVE.get(), _CARRIED.get()
-    if (shard is None and carried is None) or not isinstance(gate_logits, tuple) or num_experts is None:
+    if shard is None and carried is None:
         return original(gate_logits, num_experts, top_k, attention_mask)
     valid = attention_mask
+    stale = shard is not None and bool(gate_logits) and gate_logits[0].shape[0] != shard.valid.numel()
+    if not isinstance(gate_logits, tuple) or num_experts is None or stale:
+        if carried is not None:  # the earlier stages' routing sums would be dropped without a word
+            raise ConfigError(
+                "the model's load_balancing_loss_func got no router logits tuple and expert count (or logits of "
+                "another split) on a pipeline's last stage, which must add the earlier stages' routing sums; set "
+                "output_router_logits to false in the model's config, or use pp = 1"
+            )
+        return original(gate_logits, num_experts, top_k, attention_mask)  # not this split's call (a stale mark)
     if shard is not None:
         valid = shard.valid  # [b, s/cp]: padding False
-        if gate_logits and gate_logits[0].shape[0] != valid.numel():  # not this split's call (a stale mark)
-            return original(gate_logits, num_experts, top_k, attention_mask)
     if not gate_logits and carried is None:
         return original(gate_logits, num_experts, top_k, attention_mask)
     sums = routing_sums(gate_logits, num_experts, top_k, valid) if gate_logits else None  # [2E + 1]

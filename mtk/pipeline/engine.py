@@ -49,7 +49,7 @@ from mtk.pipeline.stages import StageInfo, swapped
 
 __all__ = ["PipelineModel", "PipelineStats", "split_micro_batches"]
 
-Carried = tuple[torch.Tensor | None, torch.Tensor | None]  # what a pass receives: hidden states, routing sums
+Received = tuple[torch.Tensor | None, torch.Tensor | None]  # what a pass receives: hidden states, routing sums
 
 
 def _record_outputs_of_every_chunk(model: nn.Module) -> None:
@@ -251,7 +251,7 @@ class PipelineModel(nn.Module):
         message = StageMessage(self.config.hidden_size, dtype, self._router_experts)
         # (chunk, mb) -> what it received (hidden states, routing sums) and what it returned (the loss on the model's
         # last chunk, else the same two)
-        held: dict[tuple[int, int], tuple[Carried, Any]] = {}
+        held: dict[tuple[int, int], tuple[Received, Any]] = {}
         losses: list[torch.Tensor] = []
         stats = PipelineStats(self.schedule if train else "forward", m)
         start, wait_before = time.perf_counter(), link.wait_s
@@ -282,7 +282,7 @@ class PipelineModel(nn.Module):
 
         def forward(k: int, chunk: int, i: int) -> None:
             inputs = dict(micro[i])
-            received: Carried = (None, None)
+            received: Received = (None, None)
             if not info.chunk_is_first(chunk):
                 received = message.unpack(receive(k), *inputs["input_ids"].shape)
                 for tensor in received:
@@ -306,6 +306,12 @@ class PipelineModel(nn.Module):
             (stage_input, sums_in), output = held.pop((chunk, i))
             if info.chunk_is_last(chunk):
                 self.scale_loss(output / m).backward()
+                if sums_in is not None and sums_in.grad is None:  # the loss left the earlier stages' sums out
+                    raise ConfigError(
+                        "the last pipeline stage's loss did not use the routing sums of the earlier stages (the "
+                        "model's load-balancing term without transformers' load_balancing_loss_func?); set "
+                        "output_router_logits to false in the model's config, or use pp = 1"
+                    )
             else:
                 grads = message.unpack(receive(k), *micro[i]["input_ids"].shape)
                 pairs = [(t, g) for t, g in zip(output, grads) if t is not None and t.requires_grad]
@@ -323,7 +329,7 @@ class PipelineModel(nn.Module):
         self.stats = stats
         return losses
 
-    def _stage_forward(self, inputs: dict[str, Any], received: Carried, last: bool, index: int) -> Any:
+    def _stage_forward(self, inputs: dict[str, Any], received: Received, last: bool, index: int) -> Any:
         """HF's own forward on this chunk: the loss on the model's last chunk, elsewhere the hidden states and (for
         the router's load-balancing term) the routing sums of every MoE layer so far."""
         stage_input, sums_in = received

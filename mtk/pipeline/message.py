@@ -35,7 +35,8 @@ class StageMessage:
 
     @property
     def sums_dtype(self) -> torch.dtype:
-        """fp32, or the model's dtype where it is wider."""
+        """fp32 (what transformers sums in), or fp64 in an fp64 message: ``(2E + 1) · 4`` bytes are never a whole
+        number of fp64 elements, so the fp32 values travel as fp64 there."""
         return torch.float64 if self.dtype == torch.float64 else torch.float32
 
     def _sums_numel(self) -> int:

@@ -516,3 +516,43 @@ def test_lora_on_spread_experts_trains_as_peft_on_one_process(world, sharded, sh
     after 3 steps equal PEFT's on one process."""
     logged = run_distributed(_lora_on_experts_worker, world_size=world, args=(sharded, shard, tp), timeout=600)
     assert all(run == logged[0] for run in logged)
+
+
+def _dense_layers_in_a_pipeline_worker(rank: int, world: int) -> int:
+    """Qwen3-MoE with dense layers 0 and 2 (mlp_only_layers) in an interleaved PP 2 of one layer per chunk: the first
+    chunk routes nothing and sends zero sums, the third passes the second's on; the last adds its own. Loss and every
+    gradient against one process accumulating the same 2 micro-batches (a padded row among them)."""
+    from mtk.convert import parallelize
+    from mtk.parallel.state import ParallelState
+    from mtk.pipeline.engine import PipelineModel
+
+    config = _config("qwen3_moe", 4)
+    config.mlp_only_layers = [0, 2]
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config).float()
+    state = ParallelState.build(pp_size=2)
+    model = parallelize(copy.deepcopy(reference), state, pipeline_layers=(1, 1, 1, 1), virtual_stages=2)
+    pipe = PipelineModel(model, state, num_micro_batches=2, schedule="interleaved")
+    ids = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    loss = pipe(input_ids=ids, attention_mask=mask, labels=labels).loss
+    pipe.finalize_grads()
+    count = (labels[:, 1:] != -100).sum()
+    rows = [reference(input_ids=ids[[r]], attention_mask=mask[[r]], labels=labels[[r]], num_items_in_batch=count / 2)
+            for r in range(2)]  # fmt: skip
+    expected = torch.stack([r.loss for r in rows]).mean()
+    expected.backward()
+    assert_close_rel(loss, expected.detach(), "loss")
+    wanted = dict(reference.named_parameters())
+    scale = max(p.grad.abs().max().item() for p in wanted.values() if p.grad is not None)
+    compared = 0
+    for name, param in model.named_parameters():
+        assert_close_rel(param.grad, wanted[name].grad, f"{name} grad", scale_floor=1e-3 * scale)
+        compared += name.endswith("mlp.gate.weight")  # this stage's routers (the term reaches them)
+    return compared
+
+
+def test_a_pipeline_carries_the_routing_sums_past_dense_layers():
+    assert run_distributed(_dense_layers_in_a_pipeline_worker, world_size=2) == [0, 2]  # routers on rank 1 only

@@ -476,6 +476,8 @@ def test_save_model_never_deletes_or_silently_skips(tmp_path):
     # a folder that cannot be written (here: a path under a file; a read-only file system alike), before training
     with pytest.raises(CheckpointError, match=r"cannot write .*file/sub/model: Not a directory in .*file; choose"):
         check_target(tmp_path / "file" / "sub" / "model")
+    with pytest.raises(CheckpointError, match="cannot write"):  # as the main process, which writes, sees it
+        check_target(tmp_path / "file" / "sub" / "model", accelerator=_OneProcess())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "mine"]  # the probes made nothing that stays
     check_no_shards_to_clean(tmp_path / "absent")  # classify.py's target: what HF's own save would delete
     check_no_shards_to_clean(tmp_path / "ckpts")

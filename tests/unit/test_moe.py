@@ -36,7 +36,7 @@ def test_context_and_pipeline_parallelism_take_the_routers_load_balancing_loss_w
 
 
 def test_a_pipeline_carries_routing_sums_bit_for_bit_in_the_models_dtype():
-    """The ``[2E + 1]`` fp32 sums ride in the hidden states' message (bf16, fp32; fp64 sums in an fp64 model)
+    """The ``[2E + 1]`` fp32 sums ride in the hidden states' message (bf16, fp16, fp32; as fp64 in an fp64 one)
     unchanged, and so do their gradients."""
     import torch
 

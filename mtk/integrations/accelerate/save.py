@@ -10,6 +10,7 @@ renamed into place when complete, and whatever goes wrong is one line on every r
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,15 @@ from mtk.errors import CheckpointError
 __all__ = ["check_no_shards_to_clean", "check_target", "save_pretrained"]
 
 
-def check_target(directory: str | Path, output_dir: str | Path | None = None) -> None:
-    """Refuse (one line) a save target that is a file, a link, or a folder that already holds files; and, given the
-    run's ``output_dir``, that folder itself or a ``step_N``/``runs`` in it: it is new and empty before the run, but
-    the run's own checkpoints and logs fill it, so the save would fail only after the whole run had trained."""
+def check_target(directory: str | Path, output_dir: str | Path | None = None, accelerator: Any = None) -> None:
+    """Refuse (one line) a save target that is a file, a link, a folder that already holds files or one this user
+    cannot write; and, given the run's ``output_dir``, that folder itself or a ``step_N``/``runs`` in it: it is new
+    and empty before the run, but the run's own checkpoints and logs fill it, so the save would fail only after the
+    whole run had trained. With ``accelerator``: checked by the main process, which writes (a path only its node
+    has), and raised on every rank (collective)."""
+    if accelerator is not None:
+        _on_main_process(accelerator, lambda: check_target(directory, output_dir))
+        return
     out = Path(directory)
     if output_dir is not None:
         runs = Path(output_dir).resolve()
@@ -67,19 +73,29 @@ def save_pretrained(accelerator: Any, model: nn.Module, directory: str | Path, t
     an HF directory at ``directory``, atomically. Collective: every rank calls it and every rank raises the same
     error if the write fails."""
     out = Path(directory)
-    check_target(out)
+    check_target(out, accelerator=accelerator)  # the writer's view, before any rank gathers
     state = accelerator.get_state_dict(model)  # collective
+
+    def write() -> None:
+        with staged_directory(out) as tmp:
+            accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+                tokenizer.save_pretrained(tmp)
+
+    _on_main_process(accelerator, write)
+    return out
+
+
+def _on_main_process(accelerator: Any, job: Callable[[], None]) -> None:
+    """Run ``job`` on the main process (the one that writes) and raise its error on every rank (collective), so no
+    rank waits in a collective another left (a folder only some nodes can see or write)."""
     problem: list[str | None] = [None]
     if accelerator.is_main_process:
         try:
-            with staged_directory(out) as tmp:
-                accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)
-                if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-                    tokenizer.save_pretrained(tmp)
+            job()
         except CheckpointError as err:
             problem = [str(err)]
     if dist.is_initialized():
         dist.broadcast_object_list(problem, src=0)  # rank 0 of the world is accelerate's main process
     if problem[0] is not None:
         raise CheckpointError(problem[0])
-    return out
