@@ -73,3 +73,41 @@ def test_a_pipeline_needs_the_experts_and_top_k_its_sums_count():
 def test_expert_parallelism_on_a_dense_model_is_one_line():
     with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM has no mixture-of-experts layer"):
         spread_experts(build_model("tiny-llama", seed=0), None)
+
+
+def test_routing_sums_a_pipeline_carried_are_never_dropped_silently():
+    """The last stage's load-balancing call must add the sums the earlier stages sent; a call that would fall back
+    to transformers' own (no logits tuple, no expert count) is one line, not an unbalanced run."""
+    import torch
+
+    from mtk.errors import ConfigError
+    from mtk.parallel.router_loss import carrying, load_balancing_loss
+
+    def original(*args):
+        return "transformers' own"
+
+    logits = (torch.randn(6, 4),)
+    assert load_balancing_loss(original, logits, 4, 2) == "transformers' own"  # nothing carried: untouched
+    with carrying(torch.zeros(9)):
+        assert torch.is_tensor(load_balancing_loss(original, logits, 4, 2))
+        for bad in ((None, 4), (logits, None)):
+            with pytest.raises(ConfigError, match="must add the earlier stages' routing sums"):
+                load_balancing_loss(original, *bad)
+        with pytest.raises(ConfigError, match="carried routing sums of 4 experts to a loss over 3"):
+            load_balancing_loss(original, (torch.randn(6, 3),), 3, 2)
+
+
+def test_expert_factors_take_the_inits_that_need_no_base_tensor():
+    import peft
+    from peft import LoraConfig
+
+    from mtk.errors import ConfigError
+    from mtk.lora.experts import use_whole_expert_factors
+
+    model = peft.get_peft_model(
+        build_model("tiny-qwen3-moe", seed=0),
+        LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.down_proj"]),
+    )
+    with pytest.raises(ConfigError, match="init_lora_weights='pissa' needs the whole base tensor"):
+        use_whole_expert_factors(model, "default", "pissa", seed=0)
+    assert use_whole_expert_factors(model, "default", True, seed=0) == 0  # whole factors, nothing cut at one process
