@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
@@ -43,9 +44,20 @@ def lock_output_dir(output_dir: str | Path) -> bool:
         return False
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        # never through a link: the record written into it would overwrite whatever file the link names
+        fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
     except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise CheckpointError(
+                f"cannot use --output_dir {output_dir}: its lock file {LOCK_NAME} is a symbolic link, and mtk writes "
+                "its lock record only into a file of its own; remove the link"
+            ) from None
         raise CheckpointError(f"cannot use --output_dir {output_dir}: {err.strerror or err}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device in its place
+        os.close(fd)
+        raise CheckpointError(
+            f"cannot use --output_dir {output_dir}: its lock file {LOCK_NAME} is not a regular file; remove it"
+        )
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:

@@ -101,11 +101,12 @@ def start_point(
     if resume == AUTO and main_process:
         found = f"resuming from {start}" if start else f"no checkpoint in {output_dir}, starting fresh"
         print(f"mtk: --resume auto: {found}", flush=True)
+    # every refusal before anything is removed: an --overwrite that then refused would have deleted for nothing
+    _on_main_process(lambda: check_steps_to_write(output_dir, _step_of(start)), main_process)
     if overwrite:
         if main_process and (removed := remove_checkpoints(output_dir)):
             print(f"mtk: --overwrite: removed {', '.join(removed)} of an earlier run in {output_dir}", flush=True)
         barrier()
-    _on_main_process(lambda: check_steps_to_write(output_dir, _step_of(start)), main_process)
     return start
 
 

@@ -344,6 +344,28 @@ def test_what_a_run_would_refuse_to_save_over_is_refused_before_it_trains(saved,
     check_steps_to_write(runs, 2)
 
 
+def test_an_overwrite_that_refuses_removed_nothing_first(saved, tmp_path):
+    """--overwrite with a foreign step_N ahead: the run is refused before the earlier run's checkpoints go."""
+    import argparse
+    import shutil
+
+    from mtk.checkpoint.lock import unlock_output_dir
+    from mtk.checkpoint.resume import start_point
+
+    runs = tmp_path / "ckpts"
+    runs.mkdir()
+    shutil.copytree(saved, runs / "step_2")
+    (runs / "step_7").mkdir()
+    (runs / "step_7" / "notes.txt").write_text("mine")
+    args = argparse.Namespace(output_dir=str(runs), resume=None, overwrite=True)
+    try:
+        with pytest.raises(CheckpointError, match="step_7 exists and is not an mtk checkpoint"):
+            start_point(args, main_process=True)
+    finally:
+        unlock_output_dir(runs)
+    assert (runs / "step_2" / "metadata.json").is_file() and (runs / "step_7" / "notes.txt").read_text() == "mine"
+
+
 def test_export_refuses_links_and_its_own_checkpoint_and_makes_an_ordinary_directory(saved, tmp_path):
     """An export target that is a link, or inside the checkpoint it reads, is refused before anything is
     written (no staging directory is left); a new export is a directory as mkdir makes one (umask applied)."""

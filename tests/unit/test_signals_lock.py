@@ -162,6 +162,18 @@ def test_a_second_run_in_one_output_dir_is_refused_naming_the_first(tmp_path):
     unlock_output_dir(tmp_path)
 
 
+def test_a_lock_file_that_is_a_link_or_a_fifo_is_refused_and_nothing_written_through_it(tmp_path):
+    users = tmp_path / "users_file"
+    users.write_text("the user's words")
+    for name, make in (("link", lambda p: p.symlink_to(users)), ("fifo", os.mkfifo)):
+        out = tmp_path / name
+        out.mkdir()
+        make(out / LOCK_NAME)
+        with pytest.raises(CheckpointError, match=f"its lock file {LOCK_NAME} is (a symbolic link|not a regular)"):
+            lock_output_dir(out)
+    assert users.read_text() == "the user's words"
+
+
 def test_start_point_locks_before_anything_else(tmp_path):
     class Args:
         output_dir, resume, overwrite = str(tmp_path / "new"), "auto", False
