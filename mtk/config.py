@@ -25,6 +25,7 @@ N}``), which ranks with the environment (:func:`mtk.integrations.deepspeed.sizes
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -82,9 +83,12 @@ def _parse_int(key: str, raw: str) -> int:
 
 def _parse_float(key: str, raw: str) -> float:
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
-        raise ConfigError(f"{key}={raw!r} is not a number; set it to a non-negative number") from None
+        value = math.nan
+    if not math.isfinite(value):  # NaN or inf would pass every comparison's check, or none
+        raise ConfigError(f"{key}={raw!r} is not a finite number; set it to a non-negative number")
+    return value
 
 
 def parse_bool(key: str, raw: str) -> bool:
@@ -275,8 +279,10 @@ class RunSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1:
             raise ConfigError(f"num_micro_batches must be a positive integer, got {self.num_micro_batches!r}")
-        if self.gradient_clipping < 0:
-            raise ConfigError(f"gradient_clipping must be >= 0 (0 disables it), got {self.gradient_clipping}")
+        if not self.gradient_clipping >= 0 or math.isinf(self.gradient_clipping):  # NaN fails >= too
+            raise ConfigError(
+                f"gradient_clipping must be a finite number >= 0 (0 disables it), got {self.gradient_clipping}"
+            )
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise ConfigError(f"virtual_stages must be a positive integer, got {self.virtual_stages!r}")
         problem = check_schedule(self.pipeline_schedule, 1, 1, self.virtual_stages)
