@@ -115,6 +115,11 @@ def test_a_misspelt_key_in_the_yaml_is_refused_by_name(tmp_path):
         ConfigError, match="'megatron_lm_sequence_paralellism' is unknown.*megatron_lm_sequence_parallelism"
     ):
         check_launcher_keys(config)
-    config.write_text("megatron_lm_config:\n  megatron_lm_tp_degree: 2\n  megatron_lm_sequence_parallelism: true\n")
+    good = "megatron_lm_config:\n  megatron_lm_tp_degree: 2\n  megatron_lm_sequence_parallelism: true\n"
+    config.write_text("distributed_type: MEGATRON_LM\n" + good)
     check_launcher_keys(config)  # every key known: nothing to say
+    for kind in ("MULTI_CPU\n", "MULTI_GPU\n", ""):  # accelerate exports the block for MEGATRON_LM only
+        config.write_text(f"distributed_type: {kind}" + good if kind else good)
+        with pytest.raises(ConfigError, match="a megatron_lm_config block with distributed_type .*drop the block"):
+            check_launcher_keys(config)
     check_launcher_keys(None)  # no launcher seen (torchrun, another OS): the environment check alone

@@ -87,6 +87,12 @@ def check_launcher_keys(config_file: Path | None, known: Sequence[str] | None = 
     block = record.get("megatron_lm_config") if isinstance(record, dict) else None
     if not isinstance(block, dict):
         return
+    kind = str(record.get("distributed_type", ""))
+    if block and kind.upper() != "MEGATRON_LM":  # accelerate exports the block only for MEGATRON_LM
+        raise ConfigError(
+            f"{config_file}: a megatron_lm_config block with distributed_type {kind or 'unset'}, which makes "
+            "accelerate drop the block without a word; set distributed_type: MEGATRON_LM, or remove the block"
+        )
     known = list(known if known is not None else accelerate_megatron_keys())
     for key in block:
         if key not in known:
