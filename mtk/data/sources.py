@@ -60,6 +60,12 @@ def _data_files(path: Path, option: str) -> list[Path]:
             f"{option} {path} holds the folder {folders[0]!r}, whose files would not be read (mtk reads the files "
             f"directly in {path}); move its files up into {path}, or the folder out"
         )
+    odd = [p.name for p in files if not p.is_dir() and not p.is_file()]  # a broken link, a FIFO, a socket, a device
+    if odd:
+        raise DataError(
+            f"{option} {path} holds {odd[0]!r}, which is not a readable regular file (a broken link, a pipe or a "
+            f"device); remove it or point {option} at the files"
+        )
     unknown = [p.name for p in files if p.is_file() and _kind(p) is None]
     if unknown:
         raise DataError(

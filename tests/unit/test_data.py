@@ -4,7 +4,9 @@ input as one line. A BPE tokenizer with a ChatML template is trained here in a s
 import copy
 import gzip
 import json
+import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -153,6 +155,12 @@ def test_a_folder_skips_no_file_without_a_word(tmp_path):
     (folder / "more" / "d.jsonl").write_text(json.dumps({"text": TEXTS[0]}) + "\n")
     with pytest.raises(DataError, match="holds the folder 'more', whose files would not be read"):
         load_data(folder)
+    shutil.rmtree(folder / "more")
+    for name, make in (("gone.jsonl", lambda p: p.symlink_to(tmp_path / "nowhere.jsonl")), ("pipe.jsonl", os.mkfifo)):
+        make(folder / name)  # a link whose file is gone, a named pipe: their rows were skipped without a word
+        with pytest.raises(DataError, match=f"holds '{name}', which is not a readable regular file"):
+            load_data(folder)
+        (folder / name).unlink()
 
 
 def test_packing_restarts_positions_and_masks_each_example_start(tokenizer):
