@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset, load_dataset
-from transformers import AutoTokenizer
 from trl import DPOConfig, TrlParser
 
+from mtk.data.tokenizers import directory_tokenizer
 from mtk.trainers import DPOTrainer
 from mtk.training.entry import run_main
 
@@ -66,7 +66,7 @@ def main() -> None:
         dataset = made_up_pairs(HERE / "data" / "instructions.jsonl")
     reference = None  # TRL loads it from the model's directory
     if script.model_name_or_path:
-        model, tokenizer = script.model_name_or_path, AutoTokenizer.from_pretrained(script.model_name_or_path)
+        model, tokenizer = script.model_name_or_path, directory_tokenizer(script.model_name_or_path)
     else:
         from sft import starter_model  # the same tiny model and tokenizer as examples/sft.py
 

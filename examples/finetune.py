@@ -40,6 +40,7 @@ from mtk.args import (
     non_negative_int,
     positive_float,
     positive_int,
+    seed,
 )
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.config import CP_COMM_TYPES, PIPELINE_SCHEDULES, RunSettings
@@ -104,7 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--output_dir", default="ckpts", help="checkpoints and tensorboard runs/ (default ckpts)")
     add_resume_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument("--lr", type=positive_float, default=3e-3)
     parser.add_argument("--warmup_steps", type=non_negative_int, default=5)
     parser.add_argument("--batch_size", type=positive_int, default=8, help="micro-batch per data-parallel replica")

@@ -17,7 +17,9 @@ if __name__ == "__main__":  # Ctrl-C while the libraries below load (seconds): s
 import argparse
 from pathlib import Path
 
+from mtk.args import positive_int
 from mtk.data.formats import chat_template_refusals
+from mtk.data.tokenizers import directory_tokenizer
 from mtk.errors import CheckpointError, DataError
 from mtk.models import resolve_config
 from mtk.training.entry import run_main
@@ -25,13 +27,11 @@ from mtk.training.entry import run_main
 
 def check_model_directory(directory: str) -> None:
     """What transformers would refuse in a traceback, as one line: no such directory, an mtk training checkpoint
-    (export it first), a config that needs custom code or weights that are only pickles, no tokenizer."""
+    (export it first), a config that needs custom code or weights that are only pickles."""
     path = Path(directory)
     if (path / "metadata.json").is_file():
         raise CheckpointError(f"{path} is an mtk training checkpoint; export it first: mtk export {path} <out_dir>")
     resolve_config(str(path))  # a missing directory, custom code (auto_map), pickle-only weights: one line
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        raise DataError(f"{path} has no tokenizer (tokenizer.json or tokenizer_config.json); generate.py needs one")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,13 +39,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("model", help="a local HF directory with a tokenizer that has a chat template")
     parser.add_argument("--prompt", required=True, help="the user message")
     parser.add_argument("--system", help="a system message before it")
-    parser.add_argument("--max_new_tokens", type=int, default=80)
+    parser.add_argument("--max_new_tokens", type=positive_int, default=80, help="tokens to generate (80)")
     args = parser.parse_args(argv)
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     check_model_directory(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = directory_tokenizer(args.model, "model")  # none there, or one that needs custom code: one line
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{args.model}'s tokenizer has no chat template; give a directory whose tokenizer has one")
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, use_safetensors=True).eval()

@@ -42,6 +42,7 @@ from mtk.args import (
     non_negative_int,
     positive_float,
     positive_int,
+    seed,
 )
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, rescaled_position, start_point
 from mtk.config import CP_COMM_TYPES, ConfigError, RunSettings
@@ -111,7 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--output_dir", default="ckpts")
     add_resume_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument(
         "--lr", type=positive_float, help="default: the JSON optimizer's lr, else 3e-3 (the flag overrides it, said)"
     )

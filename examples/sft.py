@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 from datasets import load_dataset
-from transformers import AutoTokenizer
 from trl import SFTConfig, TrlParser
 
+from mtk.data.tokenizers import directory_tokenizer
 from mtk.trainers import SFTTrainer
 from mtk.training.entry import run_main
 
@@ -70,7 +70,7 @@ def main() -> None:
     data_files = {"train": script.data, **({"eval": script.eval_data} if script.eval_data else {})}
     dataset = load_dataset("json", data_files=data_files)
     if script.model_name_or_path:
-        model, tokenizer = script.model_name_or_path, AutoTokenizer.from_pretrained(script.model_name_or_path)
+        model, tokenizer = script.model_name_or_path, directory_tokenizer(script.model_name_or_path)
     else:
         model, tokenizer = starter_model([text for row in dataset["train"] for text in texts_of(row)])
     trainer = SFTTrainer(

@@ -16,6 +16,7 @@ __all__ = [
     "add_safety_arguments",
     "collective_timeout",
     "finite_float",
+    "seed",
     "non_negative_int",
     "positive_float",
     "positive_int",
@@ -47,6 +48,14 @@ def non_negative_int(text: str) -> int:
     value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def seed(text: str) -> int:
+    """A random seed numpy and torch both take: 0 to 2**32 - 1 (numpy's range; torch.manual_seed takes more)."""
+    value = _int(text)
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be a seed from 0 to {2**32 - 1}, got {value}")
     return value
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from mtk.args import non_negative_int
 from mtk.bench.contenders import CONTENDERS, BenchSpec
 from mtk.bench.plan_check import check_lines, check_ranks
 from mtk.bench.report import format_report, report_dict, write_json
 from mtk.bench.runner import predicted_for, run_bench
+from mtk.checkpoint.export import check_writable_beside
 from mtk.config import PIPELINE_SCHEDULES, RECOMPUTE_GRANULARITIES, check_schedule
 from mtk.errors import MtkError
 from mtk.models import DTYPES, resolve_config
@@ -109,8 +111,15 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     for name in ("tp", "pp", "dp", "cp", "ep", "batch", "seq", "steps"):
         if getattr(args, name) < 1:
             raise MtkError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if not args.timeout > 0:  # (NaN fails too)
+        raise MtkError(f"--timeout must be a number of seconds > 0, got {args.timeout}")
     config = resolve_config(args.model)  # one clear line for an unknown name or a missing directory
     check_tp_size(config, args.tp)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if positions and args.seq > positions:
+        raise MtkError(f"--seq {args.seq} is longer than the model's {positions} positions; use at most {positions}")
+    if args.json:
+        check_writable_beside(Path(args.json))  # before the benchmark, not after it
     Layout(world_size=args.tp * args.cp * args.pp * args.dp, tp_size=args.tp, pp_size=args.pp)
     if args.dp > 1 and args.pp > 1:
         raise MtkError("--dp > 1 runs with --pp 1 (the bench's pipeline contender has one replica)")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from mtk.args import positive_int
+from mtk.errors import MtkError
 from mtk.parallel.layout import Layout
 
 _TITLES = {
@@ -27,16 +29,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Print which global ranks form each process group (TP fastest, then CP, then DP, then PP; EP "
         "carved out of DP x CP).",
     )
-    parser.add_argument("--world", type=int, required=True, help="total number of processes")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
-    parser.add_argument("--cp", type=int, default=1, help="context-parallel degree (default 1)")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel degree, carved out of DP x CP (default 1)")
+    parser.add_argument("--world", type=positive_int, required=True, help="total number of processes")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel degree (default 1)")
+    parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel degree (default 1)")
+    parser.add_argument(
+        "--ep", type=positive_int, default=1, help="expert-parallel degree, carved out of DP x CP (default 1)"
+    )
     parser.add_argument("--json", action="store_true", help="print the groups as JSON")
     parser.set_defaults(run=run)
 
 
+LARGEST_WORLD = 65536  # every rank of every group is listed: a larger world prints (and takes) minutes
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.world > LARGEST_WORLD:
+        raise MtkError(
+            f"--world {args.world}: mtk topology lists every rank of every group, up to {LARGEST_WORLD} ranks; the "
+            "groups repeat with the same degrees, so a smaller --world shows the pattern"
+        )
     layout = Layout(world_size=args.world, tp_size=args.tp, pp_size=args.pp, cp_size=args.cp, ep_size=args.ep)
     hidden: tuple[str, ...] = () if layout.cp_size > 1 else ("cp", "replica")
     hidden += () if layout.ep_size > 1 else ("ep", "expert_replica")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import transformers
 
+from mtk.args import positive_float, positive_int, seed
 from mtk.errors import MtkError
 from mtk.models import resolve_config
 from mtk.planner.shapes import expert_parallel_refusal
@@ -40,12 +41,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--types", help="with --all: comma-separated model types instead of every one")
     parser.add_argument("--write", help="with --all: replace the sweep table in this markdown file")
     parser.add_argument(
-        "--pp", type=int, default=1, help="with --all: pipeline stages (the models run by 1F1B; processes: tp x pp)"
+        "--pp",
+        type=positive_int,
+        default=1,
+        help="with --all: pipeline stages (the models run by 1F1B; processes: tp x pp)",
     )
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree = number of processes (default 2)")
+    parser.add_argument(
+        "--tp", type=positive_int, default=2, help="tensor-parallel degree = number of processes (default 2)"
+    )
     parser.add_argument(
         "--ep",
-        type=int,
+        type=positive_int,
         default=1,
         help="an MoE model's experts spread over this many data-parallel replicas, each on the same batch "
         "(processes: tp x ep; default 1)",
@@ -57,19 +63,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="compute dtype (default fp32); fp64 tells rounding from bugs: any gap above ~1e-10 is a bug",
     )
     parser.add_argument(
-        "--tolerance", type=float, help="max relative error (default 1e-10 fp64, 1e-5 fp32, 2e-2 bf16/fp16)"
+        "--tolerance", type=positive_float, help="max relative error (default 1e-10 fp64, 1e-5 fp32, 2e-2 bf16/fp16)"
     )
-    parser.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
-    parser.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights (built-in configs) and the batch")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds before the processes are stopped")
+    parser.add_argument("--batch", type=positive_int, default=2, help="batch size (default 2)")
+    parser.add_argument("--seq", type=positive_int, default=16, help="sequence length (default 16)")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the weights (built-in configs) and the batch")
+    parser.add_argument("--timeout", type=positive_float, default=600, help="seconds before the processes are stopped")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("tp", "ep"):
-        if getattr(args, name) < 1:
-            raise MtkError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.all:
         # the sweep builds its own tiny models and batches: these options would change nothing there
         fixed = [

@@ -17,7 +17,7 @@ from typing import Any
 from mtk import jsonio
 from mtk.errors import DataError
 
-__all__ = ["BYTES", "ByteTokenizer", "add_tokenizer_argument", "tokenizer_for"]
+__all__ = ["BYTES", "ByteTokenizer", "add_tokenizer_argument", "directory_tokenizer", "tokenizer_for"]
 
 BYTES = "bytes"  # --tokenizer bytes: the byte tokenizer, asked for by name
 _FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -72,6 +72,16 @@ def tokenizer_for(model_spec: str, tokenizer: str | None = None, vocab_size: int
         f"--model {model_spec} has no tokenizer ({' or '.join(_FILES)}); pass --tokenizer DIR (a local tokenizer "
         f"directory) or --tokenizer bytes (UTF-8 bytes, for a model trained on them)"
     )
+
+
+def directory_tokenizer(directory: str | Path, option: str = "--model") -> Any:
+    """The tokenizer of a model directory a script hands to transformers or TRL, or one line: none there, one that
+    needs custom code (never run: transformers would ask on the terminal, and run it on a 'y'), one transformers
+    cannot build."""
+    source = Path(directory)
+    if not any((source / name).is_file() for name in _FILES):
+        raise DataError(f"{option} {source} has no tokenizer ({' or '.join(_FILES)}); give a directory with one")
+    return _hf_tokenizer(source, option, None)
 
 
 def _hf_tokenizer(source: Path, option: str, vocab_size: int | None) -> Any:

@@ -183,9 +183,14 @@ def test_cli_options(checkpoint, tmp_path, capsys):
     (theirs / "keep.txt").write_text("mine")
     cases = [
         (["topology", "--world", "6", "--tp", "4"], "mtk topology", "not divisible by tp*pp"),
-        (["topology", "--world", "x"], "mtk", "argument --world: invalid int value: 'x'"),
+        (["topology", "--world", "x"], "mtk", "argument --world: 'x' is not an integer"),
         (["verify", "--model", "nope"], "mtk verify", "is neither a built-in config"),
-        (["verify", "--model", "tiny-llama", "--tp", "0"], "mtk verify", "--tp must be at least 1"),
+        (["verify", "--model", "tiny-llama", "--tp", "0"], "mtk", "argument --tp: must be a positive integer, got 0"),
+        (["verify", "--model", "tiny-llama", "--tolerance", "nan"], "mtk", "argument --tolerance: must be a finite"),
+        (["verify", "--model", "tiny-llama", "--seq", "0"], "mtk", "argument --seq: must be a positive integer"),
+        (["topology", "--world", "100000000", "--tp", "2"], "mtk topology", "lists every rank of every group, up to"),
+        (["bench", "--json", "/proc/nope.json"], "mtk bench", "cannot write /proc/nope.json"),
+        (["bench", "--timeout", "-5"], "mtk bench", "--timeout must be a number of seconds > 0, got -5.0"),
         (["verify", "--model", "tiny-llama", "--tp", "3"], "mtk verify", "num_attention_heads = 4 is not divisible"),
         (["verify", "--dtype", "fp8", "--model", "tiny-llama"], "mtk", "argument --dtype: invalid choice: 'fp8'"),
         (["verify", "--model", str(tmp_path / "t5")], "mtk verify", "t5: mtk has no rules for this architecture"),
@@ -316,13 +321,17 @@ def test_a_model_index_that_names_a_file_outside_its_directory_is_one_line(tmp_p
 
 def test_generate_on_a_directory_it_cannot_use_is_one_line(checkpoint, tmp_path, capsys):
     """generate.py ran transformers directly: a training checkpoint, a directory without a tokenizer or one that is
-    not there ended in AutoTokenizer's traceback."""
-    no_tokenizer = tmp_path / "hf"
+    not there ended in AutoTokenizer's traceback, and a tokenizer with custom code made transformers ask whether to
+    run it (sft.py and dpo.py load theirs through the same mtk.data.tokenizers.directory_tokenizer)."""
+    no_tokenizer, custom = tmp_path / "hf", tmp_path / "custom"
     resolve_config("tiny-llama").save_pretrained(no_tokenizer)
+    resolve_config("tiny-llama").save_pretrained(custom)
+    (custom / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["tok.Mine", None]}}))
     cases = [
         (checkpoint, "is an mtk training checkpoint; export it first: mtk export"),
         (no_tokenizer, "has no tokenizer (tokenizer.json or tokenizer_config.json)"),
         (tmp_path / "nowhere", "is neither a built-in config"),
+        (custom, "its tokenizer needs the custom code its auto_map names"),  # transformers asked, and ran it on 'y'
     ]
     for directory, message in cases:
         with pytest.raises(SystemExit) as exit_:
