@@ -30,6 +30,7 @@ import xxhash
 
 from mtk.checkpoint.atomic import MARKER, fsync_dir
 from mtk.checkpoint.meta import FIRST_FORMAT, CheckpointMeta, read_metadata
+from mtk.checkpoint.paths import shard_name
 from mtk.errors import CheckpointError
 
 __all__ = [
@@ -211,6 +212,20 @@ def verify_files(root: Path, recorded: dict[str, dict[str, Any]]) -> list[str]:
     return [problem for part in _gather(mine) for problem in part]
 
 
+def _unlisted_weights(meta: CheckpointMeta) -> list[str]:
+    """The weight files the checkpoint's layout writes (one per (tp, pp) rank, or per piece of each) that its file
+    list leaves out: each listed file may verify while a shard is missing (a resume finds out only when it reads)."""
+    pieces: list[int | None] = [None] if meta.pieces is None else list(range(meta.pieces))
+    t = meta.topology
+    expected = [
+        f"model/{shard_name(tp, pp, piece)}.safetensors"
+        for tp in range(t.tp_size)
+        for pp in range(t.pp_size)
+        for piece in pieces
+    ]
+    return [name for name in expected if name not in meta.files]
+
+
 def read_verified(directory: str | Path) -> CheckpointMeta:
     """The metadata of a complete checkpoint whose every file matches it; else one clear error.
 
@@ -230,6 +245,15 @@ def read_verified(directory: str | Path) -> CheckpointMeta:
             f"{directory}/metadata.json lists no files, so nothing in the checkpoint can be verified; the metadata "
             "is damaged or crafted: use another checkpoint"
         )
+    if meta.format != FIRST_FORMAT:
+        unlisted = _unlisted_weights(meta)
+        if unlisted:
+            t = meta.topology
+            raise CheckpointError(
+                f"{directory}/metadata.json lists no {unlisted[0]}, which its layout (tp {t.tp_size}, pp {t.pp_size}"
+                f"{'' if meta.pieces is None else f', {meta.pieces} pieces'}) writes; the checkpoint is incomplete or "
+                "crafted: use another one"
+            )
     if meta.files:
         problems = verify_files(Path(directory), meta.files)
         if problems:
