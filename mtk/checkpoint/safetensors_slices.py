@@ -58,7 +58,9 @@ def open_safetensors(path: Path) -> SafetensorsFile:
 
 
 class TensorSlicer:
-    """``full[index]`` for one tensor of an open file, where ``index`` slices at most one dimension."""
+    """``full[index]`` for one tensor of an open file: contiguous runs read straight into the result (a slice of
+    one dimension); where several dimensions are sliced (an expert-parallel rank's experts of a fused
+    ``[E, 2I, H]`` tensor, and its TP slice of each), one row of the first dimension at a time."""
 
     def __init__(self, fd: int, path: Path, name: str, dtype: torch.dtype, shape: tuple[int, ...], offset: int):
         self.fd, self.path, self.name = fd, path, name
@@ -71,9 +73,9 @@ class TensorSlicer:
     def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
         if len(index) != len(self.shape):
             raise IndexError(f"{self.name}: index has {len(index)} dims, tensor has {len(self.shape)}")
-        sliced = [d for d, s in enumerate(index) if s != slice(None)]
+        sliced = [d for d, s in enumerate(index) if s.indices(self.shape[d]) != (0, self.shape[d], 1)]
         if len(sliced) > 1:
-            raise IndexError(f"{self.name}: only one dimension may be sliced, got {sliced}")
+            return self._rows(index)
         shape = self.shape or (1,)  # a scalar reads as one element
         dim = sliced[0] if sliced else 0
         start, stop, step = index[dim].indices(shape[dim]) if self.shape else (0, 1, 1)
@@ -92,6 +94,24 @@ class TensorSlicer:
                 position = self.offset + (o * shape[dim] + start) * inner
                 self._read_exact(buffer[o * run : (o + 1) * run], position)
         return out if self.shape else out.reshape(())
+
+    def _rows(self, index: tuple[slice, ...]) -> torch.Tensor:
+        """``full[index]`` row by row of the first dimension: each row is a tensor of one dimension fewer, read with
+        the rest of ``index`` (fewer dimensions sliced each time)."""
+        start, stop, step = index[0].indices(self.shape[0])
+        if step != 1:
+            raise IndexError(f"{self.name}: strided slices are not supported")
+        row_bytes = math.prod(self.shape[1:]) * torch.empty((), dtype=self.dtype).element_size()
+        rows = []
+        for row in range(start, stop):
+            offset = self.offset + row * row_bytes
+            child = TensorSlicer(self.fd, self.path, self.name, self.dtype, self.shape[1:], offset)
+            rows.append(child[index[1:]])
+            self.bytes_read += child.bytes_read
+        if not rows:
+            inner = [len(range(*s.indices(n))) for s, n in zip(index[1:], self.shape[1:])]
+            return torch.empty(0, *inner, dtype=self.dtype)
+        return torch.stack(rows)
 
     def _read_exact(self, target: memoryview, position: int) -> None:
         done = 0
