@@ -176,19 +176,31 @@ def export_checkpoint(
     return out
 
 
+# what a tokenizer's save_pretrained writes (transformers' fast and slow tokenizers, mtk's byte tokenizer): the
+# only files an export takes from a checkpoint's tokenizer/ folder
+TOKENIZER_FILES = re.compile(
+    r"tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|added_tokens\.json|byte_tokenizer\.json"
+    r"|chat_template\.(?:jinja|json)|vocab\.(?:json|txt)|merges\.txt|[\w.-]+\.(?:model|tiktoken)"
+)
+
+
 def copy_tokenizer(checkpoint: str | Path, meta: CheckpointMeta, out: Path) -> None:
     """The tokenizer files the run saved in the checkpoint, if any, into ``out``: only files the metadata lists
-    (verified, inside the checkpoint), never code (``*.py``) and never an ``auto_map`` that would make a loader
-    run code mtk did not write."""
+    (verified, inside the checkpoint) and a tokenizer writes (:data:`TOKENIZER_FILES`: no code, no scripts, no
+    ``config.json`` in place of the one the export wrote), and never an ``auto_map`` that would make a loader run
+    code mtk did not write."""
     root = Path(checkpoint)
     tokenizer = CheckpointPaths(root).tokenizer.name
     names = meta.files or {f"{tokenizer}/{name}": {} for name in list_files(root / tokenizer)}  # format 1: unlisted
     for name in sorted(names):
-        if name.startswith(f"{tokenizer}/") and name.count("/") == 1 and not name.endswith(".py"):
-            target = out / name.split("/", 1)[1]
-            shutil.copy2(contained(root, name), target)
-            if target.suffix == ".json":
-                drop_auto_map(target)
+        if not name.startswith(f"{tokenizer}/") or name.count("/") != 1:
+            continue
+        target = out / name.split("/", 1)[1]
+        if not TOKENIZER_FILES.fullmatch(target.name) or target.exists():  # the export's own files stay its own
+            continue
+        shutil.copy2(contained(root, name), target)
+        if target.suffix == ".json":
+            drop_auto_map(target)
 
 
 def drop_auto_map(path: Path) -> None:
@@ -264,6 +276,9 @@ def staged_directory(out: Path) -> Iterator[Path]:
                 f"cannot write {out}: {reason}; nothing was written (free space or choose another directory)"
             ) from None
         raise
+    for written in tmp.rglob("*"):  # files as open() makes them (some writers' are private, 0600)
+        if written.is_file() and not written.is_symlink():
+            written.chmod(0o666 & ~_umask())
     fsync_tree(tmp)
     if out.exists():
         out.rmdir()

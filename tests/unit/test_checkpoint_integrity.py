@@ -281,8 +281,9 @@ def test_metadata_with_more_pieces_than_files_is_refused(saved, trained, tmp_pat
 
 
 def test_export_copies_no_code_and_no_auto_map(tmp_path, trained):
-    """A checkpoint whose tokenizer carries a .py file and an auto_map (and whose model config names one)
-    exports without either: a loader of the export never runs code mtk did not write."""
+    """A checkpoint whose tokenizer carries a .py file, a compiled one, a script, a config.json and an auto_map (and
+    whose model config names one) exports without any of them: a loader of the export never runs code mtk did not
+    write, and only what a tokenizer saves comes along; every file is as open() makes one (the weights were 0600)."""
     parallel, model, optimizer = trained
     directory = tmp_path / "step_1"
     model.config.auto_map = {"AutoModelForCausalLM": "modeling_evil.EvilModel"}
@@ -293,14 +294,21 @@ def test_export_copies_no_code_and_no_auto_map(tmp_path, trained):
             auto_map = {"auto_map": {"AutoTokenizer": ["evil.T", None]}}
             (root / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(auto_map))
             (root / "tokenizer" / "evil.py").write_text("raise SystemExit('ran')\n")
+            (root / "tokenizer" / "evil.pyc").write_bytes(b"\x00compiled")
+            (root / "tokenizer" / "run.sh").write_text("rm -rf ~\n")
+            (root / "tokenizer" / "config.json").write_text(json.dumps({"model_type": "evil"}))  # over the export's
 
         save_checkpoint(directory, parallel, model, [optimizer], [], step=1, writers=[write_tokenizer])
     finally:
         del model.config.auto_map
     out = export_checkpoint(directory, tmp_path / "out")
-    assert not list(out.glob("*.py"))
+    assert not list(out.glob("*.py")) and not (out / "evil.pyc").exists() and not (out / "run.sh").exists()
+    assert json.loads((out / "config.json").read_text())["model_type"] != "evil"
     assert "auto_map" not in json.loads((out / "config.json").read_text())
     assert "auto_map" not in json.loads((out / "tokenizer_config.json").read_text())
+    mask = os.umask(0)
+    os.umask(mask)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {0o666 & ~mask}  # as open() makes files
 
 
 def test_a_linked_step_is_never_written_through(saved, trained, tmp_path):
