@@ -55,6 +55,10 @@ def _check_types(values: dict[str, Any]) -> None:
     if not isinstance(files, dict):
         raise TypeError(f"files is a {type(files).__name__}, not a mapping of paths to their size and checksum")
     for name, record in files.items():
+        aliased = "." in name.split("/") or "//" in name or name.endswith("/")  # (``..``: not inside, said later)
+        if aliased or any(ord(c) < 32 or ord(c) == 127 for c in name):
+            # one spelling per file (``a/./b`` would verify b twice) and nothing that rewrites the terminal
+            raise TypeError(f"files lists {name.encode('unicode_escape').decode()!r}, not a plain relative path")
         if not (
             isinstance(record, dict)
             and isinstance(record.get("bytes"), int)

@@ -187,6 +187,16 @@ def test_metadata_cannot_name_a_file_outside_the_checkpoint(saved, trained, tmp_
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("entry", ["model/./tp00-pp00.safetensors", "model//tp00-pp00.safetensors", "a\nok\x1b[2K"])
+def test_metadata_names_each_file_once_and_plainly(saved, trained, tmp_path, capsys, entry):
+    """A second spelling of a listed file (it verified twice, "11 files" of 10) or a name with control characters
+    (a newline forged an "ok" line in the message) is refused as damaged metadata, the name shown escaped."""
+    _rewrite_metadata(saved, lambda meta: meta["files"].update({entry: {"bytes": 1, "xxh3_128": "0" * 32}}))
+    for message in _refusals(saved, trained, tmp_path, capsys):
+        assert "not a plain relative path" in message and "\x1b" not in message
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_link_inside_a_checkpoint_is_refused_not_followed(saved, trained, tmp_path, capsys):
     """A tokenizer/ that links to another folder (whose files are then listed, checksums and all) is refused:
     verify-checkpoint does not call it ok and export copies nothing from the link's target."""
