@@ -148,6 +148,12 @@ def check_steps_to_write(output_dir: str | Path, after: int) -> None:
     root = Path(output_dir)
     if not root.is_dir():
         return
+    logs = root / "runs"  # where the trackers (tensorboard) write
+    if logs.exists() and not logs.is_dir():
+        raise CheckpointError(
+            f"{logs} is a file; the run logs into the folder runs/ of --output_dir: move the file, or choose another "
+            "--output_dir"
+        )
     for entry in sorted(root.iterdir()):
         match = _STEP_ENTRY.fullmatch(entry.name)
         if not match or int(match[1]) <= after:

@@ -360,6 +360,9 @@ def test_what_a_run_would_refuse_to_save_over_is_refused_before_it_trains(saved,
         check_steps_to_write(runs, 2)
     (runs / "step_4" / "notes.txt").unlink()
     check_steps_to_write(runs, 2)
+    (runs / "runs").write_text("mine")  # where tensorboard logs: its FileExistsError came after the start
+    with pytest.raises(CheckpointError, match="runs is a file; the run logs into the folder runs/ of --output_dir"):
+        check_steps_to_write(runs, 2)
 
 
 def test_an_overwrite_that_refuses_removed_nothing_first(saved, tmp_path):
