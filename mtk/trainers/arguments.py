@@ -9,6 +9,7 @@ line naming what to use instead, rather than accepted and silently wrong.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -67,9 +68,26 @@ def _refusals(args: Any) -> list[str]:
     return problems
 
 
+def _bad_values(args: Any) -> list[str]:
+    """Values transformers and TRL take and then fail on deep inside (a division by zero, a NaN step): one line
+    each, naming the field."""
+    problems = []
+    for field_name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        value = getattr(args, field_name, 1)
+        if not isinstance(value, int) or value < 1:
+            problems.append(f"TrainingArguments.{field_name}={value!r}: must be a positive integer")
+    rate = getattr(args, "learning_rate", 0.0)
+    if not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate < 0:
+        problems.append(f"TrainingArguments.learning_rate={rate!r}: must be a finite number >= 0")
+    length = getattr(args, "max_length", None)  # TRL's configs: tokens per row, of which one predicts the next
+    if length is not None and (not isinstance(length, int) or length < 2):
+        problems.append(f"{type(args).__name__}.max_length={length!r}: must be at least 2 tokens (or None)")
+    return problems
+
+
 def check_training_arguments(args: Any) -> None:
-    """Raise :class:`ConfigError` naming the first field mtk cannot honour (one line)."""
-    problems = _refusals(args)
+    """Raise :class:`ConfigError` naming the first field mtk cannot honour or value that cannot run (one line)."""
+    problems = _bad_values(args) + _refusals(args)
     if problems:
         raise ConfigError(problems[0])
 

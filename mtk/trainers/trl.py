@@ -33,7 +33,7 @@ import trl.trainer.dpo_trainer as trl_dpo
 import trl.trainer.sft_trainer as trl_sft
 
 from mtk.data.formats import chat_template_refusals
-from mtk.errors import ConfigError
+from mtk.errors import ConfigError, DataError
 from mtk.pipeline.engine import PipelineModel
 from mtk.rules.fused_head import replace_trl_fused_head
 from mtk.trainers.adapters import check_adapters_in_place, take_peft_config
@@ -46,6 +46,24 @@ __all__ = ["DPOTrainer", "SFTTrainer"]
 def _argument(args: tuple | list, kwargs: dict[str, Any], name: str, position: int) -> Any:
     """A constructor argument given by name or by position (``None`` if not given)."""
     return kwargs.get(name, args[position] if len(args) > position else None)
+
+
+def _check_preference_columns(dataset: Any, which: str) -> None:
+    """DPO's rows need ``chosen`` and ``rejected``: one line naming the missing column (TRL's KeyError came from
+    inside its tokenization); a dict of evaluation sets is checked set by set."""
+    if isinstance(dataset, dict):
+        for name, part in dataset.items():
+            _check_preference_columns(part, f"{which}[{name!r}]")
+        return
+    columns = getattr(dataset, "column_names", None)  # (an iterable dataset may not know its columns)
+    if not columns:
+        return
+    missing = [column for column in ("chosen", "rejected") if column not in columns]
+    if missing:
+        raise DataError(
+            f"DPOTrainer's {which} has no {missing[0]!r} column (it has {', '.join(columns)}); DPO rows need 'chosen' "
+            "and 'rejected' (with a 'prompt', or the prompt at the start of both)"
+        )
 
 
 def _refuse_cloned_template(model: Any, config: Any) -> None:
@@ -117,6 +135,8 @@ class DPOTrainer(ParallelTrainerMixin, trl.DPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._peft_config = take_peft_config(args, kwargs, "DPOTrainer")
         _refuse_unverified(_argument(args, kwargs, "args", 2), "DPOTrainer")  # (model, ref_model, args, ...)
+        _check_preference_columns(_argument(args, kwargs, "train_dataset", 4), "train_dataset")
+        _check_preference_columns(_argument(args, kwargs, "eval_dataset", 5), "eval_dataset")
         given = list(args)
         reference = take_reference_directory(given, kwargs, self._peft_config)
         self._path_loader = PathLoader(self, trl_dpo.create_model_from_path, reference)

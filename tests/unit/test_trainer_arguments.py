@@ -29,6 +29,9 @@ def _args(tmp_path, **fields) -> TrainingArguments:
         ({"save_on_each_node": True}, "TrainingArguments.save_on_each_node=True"),
         ({"label_smoothing_factor": 0.1}, "TrainingArguments.label_smoothing_factor"),
         ({"enable_jit_checkpoint": True}, "TrainingArguments.enable_jit_checkpoint=True"),
+        ({"per_device_train_batch_size": 0}, "TrainingArguments.per_device_train_batch_size=0: must be a positive"),
+        ({"gradient_accumulation_steps": 0}, "TrainingArguments.gradient_accumulation_steps=0: must be a positive"),
+        ({"learning_rate": float("nan")}, "TrainingArguments.learning_rate=nan: must be a finite number"),
     ],
 )
 def test_a_field_mtk_cannot_honour_is_refused_naming_it(tmp_path, fields, named):
@@ -117,3 +120,20 @@ def test_dpo_ref_model_given_as_a_directory_is_taken_out_of_what_trl_sees(model_
     assert take_reference_directory(args, {}, None) == model_dir and args[1] is None
     with pytest.raises(ConfigError, match=r"^DPOTrainer\(ref_model=<a directory>, peft_config=...\)"):
         take_reference_directory([], {"ref_model": str(model_dir)}, object())
+
+
+def test_trl_rows_of_one_token_and_dpo_rows_without_a_rejected_answer_are_one_line(tmp_path):
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    from mtk.errors import DataError
+    from mtk.trainers.trl import _check_preference_columns
+
+    with pytest.raises(ConfigError, match=r"SFTConfig.max_length=1: must be at least 2 tokens"):
+        check_training_arguments(SFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_length=1))
+    pairs = Dataset.from_dict({"prompt": ["a"], "chosen": ["b"], "rejected": ["c"]})
+    _check_preference_columns(pairs, "train_dataset")
+    with pytest.raises(DataError, match="train_dataset has no 'rejected' column \\(it has prompt, chosen\\)"):
+        _check_preference_columns(pairs.remove_columns("rejected"), "train_dataset")
+    with pytest.raises(DataError, match="eval_dataset\\['held'\\] has no 'chosen' column"):
+        _check_preference_columns({"held": pairs.remove_columns("chosen")}, "eval_dataset")
