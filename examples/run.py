@@ -50,6 +50,7 @@ from mtk.convert import parallelize
 from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, tokenizer_for
 from mtk.errors import DataError
 from mtk.integrations.deepspeed import (
+    check_launcher_config,
     check_precision,
     deepspeed_config,
     held_elements,
@@ -169,6 +170,7 @@ def build_engine(args: argparse.Namespace, parallel: ParallelState) -> tuple[Any
         report=report,
     )
     check_precision(ds_config, args.deepspeed_config)  # fp16 where DeepSpeed has none: one line
+    check_launcher_config(ds_config, args.deepspeed_config, parallel)  # accelerate's "auto", another "mtk" size
     optimizer_and_schedule(ds_config, args.deepspeed_config, args.lr, report)  # --lr beats the JSON's, in one line
     lora = lora_config(args)
     dtype = base_dtype(args) if lora else None

@@ -43,6 +43,7 @@ from mtk.parallel.record import is_peft_model
 from mtk.parallel.state import ParallelState
 
 __all__ = [
+    "check_launcher_config",
     "check_precision",
     "optimizer_and_schedule",
     "deepspeed_config",
@@ -100,6 +101,26 @@ def deepspeed_config(
     if gradient_clipping is not None:
         config["gradient_clipping"] = gradient_clipping
     return config, batch
+
+
+def check_launcher_config(config: dict[str, Any], path: str | Path, parallel: ParallelState) -> None:
+    """What the deepspeed launcher (``examples/run.py``) cannot take from a JSON written for accelerate, one line
+    each: an ``"auto"`` clipping (accelerate and the HF Trainer fill it in; DeepSpeed compares it with numbers), and
+    an ``"mtk"`` block whose degrees are not the run's (the launcher's come from --tp / --cp and the environment)."""
+    if config.get("gradient_clipping") == "auto":
+        raise ConfigError(
+            f'{path}: "gradient_clipping": "auto" is filled in by accelerate and the HF Trainer, not under the '
+            "deepspeed launcher; give a number (1.0, or 0 for none)"
+        )
+    degrees = {"tp_size": parallel.tp_size, "cp_size": parallel.cp_size}
+    for key, field in MTK_BLOCK_KEYS.items():
+        asked = sizes_from_config(config).get(field)
+        if asked is not None and asked != degrees[field]:
+            flag = "--tp" if field == "tp_size" else "--cp"
+            raise ConfigError(
+                f'{path}: "mtk": {{"{key}": {asked}}} but this run\'s size is {degrees[field]} ({flag}, else the '
+                f"environment); make them agree or drop the key"
+            )
 
 
 MTK_BLOCK_KEYS = {"tensor_parallel_size": "tp_size", "context_parallel_size": "cp_size"}  # -> ParallelConfig

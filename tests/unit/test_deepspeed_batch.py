@@ -287,3 +287,18 @@ def test_a_json_optimizer_beside_the_scripts_own_is_one_line_under_accelerate():
         with pytest.raises(ConfigError, match=rf'ds.json defines the {block} \(its "{block}" block\) and the script'):
             refuse_two_optimizers(accelerator, args)
     refuse_two_optimizers(accelerator, (optimizer,))  # a JSON scheduler beside the script's optimizer: no conflict
+
+
+def test_what_the_deepspeed_launcher_cannot_take_from_an_accelerate_json_is_one_line():
+    """run.py under the deepspeed launcher: accelerate's "auto" clipping reached DeepSpeed's comparison as a string
+    (a TypeError on every rank), and an "mtk" block's TP size other than --tp was ignored without a word."""
+    from types import SimpleNamespace
+
+    from mtk.integrations.deepspeed import check_launcher_config
+
+    run = SimpleNamespace(tp_size=1, cp_size=2)
+    with pytest.raises(ConfigError, match='"gradient_clipping": "auto" is filled in by accelerate'):
+        check_launcher_config({"gradient_clipping": "auto"}, "ds.json", run)
+    with pytest.raises(ConfigError, match=r'"mtk": \{"tensor_parallel_size": 2\} but this run\'s size is 1 \(--tp'):
+        check_launcher_config({"mtk": {"tensor_parallel_size": 2}}, "ds.json", run)
+    check_launcher_config({"gradient_clipping": 1.0, "mtk": {"context_parallel_size": 2}}, "ds.json", run)
