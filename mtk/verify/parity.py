@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from transformers import PretrainedConfig
 
 from mtk.checkpoint.hf_load import load_pretrained_tp
@@ -97,7 +98,11 @@ def _batch(config, batch: int, seq: int, seed: int) -> dict[str, Any]:
 def _models(spec: str | PretrainedConfig, parallel: ParallelState, dtype: torch.dtype, seed: int):
     if isinstance(spec, str) and Path(spec).is_dir():
         config = resolve_config(spec)
-        reference = auto_class_for(config).from_pretrained(spec, dtype=dtype, use_safetensors=True)
+        try:
+            reference = auto_class_for(config).from_pretrained(spec, dtype=dtype, use_safetensors=True)
+        except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # a damaged or foreign weights file
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CheckpointError(f"{spec}: transformers cannot load its weights ({first[:200]})") from None
         return reference.eval(), load_pretrained_tp(spec, parallel, dtype=dtype).eval()
     reference = build_model(spec, seed=seed, dtype=dtype).eval()
     return reference, parallelize(copy.deepcopy(reference), parallel).eval()

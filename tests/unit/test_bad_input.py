@@ -178,6 +178,9 @@ def test_cli_options(checkpoint, tmp_path, capsys):
 
     T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16).save_pretrained(tmp_path / "t5")
     (tmp_path / "a_file").write_text("mine")
+    pickled = tmp_path / "pickled"  # a pickle under the safetensors name: transformers' SafetensorError traceback
+    resolve_config("tiny-llama").save_pretrained(pickled)
+    (pickled / "model.safetensors").write_bytes(b"\x80\x04\x95" + b"\x00" * 64)
     theirs = tmp_path / "out.incomplete"
     theirs.mkdir()
     (theirs / "keep.txt").write_text("mine")
@@ -185,6 +188,7 @@ def test_cli_options(checkpoint, tmp_path, capsys):
         (["topology", "--world", "6", "--tp", "4"], "mtk topology", "not divisible by tp*pp"),
         (["topology", "--world", "x"], "mtk", "argument --world: 'x' is not an integer"),
         (["verify", "--model", "nope"], "mtk verify", "is neither a built-in config"),
+        (["verify", "--model", str(pickled), "--tp", "1"], "mtk verify", "transformers cannot load its weights"),
         (["verify", "--model", "tiny-llama", "--tp", "0"], "mtk", "argument --tp: must be a positive integer, got 0"),
         (["verify", "--model", "tiny-llama", "--tolerance", "nan"], "mtk", "argument --tolerance: must be a finite"),
         (["verify", "--model", "tiny-llama", "--seq", "0"], "mtk", "argument --seq: must be a positive integer"),
