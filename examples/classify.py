@@ -82,7 +82,21 @@ def label_ids(train: Dataset, evaluation: Dataset) -> dict[Any, int]:
         for row, label in enumerate(labels):
             if isinstance(label, float) or isinstance(label, bool) or not isinstance(label, (int, str)):
                 raise DataError(f"{name} row {row} has label {label!r}; labels are names or integer ids 0..K-1")
+    unseen = sorted(set(evaluation["label"]) - set(train["label"]), key=str)
+    if unseen:  # a class the head would hold but training never shows it
+        raise DataError(
+            f"--eval_data has label {unseen[0]!r}, which no training row has; every evaluation label must be one the "
+            "training data has"
+        )
     values = set(train["label"]) | set(evaluation["label"])
+    spelled: dict[str, Any] = {}
+    for value in sorted(values, key=str):  # "pos", "Pos" and "pos " would train as three classes
+        key = str(value).strip().casefold()
+        if key in spelled:
+            raise DataError(
+                f"the labels {spelled[key]!r} and {value!r} differ only in case or spaces; spell each label one way"
+            )
+        spelled[key] = value
     numbers = sorted(str(v) for v in values if str(v).strip().lstrip("-").isdigit())
     names = sorted(str(v) for v in values if not str(v).strip().lstrip("-").isdigit())
     if numbers and names:  # "1" and "pos" would train as two classes

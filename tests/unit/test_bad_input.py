@@ -269,8 +269,10 @@ def test_unreadable_data_is_one_line(tmp_path, content, message):
         (["pos", "pos", "pos"], "the data has one label ('pos'): nothing to classify"),
         ([1.0, 0.0, float("nan")], "--data row 2 has no label"),  # a CSV's empty cell: the column reads as floats
         (["0", "1", "pos"], "the labels mix integer ids and names ('0' and 'pos')"),
+        (["pos", "Pos", "neg"], "the labels 'Pos' and 'pos' differ only in case or spaces"),
+        (["pos", "neg ", "neg"], "the labels 'neg' and 'neg ' differ only in case or spaces"),
     ],
-    ids=["empty-cell", "blank", "float", "one-label", "empty-csv-cell", "ids-and-names"],
+    ids=["empty-cell", "blank", "float", "one-label", "empty-csv-cell", "ids-and-names", "case", "spaces"],
 )
 def test_classification_labels_are_checked(labels, message):
     """An empty label cell is not a class named None (and is the row named), a one-label file does not train as a
@@ -280,6 +282,15 @@ def test_classification_labels_are_checked(labels, message):
     train = Dataset.from_dict({"text": ["a", "b", "c"], "label": labels})
     with pytest.raises(DataError, match=re.escape(message)):
         EXAMPLES["classify"].label_ids(train, train)
+
+
+def test_an_evaluation_label_training_never_shows_is_one_line():
+    from datasets import Dataset
+
+    train = Dataset.from_dict({"text": ["a", "b"], "label": ["pos", "neg"]})
+    held = Dataset.from_dict({"text": ["c"], "label": ["neutral"]})
+    with pytest.raises(DataError, match="--eval_data has label 'neutral', which no training row has"):
+        EXAMPLES["classify"].label_ids(train, held)
 
 
 def test_model_directories_that_need_code_or_hold_pickles_are_one_line(tmp_path):
