@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import math
 import os
 import signal
 from collections.abc import Callable, Iterator, Sequence
@@ -112,6 +113,9 @@ def check_launcher_config(config: dict[str, Any], path: str | Path, parallel: Pa
             f'{path}: "gradient_clipping": "auto" is filled in by accelerate and the HF Trainer, not under the '
             "deepspeed launcher; give a number (1.0, or 0 for none)"
         )
+    clipping = config.get("gradient_clipping")
+    if isinstance(clipping, (int, float)) and not isinstance(clipping, bool) and not 0 <= clipping < math.inf:
+        raise ConfigError(f'{path}: "gradient_clipping": {clipping} must be a finite number >= 0 (0: none)')
     degrees = {"tp_size": parallel.tp_size, "cp_size": parallel.cp_size}
     for key, field in MTK_BLOCK_KEYS.items():
         asked = sizes_from_config(config).get(field)

@@ -301,4 +301,7 @@ def test_what_the_deepspeed_launcher_cannot_take_from_an_accelerate_json_is_one_
         check_launcher_config({"gradient_clipping": "auto"}, "ds.json", run)
     with pytest.raises(ConfigError, match=r'"mtk": \{"tensor_parallel_size": 2\} but this run\'s size is 1 \(--tp'):
         check_launcher_config({"mtk": {"tensor_parallel_size": 2}}, "ds.json", run)
+    for bad in (float("nan"), float("inf"), -1.0):  # NaN turned clipping off without a word
+        with pytest.raises(ConfigError, match='"gradient_clipping": .* must be a finite number >= 0'):
+            check_launcher_config({"gradient_clipping": bad}, "ds.json", run)
     check_launcher_config({"gradient_clipping": 1.0, "mtk": {"context_parallel_size": 2}}, "ds.json", run)
