@@ -30,64 +30,26 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from mtk.config import ConfigError, check_schedule
 from mtk.data.batching import loss_tokens
-from mtk.errors import UnsupportedModelError
-from mtk.parallel.context import KEYWORD, SPLIT_INPUTS, ContextSplit, context_parallel_of, whole_router_loss
+from mtk.parallel.context import SPLIT_INPUTS, ContextSplit, context_parallel_of, whole_router_loss
 from mtk.parallel.expert_parallel import is_expert_parallel
 from mtk.parallel.fsdp import local
 from mtk.parallel.grads import all_reduce_coalesced
 from mtk.parallel.overlap import OverlappedReduction
 from mtk.parallel.parameters import param_info
 from mtk.parallel.record import hf_model, parallelized
-from mtk.parallel.router_loss import carrying, router_loss_in_loss, routing_sums
+from mtk.parallel.router_loss import carrying
 from mtk.parallel.sequence_padding import pad_batch, trim_output
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.batches import fused_output, split_micro_batches, token_mean_loss
 from mtk.pipeline.message import StageMessage
 from mtk.pipeline.p2p import Posted, StageLink
+from mtk.pipeline.routing import record_outputs_of_every_chunk, router_shape, stage_routing_sums
 from mtk.pipeline.schedules import schedule_order, simulate
 from mtk.pipeline.stages import StageInfo, swapped
 
 __all__ = ["PipelineModel", "PipelineStats", "split_micro_batches"]
 
 Received = tuple[torch.Tensor | None, torch.Tensor | None]  # what a pass receives: hidden states, routing sums
-
-
-def _record_outputs_of_every_chunk(model: nn.Module) -> None:
-    """Install transformers' output-recording hooks (router logits, ...) now, while every chunk's layers are in the
-    model: transformers installs them at the first call that records, on the modules in the model then, and a chunk's
-    view has swapped the other chunks' layers out (its router logits would go unrecorded ever after)."""
-    try:
-        from transformers.utils.output_capturing import maybe_install_capturing_hooks
-    except ImportError:  # a transformers without output capturing records nothing this way
-        return
-    decoder = cast(Any, model).base_model
-    if getattr(type(decoder), "_can_record_outputs", None):
-        maybe_install_capturing_hooks(decoder)
-
-
-def _router_shape(model: nn.Module) -> tuple[int, int]:
-    """``(E, k)`` of a model whose loss has the router's load-balancing term (its causal LM's own attributes, as its
-    forward passes them to ``load_balancing_loss_func``), else ``(0, 0)``."""
-    config = cast(Any, model).config
-    if not router_loss_in_loss(config):
-        return 0, 0
-    text = config.get_text_config()
-    experts = getattr(model, "num_experts", None) or next(
-        (
-            getattr(text, name)
-            for name in ("num_experts", "num_local_experts", "n_routed_experts")
-            if hasattr(text, name)
-        ),
-        None,
-    )
-    top_k = getattr(model, "num_experts_per_tok", None) or getattr(text, "num_experts_per_tok", None)
-    if not isinstance(experts, int) or not isinstance(top_k, int):
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: a pipeline carries the router's load-balancing sums between stages and needs "
-            "the model's num_experts and num_experts_per_tok, which it has not; set output_router_logits to false "
-            "in the model's config, or use pp = 1"
-        )
-    return experts, top_k
 
 
 @dataclass
@@ -134,7 +96,7 @@ class PipelineModel(nn.Module):
             raise ConfigError(f"PipelineModel needs a model cut by mtk.parallelize for pp = {parallel.pp_size}")
         # an MoE loss's load-balancing term: each stage's routing sums travel with its hidden states
         whole_router_loss(hf_model(module), "pipeline parallelism")
-        self._router_experts, self._router_top_k = _router_shape(hf_model(module))
+        self._router_experts, self._router_top_k = router_shape(hf_model(module))
         self.info: StageInfo = record.stage
         self.sequence_parallel = record.sequence_parallel and parallel.tp_size > 1
         self.num_micro_batches = num_micro_batches
@@ -153,7 +115,7 @@ class PipelineModel(nn.Module):
         # While chunk c runs: the rank's other chunks pass through, the ends only where the model's are.
         self._views = [self.info.chunk_view(hf_model(module), chunk) for chunk in range(v)]
         if v > 1 and self._router_experts:  # the router logits the chunks' routing sums come from
-            _record_outputs_of_every_chunk(hf_model(module))
+            record_outputs_of_every_chunk(hf_model(module))
         self._chunk_params = self._params_by_chunk() if v > 1 else [None]
         # Set by the trainer: what to backpropagate for one micro-batch's share of the loss
         # (accelerate divides by gradient-accumulation steps, fp16 multiplies by the loss scale).
@@ -360,21 +322,9 @@ class PipelineModel(nn.Module):
         if not self._router_experts:
             return decoder(**inputs, use_cache=False).last_hidden_state, None  # [b, s, h]
         outputs = decoder(**inputs, use_cache=False, output_router_logits=True)
-        return outputs.last_hidden_state, self._routing_sums(outputs.router_logits, inputs, sums_in)
-
-    def _routing_sums(self, router_logits: Any, inputs: dict[str, Any], sums_in: torch.Tensor | None) -> torch.Tensor:
-        """``[2E + 1]`` fp32: this chunk's MoE layers' routing sums added to the ones it received, over the tokens
-        the model's loss counts (its attention mask's; under CP, this rank's part of the rows)."""
-        shard = inputs.get(KEYWORD)
-        valid = shard.valid if shard is not None else inputs.get("attention_mask")
-        logits = tuple(router_logits or ())  # [tokens, E] per MoE layer of this chunk
-        experts, top_k = self._router_experts, self._router_top_k
-        if logits:
-            sums = routing_sums(logits, experts, top_k, valid)  # [2E + 1]
-            return sums if sums_in is None else sums + sums_in.to(device=sums.device, dtype=sums.dtype)
-        if sums_in is not None:
-            return sums_in.float()
-        return torch.zeros(2 * experts + 1, dtype=torch.float32, device=self.parallel.device)  # no MoE layer yet
+        return outputs.last_hidden_state, stage_routing_sums(
+            outputs.router_logits, inputs, sums_in, self._router_experts, self._router_top_k, self.parallel.device
+        )
 
     def _params_by_chunk(self) -> list[list[nn.Parameter] | None]:
         """The parameters each chunk's backward makes final: its blocks', the head's on the last chunk,

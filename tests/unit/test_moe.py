@@ -60,14 +60,14 @@ def test_a_pipeline_needs_the_experts_and_top_k_its_sums_count():
     from torch import nn
     from transformers import PretrainedConfig
 
-    from mtk.pipeline.engine import _router_shape
+    from mtk.pipeline.routing import router_shape
 
-    assert _router_shape(build_model("tiny-qwen3-moe", seed=0)) == (8, 2)
+    assert router_shape(build_model("tiny-qwen3-moe", seed=0)) == (8, 2)
     unnamed = nn.Module()  # a load-balancing term, but no experts or top-k under a name mtk knows
     unnamed.config = PretrainedConfig(output_router_logits=True, router_aux_loss_coef=0.01)
     with pytest.raises(UnsupportedModelError, match="needs the model's num_experts and num_experts_per_tok"):
-        _router_shape(unnamed)
-    assert _router_shape(build_model("tiny-llama", seed=0)) == (0, 0)
+        router_shape(unnamed)
+    assert router_shape(build_model("tiny-llama", seed=0)) == (0, 0)
 
 
 def test_expert_parallelism_on_a_dense_model_is_one_line():
