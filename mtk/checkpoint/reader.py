@@ -16,6 +16,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -175,19 +176,100 @@ class ShardedCheckpointReader:
             raise CheckpointError(f"{self.directory}: no piece holds rows {rows} of {key!r}")
         runs.sort(key=lambda run: run[0][0])
         shape = runs[0][2]
-        begin, end = wanted or (0, math.prod(shape))
+        self._check_join(
+            key, [(span, value.numel(), path) for span, value, _, path in runs], wanted or (0, math.prod(shape))
+        )
+        held = shape if rows is None else (rows[1] - rows[0], *shape[1:])
+        return torch.cat([value for _, value, _, _ in runs]).reshape(held)
+
+    def _check_join(self, key: str, runs: list[tuple[tuple[int, int], int, Path]], span: tuple[int, int]) -> None:
+        """``runs`` (each piece's elements ``[start, stop)``, the count it stores, its file), sorted, hold the elements
+        ``span`` of ``key``'s shard exactly once."""
+        begin, end = span
         at = begin
-        for (start, stop), value, _, path in runs:
-            if start != at or value.numel() != stop - start:
+        for (start, stop), stored, path in runs:
+            if start != at or stored != stop - start:
                 raise CheckpointError(
                     f"{path}: the pieces of {key!r} do not join (elements [{start}, {stop}) after {at})"
                 )
             at = stop
         if at != end:
-            held_elements = f"{at - begin} of {end - begin} elements"
-            raise CheckpointError(f"{self.directory}: the pieces of {key!r} hold {held_elements}")
-        held = shape if rows is None else (rows[1] - rows[0], *shape[1:])
-        return torch.cat([value for _, value, _, _ in runs]).reshape(held)
+            raise CheckpointError(
+                f"{self.directory}: the pieces of {key!r} hold {at - begin} of {end - begin} elements"
+            )
+
+    def check_complete(self, optimizer: bool) -> None:
+        """Every tensor (and, with ``optimizer``, every optimizer state) rebuilds whole from what the files hold, read
+        from their headers alone: each shard's pieces join without gap or overlap, each shard has the shape its spec
+        says, and the shards of a split tensor cover it. Checksums prove the files are the ones saved; this proves
+        what was saved is whole (a crafted or damaged layout would otherwise be found only when a resume or an
+        export reaches the tensor)."""
+        for name, shards in self.shards.items():
+            self._check_covered(name, name, [s for s, _ in shards], optimizer=False)
+        if not optimizer:
+            return
+        self._open_optimizer()
+        for key in self.optimizer_keys():
+            name = key.rpartition("::")[0]
+            if name not in self.shards:
+                raise CheckpointError(f"{self.directory}: optimizer state {key!r} belongs to no tensor of the model")
+            held = [s for s, _ in self.shards[name] if self._holds(s, key)]
+            if not self._stored_shape(held[0], key, optimizer=True):  # a scalar (AdamW's step): replicated
+                continue
+            self._check_covered(key, name, held, optimizer=True)
+
+    def _check_covered(self, key: str, name: str, held: list[int], *, optimizer: bool) -> None:
+        full, specs = self.full_shapes[name], dict(self.shards[name])
+        for shard in held:
+            shape, spec = self._stored_shape(shard, key, optimizer=optimizer), specs[shard]
+            expected = list(full)
+            if spec.dim is not None:
+                dim = spec.dim % len(full)
+                expected[dim] = spec.local_size if spec.local_size is not None else spec.taken()
+                if any(not 0 <= start <= stop <= full[dim] for start, stop in spec.ranges):
+                    raise CheckpointError(f"{self.directory}: {key!r} of shard {self.ranks[shard]} reaches outside it")
+            if tuple(shape) != tuple(expected):
+                raise CheckpointError(
+                    f"{self.directory}: shard {self.ranks[shard]} holds {key!r} as {tuple(shape)}, its spec says "
+                    f"{tuple(expected)}"
+                )
+        split = [specs[s] for s in held]
+        if any(spec.dim is None for spec in split):
+            return
+        dim = cast(int, split[0].dim) % len(full)
+        covered = torch.zeros(full[dim], dtype=torch.bool)
+        for spec in split:
+            for start, stop in spec.ranges:
+                covered[start:stop] = True
+        if not bool(covered.all()):
+            raise CheckpointError(
+                f"{self.directory}: the shards of {key!r} hold {int(covered.sum())} of its {full[dim]} entries along "
+                f"dimension {dim}"
+            )
+
+    def _stored_shape(self, shard: int, key: str, *, optimizer: bool) -> tuple[int, ...]:
+        """The shape of shard ``shard`` of ``key`` as its file holds it, or (pieces) as its pieces join to, checked."""
+        parts = [part for part in self._parts[shard] if key in part.file(optimizer)]
+        if not parts:
+            self._missing(shard, key)
+        if self._piece_ids == [None]:
+            return parts[0].file(optimizer).get_slice(key).get_shape()
+        name = key.rpartition("::")[0] if optimizer else key
+        runs = []
+        for part in parts:
+            handle = part.file(optimizer)
+            stored = handle.get_slice(key).get_shape()
+            if not stored:
+                return ()
+            if name not in part.flat:
+                raise CheckpointError(f"{handle.path} holds {key!r} but no range of {name!r} for it")
+            runs.append((part.flat[name], math.prod(stored), handle.path))
+        shapes = {part.shard_shapes[name] for part in parts}
+        if len(shapes) != 1:
+            raise CheckpointError(f"{self.directory}: the pieces of {key!r} disagree on its shape ({sorted(shapes)})")
+        shape = shapes.pop()
+        self._check_join(key, sorted(runs, key=lambda run: run[0][0]), (0, math.prod(shape)))
+        return shape
 
     @classmethod
     def _read_rows(cls, slicer, rows: tuple[int, int] | None) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from mtk.checkpoint.integrity import ALGORITHM, read_verified
+from mtk.checkpoint.reader import ShardedCheckpointReader
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -13,7 +14,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="check every file of a training checkpoint against the checksums in its metadata",
         description=(
             "Read metadata.json of a checkpoint written by mtk (save_state, examples/*.py) and check that "
-            "every file it lists is there with its recorded size and checksum, and nothing else is. "
+            "every file it lists is there with its recorded size and checksum, and nothing else is; then, from the "
+            "weights and optimizer files' headers, that every tensor rebuilds whole from its shards and pieces. "
             "Exit 0 if it is complete and intact; otherwise print the first problem and exit 2."
         ),
     )
@@ -30,6 +32,9 @@ def run(args: argparse.Namespace) -> int:
     if not meta.files:
         print(f"{args.checkpoint}: {meta.format} has no checksums; only its metadata was read ({where})")
         return 0
+    optimizer = any(name.startswith("optimizer/") and name.endswith(".safetensors") for name in meta.files)
+    with ShardedCheckpointReader(args.checkpoint, meta) as reader:
+        reader.check_complete(optimizer=optimizer)
     size = sum(record["bytes"] for record in meta.files.values())
     print(
         f"{args.checkpoint}: ok, {len(meta.files)} files ({size / 2**20:.1f} MiB) match their {ALGORITHM}; "

@@ -153,10 +153,12 @@ def test_fsdp2_checkpoints_resume_without_fsdp_and_back(reference, tmp_path):
 
     from mtk.checkpoint.export import export_checkpoint
     from mtk.checkpoint.meta import read_metadata
+    from mtk.cli.main import main as mtk_main
 
     sharded, plain = tmp_path / "fsdp", str(tmp_path / "plain")
     first = run_distributed(_train, world_size=4, args=(2, 2, 1, None, str(sharded), 1, torch.float64, None, 1, True))
     assert read_metadata(sharded).pieces == 2
+    assert mtk_main(["verify-checkpoint", str(sharded)]) == 0  # the pieces cover every tensor and moment
     assert sorted(p.name for p in (sharded / "model").iterdir()) == [
         f"tp{t:02d}-pp00-piece{d:02d}.safetensors" for t in range(2) for d in range(2)
     ]

@@ -78,6 +78,14 @@ def assert_same_losses(actual: dict[int, float], expected: dict[int, float], ste
         assert_close_rel(actual[step], expected[step], f"{prefix}loss at step {step}")
 
 
+def assert_checkpoint_whole(step) -> None:
+    """``mtk verify-checkpoint step`` passes: every file matches its checksum and every tensor and optimizer state
+    rebuilds whole from its shards and pieces (EP's and FSDP2's included)."""
+    from mtk.cli.main import main as mtk_main
+
+    assert mtk_main(["verify-checkpoint", str(step)]) == 0, step
+
+
 def one_line_error(out: subprocess.CompletedProcess, message: str, prog: str = "finetune.py") -> None:
     """The run failed with exactly one ``<prog>: error: ...`` line, containing ``message``."""
     assert out.returncode != 0

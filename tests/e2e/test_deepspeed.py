@@ -14,7 +14,7 @@ import pytest
 
 from mtk.models import build_model
 from mtk.testing import assert_close_rel
-from tests.e2e.launch import ROOT, accelerate_launch, deepspeed_run, step_losses
+from tests.e2e.launch import ROOT, accelerate_launch, assert_checkpoint_whole, deepspeed_run, step_losses
 
 
 def held(out: subprocess.CompletedProcess) -> tuple[float, float]:
@@ -58,6 +58,7 @@ def test_zero2_tp2_dp2_equals_non_zero(reference, zero2_run):
     for step in range(1, 7):
         assert_close_rel(losses[step], reference[step], f"ZeRO-2 TP2xDP2 loss at step {step}")
     assert (out_dir / "runs").is_dir() and (out_dir / "step_3" / "deepspeed").is_dir()
+    assert_checkpoint_whole(out_dir / "step_3")
 
 
 def test_zero1_tp2_dp2_with_recompute_equals_non_zero(reference, tmp_path):
@@ -124,6 +125,7 @@ def test_zero3_at_one_data_parallel_rank_exports(tmp_path):
     args = ("--tp", "2", "--batch_size", "8", "--max_steps", "2", "--save_every", "2", "--output_dir", str(tmp_path))
     deepspeed_run(2, "zero3", *args)
     assert read_metadata(tmp_path / "step_2").pieces == 1
+    assert_checkpoint_whole(tmp_path / "step_2")
     out = subprocess.run(
         ["mtk", "export", str(tmp_path / "step_2"), str(tmp_path / "hf")], capture_output=True, text=True, timeout=600
     )

@@ -20,7 +20,14 @@ from transformers import AutoModelForCausalLM
 
 from mtk.testing import assert_close_rel
 from tests.e2e.conftest import Run
-from tests.e2e.launch import accelerate_launch, assert_same_losses, finetune, one_line_error, step_losses
+from tests.e2e.launch import (
+    accelerate_launch,
+    assert_checkpoint_whole,
+    assert_same_losses,
+    finetune,
+    one_line_error,
+    step_losses,
+)
 
 MOE = ("--model", "tiny-qwen3-moe", "--max_steps", "6", "--batch_size", "4")  # a global batch of 8 over DP 2
 
@@ -37,6 +44,7 @@ def test_ep2_logs_the_dp2_losses_and_its_checkpoints_resume_at_ep1(moe_dp2, tmp_
     out = accelerate_launch("finetune.py", "ep2", "--output_dir", str(tmp_path / "run"), *MOE, "--save_every", "3")
     assert "tp=1 pp=1 dp=2 ep=2 world=2" in out.stdout + out.stderr
     assert_same_losses(step_losses(out), moe_dp2.losses, range(1, 7), "ep2 vs dp2")
+    assert_checkpoint_whole(tmp_path / "run" / "step_3")
     resumed = finetune("tp1_dp2", tmp_path / "at_ep1", *MOE, "--resume", str(tmp_path / "run" / "step_3"))
     assert_same_losses(resumed, moe_dp2.losses, range(4, 7), "ep2 step 3 resumed at ep1")
     resumed = finetune("ep2", tmp_path / "at_ep2", *MOE, "--resume", str(moe_dp2.dir / "step_3"))
@@ -52,6 +60,7 @@ def test_ep2_with_experts_split_over_tp2_saves_the_model_from_pretrained_loads(m
     config = _yaml(tmp_path, use_distributed_optimizer="true")
     losses = finetune(config, tmp_path / "run", *MOE, "--save_model", str(saved), "--save_every", "3")
     assert_same_losses(losses, moe_dp2.losses, range(1, 7), "ep2 x tp2 (distributed optimizer) vs dp2")
+    assert_checkpoint_whole(tmp_path / "run" / "step_3")
     resumed = finetune("tp1_dp2", tmp_path / "at_ep1", *MOE, "--resume", str(tmp_path / "run" / "step_3"))
     assert_same_losses(resumed, moe_dp2.losses, range(4, 7), "ep2 x tp2 distopt step 3 resumed at ep1")
     ours = dict(AutoModelForCausalLM.from_pretrained(saved).named_parameters())
@@ -113,6 +122,7 @@ def test_ep2_inside_dp4_with_the_distributed_optimizer_resumes_at_ep1_exactly(tm
     out = accelerate_launch("finetune.py", spread, "--output_dir", str(tmp_path / "run"), *MOE, "--save_every", "3")
     assert "tp=1 pp=1 dp=4 ep=2 world=4" in out.stdout + out.stderr
     losses = step_losses(out)
+    assert_checkpoint_whole(tmp_path / "run" / "step_3")
     (tmp_path / "ep1").mkdir()
     whole = _yaml(tmp_path / "ep1", **{**keys, "expert_model_parallel_size": "1"})
     resumed = finetune(whole, tmp_path / "at_ep1", *MOE, "--resume", str(tmp_path / "run" / "step_3"))
@@ -131,6 +141,7 @@ def test_ep2_inside_a_pp2_pipeline_logs_the_accumulated_dp2_losses_and_resumes_a
                             "--batch_size", "4", "--save_every", "3")  # fmt: skip
     assert "tp=1 pp=2 (1f1b, 2 micro-batches) dp=2 ep=2 world=4" in out.stdout + out.stderr
     assert_same_losses(step_losses(out), reference, range(1, 7), "pp2 x ep2 vs dp2 accumulating 2")
+    assert_checkpoint_whole(tmp_path / "run" / "step_3")
     (tmp_path / "ep1").mkdir()
     at_ep1 = _yaml(tmp_path / "ep1", **{**keys, "expert_model_parallel_size": "1"})
     resumed = finetune(
@@ -155,6 +166,7 @@ def test_lora_at_ep2_logs_the_dp2_losses_resumes_at_ep1_and_exports(moe_dp2, tmp
     out = accelerate_launch("finetune.py", "ep2", "--output_dir", str(tmp_path / "run"), *lora, "--save_every", "3")
     assert "LoRA all-linear" in out.stdout + out.stderr and "ep=2" in out.stdout + out.stderr
     assert_same_losses(step_losses(out), reference, range(1, 7), "LoRA at ep2 vs dp2")
+    assert_checkpoint_whole(tmp_path / "run" / "step_3")
     resumed = finetune("tp1_dp2", tmp_path / "at_ep1", *lora, "--resume", str(tmp_path / "run" / "step_3"))
     assert_same_losses(resumed, reference, range(4, 7), "LoRA ep2 step 3 resumed at ep1")
     step = str(tmp_path / "run" / "step_6")
@@ -182,5 +194,6 @@ def test_fsdp2_with_ep2_logs_the_dp2_losses_and_its_checkpoint_resumes_without_e
                             "3", env=env)  # fmt: skip
     assert "FSDP2 over data parallelism" in out.stdout + out.stderr and "dp=2 ep=2" in out.stdout + out.stderr
     assert_same_losses(step_losses(out), moe_dp2.losses, range(1, 7), "fsdp2 x ep2 vs dp2")
+    assert_checkpoint_whole(tmp_path / "run" / "step_3")
     resumed = finetune("tp1_dp2", tmp_path / "at_ep1", *MOE, "--resume", str(tmp_path / "run" / "step_3"))
     assert_same_losses(resumed, moe_dp2.losses, range(4, 7), "fsdp2 x ep2 step 3 resumed at dp2")

@@ -560,12 +560,15 @@ def _pieces_checkpoint(root, runs):
         ([(3, 6), (0, 3)], None),
         ([(0, 6)], None),  # ZeRO-3 at DP = 1: one piece, still a piece file holding a flat run
         ([(0, 2), (3, 6)], "do not join"),
+        ([(0, 4), (3, 6)], "do not join"),
         ([(0, 3), (3, 5)], "hold 5 of 6"),
     ],
-    ids=["in_order", "any_order", "one_piece", "gap", "short"],
+    ids=["in_order", "any_order", "one_piece", "gap", "overlap", "short"],
 )
-def test_pieces_join_into_their_shard_or_are_refused(tmp_path, runs, problem):
-    """FSDP2's pieces: joined in element order whatever their files' order; a gap or a missing tail is one line."""
+def test_pieces_join_into_their_shard_or_are_refused(tmp_path, runs, problem, capsys):
+    """FSDP2's and EP's pieces: joined in element order whatever their files' order; a gap, an overlap or a missing
+    tail is one line, from a reader and from ``mtk verify-checkpoint`` (whose checksums alone would pass a crafted
+    checkpoint listing these files), which reads only the headers."""
     from mtk.checkpoint.reader import ShardedCheckpointReader
 
     meta, full = _pieces_checkpoint(tmp_path, runs)
@@ -575,3 +578,50 @@ def test_pieces_join_into_their_shard_or_are_refused(tmp_path, runs, problem):
         else:
             with pytest.raises(CheckpointError, match=problem):
                 reader.full("w")
+    meta.files = {f"model/{p.name}": _record(p) for p in sorted((tmp_path / "model").iterdir())}
+    (tmp_path / "metadata.json").write_text(meta.to_json())
+    code, out, err = _verify_cli(tmp_path, capsys)
+    if problem is None:
+        assert code == 0 and ": ok, " in out
+    else:
+        assert code == 2 and problem in err and "\n" not in err.strip()
+
+
+def _tp_checkpoint(root, shards, stored=None):
+    """A (tp 2, pp 1) checkpoint of one 4 x 3 tensor split on rows: shard ``t`` claims rows ``shards[t]`` and holds
+    ``stored[t]`` rows (its claim's by default), every file listed with a matching checksum."""
+    from safetensors.torch import save_file
+
+    from mtk.checkpoint.meta import CheckpointMeta
+    from mtk.parallel.layout import Layout
+
+    (root / "model").mkdir(parents=True)
+    for t, (start, stop) in enumerate(shards):
+        rows = (stored or {}).get(t, stop - start)
+        spec = {"full_shape": [4, 3], "dim": 0, "ranges": [[start, stop]], "local_size": None}
+        path = root / f"model/tp{t:02d}-pp00.safetensors"
+        save_file({"w": torch.zeros(rows, 3)}, str(path), metadata={"mtk_specs": json.dumps({"w": spec})})
+    meta = CheckpointMeta(step=1, topology=Layout(world_size=2, tp_size=2, pp_size=1))
+    meta.files = {f"model/{p.name}": _record(p) for p in sorted((root / "model").iterdir())}
+    (root / "metadata.json").write_text(meta.to_json())
+
+
+@pytest.mark.parametrize(
+    "shards,stored,problem",
+    [
+        ([(0, 2), (2, 4)], None, None),
+        ([(0, 2), (0, 2)], None, "hold 2 of its 4 entries along dimension 0"),
+        ([(0, 2), (2, 4)], {1: 1}, "holds 'w' as (1, 3), its spec says (2, 3)"),
+        ([(0, 2), (2, 9)], {1: 7}, "reaches outside it"),
+    ],
+    ids=["whole", "uncovered", "short_shard", "outside"],
+)
+def test_verify_checkpoint_checks_that_the_shards_cover_each_tensor(tmp_path, capsys, shards, stored, problem):
+    """Checksums prove the files are the ones recorded, not that they hold a whole model: a crafted (or wrongly
+    written) layout is one line from ``mtk verify-checkpoint``, not found only when an export reaches the tensor."""
+    _tp_checkpoint(tmp_path, shards, stored)
+    code, out, err = _verify_cli(tmp_path, capsys)
+    if problem is None:
+        assert code == 0 and ": ok, 2 files" in out
+    else:
+        assert code == 2 and problem in err and "\n" not in err.strip()
