@@ -113,7 +113,7 @@ def predicted_for(spec: BenchSpec) -> Predicted:
         residual_dropout=has_residual_dropout(config),
         virtual_stages=spec.virtual_stages,
         stage_layers=_first_rank_layers(config, spec) if spec.pp_size > 1 else None,
-        tp_shared_numels=tuple(tp_shared_numels(config, spec.tp_size)) if spec.tp_size > 1 else (),
+        tp_summed_numels=tuple(tp_shared_numels(config, spec.tp_size)) * stage_layers if spec.tp_size > 1 else (),
         moe_layers=moe_here if spec.tp_size > 1 else 0,
         top_k=top_k,
         router_experts=router_experts(config) if spec.pp_size > 1 else 0,

@@ -59,7 +59,8 @@ def predict_collectives(
     expert_gradient_numels: tuple[int, ...] = (),
     all_gather_widths: tuple[int, ...] = (),
     stage_layers: int | None = None,
-    tp_shared_numels: tuple[int, ...] = (),
+    tp_summed_numels: tuple[int, ...] = (),
+    gradient_element_size: int | None = None,
     moe_layers: int = 0,
     top_k: int = 0,
     router_experts: int = 0,
@@ -72,11 +73,12 @@ def predict_collectives(
     ``all_gather_widths``: the distributed optimizer's all-gather rounds after the step (each rank's input, in
     elements).
 
-    ``tp_shared_numels``: one block's replicated parameters applied to one TP rank's heads (per-head q/k norms),
-    each gradient summed over TP in every backward; ``moe_layers`` MoE layers (this stage's) routing ``top_k``
-    experts per token add,
-    with the experts split over TP, the routing weights' gradient ``[b s, k]`` summed over TP in every backward
-    (the experts' input and output are the blocks' MLP pair, counted with them).
+    ``tp_summed_numels``: this stage's trainable parameters whose gradient is summed over TP in every backward
+    (``tp_shared``: per-head q/k norms, the whole LoRA factors of experts split over TP), of
+    ``gradient_element_size`` bytes per element (default ``element_size``); ``moe_layers`` MoE layers (this
+    stage's) routing ``top_k`` experts per token add, with the experts split over TP, the routing weights'
+    gradient ``[b s, k]`` summed over TP in every backward (the experts' input and output are the blocks' MLP
+    pair, counted with them).
 
     With PP, ``batch`` is the step's batch, cut into ``micro_batches``; this stage's layers are
     ``stage_layers`` (:func:`mtk.pipeline.balance.layer_counts` gives the model's split; by default the
@@ -119,9 +121,10 @@ def predict_collectives(
             per_micro = 4 * layers + ends + reruns
             counts["all_reduce"] += per_micro * micro_batches
             nbytes["all_reduce"] += per_micro * micro_batches * activation
-        if tp_shared_numels:
-            counts["all_reduce"] += len(tp_shared_numels) * layers * micro_batches
-            nbytes["all_reduce"] += sum(tp_shared_numels) * layers * element_size * micro_batches
+        if tp_summed_numels:
+            counts["all_reduce"] += len(tp_summed_numels) * micro_batches
+            summed_size = element_size if gradient_element_size is None else gradient_element_size
+            nbytes["all_reduce"] += sum(tp_summed_numels) * summed_size * micro_batches
         if moe_layers:
             counts["all_reduce"] += moe_layers * micro_batches
             nbytes["all_reduce"] += moe_layers * micro * seq * top_k * element_size * micro_batches

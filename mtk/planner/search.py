@@ -41,7 +41,6 @@ from mtk.planner.shapes import (
     router_experts,
     sequence_parallel_elements,
     stage_moe_layers,
-    tp_shared_numels,
 )
 from mtk.planner.timing import StepTime, Traffic, collective_seconds, flops_per_token, model_size
 from mtk.planner.trace import Parameters, TraceSettings, trace_rank
@@ -177,7 +176,8 @@ def _traffic(request: Request, c: Candidate, stage: int, params: Parameters) -> 
         sequence_parallel_elements=sequence_parallel_elements(config, c.tp_size) if c.sequence_parallel else 0,
         recompute=c.recompute,
         residual_dropout=has_residual_dropout(config),
-        tp_shared_numels=tuple(tp_shared_numels(config, c.tp_size)) if c.tp_size > 1 else (),
+        tp_summed_numels=params.tp_summed if c.tp_size > 1 else (),
+        gradient_element_size=2 if (request.dtype == "bf16" and c.engine == "deepspeed") else 4,
         moe_layers=stage_moe_layers(config, _rank_layers(config, c)[stage], c.pp_size) if c.tp_size > 1 else 0,
         top_k=int(getattr(config, "num_experts_per_tok", 0) or 0),
         router_experts=router_experts(config) if c.pp_size > 1 else 0,

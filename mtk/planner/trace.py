@@ -43,6 +43,7 @@ from mtk.convert.regions import local_blocks
 from mtk.errors import MtkError, UnsupportedModelError
 from mtk.lora import get_peft_model
 from mtk.models import DTYPES, auto_class_for, with_layers
+from mtk.parallel.parameters import param_info
 from mtk.parallel.recompute import enable_recompute
 from mtk.parallel.record import hf_model, parallelized
 from mtk.parallel.state import ParallelState
@@ -78,6 +79,9 @@ class Parameters:
     frozen: int = 0
     experts: tuple[bool, ...] = ()  # per trainable parameter: an MoE layer's expert tensor (empty: none is)
     frozen_experts: int = 0  # of ``frozen``, the elements of expert tensors (LoRA's frozen experts)
+    # the elements of each trainable parameter whose gradient is summed over TP in every backward (``tp_shared``:
+    # per-head q/k norms, the whole LoRA factors of experts split over TP)
+    tp_summed: tuple[int, ...] = ()
 
     def __add__(self, other: Parameters) -> Parameters:
         experts = self.expert_flags + other.expert_flags if self.experts or other.experts else ()
@@ -86,11 +90,14 @@ class Parameters:
             self.frozen + other.frozen,
             experts,
             self.frozen_experts + other.frozen_experts,
+            self.tp_summed + other.tp_summed,
         )
 
     def __mul__(self, count: int) -> Parameters:
         frozen_experts = self.frozen_experts * count
-        return Parameters(self.trainable * count, self.frozen * count, self.experts * count, frozen_experts)
+        return Parameters(
+            self.trainable * count, self.frozen * count, self.experts * count, frozen_experts, self.tp_summed * count
+        )
 
     @property
     def expert_flags(self) -> tuple[bool, ...]:
@@ -261,25 +268,31 @@ def _parameters(model, block: nn.Module | None, ep_size: int = 1) -> tuple[Param
     in_block = {id(p) for p in block.parameters()} if block is not None else set()
     moe = [m for m in model.modules() if hasattr(m, "num_experts") and hasattr(m, "down_proj")]  # spread_experts'
     experts = {id(p) for m in moe for p in m.parameters(recurse=False)}
-    parts: list[tuple[list[int], list[int], list[bool], list[int]]] = [([], [], [], []) for _ in range(3)]
+    parts: list[tuple[list[int], list[int], list[bool], list[int], list[int]]] = [
+        ([], [], [], [], []) for _ in range(3)
+    ]
     part = 0
     for param in model.parameters():
         if id(param) in in_block:
             part = 1
         elif part == 1:
             part = 2
-        trainable, frozen, flags, frozen_experts = parts[part]
+        trainable, frozen, flags, frozen_experts, tp_summed = parts[part]
         expert = id(param) in experts
         numel = param.numel() // ep_size if expert else param.numel()
         if param.requires_grad:
             trainable.append(numel)
             flags.append(expert)
+            if param_info(param).tp_shared:
+                tp_summed.append(numel)
         else:
             frozen.append(numel)
             frozen_experts.append(numel if expert else 0)
     before, layer, after = (
-        Parameters(tuple(trainable), sum(frozen), tuple(flags) if any(flags) else (), sum(frozen_experts))
-        for trainable, frozen, flags, frozen_experts in parts
+        Parameters(
+            tuple(trainable), sum(frozen), tuple(flags) if any(flags) else (), sum(frozen_experts), tuple(summed)
+        )
+        for trainable, frozen, flags, frozen_experts, summed in parts
     )
     return before, layer, after
 
