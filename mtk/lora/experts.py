@@ -14,8 +14,10 @@ replicated gradient, each expert's part becomes the sum over the EP groups divid
 spread experts' own reduction computes (:func:`~mtk.parallel.expert_parallel.reduce_expert_gradients`) and what
 one process computes on the global batch. Over TP: each rank's gradient is its slice's contribution (the factor on
 the split side gets its rows or columns, the other one a partial sum), so backward sums it over TP
-(:func:`~mtk.parallel.grads.sum_grad_over_tp`, as for per-head q/k norms). DDP, clipping, the distributed
-optimizer, FSDP2, checkpoints (whole tensors, resumable at any layout) and PEFT's adapter files need nothing more.
+(:func:`~mtk.parallel.grads.sum_grad_over_tp`, as for per-head q/k norms); only its experts' part, the rest being
+zero on every rank of the TP group (they hold the same experts): ``1/ep`` of the factors. DDP, clipping, the
+distributed optimizer, FSDP2, checkpoints (whole tensors, resumable at any layout) and PEFT's adapter files need
+nothing more.
 
 Every ``ParamWrapper`` mtk's :func:`~mtk.lora.get_peft_model` builds draws its factors from a generator of its own,
 seeded by the run's seed and the adapted tensor's HF name (as :class:`~mtk.lora.layers.ParallelLoraLinear` does):
@@ -141,16 +143,21 @@ def use_whole_expert_factors(model: nn.Module, adapter_name: str, init: Any, see
             generator = torch.Generator().manual_seed(adapter_seed(seed, _hf_name(name, wrapper.parameter_name)))
             a, b = full_factors(rows, wrapper.in_features, wrapper.out_features, init, generator, rank=r)
             a, b = a.to(tensor.dtype), b.to(tensor.dtype)
-        for factor, value in ((wrapper.lora_A[adapter_name], a), (wrapper.lora_B[adapter_name], b)):
+        own = (placement.first, placement.first + placement.local) if placement is not None else (0, experts)
+        parts = (  # this rank's experts' rows of A (expert-major) and columns of B (the expert index fastest)
+            ((experts, r, a.shape[1]), 0, *own),
+            ((b.shape[0], r, experts), 2, *own),
+        )
+        for factor, value, part in zip((wrapper.lora_A[adapter_name], wrapper.lora_B[adapter_name]), (a, b), parts):
             old = factor.weight
             factor.weight = nn.Parameter(value.to(old.device, old.dtype), requires_grad=old.requires_grad)
-            if tp_cut is not None:
-                sum_grad_over_tp(factor.weight, tp_group)
+            if tp_cut is not None:  # non-zero in this TP group's experts' part only: summed over TP there alone
+                sum_grad_over_tp(factor.weight, tp_group, part if placement is not None else None)
         wrapper.lora_A[adapter_name].in_features, wrapper.lora_A[adapter_name].out_features = a.shape[1], a.shape[0]
         wrapper.lora_B[adapter_name].in_features, wrapper.lora_B[adapter_name].out_features = b.shape[1], b.shape[0]
         if placement is not None or tp_cut is not None:
             wrapper.num_experts = experts
-            wrapper.mtk_experts = (placement.first, placement.first + placement.local) if placement else (0, experts)
+            wrapper.mtk_experts = own
             wrapper.mtk_tp_cut = tp_cut
             wrapper.__class__ = _local_class(type(wrapper))
             cut += 1

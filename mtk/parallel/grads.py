@@ -76,14 +76,35 @@ class _SumOverTP:
         return all_reduce(grad.detach().clone(), self.tp_group)
 
 
-def sum_grad_over_tp(param: nn.Parameter, tp_group: Group) -> None:
-    """Mark ``param`` ``tp_shared`` and sum each of its gradients over TP before it accumulates.
+class _SumPartOverTP(_SumOverTP):
+    """Tensor hook: only a part of the incoming gradient summed over TP, the rest being zero on every TP rank (the
+    whole LoRA factors of experts, where this TP group's experts are that part). ``part``: ``(grouped shape, dim,
+    start, stop)``; the gradient viewed as the grouped shape, ``[start, stop)`` along ``dim``."""
+
+    def __init__(self, tp_group: Group, part: tuple[tuple[int, ...], int, int, int]) -> None:
+        super().__init__(tp_group)
+        self.part = part
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        shape, dim, start, stop = self.part
+        out = grad.detach().clone()
+        piece = out.view(shape).narrow(dim, start, stop - start)
+        piece.copy_(all_reduce(piece.contiguous(), self.tp_group))  # reduced in place where it is contiguous
+        return out
+
+
+def sum_grad_over_tp(
+    param: nn.Parameter, tp_group: Group, part: tuple[tuple[int, ...], int, int, int] | None = None
+) -> None:
+    """Mark ``param`` ``tp_shared`` and sum each of its gradients over TP before it accumulates; only ``part`` of it
+    (``(grouped shape, dim, start, stop)``: the gradient viewed as that shape, ``[start, stop)`` along ``dim``) where
+    the rest is zero on every TP rank.
 
     Call once per parameter object: a second call would sum twice.
     """
     set_param_info(param, tp_shared=True)
     if group_size(tp_group) > 1 and param.requires_grad:
-        param.register_hook(_SumOverTP(tp_group))
+        param.register_hook(_SumOverTP(tp_group) if part is None else _SumPartOverTP(tp_group, part))
 
 
 def share_params_across_tp(module: nn.Module, names: Sequence[str], tp_group: Group) -> None:

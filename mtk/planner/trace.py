@@ -42,6 +42,7 @@ from mtk.convert import parallelize
 from mtk.convert.regions import local_blocks
 from mtk.errors import MtkError, UnsupportedModelError
 from mtk.lora import get_peft_model
+from mtk.lora.experts import LocalExpertsLora
 from mtk.models import DTYPES, auto_class_for, with_layers
 from mtk.parallel.parameters import param_info
 from mtk.parallel.recompute import enable_recompute
@@ -268,6 +269,14 @@ def _parameters(model, block: nn.Module | None, ep_size: int = 1) -> tuple[Param
     in_block = {id(p) for p in block.parameters()} if block is not None else set()
     moe = [m for m in model.modules() if hasattr(m, "num_experts") and hasattr(m, "down_proj")]  # spread_experts'
     experts = {id(p) for m in moe for p in m.parameters(recurse=False)}
+    # the whole LoRA factors of experts: summed over TP in their experts' part only, 1/ep of them under EP
+    factors = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, LocalExpertsLora)
+        for factor in (*cast(Any, m).lora_A.values(), *cast(Any, m).lora_B.values())
+        for p in factor.parameters()
+    }
     parts: list[tuple[list[int], list[int], list[bool], list[int], list[int]]] = [
         ([], [], [], [], []) for _ in range(3)
     ]
@@ -284,7 +293,7 @@ def _parameters(model, block: nn.Module | None, ep_size: int = 1) -> tuple[Param
             trainable.append(numel)
             flags.append(expert)
             if param_info(param).tp_shared:
-                tp_summed.append(numel)
+                tp_summed.append(numel // ep_size if id(param) in factors else numel)
         else:
             frozen.append(numel)
             frozen_experts.append(numel if expert else 0)
