@@ -40,7 +40,17 @@ import torch.multiprocessing as mp
 __all__ = ["PRELOAD", "DistributedTestError", "free_port", "run_distributed"]
 
 # Imported once by the fork server (gloo only, see the module docstring); a missing one is skipped.
-PRELOAD = ("torch", "torch.distributed", "transformers", "accelerate", "mtk.models", "mtk.convert", "mtk.testing")
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "accelerate",
+    "peft",
+    "mtk.models",
+    "mtk.convert",
+    "mtk.testing",
+    "mtk.integrations.accelerate",  # the Accelerator most workers build: seconds of imports each, paid once here
+)
 
 
 class DistributedTestError(AssertionError):
