@@ -61,6 +61,7 @@ def predict_collectives(
     stage_layers: int | None = None,
     tp_summed_numels: tuple[int, ...] = (),
     gradient_element_size: int | None = None,
+    input_gradient: bool = True,
     moe_layers: int = 0,
     top_k: int = 0,
     router_experts: int = 0,
@@ -74,8 +75,11 @@ def predict_collectives(
     elements).
 
     ``tp_summed_numels``: this stage's trainable parameters whose gradient is summed over TP in every backward
-    (``tp_shared``: per-head q/k norms, the whole LoRA factors of experts split over TP), of
-    ``gradient_element_size`` bytes per element (default ``element_size``); ``moe_layers`` MoE layers (this
+    (``tp_shared``: per-head q/k norms, the whole LoRA factors of experts split over TP; a TP-split linear's
+    replicated LoRA factor), of ``gradient_element_size`` bytes per element (default ``element_size``);
+    ``input_gradient``: whether the first stage's embedding output needs a gradient (not where the embedding is
+    frozen, as under LoRA: then backward skips the first block's input collective, and under sequence parallelism the
+    embedding's gather too); ``moe_layers`` MoE layers (this
     stage's) routing ``top_k`` experts per token add, with the experts split over TP, the routing weights'
     gradient ``[b s, k]`` summed over TP in every backward (the experts' input and output are the blocks' MLP
     pair, counted with them).
@@ -105,20 +109,22 @@ def predict_collectives(
         # reduction; the MLP's only when a dropout after it saved a mask (else the block's output is
         # never needed). Selective recompute reruns the same collectives: only matmul outputs are kept.
         reruns = (2 if residual_dropout else 1) * layers if recompute else 0
+        skipped = 1 if first and not input_gradient else 0  # the first block's input needs no gradient
         if sequence_parallel:
             ends_of_runs = 2 * (virtual_stages if pp > 1 else 1)  # each chunk's blocks gather where they end and begin
-            gathers = (2 * layers + 2 * layers + ends_of_runs + (2 * layers if recompute else 0)) * micro_batches
-            scatters = (2 * layers + 2 * layers + reruns) * micro_batches
+            gathers = (4 * layers + ends_of_runs + (2 * layers if recompute else 0) - skipped) * micro_batches
+            scatters = (4 * layers + reruns - skipped) * micro_batches
             counts["all_gather"] += gathers
             nbytes["all_gather"] += gathers * activation // tp
             counts["reduce_scatter"] += scatters
             nbytes["reduce_scatter"] += scatters * activation
-            counts["all_reduce"] += ends * micro_batches + 1  # + the sequence-parallel gradients, once
+            # + the sequence-parallel gradients, once (none to sum where they are frozen: LoRA)
+            counts["all_reduce"] += ends * micro_batches + (1 if sequence_parallel_elements else 0)
             nbytes["all_reduce"] += (
                 ends * micro_batches * activation + layers * sequence_parallel_elements * element_size
             )
         else:
-            per_micro = 4 * layers + ends + reruns
+            per_micro = 4 * layers + ends + reruns - skipped
             counts["all_reduce"] += per_micro * micro_batches
             nbytes["all_reduce"] += per_micro * micro_batches * activation
         if tp_summed_numels:

@@ -173,11 +173,15 @@ def _traffic(request: Request, c: Candidate, stage: int, params: Parameters) -> 
         stage_layers=_rank_layers(config, c)[stage],
         element_size=_activation_size(request, c),
         sequence_parallel=c.sequence_parallel,
-        sequence_parallel_elements=sequence_parallel_elements(config, c.tp_size) if c.sequence_parallel else 0,
+        # the replicated parameters sequence parallelism sums over TP after backward: frozen under LoRA
+        sequence_parallel_elements=(
+            sequence_parallel_elements(config, c.tp_size) if c.sequence_parallel and request.lora_r == 0 else 0
+        ),
         recompute=c.recompute,
         residual_dropout=has_residual_dropout(config),
         tp_summed_numels=params.tp_summed if c.tp_size > 1 else (),
         gradient_element_size=2 if (request.dtype == "bf16" and c.engine == "deepspeed") else 4,
+        input_gradient=request.lora_r == 0,  # LoRA freezes the embedding
         moe_layers=stage_moe_layers(config, _rank_layers(config, c)[stage], c.pp_size) if c.tp_size > 1 else 0,
         top_k=int(getattr(config, "num_experts_per_tok", 0) or 0),
         router_experts=router_experts(config) if c.pp_size > 1 else 0,

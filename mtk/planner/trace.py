@@ -43,6 +43,7 @@ from mtk.convert.regions import local_blocks
 from mtk.errors import MtkError, UnsupportedModelError
 from mtk.lora import get_peft_model
 from mtk.lora.experts import LocalExpertsLora
+from mtk.lora.layers import ParallelLoraLinear
 from mtk.models import DTYPES, auto_class_for, with_layers
 from mtk.parallel.parameters import param_info
 from mtk.parallel.recompute import enable_recompute
@@ -277,6 +278,15 @@ def _parameters(model, block: nn.Module | None, ep_size: int = 1) -> tuple[Param
         for factor in (*cast(Any, m).lora_A.values(), *cast(Any, m).lora_B.values())
         for p in factor.parameters()
     }
+    # a TP-split linear's replicated adapter factor (a column's A, a row's B): its gradient summed over TP in every
+    # backward (the factor passes copy_to_tp in forward), as a tp_shared one's
+    summed = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, ParallelLoraLinear)
+        for factor in (cast(Any, m).lora_B if m.is_row else cast(Any, m).lora_A).values()
+        for p in factor.parameters()
+    }
     parts: list[tuple[list[int], list[int], list[bool], list[int], list[int]]] = [
         ([], [], [], [], []) for _ in range(3)
     ]
@@ -292,7 +302,7 @@ def _parameters(model, block: nn.Module | None, ep_size: int = 1) -> tuple[Param
         if param.requires_grad:
             trainable.append(numel)
             flags.append(expert)
-            if param_info(param).tp_shared:
+            if param_info(param).tp_shared or id(param) in summed:
                 tp_summed.append(numel // ep_size if id(param) in factors else numel)
         else:
             frozen.append(numel)

@@ -8,10 +8,12 @@ planner traces the same model on the meta device and composes the layout's memor
 import pytest
 
 from mtk.bench.contenders import BenchSpec
-from mtk.bench.plan_check import CHECKED_LAYOUTS, check_ranks, planned_collectives
+from mtk.bench.plan_check import CHECKED_LAYOUTS, _request_and_candidate, check_ranks, planned_collectives
 from mtk.bench.runner import run_bench
 
 pytestmark = pytest.mark.distributed
+
+EXPERT_TENSORS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 @pytest.mark.parametrize("name", list(CHECKED_LAYOUTS))
@@ -25,3 +27,54 @@ def test_plan_matches_the_measured_run(name):
         assert check.state_exact, (check.rank, check.measured_state, check.predicted)
         assert 0.85 <= check.ratio <= 1.15, (check.rank, check.measured_peak, check.predicted)
     assert summary.collectives == planned_collectives(spec, "cpu", stage=0)
+
+
+def _lora_step_collectives(rank: int, world: int, model_name: str, targets: list[str], sp: bool) -> dict:
+    """One LoRA forward and backward at TP 2, then the sum of the sequence-parallel gradients the Accelerator does
+    after backward (not a prepared model's checks that the ranks share inputs and loss, which the planner leaves out
+    as the bench does): the collectives TP rank 0 issued, by kind."""
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from mtk import Accelerator, ParallelConfig, RunSettings
+    from mtk.lora import get_peft_model
+    from mtk.models import builtin_config
+    from mtk.parallel.collective_count import count_collectives
+    from mtk.parallel.grads import sync_sequence_parallel_grads
+
+    accelerator = Accelerator(
+        parallel_config=ParallelConfig(tp_size=2), run_settings=RunSettings(sequence_parallel=sp)
+    )
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(builtin_config(model_name)).float()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", target_parameters=targets or None)
+    model = get_peft_model(accelerator.parallelize(base), lora, report=lambda *_: None)  # unprepared, as the bench
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with count_collectives() as log:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        sync_sequence_parallel_grads(model, accelerator.parallel.tp_group)
+    nbytes = log.bytes_by_kind()
+    return {kind: {"count": count, "bytes": nbytes[kind]} for kind, count in log.counts().items()}
+
+
+@pytest.mark.parametrize(
+    ("model", "targets", "sp"),
+    [("tiny-llama", [], False), ("tiny-llama", [], True), ("tiny-qwen3-moe", EXPERT_TENSORS, False)],
+    ids=["llama", "llama-sp", "qwen3-moe-experts"],
+)
+def test_plan_counts_the_collectives_of_lora_at_tp(model, targets, sp):
+    """LoRA at TP 2 as the planner predicts it: each TP-split linear's replicated factor (a column's A, a row's B)
+    summed over TP in every backward, the whole factors of experts split over TP too, the frozen embedding's input
+    path without a gradient (one input collective fewer; under SP a gather and a scatter), LoRA's frozen norms
+    without one (no q/k norm sum; under SP no sum after backward)."""
+    from dataclasses import replace
+
+    from mtk.planner.search import stage_collectives
+    from mtk.spawn import run_distributed
+
+    spec = BenchSpec(model=model, tp_size=2, pp_size=1, steps=1, batch=2, seq=16, sequence_parallel=sp)
+    request, candidate = _request_and_candidate(spec, "cpu")
+    planned = stage_collectives(replace(request, lora_r=4, lora_target_parameters=tuple(targets)), candidate, 0)
+    measured = run_distributed(_lora_step_collectives, world_size=2, args=(model, targets, sp))[0]
+    assert measured == planned
