@@ -1,31 +1,55 @@
-"""mtk: Megatron-style tensor, pipeline and data parallelism for HuggingFace models."""
+"""mtk: Megatron-style tensor, pipeline and data parallelism for HuggingFace models.
 
-from mtk.config import ConfigError, ParallelConfig, RunSettings
-from mtk.parallel import (
-    ColumnParallelLinear,
-    Layout,
-    LayoutError,
-    ParallelState,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    vocab_parallel_cross_entropy,
-)
+Every name below is imported on first use (PEP 562): ``import mtk`` and the ``mtk`` command's start stay light
+(torch, accelerate and transformers load only when something needs them), so a Ctrl-C while ``mtk`` starts ends in
+its one line, not in a traceback from inside an import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mtk.config import ConfigError, ParallelConfig, RunSettings
+    from mtk.convert import parallelize, parallelized
+    from mtk.integrations.accelerate import Accelerator
+    from mtk.parallel import (
+        ColumnParallelLinear,
+        Layout,
+        LayoutError,
+        ParallelState,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        vocab_parallel_cross_entropy,
+    )
 
 __version__ = "0.1.0"
 
+_HOMES = {
+    "Accelerator": "mtk.integrations.accelerate",
+    "ColumnParallelLinear": "mtk.parallel",
+    "ConfigError": "mtk.config",
+    "Layout": "mtk.parallel",
+    "LayoutError": "mtk.parallel",
+    "ParallelConfig": "mtk.config",
+    "ParallelState": "mtk.parallel",
+    "RowParallelLinear": "mtk.parallel",
+    "RunSettings": "mtk.config",
+    "VocabParallelEmbedding": "mtk.parallel",
+    "parallelize": "mtk.convert",
+    "parallelized": "mtk.convert",
+    "vocab_parallel_cross_entropy": "mtk.parallel",
+}
 
-def __getattr__(name: str):
-    # The Accelerator pulls in accelerate and transformers: import it on first use, so `import mtk`
-    # and `mtk --help` stay fast.
-    if name == "Accelerator":
-        from mtk.integrations.accelerate import Accelerator
 
-        return Accelerator
-    if name in ("parallelize", "parallelized"):
-        import mtk.convert as module
-
-        return getattr(module, name)
-    raise AttributeError(f"module 'mtk' has no attribute {name!r}")
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'mtk' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
 
 
 __all__ = [

@@ -35,6 +35,17 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; bad input is one line and exit status 2, a Ctrl-C one line and 130 (the shell's status
+    for a program SIGINT stopped). The package imports nothing heavy before this runs (``mtk/__init__.py``), so
+    the subcommand's imports are inside it too."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # what a command leaves is already cleaned (export stages, saves are atomic)
+        print("mtk: interrupted (SIGINT); stopped, nothing half-written is left", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in SUBCOMMANDS and "--help" not in argv[:1] else None)

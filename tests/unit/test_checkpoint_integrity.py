@@ -625,3 +625,29 @@ def test_verify_checkpoint_checks_that_the_shards_cover_each_tensor(tmp_path, ca
         assert code == 0 and ": ok, 2 files" in out
     else:
         assert code == 2 and problem in err and "\n" not in err.strip()
+
+
+@pytest.mark.parametrize("delay", [1.0, 2.5, 4.0])
+def test_ctrl_c_to_an_mtk_command_is_one_line(saved, tmp_path, delay):
+    """SIGINT to ``mtk export`` while it imports, verifies or writes: exit status 130 and one line, no traceback and no
+    staging directory left (the package imports nothing heavy before the command's handler is in place). A command
+    that finished first exits 0."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "hf"
+    command = [sys.executable, "-m", "mtk.cli.main", "export", str(saved), str(out)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=120)
+    assert "Traceback" not in stderr, stderr[-3000:]
+    if process.returncode == 0:
+        assert "verified" in stdout
+    else:
+        assert process.returncode == 130 and stderr.strip().splitlines() == [
+            "mtk: interrupted (SIGINT); stopped, nothing half-written is left"
+        ], stderr
+        assert not out.exists() and not list(tmp_path.glob("hf*.incomplete"))
