@@ -269,6 +269,12 @@ class RunSettings:
             raise ConfigError(problem)
         return []
 
+    def check_context(self, cp_size: int) -> list[str]:
+        """Lines to report for context-parallel settings that do nothing at ``cp_size = 1``."""
+        if cp_size == 1 and self.cp_comm_type != "p2p":
+            return [f"mtk: cp_comm_type={self.cp_comm_type} does nothing at cp = 1"]
+        return []
+
     @property
     def recompute(self) -> str | None:
         """The recompute granularity in force: ``None`` (off), ``full`` or ``selective``."""

@@ -64,6 +64,8 @@ def test_pipeline_settings_are_checked_against_the_layout():
         "mtk: virtual_stages=2 does nothing at pp = 1",
     ]
     assert RunSettings(pipeline_layers=(3, 1)).check_pipeline(1) == ["mtk: pipeline_layers=3,1 does nothing at pp = 1"]
+    assert RunSettings(cp_comm_type="a2a").check_context(1) == ["mtk: cp_comm_type=a2a does nothing at cp = 1"]
+    assert RunSettings(cp_comm_type="a2a").check_context(2) == RunSettings().check_context(1) == []
 
 
 def test_defaults_without_variables():

@@ -145,7 +145,8 @@ class Accelerator(
         self.parallel = ParallelState.build(
             config.tp_size, config.pp_size, cp_size=config.cp_size, ep_size=config.ep_size, device=self.device
         )
-        for line in self.settings.check_pipeline(self.parallel.pp_size):
+        unused = self.settings.check_pipeline(self.parallel.pp_size) + self.settings.check_context(config.cp_size)
+        for line in unused:
             self.print(line)
         self._check_sharding()
         check_expert_parallel(config, deepspeed=self.uses_deepspeed, sharding=self.sharding)
