@@ -102,3 +102,35 @@ def _check_api(rank, world_size, out_dir):
 
 def test_accelerate_api_at_tp2_dp2(tmp_path):
     assert run_distributed(_check_api, world_size=4, args=(str(tmp_path),)) == [True] * 4
+
+
+def _accumulation_from_the_launcher(rank: int, world_size: int) -> list:
+    import contextlib
+    import io
+    import os
+
+    import pytest
+
+    from mtk import Accelerator, ConfigError, ParallelConfig
+
+    os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = (
+        "3"  # as `accelerate launch --gradient_accumulation_steps 3`
+    )
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+        explicit = Accelerator(gradient_accumulation_steps=2, parallel_config=ParallelConfig(tp_size=2))
+    seen = [explicit.gradient_accumulation_steps, os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"]]
+    seen.append(Accelerator(parallel_config=ParallelConfig(tp_size=2)).gradient_accumulation_steps)
+    os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = "two"
+    with pytest.raises(ConfigError, match="ACCELERATE_GRADIENT_ACCUMULATION_STEPS='two' must be a positive integer"):
+        Accelerator(parallel_config=ParallelConfig(tp_size=2))
+    return [*seen, said.getvalue() if rank == 0 else None]
+
+
+def test_an_explicit_accumulation_beats_the_launchers_variable_with_one_line():
+    """accelerate takes ACCELERATE_GRADIENT_ACCUMULATION_STEPS over the constructor's value without a word (a script's
+    --grad_accum silently lost); mtk's explicit value wins and says so, the variable applies when nothing is given,
+    and a malformed one is one line."""
+    (explicit, kept, implicit, said), _ = run_distributed(_accumulation_from_the_launcher, world_size=2)
+    assert (explicit, kept, implicit) == (2, "3", 3)
+    assert "mtk: gradient_accumulation_steps=2 (explicit) overrides ACCELERATE_GRADIENT_ACCUMULATION_STEPS=3" in said

@@ -34,6 +34,7 @@ from mtk.integrations.accelerate.deepspeed import (
     user_batch_fields,
 )
 from mtk.integrations.accelerate.init import (
+    accumulation_from_launcher,
     apply_timeout,
     check_expert_parallel,
     gloo_for_deepspeed,
@@ -124,7 +125,11 @@ class Accelerator(
             kwargs["cpu"] = False
             kwargs["kwargs_handlers"] = gloo_for_deepspeed(kwargs.get("kwargs_handlers") or [])
         kwargs.setdefault("cpu", on_cpu)
-        with megatron_plugin_off(), accelerate_fsdp_off():
+        with (
+            megatron_plugin_off(),
+            accelerate_fsdp_off(),
+            accumulation_from_launcher(self._explicit_accumulation, reports.append),
+        ):
             super().__init__(*args, **kwargs)
         for line in reports:
             self.print(line)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,7 +19,13 @@ from mtk.integrations.deepspeed import sizes_from_config
 from mtk.parallel.fsdp import ShardingSettings
 from mtk.parallel.state import group_timeout
 
-__all__ = ["apply_timeout", "gloo_for_deepspeed", "megatron_plugin_off", "resolve_topology"]
+__all__ = [
+    "accumulation_from_launcher",
+    "apply_timeout",
+    "gloo_for_deepspeed",
+    "megatron_plugin_off",
+    "resolve_topology",
+]
 
 
 @contextmanager
@@ -36,6 +42,32 @@ def megatron_plugin_off() -> Iterator[None]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = saved
+
+
+ACCUMULATION_VARIABLE = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"  # `accelerate launch --gradient_accumulation_steps`
+
+
+@contextmanager
+def accumulation_from_launcher(explicit: int | None, report: Callable[[str], None]) -> Iterator[None]:
+    """accelerate takes ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS`` over the ``gradient_accumulation_steps`` its
+    constructor is given, without a word; in mtk an explicit value wins over a launcher's variable (as for every
+    layout setting), reported in one line: the variable is hidden while accelerate's constructor runs. Not given, the
+    variable applies; one that is not a positive integer is one line (accelerate's ``int()`` would raise)."""
+    saved = os.environ.get(ACCUMULATION_VARIABLE)
+    if saved is None:
+        yield
+        return
+    if not saved.strip().isdigit() or int(saved) < 1:
+        raise ConfigError(f"{ACCUMULATION_VARIABLE}={saved!r} must be a positive integer (micro-batches per step)")
+    if explicit is None or explicit == int(saved):
+        yield
+        return
+    report(f"mtk: gradient_accumulation_steps={explicit} (explicit) overrides {ACCUMULATION_VARIABLE}={saved}")
+    del os.environ[ACCUMULATION_VARIABLE]
+    try:
+        yield
+    finally:
+        os.environ[ACCUMULATION_VARIABLE] = saved
 
 
 def _init_handler(handlers: list[Any]) -> InitProcessGroupKwargs | None:
