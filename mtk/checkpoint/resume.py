@@ -111,15 +111,25 @@ def start_point(
 
 
 def _step_of(checkpoint: str | None) -> int:
-    """The step a run resumes from (0: a fresh run; a checkpoint named otherwise: its metadata's)."""
+    """The step a run resumes from (0: a fresh run): its metadata's. A ``step_N`` whose metadata records another
+    step (a copy or a renamed checkpoint) is refused: ``--resume auto`` picks the newest by name, and the run would
+    continue from the recorded step, writing below the name it resumed from."""
     if checkpoint is None:
         return 0
-    if match := re.fullmatch(r"step_(\d+)", Path(checkpoint).name):
-        return int(match[1])
     try:
-        return read_metadata(checkpoint).step
+        recorded = read_metadata(checkpoint).step
     except CheckpointError:
-        return 0  # (loading it says what is wrong)
+        recorded = None  # (loading it says what is wrong)
+    match = re.fullmatch(r"step_(\d+)", Path(checkpoint).name)
+    if match and recorded is not None and int(match[1]) != recorded:
+        raise CheckpointError(
+            f"{checkpoint} records step {recorded}, not {match[1]}: a copy or a renamed checkpoint, which --resume "
+            f"auto would take for the newest; remove or rename it (step_{recorded}), or resume it explicitly under "
+            "another name"
+        )
+    if match:
+        return int(match[1])
+    return recorded or 0
 
 
 def rescaled_position(data: dict, samples_now: int | None) -> int:

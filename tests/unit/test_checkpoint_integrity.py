@@ -651,3 +651,24 @@ def test_ctrl_c_to_an_mtk_command_is_one_line(saved, tmp_path, delay):
             "mtk: interrupted (SIGINT); stopped, nothing half-written is left"
         ], stderr
         assert not out.exists() and not list(tmp_path.glob("hf*.incomplete"))
+
+
+def test_a_step_folder_whose_metadata_records_another_step_is_refused(saved, tmp_path):
+    """``--resume auto`` takes the newest ``step_N`` by its name: a copy of step 2 named step_7 would be taken for
+    the newest (the run's own step_3 ignored) and continued from step 2; auto and an explicit resume refuse it."""
+    import argparse
+    import shutil
+
+    from mtk.checkpoint.resume import start_point
+
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copytree(saved, out / "step_2")
+    shutil.copytree(saved, out / "step_7")
+    for resume in ("auto", str(out / "step_7")):
+        args = argparse.Namespace(output_dir=str(out), resume=resume, overwrite=False)
+        with pytest.raises(CheckpointError, match="step_7 records step 2, not 7: a copy or a renamed checkpoint"):
+            start_point(args, main_process=True)
+    (out / "step_7").rename(out / "copy_of_2")  # any other name resumes from what it records
+    args = argparse.Namespace(output_dir=str(out), resume=str(out / "copy_of_2"), overwrite=False)
+    assert start_point(args, main_process=True) == str(out / "copy_of_2")
