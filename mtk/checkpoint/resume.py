@@ -11,6 +11,7 @@ once in one folder are refused too: the main process locks it first (:mod:`mtk.c
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 import shutil
 from collections.abc import Callable
@@ -225,6 +226,7 @@ class ResumeGuard:
     MODEL_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_target_parameters", "base_dtype")
     _PATHS = ("model", "tokenizer", "data")
     _CONTENTS = "data_contents"  # not an option: the digest of --data's files
+    _MODEL_CONFIG = "model_config"  # not an option: --model's config.json as it was (a directory's)
 
     def __init__(self, **options: Any) -> None:
         self.options = {key: _normalized(value) if key in self._PATHS else value for key, value in options.items()}
@@ -236,6 +238,9 @@ class ResumeGuard:
         options = {name: getattr(args, name) for name in names if hasattr(args, name)}
         if isinstance(options.get("data"), str) and Path(options["data"]).exists():
             options[cls._CONTENTS] = _shared_fingerprint(options["data"])
+        config = Path(options["model"]) / "config.json" if isinstance(options.get("model"), str) else None
+        if config is not None and config.is_file():  # the same directory with another architecture or routing
+            options[cls._MODEL_CONFIG] = hashlib.sha256(config.read_bytes()).hexdigest()
         return cls(**options)
 
     def state_dict(self) -> dict[str, Any]:
@@ -247,8 +252,16 @@ class ResumeGuard:
         changed = [
             f"--{key} {saved[key]} -> {value}"
             for key, value in self.options.items()
-            if saved.get(key, value) != value and key != self._CONTENTS
+            if saved.get(key, value) != value and key not in (self._CONTENTS, self._MODEL_CONFIG)
         ]
+        if not changed and saved.get(self._MODEL_CONFIG, self.options.get(self._MODEL_CONFIG)) != self.options.get(
+            self._MODEL_CONFIG
+        ):
+            raise CheckpointError(
+                f"this run's --model {self.options.get('model')} has another config.json than when the checkpoint it "
+                f"resumes was written (its architecture or routing changed); resume with the model as it was, or "
+                f"start a new run in another --output_dir"
+            )
         if not changed and saved.get(self._CONTENTS, self.options.get(self._CONTENTS)) != self.options.get(
             self._CONTENTS
         ):

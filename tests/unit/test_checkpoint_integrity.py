@@ -454,6 +454,23 @@ def test_a_resume_must_keep_the_options_that_decide_the_data_and_the_adapters(tm
     assert ResumeGuard.absent_from_older_checkpoints  # a checkpoint from before the script registered one resumes
 
 
+def test_a_resume_refuses_a_model_directory_whose_config_changed(tmp_path):
+    """The same --model directory with another config.json (an MoE's num_experts_per_tok 2 -> 8: the same weights,
+    another routing) would continue another model without a word; the guard keeps the file's digest."""
+    import argparse
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "qwen3_moe", "num_experts_per_tok": 2}')
+    args = argparse.Namespace(model=str(model_dir), seq_len=128)
+    saved = ResumeGuard.from_args(args).state_dict()
+    ResumeGuard.from_args(args).load_state_dict(saved)
+    (model_dir / "config.json").write_text('{"model_type": "qwen3_moe", "num_experts_per_tok": 8}')
+    with pytest.raises(CheckpointError, match="has another config.json than when the checkpoint it resumes"):
+        ResumeGuard.from_args(args).load_state_dict(saved)
+    ResumeGuard.from_args(args).load_state_dict({"model": str(model_dir), "seq_len": 128})  # an older checkpoint
+
+
 def test_a_resume_refuses_data_files_changed_since_the_checkpoint(tmp_path):
     """Rows appended to --data's file (or a file added to its folder) shift every position after the
     checkpoint's: refused in one line; the same contents copied elsewhere keep their digest."""
