@@ -134,3 +134,44 @@ def test_an_explicit_accumulation_beats_the_launchers_variable_with_one_line():
     (explicit, kept, implicit, said), _ = run_distributed(_accumulation_from_the_launcher, world_size=2)
     assert (explicit, kept, implicit) == (2, "3", 3)
     assert "mtk: gradient_accumulation_steps=2 (explicit) overrides ACCELERATE_GRADIENT_ACCUMULATION_STEPS=3" in said
+
+
+def _optimizer_updates(rank: int, world_size: int) -> list:
+    import contextlib
+    import io
+
+    import pytest
+    import torch
+    from transformers.optimization import Adafactor
+
+    from mtk import Accelerator, ConfigError, ParallelConfig
+    from mtk.models import build_model
+
+    accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=2))
+    model = accelerator.prepare(build_model("tiny-llama"))
+    for whole_tensor in (
+        torch.optim.Adafactor(model.parameters()),
+        Adafactor(model.parameters(), lr=1e-3, relative_step=False),
+    ):
+        with pytest.raises(ConfigError, match="Adafactor computes its update from statistics of each whole tensor"):
+            accelerator.prepare(whole_tensor)
+
+    class Mine(torch.optim.SGD):  # a class mtk does not know: said, not refused
+        pass
+
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        accelerator.prepare(torch.optim.AdamW(model.parameters()))
+        accelerator.prepare(Mine(model.parameters(), lr=0.1))
+    return said.getvalue().splitlines() if rank == 0 else []
+
+
+def test_an_optimizer_reading_whole_tensors_is_refused_next_to_tensor_parallelism():
+    """Adafactor (torch's and transformers', the Trainer's --optim adafactor) computes factored moments and an update
+    RMS per tensor: on TP shards it trains differently from one process (1e-2 on the weights after 3 steps), so it is
+    one line; AdamW passes without a word, an optimizer mtk does not know is named in one line."""
+    said = run_distributed(_optimizer_updates, world_size=2)[0]
+    assert said == [
+        "mtk: Mine updates split parameters shard by shard; that equals one process only if its update treats every "
+        "element on its own (as AdamW and SGD do)"
+    ]

@@ -56,6 +56,7 @@ from mtk.parallel.fsdp import held_elements, reshard
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sync_sequence_parallel_grads
+from mtk.parallel.optimizer_updates import check_elementwise_update
 from mtk.parallel.state import ParallelState, default_device
 from mtk.pipeline.engine import PipelineModel
 
@@ -198,6 +199,7 @@ class Accelerator(
         for obj in args:
             if isinstance(obj, torch.optim.Optimizer):
                 repoint(obj, self._replaced_params)
+                self._check_update(obj, [m for m in args if isinstance(m, nn.Module)])
         if not self.uses_deepspeed:
             return super().prepare(*args, device_placement=device_placement)
         refuse_two_optimizers(self, tuple(args))
@@ -217,11 +219,26 @@ class Accelerator(
         built before ``prepare`` holds the unconverted ones; another stage's parameters are dropped)."""
         if not getattr(optimizer, "_is_accelerate_prepared", False):
             repoint(optimizer, self._replaced_params)
+            self._check_update(optimizer, [])
             self._check_one_optimizer_for_experts(optimizer)
             if self.settings.use_distributed_optimizer and not self.uses_deepspeed:
                 # ZeRO-1 over DP x CP, the experts over their replicas; re-synced after step
                 shard_optimizer(optimizer, self.parallel.replica_group, self.parallel.expert_replica_group)
         return super().prepare_optimizer(optimizer, device_placement)
+
+    def _check_update(self, optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> None:
+        """An optimizer holding TP-split (or FSDP2-sharded) parameters must update each element on its own (once per
+        optimizer: ``prepare`` and accelerate's ``prepare_optimizer`` both see it)."""
+        if (self.parallel.tp_size == 1 and self.sharding is None) or getattr(optimizer, "_mtk_update_checked", False):
+            return
+        sharded = [
+            p
+            for model in [*models, *self._models]
+            for p in model.parameters()
+            if getattr(p, "tensor_model_parallel", False) or self.sharding is not None
+        ]
+        check_elementwise_update(optimizer, sharded, self.print)
+        optimizer._mtk_update_checked = True  # type: ignore[attr-defined]  # a mark on the user's object
 
     def _check_one_optimizer_for_experts(self, optimizer: torch.optim.Optimizer) -> None:
         """A checkpoint of experts spread over EP is written in pieces, which are read back for one optimizer: a

@@ -1,0 +1,63 @@
+"""Which optimizers update a sharded parameter as they would the whole one.
+
+Under tensor parallelism (and FSDP2) each rank's optimizer sees its shard of a split parameter, as a tensor of its
+own. An update that treats every element on its own (SGD, Adam, AdamW, ...: moments per element) is then exactly
+the whole tensor's update, cut. One that reads statistics across a tensor is not: Adafactor's factored second moment
+(row and column means) and its update's RMS, LAMB's and LARS's trust ratio (the tensor's norm), GaLore's and
+Apollo's projections, Shampoo's and Muon's matrix roots and orthogonalizations, L-BFGS's history would each be
+the shard's, and training would differ from one process without a word (Adafactor at TP 2: 1e-2 relative on the
+weights after three steps). Megatron-Core offers only elementwise optimizers next to TP for this reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from mtk.errors import ConfigError
+
+__all__ = ["check_elementwise_update"]
+
+# torch's optimizers whose update of an element reads that element's gradient and state alone (and the step count)
+ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+# optimizers (by class name, whichever package defines them) whose update reads a whole tensor
+WHOLE_TENSOR = (
+    "adafactor", "lbfgs", "sparseadam", "lamb", "lars", "galore", "apollo", "lomo", "shampoo", "muon", "soap"
+)  # fmt: skip
+
+
+def check_elementwise_update(
+    optimizer: torch.optim.Optimizer, sharded: Iterable[torch.Tensor], report: Callable[[str], None]
+) -> None:
+    """Refuse (one line) an optimizer whose update reads a whole tensor when it holds one of ``sharded`` (parameters
+    split over TP or FSDP2); report one whose class mtk does not know. Nothing to check when it holds none."""
+    ids = {id(p) for p in sharded}
+    if not any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
+        return
+    name = type(optimizer).__name__
+    if type(optimizer) in ELEMENTWISE:
+        return
+    if any(word in name.lower() for word in WHOLE_TENSOR):
+        raise ConfigError(
+            f"{name} computes its update from statistics of each whole tensor (factored moments, norms or matrix "
+            "roots), and under tensor parallelism (or FSDP2) each rank holds a shard of some: it would train "
+            "differently from one process. Use an optimizer that updates each element on its own (AdamW, Adam, SGD; "
+            "TrainingArguments --optim adamw_torch), or TP 1 without FSDP2"
+        )
+    report(
+        f"mtk: {name} updates split parameters shard by shard; that equals one process only if its update treats "
+        "every element on its own (as AdamW and SGD do)"
+    )
