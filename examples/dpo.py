@@ -1,5 +1,5 @@
-"""Preference tuning with TRL's ``DPOTrainer`` at any TP x DP layout: an ordinary TRL script whose one mtk line is
-its import.
+"""Preference tuning with TRL's ``DPOTrainer`` at any TP x DP layout: an ordinary TRL script that imports mtk's
+trainer instead of TRL's (and sets up inside ``library_refusals``: a setting TRL refuses is one line).
 
     accelerate launch --config_file accelerate_configs/tp2.yaml examples/dpo.py
     accelerate launch --config_file accelerate_configs/tp2.yaml examples/dpo.py \\
@@ -30,6 +30,7 @@ from datasets import Dataset, load_dataset
 from trl import DPOConfig, TrlParser
 
 from mtk.data.tokenizers import directory_tokenizer
+from mtk.errors import library_refusals
 from mtk.trainers import DPOTrainer
 from mtk.training.entry import run_main
 
@@ -55,33 +56,34 @@ def made_up_pairs(instructions: Path, seed: int = 0) -> Dataset:
 
 
 def main() -> None:
-    parser = TrlParser((ScriptArguments, DPOConfig))
-    parser.set_defaults(output_dir="runs/dpo", max_steps=20, logging_steps=5, learning_rate=1e-4, report_to="none")
-    parser.set_defaults(bf16=torch.cuda.is_available(), dataloader_pin_memory=torch.cuda.is_available())
-    parser.set_defaults(per_device_train_batch_size=8, max_length=256)
-    script, config = parser.parse_args_and_config()
-    if script.data:
-        dataset = load_dataset("json", data_files=script.data)["train"]
-    else:
-        dataset = made_up_pairs(HERE / "data" / "instructions.jsonl")
-    reference = None  # TRL loads it from the model's directory
-    if script.model_name_or_path:
-        model, tokenizer = script.model_name_or_path, directory_tokenizer(script.model_name_or_path)
-    else:
-        from sft import starter_model  # the same tiny model and tokenizer as examples/sft.py
+    with library_refusals():  # a setting transformers or TRL refuse: one line, not their traceback
+        parser = TrlParser((ScriptArguments, DPOConfig))
+        parser.set_defaults(output_dir="runs/dpo", max_steps=20, logging_steps=5, learning_rate=1e-4, report_to="none")
+        parser.set_defaults(bf16=torch.cuda.is_available(), dataloader_pin_memory=torch.cuda.is_available())
+        parser.set_defaults(per_device_train_batch_size=8, max_length=256)
+        script, config = parser.parse_args_and_config()
+        if script.data:
+            dataset = load_dataset("json", data_files=script.data)["train"]
+        else:
+            dataset = made_up_pairs(HERE / "data" / "instructions.jsonl")
+        reference = None  # TRL loads it from the model's directory
+        if script.model_name_or_path:
+            model, tokenizer = script.model_name_or_path, directory_tokenizer(script.model_name_or_path)
+        else:
+            from sft import starter_model  # the same tiny model and tokenizer as examples/sft.py
 
-        texts = [row[key] for row in dataset for key in ("prompt", "chosen") if isinstance(row[key], str)]
-        model, tokenizer = starter_model(texts)
-        reference = copy.deepcopy(model)  # a model built in memory has no directory to load a reference from
-    evaluation = load_dataset("json", data_files=script.eval_data)["train"] if script.eval_data else None
-    trainer = DPOTrainer(
-        model=model,
-        ref_model=reference,
-        args=config,
-        train_dataset=dataset,
-        eval_dataset=evaluation,
-        processing_class=tokenizer,
-    )
+            texts = [row[key] for row in dataset for key in ("prompt", "chosen") if isinstance(row[key], str)]
+            model, tokenizer = starter_model(texts)
+            reference = copy.deepcopy(model)  # a model built in memory has no directory to load a reference from
+        evaluation = load_dataset("json", data_files=script.eval_data)["train"] if script.eval_data else None
+        trainer = DPOTrainer(
+            model=model,
+            ref_model=reference,
+            args=config,
+            train_dataset=dataset,
+            eval_dataset=evaluation,
+            processing_class=tokenizer,
+        )
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()
     trainer.end()  # trackers finished, the processes leave together

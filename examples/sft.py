@@ -1,5 +1,5 @@
-"""Supervised fine-tuning with TRL's ``SFTTrainer`` at any TP x PP x DP layout: an ordinary TRL script whose one
-mtk line is its import.
+"""Supervised fine-tuning with TRL's ``SFTTrainer`` at any TP x PP x DP layout: an ordinary TRL script that imports
+mtk's trainer instead of TRL's (and sets up inside ``library_refusals``: a setting TRL refuses is one line).
 
     accelerate launch --config_file accelerate_configs/tp2_pp2.yaml examples/sft.py
     accelerate launch --config_file accelerate_configs/tp2.yaml examples/sft.py \\
@@ -28,6 +28,7 @@ from datasets import load_dataset
 from trl import SFTConfig, TrlParser
 
 from mtk.data.tokenizers import directory_tokenizer
+from mtk.errors import library_refusals
 from mtk.trainers import SFTTrainer
 from mtk.training.entry import run_main
 
@@ -62,24 +63,25 @@ def texts_of(row: dict) -> list[str]:
 
 
 def main() -> None:
-    parser = TrlParser((ScriptArguments, SFTConfig))
-    parser.set_defaults(output_dir="runs/sft", max_steps=40, logging_steps=5, learning_rate=1e-3, report_to="none")
-    parser.set_defaults(bf16=torch.cuda.is_available(), dataloader_pin_memory=torch.cuda.is_available())
-    parser.set_defaults(per_device_train_batch_size=8, max_length=256)
-    script, config = parser.parse_args_and_config()
-    data_files = {"train": script.data, **({"eval": script.eval_data} if script.eval_data else {})}
-    dataset = load_dataset("json", data_files=data_files)
-    if script.model_name_or_path:
-        model, tokenizer = script.model_name_or_path, directory_tokenizer(script.model_name_or_path)
-    else:
-        model, tokenizer = starter_model([text for row in dataset["train"] for text in texts_of(row)])
-    trainer = SFTTrainer(
-        model=model,
-        args=config,
-        train_dataset=dataset["train"],
-        eval_dataset=dataset["eval"] if script.eval_data else None,
-        processing_class=tokenizer,
-    )
+    with library_refusals():  # a setting transformers or TRL refuse: one line, not their traceback
+        parser = TrlParser((ScriptArguments, SFTConfig))
+        parser.set_defaults(output_dir="runs/sft", max_steps=40, logging_steps=5, learning_rate=1e-3, report_to="none")
+        parser.set_defaults(bf16=torch.cuda.is_available(), dataloader_pin_memory=torch.cuda.is_available())
+        parser.set_defaults(per_device_train_batch_size=8, max_length=256)
+        script, config = parser.parse_args_and_config()
+        data_files = {"train": script.data, **({"eval": script.eval_data} if script.eval_data else {})}
+        dataset = load_dataset("json", data_files=data_files)
+        if script.model_name_or_path:
+            model, tokenizer = script.model_name_or_path, directory_tokenizer(script.model_name_or_path)
+        else:
+            model, tokenizer = starter_model([text for row in dataset["train"] for text in texts_of(row)])
+        trainer = SFTTrainer(
+            model=model,
+            args=config,
+            train_dataset=dataset["train"],
+            eval_dataset=dataset["eval"] if script.eval_data else None,
+            processing_class=tokenizer,
+        )
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()
     trainer.end()  # trackers finished, the processes leave together

@@ -5,6 +5,9 @@ Each carries a one-line message saying what is wrong and what is allowed. Entry 
 (:func:`mtk.training.entry.run_main` for scripts, ``mtk``'s dispatcher for its subcommands).
 """
 
+import contextlib
+from collections.abc import Iterator
+
 __all__ = [
     "CheckpointError",
     "ConfigError",
@@ -14,6 +17,7 @@ __all__ = [
     "MtkError",
     "TrainingError",
     "UnsupportedModelError",
+    "library_refusals",
 ]
 
 
@@ -47,3 +51,28 @@ class DataError(MtkError):
 
 class TrainingError(MtkError):
     """A run that cannot go on safely (e.g. non-finite gradients); stopped before it is saved."""
+
+
+# What to do, added to a library's refusal that does not say it (matched by the start of its first line).
+_HINTS = {
+    "Some specified arguments are not used by the HfArgumentParser": "check the spelling; --help lists the options",
+}
+
+
+@contextlib.contextmanager
+def library_refusals() -> Iterator[None]:
+    """transformers, TRL and torch refuse a bad setting (an unknown flag, two fields that disagree, an optimizer
+    whose package is missing, an ``output_dir`` under a file) with a ``ValueError``, ``ImportError``,
+    ``FileExistsError`` or ``NotADirectoryError``: inside this block, that is a :class:`ConfigError` carrying the
+    first line of their message, so an entry point reports it in one line. Meant for setting a run up (parsing,
+    building the arguments, the trainer, its optimizer and scheduler), never around training itself, where the
+    same errors are bugs whose traceback is wanted."""
+    try:
+        yield
+    except MtkError:
+        raise
+    except (ValueError, ImportError, FileExistsError, NotADirectoryError) as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        message = lines[0] if lines else type(err).__name__
+        hint = next((hint for start, hint in _HINTS.items() if message.startswith(start)), None)
+        raise ConfigError(f"{message}; {hint}" if hint else message) from err

@@ -9,8 +9,10 @@ line naming what to use instead, rather than accepted and silently wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from mtk.config import RunSettings
@@ -76,13 +78,53 @@ def _bad_values(args: Any) -> list[str]:
         value = getattr(args, field_name, 1)
         if not isinstance(value, int) or value < 1:
             problems.append(f"TrainingArguments.{field_name}={value!r}: must be a positive integer")
+    problems += _non_finite(args)
     rate = getattr(args, "learning_rate", 0.0)
-    if not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate < 0:
+    if not isinstance(rate, (int, float)) or rate < 0:  # (NaN and inf: above)
         problems.append(f"TrainingArguments.learning_rate={rate!r}: must be a finite number >= 0")
     length = getattr(args, "max_length", None)  # TRL's configs: tokens per row, of which one predicts the next
     if length is not None and (not isinstance(length, int) or length < 2):
         problems.append(f"{type(args).__name__}.max_length={length!r}: must be at least 2 tokens (or None)")
+    problems += _output_dir_under_a_file(args)
     return problems
+
+
+def _non_finite(args: Any) -> list[str]:
+    """Every float field (or list of floats) that is NaN or infinite. None of them means anything then, and each
+    trains silently wrong rather than failing: a NaN ``weight_decay`` or DPO ``beta`` saves an all-NaN model, a
+    NaN ``max_grad_norm`` turns clipping off. Fields are named by the class that declares them
+    (``TrainingArguments.weight_decay``, ``DPOConfig.beta``)."""
+    if not dataclasses.is_dataclass(args):
+        return []
+    from transformers import TrainingArguments
+
+    theirs = {field.name for field in dataclasses.fields(TrainingArguments)}
+    problems = []
+    for field in dataclasses.fields(args):
+        value = getattr(args, field.name, None)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            owner = "TrainingArguments" if field.name in theirs else type(args).__name__
+            problems.append(f"{owner}.{field.name}={value!r}: must be a finite number")
+    return problems
+
+
+def _output_dir_under_a_file(args: Any) -> list[str]:
+    """An ``output_dir`` that is an existing file, or lies under one: refused before anything is written (the
+    Trainer's ``makedirs`` would fail with ``FileExistsError``, or once it first saves)."""
+    given = getattr(args, "output_dir", None)
+    if not given:
+        return []
+    path = Path(given)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    if not path.exists() or path.is_dir():
+        return []
+    where = "is" if path == Path(given) else f"is under {path}, which is"
+    return [
+        f"TrainingArguments.output_dir={given!r} {where} an existing file: checkpoints and the model are saved into "
+        "a folder; choose another output_dir (or move the file)"
+    ]
 
 
 def check_training_arguments(args: Any) -> None:

@@ -37,7 +37,7 @@ import torch
 import transformers.trainer as hf_trainer
 
 from mtk import jsonio
-from mtk.errors import ConfigError
+from mtk.errors import ConfigError, library_refusals
 from mtk.integrations.accelerate import Accelerator
 from mtk.parallel.state import default_device
 from mtk.pipeline.engine import PipelineModel
@@ -255,8 +255,16 @@ class ParallelTrainerMixin(TrainerCheckpointing):
             return super().train(*args, **kwargs)  # type: ignore[misc]
 
     # ------------------------------------------------------------------------------------- checkpoints
+    def create_optimizer(self, model: Any = None) -> Any:
+        """The Trainer's. Settings it cannot build an optimizer from (``optim`` whose package is not installed,
+        a beta torch refuses) are one line (:func:`mtk.errors.library_refusals`): ``train`` builds it, after the
+        script's own set-up, so nothing else turns them into one."""
+        with library_refusals():
+            return super().create_optimizer(model)  # type: ignore[misc]
+
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
-        scheduler = super().create_scheduler(num_training_steps, optimizer)  # type: ignore[misc]
+        with library_refusals():  # (as the optimizer's)
+            scheduler = super().create_scheduler(num_training_steps, optimizer)  # type: ignore[misc]
         custom = self.accelerator._custom_objects
         custom[:] = [obj for obj in custom if not isinstance(obj, torch.optim.lr_scheduler.LRScheduler)]
         self.accelerator.register_for_checkpointing(scheduler)  # saved and restored inside mtk's checkpoint

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mtk.checkpoint.integrity import read_verified
-from tests.e2e.launch import accelerate_launch
+from tests.e2e.launch import accelerate_launch, one_line_error
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -145,3 +145,32 @@ def test_trl_examples_run_as_documented_and_save_a_model(tmp_path, script, confi
     assert "'loss'" in done.stdout + done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     assert read_verified(out / "checkpoint-4").step == 4
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--foo", "1"], "not used by the HfArgumentParser: ['--foo', '1']; check the spelling; --help lists"),
+        (["--eval_strategy", "steps", "--eval_steps", "1"], "you didn't pass an `eval_dataset`"),
+        (["--optim", "galore_adamw"], "You need to install `galore_torch` in order to use GaLore optimizers"),
+        (["--weight_decay=nan"], "TrainingArguments.weight_decay=nan: must be a finite number"),
+        (["--output_dir", "{file}"], "is an existing file: checkpoints and the model are saved into a folder"),
+    ],
+    ids=["unknown flag", "eval without data", "optimizer not installed", "nan", "output_dir a file"],
+)
+def test_a_setting_the_trl_examples_libraries_refuse_is_one_line(tmp_path, args, message):
+    """What transformers, TRL or torch refuse while sft.py sets up (parsing, the arguments, the trainer, its
+    optimizer) and what mtk refuses in the arguments: one ``sft.py: error:`` line, exit status 2, no traceback.
+    One process: each is refused before any training, as at any layout."""
+    import importlib.util
+
+    if "galore_adamw" in args and importlib.util.find_spec("galore_torch") is not None:
+        pytest.skip("galore_torch is installed here")
+    taken = tmp_path / "file"
+    taken.write_text("kept")
+    args = [str(taken) if arg == "{file}" else arg for arg in args]
+    command = [sys.executable, "examples/sft.py", "--max_steps", "2", "--output_dir", str(tmp_path / "run"), *args]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    one_line_error(done, message, prog="sft.py")
+    assert taken.read_text() == "kept" and not (tmp_path / "run" / "model.safetensors").exists()

@@ -32,11 +32,67 @@ def _args(tmp_path, **fields) -> TrainingArguments:
         ({"per_device_train_batch_size": 0}, "TrainingArguments.per_device_train_batch_size=0: must be a positive"),
         ({"gradient_accumulation_steps": 0}, "TrainingArguments.gradient_accumulation_steps=0: must be a positive"),
         ({"learning_rate": float("nan")}, "TrainingArguments.learning_rate=nan: must be a finite number"),
+        ({"weight_decay": float("nan")}, "TrainingArguments.weight_decay=nan: must be a finite number"),
+        ({"max_grad_norm": float("nan")}, "TrainingArguments.max_grad_norm=nan: must be a finite number"),
+        ({"adam_beta1": float("-inf")}, "TrainingArguments.adam_beta1=-inf: must be a finite number"),
+        ({"adam_epsilon": float("inf")}, "TrainingArguments.adam_epsilon=inf: must be a finite number"),
     ],
 )
 def test_a_field_mtk_cannot_honour_is_refused_naming_it(tmp_path, fields, named):
     with pytest.raises(ConfigError, match="^" + named.replace(".", r"\.")):
         check_training_arguments(_args(tmp_path, **fields))
+
+
+@pytest.mark.parametrize(
+    "config, fields, named",
+    [
+        ("DPOConfig", {"beta": float("nan")}, "DPOConfig.beta=nan: must be a finite number"),
+        ("DPOConfig", {"weight_decay": float("inf")}, "TrainingArguments.weight_decay=inf: must be a finite number"),
+        ("SFTConfig", {"max_grad_norm": float("nan")}, "TrainingArguments.max_grad_norm=nan: must be a finite number"),
+    ],
+)
+def test_every_float_of_trls_configs_must_be_finite_named_by_the_class_that_declares_it(
+    tmp_path, config, fields, named
+):
+    """Not a field-by-field list: each float field of the dataclass (TRL's own ones by its config's name)."""
+    import trl
+
+    args = getattr(trl, config)(output_dir=str(tmp_path), report_to=[], use_cpu=True, **fields)
+    with pytest.raises(ConfigError, match="^" + re.escape(named) + "$"):
+        check_training_arguments(args)
+
+
+def test_an_output_dir_that_is_a_file_or_under_one_is_refused_naming_it(tmp_path):
+    (tmp_path / "file").write_text("kept")
+    for given, where in ((tmp_path / "file", "is an"), (tmp_path / "file" / "run", f"is under {tmp_path / 'file'}")):
+        args = TrainingArguments(output_dir=str(given), report_to=[], use_cpu=True)
+        with pytest.raises(ConfigError, match=f"^TrainingArguments.output_dir='{re.escape(str(given))}' {where}"):
+            check_training_arguments(args)
+    assert (tmp_path / "file").read_text() == "kept"
+    check_training_arguments(TrainingArguments(output_dir=str(tmp_path / "new" / "run"), report_to=[], use_cpu=True))
+
+
+def test_what_the_libraries_refuse_while_setting_up_is_one_config_error_line():
+    """transformers', TRL's and torch's refusals (their exception classes for bad settings) become a ConfigError with
+    their message's first line; mtk's own errors and other exceptions pass through unchanged."""
+    from mtk.errors import DataError, library_refusals
+
+    for raised in (
+        ValueError("lr_scheduler_type reduce_lr_on_plateau requires an eval strategy\nmore detail"),
+        ImportError("You need to install `galore_torch` in order to use GaLore optimizers."),
+        FileExistsError(17, "File exists"),
+    ):
+        with pytest.raises(ConfigError) as refused, library_refusals():
+            raise raised
+        assert "\n" not in str(refused.value) and str(refused.value) == str(raised).splitlines()[0]
+        assert refused.value.__cause__ is raised
+    with pytest.raises(ConfigError, match=r"not used by the HfArgumentParser: \['--foo'\]; check the spelling"):
+        with library_refusals():
+            raise ValueError("Some specified arguments are not used by the HfArgumentParser: ['--foo']")
+    for passed in (DataError("data"), RuntimeError("a bug")):
+        with pytest.raises(type(passed)) as kept, library_refusals():
+            raise passed
+        assert kept.value is passed
 
 
 def test_fields_mtk_honours_pass(tmp_path):
