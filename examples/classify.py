@@ -112,8 +112,22 @@ def label_ids(train: Dataset, evaluation: Dataset) -> dict[Any, int]:
     if all(isinstance(v, int) for v in values):
         if min(values) < 0:
             raise DataError(f"label ids must be 0..K-1, got {min(values)}; or give the labels as names")
+        check_id_range(values)
         return {v: v for v in range(max(values) + 1)}
     return {v: i for i, v in enumerate(sorted(values, key=str))}
+
+
+def check_id_range(ids: set[int]) -> None:
+    """Refuse integer label ids that would make the head far wider than the labels seen: an id is a class index, so
+    ids 0 and 100000000 built a head of 10^8 classes (and its mapping), which the kernel killed without a message.
+    A few gaps ({0, 2}: three classes, one never trained) stay allowed."""
+    classes, bound = max(ids) + 1, 4 * len(ids) + 16
+    if classes > bound:
+        raise DataError(
+            f"label id {max(ids)} would make a head of {classes} classes for the {len(ids)} labels the data has "
+            f"(label ids are class indices; at most {bound} classes, 4 x labels + 16); renumber the labels 0..K-1, "
+            "or give them as names"
+        )
 
 
 def encode(batch, tokenizer: Any, max_length: int, ids: dict[Any, int]) -> dict:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+import json
+import math
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +34,18 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from mtk import jsonio
 from mtk.errors import ModelSpecError
 
 __all__ = [
     "BUILTIN",
     "DTYPES",
+    "MAX_LAYERS",
     "ModelSpecError",
     "auto_class_for",
     "builtin_config",
     "build_model",
+    "check_config_values",
     "check_seq_len",
     "check_weights",
     "resolve_config",
@@ -156,7 +161,80 @@ BUILTIN: dict[str, Callable[[], PretrainedConfig]] = {
 def builtin_config(name: str) -> PretrainedConfig:
     if name not in BUILTIN:
         raise ModelSpecError(f"unknown built-in model {name!r}; built-in names: {', '.join(BUILTIN)}")
-    return BUILTIN[name]()
+    config = BUILTIN[name]()
+    check_config_values(vars(config), name)
+    return config
+
+
+# The size fields of decoder and encoder configs, under transformers' names and GPT-2's: each a count or a width,
+# so 0 divided by zero (heads), -5 built a tensor of negative size, and 4096.0 or "32" failed deep in a model.
+_SIZE_FIELDS = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "num_hidden_layers",
+    "head_dim",
+    "max_position_embeddings",
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "n_embd",
+    "n_head",
+    "n_layer",
+    "n_positions",
+    "n_ctx",
+    "n_inner",
+    "num_layers",
+)
+_DEPTH_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
+_FINITE_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta", "initializer_range")
+_NESTED = ("text_config", "rope_parameters")  # a multimodal model's decoder; transformers 5 keeps rope_theta here
+MAX_LAYERS = 10_000  # deeper than any released model; a plan or a meta model of 10^9 layers ran without end
+
+
+def check_config_values(values: Mapping[str, Any], source: str | Path) -> None:
+    """Refuse (one line naming the field and ``source``) a model config whose sizes are not positive integers, whose
+    depth is over :data:`MAX_LAYERS`, or whose epsilons, rope base or init range are not finite numbers.
+
+    Checked on the values as written, before transformers builds a config from them: its ``__init__`` divides by the
+    head count, and a NaN epsilon or a negative vocabulary only fails later, in a plan or a model's first tensor.
+    A field the config does not have, or sets to null (GPT-2's ``n_inner``), is not checked."""
+    for name, value in _checked_values(values):
+        field = name.rsplit(".", 1)[-1]
+        if field in _FINITE_FIELDS:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ModelSpecError(
+                    f"--model {source}: {name} is {_shown(value)}; it must be a finite number: correct the config"
+                )
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelSpecError(
+                f"--model {source}: {name} is {_shown(value)}; it must be a positive integer: correct the config"
+            )
+        elif field in _DEPTH_FIELDS and value > MAX_LAYERS:
+            raise ModelSpecError(
+                f"--model {source}: {name} is {value}; mtk builds and plans models of at most {MAX_LAYERS:,} layers: "
+                "correct the config"
+            )
+
+
+def _checked_values(values: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """The (dotted name, value) pairs :func:`check_config_values` checks, sub-configs and rope parameters included."""
+    for name in (*_SIZE_FIELDS, *_FINITE_FIELDS):
+        if values.get(name) is not None:
+            yield prefix + name, values[name]
+    for name in _NESTED:
+        nested = values.get(name)
+        nested = vars(nested) if isinstance(nested, PretrainedConfig) else nested
+        if isinstance(nested, Mapping) and not prefix:  # one level: sub-configs do not nest further here
+            yield from _checked_values(nested, f"{name}.")
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (int, float, str, type(None))) else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def resolve_config(spec: str | PretrainedConfig) -> PretrainedConfig:
@@ -181,6 +259,7 @@ def _config_from(path: Path) -> PretrainedConfig:
     """transformers' config of a local directory or file, never running its code: a config that needs code
     (``auto_map`` with a model type transformers does not ship), that transformers cannot read, or whose values its
     validators refuse (a hidden size the heads do not divide) is one line."""
+    _check_config_file(path / "config.json" if path.is_dir() else path)
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (ValueError, KeyError, OSError, StrictDataclassError) as err:
@@ -197,6 +276,17 @@ def _config_from(path: Path) -> PretrainedConfig:
             f"--model {path}: transformers cannot read its config ({reason}); use a model whose "
             "architecture transformers ships"
         ) from None
+
+
+def _check_config_file(file: Path) -> None:
+    """:func:`check_config_values` on a config file's values as written; a file that is not a JSON object is left to
+    transformers' reader, whose refusal :func:`_config_from` words."""
+    try:
+        values = jsonio.loads(file.read_bytes())
+    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON (JSONDecodeError is a ValueError)
+        return
+    if isinstance(values, dict):
+        check_config_values(values, file)
 
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -271,8 +271,21 @@ def test_unreadable_data_is_one_line(tmp_path, content, message):
         (["0", "1", "pos"], "the labels mix integer ids and names ('0' and 'pos')"),
         (["pos", "Pos", "neg"], "the labels 'Pos' and 'pos' differ only in case or spaces"),
         (["pos", "neg ", "neg"], "the labels 'neg' and 'neg ' differ only in case or spaces"),
+        ([0, 100_000_000, 0], "label id 100000000 would make a head of 100000001 classes for the 2 labels"),
+        ([0, 40, 3], "(label ids are class indices; at most 28 classes, 4 x labels + 16); renumber the labels 0..K-1"),
     ],
-    ids=["empty-cell", "blank", "float", "one-label", "empty-csv-cell", "ids-and-names", "case", "spaces"],
+    ids=[
+        "empty-cell",
+        "blank",
+        "float",
+        "one-label",
+        "empty-csv-cell",
+        "ids-and-names",
+        "case",
+        "spaces",
+        "huge-id",
+        "sparse",
+    ],
 )
 def test_classification_labels_are_checked(labels, message):
     """An empty label cell is not a class named None (and is the row named), a one-label file does not train as a
@@ -282,6 +295,15 @@ def test_classification_labels_are_checked(labels, message):
     train = Dataset.from_dict({"text": ["a", "b", "c"], "label": labels})
     with pytest.raises(DataError, match=re.escape(message)):
         EXAMPLES["classify"].label_ids(train, train)
+
+
+def test_label_ids_with_a_few_gaps_are_classes():
+    """Ids are class indices: {0, 2} is three classes (one never trained), up to 4 x labels + 16 of them."""
+    from datasets import Dataset
+
+    for labels, classes in (([0, 2, 0], 3), ([0, 1, 2, 31], 32)):
+        train = Dataset.from_dict({"text": ["a"] * len(labels), "label": labels})
+        assert EXAMPLES["classify"].label_ids(train, train) == {i: i for i in range(classes)}
 
 
 def test_an_evaluation_label_training_never_shows_is_one_line():
@@ -408,3 +430,53 @@ def test_json_nested_too_deeply_to_parse_is_each_readers_one_line(tmp_path):
     (tmp_path / "ds.json").write_text(deep)
     with pytest.raises(ConfigError, match="is not valid JSON .*nested too deeply"):
         deepspeed_config(tmp_path / "ds.json", 1)
+
+
+LLAMA_3_8B = json.loads((ROOT / "examples" / "configs" / "llama-3-8b" / "config.json").read_text())
+GPT2 = resolve_config("tiny-gpt2").to_dict()
+CONFIG_VALUES = [
+    (LLAMA_3_8B, "num_attention_heads", 0, "num_attention_heads is 0; it must be a positive integer"),
+    (LLAMA_3_8B, "vocab_size", -5, "vocab_size is -5; it must be a positive integer"),
+    (LLAMA_3_8B, "hidden_size", 4096.0, "hidden_size is 4096.0; it must be a positive integer"),
+    (LLAMA_3_8B, "num_key_value_heads", "8", 'num_key_value_heads is "8"; it must be a positive integer'),
+    (LLAMA_3_8B, "head_dim", True, "head_dim is true; it must be a positive integer"),
+    (LLAMA_3_8B, "rms_norm_eps", float("nan"), "rms_norm_eps is NaN; it must be a finite number"),
+    (LLAMA_3_8B, "rope_theta", float("inf"), "rope_theta is Infinity; it must be a finite number"),
+    (
+        LLAMA_3_8B,
+        "num_hidden_layers",
+        10**9,
+        "num_hidden_layers is 1000000000; mtk builds and plans models of at most",
+    ),
+    (GPT2, "n_head", 0, "n_head is 0; it must be a positive integer"),
+    (GPT2, "n_layer", 20_000, "n_layer is 20000; mtk builds and plans models of at most 10,000 layers"),
+    (LLAMA_3_8B, "num_key_value_heads", None, None),  # null: a field the config leaves to its default is not checked
+    (GPT2, "n_inner", None, None),  # (GPT-2's n_inner: 4 x n_embd)
+]
+
+
+@pytest.mark.parametrize("base, field, value, message", CONFIG_VALUES, ids=[f"{c[1]}={c[2]}" for c in CONFIG_VALUES])
+def test_model_config_values_are_checked_where_a_config_is_read(tmp_path, base, field, value, message):
+    """A head count of 0 divided by zero in transformers' config, a vocabulary of -5 built a tensor of negative size,
+    a NaN epsilon failed in the planner and 10^9 layers planned without end: each config file, and each directory's
+    config.json, is one line naming the field and the file."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**base, field: value}))
+    if message is None:
+        resolve_config(str(path))
+        return
+    for spec in (path, tmp_path):  # a config file alone, and a model directory
+        with pytest.raises(ModelSpecError, match=re.escape(f"--model {path}: {message}")) as err:
+            resolve_config(str(spec))
+        assert "\n" not in str(err.value)
+
+
+def test_a_model_config_with_bad_values_is_one_line_in_plan_and_verify(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_3_8B, "num_attention_heads": 0}))
+    plan = ["--gpus", "8", "--gpu_memory", "80GiB", "--seq_len", "4096", "--global_batch", "64"]
+    for argv, prog in (
+        (["plan", "--model", str(tmp_path / "config.json"), *plan], "mtk plan"),
+        (["verify", "--model", str(tmp_path), "--tp", "2"], "mtk verify"),
+    ):
+        assert mtk_main(argv) == 2, argv
+        _one_line(capsys.readouterr().err, prog, "num_attention_heads is 0; it must be a positive integer")

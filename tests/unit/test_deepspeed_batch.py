@@ -305,3 +305,28 @@ def test_what_the_deepspeed_launcher_cannot_take_from_an_accelerate_json_is_one_
         with pytest.raises(ConfigError, match='"gradient_clipping": .* must be a finite number >= 0'):
             check_launcher_config({"gradient_clipping": bad}, "ds.json", run)
     check_launcher_config({"gradient_clipping": 1.0, "mtk": {"context_parallel_size": 2}}, "ds.json", run)
+
+
+@pytest.mark.parametrize("key, value", [("zero_optimization", "2"), ("optimizer", ["AdamW"]), ("bf16", True)])
+def test_a_section_that_is_not_an_object_is_one_line_naming_it(tmp_path, monkeypatch, key, value):
+    """``"zero_optimization": "2"`` reached DeepSpeed's ``**block`` (a TypeError on every rank under the deepspeed
+    launcher) or accelerate's plugin (an AttributeError): both paths refuse it first, naming the key and its type."""
+    from mtk.integrations.accelerate.deepspeed import check_launcher_sections
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({MB: 2, key: value}))
+    kind = {str: "string", list: "array", bool: "boolean"}[type(value)]
+    message = f'{path}: "{key}" is a {kind} ({json.dumps(value)}); it must be a JSON object'
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        deepspeed_config(path, 1)
+    assert "\n" not in str(err.value)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_launcher_sections()
+
+
+def test_deepspeeds_legacy_boolean_zero_optimization_is_accepted(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({MB: 2, "zero_optimization": True, "bf16": {"enabled": False}}))
+    config, _ = deepspeed_config(path, 1)
+    assert config["zero_optimization"] is True

@@ -27,6 +27,7 @@ from mtk.integrations.accelerate.collectives import DataParallelCollectives
 from mtk.integrations.accelerate.convert import ReplacedParams, repoint
 from mtk.integrations.accelerate.data_path import DataPath
 from mtk.integrations.accelerate.deepspeed import (
+    check_launcher_sections,
     deepspeed_initialize_with_mpu,
     reconcile_accelerate_batch,
     refuse_two_optimizers,
@@ -117,6 +118,7 @@ class Accelerator(
                 "parallelism; use DeepSpeed's ZeRO stage or drop the DeepSpeed config"
             )
         if self.uses_deepspeed:
+            check_launcher_sections()  # before accelerate's plugin reads the JSON
             remove_shm_buffers_at_exit()
         if self.uses_deepspeed and on_cpu:
             # accelerate forms DeepSpeed's process group only when not told cpu=True (which drops the

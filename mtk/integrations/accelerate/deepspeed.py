@@ -18,17 +18,34 @@ from torch.utils.data import DataLoader
 from mtk import jsonio
 from mtk.errors import ConfigError
 from mtk.integrations.accelerate.scheduler import DataParallelScheduler
-from mtk.integrations.deepspeed import check_precision, initialization_cleanup, partition_over_replicas
+from mtk.integrations.deepspeed import check_precision, check_sections, initialization_cleanup, partition_over_replicas
 from mtk.integrations.deepspeed_batch import BATCH_FIELDS, dp_layout, reconcile_batch
 from mtk.parallel.state import ParallelState
 
 __all__ = [
+    "check_launcher_sections",
     "deepspeed_initialize_with_mpu",
     "reconcile_accelerate_batch",
     "refuse_two_optimizers",
     "replace_accelerated_schedulers",
     "user_batch_fields",
 ]
+
+
+def check_launcher_sections() -> None:
+    """The DeepSpeed JSON ``accelerate launch`` names (its YAML's ``deepspeed_config_file``), checked before
+    accelerate builds its plugin from it: a section given as another type than an object
+    (:func:`~mtk.integrations.deepspeed.check_sections`) was an ``AttributeError`` in accelerate on every rank.
+    A file that is missing or not JSON is left to accelerate's own message."""
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not path or not Path(path).is_file():
+        return
+    try:
+        raw = jsonio.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return
+    if isinstance(raw, dict):
+        check_sections(raw, path)
 
 
 def user_batch_fields(plugin, from_launcher: bool = True) -> tuple[dict[str, Any], str]:
