@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mtk.config import ConfigError, ParallelConfig, RunSettings
-    from mtk.convert import parallelize, parallelized
+    from mtk.convert.parallelize import parallelize
     from mtk.integrations.accelerate import Accelerator
     from mtk.parallel import (
         ColumnParallelLinear,
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         VocabParallelEmbedding,
         vocab_parallel_cross_entropy,
     )
+    from mtk.parallel.record import parallelized
 
 __version__ = "0.1.0"
 
@@ -37,8 +38,8 @@ _HOMES = {
     "RowParallelLinear": "mtk.parallel",
     "RunSettings": "mtk.config",
     "VocabParallelEmbedding": "mtk.parallel",
-    "parallelize": "mtk.convert",
-    "parallelized": "mtk.convert",
+    "parallelize": "mtk.convert.parallelize",
+    "parallelized": "mtk.parallel.record",
     "vocab_parallel_cross_entropy": "mtk.parallel",
 }
 

@@ -449,7 +449,7 @@ CONFIG_VALUES = [
         "num_hidden_layers is 1000000000; mtk builds and plans models of at most",
     ),
     (GPT2, "n_head", 0, "n_head is 0; it must be a positive integer"),
-    (GPT2, "n_layer", 20_000, "n_layer is 20000; mtk builds and plans models of at most 10,000 layers"),
+    (GPT2, "n_layer", 2_000, "n_layer is 2000; mtk builds and plans models of at most 1,000 layers"),
     (LLAMA_3_8B, "num_key_value_heads", None, None),  # null: a field the config leaves to its default is not checked
     (GPT2, "n_inner", None, None),  # (GPT-2's n_inner: 4 x n_embd)
 ]
