@@ -648,7 +648,7 @@ def test_verify_checkpoint_checks_that_the_shards_cover_each_tensor(tmp_path, ca
 def test_ctrl_c_to_an_mtk_command_is_one_line(saved, tmp_path, delay):
     """SIGINT to ``mtk export`` while it imports, verifies or writes: exit status 130 and one line, no traceback and no
     staging directory left (the package imports nothing heavy before the command's handler is in place). A command
-    that finished first exits 0."""
+    that finished first exits 0 (or, if the signal lands while the interpreter shuts down, as Python's SIGINT)."""
     import signal
     import subprocess
     import sys
@@ -661,8 +661,8 @@ def test_ctrl_c_to_an_mtk_command_is_one_line(saved, tmp_path, delay):
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=120)
     assert "Traceback" not in stderr, stderr[-3000:]
-    if process.returncode == 0:
-        assert "verified" in stdout
+    if process.returncode in (0, -signal.SIGINT):  # finished; or SIGINT came as the interpreter shut down after it
+        assert "verified" in stdout, (process.returncode, stdout, stderr[-2000:])
     else:
         assert process.returncode == 130 and stderr.strip().splitlines() == [
             "mtk: interrupted (SIGINT); stopped, nothing half-written is left"
