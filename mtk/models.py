@@ -190,6 +190,10 @@ _SIZE_FIELDS = (
     "num_layers",
 )
 _DEPTH_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
+# zero means "none" or "derived from the other sizes" in some configs (GLM's head_dim, a dense model's experts)
+_MAY_BE_ZERO = (
+    "head_dim", "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_inner"
+)  # fmt: skip
 _FINITE_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta", "initializer_range")
 _NESTED = ("text_config", "rope_parameters")  # a multimodal model's decoder; transformers 5 keeps rope_theta here
 # far deeper than any released model (the deepest, ~130); a plan of 10^9 layers ran without end, 10^4 for minutes
@@ -197,8 +201,10 @@ MAX_LAYERS = 1_000
 
 
 def check_config_values(values: Mapping[str, Any], source: str | Path) -> None:
-    """Refuse (one line naming the field and ``source``) a model config whose sizes are not positive integers, whose
-    depth is over :data:`MAX_LAYERS`, or whose epsilons, rope base or init range are not finite numbers.
+    """Refuse (one line naming the field and ``source``) a model config whose sizes are not whole numbers (zero only
+    where a config uses it for "none" or "derived": ``head_dim``, expert counts), whose depth is over
+    :data:`MAX_LAYERS`, or whose epsilons, rope base or init range are not finite numbers. A per-layer list of sizes
+    (Gemma-3n's widths) is checked element by element; a mapping is left to its model.
 
     Checked on the values as written, before transformers builds a config from them: its ``__init__`` divides by the
     head count, and a NaN epsilon or a negative vocabulary only fails later, in a plan or a model's first tensor.
@@ -210,11 +216,18 @@ def check_config_values(values: Mapping[str, Any], source: str | Path) -> None:
                 raise ModelSpecError(
                     f"--model {source}: {name} is {_shown(value)}; it must be a finite number: correct the config"
                 )
-        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ModelSpecError(
-                f"--model {source}: {name} is {_shown(value)}; it must be a positive integer: correct the config"
-            )
-        elif field in _DEPTH_FIELDS and value > MAX_LAYERS:
+            continue
+        if isinstance(value, Mapping):
+            continue
+        least = 0 if field in _MAY_BE_ZERO else 1
+        for size in value if isinstance(value, (list, tuple)) else [value]:
+            whole = isinstance(size, (int, float)) and not isinstance(size, bool) and math.isfinite(size)
+            if not whole or size != int(size) or size < least:
+                what = "a whole number >= 0" if least == 0 else "a positive whole number"
+                raise ModelSpecError(
+                    f"--model {source}: {name} is {_shown(value)}; it must be {what}: correct the config"
+                )
+        if field in _DEPTH_FIELDS and isinstance(value, (int, float)) and value > MAX_LAYERS:
             raise ModelSpecError(
                 f"--model {source}: {name} is {value}; mtk builds and plans models of at most {MAX_LAYERS:,} layers: "
                 "correct the config"
@@ -234,7 +247,7 @@ def _checked_values(values: Mapping[str, Any], prefix: str = "") -> Iterator[tup
 
 
 def _shown(value: Any) -> str:
-    text = json.dumps(value) if isinstance(value, (int, float, str, type(None))) else type(value).__name__
+    text = json.dumps(value) if isinstance(value, (int, float, str, list, tuple, type(None))) else type(value).__name__
     return text if len(text) <= 40 else text[:37] + "..."
 
 

@@ -435,11 +435,12 @@ def test_json_nested_too_deeply_to_parse_is_each_readers_one_line(tmp_path):
 LLAMA_3_8B = json.loads((ROOT / "examples" / "configs" / "llama-3-8b" / "config.json").read_text())
 GPT2 = resolve_config("tiny-gpt2").to_dict()
 CONFIG_VALUES = [
-    (LLAMA_3_8B, "num_attention_heads", 0, "num_attention_heads is 0; it must be a positive integer"),
-    (LLAMA_3_8B, "vocab_size", -5, "vocab_size is -5; it must be a positive integer"),
-    (LLAMA_3_8B, "hidden_size", 4096.0, "hidden_size is 4096.0; it must be a positive integer"),
-    (LLAMA_3_8B, "num_key_value_heads", "8", 'num_key_value_heads is "8"; it must be a positive integer'),
-    (LLAMA_3_8B, "head_dim", True, "head_dim is true; it must be a positive integer"),
+    (LLAMA_3_8B, "num_attention_heads", 0, "num_attention_heads is 0; it must be a positive whole number"),
+    (LLAMA_3_8B, "vocab_size", -5, "vocab_size is -5; it must be a positive whole number"),
+    (LLAMA_3_8B, "hidden_size", 4096.5, "hidden_size is 4096.5; it must be a positive whole number"),
+    (LLAMA_3_8B, "intermediate_size", [14336, 0], "intermediate_size is [14336, 0]; it must be a positive whole"),
+    (LLAMA_3_8B, "num_key_value_heads", "8", 'num_key_value_heads is "8"; it must be a positive whole number'),
+    (LLAMA_3_8B, "head_dim", True, "head_dim is true; it must be a whole number >= 0"),
     (LLAMA_3_8B, "rms_norm_eps", float("nan"), "rms_norm_eps is NaN; it must be a finite number"),
     (LLAMA_3_8B, "rope_theta", float("inf"), "rope_theta is Infinity; it must be a finite number"),
     (
@@ -448,11 +449,29 @@ CONFIG_VALUES = [
         10**9,
         "num_hidden_layers is 1000000000; mtk builds and plans models of at most",
     ),
-    (GPT2, "n_head", 0, "n_head is 0; it must be a positive integer"),
+    (GPT2, "n_head", 0, "n_head is 0; it must be a positive whole number"),
     (GPT2, "n_layer", 2_000, "n_layer is 2000; mtk builds and plans models of at most 1,000 layers"),
     (LLAMA_3_8B, "num_key_value_heads", None, None),  # null: a field the config leaves to its default is not checked
     (GPT2, "n_inner", None, None),  # (GPT-2's n_inner: 4 x n_embd)
 ]
+
+
+def test_every_config_transformers_ships_passes_the_value_check():
+    """The check refuses impossible values, never a config transformers itself builds: per-layer widths (Gemma-3n's
+    lists), ``head_dim`` 0 ("derived", GLM's), a whole number written as a float, vision models' per-stage tuples."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from mtk.models import check_config_values
+
+    checked = 0
+    for model_type, config_class in CONFIG_MAPPING.items():
+        try:
+            config = config_class()
+        except Exception:  # noqa: BLE001 (a config that needs arguments: nothing to check)
+            continue
+        check_config_values(vars(config), model_type)
+        checked += 1
+    assert checked > 300
 
 
 @pytest.mark.parametrize("base, field, value, message", CONFIG_VALUES, ids=[f"{c[1]}={c[2]}" for c in CONFIG_VALUES])
@@ -479,4 +498,4 @@ def test_a_model_config_with_bad_values_is_one_line_in_plan_and_verify(tmp_path,
         (["verify", "--model", str(tmp_path), "--tp", "2"], "mtk verify"),
     ):
         assert mtk_main(argv) == 2, argv
-        _one_line(capsys.readouterr().err, prog, "num_attention_heads is 0; it must be a positive integer")
+        _one_line(capsys.readouterr().err, prog, "num_attention_heads is 0; it must be a positive whole number")
