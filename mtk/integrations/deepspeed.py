@@ -39,6 +39,7 @@ from mtk.config import ConfigError
 from mtk.errors import CheckpointError
 from mtk.integrations.deepspeed_batch import BatchSizes, reconcile_batch
 from mtk.integrations.deepspeed_reshard import load_at_another_layout, save_optimizer_pieces
+from mtk.parallel.optimizer_updates import check_named_update
 from mtk.parallel.pieces import Piece
 from mtk.parallel.record import is_peft_model
 from mtk.parallel.state import ParallelState
@@ -179,8 +180,9 @@ def _json_type(value: Any) -> str:
 
 def check_launcher_config(config: dict[str, Any], path: str | Path, parallel: ParallelState) -> None:
     """What the deepspeed launcher (``examples/run.py``) cannot take from a JSON written for accelerate, one line
-    each: an ``"auto"`` clipping (accelerate and the HF Trainer fill it in; DeepSpeed compares it with numbers), and
-    an ``"mtk"`` block whose degrees are not the run's (the launcher's come from --tp / --cp and the environment)."""
+    each: an ``"auto"`` clipping (accelerate and the HF Trainer fill it in; DeepSpeed compares it with numbers), an
+    optimizer that reads whole tensors next to TP (``"Lamb"``: :mod:`mtk.parallel.optimizer_updates`), and an
+    ``"mtk"`` block whose degrees are not the run's (the launcher's come from --tp / --cp and the environment)."""
     if config.get("gradient_clipping") == "auto":
         raise ConfigError(
             f'{path}: "gradient_clipping": "auto" is filled in by accelerate and the HF Trainer, not under the '
@@ -189,6 +191,9 @@ def check_launcher_config(config: dict[str, Any], path: str | Path, parallel: Pa
     clipping = config.get("gradient_clipping")
     if isinstance(clipping, (int, float)) and not isinstance(clipping, bool) and not 0 <= clipping < math.inf:
         raise ConfigError(f'{path}: "gradient_clipping": {clipping} must be a finite number >= 0 (0: none)')
+    block = config.get("optimizer")
+    if parallel.tp_size > 1 and isinstance(block, dict) and "type" in block:  # each rank updates its TP shards
+        check_named_update(str(block["type"]), _on_rank_zero(parallel))
     degrees = {"tp_size": parallel.tp_size, "cp_size": parallel.cp_size}
     for key, field in MTK_BLOCK_KEYS.items():
         asked = sizes_from_config(config).get(field)
@@ -198,6 +203,16 @@ def check_launcher_config(config: dict[str, Any], path: str | Path, parallel: Pa
                 f'{path}: "mtk": {{"{key}": {asked}}} but this run\'s size is {degrees[field]} ({flag}, else the '
                 f"environment); make them agree or drop the key"
             )
+
+
+def _on_rank_zero(parallel: ParallelState) -> Callable[[str], None]:
+    """A report that prints once, on the job's rank 0."""
+
+    def report(line: str) -> None:
+        if parallel.rank == 0:
+            print(line, flush=True)
+
+    return report
 
 
 MTK_BLOCK_KEYS = {"tensor_parallel_size": "tp_size", "context_parallel_size": "cp_size"}  # -> ParallelConfig

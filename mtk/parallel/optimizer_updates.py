@@ -17,7 +17,7 @@ import torch
 
 from mtk.errors import ConfigError
 
-__all__ = ["check_elementwise_update"]
+__all__ = ["check_elementwise_update", "check_named_update"]
 
 # torch's optimizers whose update of an element reads that element's gradient and state alone (and the step count)
 ELEMENTWISE = (
@@ -39,16 +39,34 @@ WHOLE_TENSOR = (
 )  # fmt: skip
 
 
+# DeepSpeed's JSON optimizer types (and accelerate's, through it) that update each element on their own
+ELEMENTWISE_NAMES = {cls.__name__.lower() for cls in ELEMENTWISE} | {
+    "fusedadam", "cpuadam", "deepspeedcpuadam", "lion", "fusedlion", "cpulion", "muadam", "muadamw", "musgd"
+}  # fmt: skip
+
+
 def check_elementwise_update(
-    optimizer: torch.optim.Optimizer, sharded: Iterable[torch.Tensor], report: Callable[[str], None]
+    optimizer: torch.optim.Optimizer,
+    sharded: Iterable[torch.Tensor],
+    report: Callable[[str], None],
+    name: str | None = None,
 ) -> None:
     """Refuse (one line) an optimizer whose update reads a whole tensor when it holds one of ``sharded`` (parameters
-    split over TP or FSDP2); report one whose class mtk does not know. Nothing to check when it holds none."""
+    split over TP or FSDP2); report one whose class mtk does not know. Nothing to check when it holds none. ``name``:
+    what the optimizer really is where ``optimizer`` stands in for it (accelerate's ``DummyOptim`` for the DeepSpeed
+    JSON's ``optimizer.type``)."""
     ids = {id(p) for p in sharded}
     if not any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
         return
-    name = type(optimizer).__name__
-    if type(optimizer) in ELEMENTWISE:
+    if name is None and type(optimizer) in ELEMENTWISE:
+        return
+    check_named_update(name or type(optimizer).__name__, report)
+
+
+def check_named_update(name: str, report: Callable[[str], None]) -> None:
+    """:func:`check_elementwise_update` by the optimizer's name (a class name, or a DeepSpeed JSON ``optimizer.type``
+    next to TP): whole-tensor ones refused, unknown ones reported."""
+    if name.lower() in ELEMENTWISE_NAMES:
         return
     if any(word in name.lower() for word in WHOLE_TENSOR):
         raise ConfigError(

@@ -307,6 +307,26 @@ def test_what_the_deepspeed_launcher_cannot_take_from_an_accelerate_json_is_one_
     check_launcher_config({"gradient_clipping": 1.0, "mtk": {"context_parallel_size": 2}}, "ds.json", run)
 
 
+def test_a_json_optimizer_reading_whole_tensors_is_one_line_next_to_tensor_parallelism(capsys):
+    """DeepSpeed's "Lamb" (and 1-bit LAMB) computes a trust ratio from each tensor's norm: on TP shards it trains
+    differently from one process, so at TP 2 it is one line; Adam and Lion pass; a type mtk does not know is named
+    once, by rank 0; at TP 1 nothing is checked."""
+    from types import SimpleNamespace
+
+    from mtk.integrations.deepspeed import check_launcher_config
+
+    tp2, tp1 = SimpleNamespace(tp_size=2, cp_size=1, rank=0), SimpleNamespace(tp_size=1, cp_size=1, rank=0)
+    for name in ("Lamb", "OneBitLamb"):
+        with pytest.raises(ConfigError, match=f"{name} computes its update from statistics of each whole tensor"):
+            check_launcher_config({"optimizer": {"type": name}}, "ds.json", tp2)
+        check_launcher_config({"optimizer": {"type": name}}, "ds.json", tp1)
+    for name in ("AdamW", "Adam", "Lion", "Adagrad"):
+        check_launcher_config({"optimizer": {"type": name}}, "ds.json", tp2)
+    assert capsys.readouterr().out == ""
+    check_launcher_config({"optimizer": {"type": "Novel"}}, "ds.json", tp2)
+    assert capsys.readouterr().out.startswith("mtk: Novel updates split parameters shard by shard")
+
+
 @pytest.mark.parametrize("key, value", [("zero_optimization", "2"), ("optimizer", ["AdamW"]), ("bf16", True)])
 def test_a_section_that_is_not_an_object_is_one_line_naming_it(tmp_path, monkeypatch, key, value):
     """``"zero_optimization": "2"`` reached DeepSpeed's ``**block`` (a TypeError on every rank under the deepspeed

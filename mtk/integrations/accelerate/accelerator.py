@@ -239,7 +239,11 @@ class Accelerator(
             for p in model.parameters()
             if getattr(p, "tensor_model_parallel", False) or self.sharding is not None
         ]
-        check_elementwise_update(optimizer, sharded, self.print)
+        stands_for = None  # accelerate's DummyOptim stands for the DeepSpeed JSON's optimizer
+        if self.uses_deepspeed and type(optimizer).__name__ == "DummyOptim":
+            block = self.state.deepspeed_plugin.deepspeed_config.get("optimizer") or {}
+            stands_for = str(block.get("type", "AdamW")) if isinstance(block, dict) else None
+        check_elementwise_update(optimizer, sharded, self.print, stands_for)
         optimizer._mtk_update_checked = True  # type: ignore[attr-defined]  # a mark on the user's object
 
     def _check_one_optimizer_for_experts(self, optimizer: torch.optim.Optimizer) -> None:
