@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -64,5 +65,17 @@ def _main(argv: Sequence[str] | None) -> int:
         return 2
 
 
+def console() -> None:
+    """The ``mtk`` command: :func:`main`, whose status is the process's. After a Ctrl-C the process leaves without the
+    interpreter's teardown (its line and files are out by then): a thread torch or a loader still ran would abort
+    the teardown ("terminate called without an active exception", SIGABRT instead of status 130)."""
+    code = main()
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()
