@@ -226,7 +226,7 @@ class ResumeGuard:
     MODEL_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_target_parameters", "base_dtype")
     _PATHS = ("model", "tokenizer", "data")
     _CONTENTS = "data_contents"  # not an option: the digest of --data's files
-    _MODEL_CONFIG = "model_config"  # not an option: --model's config.json as it was (a directory's)
+    _MODEL_CONFIG = "model_config"  # not an option: --model's config.json as it was (a directory's, or the file)
 
     def __init__(self, **options: Any) -> None:
         self.options = {key: _normalized(value) if key in self._PATHS else value for key, value in options.items()}
@@ -238,8 +238,9 @@ class ResumeGuard:
         options = {name: getattr(args, name) for name in names if hasattr(args, name)}
         if isinstance(options.get("data"), str) and Path(options["data"]).exists():
             options[cls._CONTENTS] = _shared_fingerprint(options["data"])
-        config = Path(options["model"]) / "config.json" if isinstance(options.get("model"), str) else None
-        if config is not None and config.is_file():  # the same directory with another architecture or routing
+        model = Path(options["model"]) if isinstance(options.get("model"), str) else None
+        config = model if model is not None and model.is_file() else model / "config.json" if model else None
+        if config is not None and config.is_file():  # the same directory (or file) with another architecture
             options[cls._MODEL_CONFIG] = hashlib.sha256(config.read_bytes()).hexdigest()
         return cls(**options)
 

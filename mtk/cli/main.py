@@ -7,10 +7,13 @@ in DeepSpeed, PEFT or the bench's peers); ``mtk --help`` imports them all to lis
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 from mtk import __version__
 from mtk.args import ArgumentParser
@@ -42,16 +45,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:  # what a command leaves is already cleaned (export stages, saves are atomic)
-        print("mtk: interrupted (SIGINT); stopped, nothing half-written is left", file=sys.stderr)
+        print(INTERRUPTED, file=sys.stderr)
         return 130
+
+
+INTERRUPTED = "mtk: interrupted (SIGINT); stopped, nothing half-written is left"
+
+
+def _stop_while_starting(signum: int, frame: object) -> None:
+    """SIGINT while the subcommand's modules import: leave at once (nothing is written yet). A KeyboardInterrupt
+    raised inside a library's import can leave it half-imported, whose next use fails another way (numpy's lazy
+    ``dtypes`` recursed without end), so none is raised there."""
+    print(INTERRUPTED, file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+@contextlib.contextmanager
+def _starting() -> Iterator[None]:
+    """:func:`_stop_while_starting` as the SIGINT handler for the block (in the main thread; elsewhere as is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, _stop_while_starting)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command if command in SUBCOMMANDS and "--help" not in argv[:1] else None)
     try:
-        args = parser.parse_args(argv)
+        with _starting():
+            parser = build_parser(command if command in SUBCOMMANDS and "--help" not in argv[:1] else None)
+            args = parser.parse_args(argv)
     except MtkError as err:  # a malformed option: one line, as for every other bad input
         print(f"mtk: error: {err}", file=sys.stderr)
         return 2

@@ -162,20 +162,20 @@ def check_sections(config: dict[str, Any], where: str | Path) -> None:
         shown = json.dumps(value) if len(json.dumps(value)) <= 40 else json.dumps(value)[:37] + "..."
         example = ', e.g. "zero_optimization": {"stage": 2},' if key == "zero_optimization" else ""
         raise ConfigError(
-            f'{where}: "{key}" is a {_json_type(value)} ({shown}); it must be a JSON object {{...}}: write it as '
+            f'{where}: "{key}" is {_json_type(value)} ({shown}); it must be a JSON object {{...}}: write it as '
             f"one{example} or remove it"
         )
 
 
 def _json_type(value: Any) -> str:
-    """The JSON name of a parsed value's type."""
+    """The JSON name of a parsed value's type, with its article."""
     if value is None:
         return "null"
     if isinstance(value, bool):
-        return "boolean"
+        return "a boolean"
     if isinstance(value, (int, float)):
-        return "number"
-    return "string" if isinstance(value, str) else "array" if isinstance(value, list) else type(value).__name__
+        return "a number"
+    return "a string" if isinstance(value, str) else "an array" if isinstance(value, list) else type(value).__name__
 
 
 def check_launcher_config(config: dict[str, Any], path: str | Path, parallel: ParallelState) -> None:

@@ -469,6 +469,11 @@ def test_a_resume_refuses_a_model_directory_whose_config_changed(tmp_path):
     with pytest.raises(CheckpointError, match="has another config.json than when the checkpoint it resumes"):
         ResumeGuard.from_args(args).load_state_dict(saved)
     ResumeGuard.from_args(args).load_state_dict({"model": str(model_dir), "seq_len": 128})  # an older checkpoint
+    as_file = argparse.Namespace(model=str(model_dir / "config.json"), seq_len=128)  # --model a config file
+    saved = ResumeGuard.from_args(as_file).state_dict()
+    (model_dir / "config.json").write_text('{"model_type": "qwen3_moe", "num_experts_per_tok": 2}')
+    with pytest.raises(CheckpointError, match="has another config.json than when the checkpoint it resumes"):
+        ResumeGuard.from_args(as_file).load_state_dict(saved)
 
 
 def test_a_resume_refuses_data_files_changed_since_the_checkpoint(tmp_path):
@@ -644,7 +649,7 @@ def test_verify_checkpoint_checks_that_the_shards_cover_each_tensor(tmp_path, ca
         assert code == 2 and problem in err and "\n" not in err.strip()
 
 
-@pytest.mark.parametrize("delay", [1.0, 2.5, 4.0])
+@pytest.mark.parametrize("delay", [0.5, 1.0, 1.5, 2.5, 4.0])
 def test_ctrl_c_to_an_mtk_command_is_one_line(saved, tmp_path, delay):
     """SIGINT to ``mtk export`` while it imports, verifies or writes: exit status 130 and one line, no traceback and no
     staging directory left (the package imports nothing heavy before the command's handler is in place). A command

@@ -335,8 +335,8 @@ def test_a_section_that_is_not_an_object_is_one_line_naming_it(tmp_path, monkeyp
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({MB: 2, key: value}))
-    kind = {str: "string", list: "array", bool: "boolean"}[type(value)]
-    message = f'{path}: "{key}" is a {kind} ({json.dumps(value)}); it must be a JSON object'
+    kind = {str: "a string", list: "an array", bool: "a boolean"}[type(value)]
+    message = f'{path}: "{key}" is {kind} ({json.dumps(value)}); it must be a JSON object'
     with pytest.raises(ConfigError, match=re.escape(message)) as err:
         deepspeed_config(path, 1)
     assert "\n" not in str(err.value)
