@@ -164,6 +164,7 @@ def export_checkpoint(
         raise CheckpointError(f"{checkpoint}'s recorded model config cannot be built ({err})") from None
     config.architectures = [meta.model["class"]]
     with ShardedCheckpointReader(checkpoint, meta) as reader:
+        reader.check_complete(optimizer=False)  # every tensor whole, from the headers: one line, not a merge's error
         _check_shapes(config, _model_class(meta), reader, checkpoint)
     with staged_directory(out) as tmp, ShardedCheckpointReader(checkpoint, meta) as reader:
         _write_weights(reader, tmp, torch_dtype, limit, progress)

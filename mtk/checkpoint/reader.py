@@ -214,18 +214,25 @@ class ShardedCheckpointReader:
             if name not in self.shards:
                 raise CheckpointError(f"{self.directory}: optimizer state {key!r} belongs to no tensor of the model")
             held = [s for s, _ in self.shards[name] if self._holds(s, key)]
-            if not self._stored_shape(held[0], key, optimizer=True):  # a scalar (AdamW's step): replicated
-                continue
+            shape = self._stored_shape(held[0], key, optimizer=True)
+            if not shape or shape != self._expected_shape(name, held[0]):
+                continue  # a scalar (AdamW's step), or a state not shaped like its parameter (Adafactor's factors)
             self._check_covered(key, name, held, optimizer=True)
+
+    def _expected_shape(self, name: str, shard: int) -> tuple[int, ...]:
+        """The shape shard ``shard`` of ``name`` has by its spec (its slice along the split dimension, padded)."""
+        full, spec = list(self.full_shapes[name]), dict(self.shards[name])[shard]
+        if spec.dim is not None:
+            full[spec.dim % len(full)] = spec.local_size if spec.local_size is not None else spec.taken()
+        return tuple(full)
 
     def _check_covered(self, key: str, name: str, held: list[int], *, optimizer: bool) -> None:
         full, specs = self.full_shapes[name], dict(self.shards[name])
         for shard in held:
             shape, spec = self._stored_shape(shard, key, optimizer=optimizer), specs[shard]
-            expected = list(full)
+            expected = self._expected_shape(name, shard)
             if spec.dim is not None:
                 dim = spec.dim % len(full)
-                expected[dim] = spec.local_size if spec.local_size is not None else spec.taken()
                 if any(not 0 <= start <= stop <= full[dim] for start, stop in spec.ranges):
                     raise CheckpointError(f"{self.directory}: {key!r} of shard {self.ranks[shard]} reaches outside it")
             if tuple(shape) != tuple(expected):
