@@ -247,6 +247,10 @@ class ResumeGuard:
     def state_dict(self) -> dict[str, Any]:
         return dict(self.options)
 
+    def _digest_differs(self, saved: dict[str, Any], key: str) -> bool:
+        """Whether the checkpoint recorded another digest ``key`` (one that recorded none says nothing)."""
+        return saved.get(key, self.options.get(key)) != self.options.get(key)
+
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         saved = {key: _normalized(value) if key in self._PATHS else value for key, value in saved.items()}
         # a checkpoint from before an option was guarded says nothing about it: nothing to compare
@@ -255,17 +259,13 @@ class ResumeGuard:
             for key, value in self.options.items()
             if saved.get(key, value) != value and key not in (self._CONTENTS, self._MODEL_CONFIG)
         ]
-        if not changed and saved.get(self._MODEL_CONFIG, self.options.get(self._MODEL_CONFIG)) != self.options.get(
-            self._MODEL_CONFIG
-        ):
+        if not changed and self._digest_differs(saved, self._MODEL_CONFIG):
             raise CheckpointError(
                 f"this run's --model {self.options.get('model')} has another config.json than when the checkpoint it "
                 f"resumes was written (its architecture or routing changed); resume with the model as it was, or "
                 f"start a new run in another --output_dir"
             )
-        if not changed and saved.get(self._CONTENTS, self.options.get(self._CONTENTS)) != self.options.get(
-            self._CONTENTS
-        ):
+        if not changed and self._digest_differs(saved, self._CONTENTS):
             raise CheckpointError(
                 f"this run changes the files of --data {self.options.get('data')} (rows added, removed or edited) "
                 f"since the checkpoint it resumes was written, so its data position would point elsewhere; resume "

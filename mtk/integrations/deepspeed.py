@@ -39,6 +39,7 @@ from mtk.config import ConfigError
 from mtk.errors import CheckpointError
 from mtk.integrations.deepspeed_batch import BatchSizes, reconcile_batch
 from mtk.integrations.deepspeed_reshard import load_at_another_layout, save_optimizer_pieces
+from mtk.integrations.deepspeed_sections import check_sections
 from mtk.parallel.optimizer_updates import check_named_update
 from mtk.parallel.pieces import Piece
 from mtk.parallel.record import is_peft_model
@@ -105,77 +106,6 @@ def deepspeed_config(
     if gradient_clipping is not None:
         config["gradient_clipping"] = gradient_clipping
     return config, batch
-
-
-# The top-level keys DeepSpeed (deepspeed/runtime/config.py and the config modules it calls) and mtk read as JSON
-# objects, with ``**block`` or ``block.get(...)``: any other type there was a TypeError or AttributeError traceback
-# on every rank. "zero_optimization" may also be DeepSpeed's legacy boolean (true: stage 1).
-OBJECT_SECTIONS = (
-    "zero_optimization",
-    "optimizer",
-    "scheduler",
-    "fp16",
-    "bf16",
-    "bfloat16",
-    "amp",
-    "torch_autocast",
-    "activation_checkpointing",
-    "flops_profiler",
-    "tensorboard",
-    "wandb",
-    "csv_monitor",
-    "comet",
-    "comms_logger",
-    "aio",
-    "data_efficiency",
-    "curriculum_learning",
-    "compression_training",
-    "checkpoint",
-    "data_types",
-    "pipeline",
-    "hybrid_engine",
-    "compile",
-    "weight_quantization",
-    "elasticity",
-    "autotuning",
-    "nebula",
-    "sparse_attention",
-    "eigenvalue",
-    "progressive_layer_drop",
-    "quantize_training",
-    "timers",
-    "expert_parallel",
-    "mtk",
-)
-
-
-def check_sections(config: dict[str, Any], where: str | Path) -> None:
-    """Refuse (one line) a section DeepSpeed reads as an object that the JSON gives as another type
-    (``"zero_optimization": "2"``), before anything reads it: DeepSpeed's ``**block`` raised a ``TypeError`` on
-    every rank."""
-    for key in OBJECT_SECTIONS:
-        if key not in config or isinstance(config[key], dict):
-            continue
-        value = config[key]
-        if key == "zero_optimization" and isinstance(value, bool):
-            continue
-        shown = json.dumps(value) if len(json.dumps(value)) <= 40 else json.dumps(value)[:37] + "..."
-        example = ', e.g. "zero_optimization": {"stage": 2},' if key == "zero_optimization" else ""
-        raise ConfigError(
-            f'{where}: "{key}" is {_json_type(value)} ({shown}); it must be a JSON object {{...}}: write it as '
-            f"one{example} or remove it"
-        )
-
-
-def _json_type(value: Any) -> str:
-    """The JSON name of a parsed value's type, with its article."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    return "a string" if isinstance(value, str) else "an array" if isinstance(value, list) else type(value).__name__
 
 
 def check_launcher_config(config: dict[str, Any], path: str | Path, parallel: ParallelState) -> None:
