@@ -20,6 +20,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from transformers import (
+    CONFIG_MAPPING,
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -190,10 +191,8 @@ _SIZE_FIELDS = (
     "num_layers",
 )
 _DEPTH_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
-# zero means "none" or "derived from the other sizes" in some configs (GLM's head_dim, a dense model's experts)
-_MAY_BE_ZERO = (
-    "head_dim", "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_inner"
-)  # fmt: skip
+# zero means "none" in some configs (a dense model's experts); head_dim only where the model's own default is 0
+_MAY_BE_ZERO = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_inner")
 _FINITE_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta", "initializer_range")
 _NESTED = ("text_config", "rope_parameters")  # a multimodal model's decoder; transformers 5 keeps rope_theta here
 # far deeper than any released model (the deepest, ~130); a plan of 10^9 layers ran without end, 10^4 for minutes
@@ -219,7 +218,7 @@ def check_config_values(values: Mapping[str, Any], source: str | Path) -> None:
             continue
         if isinstance(value, Mapping):
             continue
-        least = 0 if field in _MAY_BE_ZERO else 1
+        least = 0 if field in _MAY_BE_ZERO or (field == "head_dim" and _zero_head_dim_is_default(values, name)) else 1
         for size in value if isinstance(value, (list, tuple)) else [value]:
             whole = isinstance(size, (int, float)) and not isinstance(size, bool) and math.isfinite(size)
             if not whole or size != int(size) or size < least:
@@ -232,6 +231,24 @@ def check_config_values(values: Mapping[str, Any], source: str | Path) -> None:
                 f"--model {source}: {name} is {value}; mtk builds and plans models of at most {MAX_LAYERS:,} layers: "
                 "correct the config"
             )
+
+
+def _zero_head_dim_is_default(values: Mapping[str, Any], name: str) -> bool:
+    """Whether the config's model type itself defaults ``head_dim`` to 0 (GLM-5-Next, whose modeling never reads it);
+    elsewhere 0 divides by zero in the rotary embedding."""
+    holder = values.get(name.split(".")[0]) if "." in name else values  # the config, or the sub-config, named
+    model_type: Any = None
+    if isinstance(holder, PretrainedConfig):
+        model_type = holder.model_type
+    elif isinstance(holder, Mapping):
+        model_type = holder.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        return False
+    try:
+        default = CONFIG_MAPPING[model_type]().get_text_config()
+    except (ValueError, TypeError, KeyError, StrictDataclassError):  # no defaults to build from: none to honour
+        return False
+    return vars(default).get("head_dim") == 0  # (getattr raises on configs whose head_dim varies per layer)
 
 
 def _checked_values(values: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:

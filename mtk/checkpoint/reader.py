@@ -206,6 +206,7 @@ class ShardedCheckpointReader:
         export reaches the tensor)."""
         for name, shards in self.shards.items():
             self._check_covered(name, name, [s for s, _ in shards], optimizer=False)
+            self._check_dtype(name, [s for s, _ in shards], optimizer=False)
         if not optimizer:
             return
         self._open_optimizer()
@@ -218,6 +219,24 @@ class ShardedCheckpointReader:
             if not shape or shape != self._expected_shape(name, held[0]):
                 continue  # a scalar (AdamW's step), or a state not shaped like its parameter (Adafactor's factors)
             self._check_covered(key, name, held, optimizer=True)
+            self._check_dtype(key, held, optimizer=True)
+
+    def _check_dtype(self, key: str, held: list[int], *, optimizer: bool) -> None:
+        """Every shard and piece of ``key`` holds it in one dtype, floating point for a parameter (mtk saves what
+        trains): an integer dtype (the bytes reinterpreted, ``1e9`` weights) or shards that disagree are not what it
+        wrote. An optimizer state may be of any dtype (an 8-bit optimizer's quantized moments)."""
+        dtypes = {
+            part.file(optimizer).get_slice(key).dtype
+            for shard in held
+            for part in self._parts[shard]
+            if key in part.file(optimizer)
+        }
+        if len(dtypes) > 1:
+            named = sorted(str(d).removeprefix("torch.") for d in dtypes)
+            raise CheckpointError(f"{self.directory}: the shards of {key!r} disagree on its dtype ({named})")
+        if dtypes and not optimizer and not next(iter(dtypes)).is_floating_point:
+            dtype = str(next(iter(dtypes))).removeprefix("torch.")
+            raise CheckpointError(f"{self.directory}: {key!r} is stored as {dtype}; mtk saves it in floating point")
 
     def _expected_shape(self, name: str, shard: int) -> tuple[int, ...]:
         """The shape shard ``shard`` of ``name`` has by its spec (its slice along the split dimension, padded)."""

@@ -148,8 +148,12 @@ class SafetensorsFile:
             raise SafetensorsError(f"{self.path} is not a safetensors file (header length {header_len} is invalid)")
         try:
             header = jsonio.loads(os.pread(self.fd, header_len, 8))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except json.JSONDecodeError as err:
+            raise SafetensorsError(f"{self.path} is not a safetensors file (its header: {err.msg})") from None
+        except UnicodeDecodeError:
             raise SafetensorsError(f"{self.path} is not a safetensors file (its header is not JSON)") from None
+        if not isinstance(header, dict):
+            raise SafetensorsError(f"{self.path} is not a safetensors file (its header is not a JSON object)")
         self.metadata = header.pop("__metadata__", None) or {}
         data_start, data_size = 8 + header_len, size - 8 - header_len
         entries = {}
@@ -166,7 +170,17 @@ class SafetensorsFile:
                     f"data bytes (truncated or corrupt)"
                 )
             entries[name] = (dtype, shape, data_start + begin)
+        self._check_disjoint(header)
         return entries, data_start
+
+    def _check_disjoint(self, header: dict) -> None:
+        """No two tensors share bytes (safetensors' own rule): a second entry over another tensor's bytes would read
+        as a copy of it, past every shape check."""
+        spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name) for name, info in header.items())
+        spans = [span for span in spans if span[0] < span[1]]  # empty tensors take no bytes
+        for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+            if begin < end:
+                raise SafetensorsError(f"{self.path}: tensors {first!r} and {second!r} share bytes (damaged)")
 
     def keys(self) -> list[str]:
         return list(self._entries)

@@ -73,7 +73,16 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 raise CheckpointError(
                     f"{path}: {name} has shape {tuple(tensors[name].shape)}, model has {tuple(param.shape)}"
                 )
+            _check_dtype(f"{path}: {name}", tensors[name], param)
             copy_into(param, tensors[name])
+
+
+def _check_dtype(what: str, stored: torch.Tensor, param: torch.Tensor) -> None:
+    """A floating-point parameter is restored from floating-point values only: an integer tensor is no weight mtk
+    saved (a header retyped, its checksum rewritten with it) and would load as ``1e9`` weights."""
+    if stored.dtype.is_floating_point != param.dtype.is_floating_point:
+        saved, wanted = (str(d).removeprefix("torch.") for d in (stored.dtype, param.dtype))
+        raise CheckpointError(f"{what} is stored as {saved}, the model holds it as {wanted}: not as mtk saved it")
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -114,4 +123,5 @@ def reshard_weights(model: nn.Module, reader) -> None:
             full = reader.full(source, rows=rows)
             if tuple(full.shape) != tuple(shape):
                 raise CheckpointError(f"{name}: checkpoint has shape {tuple(full.shape)}, this model {tuple(shape)}")
+            _check_dtype(f"{reader.directory}: {name}", full, param)
             copy_into(param, take_shard(spec, shape, full.__getitem__))

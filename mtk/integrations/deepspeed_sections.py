@@ -1,5 +1,7 @@
 """The sections of a DeepSpeed JSON that DeepSpeed reads as objects: another type there is one line, not a
-``TypeError`` from DeepSpeed's ``**block`` (or an ``AttributeError`` in accelerate's plugin) on every rank."""
+``TypeError`` from DeepSpeed's ``**block`` (or an ``AttributeError`` in accelerate's plugin) on every rank. So is a
+number written as a string in the optimizer's or scheduler's ``params`` (``"lr": "1e-3"``), which DeepSpeed passes to
+torch's optimizer as is."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from typing import Any
 from mtk.errors import ConfigError
 
 __all__ = ["OBJECT_SECTIONS", "check_sections"]
+
+_PARAMS_SECTIONS = ("optimizer", "scheduler")  # their "params" go to the optimizer or scheduler class as keywords
 
 # The top-level keys DeepSpeed (deepspeed/runtime/config.py and the config modules it calls) and mtk read as JSON
 # objects, with ``**block`` or ``block.get(...)``: any other type there was a TypeError or AttributeError traceback
@@ -69,6 +73,36 @@ def check_sections(config: dict[str, Any], where: str | Path) -> None:
             f'{where}: "{key}" is {_json_type(value)} ({shown}); it must be a JSON object {{...}}: write it as '
             f"one{example} or remove it"
         )
+    for key in _PARAMS_SECTIONS:
+        _check_params(config.get(key), key, where)
+
+
+def _check_params(section: Any, key: str, where: str | Path) -> None:
+    """``section["params"]`` an object whose numbers are numbers: a string that reads as one (``"1e-3"``) reached
+    torch's optimizer as a string (a ``TypeError`` on every rank). Other strings are settings (``"warmup_type":
+    "log"``, accelerate's ``"auto"``)."""
+    if not isinstance(section, dict) or "params" not in section:
+        return
+    params = section["params"]
+    if not isinstance(params, dict):
+        raise ConfigError(
+            f'{where}: "{key}.params" is {_json_type(params)}; it must be a JSON object of the {key}\'s arguments'
+        )
+    for name, value in params.items():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str) and _reads_as_number(item):
+                raise ConfigError(
+                    f'{where}: "{key}.params.{name}" holds the string "{item}"; a number must be written without '
+                    f"quotes: {item}"
+                )
+
+
+def _reads_as_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _json_type(value: Any) -> str:

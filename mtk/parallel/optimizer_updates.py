@@ -12,12 +12,13 @@ weights after three steps). Megatron-Core offers only elementwise optimizers nex
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
 from mtk.errors import ConfigError
 
-__all__ = ["check_elementwise_update", "check_named_update"]
+__all__ = ["check_elementwise_update", "check_named_update", "checked_additions"]
 
 # torch's optimizers whose update of an element reads that element's gradient and state alone (and the step count)
 ELEMENTWISE = (
@@ -61,6 +62,24 @@ def check_elementwise_update(
     if name is None and type(optimizer) in ELEMENTWISE:
         return
     check_named_update(name or type(optimizer).__name__, report)
+
+
+def checked_additions(
+    optimizer: torch.optim.Optimizer, sharded: Iterable[torch.Tensor], report: Callable[[str], None]
+) -> Callable[[dict[str, Any]], None]:
+    """``optimizer.add_param_group`` that checks the optimizer again with the group added (and takes the group back
+    out when refused): an Adafactor prepared with replicated parameters alone was given TP shards afterwards."""
+    add, sharded = optimizer.add_param_group, list(sharded)
+
+    def add_param_group(param_group: dict[str, Any]) -> None:
+        add(param_group)
+        try:
+            check_elementwise_update(optimizer, sharded, report)
+        except ConfigError:
+            optimizer.param_groups.pop()
+            raise
+
+    return add_param_group
 
 
 def check_named_update(name: str, report: Callable[[str], None]) -> None:

@@ -155,6 +155,14 @@ def _optimizer_updates(rank: int, world_size: int) -> list:
     ):
         with pytest.raises(ConfigError, match="Adafactor computes its update from statistics of each whole tensor"):
             accelerator.prepare(whole_tensor)
+    # prepared holding replicated parameters alone, then given TP shards: refused when they are added, and left out
+    replicated = [p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)]
+    split = [p for p in model.parameters() if getattr(p, "tensor_model_parallel", False)]
+    later = accelerator.prepare(torch.optim.Adafactor(replicated))
+    with pytest.raises(ConfigError, match="Adafactor computes its update from statistics of each whole tensor"):
+        later.add_param_group({"params": split})
+    assert len(later.param_groups) == 1
+    later.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})  # a replicated one is fine
 
     class Mine(torch.optim.SGD):  # a class mtk does not know: said, not refused
         pass
@@ -169,7 +177,8 @@ def _optimizer_updates(rank: int, world_size: int) -> list:
 def test_an_optimizer_reading_whole_tensors_is_refused_next_to_tensor_parallelism():
     """Adafactor (torch's and transformers', the Trainer's --optim adafactor) computes factored moments and an update
     RMS per tensor: on TP shards it trains differently from one process (1e-2 on the weights after 3 steps), so it is
-    one line; AdamW passes without a word, an optimizer mtk does not know is named in one line."""
+    one line, also when the shards come by ``add_param_group`` after ``prepare``; AdamW passes without a word, an
+    optimizer mtk does not know is named in one line."""
     said = run_distributed(_optimizer_updates, world_size=2)[0]
     assert said == [
         "mtk: Mine updates split parameters shard by shard; that equals one process only if its update treats every "

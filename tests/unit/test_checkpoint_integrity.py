@@ -7,6 +7,7 @@ import os
 import pickle
 import re
 import stat
+import struct
 
 import pytest
 import torch
@@ -696,3 +697,42 @@ def test_a_step_folder_whose_metadata_records_another_step_is_refused(saved, tmp
     (out / "step_7").rename(out / "copy_of_2")  # any other name resumes from what it records
     args = argparse.Namespace(output_dir=str(out), resume=str(out / "copy_of_2"), overwrite=False)
     assert start_point(args, main_process=True) == str(out / "copy_of_2")
+
+
+def _rewrite_header(path, change) -> None:
+    """``path``'s safetensors header as ``change`` rewrites its JSON text, the tensor bytes kept."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    text = change(raw[8 : 8 + length].decode().rstrip())
+    header = text.encode() + b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + length :])
+
+
+def _retype_first_float(text: str) -> str:
+    header = json.loads(text)
+    name = next(n for n, info in header.items() if n != "__metadata__" and info["dtype"] == "F32")
+    header[name]["dtype"] = "I32"  # the same bytes read as integers: 1e9 weights
+    return json.dumps(header)
+
+
+def _alias_a_tensor(text: str) -> str:
+    header = json.loads(text)
+    names = [n for n in header if n != "__metadata__"]
+    same = next(b for b in names[1:] if header[b]["shape"] == header[names[0]]["shape"])
+    return text[:-1] + f", {json.dumps(names[0])}: {json.dumps(header[same])}}}"  # a second entry: the last wins
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [(_retype_first_float, "is stored as int32"), (_alias_a_tensor, "is given twice|invalid offset")],
+    ids=["float-retyped-int", "duplicate-key"],
+)
+def test_a_crafted_header_whose_checksum_matches_is_refused(saved, trained, tmp_path, capsys, change, message):
+    """A weights file whose header was rewritten with its checksum (a float tensor retyped ``I32``, a second entry
+    under one name aliasing another tensor's bytes) is refused by resume, export and verify-checkpoint: not trained
+    on, not exported as "verified" (resume reads through safetensors' own parser, which refuses the alias too)."""
+    _rewrite_header(saved / SHARD, change)
+    _rewrite_metadata(saved, lambda meta: meta["files"].update({SHARD: _record(saved / SHARD)}))
+    for said in _refusals(saved, trained, tmp_path, capsys):
+        assert re.search(message, said), said
+    assert not (tmp_path / "out").exists()

@@ -345,6 +345,33 @@ def test_a_section_that_is_not_an_object_is_one_line_naming_it(tmp_path, monkeyp
         check_launcher_sections()
 
 
+@pytest.mark.parametrize(
+    "section, params, message",
+    [
+        ("optimizer", {"lr": "1e-3"}, '"optimizer.params.lr" holds the string "1e-3"; a number must be written'),
+        ("optimizer", {"lr": 1e-3, "betas": ["0.9", 0.99]}, '"optimizer.params.betas" holds the string "0.9"'),
+        ("scheduler", {"warmup_num_steps": "10"}, '"scheduler.params.warmup_num_steps" holds the string "10"'),
+        ("optimizer", "fast", '"optimizer.params" is a string; it must be a JSON object'),
+    ],
+)
+def test_a_number_written_as_a_string_in_params_is_one_line(tmp_path, monkeypatch, section, params, message):
+    """``"lr": "1e-3"`` reached torch's optimizer as a string: a TypeError traceback on every rank. Refused first
+    on both paths; settings that are strings (``"warmup_type": "log"``, accelerate's ``"auto"``) are kept."""
+    from mtk.integrations.accelerate.deepspeed import check_launcher_sections
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({MB: 2, section: {"type": "AdamW", "params": params}}))
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        deepspeed_config(path, 1)
+    assert "\n" not in str(err.value)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_launcher_sections()
+    kept = {"warmup_type": "log", "warmup_max_lr": "auto", "warmup_num_steps": 10}
+    path.write_text(json.dumps({MB: 2, "scheduler": {"type": "WarmupLR", "params": kept}}))
+    check_launcher_sections()
+
+
 def test_deepspeeds_legacy_boolean_zero_optimization_is_accepted(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({MB: 2, "zero_optimization": True, "bf16": {"enabled": False}}))

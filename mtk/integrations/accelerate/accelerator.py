@@ -57,7 +57,7 @@ from mtk.parallel.fsdp import held_elements, reshard
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sync_sequence_parallel_grads
-from mtk.parallel.optimizer_updates import check_elementwise_update
+from mtk.parallel.optimizer_updates import check_elementwise_update, checked_additions
 from mtk.parallel.state import ParallelState, default_device
 from mtk.pipeline.engine import PipelineModel
 
@@ -245,6 +245,9 @@ class Accelerator(
             stands_for = str(block.get("type", "AdamW")) if isinstance(block, dict) else None
         check_elementwise_update(optimizer, sharded, self.print, stands_for)
         optimizer._mtk_update_checked = True  # type: ignore[attr-defined]  # a mark on the user's object
+        if stands_for is None:  # (a DummyOptim is no optimizer to add to)
+            additions = checked_additions(optimizer, sharded, self.print)
+            optimizer.add_param_group = additions  # type: ignore[method-assign,assignment]
 
     def _check_one_optimizer_for_experts(self, optimizer: torch.optim.Optimizer) -> None:
         """A checkpoint of experts spread over EP is written in pieces, which are read back for one optimizer: a
