@@ -81,4 +81,6 @@ class ParameterSharding(_Host):
             if shard is not None and id(shard) in by_old:
                 self._replaced_params[key] = (ref, by_old[id(shard)])
         for old, new in pairs:
-            self._replaced_params.setdefault(id(old), (weakref.ref(old), new))
+            ref, _ = self._replaced_params.get(id(old), (None, None))
+            if ref is None or ref() is not old:  # unrecorded, or recorded for a freed parameter whose id it reuses
+                self._replaced_params[id(old)] = (weakref.ref(old), new)
