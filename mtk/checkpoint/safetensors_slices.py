@@ -148,10 +148,9 @@ class SafetensorsFile:
             raise SafetensorsError(f"{self.path} is not a safetensors file (header length {header_len} is invalid)")
         try:
             header = jsonio.loads(os.pread(self.fd, header_len, 8))
-        except json.JSONDecodeError as err:
-            raise SafetensorsError(f"{self.path} is not a safetensors file (its header: {err.msg})") from None
-        except UnicodeDecodeError:
-            raise SafetensorsError(f"{self.path} is not a safetensors file (its header is not JSON)") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            reason = f": {err.msg}" if isinstance(err, json.JSONDecodeError) else ""  # (a key given twice)
+            raise SafetensorsError(f"{self.path} is not a safetensors file (its header is not JSON{reason})") from None
         if not isinstance(header, dict):
             raise SafetensorsError(f"{self.path} is not a safetensors file (its header is not a JSON object)")
         self.metadata = header.pop("__metadata__", None) or {}

@@ -81,6 +81,6 @@ class ParameterSharding(_Host):
             if shard is not None and id(shard) in by_old:
                 self._replaced_params[key] = (ref, by_old[id(shard)])
         for old, new in pairs:
-            ref, _ = self._replaced_params.get(id(old), (None, None))
-            if ref is None or ref() is not old:  # unrecorded, or recorded for a freed parameter whose id it reuses
+            recorded = self._replaced_params.get(id(old))
+            if recorded is None or recorded[0]() is not old:  # or recorded for a freed parameter whose id it reuses
                 self._replaced_params[id(old)] = (weakref.ref(old), new)
