@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mtk import jsonio
+from mtk.checkpoint.optimizer_checks import check_loadable, report_changed_settings
 from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.checkpoint.weights import own_rows, read_safetensors, source_name
 from mtk.errors import CheckpointError
@@ -92,15 +93,20 @@ def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Pa
     for name, fields in meta["state"].items():
         state.setdefault(index[name], {}).update(fields)
     groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
-    _load_as_params_are_split(optimizer, state, groups)
+    _load_as_params_are_split(optimizer, names, state, groups)
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [param for group in optimizer.param_groups for param in group["params"]]
 
 
-def _load_as_params_are_split(optimizer: torch.optim.Optimizer, state: dict[int, dict[str, Any]], groups) -> None:
-    """``optimizer.load_state_dict``, each moment (a whole TP shard) cut as its parameter is cut over DP."""
+def _load_as_params_are_split(
+    optimizer: torch.optim.Optimizer, names: list[str], state: dict[int, dict[str, Any]], groups: list[dict]
+) -> None:
+    """``optimizer.load_state_dict`` once its content is checked, each moment (a whole TP shard) cut as its parameter
+    is cut over DP."""
+    check_loadable(optimizer, names, state, groups)
+    report_changed_settings(optimizer, groups)
     params = _params(optimizer)
     for index, fields in state.items():
         for key, value in fields.items():
@@ -147,7 +153,7 @@ def reshard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, reader
         count = len(current["params"])
         groups.append({**saved, "params": list(range(start, start + count))})
         start += count
-    _load_as_params_are_split(optimizer, state, groups)
+    _load_as_params_are_split(optimizer, names, state, groups)
 
 
 def saved_optimizer_groups(paths: CheckpointPaths, pp_size: int) -> dict:

@@ -28,6 +28,7 @@ from mtk.checkpoint.base_model import base_record, check_base, checkpointed_para
 from mtk.checkpoint.integrity import Checksums, checksum_files, read_verified
 from mtk.checkpoint.meta import FORMAT, RUN_ID, CheckpointMeta, read_metadata
 from mtk.checkpoint.optimizer import load_optimizer, reshard_optimizer, save_optimizer, saved_optimizer_groups
+from mtk.checkpoint.optimizer_checks import check_scheduler_state
 from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.checkpoint.reader import ShardedCheckpointReader
 from mtk.checkpoint.rng import restore_rng, rng_state
@@ -35,7 +36,7 @@ from mtk.checkpoint.weights import load_weights, reshard_weights, save_weights
 from mtk.errors import CheckpointError
 from mtk.parallel.distributed_optimizer import full_optimizer_state
 from mtk.parallel.expert_parallel import is_expert_parallel
-from mtk.parallel.fsdp import module_class, piece_of
+from mtk.parallel.fsdp import local, module_class, piece_of
 from mtk.parallel.layout import Layout
 from mtk.parallel.pieces import Piece
 from mtk.parallel.record import adapter_configs, hf_model, is_peft_model, parallelized
@@ -59,6 +60,26 @@ def _barrier() -> None:
 
 def _versions() -> dict[str, str]:
     return {name: version(name) for name in ("mtk", "torch", "transformers", "accelerate")}
+
+
+def _check_finite_weights(model: nn.Module, parallel: ParallelState, step: int) -> None:
+    """Refuse (every rank, one line) to save weights holding NaN or infinity: such a checkpoint is whole and
+    verifies, yet nothing can train from it. The runs' checks stop at a non-finite loss or gradient norm; weights
+    turn non-finite without either where an update's own numbers are (a weight decay of ``1e400``, a resumed
+    optimizer state that was damaged). Collective: every rank learns whether any rank holds one."""
+    held = [(name, local(param.detach())) for name, param in checkpointed_parameters(model)]
+    finite = torch.stack([torch.isfinite(t).all() for _, t in held]).all() if held else torch.tensor(True)
+    flag = (~finite).to(parallel.device, torch.float32).reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() == 0:
+        return
+    bad = next((name for name, tensor in held if not bool(torch.isfinite(tensor).all())), None)
+    where = f"{bad} holds NaN or infinity" if bad is not None else "another rank's weights hold NaN or infinity"
+    raise CheckpointError(
+        f"step {step}: {where}, so it is not saved (the last saved step is left as it is): the update made the "
+        "weights non-finite; check the optimizer settings (learning rate, weight decay) or resume from an earlier step"
+    )
 
 
 def topology_of(parallel: ParallelState) -> Layout:
@@ -98,6 +119,7 @@ def save_checkpoint(
     ``piece``: where this rank's pieces sit when the model's parameters are split over DP by an engine (ZeRO-3);
     FSDP2's are found from the parameters themselves.
     """
+    _check_finite_weights(model, parallel, step)
     piece = _with_experts(piece or piece_of(model), model, parallel)
     if piece is not None and len(optimizers) > 1:  # a checkpoint in pieces is read back through the resharding
         raise CheckpointError(  # reader, which restores one optimizer
@@ -246,4 +268,6 @@ def restore_streams(model: nn.Module, meta: CheckpointMeta, parallel: ParallelSt
 def load_schedulers(paths: CheckpointPaths, schedulers: list) -> None:
     for i, scheduler in enumerate(schedulers):
         with reading(paths.scheduler(i)):
-            scheduler.load_state_dict(torch.load(paths.scheduler(i), weights_only=True))
+            saved = torch.load(paths.scheduler(i), weights_only=True)
+            check_scheduler_state(scheduler.state_dict(), saved)
+            scheduler.load_state_dict(saved)

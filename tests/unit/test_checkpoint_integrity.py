@@ -736,3 +736,99 @@ def test_a_crafted_header_whose_checksum_matches_is_refused(saved, trained, tmp_
     for said in _refusals(saved, trained, tmp_path, capsys):
         assert re.search(message, said), said
     assert not (tmp_path / "out").exists()
+
+
+def test_weights_holding_nan_or_infinity_are_not_saved(tmp_path, trained):
+    """A whole checkpoint of NaN weights verified ok and resumed into NaN losses (a weight decay of 1e400, a damaged
+    optimizer state resumed: the loss and gradient norm of the step were still finite). Saving refuses it in one line
+    naming the tensor, and writes nothing."""
+    import copy
+
+    parallel, model, optimizer = trained
+    damaged = copy.deepcopy(model)
+    name, param = next(iter(damaged.named_parameters()))
+    with torch.no_grad():
+        param.view(-1)[0] = float("nan")
+    with pytest.raises(CheckpointError, match=rf"step 3: {re.escape(name)} holds NaN or infinity, so it is not saved"):
+        save_checkpoint(tmp_path / "step_3", parallel, damaged, [optimizer], [], step=3)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _set_group(key, value):
+    def change(groups):
+        groups["param_groups"][0][key] = value
+
+    return change
+
+
+def _reshape_a_moment(directory):
+    from safetensors.torch import load_file, save_file
+
+    path = directory / "optimizer/tp00-pp00.safetensors"
+    tensors = load_file(str(path))
+    name = next(k for k, v in tensors.items() if k.endswith("::exp_avg") and v.dim() == 2)
+    tensors[name] = tensors[name].reshape(-1, 2)
+    save_file(tensors, str(path))
+    return path
+
+
+def _nan_step(directory):
+    from safetensors.torch import load_file, save_file
+
+    path = directory / "optimizer/tp00-pp00.safetensors"
+    tensors = load_file(str(path))
+    for key in [k for k in tensors if k.endswith("::step")]:
+        tensors[key] = torch.full_like(tensors[key], float("nan"))
+    save_file(tensors, str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (_set_group("betas", [1.0, 1.0]), "settings saved in the checkpoint are ones AdamW refuses"),
+        (_set_group("eps", "x"), "settings saved in the checkpoint are ones AdamW refuses"),
+        (_set_group("weight_decay", float("nan")), "settings saved in the checkpoint are ones AdamW refuses"),
+        (_reshape_a_moment, "'exp_avg' of .* has shape"),
+        (_nan_step, "'step' of .* holds NaN or infinity"),
+    ],
+    ids=["betas-1", "eps-string", "weight-decay-nan", "moment-reshaped", "step-nan"],
+)
+def test_a_crafted_optimizer_state_is_refused_when_resumed(saved, trained, damage, message):
+    """An optimizer state its own constructor would refuse, or moments not shaped like their parameter, loaded
+    without a word and failed at the first step (a ZeroDivisionError, a TypeError, a shape mismatch) or trained into
+    NaN weights with exit 0. Checked before it is loaded: one line."""
+    if callable(damage) and damage.__name__ == "change":
+        path = saved / "optimizer/tp00-pp00.json"
+        groups = json.loads(path.read_text())
+        damage(groups)
+        path.write_text(json.dumps(groups))
+    else:
+        path = damage(saved)
+    name = str(path.relative_to(saved))
+    _rewrite_metadata(saved, lambda meta: meta["files"].update({name: _record(path)}))
+    with pytest.raises(CheckpointError, match=message) as err:
+        _load(saved, trained)
+    assert "\n" not in str(err.value)
+
+
+def test_a_scheduler_state_of_another_shape_is_refused_and_a_changed_setting_said(tmp_path, trained, capsys):
+    """Two ``base_lrs`` for one parameter group failed at the first step (``zip``); a setting the checkpoint restores
+    over this run's (a weight decay, a learning rate changed on resume) is said, as accelerate's load_state restores
+    them, not silently."""
+    parallel, model, optimizer = trained
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    directory = save_checkpoint(tmp_path / "step_2", parallel, model, [optimizer], [scheduler], step=2)
+    resumed = torch.optim.AdamW(model.parameters(), lr=0.3, weight_decay=0.5)
+    again = torch.optim.lr_scheduler.LambdaLR(resumed, lambda step: 1.0)
+    load_checkpoint(directory, parallel, model, [resumed], [again])
+    said = capsys.readouterr().out
+    assert "mtk: the checkpoint's optimizer weight_decay=0.01 is restored over this run's 0.5" in said
+    assert "mtk: the checkpoint's learning rate [0.001] is restored over this run's [0.3]" in said
+    path = directory / "scheduler.pt"
+    crafted = torch.load(path, weights_only=True)
+    crafted["base_lrs"] = [0.001, 0.001]
+    torch.save(crafted, path)
+    _rewrite_metadata(directory, lambda meta: meta["files"].update({str(path.relative_to(directory)): _record(path)}))
+    with pytest.raises(CheckpointError, match=r"'base_lrs' holds 2 values, this run's scheduler 1"):
+        load_checkpoint(directory, parallel, model, [resumed], [again])
