@@ -97,6 +97,7 @@ def start_point(
     output_dir, resume, overwrite = args.output_dir, args.resume, args.overwrite
     if overwrite and resume is not None:
         raise CheckpointError("--overwrite starts a run over and cannot be combined with --resume; choose one")
+    _on_main_process(lambda: check_output_place(output_dir, getattr(args, "data", None)), main_process)
     _on_main_process(lambda: lock_output_dir(output_dir), main_process)
     start = resolve_resume(output_dir, resume, overwrite)
     if resume == AUTO and main_process:
@@ -150,6 +151,27 @@ def rescaled_position(data: dict, samples_now: int | None) -> int:
 
 
 _STEP_ENTRY = re.compile(r"step_(\d+)(\.incomplete|\.old)?")
+
+
+def check_output_place(output_dir: str | Path, data: str | None) -> None:
+    """Refuse, before anything is written, an ``--output_dir`` inside a checkpoint (its lock, logs and checkpoints
+    would make that checkpoint fail verification and resume) or inside the ``--data`` folder (the data sources
+    would then refuse, or read, what the run writes)."""
+    target = Path(output_dir).resolve()
+    for folder in (target, *target.parents):
+        if (folder / "metadata.json").is_file() and (folder / "model").is_dir():
+            raise CheckpointError(
+                f"--output_dir {output_dir} is inside the checkpoint {folder}; the run writes its lock, logs and "
+                "checkpoints there: choose a folder outside it"
+            )
+    if data is None or not Path(data).is_dir():
+        return
+    source = Path(data).resolve()
+    if target == source or source in target.parents:
+        raise CheckpointError(
+            f"--output_dir {output_dir} is inside the --data folder {data}; the run would write its logs and "
+            "checkpoints among the data files: choose a folder outside it"
+        )
 
 
 def check_steps_to_write(output_dir: str | Path, after: int) -> None:

@@ -366,6 +366,32 @@ def test_what_a_run_would_refuse_to_save_over_is_refused_before_it_trains(saved,
         check_steps_to_write(runs, 2)
 
 
+def test_an_output_dir_inside_a_checkpoint_or_the_data_folder_is_refused_before_anything_is_written(saved, tmp_path):
+    """A run into a checkpoint's folder wrote its lock, logs and a step there (that checkpoint then failed
+    verification and resume); one into its --data folder wrote runs/ there and then blamed the user for it. Both are
+    refused before the lock is taken; a folder beside them is fine."""
+    import argparse
+
+    from mtk.checkpoint.resume import start_point
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "rows.jsonl").write_text('{"text": "a"}\n')
+    for output_dir, message in [
+        (saved / "model", f"is inside the checkpoint {saved}"),
+        (saved, f"is inside the checkpoint {saved}"),
+        (data, "is inside the --data folder"),
+        (data / "out", "is inside the --data folder"),
+    ]:
+        args = argparse.Namespace(output_dir=str(output_dir), resume=None, overwrite=False, data=str(data))
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            start_point(args, main_process=True)
+        assert not (output_dir / ".mtk-run.lock").exists() and not (output_dir / "runs").exists()
+    assert sorted(p.name for p in data.iterdir()) == ["rows.jsonl"]
+    beside = argparse.Namespace(output_dir=str(tmp_path / "ckpts"), resume=None, overwrite=False, data=str(data))
+    assert start_point(beside, main_process=True) is None
+
+
 def test_an_overwrite_that_refuses_removed_nothing_first(saved, tmp_path):
     """--overwrite with a foreign step_N ahead: the run is refused before the earlier run's checkpoints go."""
     import argparse
