@@ -208,6 +208,10 @@ def check_config_values(values: Mapping[str, Any], source: str | Path) -> None:
     Checked on the values as written, before transformers builds a config from them: its ``__init__`` divides by the
     head count, and a NaN epsilon or a negative vocabulary only fails later, in a plan or a model's first tensor.
     A field the config does not have, or sets to null (GPT-2's ``n_inner``), is not checked."""
+    for holder in (values, values.get("text_config")):
+        holder = vars(holder) if isinstance(holder, PretrainedConfig) else holder
+        if isinstance(holder, Mapping):
+            _check_relations(holder, source)
     for name, value in _checked_values(values):
         field = name.rsplit(".", 1)[-1]
         if field in _FINITE_FIELDS:
@@ -231,6 +235,27 @@ def check_config_values(values: Mapping[str, Any], source: str | Path) -> None:
                 f"--model {source}: {name} is {value}; mtk builds and plans models of at most {MAX_LAYERS:,} layers: "
                 "correct the config"
             )
+
+
+_PROBABILITIES = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+                  "hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout")  # fmt: skip
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _check_relations(values: Mapping[str, Any], source: str | Path) -> None:
+    """Values valid alone that the modeling code cannot use together, each of which only failed in a forward (or
+    trained without a word): a dropout outside [0, 1], more experts per token than experts, or none of several."""
+    for name in _PROBABILITIES:
+        value = values.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 <= value <= 1:
+            raise ModelSpecError(f"--model {source}: {name} is {_shown(value)}; a dropout is in [0, 1]: correct it")
+    experts = next((values[n] for n in _EXPERT_COUNTS if isinstance(values.get(n), int) and values[n] > 0), None)
+    chosen = values.get("num_experts_per_tok")
+    if experts is not None and isinstance(chosen, int) and not 1 <= chosen <= experts:
+        raise ModelSpecError(
+            f"--model {source}: num_experts_per_tok is {chosen} of {experts} experts; each token is routed to 1 to "
+            f"{experts}: correct the config"
+        )
 
 
 def _zero_head_dim_is_default(values: Mapping[str, Any], name: str) -> bool:
@@ -292,7 +317,7 @@ def _config_from(path: Path) -> PretrainedConfig:
     validators refuse (a hidden size the heads do not divide) is one line."""
     _check_config_file(path / "config.json" if path.is_dir() else path)
     try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (ValueError, KeyError, OSError, StrictDataclassError) as err:
         custom = "custom code" in str(err) or "trust_remote_code" in str(err)
         cause = err.__cause__ if isinstance(err, StrictDataclassError) and err.__cause__ else err  # the validator's
@@ -306,6 +331,29 @@ def _config_from(path: Path) -> PretrainedConfig:
         raise ModelSpecError(
             f"--model {path}: transformers cannot read its config ({reason}); use a model whose "
             "architecture transformers ships"
+        ) from None
+    _check_buildable(config, path / "config.json" if path.is_dir() else path)
+    return config
+
+
+def _check_buildable(config: PretrainedConfig, path: Path) -> None:
+    """Build the config's model with one layer on the meta device (no memory, no weights): values transformers'
+    config accepts but its modeling code cannot use (an unknown ``hidden_act`` or ``rope_type``) are one line here,
+    not a ``KeyError`` in whichever command builds the model first. An architecture mtk builds no model of is left
+    to the command that needs one."""
+    auto_class = auto_class_for(config)
+    if type(config) not in auto_class._model_mapping:
+        return
+    try:
+        one_layer = with_layers(config, 1)
+        one_layer.pad_token_id = config.pad_token_id  # the embedding's padding index: past the vocabulary, refused
+        with torch.device("meta"):
+            auto_class.from_config(one_layer)
+    except (KeyError, ValueError, TypeError, AssertionError, IndexError, ZeroDivisionError, AttributeError) as err:
+        lines = str(err).strip().splitlines()
+        raise ModelSpecError(
+            f"--model {path}: transformers cannot build a model from this config ({type(err).__name__}: "
+            f"{lines[0] if lines else 'no message'}); correct the config"
         ) from None
 
 

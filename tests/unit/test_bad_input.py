@@ -22,6 +22,7 @@ from mtk.errors import DataError
 from mtk.models import ModelSpecError, build_model, resolve_config
 from mtk.parallel import ParallelState
 from mtk.training.entry import run_main
+from mtk.verify.sweep import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -434,6 +435,7 @@ def test_json_nested_too_deeply_to_parse_is_each_readers_one_line(tmp_path):
 
 LLAMA_3_8B = json.loads((ROOT / "examples" / "configs" / "llama-3-8b" / "config.json").read_text())
 GPT2 = resolve_config("tiny-gpt2").to_dict()
+QWEN3_MOE = {**tiny_config("qwen3_moe").to_dict(), "num_experts": 8}
 CONFIG_VALUES = [
     (LLAMA_3_8B, "num_attention_heads", 0, "num_attention_heads is 0; it must be a positive whole number"),
     (LLAMA_3_8B, "vocab_size", -5, "vocab_size is -5; it must be a positive whole number"),
@@ -452,6 +454,11 @@ CONFIG_VALUES = [
     ),
     (GPT2, "n_head", 0, "n_head is 0; it must be a positive whole number"),
     (GPT2, "n_layer", 2_000, "n_layer is 2000; mtk builds and plans models of at most 1,000 layers"),
+    (LLAMA_3_8B, "hidden_act", "bogus", "transformers cannot build a model from this config (KeyError: 'bogus')"),
+    (LLAMA_3_8B, "pad_token_id", 10**6, "transformers cannot build a model from this config (AssertionError: Pad"),
+    (LLAMA_3_8B, "attention_dropout", 1.5, "attention_dropout is 1.5; a dropout is in [0, 1]"),
+    (QWEN3_MOE, "num_experts_per_tok", 11, "num_experts_per_tok is 11 of 8 experts; each token is routed to 1 to 8"),
+    (QWEN3_MOE, "num_experts_per_tok", 0, "num_experts_per_tok is 0 of 8 experts"),
     (LLAMA_3_8B, "num_key_value_heads", None, None),  # null: a field the config leaves to its default is not checked
     (GPT2, "n_inner", None, None),  # (GPT-2's n_inner: 4 x n_embd)
 ]
