@@ -16,7 +16,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -44,6 +44,14 @@ class _Part:
             return self.model
         assert self.optimizer is not None, "optimizer files are opened first"
         return self.optimizer
+
+
+def _whole(value: Any, *, none: bool = False) -> Any:
+    """``value`` if it is a whole number (a JSON integer; ``None`` too where ``none``), else ``ValueError``: a
+    crafted ``130.5`` was cut to 130 by ``int`` or failed as a slice index."""
+    if (value is None and none) or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise ValueError(f"{value!r} is not a whole number")
 
 
 class ShardedCheckpointReader:
@@ -75,20 +83,22 @@ class ShardedCheckpointReader:
         handle = part.model
         try:
             specs = jsonio.loads(handle.metadata["mtk_specs"])
-        except (KeyError, json.JSONDecodeError):
+        except (KeyError, TypeError, json.JSONDecodeError):  # (TypeError: metadata that is not a string)
             raise CheckpointError(f"{handle.path} has no mtk shard specs (not written by mtk save_state)") from None
         try:  # data from the file (possibly crafted, its checksum rewritten with it): one line if malformed
             for name, info in specs.items():
-                spec = ShardSpec(info["dim"], tuple(tuple(r) for r in info["ranges"]), info["local_size"])
+                dim, local_size = info["dim"], info["local_size"]
+                ranges = tuple(tuple(_whole(n) for n in r) for r in info["ranges"])
+                spec = ShardSpec(None if dim is None else _whole(dim), ranges, _whole(local_size, none=True))
                 if not any(s == shard for s, _ in self.shards.get(name, [])):
                     self.shards.setdefault(name, []).append((shard, spec))
-                self.full_shapes[name] = tuple(int(n) for n in info["full_shape"])
+                self.full_shapes[name] = tuple(_whole(n) for n in info["full_shape"])
                 if "tied_to" in info:
                     self.tied[name] = str(info["tied_to"])
                 if not whole:
-                    start, stop = (int(n) for n in info["flat"])
+                    start, stop = (_whole(n) for n in info["flat"])
                     part.flat[name] = (start, stop)
-                    part.shard_shapes[name] = tuple(int(n) for n in info["shard_shape"])
+                    part.shard_shapes[name] = tuple(_whole(n) for n in info["shard_shape"])
         except (AttributeError, KeyError, TypeError, ValueError) as err:
             raise CheckpointError(
                 f"{handle.path} has malformed mtk shard specs ({type(err).__name__}: {err}); not as mtk wrote it"

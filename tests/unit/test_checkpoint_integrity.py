@@ -748,10 +748,29 @@ def _alias_a_tensor(text: str) -> str:
     return text[:-1] + f", {json.dumps(names[0])}: {json.dumps(header[same])}}}"  # a second entry: the last wins
 
 
+def _specs_as_an_object(text: str) -> str:
+    header = json.loads(text)
+    header["__metadata__"]["mtk_specs"] = json.loads(header["__metadata__"]["mtk_specs"])  # not a string
+    return json.dumps(header)
+
+
+def _fractional_shape(text: str) -> str:
+    header = json.loads(text)
+    specs = json.loads(header["__metadata__"]["mtk_specs"])
+    first = next(iter(specs.values()))
+    first["full_shape"] = [n + 0.5 for n in first["full_shape"]]
+    header["__metadata__"]["mtk_specs"] = json.dumps(specs)
+    return json.dumps(header)
+
+
 @pytest.mark.parametrize(
     "change, message",
-    [(_retype_first_float, "is stored as int32"), (_alias_a_tensor, "is given twice|invalid offset")],
-    ids=["float-retyped-int", "duplicate-key"],
+    [
+        (_retype_first_float, "is stored as int32"),
+        (_alias_a_tensor, "is given twice|invalid offset"),
+        (_specs_as_an_object, "has no mtk shard specs|not a readable safetensors file"),
+    ],
+    ids=["float-retyped-int", "duplicate-key", "specs-not-a-string"],
 )
 def test_a_crafted_header_whose_checksum_matches_is_refused(saved, trained, tmp_path, capsys, change, message):
     """A weights file whose header was rewritten with its checksum (a float tensor retyped ``I32``, a second entry
@@ -858,3 +877,14 @@ def test_a_scheduler_state_of_another_shape_is_refused_and_a_changed_setting_sai
     _rewrite_metadata(directory, lambda meta: meta["files"].update({str(path.relative_to(directory)): _record(path)}))
     with pytest.raises(CheckpointError, match=r"'base_lrs' holds 2 values, this run's scheduler 1"):
         load_checkpoint(directory, parallel, model, [resumed], [again])
+
+
+def test_shard_specs_of_fractional_sizes_are_refused_by_verify_and_export(saved, tmp_path, capsys):
+    """A spec's sizes are whole numbers: ``130.5`` was cut to 130 by ``int`` or failed as a slice index (a
+    TypeError traceback in verify-checkpoint and export). Resume at the same layout reads tensors, not specs."""
+    _rewrite_header(saved / SHARD, _fractional_shape)
+    _rewrite_metadata(saved, lambda meta: meta["files"].update({SHARD: _record(saved / SHARD)}))
+    with pytest.raises(CheckpointError, match=r"malformed mtk shard specs \(ValueError: .*\.5 is not a whole number"):
+        export_checkpoint(saved, tmp_path / "out")
+    code, _, said = _verify_cli(saved, capsys)
+    assert code == 2 and "is not a whole number" in said and "\n" not in said.strip()
