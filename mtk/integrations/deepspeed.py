@@ -348,7 +348,10 @@ def initialization_cleanup(where: str) -> Iterator[None]:
     except BaseException as err:
         for path in _shm_buffers(None):
             path.unlink(missing_ok=True)
-        if isinstance(err, AssertionError | ValueError):  # DeepSpeed's config checks (pydantic's are ValueErrors)
+        # DeepSpeed's config checks (pydantic's are ValueErrors), and optimizer params the optimizer it builds from
+        # them does not take ("params": {"bogus": 1} is passed on as a keyword)
+        unexpected = isinstance(err, TypeError) and "unexpected keyword argument" in str(err)
+        if isinstance(err, AssertionError | ValueError) or unexpected:
             message = " ".join(str(err).split()) or type(err).__name__
             raise ConfigError(f"{where}: DeepSpeed refused the config: {message}") from None
         raise

@@ -171,6 +171,19 @@ def test_fp16_where_deepspeed_has_none_is_one_line_naming_what_runs():
         check_precision({"fp16": {"enabled": True}}, "ds.json", accelerate=True)
 
 
+def test_an_optimizer_param_the_optimizer_does_not_take_is_one_line():
+    """``"params": {"bogus": 1}`` reached AdamW's constructor inside deepspeed.initialize: a TypeError traceback on
+    every rank. A keyword refusal is DeepSpeed's config refused; any other TypeError stays a bug's traceback."""
+    with pytest.raises(
+        ConfigError, match=r"^ds.json: DeepSpeed refused the config: .*unexpected keyword argument 'bogus'"
+    ):
+        with initialization_cleanup("ds.json"):
+            raise TypeError("AdamW.__init__() got an unexpected keyword argument 'bogus'")
+    with pytest.raises(TypeError, match="unsupported operand"):
+        with initialization_cleanup("ds.json"):
+            raise TypeError("unsupported operand type(s)")
+
+
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
 @pytest.mark.parametrize(
     "error", [AssertionError("Micro batch size per gpu: 0 has to be greater than 0"), OSError("x")]
