@@ -59,13 +59,16 @@ def seed(text: str) -> int:
     return value
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def finite_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:  # 1e39 is inf in an fp32 update
+        raise argparse.ArgumentTypeError(f"must be a finite fp32 number, got {text}")
     return value
 
 
