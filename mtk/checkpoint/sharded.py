@@ -13,7 +13,7 @@ filesystem.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from importlib.metadata import version
 from pathlib import Path
@@ -37,6 +37,7 @@ from mtk.errors import CheckpointError
 from mtk.parallel.distributed_optimizer import full_optimizer_state
 from mtk.parallel.expert_parallel import is_expert_parallel
 from mtk.parallel.fsdp import local, module_class, piece_of
+from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.layout import Layout
 from mtk.parallel.pieces import Piece
 from mtk.parallel.record import adapter_configs, hf_model, is_peft_model, parallelized
@@ -209,6 +210,7 @@ def load_checkpoint(
             load_weights(model, paths.weights(parallel.tp_rank, parallel.pp_rank))
             for i, optimizer in enumerate(optimizers):
                 load_optimizer(model, optimizer, paths.optimizer(parallel.tp_rank, parallel.pp_rank, i))
+            _check_replicas_agree(model, optimizers, parallel, directory)  # each TP rank read its own file
         else:
             if len(optimizers) > 1:
                 raise CheckpointError(
@@ -222,6 +224,38 @@ def load_checkpoint(
     meta.rng = restore_rng(paths, meta, parallel)
     restore_streams(model, meta, parallel)
     return meta
+
+
+def _check_replicas_agree(
+    model: nn.Module, optimizers: list[torch.optim.Optimizer], parallel: ParallelState, directory: str | Path
+) -> None:
+    """The tensors every TP rank holds whole (norms, biases, replicated adapters) and their optimizer states, as each
+    TP rank read them from its own file, are the same on every TP rank: files that disagree (crafted, or from two
+    runs) would train TP ranks whose replicas differ, without a word. One sum and one sum of squares per tensor
+    (fp64), gathered over TP. Collective over the TP group."""
+    if parallel.tp_size == 1:
+        return
+    named = []
+    for name, param in checkpointed_parameters(model):
+        if full_shape_and_spec(model, name)[1].dim is not None:
+            continue
+        named.append((name, local(param.detach())))
+        for optimizer in optimizers:
+            state = optimizer.state.get(param, {}) if isinstance(optimizer.state, Mapping) else {}
+            named += [(f"{name}::{k}", local(v)) for k, v in sorted(state.items()) if torch.is_tensor(v) and v.dim()]
+    if not named:
+        return
+    mine = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for _, t in named])  # [N, 2]
+    mine = mine.to(parallel.device)
+    everyone = [torch.empty_like(mine) for _ in range(parallel.tp_size)]
+    dist.all_gather(everyone, mine, group=parallel.tp_group)
+    differs = torch.stack([(other != mine).any(dim=1) for other in everyone]).any(dim=0)  # [N]
+    if bool(differs.any()):
+        name = named[int(differs.nonzero()[0])][0]
+        raise CheckpointError(
+            f"{directory}: {name} differs between the TP ranks' files, though every TP rank holds it whole; "
+            "the files are not from one save (crafted, or mixed from two runs): use another checkpoint"
+        )
 
 
 def _saves_spread_experts(model: nn.Module, parallel: ParallelState) -> bool:

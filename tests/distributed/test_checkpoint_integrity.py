@@ -33,3 +33,53 @@ def test_every_rank_refuses_a_shard_only_one_rank_reads(tmp_path):
     errors = run_distributed(_save_damage_load, world_size=2, args=(str(tmp_path / "step_1"),))
     assert errors[0] == errors[1], errors
     assert "model/tp01-pp00.safetensors does not match its recorded xxh3_128" in errors[0]
+
+
+def _replicas_differ(rank: int, world_size: int, directory: str, state: bool) -> str:
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from mtk.checkpoint.integrity import file_checksum
+
+    parallel = ParallelState.build(tp_size=world_size)
+    model = parallelize(build_model("tiny-llama"), parallel)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    path = save_checkpoint(directory, parallel, model, [optimizer], [], step=1)
+    if rank == 0:  # TP rank 1's copy of the final norm (or its Adam moment) changed, its checksum rewritten with it
+        shard = path / ("optimizer" if state else "model") / "tp01-pp00.safetensors"
+        tensors = load_file(str(shard))
+        key = "model.norm.weight" + ("::exp_avg" if state else "")
+        tensors[key] = tensors[key] * 3
+        save_file(tensors, str(shard), metadata=_metadata(shard))
+        meta = json.loads((path / "metadata.json").read_text())
+        name = str(shard.relative_to(path))
+        meta["files"][name] = {"bytes": shard.stat().st_size, "xxh3_128": file_checksum(shard)}
+        (path / "metadata.json").write_text(json.dumps(meta))
+    torch.distributed.barrier()
+    try:
+        load_checkpoint(directory, parallel, model, [optimizer], [])
+    except CheckpointError as err:
+        return str(err)
+    return "loaded"
+
+
+def _metadata(path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as handle:
+        return handle.metadata() or {}
+
+
+def test_replicas_that_differ_between_the_tp_ranks_files_are_refused(tmp_path):
+    """Every TP rank reads its own file; a norm (or its optimizer state) that is not the same in each, its checksum
+    rewritten to match, trained TP ranks with different replicas (still 2.0 apart after a step) with exit 0. Every
+    rank refuses it, naming the tensor."""
+    for state in (False, True):
+        errors = run_distributed(_replicas_differ, world_size=2, args=(str(tmp_path / f"step_{int(state)}"), state))
+        assert errors[0] == errors[1], errors
+        name = "model.norm.weight::exp_avg" if state else "model.norm.weight"
+        assert f"{name} differs between the TP ranks' files" in errors[0], errors[0]
