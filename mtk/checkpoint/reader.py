@@ -232,9 +232,9 @@ class ShardedCheckpointReader:
             self._check_dtype(key, held, optimizer=True)
 
     def _check_dtype(self, key: str, held: list[int], *, optimizer: bool) -> None:
-        """Every shard and piece of ``key`` holds it in one dtype, floating point for a parameter (mtk saves what
-        trains): an integer dtype (the bytes reinterpreted, ``1e9`` weights) or shards that disagree are not what it
-        wrote. An optimizer state may be of any dtype (an 8-bit optimizer's quantized moments)."""
+        """Every shard and piece of ``key`` holds it in one dtype, for a parameter a dtype it trains in (fp64, fp32,
+        bf16, fp16): an integer (the bytes reinterpreted, ``1e9`` weights) or float8 dtype, or shards that disagree,
+        are not what mtk wrote. An optimizer state may be of any dtype (an 8-bit optimizer's quantized moments)."""
         dtypes = {
             part.file(optimizer).get_slice(key).dtype
             for shard in held
@@ -244,9 +244,10 @@ class ShardedCheckpointReader:
         if len(dtypes) > 1:
             named = sorted(str(d).removeprefix("torch.") for d in dtypes)
             raise CheckpointError(f"{self.directory}: the shards of {key!r} disagree on its dtype ({named})")
-        if dtypes and not optimizer and not next(iter(dtypes)).is_floating_point:
-            dtype = str(next(iter(dtypes))).removeprefix("torch.")
-            raise CheckpointError(f"{self.directory}: {key!r} is stored as {dtype}; mtk saves it in floating point")
+        dtype = next(iter(dtypes), None)
+        if dtype is not None and not optimizer and (not dtype.is_floating_point or dtype.itemsize < 2):
+            shown = str(dtype).removeprefix("torch.")
+            raise CheckpointError(f"{self.directory}: {key!r} is stored as {shown}; mtk saves fp64, fp32, bf16, fp16")
 
     def _expected_shape(self, name: str, shard: int) -> tuple[int, ...]:
         """The shape shard ``shard`` of ``name`` has by its spec (its slice along the split dimension, padded)."""

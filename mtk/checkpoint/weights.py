@@ -78,11 +78,15 @@ def load_weights(model: nn.Module, path: Path) -> None:
 
 
 def _check_dtype(what: str, stored: torch.Tensor, param: torch.Tensor) -> None:
-    """A floating-point parameter is restored from floating-point values only: an integer tensor is no weight mtk
-    saved (a header retyped, its checksum rewritten with it) and would load as ``1e9`` weights."""
-    if stored.dtype.is_floating_point != param.dtype.is_floating_point:
+    """A parameter is restored from values of its own dtype, as mtk saves it: an integer tensor (a header retyped,
+    its checksum rewritten with it) would load as ``1e9`` weights, a float8 or float16 one as silently rounded ones,
+    and a run in another dtype than the checkpoint's is not the run it continues."""
+    if stored.dtype != param.dtype:
         saved, wanted = (str(d).removeprefix("torch.") for d in (stored.dtype, param.dtype))
-        raise CheckpointError(f"{what} is stored as {saved}, the model holds it as {wanted}: not as mtk saved it")
+        raise CheckpointError(
+            f"{what} is stored as {saved}, this run's model holds it as {wanted}: resume in the dtype the checkpoint "
+            "was trained in"
+        )
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
