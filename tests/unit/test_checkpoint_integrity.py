@@ -888,3 +888,25 @@ def test_shard_specs_of_fractional_sizes_are_refused_by_verify_and_export(saved,
         export_checkpoint(saved, tmp_path / "out")
     code, _, said = _verify_cli(saved, capsys)
     assert code == 2 and "is not a whole number" in said and "\n" not in said.strip()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
+def test_a_parameter_stored_in_another_float_dtype_is_refused_on_resume(saved, trained, tmp_path, capsys, dtype):
+    """A shard re-saved with a tensor in float16 or float8 (its checksum rewritten) resumed silently on rounded
+    weights; float8 also made export's merge raise. Resume wants the parameter's own dtype; verify and export refuse
+    float8, which mtk never saves."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(saved / SHARD), "pt") as handle:
+        metadata = handle.metadata()
+    tensors = load_file(str(saved / SHARD))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(dtype)
+    save_file(tensors, str(saved / SHARD), metadata=metadata)
+    _rewrite_metadata(saved, lambda meta: meta["files"].update({SHARD: _record(saved / SHARD)}))
+    shown = str(dtype).removeprefix("torch.")
+    with pytest.raises(CheckpointError, match=f"model.norm.weight is stored as {shown}, this run's model holds it as"):
+        _load(saved, trained)
+    if dtype == torch.float8_e4m3fn:
+        for said in _refusals(saved, trained, tmp_path, capsys)[1:]:
+            assert "mtk saves fp64, fp32, bf16, fp16" in said, said
