@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,8 @@ from mtk.parallel.layout import Layout
 from mtk.parallel.pieces import Piece
 from mtk.parallel.record import adapter_configs, hf_model, is_peft_model, parallelized
 from mtk.parallel.state import ParallelState
+
+T = TypeVar("T")
 
 __all__ = [
     "FORMAT",
@@ -206,24 +208,60 @@ def load_checkpoint(
     # spread over EP reads its own experts (one tensor at a time, through the resharding reader)
     spread = _saves_spread_experts(model, parallel)
     with full_optimizer_state(optimizers, gather=False):
-        if (saved.tp_size, saved.pp_size, meta.pieces, spread) == (parallel.tp_size, parallel.pp_size, None, False):
-            load_weights(model, paths.weights(parallel.tp_rank, parallel.pp_rank))
-            for i, optimizer in enumerate(optimizers):
-                load_optimizer(model, optimizer, paths.optimizer(parallel.tp_rank, parallel.pp_rank, i))
+        layout = (saved.tp_size, saved.pp_size, meta.pieces, spread)
+        same_layout = layout == (parallel.tp_size, parallel.pp_size, None, False)
+        _on_every_rank(parallel, lambda: _load_state(directory, meta, model, optimizers, parallel, same_layout))
+        if same_layout:
             _check_replicas_agree(model, optimizers, parallel, directory)  # each TP rank read its own file
-        else:
-            if len(optimizers) > 1:
-                raise CheckpointError(
-                    "resharding a checkpoint (or reading one saved in FSDP2's pieces) supports one optimizer"
-                )
-            with ShardedCheckpointReader(directory, meta) as reader:
-                reshard_weights(model, reader)
-                for optimizer in optimizers:
-                    reshard_optimizer(model, optimizer, reader, saved_optimizer_groups(paths, saved.pp_size))
-    load_schedulers(paths, schedulers)
-    meta.rng = restore_rng(paths, meta, parallel)
+    _on_every_rank(parallel, lambda: load_schedulers(paths, schedulers))
+    meta.rng = _on_every_rank(parallel, lambda: restore_rng(paths, meta, parallel))
     restore_streams(model, meta, parallel)
     return meta
+
+
+def _load_state(
+    directory: str | Path,
+    meta: CheckpointMeta,
+    model: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    parallel: ParallelState,
+    same_layout: bool,
+) -> None:
+    """This rank's weights and optimizer states: its own files at the same layout, else resharded from all."""
+    paths, saved = CheckpointPaths(directory), meta.topology
+    if same_layout:
+        load_weights(model, paths.weights(parallel.tp_rank, parallel.pp_rank))
+        for i, optimizer in enumerate(optimizers):
+            load_optimizer(model, optimizer, paths.optimizer(parallel.tp_rank, parallel.pp_rank, i))
+        return
+    if len(optimizers) > 1:
+        raise CheckpointError(
+            "resharding a checkpoint (or reading one saved in FSDP2's pieces) supports one optimizer"
+        )
+    with ShardedCheckpointReader(directory, meta) as reader:
+        reshard_weights(model, reader)
+        for optimizer in optimizers:
+            reshard_optimizer(model, optimizer, reader, saved_optimizer_groups(paths, saved.pp_size))
+
+
+def _on_every_rank(parallel: ParallelState, load: Callable[[], T]) -> T:
+    """``load()`` on every rank, refused on every rank when any rank refuses what it read (a file only it reads:
+    its RNG state, its TP shard): that rank gives its line, the others name it, and none goes on alone into a
+    collective the refusing rank never joins. Collective."""
+    refusal: CheckpointError | None = None
+    result = None
+    try:
+        result = load()
+    except CheckpointError as err:
+        refusal = err
+    flag = torch.tensor([0.0 if refusal is None else float(parallel.rank + 1)], device=parallel.device)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if refusal is not None:
+        raise refusal
+    if flag.item():
+        raise CheckpointError(f"rank {int(flag.item()) - 1} refused the checkpoint (its line says why)")
+    return cast(T, result)
 
 
 def _check_replicas_agree(

@@ -83,3 +83,34 @@ def test_replicas_that_differ_between_the_tp_ranks_files_are_refused(tmp_path):
         assert errors[0] == errors[1], errors
         name = "model.norm.weight::exp_avg" if state else "model.norm.weight"
         assert f"{name} differs between the TP ranks' files" in errors[0], errors[0]
+
+
+def _rng_of_one_rank_crafted(rank: int, world_size: int, directory: str) -> str:
+    import json
+
+    from mtk.checkpoint.integrity import file_checksum
+
+    parallel = ParallelState.build(tp_size=world_size)
+    model = parallelize(build_model("tiny-llama"), parallel)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    path = save_checkpoint(directory, parallel, model, [optimizer], [], step=1)
+    if rank == 0:  # rank 1's RNG state replaced by a dict of another shape, its checksum rewritten with it
+        rng = path / "rng" / "rank00001.pt"
+        torch.save({"python": 1}, rng)
+        meta = json.loads((path / "metadata.json").read_text())
+        meta["files"]["rng/rank00001.pt"] = {"bytes": rng.stat().st_size, "xxh3_128": file_checksum(rng)}
+        (path / "metadata.json").write_text(json.dumps(meta))
+    torch.distributed.barrier()
+    try:
+        load_checkpoint(directory, parallel, model, [optimizer], [])
+    except CheckpointError as err:
+        return str(err)
+    return "loaded"
+
+
+def test_a_file_only_one_rank_reads_and_refuses_stops_every_rank(tmp_path):
+    """Rank 1 refused its crafted RNG state in one line while rank 0 went on into training and failed in a
+    collective ("a collective failed"). Now every rank stops at the load: rank 1 with its line, rank 0 naming it."""
+    errors = run_distributed(_rng_of_one_rank_crafted, world_size=2, args=(str(tmp_path / "step_1"),))
+    assert "rng/rank00001.pt does not hold what this run loads from it" in errors[1], errors
+    assert errors[0] == "rank 1 refused the checkpoint (its line says why)", errors
