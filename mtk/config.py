@@ -262,8 +262,14 @@ class RunSettings:
                 "pipeline_schedule": self.pipeline_schedule if self.pipeline_schedule != "1f1b" else None,
                 "virtual_stages": self.virtual_stages if self.virtual_stages != 1 else None,
                 "pipeline_layers": ",".join(map(str, self.pipeline_layers)) or None,
+                "num_micro_batches": self.num_micro_batches if self.num_micro_batches != 1 else None,
             }
-            return [f"mtk: {key}={value} does nothing at pp = 1" for key, value in unused.items() if value is not None]
+            lines = [
+                f"mtk: {key}={value} does nothing at pp = 1" for key, value in unused.items() if value is not None
+            ]
+            if unused["num_micro_batches"] is not None:  # Megatron accumulates its micro-batches at pp = 1; mtk's is
+                lines[-1] += " (gradient accumulation is gradient_accumulation_steps, or --grad_accum)"
+            return lines
         problem = check_schedule(self.pipeline_schedule, pp_size, self.num_micro_batches, self.virtual_stages)
         if problem:
             raise ConfigError(problem)

@@ -62,6 +62,8 @@ def test_pipeline_settings_are_checked_against_the_layout():
     assert interleaved.check_pipeline(1) == [
         "mtk: pipeline_schedule=interleaved does nothing at pp = 1",
         "mtk: virtual_stages=2 does nothing at pp = 1",
+        "mtk: num_micro_batches=3 does nothing at pp = 1 (gradient accumulation is gradient_accumulation_steps, or "
+        "--grad_accum)",
     ]
     assert RunSettings(pipeline_layers=(3, 1)).check_pipeline(1) == ["mtk: pipeline_layers=3,1 does nothing at pp = 1"]
     assert RunSettings(cp_comm_type="a2a").check_context(1) == ["mtk: cp_comm_type=a2a does nothing at cp = 1"]
