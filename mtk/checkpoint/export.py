@@ -114,6 +114,26 @@ def _verify(out: Path, meta: CheckpointMeta, reader: ShardedCheckpointReader, dt
             raise CheckpointError(f"verification failed: {name} reloaded from {out} differs from the checkpoint")
 
 
+def recorded_config(checkpoint: str | Path, meta: CheckpointMeta) -> transformers.PretrainedConfig:
+    """The model config the checkpoint's metadata records, built by transformers (no code from ``auto_map``)."""
+    config_dict = meta.model.get("config")
+    if not config_dict:
+        raise CheckpointError(f"{checkpoint} records no model config; it cannot be exported as an HF directory")
+    try:
+        config = transformers.AutoConfig.for_model(**{k: v for k, v in config_dict.items() if k != "auto_map"})
+    except (ValueError, TypeError, KeyError) as err:
+        raise CheckpointError(f"{checkpoint}'s recorded model config cannot be built ({err})") from None
+    config.architectures = [meta.model["class"]]
+    return config
+
+
+def check_against_config(checkpoint: str | Path, meta: CheckpointMeta, reader: ShardedCheckpointReader) -> None:
+    """Every tensor of a full-weights checkpoint is one its recorded config's model has, of that shape (what
+    ``mtk export`` checks first; ``mtk verify-checkpoint`` checks it too, so that neither calls ok what the other
+    refuses)."""
+    _check_shapes(recorded_config(checkpoint, meta), _model_class(meta), reader, checkpoint)
+
+
 def _check_shapes(config, cls, reader: ShardedCheckpointReader, checkpoint: str | Path) -> None:
     """Every tensor of the checkpoint is one the recorded config's model has, of the same shape, before anything is
     written: the config and the weights are separate records of the metadata, and a pair that disagrees wrote an
@@ -155,14 +175,7 @@ def export_checkpoint(
         raise CheckpointError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
     torch_dtype = DTYPES.get(dtype) if dtype else None
     limit = parse_size(max_shard_size)
-    config_dict = meta.model.get("config")
-    if not config_dict:
-        raise CheckpointError(f"{checkpoint} records no model config; it cannot be exported as an HF directory")
-    try:
-        config = transformers.AutoConfig.for_model(**{k: v for k, v in config_dict.items() if k != "auto_map"})
-    except (ValueError, TypeError, KeyError) as err:
-        raise CheckpointError(f"{checkpoint}'s recorded model config cannot be built ({err})") from None
-    config.architectures = [meta.model["class"]]
+    config = recorded_config(checkpoint, meta)
     with ShardedCheckpointReader(checkpoint, meta) as reader:
         reader.check_complete(optimizer=False)  # every tensor whole, from the headers: one line, not a merge's error
         _check_shapes(config, _model_class(meta), reader, checkpoint)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
 
+from mtk.checkpoint.export import check_against_config
 from mtk.checkpoint.integrity import ALGORITHM, read_verified
 from mtk.checkpoint.reader import ShardedCheckpointReader
+from mtk.errors import CheckpointError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,8 +37,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.checkpoint}: {meta.format} has no checksums; only its metadata was read ({where})")
         return 0
     optimizer = any(name.startswith("optimizer/") and name.endswith(".safetensors") for name in meta.files)
+    match = re.fullmatch(r"step_(\d+)", Path(args.checkpoint).name)
+    if match and int(match[1]) != meta.step:  # (resume refuses it: --resume auto would take it for the newest)
+        raise CheckpointError(
+            f"{args.checkpoint} records step {meta.step}, not {match[1]}: a copy or a renamed checkpoint"
+        )
     with ShardedCheckpointReader(args.checkpoint, meta) as reader:
         reader.check_complete(optimizer=optimizer)
+        if meta.base_model is None and meta.model.get("config"):  # full weights: what export checks of them
+            check_against_config(args.checkpoint, meta, reader)
     size = sum(record["bytes"] for record in meta.files.values())
     print(
         f"{args.checkpoint}: ok, {len(meta.files)} files ({size / 2**20:.1f} MiB) match their {ALGORITHM}; "

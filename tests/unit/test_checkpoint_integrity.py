@@ -261,14 +261,27 @@ def test_a_link_in_a_checkpoint_of_the_first_format_is_refused_too(saved, traine
     ],
     ids=["vocab", "layers", "model-type"],
 )
-def test_an_export_whose_config_and_weights_disagree_is_one_line_before_writing(saved, tmp_path, config, message):
+def test_an_export_whose_config_and_weights_disagree_is_one_line_before_writing(
+    saved, tmp_path, capsys, config, message
+):
     """The recorded config and the weights are separate records: a pair that disagrees was written and then
-    refused by transformers' reload (a traceback; with --no_verify a directory that does not load)."""
+    refused by transformers' reload (a traceback; with --no_verify a directory that does not load). verify-checkpoint
+    refuses what export refuses (it called such a checkpoint ok)."""
     _rewrite_metadata(saved, lambda meta: meta["model"]["config"].update(config))
     for verify in (True, False):
         with pytest.raises(CheckpointError, match=message):
             export_checkpoint(saved, tmp_path / "out", progress=False, verify=verify)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.*"))
+    code, _, said = _verify_cli(saved, capsys)
+    assert code == 2 and re.search(message, said), said
+
+
+def test_verify_checkpoint_refuses_a_step_folder_whose_metadata_records_another_step(saved, capsys):
+    """Resume refuses a ``step_N`` recording another step (``--resume auto`` would take it for the newest);
+    verify-checkpoint called it ok."""
+    _rewrite_metadata(saved, lambda meta: meta.update(step=10**15))
+    code, _, said = _verify_cli(saved, capsys)
+    assert code == 2 and f"records step {10**15}, not 2: a copy or a renamed checkpoint" in said, said
 
 
 def test_a_deepspeed_checkpoint_resumed_without_deepspeed_is_one_line_naming_the_engine(saved, trained):
