@@ -47,10 +47,11 @@ def check_loadable(
     if not elementwise:
         return
     accepted = inspect.signature(type(optimizer).__init__).parameters
+    device = params[0].device if params else torch.device("cpu")  # (fused and capturable depend on it)
     for group in groups:
         settings = {key: value for key, value in group.items() if key in accepted and key != "params"}
         try:
-            type(optimizer)([torch.zeros(1, requires_grad=True)], **settings)
+            type(optimizer)([torch.zeros(1, device=device, requires_grad=True)], **settings)
         except (ValueError, TypeError, RuntimeError) as err:
             raise CheckpointError(
                 f"the optimizer settings saved in the checkpoint are ones {type(optimizer).__name__} refuses "
