@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
-import math
 import os
 import signal
 from collections.abc import Callable, Iterator, Sequence
@@ -118,9 +117,6 @@ def check_launcher_config(config: dict[str, Any], path: str | Path, parallel: Pa
             f'{path}: "gradient_clipping": "auto" is filled in by accelerate and the HF Trainer, not under the '
             "deepspeed launcher; give a number (1.0, or 0 for none)"
         )
-    clipping = config.get("gradient_clipping")
-    if isinstance(clipping, (int, float)) and not isinstance(clipping, bool) and not 0 <= clipping < math.inf:
-        raise ConfigError(f'{path}: "gradient_clipping": {clipping} must be a finite number >= 0 (0: none)')
     block = config.get("optimizer")
     if parallel.tp_size > 1 and isinstance(block, dict) and "type" in block:  # each rank updates its TP shards
         check_named_update(str(block["type"]), _on_rank_zero(parallel))

@@ -6,6 +6,7 @@ torch's optimizer as is."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,9 @@ def check_sections(config: dict[str, Any], where: str | Path) -> None:
         )
     for key in _PARAMS_SECTIONS:
         _check_params(config.get(key), key, where)
+    clipping = config.get("gradient_clipping")  # DeepSpeed takes <= 0 as none: -1 turned clipping off unsaid
+    if isinstance(clipping, (int, float)) and not isinstance(clipping, bool) and not 0 <= clipping < math.inf:
+        raise ConfigError(f'{where}: "gradient_clipping": {clipping} must be a finite number >= 0 (0: none)')
 
 
 def _check_params(section: Any, key: str, where: str | Path) -> None:

@@ -314,10 +314,22 @@ def test_what_the_deepspeed_launcher_cannot_take_from_an_accelerate_json_is_one_
         check_launcher_config({"gradient_clipping": "auto"}, "ds.json", run)
     with pytest.raises(ConfigError, match=r'"mtk": \{"tensor_parallel_size": 2\} but this run\'s size is 1 \(--tp'):
         check_launcher_config({"mtk": {"tensor_parallel_size": 2}}, "ds.json", run)
-    for bad in (float("nan"), float("inf"), -1.0):  # NaN turned clipping off without a word
-        with pytest.raises(ConfigError, match='"gradient_clipping": .* must be a finite number >= 0'):
-            check_launcher_config({"gradient_clipping": bad}, "ds.json", run)
     check_launcher_config({"gradient_clipping": 1.0, "mtk": {"context_parallel_size": 2}}, "ds.json", run)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_a_gradient_clipping_that_turns_clipping_off_is_one_line_on_both_launch_paths(tmp_path, monkeypatch, bad):
+    """DeepSpeed takes a clipping <= 0 (and NaN) as none: -1 under accelerate's DEEPSPEED turned clipping off without
+    a word (the deepspeed launcher's check alone refused it)."""
+    from mtk.integrations.accelerate.deepspeed import check_launcher_sections
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({MB: 2, "gradient_clipping": bad}))
+    with pytest.raises(ConfigError, match='"gradient_clipping": .* must be a finite number >= 0'):
+        deepspeed_config(path, 1)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+    with pytest.raises(ConfigError, match='"gradient_clipping": .* must be a finite number >= 0'):
+        check_launcher_sections()
 
 
 def test_a_json_optimizer_reading_whole_tensors_is_one_line_next_to_tensor_parallelism(capsys):
