@@ -39,6 +39,8 @@ def check_loadable(
                 raise CheckpointError(
                     f"the optimizer's {key!r} of {names[index]} holds NaN or infinity; use another checkpoint"
                 )
+            if key == "step" and bool((value < 0).any()):  # a count of steps (Adam's bias correction reads it)
+                raise CheckpointError(f"the optimizer's step of {names[index]} is negative; use another checkpoint")
             if elementwise and value.dim() > 0 and tuple(value.shape) != tuple(params[index].shape):
                 raise CheckpointError(
                     f"the optimizer's {key!r} of {names[index]} has shape {tuple(value.shape)}, the parameter "
@@ -50,13 +52,24 @@ def check_loadable(
     device = params[0].device if params else torch.device("cpu")  # (fused and capturable depend on it)
     for group in groups:
         settings = {key: value for key, value in group.items() if key in accepted and key != "params"}
+        probe = torch.zeros(1, device=device, requires_grad=True)
         try:
-            type(optimizer)([torch.zeros(1, device=device, requires_grad=True)], **settings)
+            stepped = type(optimizer)([probe], **settings)
+            probe.grad = torch.zeros_like(probe)
+            stepped.step()  # the state these settings keep per parameter (amsgrad's max_exp_avg_sq, ...)
         except (ValueError, TypeError, RuntimeError) as err:
             raise CheckpointError(
                 f"the optimizer settings saved in the checkpoint are ones {type(optimizer).__name__} refuses "
                 f"({str(err).strip().splitlines()[0]}); use another checkpoint"
             ) from None
+        kept = set(stepped.state[probe])
+        for index in group["params"]:
+            missing = sorted(kept - set(state.get(index, kept)))
+            if missing:
+                raise CheckpointError(
+                    f"the optimizer state of {names[index]} lacks {missing[0]!r}, which {type(optimizer).__name__} "
+                    "keeps with the settings saved beside it; use another checkpoint"
+                )
 
 
 def report_changed_settings(optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:
@@ -85,8 +98,9 @@ def _plain(value: Any) -> Any:
 
 def check_scheduler_state(current: dict[str, Any], saved: Any) -> None:
     """A scheduler's saved state shaped as this run's scheduler keeps it: a list per parameter group of the same
-    length (two ``base_lrs`` for one group failed at the first step), finite numbers. Its learning rates, when they
-    differ from this run's, are restored as accelerate's ``load_state`` restores them, and said (rank 0)."""
+    length (two ``base_lrs`` for one group failed at the first step), of finite numbers >= 0, and counts >= 0 (a
+    ``last_epoch`` of -7 made the learning rate negative). Its learning rates, when they differ from this run's, are
+    restored as accelerate's ``load_state`` restores them, and said (rank 0)."""
     if not isinstance(saved, dict):
         raise ValueError(f"a scheduler state is a dict, this is a {type(saved).__name__}")
     for key, mine in current.items():
@@ -97,6 +111,12 @@ def check_scheduler_state(current: dict[str, Any], saved: Any) -> None:
             raise ValueError(f"{key!r} holds {_count(theirs)}, this run's scheduler {len(mine)} (one per group)")
         if any(isinstance(v, float) and not math.isfinite(v) for v in theirs):
             raise ValueError(f"{key!r} holds a NaN or infinite value")
+        if any(isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0 for v in theirs):
+            raise ValueError(f"{key!r} holds a negative value")  # learning rates, momenta: an ascent, unsaid
+    for key, mine in current.items():  # counts (last_epoch, _step_count): a negative one scales the schedule by it
+        theirs = saved.get(key)
+        if isinstance(mine, int) and isinstance(theirs, int) and not isinstance(theirs, bool) and theirs < 0:
+            raise ValueError(f"{key!r} is {theirs}; a count of steps is not negative")
     if saved.get("base_lrs") != current.get("base_lrs") and (not dist.is_initialized() or dist.get_rank() == 0):
         print(
             f"mtk: the checkpoint's learning rate {saved.get('base_lrs')} is restored over this run's "

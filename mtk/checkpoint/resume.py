@@ -139,6 +139,12 @@ def rescaled_position(data: dict, samples_now: int | None) -> int:
     DP replicas), in units of this run's micro-batch of ``samples_now`` samples: the DP size or the batch may have
     changed. A position that falls inside one of this run's micro-batches is one line."""
     seen, per_batch = data.get("micro_batches", 0), data.get("samples_per_micro_batch")
+    for name, count in (("micro_batches", seen), ("samples_per_micro_batch", per_batch)):
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+            raise CheckpointError(
+                f"the checkpoint's data position {name} is {count!r}, not a count: not as mtk saved it (crafted, or "
+                "damaged); use another checkpoint"
+            )
     if not per_batch or not samples_now or per_batch == samples_now:
         return seen
     samples = seen * per_batch

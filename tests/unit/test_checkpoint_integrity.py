@@ -841,6 +841,17 @@ def _nan_step(directory):
     return path
 
 
+def _negative_step(directory):
+    from safetensors.torch import load_file, save_file
+
+    path = directory / "optimizer/tp00-pp00.safetensors"
+    tensors = load_file(str(path))
+    for key in [k for k in tensors if k.endswith("::step")]:
+        tensors[key] = torch.full_like(tensors[key], -5.0)
+    save_file(tensors, str(path))
+    return path
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
@@ -849,8 +860,10 @@ def _nan_step(directory):
         (_set_group("weight_decay", float("nan")), "settings saved in the checkpoint are ones AdamW refuses"),
         (_reshape_a_moment, "'exp_avg' of .* has shape"),
         (_nan_step, "'step' of .* holds NaN or infinity"),
+        (_negative_step, "step of .* is negative"),
+        (_set_group("amsgrad", True), "lacks 'max_exp_avg_sq', which AdamW keeps with the settings saved beside it"),
     ],
-    ids=["betas-1", "eps-string", "weight-decay-nan", "moment-reshaped", "step-nan"],
+    ids=["betas-1", "eps-string", "weight-decay-nan", "moment-reshaped", "step-nan", "step-negative", "amsgrad"],
 )
 def test_a_crafted_optimizer_state_is_refused_when_resumed(saved, trained, damage, message):
     """An optimizer state its own constructor would refuse, or moments not shaped like their parameter, loaded
@@ -884,12 +897,27 @@ def test_a_scheduler_state_of_another_shape_is_refused_and_a_changed_setting_sai
     assert "mtk: the checkpoint's optimizer weight_decay=0.01 is restored over this run's 0.5" in said
     assert "mtk: the checkpoint's learning rate [0.001] is restored over this run's [0.3]" in said
     path = directory / "scheduler.pt"
-    crafted = torch.load(path, weights_only=True)
-    crafted["base_lrs"] = [0.001, 0.001]
-    torch.save(crafted, path)
-    _rewrite_metadata(directory, lambda meta: meta["files"].update({str(path.relative_to(directory)): _record(path)}))
-    with pytest.raises(CheckpointError, match=r"'base_lrs' holds 2 values, this run's scheduler 1"):
-        load_checkpoint(directory, parallel, model, [resumed], [again])
+    original = torch.load(path, weights_only=True)
+    for change, message in [
+        ({"base_lrs": [0.001, 0.001]}, r"'base_lrs' holds 2 values, this run's scheduler 1"),
+        ({"base_lrs": [-0.001]}, r"'base_lrs' holds a negative value"),  # trained by gradient ascent, said only
+        ({"last_epoch": -7, "_step_count": -6}, r"'last_epoch' is -7; a count of steps is not negative"),
+    ]:
+        torch.save({**original, **change}, path)
+        record = {str(path.relative_to(directory)): _record(path)}
+        _rewrite_metadata(directory, lambda meta, record=record: meta["files"].update(record))
+        with pytest.raises(CheckpointError, match=message):
+            load_checkpoint(directory, parallel, model, [resumed], [again])
+
+
+def test_a_data_position_that_is_not_a_count_is_refused():
+    """``micro_batches: -1`` in the metadata resumed at another data position without a word."""
+    from mtk.checkpoint.resume import rescaled_position
+
+    assert rescaled_position({"micro_batches": 6, "samples_per_micro_batch": 4}, 8) == 3
+    for data in ({"micro_batches": -1}, {"micro_batches": 2.5}, {"micro_batches": 2, "samples_per_micro_batch": -4}):
+        with pytest.raises(CheckpointError, match="data position .* not a count"):
+            rescaled_position(data, 4)
 
 
 def test_shard_specs_of_fractional_sizes_are_refused_by_verify_and_export(saved, tmp_path, capsys):
