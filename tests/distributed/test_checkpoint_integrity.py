@@ -11,22 +11,47 @@ from mtk.parallel import ParallelState
 from mtk.testing import run_distributed
 
 
-def _save_damage_load(rank: int, world_size: int, directory: str) -> str:
+def _saved(world_size: int, directory: str, *, stepped: bool = False):
+    """A TP ``world_size`` tiny-llama and its AdamW saved at ``directory`` (after one step with ``stepped``)."""
     parallel = ParallelState.build(tp_size=world_size)
     model = parallelize(build_model("tiny-llama"), parallel)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    path = save_checkpoint(directory, parallel, model, [optimizer], [], step=1)
-    if rank == 0:
-        shard = path / "model" / "tp01-pp00.safetensors"  # read by TP rank 1 only
-        data = bytearray(shard.read_bytes())
-        data[-3] ^= 0x01
-        shard.write_bytes(bytes(data))
+    if stepped:
+        ids = torch.tensor([[1, 2, 3, 4]])
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    return parallel, model, optimizer, save_checkpoint(directory, parallel, model, [optimizer], [], step=1)
+
+
+def _load_or_refusal(directory: str, parallel, model, optimizer) -> str:
+    """What loading ``directory`` says on this rank, after every rank has crafted its part."""
     torch.distributed.barrier()
     try:
         load_checkpoint(directory, parallel, model, [optimizer], [])
     except CheckpointError as err:
         return str(err)
     return "loaded"
+
+
+def _rehash(path, name: str) -> None:
+    """Record ``path / name``'s new size and checksum in the checkpoint's metadata (what a crafted file carries)."""
+    import json
+
+    from mtk.checkpoint.integrity import file_checksum
+
+    meta = json.loads((path / "metadata.json").read_text())
+    meta["files"][name] = {"bytes": (path / name).stat().st_size, "xxh3_128": file_checksum(path / name)}
+    (path / "metadata.json").write_text(json.dumps(meta))
+
+
+def _save_damage_load(rank: int, world_size: int, directory: str) -> str:
+    parallel, model, optimizer, path = _saved(world_size, directory)
+    if rank == 0:
+        shard = path / "model" / "tp01-pp00.safetensors"  # read by TP rank 1 only
+        data = bytearray(shard.read_bytes())
+        data[-3] ^= 0x01
+        shard.write_bytes(bytes(data))
+    return _load_or_refusal(directory, parallel, model, optimizer)
 
 
 def test_every_rank_refuses_a_shard_only_one_rank_reads(tmp_path):
@@ -36,35 +61,17 @@ def test_every_rank_refuses_a_shard_only_one_rank_reads(tmp_path):
 
 
 def _replicas_differ(rank: int, world_size: int, directory: str, state: bool) -> str:
-    import json
-
     from safetensors.torch import load_file, save_file
 
-    from mtk.checkpoint.integrity import file_checksum
-
-    parallel = ParallelState.build(tp_size=world_size)
-    model = parallelize(build_model("tiny-llama"), parallel)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.tensor([[1, 2, 3, 4]])
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    path = save_checkpoint(directory, parallel, model, [optimizer], [], step=1)
+    parallel, model, optimizer, path = _saved(world_size, directory, stepped=True)
     if rank == 0:  # TP rank 1's copy of the final norm (or its Adam moment) changed, its checksum rewritten with it
-        shard = path / ("optimizer" if state else "model") / "tp01-pp00.safetensors"
-        tensors = load_file(str(shard))
+        name = ("optimizer" if state else "model") + "/tp01-pp00.safetensors"
+        tensors = load_file(str(path / name))
         key = "model.norm.weight" + ("::exp_avg" if state else "")
         tensors[key] = tensors[key] * 3
-        save_file(tensors, str(shard), metadata=_metadata(shard))
-        meta = json.loads((path / "metadata.json").read_text())
-        name = str(shard.relative_to(path))
-        meta["files"][name] = {"bytes": shard.stat().st_size, "xxh3_128": file_checksum(shard)}
-        (path / "metadata.json").write_text(json.dumps(meta))
-    torch.distributed.barrier()
-    try:
-        load_checkpoint(directory, parallel, model, [optimizer], [])
-    except CheckpointError as err:
-        return str(err)
-    return "loaded"
+        save_file(tensors, str(path / name), metadata=_metadata(path / name))
+        _rehash(path, name)
+    return _load_or_refusal(directory, parallel, model, optimizer)
 
 
 def _metadata(path) -> dict:
@@ -86,26 +93,11 @@ def test_replicas_that_differ_between_the_tp_ranks_files_are_refused(tmp_path):
 
 
 def _rng_of_one_rank_crafted(rank: int, world_size: int, directory: str) -> str:
-    import json
-
-    from mtk.checkpoint.integrity import file_checksum
-
-    parallel = ParallelState.build(tp_size=world_size)
-    model = parallelize(build_model("tiny-llama"), parallel)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    path = save_checkpoint(directory, parallel, model, [optimizer], [], step=1)
+    parallel, model, optimizer, path = _saved(world_size, directory)
     if rank == 0:  # rank 1's RNG state replaced by a dict of another shape, its checksum rewritten with it
-        rng = path / "rng" / "rank00001.pt"
-        torch.save({"python": 1}, rng)
-        meta = json.loads((path / "metadata.json").read_text())
-        meta["files"]["rng/rank00001.pt"] = {"bytes": rng.stat().st_size, "xxh3_128": file_checksum(rng)}
-        (path / "metadata.json").write_text(json.dumps(meta))
-    torch.distributed.barrier()
-    try:
-        load_checkpoint(directory, parallel, model, [optimizer], [])
-    except CheckpointError as err:
-        return str(err)
-    return "loaded"
+        torch.save({"python": 1}, path / "rng" / "rank00001.pt")
+        _rehash(path, "rng/rank00001.pt")
+    return _load_or_refusal(directory, parallel, model, optimizer)
 
 
 def test_a_file_only_one_rank_reads_and_refuses_stops_every_rank(tmp_path):

@@ -819,37 +819,32 @@ def _set_group(key, value):
     return change
 
 
-def _reshape_a_moment(directory):
-    from safetensors.torch import load_file, save_file
+def _rewrite_moments(change):
+    """A damage: ``change`` applied to the optimizer file's tensors (a dict), the file rewritten; returns its path."""
 
-    path = directory / "optimizer/tp00-pp00.safetensors"
-    tensors = load_file(str(path))
+    def damage(directory):
+        from safetensors.torch import load_file, save_file
+
+        path = directory / "optimizer/tp00-pp00.safetensors"
+        tensors = load_file(str(path))
+        change(tensors)
+        save_file(tensors, str(path))
+        return path
+
+    return damage
+
+
+def _reshape_a_moment(tensors):
     name = next(k for k, v in tensors.items() if k.endswith("::exp_avg") and v.dim() == 2)
     tensors[name] = tensors[name].reshape(-1, 2)
-    save_file(tensors, str(path))
-    return path
 
 
-def _nan_step(directory):
-    from safetensors.torch import load_file, save_file
+def _steps_set_to(value):
+    def change(tensors):
+        for key in [k for k in tensors if k.endswith("::step")]:
+            tensors[key] = torch.full_like(tensors[key], value)
 
-    path = directory / "optimizer/tp00-pp00.safetensors"
-    tensors = load_file(str(path))
-    for key in [k for k in tensors if k.endswith("::step")]:
-        tensors[key] = torch.full_like(tensors[key], float("nan"))
-    save_file(tensors, str(path))
-    return path
-
-
-def _negative_step(directory):
-    from safetensors.torch import load_file, save_file
-
-    path = directory / "optimizer/tp00-pp00.safetensors"
-    tensors = load_file(str(path))
-    for key in [k for k in tensors if k.endswith("::step")]:
-        tensors[key] = torch.full_like(tensors[key], -5.0)
-    save_file(tensors, str(path))
-    return path
+    return change
 
 
 @pytest.mark.parametrize(
@@ -858,9 +853,9 @@ def _negative_step(directory):
         (_set_group("betas", [1.0, 1.0]), "settings saved in the checkpoint are ones AdamW refuses"),
         (_set_group("eps", "x"), "settings saved in the checkpoint are ones AdamW refuses"),
         (_set_group("weight_decay", float("nan")), "settings saved in the checkpoint are ones AdamW refuses"),
-        (_reshape_a_moment, "'exp_avg' of .* has shape"),
-        (_nan_step, "'step' of .* holds NaN or infinity"),
-        (_negative_step, "step of .* is negative"),
+        (_rewrite_moments(_reshape_a_moment), "'exp_avg' of .* has shape"),
+        (_rewrite_moments(_steps_set_to(float("nan"))), "'step' of .* holds NaN or infinity"),
+        (_rewrite_moments(_steps_set_to(-5.0)), "step of .* is negative"),
         (_set_group("amsgrad", True), "lacks 'max_exp_avg_sq', which AdamW keeps with the settings saved beside it"),
     ],
     ids=["betas-1", "eps-string", "weight-decay-nan", "moment-reshaped", "step-nan", "step-negative", "amsgrad"],

@@ -321,15 +321,9 @@ def test_what_the_deepspeed_launcher_cannot_take_from_an_accelerate_json_is_one_
 def test_a_gradient_clipping_that_turns_clipping_off_is_one_line_on_both_launch_paths(tmp_path, monkeypatch, bad):
     """DeepSpeed takes a clipping <= 0 (and NaN) as none: -1 under accelerate's DEEPSPEED turned clipping off without
     a word (the deepspeed launcher's check alone refused it)."""
-    from mtk.integrations.accelerate.deepspeed import check_launcher_sections
 
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps({MB: 2, "gradient_clipping": bad}))
-    with pytest.raises(ConfigError, match='"gradient_clipping": .* must be a finite number >= 0'):
-        deepspeed_config(path, 1)
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
-    with pytest.raises(ConfigError, match='"gradient_clipping": .* must be a finite number >= 0'):
-        check_launcher_sections()
+    message = '"gradient_clipping": .* must be a finite number >= 0'
+    _refused_on_both_launch_paths(tmp_path / "ds.json", {MB: 2, "gradient_clipping": bad}, message, monkeypatch)
 
 
 def test_a_json_optimizer_reading_whole_tensors_is_one_line_next_to_tensor_parallelism(capsys):
@@ -356,17 +350,24 @@ def test_a_json_optimizer_reading_whole_tensors_is_one_line_next_to_tensor_paral
 def test_a_section_that_is_not_an_object_is_one_line_naming_it(tmp_path, monkeypatch, key, value):
     """``"zero_optimization": "2"`` reached DeepSpeed's ``**block`` (a TypeError on every rank under the deepspeed
     launcher) or accelerate's plugin (an AttributeError): both paths refuse it first, naming the key and its type."""
-    from mtk.integrations.accelerate.deepspeed import check_launcher_sections
 
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({MB: 2, key: value}))
     kind = {str: "a string", list: "an array", bool: "a boolean"}[type(value)]
     message = f'{path}: "{key}" is {kind} ({json.dumps(value)}); it must be a JSON object'
-    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+    _refused_on_both_launch_paths(path, {MB: 2, key: value}, re.escape(message), monkeypatch)
+
+
+def _refused_on_both_launch_paths(path, config: dict, message: str, monkeypatch) -> None:
+    """``config`` written at ``path`` is one line matching ``message`` under the deepspeed launcher (run.py's
+    reading) and under accelerate's DEEPSPEED (the file its YAML names)."""
+    from mtk.integrations.accelerate.deepspeed import check_launcher_sections
+
+    path.write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message) as err:
         deepspeed_config(path, 1)
     assert "\n" not in str(err.value)
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
-    with pytest.raises(ConfigError, match=re.escape(message)):
+    with pytest.raises(ConfigError, match=message):
         check_launcher_sections()
 
 
@@ -385,13 +386,9 @@ def test_a_number_written_as_a_string_in_params_is_one_line(tmp_path, monkeypatc
     from mtk.integrations.accelerate.deepspeed import check_launcher_sections
 
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({MB: 2, section: {"type": "AdamW", "params": params}}))
-    with pytest.raises(ConfigError, match=re.escape(message)) as err:
-        deepspeed_config(path, 1)
-    assert "\n" not in str(err.value)
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        check_launcher_sections()
+    _refused_on_both_launch_paths(
+        path, {MB: 2, section: {"type": "AdamW", "params": params}}, re.escape(message), monkeypatch
+    )
     kept = {"warmup_type": "log", "warmup_max_lr": "auto", "warmup_num_steps": 10}
     path.write_text(json.dumps({MB: 2, "scheduler": {"type": "WarmupLR", "params": kept}}))
     check_launcher_sections()
