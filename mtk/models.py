@@ -349,7 +349,16 @@ def _check_buildable(config: PretrainedConfig, path: Path) -> None:
         one_layer.pad_token_id = config.pad_token_id  # the embedding's padding index: past the vocabulary, refused
         with torch.device("meta"):
             auto_class.from_config(one_layer)
-    except (KeyError, ValueError, TypeError, AssertionError, IndexError, ZeroDivisionError, AttributeError) as err:
+    except (
+        KeyError,
+        ValueError,
+        TypeError,
+        AssertionError,
+        IndexError,
+        ZeroDivisionError,
+        AttributeError,
+        RuntimeError,
+    ) as err:
         lines = str(err).strip().splitlines()
         raise ModelSpecError(
             f"--model {path}: transformers cannot build a model from this config ({type(err).__name__}: "
