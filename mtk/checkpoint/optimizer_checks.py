@@ -27,8 +27,10 @@ _SCHEDULED = ("params", "lr", "initial_lr")  # moved by the schedule, or not set
 def check_loadable(
     optimizer: torch.optim.Optimizer, names: list[str], state: dict[int, dict[str, Any]], groups: list[dict]
 ) -> None:
-    """Refuse (one line) state that is not finite, moments not shaped like their parameter (an optimizer that
-    keeps one per element), and group settings the optimizer's own constructor refuses."""
+    """Refuse (one line) state that is not finite, a negative step count, moments not shaped like their parameter
+    (an optimizer that keeps one per element), group settings the optimizer's own constructor refuses, and state
+    those settings keep that the file lacks: each group's settings run one step on a probe parameter, whose state
+    names what every parameter of the group that has state must hold."""
     params = [param for group in optimizer.param_groups for param in group["params"]]
     elementwise = type(optimizer) in ELEMENTWISE
     for index, fields in state.items():
