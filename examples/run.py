@@ -44,7 +44,7 @@ from mtk.args import (
     positive_int,
     seed,
 )
-from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, rescaled_position, start_point
+from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, data_position, rescaled_position, start_point
 from mtk.config import CP_COMM_TYPES, ConfigError, RunSettings
 from mtk.convert import parallelize
 from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, tokenizer_for
@@ -258,11 +258,7 @@ def main(argv=None) -> None:
 
     def position(micro_batches: int) -> dict:
         """What a checkpoint records of the data: where the stream is, and what decides the stream."""
-        return {
-            "micro_batches": micro_batches,
-            "samples_per_micro_batch": micro * parallel.dp_size,
-            "resume_guard": guard.state_dict(),
-        }
+        return {**data_position(micro_batches, micro * parallel.dp_size), "resume_guard": guard.state_dict()}
 
     # a resumed run must continue the same data stream: a changed one of these is one clear line
     guard = ResumeGuard.from_args(args)

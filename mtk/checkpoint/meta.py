@@ -70,9 +70,19 @@ def _check_types(values: dict[str, Any]) -> None:
         raise TypeError(f"pieces {pieces!r} is not a positive count")
     if pieces is not None and pieces > len(files):  # each piece is a listed file: bounds what a reader opens
         raise TypeError(f"pieces {pieces} is more than the {len(files)} files the checkpoint lists")
-    for key in ("model", "data", "versions"):
+    for key in ("model", "data", "versions", "counts"):
         if not isinstance(values.get(key, {}), dict):
             raise TypeError(f"{key} is not a JSON object")
+    counts = values.get("counts", {})
+    steps, positions = counts.get("optimizer_steps"), counts.get("scheduler_positions", [])
+    if steps is not None and not _is_count(steps):
+        raise TypeError(f"counts.optimizer_steps {steps!r} is not a count of steps")
+    if not isinstance(positions, list) or not all(p is None or isinstance(p, int) for p in positions):
+        raise TypeError(f"counts.scheduler_positions {positions!r} is not a list of positions")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 @dataclass
@@ -91,6 +101,9 @@ class CheckpointMeta:
         files: ``{relative path: {"bytes", "xxh3_128"}}`` of every other file.
         base_model: for an adapter-only (LoRA) checkpoint, the frozen base it was trained on
             (:func:`~mtk.checkpoint.base_model.base_record`); ``None`` when the weights are all here.
+        counts: what the files count at this step, checked against them at load (:mod:`~mtk.checkpoint.counts`):
+            ``optimizer_steps`` (the most any optimizer state counts, ``None`` if none keeps a count) and
+            ``scheduler_positions`` (one per scheduler). Empty in checkpoints written before the record.
         pieces: ``None`` when each (tp, pp) rank's tensors are saved whole; else how many flat pieces they are
             saved in (FSDP2's ``dp_shard`` size, ZeRO-3's DP size; even 1), each written by the rank that holds it
             (``tpXX-ppYY-pieceZZ``).
@@ -108,6 +121,7 @@ class CheckpointMeta:
     run_id: str | None = None
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     base_model: dict[str, Any] | None = None
+    counts: dict[str, Any] = field(default_factory=dict)
     pieces: int | None = None
     format: str = FORMAT
     rng: dict[str, Any] = field(default_factory=dict, compare=False)

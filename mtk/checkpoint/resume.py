@@ -28,6 +28,7 @@ from mtk.data.sources import data_fingerprint
 from mtk.errors import CheckpointError
 
 __all__ = [
+    "data_position",
     "rescaled_position",
     "AUTO",
     "ResumeGuard",
@@ -134,17 +135,30 @@ def _step_of(checkpoint: str | None) -> int:
     return recorded or 0
 
 
+def data_position(micro_batches: int, samples_per_micro_batch: int | None) -> dict[str, Any]:
+    """What a checkpoint records of where the data stream is (read back by :func:`rescaled_position`): the
+    micro-batches consumed, their samples over all DP replicas, and the samples consumed, their product, by which a
+    count edited alone (or copied from another save) is told from the record."""
+    samples = micro_batches * samples_per_micro_batch if samples_per_micro_batch else None
+    return {"micro_batches": micro_batches, "samples_per_micro_batch": samples_per_micro_batch, "samples": samples}
+
+
 def rescaled_position(data: dict, samples_now: int | None) -> int:
-    """Micro-batches a checkpoint consumed (its ``data``: ``micro_batches`` and ``samples_per_micro_batch`` over all
-    DP replicas), in units of this run's micro-batch of ``samples_now`` samples: the DP size or the batch may have
-    changed. A position that falls inside one of this run's micro-batches is one line."""
-    seen, per_batch = data.get("micro_batches", 0), data.get("samples_per_micro_batch")
-    for name, count in (("micro_batches", seen), ("samples_per_micro_batch", per_batch)):
+    """Micro-batches a checkpoint consumed (its ``data``: :func:`data_position`), in units of this run's micro-batch
+    of ``samples_now`` samples: the DP size or the batch may have changed. A position that falls inside one of this
+    run's micro-batches is one line, and so is a record whose counts disagree."""
+    seen, per_batch, samples = data.get("micro_batches", 0), data.get("samples_per_micro_batch"), data.get("samples")
+    for name, count in (("micro_batches", seen), ("samples_per_micro_batch", per_batch), ("samples", samples)):
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
             raise CheckpointError(
                 f"the checkpoint's data position {name} is {count!r}, not a count: not as mtk saved it (crafted, or "
                 "damaged); use another checkpoint"
             )
+    if samples is not None and per_batch and samples != seen * per_batch:  # (recorded since the field exists)
+        raise CheckpointError(
+            f"the checkpoint's data position disagrees with itself: {seen} micro-batches of {per_batch} samples, "
+            f"but {samples} samples consumed; not as mtk saved it (crafted, or damaged): use another checkpoint"
+        )
     if not per_batch or not samples_now or per_batch == samples_now:
         return seen
     samples = seen * per_batch

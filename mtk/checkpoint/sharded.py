@@ -25,6 +25,7 @@ from torch import nn
 
 from mtk.checkpoint.atomic import atomic_dir, write_synced
 from mtk.checkpoint.base_model import base_record, check_base, checkpointed_parameters
+from mtk.checkpoint.counts import check_optimizer_steps, check_scheduler_positions, optimizer_steps, recorded_counts
 from mtk.checkpoint.integrity import Checksums, checksum_files, read_verified
 from mtk.checkpoint.meta import FORMAT, RUN_ID, CheckpointMeta, read_metadata
 from mtk.checkpoint.optimizer import load_optimizer, reshard_optimizer, save_optimizer, saved_optimizer_groups
@@ -123,6 +124,7 @@ def save_checkpoint(
     FSDP2's are found from the parameters themselves.
     """
     _check_finite_weights(model, parallel, step)
+    counts = recorded_counts(optimizers if engine is None else None, schedulers, parallel.device)  # collective
     piece = _with_experts(piece or piece_of(model), model, parallel)
     if piece is not None and len(optimizers) > 1:  # a checkpoint in pieces is read back through the resharding
         raise CheckpointError(  # reader, which restores one optimizer
@@ -173,6 +175,7 @@ def save_checkpoint(
                 run_id=RUN_ID,
                 files=files,
                 base_model=base,
+                counts=counts,
                 pieces=piece.count if piece is not None else None,
                 **(engine or {}),
             )
@@ -213,7 +216,8 @@ def load_checkpoint(
         _on_every_rank(parallel, lambda: _load_state(directory, meta, model, optimizers, parallel, same_layout))
         if same_layout:
             _check_replicas_agree(model, optimizers, parallel, directory)  # each TP rank read its own file
-    _on_every_rank(parallel, lambda: load_schedulers(paths, schedulers))
+    check_optimizer_steps(optimizer_steps(optimizers, parallel.device), meta.counts, str(directory))  # collective
+    _on_every_rank(parallel, lambda: load_schedulers(paths, schedulers, meta.counts))
     meta.rng = _on_every_rank(parallel, lambda: restore_rng(paths, meta, parallel))
     restore_streams(model, meta, parallel)
     return meta
@@ -337,9 +341,12 @@ def restore_streams(model: nn.Module, meta: CheckpointMeta, parallel: ParallelSt
         record.rng.load_state_dict(meta.rng["streams"])
 
 
-def load_schedulers(paths: CheckpointPaths, schedulers: list) -> None:
+def load_schedulers(paths: CheckpointPaths, schedulers: list, counts: Mapping[str, Any]) -> None:
+    """Each scheduler's state, checked (:func:`~mtk.checkpoint.optimizer_checks.check_scheduler_state`) and then
+    at the position the metadata's ``counts`` recorded."""
     for i, scheduler in enumerate(schedulers):
         with reading(paths.scheduler(i)):
             saved = torch.load(paths.scheduler(i), weights_only=True)
             check_scheduler_state(scheduler.state_dict(), saved)
             scheduler.load_state_dict(saved)
+    check_scheduler_positions(schedulers, counts, str(paths.root))

@@ -6,9 +6,11 @@ import argparse
 import re
 from pathlib import Path
 
+from mtk.checkpoint.counts import check_saved_counts
 from mtk.checkpoint.export import check_against_config
 from mtk.checkpoint.integrity import ALGORITHM, read_verified
 from mtk.checkpoint.reader import ShardedCheckpointReader
+from mtk.checkpoint.resume import rescaled_position
 from mtk.errors import CheckpointError
 
 
@@ -19,7 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Read metadata.json of a checkpoint written by mtk (save_state, examples/*.py) and check that "
             "every file it lists is there with its recorded size and checksum, and nothing else is; then, from the "
-            "weights and optimizer files' headers, that every tensor rebuilds whole from its shards and pieces. "
+            "weights and optimizer files' headers, that every tensor rebuilds whole from its shards and pieces, "
+            "and that the optimizer's steps, the schedulers' positions and the data position are the ones recorded. "
             "Exit 0 if it is complete and intact; otherwise print the first problem and exit 2."
         ),
     )
@@ -46,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
         reader.check_complete(optimizer=optimizer)
         if meta.base_model is None and meta.model.get("config"):  # full weights: what export checks of them
             check_against_config(args.checkpoint, meta, reader)
+    check_saved_counts(args.checkpoint, meta)  # the optimizer's steps and the schedulers' positions
+    rescaled_position(meta.data, None)  # the data position's counts, and that they agree
     size = sum(record["bytes"] for record in meta.files.values())
     print(
         f"{args.checkpoint}: ok, {len(meta.files)} files ({size / 2**20:.1f} MiB) match their {ALGORITHM}; "

@@ -29,6 +29,7 @@ from torch import nn
 
 from mtk import jsonio
 from mtk.checkpoint.base_model import check_base
+from mtk.checkpoint.counts import check_scheduler_positions
 from mtk.checkpoint.integrity import read_verified
 from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.paths import CheckpointPaths
@@ -288,9 +289,17 @@ def load_deepspeed_checkpoint(
             "checkpoint resumes at its own layout, or a ZeRO-3 one under ZeRO-3 at another TP, CP or DP size (export "
             "it with `mtk export` to change anything else)"
         )
-    if not schedulers and engine.lr_scheduler is not None and not same:
-        schedulers = [engine.lr_scheduler]  # DeepSpeed restored it at the same layout
-    load_schedulers(paths, list(schedulers))
+    if same and engine.global_steps != meta.step:  # DeepSpeed's files count steps too
+        raise CheckpointError(
+            f"{directory}: DeepSpeed's state counts {engine.global_steps} steps where the metadata says {meta.step}; "
+            "its files are from another save (crafted, or mixed from two runs): use another checkpoint"
+        )
+    if not schedulers and engine.lr_scheduler is not None:
+        if same:  # DeepSpeed restored it from its own files: at the position the metadata recorded
+            check_scheduler_positions([engine.lr_scheduler], meta.counts, str(directory))
+        else:
+            schedulers = [engine.lr_scheduler]
+    load_schedulers(paths, list(schedulers), meta.counts)
     meta.rng = restore_rng(paths, meta, parallel)
     restore_streams(engine.module, meta, parallel)  # the per-TP-rank dropout stream
     return meta

@@ -291,6 +291,65 @@ def test_a_deepspeed_checkpoint_resumed_without_deepspeed_is_one_line_naming_the
         _load(saved, trained)
 
 
+def test_deepspeed_state_from_another_save_is_refused(tmp_path, trained):
+    """DeepSpeed restores its own state (and its own scheduler) at the layout that wrote it: a ``deepspeed/`` folder
+    from another save of the run, whose checksums were rewritten, trained on from another step without a word. Its
+    step count and its scheduler's position must be the ones the metadata recorded."""
+    from types import SimpleNamespace
+
+    from mtk.integrations.deepspeed import load_deepspeed_checkpoint
+
+    parallel, model, optimizer = trained
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    engine_record = {"engine": "deepspeed", "zero_stage": 2}
+    directory = save_checkpoint(tmp_path / "step_2", parallel, model, [], [scheduler], step=2, engine=engine_record)
+
+    def engine(steps, position):  # what DeepSpeed's load_checkpoint restored from deepspeed/
+        restored = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        restored.last_epoch = position
+        load = lambda *args, **kwargs: (str(directory / "deepspeed"), {})  # noqa: E731
+        return SimpleNamespace(module=model, global_steps=steps, lr_scheduler=restored, load_checkpoint=load)
+
+    assert load_deepspeed_checkpoint(directory, engine(2, 0), parallel).step == 2
+    with pytest.raises(CheckpointError, match="DeepSpeed's state counts 3 steps where the metadata says 2"):
+        load_deepspeed_checkpoint(directory, engine(3, 0), parallel)
+    with pytest.raises(CheckpointError, match="scheduler 0 is at position 7 where the metadata recorded 0"):
+        load_deepspeed_checkpoint(directory, engine(2, 7), parallel)
+
+
+def test_verify_checkpoint_checks_the_counts_each_file_keeps(tmp_path, trained, capsys):
+    """verify-checkpoint said ok of an optimizer file, a scheduler file or a data position from another save whose
+    checksums were rewritten (resume refuses each: tests above); it reads the counts and compares them too."""
+    parallel, model, optimizer = trained
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    directory = save_checkpoint(tmp_path / "step_2", parallel, model, [optimizer], [scheduler], step=2)
+    _rewrite_metadata(
+        directory, lambda meta: meta["data"].update(micro_batches=2, samples_per_micro_batch=8, samples=16)
+    )
+    assert _verify_cli(directory, capsys)[0] == 0
+    originals = {name: (directory / name).read_bytes() for name in ("scheduler.pt", "optimizer/tp00-pp00.safetensors")}
+
+    def edit_scheduler(path):
+        torch.save({**torch.load(path, weights_only=True), "last_epoch": 5}, path)
+
+    def edit_steps(path):
+        _rewrite_moments(_steps_set_to(1000.0))(directory)
+
+    for name, edit, message in [
+        ("scheduler.pt", edit_scheduler, "scheduler.pt is at position 5 where the metadata recorded 0"),
+        ("optimizer/tp00-pp00.safetensors", edit_steps, "the optimizer state counts 1000 steps where its metadata"),
+    ]:
+        edit(directory / name)
+        _rewrite_metadata(directory, lambda meta, name=name: meta["files"].update({name: _record(directory / name)}))
+        code, _, said = _verify_cli(directory, capsys)
+        assert code == 2 and message in said, said
+        (directory / name).write_bytes(originals[name])
+        _rewrite_metadata(directory, lambda meta, name=name: meta["files"].update({name: _record(directory / name)}))
+    _rewrite_metadata(directory, lambda meta: meta["data"].update(samples_per_micro_batch=4))
+    code, _, said = _verify_cli(directory, capsys)
+    assert code == 2 and "data position disagrees with itself" in said, said
+
+
 def test_metadata_that_lists_no_files_is_refused(saved, trained, tmp_path, capsys):
     _rewrite_metadata(saved, lambda meta: meta.update(files={}))
     for message in _refusals(saved, trained, tmp_path, capsys):
@@ -857,8 +916,18 @@ def _steps_set_to(value):
         (_rewrite_moments(_steps_set_to(float("nan"))), "'step' of .* holds NaN or infinity"),
         (_rewrite_moments(_steps_set_to(-5.0)), "step of .* is negative"),
         (_set_group("amsgrad", True), "lacks 'max_exp_avg_sq', which AdamW keeps with the settings saved beside it"),
+        (_rewrite_moments(_steps_set_to(1000.0)), "optimizer state counts 1000 steps where its metadata recorded 1"),
     ],
-    ids=["betas-1", "eps-string", "weight-decay-nan", "moment-reshaped", "step-nan", "step-negative", "amsgrad"],
+    ids=[
+        "betas-1",
+        "eps-string",
+        "weight-decay-nan",
+        "moment-reshaped",
+        "step-nan",
+        "step-negative",
+        "amsgrad",
+        "steps-of-another-save",
+    ],
 )
 def test_a_crafted_optimizer_state_is_refused_when_resumed(saved, trained, damage, message):
     """An optimizer state its own constructor would refuse, or moments not shaped like their parameter, loaded
@@ -897,6 +966,8 @@ def test_a_scheduler_state_of_another_shape_is_refused_and_a_changed_setting_sai
         ({"base_lrs": [0.001, 0.001]}, r"'base_lrs' holds 2 values, this run's scheduler 1"),
         ({"base_lrs": [-0.001]}, r"'base_lrs' holds a negative value"),  # trained by gradient ascent, said only
         ({"last_epoch": -7, "_step_count": -6}, r"'last_epoch' is -7; a count of steps is not negative"),
+        # valid alone, not with the save that recorded position 0: the learning rate of another step
+        ({"last_epoch": 100, "_step_count": 101}, r"scheduler 0 is at position 100 where the metadata recorded 0"),
     ]:
         torch.save({**original, **change}, path)
         record = {str(path.relative_to(directory)): _record(path)}
@@ -905,14 +976,20 @@ def test_a_scheduler_state_of_another_shape_is_refused_and_a_changed_setting_sai
             load_checkpoint(directory, parallel, model, [resumed], [again])
 
 
-def test_a_data_position_that_is_not_a_count_is_refused():
-    """``micro_batches: -1`` in the metadata resumed at another data position without a word."""
-    from mtk.checkpoint.resume import rescaled_position
+def test_a_data_position_that_is_not_a_count_or_disagrees_with_itself_is_refused():
+    """``micro_batches: -1`` in the metadata resumed at another data position without a word, and so did a
+    ``samples_per_micro_batch`` of 4 where the run saved 8 (half the data it had consumed skipped): the record
+    carries the samples consumed, their product, and each count must agree with it."""
+    from mtk.checkpoint.resume import data_position, rescaled_position
 
-    assert rescaled_position({"micro_batches": 6, "samples_per_micro_batch": 4}, 8) == 3
+    assert rescaled_position(data_position(6, 4), 8) == 3
+    assert rescaled_position({"micro_batches": 6, "samples_per_micro_batch": 4}, 8) == 3  # saved before the record
     for data in ({"micro_batches": -1}, {"micro_batches": 2.5}, {"micro_batches": 2, "samples_per_micro_batch": -4}):
         with pytest.raises(CheckpointError, match="data position .* not a count"):
             rescaled_position(data, 4)
+    for edited in ({"samples_per_micro_batch": 4}, {"micro_batches": 3}, {"samples": 32}):
+        with pytest.raises(CheckpointError, match="data position disagrees with itself"):
+            rescaled_position({**data_position(2, 8), **edited}, 8)
 
 
 def test_shard_specs_of_fractional_sizes_are_refused_by_verify_and_export(saved, tmp_path, capsys):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mtk.checkpoint.paths import CheckpointPaths, reading
-from mtk.checkpoint.resume import rescaled_position
+from mtk.checkpoint.resume import data_position, rescaled_position
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.errors import CheckpointError, ConfigError
 from mtk.integrations.accelerate.shuffle import replay_shuffles
@@ -90,8 +90,7 @@ class ShardedCheckpointing(_Host):
         for hook in self._save_model_state_pre_hook.values():  # accelerate's register_save_state_pre_hook
             hook(self._models, [], output_dir)  # no full-model weights list: each rank saves its shard
         data = {
-            "micro_batches": self.micro_batches_seen,
-            "samples_per_micro_batch": self._samples_per_micro_batch(),
+            **data_position(self.micro_batches_seen, self._samples_per_micro_batch()),
             "accelerate_step": self.step,
             "dataloader_iterations": [getattr(dl, "iteration", 0) for dl in self._dataloaders],
         }
