@@ -21,9 +21,11 @@ the hidden states' gradient are one process's; each expert's gradient is the sum
 to it. Gradients of the experts are therefore reduced over the *expert-data-parallel* group (the ranks holding the
 same experts), the dense ones over DP as before; both divided by the same replica count.
 
-Under tensor parallelism inside the experts (Megatron's expert-tensor parallelism, here equal to TP) each TP rank
+Under tensor parallelism inside the experts (Megatron's expert-tensor parallelism equal to TP) each TP rank
 exchanges its copy of the same tokens with its counterparts in the other TP groups and computes its slice of the
-intermediate width; :mod:`mtk.parallel.experts` then sums the slices over TP after the combine, as without EP.
+intermediate width; :mod:`mtk.parallel.experts` then sums the slices over TP after the combine, as without EP. With
+the experts' TP size 1 each TP rank exchanges only its share of the tokens and runs its experts whole
+(:mod:`mtk.parallel.expert_tokens`, whose hooks surround this exchange).
 
 The backward pass issues the conjugate all-to-alls on every rank, also on one whose experts received no token: the
 returning exchange is anchored to the dispatched rows so that autograd always reaches it.
