@@ -81,6 +81,11 @@ def _parse_int(key: str, raw: str) -> int:
         raise ConfigError(f"{key}={raw!r} is not an integer; set it to a positive whole number") from None
 
 
+def _parse_optional_int(key: str, raw: str) -> int | None:
+    """An integer, or ``None`` for accelerate's ``None`` (the key left at its default)."""
+    return None if raw.strip().lower() == "none" else _parse_int(key, raw)
+
+
 def _parse_float(key: str, raw: str) -> float:
     try:
         value = float(raw)
@@ -155,18 +160,29 @@ class ParallelConfig:
         ep_size: expert-parallel degree; each MoE layer's experts are spread over this many of the ranks that hold
             the same dense weights (``MEGATRON_LM_EXPERT_MODEL_PARALLEL_SIZE``, accelerate's
             ``megatron_lm_expert_model_parallel_size``); it divides DP x CP.
+        etp_size: the experts' tensor-parallel size (Megatron's expert-tensor parallelism,
+            ``MEGATRON_LM_EXPERT_TENSOR_PARALLEL_SIZE``): ``None`` or ``tp_size`` splits each expert over the TP
+            group as the dense MLPs are split; ``1`` keeps every expert whole on every TP rank, each TP rank running
+            them on its share of the tokens (:mod:`mtk.parallel.expert_tokens`).
     """
 
     tp_size: int = 1
     pp_size: int = 1
     cp_size: int = 1
     ep_size: int = 1
+    etp_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "pp_size", "cp_size", "ep_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        check_expert_tp_size(self.etp_size, self.tp_size)
+
+    @property
+    def expert_tp_size(self) -> int:
+        """The experts' TP size in effect: ``etp_size``, or the TP size when it is not given."""
+        return self.tp_size if self.etp_size is None else self.etp_size
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **explicit: Any) -> ParallelConfig:
@@ -177,8 +193,20 @@ class ParallelConfig:
             "pp_size": ("MEGATRON_LM_PP_DEGREE", _parse_int),
             "cp_size": ("MEGATRON_LM_CONTEXT_PARALLEL_SIZE", _parse_int),
             "ep_size": ("MEGATRON_LM_EXPERT_MODEL_PARALLEL_SIZE", _parse_int),
+            "etp_size": ("MEGATRON_LM_EXPERT_TENSOR_PARALLEL_SIZE", _parse_optional_int),
         }
         return cls(**_resolve({}, os.environ if env is None else env, sources, explicit))
+
+
+def check_expert_tp_size(etp_size: Any, tp_size: int) -> None:
+    """The experts' TP size is the TP size or 1 (one line otherwise): mtk splits each expert over the whole TP
+    group or keeps it whole; a size between (Megatron allows any divisor) is not built."""
+    if etp_size is None or (type(etp_size) is int and etp_size in (1, tp_size)):
+        return
+    raise ConfigError(
+        f"expert tensor parallel size (megatron_lm_expert_tensor_parallel_size) {etp_size!r}: mtk splits each expert "
+        f"over the TP size ({tp_size}) or keeps every expert whole on each TP rank (1); set it to {tp_size} or 1"
+    )
 
 
 @dataclass(frozen=True)

@@ -34,12 +34,15 @@ def _layout_record(layout: Layout) -> dict[str, int]:
     """The layout as ``metadata.json`` spells it (the format's keys, older than the ``*_size`` names)."""
     record = {"world": layout.world_size, "tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size}
     record |= {"cp": layout.cp_size} if layout.cp_size > 1 else {}  # older readers know no "cp"
-    return record | ({"ep": layout.ep_size} if layout.ep_size > 1 else {})  # nor "ep"
+    record |= {"ep": layout.ep_size} if layout.ep_size > 1 else {}  # nor "ep"
+    return record | ({"etp": 1} if layout.etp_size == 1 and layout.tp_size > 1 else {})  # nor "etp"
 
 
 def _layout_from_record(record: dict[str, int]) -> Layout:
-    cp, ep = record.get("cp", 1), record.get("ep", 1)
-    layout = Layout(world_size=record["world"], tp_size=record["tp"], pp_size=record["pp"], cp_size=cp, ep_size=ep)
+    cp, ep, etp = record.get("cp", 1), record.get("ep", 1), record.get("etp")
+    layout = Layout(
+        world_size=record["world"], tp_size=record["tp"], pp_size=record["pp"], cp_size=cp, ep_size=ep, etp_size=etp
+    )
     if layout.dp_size != record["dp"]:
         raise ValueError(f"topology {record} is not a rank grid: world / (tp * cp * pp) != dp")
     return layout

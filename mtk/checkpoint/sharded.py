@@ -211,8 +211,8 @@ def load_checkpoint(
     # spread over EP reads its own experts (one tensor at a time, through the resharding reader)
     spread = _saves_spread_experts(model, parallel)
     with full_optimizer_state(optimizers, gather=False):
-        layout = (saved.tp_size, saved.pp_size, meta.pieces, spread)
-        same_layout = layout == (parallel.tp_size, parallel.pp_size, None, False)
+        layout = (saved.tp_size, saved.etp_size, saved.pp_size, meta.pieces, spread)
+        same_layout = layout == (parallel.tp_size, parallel.etp_size, parallel.pp_size, None, False)
         _on_every_rank(parallel, lambda: _load_state(directory, meta, model, optimizers, parallel, same_layout))
         if same_layout:
             _check_replicas_agree(model, optimizers, parallel, directory)  # each TP rank read its own file
@@ -337,7 +337,8 @@ def restore_streams(model: nn.Module, meta: CheckpointMeta, parallel: ParallelSt
     record = parallelized(model)
     if record is None or record.rng is None or "streams" not in meta.rng:
         return
-    if replace(meta.topology, ep_size=1) == replace(topology_of(parallel), ep_size=1):  # EP moves no TP rank
+    mine = replace(topology_of(parallel), ep_size=1, etp_size=None)
+    if replace(meta.topology, ep_size=1, etp_size=None) == mine:  # the experts' layout moves no TP rank
         record.rng.load_state_dict(meta.rng["streams"])
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import transformers
 
 from mtk.args import positive_float, positive_int, seed
+from mtk.config import check_expert_tp_size
 from mtk.errors import MtkError
 from mtk.models import resolve_config
 from mtk.planner.shapes import expert_parallel_refusal
@@ -57,6 +58,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(processes: tp x ep; default 1)",
     )
     parser.add_argument(
+        "--etp",
+        type=positive_int,
+        help="the experts' TP size: the TP size (default: each expert split over TP) or 1 (every expert whole on "
+        "each TP rank, which runs them on its share of the tokens)",
+    )
+    parser.add_argument(
         "--dtype",
         choices=sorted(VERIFY_DTYPES),
         default="fp32",
@@ -77,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         # the sweep builds its own tiny models and batches: these options would change nothing there
         fixed = [
             f"--{k}"
-            for k, default in (("model", None), ("batch", 2), ("seq", 16), ("seed", 0), ("ep", 1))
+            for k, default in (("model", None), ("batch", 2), ("seq", 16), ("seed", 0), ("ep", 1), ("etp", None))
             if getattr(args, k) != default
         ]
         if fixed:
@@ -92,14 +99,15 @@ def run(args: argparse.Namespace) -> int:
         raise MtkError(f"--ep {args.ep}: {refusal}; use --ep 1 or a divisor of the experts")
     # Fail fast, in one line, before any process starts: unknown name, missing directory, bad tp.
     check_tp_size(resolve_config(args.model), args.tp)
+    check_expert_tp_size(args.etp, args.tp)
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
-    layout = f"tp={args.tp}" + (f" ep={args.ep}" if args.ep > 1 else "")
+    layout = f"tp={args.tp}" + (f" ep={args.ep}" if args.ep > 1 else "") + (f" etp={args.etp}" if args.etp else "")
     print(f"mtk verify: {args.model} at {layout}, {args.dtype}, batch {args.batch} x seq {args.seq}", flush=True)
     rounding = args.dtype == "fp32" and args.tolerance is None  # judged against HF's own fp32 rounding
     results = run_distributed(
         verify_worker,
         world_size=args.tp * args.ep,
-        args=(args.model, args.dtype, args.batch, args.seq, args.seed, rounding, args.ep),
+        args=(args.model, args.dtype, args.batch, args.seq, args.seed, rounding, args.ep, args.etp),
         timeout=args.timeout,
     )
     errors = {r.error for r in results if r.error}

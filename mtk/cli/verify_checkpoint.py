@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     layout = meta.topology
     cp = f" cp={layout.cp_size}" if layout.cp_size > 1 else ""
     ep = f" ep={layout.ep_size}" if layout.ep_size > 1 else ""
+    ep += f" etp={layout.etp_size}" if layout.etp_size != layout.tp_size else ""
     where = f"step {meta.step}, tp={layout.tp_size}{cp} pp={layout.pp_size} dp={layout.dp_size}{ep}"
     if not meta.files:
         print(f"{args.checkpoint}: {meta.format} has no checksums; only its metadata was read ({where})")

@@ -15,7 +15,9 @@ spread experts' own reduction computes (:func:`~mtk.parallel.expert_parallel.red
 one process computes on the global batch. Over TP: each rank's gradient is its slice's contribution (the factor on
 the split side gets its rows or columns, the other one a partial sum), so backward sums it over TP
 (:func:`~mtk.parallel.grads.sum_grad_over_tp`, as for per-head q/k norms); only its experts' part, the rest being
-zero on every rank of the TP group (they hold the same experts): ``1/ep`` of the factors. DDP, clipping, the
+zero on every rank of the TP group (they hold the same experts): ``1/ep`` of the factors. With the experts whole on
+each TP rank (the experts' TP size 1, :mod:`mtk.parallel.expert_tokens`) each rank's gradient is its share of the
+tokens', summed over TP the same way. DDP, clipping, the
 distributed optimizer, FSDP2, checkpoints (whole tensors, resumable at any layout) and PEFT's adapter files need
 nothing more.
 
@@ -35,6 +37,7 @@ from mtk.errors import ConfigError
 from mtk.lora.layers import INITS, adapter_seed, full_factors
 from mtk.parallel.comm import group_size
 from mtk.parallel.expert_parallel import expert_placement
+from mtk.parallel.expert_tokens import TOKENS_TP_GROUP_ATTRIBUTE
 from mtk.parallel.experts import SPECS_ATTRIBUTE, TP_GROUP_ATTRIBUTE
 from mtk.parallel.grads import sum_grad_over_tp
 
@@ -125,6 +128,7 @@ def use_whole_expert_factors(model: nn.Module, adapter_name: str, init: Any, see
         base = wrapper.get_base_layer()
         placement = expert_placement(base)
         tp_group = getattr(base, TP_GROUP_ATTRIBUTE, None)
+        tokens_group = getattr(base, TOKENS_TP_GROUP_ATTRIBUTE, None)  # the experts' TP size 1: tokens split over TP
         full_shape, spec = getattr(base, SPECS_ATTRIBUTE, {}).get(wrapper.parameter_name, (None, None))
         tp_cut = None
         if spec is not None and not spec.is_replicated and group_size(tp_group) > 1:
@@ -153,6 +157,8 @@ def use_whole_expert_factors(model: nn.Module, adapter_name: str, init: Any, see
             factor.weight = nn.Parameter(value.to(old.device, old.dtype), requires_grad=old.requires_grad)
             if tp_cut is not None:  # non-zero in this TP group's experts' part only: summed over TP there alone
                 sum_grad_over_tp(factor.weight, tp_group, part if placement is not None else None)
+            elif group_size(tokens_group) > 1:  # whole experts, each TP rank its share of the tokens: summed alike
+                sum_grad_over_tp(factor.weight, tokens_group, part if placement is not None else None)
         wrapper.lora_A[adapter_name].in_features, wrapper.lora_A[adapter_name].out_features = a.shape[1], a.shape[0]
         wrapper.lora_B[adapter_name].in_features, wrapper.lora_B[adapter_name].out_features = b.shape[1], b.shape[0]
         if placement is not None or tp_cut is not None:

@@ -21,9 +21,11 @@ the hidden states' gradient are one process's; each expert's gradient is the sum
 to it. Gradients of the experts are therefore reduced over the *expert-data-parallel* group (the ranks holding the
 same experts), the dense ones over DP as before; both divided by the same replica count.
 
-Under tensor parallelism inside the experts (Megatron's expert-tensor parallelism, here equal to TP) each TP rank
+Under tensor parallelism inside the experts (Megatron's expert-tensor parallelism equal to TP) each TP rank
 exchanges its copy of the same tokens with its counterparts in the other TP groups and computes its slice of the
-intermediate width; :mod:`mtk.parallel.experts` then sums the slices over TP after the combine, as without EP.
+intermediate width; :mod:`mtk.parallel.experts` then sums the slices over TP after the combine, as without EP. With
+the experts' TP size 1 each TP rank exchanges only its share of the tokens and runs its experts whole
+(:mod:`mtk.parallel.expert_tokens`, whose hooks surround this exchange).
 
 The backward pass issues the conjugate all-to-alls on every rank, also on one whose experts received no token: the
 returning exchange is anchored to the dispatched rows so that autograd always reaches it.
@@ -42,8 +44,10 @@ from torch import nn
 
 from mtk.errors import UnsupportedModelError
 from mtk.parallel.comm import Group, all_reduce, group_rank, group_size
+from mtk.parallel.expert_tokens import TOKENS_TP_GROUP_ATTRIBUTE
+from mtk.parallel.grads import sum_grad_over_tp
 from mtk.parallel.overlap import gradient_buckets
-from mtk.parallel.parameters import copy_param_info, param_info, set_param_info
+from mtk.parallel.parameters import copy_param_info, is_expert_parallel, param_info, set_param_info
 
 __all__ = [
     "EXPERT_PARALLEL_ATTRIBUTE",
@@ -236,6 +240,8 @@ def distribute_experts(
         param = nn.Parameter(data, requires_grad=old.requires_grad)
         copy_param_info(old, param)  # TP's marks (the experts' TP split) stay
         set_param_info(param, expert_parallel=True)
+        if param_info(param).tp_shared:  # experts whole on each TP rank: the gradient hook belongs to the tensor
+            sum_grad_over_tp(param, getattr(module, TOKENS_TP_GROUP_ATTRIBUTE))
         setattr(module, name, param)
     module.num_experts = placement.local  # type: ignore[assignment]  # the local experts code counts its own
     setattr(module, EXPERT_PARALLEL_ATTRIBUTE, placement)
@@ -279,11 +285,6 @@ def own_expert_rows(module: nn.Module, name: str, group: Group) -> tuple[int, in
 def _device_of(model: nn.Module) -> torch.device:
     """Where a collective on ``model``'s behalf puts its tensor (the device of its first real parameter)."""
     return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
-
-
-def is_expert_parallel(param: torch.Tensor) -> bool:
-    """A parameter holding this rank's experts only (its gradient is reduced over the expert replicas)."""
-    return param_info(param).expert_parallel
 
 
 @torch.no_grad()

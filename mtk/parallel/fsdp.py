@@ -26,8 +26,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mtk.errors import ConfigError
-from mtk.parallel.expert_parallel import is_expert_parallel
-from mtk.parallel.parameters import copy_param_info
+from mtk.parallel.parameters import copy_param_info, is_expert_parallel
 from mtk.parallel.pieces import Piece
 from mtk.parallel.state import ParallelState, new_group
 

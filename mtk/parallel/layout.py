@@ -49,6 +49,8 @@ class Layout:
         pp_size: pipeline-parallel degree (ranks that split the stack of layers).
         cp_size: context-parallel degree (ranks that split each sequence; they hold the same weights).
         ep_size: expert-parallel degree (replica ranks that split each MoE layer's experts between them).
+        etp_size: the experts' tensor-parallel degree: ``tp_size`` (each expert split over the TP group; given as
+            ``None``, it is set to ``tp_size``) or 1 (every expert whole on each TP rank). It changes no group.
     """
 
     world_size: int
@@ -56,12 +58,20 @@ class Layout:
     pp_size: int = 1
     cp_size: int = 1
     ep_size: int = 1
+    etp_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tp_size", "pp_size", "cp_size", "ep_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+        if self.etp_size is None:
+            object.__setattr__(self, "etp_size", self.tp_size)  # (frozen) one spelling of the default
+        if type(self.etp_size) is not int or self.etp_size not in (1, self.tp_size):
+            raise LayoutError(
+                f"the experts' TP size {self.etp_size!r} is neither the TP size ({self.tp_size}) nor 1 (each expert "
+                "split over the TP group, or whole on every TP rank)"
+            )
         cut = self.tp_size * self.cp_size * self.pp_size
         if self.world_size % cut:
             valid = [n for n in range(1, self.world_size + 1) if self.world_size % n == 0]

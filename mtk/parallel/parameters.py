@@ -23,6 +23,7 @@ __all__ = [
     "MEGATRON_ATTRIBUTES",
     "ParamInfo",
     "copy_param_info",
+    "is_expert_parallel",
     "mark_tensor_parallel",
     "param_info",
     "set_param_info",
@@ -89,3 +90,8 @@ def copy_param_info(source: torch.Tensor, target: torch.Tensor) -> None:
     for name in MEGATRON_ATTRIBUTES:
         if hasattr(source, name):
             setattr(target, name, getattr(source, name))
+
+
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    """A parameter holding this rank's experts only (its gradient is reduced over the expert replicas)."""
+    return param_info(param).expert_parallel

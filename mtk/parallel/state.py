@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from mtk.config import ParallelConfig
+from mtk.config import ParallelConfig, check_expert_tp_size
 from mtk.parallel.layout import Layout, LayoutError
 
 __all__ = ["ParallelState", "default_device", "group_timeout", "init_distributed", "new_group"]
@@ -147,6 +147,7 @@ class ParallelState:
         *,
         cp_size: int = 1,
         ep_size: int = 1,
+        etp_size: int | None = None,
         device: torch.device | None = None,
     ) -> ParallelState:
         """Create every TP/CP/DP/replica/PP/MP/embedding group. Collective: all ranks must call it together.
@@ -159,7 +160,8 @@ class ParallelState:
             world_size, rank = dist.get_world_size(), dist.get_rank()
         else:
             world_size, rank = 1, 0
-        layout = Layout(world_size=world_size, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size, ep_size=ep_size)
+        check_expert_tp_size(etp_size, tp_size)
+        layout = Layout(world_size, tp_size, pp_size, cp_size, ep_size, etp_size)
         if device is None:
             device = default_device(int(os.environ.get("LOCAL_RANK", "0")))
         kinds = _KINDS + (_CONTEXT_KINDS if cp_size > 1 else ()) + (_EXPERT_KINDS if ep_size > 1 else ())
@@ -186,7 +188,9 @@ class ParallelState:
         """
         init_distributed(env, timeout)
         config = ParallelConfig.from_env(env, **explicit)
-        return cls.build(config.tp_size, config.pp_size, cp_size=config.cp_size, ep_size=config.ep_size)
+        return cls.build(
+            config.tp_size, config.pp_size, cp_size=config.cp_size, ep_size=config.ep_size, etp_size=config.etp_size
+        )
 
     @property
     def config(self) -> ParallelConfig:
@@ -281,6 +285,12 @@ class ParallelState:
     @property
     def ep_size(self) -> int:
         return self.layout.ep_size
+
+    @property
+    def etp_size(self) -> int:
+        """The experts' TP size: the TP size (each expert split as the dense MLPs are) or 1 (whole on every TP
+        rank, each running them on its share of the tokens: :mod:`mtk.parallel.expert_tokens`)."""
+        return int(self.layout.etp_size or self.tp_size)  # (set by Layout: never None)
 
     @property
     def ep_rank(self) -> int:

@@ -19,6 +19,7 @@ from torch import nn
 
 from mtk.errors import UnsupportedModelError
 from mtk.parallel.embedding import VocabParallelEmbedding
+from mtk.parallel.expert_tokens import split_tokens_over_tp
 from mtk.parallel.experts import split_experts
 from mtk.parallel.grads import share_params_across_tp
 from mtk.parallel.layers import ColumnParallelLinear, KVReplicatedColumnLinear, RowParallelLinear
@@ -209,15 +210,19 @@ class TPSharedStyle(ParallelStyle):
 
 
 class ExpertsStyle(ParallelStyle):
-    """MoE experts stored as 3D tensors, each expert's MLP split in place as a column/row pair over its
-    intermediate width: the routed sum of per-expert partial outputs is all-reduced once, exactly
-    (:mod:`mtk.parallel.experts`)."""
+    """MoE experts stored as 3D tensors. At the experts' TP size equal to TP (the default), each expert's MLP is
+    split in place as a column/row pair over its intermediate width: the routed sum of per-expert partial outputs
+    is all-reduced once, exactly (:mod:`mtk.parallel.experts`). At the experts' TP size 1 the experts stay whole
+    and each TP rank runs them on its share of the tokens (:mod:`mtk.parallel.expert_tokens`)."""
 
     name = "experts"
     splits_linear = True
 
     def build(self, module: nn.Module, name: str, rule: Rule, ctx: BuildContext) -> nn.Module | None:
-        split_experts(module, ctx.parallel.tp_group, getattr(ctx.sizes.config, "moe_intermediate_size", None))
+        if ctx.parallel.etp_size == 1 and ctx.parallel.tp_size > 1:
+            split_tokens_over_tp(module, ctx.parallel.tp_group)
+        else:
+            split_experts(module, ctx.parallel.tp_group, getattr(ctx.sizes.config, "moe_intermediate_size", None))
         return None
 
 

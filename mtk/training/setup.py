@@ -163,13 +163,15 @@ class Evaluation:
 
 def layout_description(parallel: ParallelState, settings: RunSettings) -> str:
     """``tp=2 pp=2 (1f1b, 4 micro-batches) dp=2 world=8``: the start-up line's layout (``cp=2 (p2p)`` after the TP
-    size with context parallelism, `` ep=2`` after the DP size with expert parallelism)."""
+    size with context parallelism, `` ep=2`` after the DP size with expert parallelism, `` etp=1`` with the experts
+    whole on each TP rank)."""
     schedule = ""
     if parallel.pp_size > 1:
         chunks = f" x {settings.virtual_stages} chunks" if settings.virtual_stages > 1 else ""
         schedule = f" ({settings.pipeline_schedule}{chunks}, {settings.num_micro_batches} micro-batches)"
     cp = f" cp={parallel.cp_size} ({settings.cp_comm_type})" if parallel.cp_size > 1 else ""
     ep = f" ep={parallel.ep_size}" if parallel.ep_size > 1 else ""
+    ep += f" etp={parallel.etp_size}" if parallel.etp_size != parallel.tp_size else ""
     return (
         f"tp={parallel.tp_size}{cp} pp={parallel.pp_size}{schedule} dp={parallel.dp_size}{ep} "
         f"world={parallel.world_size}"
@@ -181,6 +183,7 @@ def tracker_config(flags: dict[str, Any], parallel: ParallelState, settings: Run
     joined, unset ones left out), the layout, and ``run``'s derived values (global batch, ...)."""
     hparams = {k: ",".join(map(str, v)) if isinstance(v, tuple) else v for k, v in flags.items() if v is not None}
     layout = {"tp": parallel.tp_size, "cp": parallel.cp_size, "pp": parallel.pp_size, "dp": parallel.dp_size}
+    layout |= {"ep": parallel.ep_size, "etp": parallel.etp_size}
     return {**hparams, **layout, "micro_batches": settings.num_micro_batches, **run}
 
 

@@ -134,6 +134,7 @@ def verify_worker(
     seed: int,
     rounding: bool = False,
     ep_size: int = 1,
+    etp_size: int | None = None,
 ) -> VerifyResult:
     """Run in each of ``world_size`` processes (TP = world size / ``ep_size``); returns this rank's measurements.
 
@@ -142,8 +143,9 @@ def verify_worker(
     ``ep_size`` > 1: the MoE layers' experts spread over ``ep_size`` data-parallel replicas, each running the
     same batch; each rank's experts then hold ``ep`` times one batch's gradient, averaged over the replicas as
     training does (:func:`~mtk.parallel.expert_parallel.reduce_expert_gradients`), and every expert's is compared
-    once gathered over EP."""
-    parallel = ParallelState.build(tp_size=world_size // ep_size, ep_size=ep_size)
+    once gathered over EP. ``etp_size``: the experts' TP size (the TP size, or 1: each expert whole on every TP rank,
+    which runs them on its share of the tokens)."""
+    parallel = ParallelState.build(tp_size=world_size // ep_size, ep_size=ep_size, etp_size=etp_size)
     try:
         reference, model = _models(spec, parallel, VERIFY_DTYPES[dtype], seed)
         if dtype == "fp64":

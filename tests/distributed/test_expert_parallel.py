@@ -136,8 +136,30 @@ def test_experts_that_get_no_token_on_a_rank_still_exchange_in_backward():
         assert min(r["fewest_taken"] for r in results) == 0, results  # a rank whose experts got nothing in a layer
 
 
+@pytest.mark.parametrize(("model_type", "world", "ep"), [("qwen3_moe", 2, 1), ("mixtral", 4, 2), ("qwen2_moe", 4, 2)])
+def test_experts_whole_on_each_tp_rank_equal_one_process(model_type, world, ep):
+    """The experts' TP size 1 at TP 2: every expert whole on each TP rank, each running them on its share of the
+    tokens (13 of them: shares of 7 and 6), alone and inside EP 2 (Mixtral; Qwen2-MoE with its shared expert, which
+    stays TP-split as a dense MLP): logits, the loss with its load-balancing term and every gradient against one
+    process (fp32; ``mtk verify --etp 1``, in fp64 about 1e-15)."""
+    from mtk.verify import verify_worker
+
+    args = (_config(model_type, 4), "fp32", 1, 13, 0, False, ep, 1)
+    for result in run_distributed(verify_worker, world_size=world, args=args, timeout=600):
+        assert not result.error and result.num_params > 0, result
+        assert max(result.logits, result.loss, result.grads) < 1e-5, result
+
+
 def _accelerator_worker(
-    rank: int, world: int, tp: int, ep: int, sharded: bool, cp: int = 1, pp: int = 1, shard: int = 1
+    rank: int,
+    world: int,
+    tp: int,
+    ep: int,
+    sharded: bool,
+    cp: int = 1,
+    pp: int = 1,
+    shard: int = 1,
+    etp: int | None = None,
 ) -> list[tuple[float, float]]:
     """Three optimizer steps through ``mtk.Accelerator`` at EP (DDP ignores the experts, which backward() reduces over
     their replicas; clipping by the norm that counts each expert once) against one process on the global batch.
@@ -151,7 +173,7 @@ def _accelerator_worker(
     fsdp = dict(parallelism_config=ParallelismConfig(dp_shard_size=shard, dp_replicate_size=dp // shard))
     accelerator = Accelerator(
         **(fsdp if shard > 1 else {}),
-        parallel_config=ParallelConfig(tp_size=tp, ep_size=ep, cp_size=cp, pp_size=pp),
+        parallel_config=ParallelConfig(tp_size=tp, ep_size=ep, cp_size=cp, pp_size=pp, etp_size=etp),
         run_settings=RunSettings(
             use_distributed_optimizer=sharded,
             num_micro_batches=2,
@@ -208,10 +230,12 @@ def _accelerator_worker(
         assert_close_rel(loss, whole.detach(), "loss")
         assert_close_rel(norm, whole_norm, "gradient norm")
         logged.append((float(loss), float(norm)))
-    if tp == 1:  # every weight after three steps: the dense ones whole, the experts this rank's slice
+    if tp == 1 or etp == 1:  # every weight a rank holds whole after three steps; the experts its EP share
         wanted = dict(reference.named_parameters())
         trained = accelerator.unwrap_model(model)
         for name, param in trained.named_parameters():
+            if getattr(param, "tensor_model_parallel", False):  # (split over TP: compared by the norms above)
+                continue
             placement = expert_placement(trained.get_submodule(name.rsplit(".", 1)[0]))
             want = wanted[name].detach()
             param = param.full_tensor() if isinstance(param, DTensor) else param  # FSDP2's: gathered over DP
@@ -238,22 +262,24 @@ def _reference_loss(reference, ids, mask, labels, rank: int, pp: int) -> torch.T
 
 
 @pytest.mark.parametrize(
-    ("world", "tp", "ep", "sharded", "cp", "pp", "shard"),
+    ("world", "tp", "ep", "sharded", "cp", "pp", "shard", "etp"),
     [
-        (2, 1, 2, False, 1, 1, 1),
-        (4, 2, 2, False, 1, 1, 1),
-        (4, 1, 2, True, 1, 1, 1),
-        (4, 1, 2, False, 2, 1, 1),
-        (8, 2, 2, True, 2, 1, 1),
-        (4, 1, 1, False, 2, 1, 1),
-        (4, 1, 2, False, 1, 2, 1),
-        (8, 2, 2, True, 1, 2, 1),
-        (4, 1, 2, False, 2, 2, 1),
-        (4, 1, 2, False, 1, 1, 4),
-        (8, 2, 2, False, 1, 1, 2),
+        (2, 1, 2, False, 1, 1, 1, None),
+        (4, 2, 2, False, 1, 1, 1, None),
+        (4, 2, 2, True, 1, 1, 1, 1),
+        (4, 2, 1, False, 1, 1, 2, 1),
+        (4, 1, 2, True, 1, 1, 1, None),
+        (4, 1, 2, False, 2, 1, 1, None),
+        (8, 2, 2, True, 2, 1, 1, None),
+        (4, 1, 1, False, 2, 1, 1, None),
+        (4, 1, 2, False, 1, 2, 1, None),
+        (8, 2, 2, True, 1, 2, 1, None),
+        (4, 1, 2, False, 2, 2, 1, None),
+        (4, 1, 2, False, 1, 1, 4, None),
+        (8, 2, 2, False, 1, 1, 2, None),
     ],
 )
-def test_accelerator_trains_at_expert_parallelism_as_one_process(world, tp, ep, sharded, cp, pp, shard):
+def test_accelerator_trains_at_expert_parallelism_as_one_process(world, tp, ep, sharded, cp, pp, shard, etp):
     """EP 2 over DP 2; EP 2 with the experts split over TP 2 (Megatron's expert-tensor parallelism = TP); EP 2 inside
     DP 4 with the distributed optimizer (the experts' state sharded over their 2 replicas, the dense over 4); EP 2
     over a CP 2 x DP 2 replica set (the EP group is the CP pair: its ranks dispatch different parts of one row); EP 2
@@ -263,8 +289,11 @@ def test_accelerator_trains_at_expert_parallelism_as_one_process(world, tp, ep, 
     replicas of dp_shard 2); CP 2 x DP 2 without EP: losses, clipped gradient norms and (at TP 1) every weight a rank
     holds after 3 steps equal one process's; EP 2 over CP 2 inside an interleaved PP 2. The loss includes the
     load-balancing term (mtk.parallel.router_loss: at CP summed over the group; under a pipeline each micro-batch's
-    routing sums carried through the stages, with padding the term and the loss leave out)."""
-    args = (tp, ep, sharded, cp, pp, shard)
+    routing sums carried through the stages, with padding the term and the loss leave out). With the experts' TP
+    size 1 (each expert whole on every TP rank, each rank its share of the tokens): EP 2 x TP 2 with the distributed
+    optimizer, and TP 2 inside FSDP2 over DP 2 without EP (the experts sharded by FSDP2, their gradients summed over
+    TP after backward), every expert weight compared too."""
+    args = (tp, ep, sharded, cp, pp, shard, etp)
     logged = run_distributed(_accelerator_worker, world_size=world, args=args, timeout=600)
     assert all(run == logged[0] for run in logged)
 
@@ -431,7 +460,7 @@ def test_a_pipeline_stage_of_dense_layers_at_expert_parallelism_saves_as_the_oth
 
 
 def _lora_on_experts_worker(
-    rank: int, world: int, sharded: bool, shard: int = 1, tp: int = 1
+    rank: int, world: int, sharded: bool, shard: int = 1, tp: int = 1, etp: int | None = None
 ) -> list[tuple[float, float]]:
     """PEFT's LoRA on the 3D expert tensors (target_parameters) and on q_proj, the experts spread over EP 2: the
     factors start as PEFT draws them on one process (replayed, bit for bit) and train as PEFT does on one process on
@@ -447,7 +476,7 @@ def _lora_on_experts_worker(
     fsdp = dict(parallelism_config=ParallelismConfig(dp_shard_size=shard, dp_replicate_size=world // shard))
     accelerator = Accelerator(
         **(fsdp if shard > 1 else {}),
-        parallel_config=ParallelConfig(tp_size=tp, ep_size=2),
+        parallel_config=ParallelConfig(tp_size=tp, ep_size=2, etp_size=etp),
         run_settings=RunSettings(use_distributed_optimizer=sharded),
     )
     parallel = accelerator.parallel
@@ -505,16 +534,25 @@ def _whole(model, name: str, param: torch.Tensor, parallel) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("world", "sharded", "shard", "tp"), [(2, False, 1, 1), (4, True, 1, 1), (2, False, 2, 1), (4, False, 1, 2)]
+    ("world", "sharded", "shard", "tp", "etp"),
+    [
+        (2, False, 1, 1, None),
+        (4, True, 1, 1, None),
+        (2, False, 2, 1, None),
+        (4, False, 1, 2, None),
+        (4, True, 1, 2, 1),
+    ],
 )
-def test_lora_on_spread_experts_trains_as_peft_on_one_process(world, sharded, shard, tp):
+def test_lora_on_spread_experts_trains_as_peft_on_one_process(world, sharded, shard, tp, etp):
     """LoRA on the expert tensors at EP 2 over DP 2, at EP 2 inside DP 4 with the distributed optimizer (two
     replicas of each expert), at EP 2 inside FSDP2 over DP 2 (the factors sharded as any replicated parameter, the
     spread experts left whole) and at EP 2 x TP 2 (each expert's intermediate width split too: each rank applies its
-    slice of the factors, their gradients summed over TP): every expert's factors whole on every rank, each rank
-    applying its own experts' part; losses (with the load-balancing term), clipped gradient norms and every factor
-    after 3 steps equal PEFT's on one process."""
-    logged = run_distributed(_lora_on_experts_worker, world_size=world, args=(sharded, shard, tp), timeout=600)
+    slice of the factors, their gradients summed over TP), and at EP 2 x TP 2 with the experts whole on each TP rank
+    (each rank its share of the tokens) and the distributed optimizer: every expert's factors whole on every rank,
+    each rank applying its own experts' part; losses (with the load-balancing term), clipped gradient norms and every
+    factor after 3 steps equal PEFT's on one process."""
+    args = (sharded, shard, tp, etp)
+    logged = run_distributed(_lora_on_experts_worker, world_size=world, args=args, timeout=600)
     assert all(run == logged[0] for run in logged)
 
 

@@ -70,6 +70,27 @@ def test_ep2_with_experts_split_over_tp2_saves_the_model_from_pretrained_loads(m
         assert_close_rel(ours[name].detach(), param.detach(), f"saved {name}", tol=1e-4)  # after 6 AdamW steps
 
 
+def test_experts_whole_on_each_tp_rank_log_the_dp2_losses_and_resume_split_and_back(moe_dp2, tmp_path):
+    """accelerate_configs/ep2_tp2_etp1.yaml (megatron_lm_expert_tensor_parallel_size 1): every expert whole on each
+    TP rank, each running its EP group's experts on its half of the tokens. It logs the DP 2 losses and saves the
+    model ``from_pretrained`` loads; its step-3 checkpoint resumes with the experts split over TP (ep2_tp2.yaml),
+    and that run's step-4 checkpoint back at the experts' TP size 1, each exactly."""
+    saved = tmp_path / "model"
+    losses = finetune("ep2_tp2_etp1", tmp_path / "whole", *MOE, "--save_every", "3", "--save_model", str(saved))
+    assert_same_losses(losses, moe_dp2.losses, range(1, 7), "ep2 x tp2, experts' tp 1 vs dp2")
+    assert_checkpoint_whole(tmp_path / "whole" / "step_3")
+    start = ("--resume", str(tmp_path / "whole" / "step_3"), "--save_every", "1")
+    split = finetune("ep2_tp2", tmp_path / "split", *MOE, *start)
+    assert_same_losses(split, moe_dp2.losses, range(4, 7), "experts' tp 1 step 3 resumed with the experts split")
+    back = finetune("ep2_tp2_etp1", tmp_path / "back", *MOE, "--resume", str(tmp_path / "split" / "step_4"))
+    assert_same_losses(back, moe_dp2.losses, range(5, 7), "experts split, step 4 resumed whole again")
+    ours = dict(AutoModelForCausalLM.from_pretrained(saved).named_parameters())
+    theirs = dict(AutoModelForCausalLM.from_pretrained(moe_dp2.dir / "model").named_parameters())
+    assert sorted(ours) == sorted(theirs)
+    for name, param in theirs.items():
+        assert_close_rel(ours[name].detach(), param.detach(), f"saved {name}", tol=1e-4)  # after 6 AdamW steps
+
+
 def _yaml(tmp_path: Path, **keys: str) -> str:
     """accelerate_configs/ep2_tp2.yaml with some megatron_lm_config keys changed or added."""
     text = Path("accelerate_configs/ep2_tp2.yaml").read_text()
@@ -88,7 +109,7 @@ def _yaml(tmp_path: Path, **keys: str) -> str:
 @pytest.mark.parametrize(
     ("keys", "message"),
     [
-        ({"expert_tensor_parallel_size": "1"}, "megatron_lm_expert_tensor_parallel_size: 1: mtk splits each expert"),
+        ({"expert_tensor_parallel_size": "3"}, "megatron_lm_expert_tensor_parallel_size) 3: mtk splits each expert"),
         ({"expert_model_parallel_size": "4"}, "expert parallelism 4 does not divide the 2 ranks"),
     ],
 )

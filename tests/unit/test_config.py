@@ -55,6 +55,28 @@ def test_expert_parallelism_comes_from_accelerates_megatron_key():
     assert ParallelConfig.from_env({"MEGATRON_LM_EXPERT_MODEL_PARALLEL_SIZE": "4"}, ep_size=2).ep_size == 2
 
 
+def test_the_experts_tp_size_comes_from_accelerates_megatron_key_and_is_the_tp_size_or_one():
+    """``megatron_lm_expert_tensor_parallel_size``: unset (accelerate exports ``None``) or the TP size splits each
+    expert over TP; 1 keeps it whole; anything else is one line, before a process group exists. A checkpoint's
+    topology records 1 (older readers know no ``etp``) and reads back the default as the TP size."""
+    from mtk.checkpoint.meta import _layout_from_record, _layout_record
+    from mtk.errors import LayoutError
+    from mtk.parallel.layout import Layout
+
+    env = {"MEGATRON_LM_TP_DEGREE": "2"}
+    assert ParallelConfig.from_env({**env, "MEGATRON_LM_EXPERT_TENSOR_PARALLEL_SIZE": "None"}).expert_tp_size == 2
+    assert ParallelConfig.from_env({**env, "MEGATRON_LM_EXPERT_TENSOR_PARALLEL_SIZE": "1"}).expert_tp_size == 1
+    assert ParallelConfig.from_env(env).etp_size is None
+    with pytest.raises(ConfigError, match=r"megatron_lm_expert_tensor_parallel_size\) 3: .* set it to 2 or 1"):
+        ParallelConfig.from_env({**env, "MEGATRON_LM_EXPERT_TENSOR_PARALLEL_SIZE": "3"})
+    with pytest.raises(LayoutError, match="neither the TP size"):
+        Layout(world_size=4, tp_size=4, etp_size=2)
+    whole = Layout(world_size=4, tp_size=2, ep_size=2, etp_size=1)
+    assert _layout_record(whole)["etp"] == 1 and _layout_from_record(_layout_record(whole)) == whole
+    split = Layout(world_size=4, tp_size=2)
+    assert "etp" not in _layout_record(split) and _layout_from_record(_layout_record(split)).etp_size == 2
+
+
 def test_pipeline_settings_are_checked_against_the_layout():
     interleaved = RunSettings(pipeline_schedule="interleaved", virtual_stages=2, num_micro_batches=3)
     with pytest.raises(ConfigError, match="3 micro-batches is not a multiple; use a multiple of 2"):

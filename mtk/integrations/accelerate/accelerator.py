@@ -151,7 +151,12 @@ class Accelerator(
             self.deepspeed_batch_fields = user_batch_fields(self.state.deepspeed_plugin, from_launcher=not passed_in)
         config = resolve_topology(parallel_config, ds_config)
         self.parallel = ParallelState.build(
-            config.tp_size, config.pp_size, cp_size=config.cp_size, ep_size=config.ep_size, device=self.device
+            config.tp_size,
+            config.pp_size,
+            cp_size=config.cp_size,
+            ep_size=config.ep_size,
+            etp_size=config.etp_size,
+            device=self.device,
         )
         unused = self.settings.check_pipeline(self.parallel.pp_size) + self.settings.check_context(config.cp_size)
         for line in unused:

@@ -114,6 +114,7 @@ def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | N
             "pp_size": "MEGATRON_LM_PP_DEGREE",
             "cp_size": "MEGATRON_LM_CONTEXT_PARALLEL_SIZE",
             "ep_size": "MEGATRON_LM_EXPERT_MODEL_PARALLEL_SIZE",
+            "etp_size": "MEGATRON_LM_EXPERT_TENSOR_PARALLEL_SIZE",
         }
         for field, variable in variables.items():
             given = field in from_json or os.environ.get(variable, "") != ""  # a default is nothing to override
@@ -132,15 +133,9 @@ def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | N
 
 
 def check_expert_parallel(config: ParallelConfig, *, deepspeed: bool, sharding: ShardingSettings | None) -> None:
-    """The experts' TP size is the TP size (Megatron-Core's default; ``megatron_lm_expert_tensor_parallel_size``
-    may only repeat it); DeepSpeed next to EP, and an HSDP whose writing replica would miss experts, are one line
-    each (docs/moe.md)."""
-    expert_tp = os.environ.get("MEGATRON_LM_EXPERT_TENSOR_PARALLEL_SIZE", "").strip()
-    if expert_tp.lower() not in ("", "none", str(config.tp_size)):
-        raise ConfigError(
-            f"megatron_lm_expert_tensor_parallel_size: {expert_tp}: mtk splits each expert over the TP size "
-            f"({config.tp_size}); set it to {config.tp_size} or remove the key"
-        )
+    """DeepSpeed next to EP, and an HSDP whose writing replica would miss experts, are one line each
+    (docs/moe.md); the experts' TP size (``megatron_lm_expert_tensor_parallel_size``: the TP size or 1) is checked
+    by :class:`~mtk.config.ParallelConfig`."""
     if config.ep_size == 1:
         return
     where = f"expert parallelism (ep = {config.ep_size})"

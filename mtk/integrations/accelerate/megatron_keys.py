@@ -42,7 +42,7 @@ ACTED_ON = {
     "PP_DEGREE": "ParallelConfig.pp_size",
     "CONTEXT_PARALLEL_SIZE": "ParallelConfig.cp_size",
     "EXPERT_MODEL_PARALLEL_SIZE": "ParallelConfig.ep_size",
-    "EXPERT_TENSOR_PARALLEL_SIZE": "the experts' TP size: the TP size (init.check_expert_parallel)",
+    "EXPERT_TENSOR_PARALLEL_SIZE": "ParallelConfig.etp_size",
     "NUM_MICRO_BATCHES": "RunSettings.num_micro_batches",
     "GRADIENT_CLIPPING": "RunSettings.gradient_clipping",
     "SEQUENCE_PARALLELISM": "RunSettings.sequence_parallel",

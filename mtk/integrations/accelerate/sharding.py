@@ -176,6 +176,7 @@ def sharding_from_accelerate(
             pp_size=explicit.pp_size if explicit else launcher.pp_size,
             cp_size=explicit.cp_size if explicit else launcher.cp_size,
             ep_size=explicit.ep_size if explicit else launcher.ep_size,
+            etp_size=explicit.etp_size if explicit else launcher.etp_size,
         )
     if pc.cp_size > 1:
         config = dataclasses.replace(config or ParallelConfig.from_env(env), cp_size=pc.cp_size)
