@@ -71,6 +71,7 @@ def _write_adapters(checkpoint: str | Path, meta: CheckpointMeta, out: Path, ver
     model = _meta_peft_model(meta)
     with ShardedCheckpointReader(checkpoint, meta) as reader:
         reader.check_complete(optimizer=False)  # (as export_checkpoint)
+        reader.check_replicas_agree(optimizer=False)
         full = {name: reader.full(name) for name in reader.names()}  # adapters only: small
     for name, config in model.peft_config.items():
         target = out if name == "default" else out / name  # PEFT's layout for several adapters

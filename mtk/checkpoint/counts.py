@@ -20,14 +20,17 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from mtk import jsonio
 from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.errors import CheckpointError
 
 __all__ = [
+    "check_learning_rates",
     "check_optimizer_steps",
     "check_saved_counts",
     "check_scheduler_positions",
+    "learning_rates",
     "optimizer_steps",
     "recorded_counts",
 ]
@@ -71,7 +74,28 @@ def recorded_counts(
     counts: dict[str, Any] = {"scheduler_positions": scheduler_positions(schedulers)}
     if optimizers is not None:
         counts["optimizer_steps"] = optimizer_steps(optimizers, device)
+        counts["learning_rates"] = [learning_rates(optimizer.param_groups) for optimizer in optimizers]
     return counts
+
+
+def learning_rates(groups: Sequence[Mapping[str, Any]]) -> list[float]:
+    """Each parameter group's learning rate, the schedule's value at the step (a tensor's as a number)."""
+    return [float(group["lr"]) for group in groups]
+
+
+def check_learning_rates(optimizers: Sequence[torch.optim.Optimizer], recorded: Mapping[str, Any], where: str) -> None:
+    """Each optimizer just loaded steps at the learning rates its save recorded: a group's ``lr`` from another save
+    (or edited) ran the first resumed step at that rate, whatever the scheduler said, without a word."""
+    saved = recorded.get("learning_rates")
+    if not isinstance(saved, list):
+        return
+    for number, (optimizer, expected) in enumerate(zip(optimizers, saved)):
+        mine = learning_rates(optimizer.param_groups)
+        if mine != expected:
+            raise CheckpointError(
+                f"{where}: optimizer {number}'s learning rates {mine} are not the {expected} its metadata recorded; "
+                "the file is from another save (crafted, or mixed from two runs): use another checkpoint"
+            )
 
 
 def check_optimizer_steps(steps: int | None, recorded: Mapping[str, Any], where: str) -> None:
@@ -115,6 +139,15 @@ def check_saved_counts(directory: str | Path, meta: CheckpointMeta) -> None:
                         if key.endswith("::step"):
                             most = max(most, int(file.get_tensor(key).max().item()))
         check_optimizer_steps(None if most < 0 else most, recorded, str(directory))
+    for number, expected in enumerate(recorded.get("learning_rates") or []):
+        path = paths.optimizer(0, 0, number).with_suffix(".json")  # (every TP rank's settings agree: checked)
+        with reading(path):
+            mine = learning_rates(jsonio.loads(path.read_text())["param_groups"])
+        if mine != expected:
+            raise CheckpointError(
+                f"{directory}: {path.name} holds the learning rates {mine}, its metadata recorded {expected}; the "
+                "file is from another save (crafted, or mixed from two runs): use another checkpoint"
+            )
     for number, expected in enumerate(recorded.get("scheduler_positions") or []):
         path = paths.scheduler(number)
         with reading(path):

@@ -178,6 +178,7 @@ def export_checkpoint(
     config = recorded_config(checkpoint, meta)
     with ShardedCheckpointReader(checkpoint, meta) as reader:
         reader.check_complete(optimizer=False)  # every tensor whole, from the headers: one line, not a merge's error
+        reader.check_replicas_agree(optimizer=False)  # one tensor, whichever TP rank's copy is read
         _check_shapes(config, _model_class(meta), reader, checkpoint)
     with staged_directory(out) as tmp, ShardedCheckpointReader(checkpoint, meta) as reader:
         _write_weights(reader, tmp, torch_dtype, limit, progress)

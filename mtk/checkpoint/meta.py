@@ -76,12 +76,40 @@ def _check_types(values: dict[str, Any]) -> None:
     for key in ("model", "data", "versions", "counts"):
         if not isinstance(values.get(key, {}), dict):
             raise TypeError(f"{key} is not a JSON object")
+    _check_base_model(values.get("base_model"))
     counts = values.get("counts", {})
     steps, positions = counts.get("optimizer_steps"), counts.get("scheduler_positions", [])
     if steps is not None and not _is_count(steps):
         raise TypeError(f"counts.optimizer_steps {steps!r} is not a count of steps")
     if not isinstance(positions, list) or not all(p is None or isinstance(p, int) for p in positions):
         raise TypeError(f"counts.scheduler_positions {positions!r} is not a list of positions")
+    rates = counts.get("learning_rates", [])
+    if not isinstance(rates, list) or not all(
+        isinstance(group, list) and all(type(r) in (int, float) for r in group) for group in rates
+    ):
+        raise TypeError(f"counts.learning_rates {rates!r} is not a list (per optimizer) of lists of numbers")
+
+
+_FINGERPRINT = ("parameters", "elements", "sum", "sum_abs", "sum_sq")  # mtk.checkpoint.base_model.fingerprint's
+
+
+def _check_base_model(base: Any) -> None:
+    """``None`` (full weights), or the frozen base an adapter checkpoint names: ``name_or_path`` and ``peft_type``
+    strings and the base's fingerprint of numbers (resume compares it, export reads it)."""
+    if base is None:
+        return
+    record = base.get("fingerprint") if isinstance(base, dict) else None
+    if not (
+        isinstance(base, dict)
+        and isinstance(base.get("name_or_path"), str)
+        and isinstance(base.get("peft_type"), str)
+        and isinstance(record, dict)
+        and all(type(record.get(key)) in (int, float) for key in _FINGERPRINT)
+    ):
+        raise TypeError(
+            f"base_model {base!r} is neither null nor {{'name_or_path': <str>, 'peft_type': <str>, 'fingerprint': "
+            f"{{{', '.join(_FINGERPRINT)}}}}}"
+        )
 
 
 def _is_count(value: Any) -> bool:

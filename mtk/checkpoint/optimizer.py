@@ -25,7 +25,13 @@ from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.pieces import Piece, flat_piece
 from mtk.parallel.sharding import take_shard
 
-__all__ = ["load_optimizer", "reshard_optimizer", "save_optimizer", "saved_optimizer_groups"]
+__all__ = [
+    "check_settings_agree",
+    "load_optimizer",
+    "reshard_optimizer",
+    "save_optimizer",
+    "saved_optimizer_groups",
+]
 
 
 def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -91,9 +97,32 @@ def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Pa
             raise CheckpointError(f"{stem}: optimizer state for unknown parameter {name!r}")
         state.setdefault(index[name], {})[field] = value
     for name, fields in meta["state"].items():
+        if name not in index:
+            raise CheckpointError(f"{stem}: optimizer state for unknown parameter {name!r}")
         state.setdefault(index[name], {}).update(fields)
+    _check_grouping(stem, meta["param_groups"], optimizer, names)
     groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
     _load_as_params_are_split(optimizer, names, state, groups)
+
+
+def _check_grouping(stem: Path, saved: list[dict], optimizer: torch.optim.Optimizer, names: list[str]) -> None:
+    """The saved groups list this optimizer's parameters, each once, grouped and ordered as this run's optimizer
+    groups them (torch's ``load_state_dict`` pairs them by position: a list in another order paired moments with
+    parameters of another shape, a traceback at the first step)."""
+    listed = [[str(n) for n in group.get("params", [])] for group in saved]
+    mine, start = [], 0
+    for group in optimizer.param_groups:
+        mine.append(names[start : start + len(group["params"])])
+        start += len(group["params"])
+    if listed != mine:
+        first = next(
+            (f"{a!r} where this run has {b!r}" for a, b in zip(sum(listed, []), names) if a != b),
+            f"{sum(map(len, listed))} parameters in {len(listed)} groups, this run {len(names)} in {len(mine)}",
+        )
+        raise CheckpointError(
+            f"{stem.with_suffix('.json')} lists the optimizer's parameters otherwise than this run's optimizer holds "
+            f"them ({first}); resume with the same parameter groups, or use another checkpoint"
+        )
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -154,6 +183,31 @@ def reshard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, reader
         groups.append({**saved, "params": list(range(start, start + count))})
         start += count
     _load_as_params_are_split(optimizer, names, state, groups)
+
+
+def check_settings_agree(paths: CheckpointPaths, tp_size: int, pp_size: int, optimizers: int = 1) -> None:
+    """Every TP rank's file of a stage holds the same parameter-group settings (learning rate, weight decay, betas,
+    ...): each TP rank of a replica steps with its own file's at the layout that wrote them, so one rank's file from
+    another save (or edited) trained its shards with other settings than the others', without a word."""
+    if tp_size == 1:
+        return
+    for index in range(optimizers):
+        for stage in range(pp_size):
+            settings = []
+            for tp in range(tp_size):
+                path = paths.optimizer(tp, stage, index).with_suffix(".json")
+                with reading(path):
+                    groups = jsonio.loads(path.read_text())["param_groups"]
+                    if not isinstance(groups, list) or not all(isinstance(group, dict) for group in groups):
+                        raise TypeError("param_groups is not a list of objects")
+                    settings.append([{k: v for k, v in group.items() if k != "params"} for group in groups])
+            for tp, theirs in enumerate(settings[1:], start=1):
+                if theirs != settings[0]:
+                    raise CheckpointError(
+                        f"{paths.root}: the optimizer settings of TP rank {tp}'s file differ from TP rank 0's (stage "
+                        f"{stage}); the files are not from one save (crafted, or mixed from two runs): use another "
+                        "checkpoint"
+                    )
 
 
 def saved_optimizer_groups(paths: CheckpointPaths, pp_size: int) -> dict:

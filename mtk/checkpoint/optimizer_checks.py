@@ -98,11 +98,13 @@ def _plain(value: Any) -> Any:
     return value.item() if torch.is_tensor(value) and value.numel() == 1 else value
 
 
-def check_scheduler_state(current: dict[str, Any], saved: Any) -> None:
+def check_scheduler_state(current: dict[str, Any], saved: Any, optimizer: Any = None) -> None:
     """A scheduler's saved state shaped as this run's scheduler keeps it: a list per parameter group of the same
     length (two ``base_lrs`` for one group failed at the first step), of finite numbers >= 0, and counts >= 0 (a
-    ``last_epoch`` of -7 made the learning rate negative). Its learning rates, when they differ from this run's, are
-    restored as accelerate's ``load_state`` restores them, and said (rank 0)."""
+    ``last_epoch`` of -7 made the learning rate negative); its ``base_lrs`` those its ``optimizer``, just restored
+    from the same save, started from (each group's ``initial_lr``, which a scheduler sets them from). Its learning
+    rates, when they differ from this run's, are restored as accelerate's ``load_state`` restores them, and said
+    (rank 0)."""
     if not isinstance(saved, dict):
         raise ValueError(f"a scheduler state is a dict, this is a {type(saved).__name__}")
     for key, mine in current.items():
@@ -119,6 +121,14 @@ def check_scheduler_state(current: dict[str, Any], saved: Any) -> None:
         theirs = saved.get(key)
         if isinstance(mine, int) and isinstance(theirs, int) and not isinstance(theirs, bool) and theirs < 0:
             raise ValueError(f"{key!r} is {theirs}; a count of steps is not negative")
+    groups = getattr(optimizer, "param_groups", None) or []
+    started = [float(group["initial_lr"]) if "initial_lr" in group else None for group in groups]
+    base = saved.get("base_lrs")
+    if isinstance(base, list) and len(base) == len(started) and None not in started and base != started:
+        raise ValueError(
+            f"its base learning rates {base} are not the {started} its optimizer's saved groups started from; the "
+            "file is from another save (crafted, or mixed from two runs)"
+        )
     if saved.get("base_lrs") != current.get("base_lrs") and (not dist.is_initialized() or dist.get_rank() == 0):
         print(
             f"mtk: the checkpoint's learning rate {saved.get('base_lrs')} is restored over this run's "

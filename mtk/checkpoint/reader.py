@@ -231,6 +231,31 @@ class ShardedCheckpointReader:
             self._check_covered(key, name, held, optimizer=True)
             self._check_dtype(key, held, optimizer=True)
 
+    def check_replicas_agree(self, optimizer: bool) -> None:
+        """Every tensor each TP rank of a stage holds whole (norms, biases, experts kept whole) is the same in every
+        TP rank's file, and with ``optimizer`` so are its optimizer states (steps included): files taken from two
+        saves (crafted, or mixed from two runs) would otherwise load at another layout, verify and export as one
+        model, whichever TP rank's copy a reader takes. Reads each such tensor once per TP rank."""
+        keys = [(name, name, False) for name in self.shards]
+        if optimizer:
+            self._open_optimizer()
+            keys += [(key, key.rpartition("::")[0], True) for key in self.optimizer_keys()]
+        for key, name, of_optimizer in keys:
+            stages: dict[int, list[int]] = {}
+            for shard, spec in self.shards.get(name, []):
+                if spec.is_replicated and (not of_optimizer or self._holds(shard, key)):
+                    stages.setdefault(self.ranks[shard][1], []).append(shard)
+            for held in stages.values():
+                first = self._shard(held[0], key, name, optimizer=of_optimizer)
+                for shard in held[1:]:
+                    if not torch.equal(self._shard(shard, key, name, optimizer=of_optimizer), first):
+                        ranks = f"{self.ranks[held[0]][0]} and {self.ranks[shard][0]}"
+                        raise CheckpointError(
+                            f"{self.directory}: {key!r} differs between the files of TP ranks {ranks}, though each "
+                            "holds it whole; the files are not from one save (crafted, or mixed from two runs): use "
+                            "another checkpoint"
+                        )
+
     def _check_dtype(self, key: str, held: list[int], *, optimizer: bool) -> None:
         """Every shard and piece of ``key`` holds it in one dtype, for a parameter a dtype it trains in (fp64, fp32,
         bf16, fp16): an integer (the bytes reinterpreted, ``1e9`` weights) or float8 dtype, or shards that disagree,

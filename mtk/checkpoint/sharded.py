@@ -25,10 +25,22 @@ from torch import nn
 
 from mtk.checkpoint.atomic import atomic_dir, write_synced
 from mtk.checkpoint.base_model import base_record, check_base, checkpointed_parameters
-from mtk.checkpoint.counts import check_optimizer_steps, check_scheduler_positions, optimizer_steps, recorded_counts
+from mtk.checkpoint.counts import (
+    check_learning_rates,
+    check_optimizer_steps,
+    check_scheduler_positions,
+    optimizer_steps,
+    recorded_counts,
+)
 from mtk.checkpoint.integrity import Checksums, checksum_files, read_verified
 from mtk.checkpoint.meta import FORMAT, RUN_ID, CheckpointMeta, read_metadata
-from mtk.checkpoint.optimizer import load_optimizer, reshard_optimizer, save_optimizer, saved_optimizer_groups
+from mtk.checkpoint.optimizer import (
+    check_settings_agree,
+    load_optimizer,
+    reshard_optimizer,
+    save_optimizer,
+    saved_optimizer_groups,
+)
 from mtk.checkpoint.optimizer_checks import check_scheduler_state
 from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.checkpoint.reader import ShardedCheckpointReader
@@ -210,6 +222,8 @@ def load_checkpoint(
     # every rank loads all of the distributed optimizer's state, then keeps its own share; a rank holding experts
     # spread over EP reads its own experts (one tensor at a time, through the resharding reader)
     spread = _saves_spread_experts(model, parallel)
+    if optimizers:  # read once, by rank 0: each TP rank's file of a stage holds the same settings
+        _on_every_rank(parallel, lambda: _on_rank_zero(parallel, lambda: _check_settings(paths, saved, optimizers)))
     with full_optimizer_state(optimizers, gather=False):
         layout = (saved.tp_size, saved.etp_size, saved.pp_size, meta.pieces, spread)
         same_layout = layout == (parallel.tp_size, parallel.etp_size, parallel.pp_size, None, False)
@@ -217,6 +231,7 @@ def load_checkpoint(
         if same_layout:
             _check_replicas_agree(model, optimizers, parallel, directory)  # each TP rank read its own file
     check_optimizer_steps(optimizer_steps(optimizers, parallel.device), meta.counts, str(directory))  # collective
+    check_learning_rates(optimizers, meta.counts, str(directory))
     _on_every_rank(parallel, lambda: load_schedulers(paths, schedulers, meta.counts))
     meta.rng = _on_every_rank(parallel, lambda: restore_rng(paths, meta, parallel))
     restore_streams(model, meta, parallel)
@@ -243,9 +258,20 @@ def _load_state(
             "resharding a checkpoint (or reading one saved in FSDP2's pieces) supports one optimizer"
         )
     with ShardedCheckpointReader(directory, meta) as reader:
+        if parallel.rank == 0:  # what each TP rank's file holds whole is one tensor (at the same layout: collective)
+            reader.check_replicas_agree(optimizer=bool(optimizers))
         reshard_weights(model, reader)
         for optimizer in optimizers:
             reshard_optimizer(model, optimizer, reader, saved_optimizer_groups(paths, saved.pp_size))
+
+
+def _check_settings(paths: CheckpointPaths, saved: Layout, optimizers: list[torch.optim.Optimizer]) -> None:
+    check_settings_agree(paths, saved.tp_size, saved.pp_size, len(optimizers))
+
+
+def _on_rank_zero(parallel: ParallelState, check: Callable[[], None]) -> None:
+    if parallel.rank == 0:
+        check()
 
 
 def _on_every_rank(parallel: ParallelState, load: Callable[[], T]) -> T:
@@ -284,7 +310,9 @@ def _check_replicas_agree(
         named.append((name, local(param.detach())))
         for optimizer in optimizers:
             state = optimizer.state.get(param, {}) if isinstance(optimizer.state, Mapping) else {}
-            named += [(f"{name}::{k}", local(v)) for k, v in sorted(state.items()) if torch.is_tensor(v) and v.dim()]
+            named += [
+                (f"{name}::{k}", local(v)) for k, v in sorted(state.items()) if torch.is_tensor(v)
+            ]  # (steps too)
     if not named:
         return
     mine = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for _, t in named])  # [N, 2]
@@ -348,6 +376,6 @@ def load_schedulers(paths: CheckpointPaths, schedulers: list, counts: Mapping[st
     for i, scheduler in enumerate(schedulers):
         with reading(paths.scheduler(i)):
             saved = torch.load(paths.scheduler(i), weights_only=True)
-            check_scheduler_state(scheduler.state_dict(), saved)
+            check_scheduler_state(scheduler.state_dict(), saved, getattr(scheduler, "optimizer", None))
             scheduler.load_state_dict(saved)
     check_scheduler_positions(schedulers, counts, str(paths.root))

@@ -9,6 +9,8 @@ from pathlib import Path
 from mtk.checkpoint.counts import check_saved_counts
 from mtk.checkpoint.export import check_against_config
 from mtk.checkpoint.integrity import ALGORITHM, read_verified
+from mtk.checkpoint.optimizer import check_settings_agree
+from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.reader import ShardedCheckpointReader
 from mtk.checkpoint.resume import rescaled_position
 from mtk.errors import CheckpointError
@@ -48,8 +50,12 @@ def run(args: argparse.Namespace) -> int:
         )
     with ShardedCheckpointReader(args.checkpoint, meta) as reader:
         reader.check_complete(optimizer=optimizer)
+        reader.check_replicas_agree(optimizer=optimizer)  # files of one save: what TP ranks hold whole is one tensor
         if meta.base_model is None and meta.model.get("config"):  # full weights: what export checks of them
             check_against_config(args.checkpoint, meta, reader)
+    if optimizer and meta.engine is None:  # each TP rank's optimizer settings are the others'
+        groups = [name for name in meta.files if name.startswith("optimizer/tp00-pp00") and name.endswith(".json")]
+        check_settings_agree(CheckpointPaths(args.checkpoint), layout.tp_size, layout.pp_size, len(groups))
     check_saved_counts(args.checkpoint, meta)  # the optimizer's steps and the schedulers' positions
     rescaled_position(meta.data, None)  # the data position's counts, and that they agree
     size = sum(record["bytes"] for record in meta.files.values())

@@ -24,6 +24,8 @@ What is not exact yet is refused in one line: a ``PeftModel`` as ``model=`` (pas
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,20 @@ def _refuse_unverified(args: Any, trainer: str) -> None:
             raise ConfigError(f"{type(args).__name__}.{name}=True with mtk.trainers.{trainer}: {why}; leave it off")
 
 
+def _check_loss_types(args: Any) -> None:
+    """``DPOConfig.loss_type``: TRL checks the names only inside the first step's loss (a ``ValueError`` traceback
+    on every rank, after the model was loaded and the data prepared), so each is checked first against the values
+    its field documents (none found: nothing is refused here)."""
+    field = {f.name: f for f in dataclasses.fields(args)}.get("loss_type") if dataclasses.is_dataclass(args) else None
+    allowed = re.findall(r"`'(\w+)'`", field.metadata.get("help", "")) if field is not None else []
+    given = args.loss_type if isinstance(args.loss_type, (list, tuple)) else [args.loss_type]
+    unknown = [name for name in given if name not in allowed]
+    if allowed and unknown:
+        raise ConfigError(
+            f"{type(args).__name__}.loss_type {unknown[0]!r} is not a loss TRL knows; use one of {allowed}"
+        )
+
+
 class SFTTrainer(ParallelTrainerMixin, trl.SFTTrainer):
     """TRL's ``SFTTrainer`` (``SFTConfig``, ``peft_config``) at any TP x PP x DP layout."""
 
@@ -135,6 +151,8 @@ class DPOTrainer(ParallelTrainerMixin, trl.DPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._peft_config = take_peft_config(args, kwargs, "DPOTrainer")
         _refuse_unverified(_argument(args, kwargs, "args", 2), "DPOTrainer")  # (model, ref_model, args, ...)
+        if _argument(args, kwargs, "args", 2) is not None:
+            _check_loss_types(_argument(args, kwargs, "args", 2))
         _check_preference_columns(_argument(args, kwargs, "train_dataset", 4), "train_dataset")
         _check_preference_columns(_argument(args, kwargs, "eval_dataset", 5), "eval_dataset")
         given = list(args)

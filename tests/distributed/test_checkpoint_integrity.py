@@ -60,18 +60,34 @@ def test_every_rank_refuses_a_shard_only_one_rank_reads(tmp_path):
     assert "model/tp01-pp00.safetensors does not match its recorded xxh3_128" in errors[0]
 
 
-def _replicas_differ(rank: int, world_size: int, directory: str, state: bool) -> str:
+def _replicas_differ(rank: int, world_size: int, directory: str, damage: str) -> str:
+    parallel, model, optimizer, path = _saved(world_size, directory, stepped=True)
+    if rank == 0:  # TP rank 1's file changed, its checksum rewritten with it
+        _craft(path, damage)
+    return _load_or_refusal(directory, parallel, model, optimizer)
+
+
+def _craft(path, damage: str) -> None:
+    """TP rank 1's copy of the final norm, its Adam moment or its steps changed, or its optimizer settings."""
+    import json
+
     from safetensors.torch import load_file, save_file
 
-    parallel, model, optimizer, path = _saved(world_size, directory, stepped=True)
-    if rank == 0:  # TP rank 1's copy of the final norm (or its Adam moment) changed, its checksum rewritten with it
-        name = ("optimizer" if state else "model") + "/tp01-pp00.safetensors"
+    if damage == "settings":
+        name = "optimizer/tp01-pp00.json"
+        groups = json.loads((path / name).read_text())
+        groups["param_groups"][0]["weight_decay"] = 0.5
+        (path / name).write_text(json.dumps(groups))
+    else:
+        name = ("model" if damage == "weight" else "optimizer") + "/tp01-pp00.safetensors"
         tensors = load_file(str(path / name))
-        key = "model.norm.weight" + ("::exp_avg" if state else "")
-        tensors[key] = tensors[key] * 3
+        if damage == "steps":  # every state's step of this rank: one step behind the other rank's
+            tensors = {k: v - 1 if k.endswith("::step") else v for k, v in tensors.items()}
+        else:
+            key = "model.norm.weight" + ("::exp_avg" if damage == "moment" else "")
+            tensors[key] = tensors[key] * 3
         save_file(tensors, str(path / name), metadata=_metadata(path / name))
-        _rehash(path, name)
-    return _load_or_refusal(directory, parallel, model, optimizer)
+    _rehash(path, name)
 
 
 def _metadata(path) -> dict:
@@ -81,15 +97,50 @@ def _metadata(path) -> dict:
         return handle.metadata() or {}
 
 
-def test_replicas_that_differ_between_the_tp_ranks_files_are_refused(tmp_path):
-    """Every TP rank reads its own file; a norm (or its optimizer state) that is not the same in each, its checksum
-    rewritten to match, trained TP ranks with different replicas (still 2.0 apart after a step) with exit 0. Every
-    rank refuses it, naming the tensor."""
-    for state in (False, True):
-        errors = run_distributed(_replicas_differ, world_size=2, args=(str(tmp_path / f"step_{int(state)}"), state))
-        assert errors[0] == errors[1], errors
-        name = "model.norm.weight::exp_avg" if state else "model.norm.weight"
-        assert f"{name} differs between the TP ranks' files" in errors[0], errors[0]
+def test_replicas_that_differ_between_the_tp_ranks_files_are_refused(tmp_path, capsys):
+    """Every TP rank reads its own file; a norm (its optimizer state, its step count, or the rank's optimizer
+    settings) that is not the same in each, its checksum rewritten to match, trained TP ranks with different replicas
+    (still 2.0 apart after a step) with exit 0. Every rank refuses it, naming the tensor. Read at another layout
+    (one process, TP 1), exported or verified, whichever TP rank's copy a reader would take is refused too: the
+    files are not from one save."""
+    from mtk.checkpoint.export import export_checkpoint
+    from mtk.cli.main import main as mtk_main
+
+    norm = "model.norm.weight"
+    first = "model.layers.0.input_layernorm.weight::step"  # (every tensor of the rank: the first one is named)
+    tensor = {"weight": norm, "moment": f"{norm}::exp_avg", "steps": first}
+    for damage in ("weight", "moment", "steps", "settings"):
+        directory = tmp_path / f"step_{damage}"
+        errors = run_distributed(_replicas_differ, world_size=2, args=(str(directory), damage))
+        if damage == "settings":  # read by rank 0 for every rank
+            assert "the optimizer settings of TP rank 1's file differ from TP rank 0's" in errors[0], errors
+            assert errors[1] == "rank 0 refused the checkpoint (its line says why)", errors
+        else:
+            assert errors[0] == errors[1], errors
+            assert f"{tensor[damage]} differs between the TP ranks' files" in errors[0], errors[0]
+        parallel = ParallelState.build()  # one process: the reshard path reads every TP rank's file
+        model = parallelize(build_model("tiny-llama"), parallel)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        try:
+            load_checkpoint(directory, parallel, model, [optimizer], [])
+            said = "loaded"
+        except CheckpointError as err:
+            said = str(err)
+        code, out = mtk_main(["verify-checkpoint", str(directory)]), capsys.readouterr()
+        if damage == "settings":
+            assert "the optimizer settings of TP rank 1's file differ from TP rank 0's" in said, said
+            assert code == 2 and "optimizer settings of TP rank 1's file differ" in out.err, out.err
+            continue  # (export reads weights only: the settings are not its concern)
+        where = f"{tensor[damage]!r} differs between the files of TP ranks 0 and 1"
+        assert where in said, said
+        assert code == 2 and where in out.err, out.err
+        if damage == "weight":
+            try:
+                export_checkpoint(directory, tmp_path / "export")
+            except CheckpointError as err:
+                assert where in str(err), err
+            else:
+                raise AssertionError("export took TP rank 0's copy of a norm the files disagree on")
 
 
 def _rng_of_one_rank_crafted(rank: int, world_size: int, directory: str) -> str:

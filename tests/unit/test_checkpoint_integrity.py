@@ -350,6 +350,29 @@ def test_verify_checkpoint_checks_the_counts_each_file_keeps(tmp_path, trained, 
     assert code == 2 and "data position disagrees with itself" in said, said
 
 
+@pytest.mark.parametrize("base", [{}, "x", {"name_or_path": "b", "peft_type": "LORA", "fingerprint": {"sum": "1"}}])
+def test_metadata_naming_a_base_model_of_another_shape_is_refused(saved, trained, tmp_path, capsys, base):
+    """``base_model`` {} or "x" ended resume in a KeyError or TypeError traceback, and export sent the user from
+    --adapter to a plain export and back."""
+    _rewrite_metadata(saved, lambda meta: meta.update(base_model=base))
+    for message in _refusals(saved, trained, tmp_path, capsys):
+        assert "is not valid mtk checkpoint metadata (base_model " in message, message
+
+
+def test_a_dpo_loss_type_trl_does_not_know_is_one_line_before_training():
+    """``dpo.py --loss_type bogus`` ended in TRL's ValueError traceback on every rank at the first step."""
+    import trl
+
+    from mtk.errors import ConfigError
+    from mtk.trainers.trl import _check_loss_types
+
+    config = trl.DPOConfig(output_dir="unused", loss_type=["sigmoid", "sft"], use_cpu=True, bf16=False)
+    _check_loss_types(config)
+    config.loss_type = ["sigmoid", "bogus"]
+    with pytest.raises(ConfigError, match=r"loss_type 'bogus' is not a loss TRL knows; use one of \['sigmoid'"):
+        _check_loss_types(config)
+
+
 def test_metadata_that_lists_no_files_is_refused(saved, trained, tmp_path, capsys):
     _rewrite_metadata(saved, lambda meta: meta.update(files={}))
     for message in _refusals(saved, trained, tmp_path, capsys):
@@ -893,6 +916,17 @@ def _rewrite_moments(change):
     return damage
 
 
+def _reorder_params(change):
+    """A damage: the JSON's parameter list reordered by ``change`` (torch pairs the groups' parameters by
+    position: moments met parameters of another shape, a traceback at the first step)."""
+
+    def damage(groups):
+        groups["param_groups"][0]["params"] = change(groups["param_groups"][0]["params"])
+
+    damage.__name__ = "change"  # (a JSON damage, applied as _set_group's are)
+    return damage
+
+
 def _reshape_a_moment(tensors):
     name = next(k for k, v in tensors.items() if k.endswith("::exp_avg") and v.dim() == 2)
     tensors[name] = tensors[name].reshape(-1, 2)
@@ -917,6 +951,12 @@ def _steps_set_to(value):
         (_rewrite_moments(_steps_set_to(-5.0)), "step of .* is negative"),
         (_set_group("amsgrad", True), "lacks 'max_exp_avg_sq', which AdamW keeps with the settings saved beside it"),
         (_rewrite_moments(_steps_set_to(1000.0)), "optimizer state counts 1000 steps where its metadata recorded 1"),
+        (_set_group("lr", 5.0), r"learning rates \[5.0\] are not the \[0.001\] its metadata recorded"),
+        (
+            _reorder_params(lambda names: [names[1], names[0], *names[2:]]),
+            "lists the optimizer's parameters otherwise",
+        ),
+        (_reorder_params(lambda names: [names[0], *names[:-1]]), "lists the optimizer's parameters otherwise"),
     ],
     ids=[
         "betas-1",
@@ -927,6 +967,9 @@ def _steps_set_to(value):
         "step-negative",
         "amsgrad",
         "steps-of-another-save",
+        "lr-of-another-save",
+        "params-swapped",
+        "params-duplicated",
     ],
 )
 def test_a_crafted_optimizer_state_is_refused_when_resumed(saved, trained, damage, message):
@@ -968,6 +1011,8 @@ def test_a_scheduler_state_of_another_shape_is_refused_and_a_changed_setting_sai
         ({"last_epoch": -7, "_step_count": -6}, r"'last_epoch' is -7; a count of steps is not negative"),
         # valid alone, not with the save that recorded position 0: the learning rate of another step
         ({"last_epoch": 100, "_step_count": 101}, r"scheduler 0 is at position 100 where the metadata recorded 0"),
+        # valid alone, not with the optimizer saved beside it (its groups started from 0.001): 10,000x the rate
+        ({"base_lrs": [30.0]}, r"base learning rates \[30.0\] are not the \[0.001\] its optimizer's saved groups"),
     ]:
         torch.save({**original, **change}, path)
         record = {str(path.relative_to(directory)): _record(path)}
