@@ -138,6 +138,12 @@ def check_saved_counts(directory: str | Path, meta: CheckpointMeta) -> None:
                     for key in file.keys():  # noqa: SIM118 (a safetensors file is not a mapping)
                         if key.endswith("::step"):
                             most = max(most, int(file.get_tensor(key).max().item()))
+            elif name.startswith("optimizer/") and name.endswith(".json"):  # steps kept as numbers (Adafactor's)
+                with reading(paths.root / name):
+                    for fields in jsonio.loads((paths.root / name).read_text())["state"].values():
+                        step = fields.get("step") if isinstance(fields, dict) else None
+                        if isinstance(step, (int, float)) and not isinstance(step, bool):
+                            most = max(most, int(step))
         check_optimizer_steps(None if most < 0 else most, recorded, str(directory))
     for number, expected in enumerate(recorded.get("learning_rates") or []):
         path = paths.optimizer(0, 0, number).with_suffix(".json")  # (every TP rank's settings agree: checked)
