@@ -268,6 +268,7 @@ def _reference_loss(reference, ids, mask, labels, rank: int, pp: int) -> torch.T
         (4, 2, 2, False, 1, 1, 1, None),
         (4, 2, 2, True, 1, 1, 1, 1),
         (4, 2, 1, False, 1, 1, 2, 1),
+        (4, 2, 1, False, 1, 2, 1, 1),
         (4, 1, 2, True, 1, 1, 1, None),
         (4, 1, 2, False, 2, 1, 1, None),
         (8, 2, 2, True, 2, 1, 1, None),
@@ -291,8 +292,8 @@ def test_accelerator_trains_at_expert_parallelism_as_one_process(world, tp, ep, 
     load-balancing term (mtk.parallel.router_loss: at CP summed over the group; under a pipeline each micro-batch's
     routing sums carried through the stages, with padding the term and the loss leave out). With the experts' TP
     size 1 (each expert whole on every TP rank, each rank its share of the tokens): EP 2 x TP 2 with the distributed
-    optimizer, and TP 2 inside FSDP2 over DP 2 without EP (the experts sharded by FSDP2, their gradients summed over
-    TP after backward), every expert weight compared too."""
+    optimizer, TP 2 inside FSDP2 over DP 2 without EP (the experts sharded by FSDP2, their gradients summed over TP
+    after backward) and TP 2 x PP 2 (1F1B, padded rows), every expert weight compared too."""
     args = (tp, ep, sharded, cp, pp, shard, etp)
     logged = run_distributed(_accelerator_worker, world_size=world, args=args, timeout=600)
     assert all(run == logged[0] for run in logged)
