@@ -12,6 +12,7 @@ checkpoint written before the record says nothing.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,24 +37,33 @@ __all__ = [
 ]
 
 
-def optimizer_steps(optimizers: Sequence[torch.optim.Optimizer], device: torch.device) -> int | None:
-    """The most steps any parameter's optimizer state counts (its ``step``), over every optimizer and every rank;
-    ``None`` when no state keeps a count (SGD, a fresh optimizer, an engine's own). Collective over the world (each
-    rank holds the state of its own shard, stage or share)."""
-    most = -1
-    for optimizer in optimizers:
-        state = optimizer.state if isinstance(optimizer.state, Mapping) else {}
-        for fields in state.values():
-            step = fields.get("step") if isinstance(fields, Mapping) else None
-            if torch.is_tensor(step) and step.numel():
-                most = max(most, int(step.detach().max().item()))
-            elif isinstance(step, (int, float)) and not isinstance(step, bool):
-                most = max(most, int(step))
-    if dist.is_initialized():
-        flag = torch.tensor([most], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        most = int(flag.item())
-    return None if most < 0 else most
+Steps = tuple[int, int] | None  # the fewest and the most steps any parameter's optimizer state counts
+
+
+def _fewest_and_most(steps: Sequence[int]) -> Steps:
+    return (min(steps), max(steps)) if steps else None
+
+
+def optimizer_steps(optimizers: Sequence[torch.optim.Optimizer], device: torch.device) -> Steps:
+    """The fewest and the most steps any parameter's optimizer state counts (its ``step``), over every optimizer
+    and every rank; ``None`` when no state keeps a count (SGD, a fresh optimizer, an engine's own). Both, because a
+    state of another save may count fewer as well as more. Collective over the world (each rank holds the state of
+    its own shard, stage or share)."""
+    found = [
+        int(step.detach().max().item()) if torch.is_tensor(step) else int(step)
+        for optimizer in optimizers
+        for fields in (optimizer.state if isinstance(optimizer.state, Mapping) else {}).values()
+        if isinstance(fields, Mapping)
+        for step in [fields.get("step")]
+        if (torch.is_tensor(step) and step.numel()) or (isinstance(step, (int, float)) and not isinstance(step, bool))
+    ]
+    here = _fewest_and_most(found)
+    if not dist.is_initialized():
+        return here
+    # one MAX over (-fewest, most); a rank without state sends the identities
+    flag = torch.tensor([-here[0], here[1]] if here else [-(2**62), -1], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return None if int(flag[1]) < 0 else (-int(flag[0]), int(flag[1]))
 
 
 def scheduler_positions(schedulers: Sequence[Any]) -> list[int | None]:
@@ -73,7 +83,9 @@ def recorded_counts(
     ``None``: an engine's own (DeepSpeed's, which counts its steps itself), nothing recorded of them."""
     counts: dict[str, Any] = {"scheduler_positions": scheduler_positions(schedulers)}
     if optimizers is not None:
-        counts["optimizer_steps"] = optimizer_steps(optimizers, device)
+        steps = optimizer_steps(optimizers, device)
+        counts["optimizer_steps"] = steps[1] if steps else None
+        counts["fewest_optimizer_steps"] = steps[0] if steps else None
         counts["learning_rates"] = [learning_rates(optimizer.param_groups) for optimizer in optimizers]
     return counts
 
@@ -98,16 +110,19 @@ def check_learning_rates(optimizers: Sequence[torch.optim.Optimizer], recorded: 
             )
 
 
-def check_optimizer_steps(steps: int | None, recorded: Mapping[str, Any], where: str) -> None:
-    """The optimizer state just loaded (``steps``, :func:`optimizer_steps`) counts what the metadata recorded."""
-    if "optimizer_steps" not in recorded:
-        return
-    saved = recorded["optimizer_steps"]
-    if saved != steps:
-        raise CheckpointError(
-            f"{where}: the optimizer state counts {steps} steps where its metadata recorded {saved}; the file is "
-            "from another save (crafted, or mixed from two runs): use another checkpoint"
-        )
+def check_optimizer_steps(steps: Steps, recorded: Mapping[str, Any], where: str) -> None:
+    """The optimizer state just loaded (``steps``, :func:`optimizer_steps`) counts what the metadata recorded: the
+    most steps, and the fewest (recorded since the field exists)."""
+    for key, index in (("optimizer_steps", 1), ("fewest_optimizer_steps", 0)):
+        if key not in recorded:
+            continue
+        mine, saved = (steps[index] if steps else None), recorded[key]
+        if saved != mine:
+            which = "counts" if index else "counts at fewest"
+            raise CheckpointError(
+                f"{where}: the optimizer state {which} {mine} steps where its metadata recorded {saved}; the file is "
+                "from another save (crafted, or mixed from two runs): use another checkpoint"
+            )
 
 
 def check_scheduler_positions(schedulers: Sequence[Any], recorded: Mapping[str, Any], where: str) -> None:
@@ -130,32 +145,43 @@ def check_saved_counts(directory: str | Path, meta: CheckpointMeta) -> None:
     each scheduler file's position are the ones the metadata recorded (the files' checksums already matched)."""
     recorded = meta.counts
     paths = CheckpointPaths(directory)
+    optimizer_files = [name for name in sorted(meta.files) if name.startswith("optimizer/")]
     if "optimizer_steps" in recorded:
-        most = -1
-        for name in sorted(meta.files):
-            if name.startswith("optimizer/") and name.endswith(".safetensors"):
+        found: list[int] = []
+        for name in optimizer_files:
+            if name.endswith(".safetensors"):
                 with reading(paths.root / name), safe_open(str(paths.root / name), framework="pt") as file:
                     for key in file.keys():  # noqa: SIM118 (a safetensors file is not a mapping)
                         if key.endswith("::step"):
-                            most = max(most, int(file.get_tensor(key).max().item()))
-            elif name.startswith("optimizer/") and name.endswith(".json"):  # steps kept as numbers (Adafactor's)
+                            found.append(int(file.get_tensor(key).max().item()))
+            elif name.endswith(".json"):  # steps kept as numbers (Adafactor's)
                 with reading(paths.root / name):
                     for fields in jsonio.loads((paths.root / name).read_text())["state"].values():
                         step = fields.get("step") if isinstance(fields, dict) else None
                         if isinstance(step, (int, float)) and not isinstance(step, bool):
-                            most = max(most, int(step))
-        check_optimizer_steps(None if most < 0 else most, recorded, str(directory))
-    for number, expected in enumerate(recorded.get("learning_rates") or []):
-        path = paths.optimizer(0, 0, number).with_suffix(".json")  # (every TP rank's settings agree: checked)
-        with reading(path):
-            mine = learning_rates(jsonio.loads(path.read_text())["param_groups"])
-        if mine != expected:
+                            found.append(int(step))
+        check_optimizer_steps(_fewest_and_most(found), recorded, str(directory))
+    rates = recorded.get("learning_rates") or []
+    for name in optimizer_files:  # every stage's groups (every TP rank's agree: checked before)
+        match = re.fullmatch(r"optimizer/tp00-pp\d+(?:-(\d+))?\.json", name)
+        if match is None:
+            continue
+        number = int(match[1] or 0)
+        with reading(paths.root / name):
+            mine = learning_rates(jsonio.loads((paths.root / name).read_text())["param_groups"])
+        expected = rates[number] if number < len(rates) else None
+        if rates and mine != expected:
             raise CheckpointError(
-                f"{directory}: {path.name} holds the learning rates {mine}, its metadata recorded {expected}; the "
+                f"{directory}: {name} holds the learning rates {mine}, its metadata recorded {expected}; the "
                 "file is from another save (crafted, or mixed from two runs): use another checkpoint"
             )
     for number, expected in enumerate(recorded.get("scheduler_positions") or []):
         path = paths.scheduler(number)
+        if str(path.relative_to(paths.root)) not in meta.files:
+            raise CheckpointError(
+                f"{directory}: its metadata records {len(recorded['scheduler_positions'])} schedulers, the checkpoint "
+                f"holds no {path.name}; not as mtk wrote it (crafted, or damaged): use another checkpoint"
+            )
         with reading(path):
             state = torch.load(path, weights_only=True)
         position = state.get("last_epoch", state.get("last_batch_iteration")) if isinstance(state, dict) else None

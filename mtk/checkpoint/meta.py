@@ -78,9 +78,11 @@ def _check_types(values: dict[str, Any]) -> None:
             raise TypeError(f"{key} is not a JSON object")
     _check_base_model(values.get("base_model"))
     counts = values.get("counts", {})
-    steps, positions = counts.get("optimizer_steps"), counts.get("scheduler_positions", [])
-    if steps is not None and not _is_count(steps):
-        raise TypeError(f"counts.optimizer_steps {steps!r} is not a count of steps")
+    for key in ("optimizer_steps", "fewest_optimizer_steps"):
+        steps = counts.get(key)
+        if steps is not None and not _is_count(steps):
+            raise TypeError(f"counts.{key} {steps!r} is not a count of steps")
+    positions = counts.get("scheduler_positions", [])
     if not isinstance(positions, list) or not all(p is None or isinstance(p, int) for p in positions):
         raise TypeError(f"counts.scheduler_positions {positions!r} is not a list of positions")
     rates = counts.get("learning_rates", [])

@@ -96,12 +96,16 @@ def _main(argv: Sequence[str] | None) -> int:
 def console() -> None:
     """The ``mtk`` command: :func:`main`, whose status is the process's. After a Ctrl-C the process leaves without the
     interpreter's teardown (its line and files are out by then): a thread torch or a loader still ran would abort
-    the teardown ("terminate called without an active exception", SIGABRT instead of status 130)."""
+    the teardown ("terminate called without an active exception", SIGABRT instead of status 130). A command that
+    finished ignores a Ctrl-C during the teardown: its work is done, and the interrupt would only print a traceback
+    from whichever exit handler it landed in."""
     code = main()
     if code == 130:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(code)
 
 

@@ -348,6 +348,10 @@ def test_verify_checkpoint_checks_the_counts_each_file_keeps(tmp_path, trained, 
     _rewrite_metadata(directory, lambda meta: meta["data"].update(samples_per_micro_batch=4))
     code, _, said = _verify_cli(directory, capsys)
     assert code == 2 and "data position disagrees with itself" in said, said
+    _rewrite_metadata(directory, lambda meta: meta["data"].update(samples_per_micro_batch=8))
+    _rewrite_metadata(directory, lambda meta: meta["counts"].update(scheduler_positions=[0, 0]))
+    code, _, said = _verify_cli(directory, capsys)  # (a FileNotFoundError traceback)
+    assert code == 2 and "records 2 schedulers, the checkpoint holds no scheduler_1.pt" in said, said
 
 
 @pytest.mark.parametrize("base", [{}, "x", {"name_or_path": "b", "peft_type": "LORA", "fingerprint": {"sum": "1"}}])
@@ -916,6 +920,14 @@ def _rewrite_moments(change):
     return damage
 
 
+def _one_step_set_to(value):
+    def change(tensors):
+        key = next(k for k in sorted(tensors) if k.endswith("::step"))
+        tensors[key] = torch.full_like(tensors[key], value)
+
+    return change
+
+
 def _reorder_params(change):
     """A damage: the JSON's parameter list reordered by ``change`` (torch pairs the groups' parameters by
     position: moments met parameters of another shape, a traceback at the first step)."""
@@ -952,6 +964,7 @@ def _steps_set_to(value):
         (_set_group("amsgrad", True), "lacks 'max_exp_avg_sq', which AdamW keeps with the settings saved beside it"),
         (_rewrite_moments(_steps_set_to(1000.0)), "optimizer state counts 1000 steps where its metadata recorded 1"),
         (_set_group("lr", 5.0), r"learning rates \[5.0\] are not the \[0.001\] its metadata recorded"),
+        (_rewrite_moments(_one_step_set_to(0.0)), "optimizer state counts at fewest 0 steps where its metadata"),
         (
             _reorder_params(lambda names: [names[1], names[0], *names[2:]]),
             "lists the optimizer's parameters otherwise",
@@ -968,6 +981,7 @@ def _steps_set_to(value):
         "amsgrad",
         "steps-of-another-save",
         "lr-of-another-save",
+        "one-step-of-another-save",
         "params-swapped",
         "params-duplicated",
     ],
