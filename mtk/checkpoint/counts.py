@@ -156,7 +156,10 @@ def check_saved_counts(directory: str | Path, meta: CheckpointMeta) -> None:
                             found.append(int(file.get_tensor(key).max().item()))
             elif name.endswith(".json"):  # steps kept as numbers (Adafactor's)
                 with reading(paths.root / name):
-                    for fields in jsonio.loads((paths.root / name).read_text())["state"].values():
+                    state = jsonio.loads((paths.root / name).read_text())["state"]
+                    if not isinstance(state, dict):
+                        raise TypeError("state is not an object")
+                    for fields in state.values():
                         step = fields.get("step") if isinstance(fields, dict) else None
                         if isinstance(step, (int, float)) and not isinstance(step, bool):
                             found.append(int(step))

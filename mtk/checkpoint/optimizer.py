@@ -96,6 +96,8 @@ def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Pa
         if name not in index:
             raise CheckpointError(f"{stem}: optimizer state for unknown parameter {name!r}")
         state.setdefault(index[name], {})[field] = value
+    if not isinstance(meta["state"], dict):
+        raise TypeError("state is not an object of parameter names")
     for name, fields in meta["state"].items():
         if name not in index:
             raise CheckpointError(f"{stem}: optimizer state for unknown parameter {name!r}")
@@ -109,7 +111,10 @@ def _check_grouping(stem: Path, saved: list[dict], optimizer: torch.optim.Optimi
     """The saved groups list this optimizer's parameters, each once, grouped and ordered as this run's optimizer
     groups them (torch's ``load_state_dict`` pairs them by position: a list in another order paired moments with
     parameters of another shape, a traceback at the first step)."""
-    listed = [[str(n) for n in group.get("params", [])] for group in saved]
+    shaped = isinstance(saved, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved)
+    if not shaped:
+        raise TypeError("param_groups is not a list of objects, each with its list of params")
+    listed = [[str(n) for n in group["params"]] for group in saved]
     mine, start = [], 0
     for group in optimizer.param_groups:
         mine.append(names[start : start + len(group["params"])])

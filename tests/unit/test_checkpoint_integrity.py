@@ -898,6 +898,13 @@ def test_weights_holding_nan_or_infinity_are_not_saved(tmp_path, trained):
     assert list(tmp_path.iterdir()) == []
 
 
+def _set_json(key, value):
+    def change(groups):
+        groups[key] = value
+
+    return change
+
+
 def _set_group(key, value):
     def change(groups):
         groups["param_groups"][0][key] = value
@@ -970,6 +977,8 @@ def _steps_set_to(value):
             "lists the optimizer's parameters otherwise",
         ),
         (_reorder_params(lambda names: [names[0], *names[:-1]]), "lists the optimizer's parameters otherwise"),
+        (_set_json("param_groups", ["x"]), "param_groups is not a list of objects"),  # (AttributeError tracebacks)
+        (_set_json("state", []), "state is not an object of parameter names"),
     ],
     ids=[
         "betas-1",
@@ -984,6 +993,8 @@ def _steps_set_to(value):
         "one-step-of-another-save",
         "params-swapped",
         "params-duplicated",
+        "groups-of-strings",
+        "state-a-list",
     ],
 )
 def test_a_crafted_optimizer_state_is_refused_when_resumed(saved, trained, damage, message):
