@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 from mtk import jsonio
 from mtk.checkpoint.meta import CheckpointMeta
+from mtk.checkpoint.optimizer_checks import check_scheduler_started
 from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.errors import CheckpointError
 
@@ -193,3 +194,24 @@ def check_saved_counts(directory: str | Path, meta: CheckpointMeta) -> None:
                 f"{directory}: {path.name} is at position {position} where the metadata recorded {expected}; the file "
                 "is from another save (crafted, or mixed from two runs): use another checkpoint"
             )
+    _check_scheduler_started(paths, meta)
+
+
+def _check_scheduler_started(paths: CheckpointPaths, meta: CheckpointMeta) -> None:
+    """verify's half of resume's check that the scheduler's ``base_lrs`` are its optimizer's ``initial_lr``s
+    (:func:`~mtk.checkpoint.optimizer_checks.check_scheduler_started`), where the pairing is sure without the run's
+    objects: one optimizer (stage 0's groups: rank 0 saved the scheduler) and one scheduler."""
+    schedulers = [name for name in meta.files if re.fullmatch(r"scheduler(_\d+)?\.pt", name)]
+    groups_files = [name for name in meta.files if re.fullmatch(r"optimizer/tp00-pp00(-\d+)?\.json", name)]
+    if schedulers != ["scheduler.pt"] or groups_files != ["optimizer/tp00-pp00.json"]:
+        return
+    scheduler, groups = paths.scheduler(0), paths.root / groups_files[0]
+    with reading(scheduler), reading(groups):
+        saved = torch.load(scheduler, weights_only=True)
+        param_groups = jsonio.loads(groups.read_text())["param_groups"]
+        if (
+            isinstance(saved, dict)
+            and isinstance(param_groups, list)
+            and all(isinstance(g, dict) for g in param_groups)
+        ):
+            check_scheduler_started(saved, param_groups)

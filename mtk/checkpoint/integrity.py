@@ -29,6 +29,7 @@ import torch.distributed as dist
 import xxhash
 
 from mtk.checkpoint.atomic import MARKER, fsync_dir
+from mtk.checkpoint.labels import label_problem
 from mtk.checkpoint.meta import FIRST_FORMAT, CheckpointMeta, read_metadata
 from mtk.checkpoint.paths import shard_name
 from mtk.errors import CheckpointError
@@ -179,7 +180,7 @@ def checksum_files(root: Path, done: Checksums | None = None) -> dict[str, dict[
     return dict(sorted(merged.items()))
 
 
-def _problem(root: Path, name: str, record: dict[str, Any]) -> str | None:
+def _problem(root: Path, name: str, record: dict[str, Any], label: str | None) -> str | None:
     try:
         path = contained(root, name)
     except CheckpointError as err:
@@ -193,11 +194,12 @@ def _problem(root: Path, name: str, record: dict[str, Any]) -> str | None:
         return f"{path} has {size} bytes, the checkpoint recorded {record['bytes']}"
     if file_checksum(path, sync=False) != record[ALGORITHM]:
         return f"{path} does not match its recorded {ALGORITHM} (damaged, or replaced by another run's or step's file)"
-    return None
+    return label_problem(root, name, label)
 
 
-def verify_files(root: Path, recorded: dict[str, dict[str, Any]]) -> list[str]:
-    """Problems with the files under ``root`` against ``recorded``; empty when every file matches.
+def verify_files(root: Path, recorded: dict[str, dict[str, Any]], label: str | None = None) -> list[str]:
+    """Problems with the files under ``root`` against ``recorded``, and with the save labels the files carry against
+    ``label`` (:mod:`~mtk.checkpoint.labels`); empty when every file matches.
 
     Collective when a process group exists: each rank checks its share and every rank returns the
     same full list, so every rank can refuse the checkpoint together (no rank is left in a collective).
@@ -205,7 +207,7 @@ def verify_files(root: Path, recorded: dict[str, dict[str, Any]]) -> list[str]:
     """
     root = Path(root)
     names = sorted(recorded)
-    mine = [p for p in _each(lambda name: _problem(root, name, recorded[name]), _share(names)) if p]
+    mine = [p for p in _each(lambda name: _problem(root, name, recorded[name], label), _share(names)) if p]
     if not dist.is_initialized() or dist.get_rank() == 0:
         mine += [f"{root / name} is not part of the checkpoint" for name in list_files(root) if name not in recorded]
         mine += [f"{root / name} is a symbolic link; a checkpoint holds only its own files" for name in links(root)]
@@ -255,7 +257,7 @@ def read_verified(directory: str | Path) -> CheckpointMeta:
                 "crafted: use another one"
             )
     if meta.files:
-        problems = verify_files(Path(directory), meta.files)
+        problems = verify_files(Path(directory), meta.files, meta.save)
         if problems:
             more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
             raise CheckpointError(

@@ -68,6 +68,8 @@ def _check_types(values: dict[str, Any]) -> None:
             and isinstance(record.get("xxh3_128"), str)
         ):
             raise TypeError(f"files[{name!r}] is {record!r}, not {{'bytes': <int>, 'xxh3_128': <hex>}}")
+    if not isinstance(values.get("save"), (str, type(None))):
+        raise TypeError(f"save {values['save']!r} is not a save's label")
     pieces = values.get("pieces")
     if pieces is not None and (not isinstance(pieces, int) or isinstance(pieces, bool) or pieces < 1):
         raise TypeError(f"pieces {pieces!r} is not a positive count")
@@ -137,6 +139,8 @@ class CheckpointMeta:
         counts: what the files count at this step, checked against them at load (:mod:`~mtk.checkpoint.counts`):
             ``optimizer_steps`` (the most any optimizer state counts, ``None`` if none keeps a count) and
             ``scheduler_positions`` (one per scheduler). Empty in checkpoints written before the record.
+        save: the label of the save that wrote it, which each of its files carries too (:mod:`~mtk.checkpoint.labels`);
+            ``None`` in checkpoints written before labels.
         pieces: ``None`` when each (tp, pp) rank's tensors are saved whole; else how many flat pieces they are
             saved in (FSDP2's ``dp_shard`` size, ZeRO-3's DP size; even 1), each written by the rank that holds it
             (``tpXX-ppYY-pieceZZ``).
@@ -155,6 +159,7 @@ class CheckpointMeta:
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     base_model: dict[str, Any] | None = None
     counts: dict[str, Any] = field(default_factory=dict)
+    save: str | None = None
     pieces: int | None = None
     format: str = FORMAT
     rng: dict[str, Any] = field(default_factory=dict, compare=False)

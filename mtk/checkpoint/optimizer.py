@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mtk import jsonio
+from mtk.checkpoint.labels import KEY
 from mtk.checkpoint.optimizer_checks import check_loadable, report_changed_settings
 from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.checkpoint.weights import own_rows, read_safetensors, source_name
@@ -47,11 +48,18 @@ def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str
 
 
 def save_optimizer(
-    model: nn.Module, optimizer: torch.optim.Optimizer, stem: Path, piece: Piece | None = None, *, groups: Path
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stem: Path,
+    piece: Piece | None = None,
+    *,
+    groups: Path,
+    label: str | None = None,
 ) -> None:
     """Moments as whole TP shards, like the weights; with ``piece`` (FSDP2, ZeRO-3, EP), this rank's flat piece of
     each (a moment is split as its parameter is, so the weights file's ranges place it). Param groups and non-tensor
-    state go to ``groups`` (JSON), written with piece 0 only."""
+    state go to ``groups`` (JSON), written with piece 0 only. Both keep the save's ``label``
+    (:mod:`~mtk.checkpoint.labels`)."""
     names = _param_names(model, optimizer)
     state_dict = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
@@ -71,13 +79,14 @@ def save_optimizer(
                     tensors[f"{names[index]}::{key}"] = experts_piece(value, placement)[0].contiguous().cpu()
             elif (held := flat_piece(value, piece)) is not None:
                 tensors[f"{names[index]}::{key}"] = held[0].cpu()  # [stop - start]
-    save_file(tensors, str(stem.with_suffix(".safetensors")))
+    marks = {KEY: label} if label else {}
+    save_file(tensors, str(stem.with_suffix(".safetensors")), metadata=marks or None)
     if piece is None or piece.index == 0:
         param_groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
             for g in state_dict["param_groups"]
         ]
-        groups.write_text(json.dumps({"param_groups": param_groups, "state": other}))
+        groups.write_text(json.dumps({"param_groups": param_groups, "state": other, **marks}))
 
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Path) -> None:

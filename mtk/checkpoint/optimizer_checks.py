@@ -19,7 +19,7 @@ import torch.distributed as dist
 from mtk.errors import CheckpointError
 from mtk.parallel.optimizer_updates import ELEMENTWISE
 
-__all__ = ["check_loadable", "check_scheduler_state", "report_changed_settings"]
+__all__ = ["check_loadable", "check_scheduler_started", "check_scheduler_state", "report_changed_settings"]
 
 _SCHEDULED = ("params", "lr", "initial_lr")  # moved by the schedule, or not settings
 
@@ -121,19 +121,25 @@ def check_scheduler_state(current: dict[str, Any], saved: Any, optimizer: Any = 
         theirs = saved.get(key)
         if isinstance(mine, int) and isinstance(theirs, int) and not isinstance(theirs, bool) and theirs < 0:
             raise ValueError(f"{key!r} is {theirs}; a count of steps is not negative")
-    groups = getattr(optimizer, "param_groups", None) or []
+    check_scheduler_started(saved, getattr(optimizer, "param_groups", None) or [])
+    if saved.get("base_lrs") != current.get("base_lrs") and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(
+            f"mtk: the checkpoint's learning rate {saved.get('base_lrs')} is restored over this run's "
+            f"{current.get('base_lrs')}, as accelerate's load_state does; start a new run to train with another",
+            flush=True,
+        )
+
+
+def check_scheduler_started(saved: dict[str, Any], groups: list[dict[str, Any]]) -> None:
+    """A scheduler's ``base_lrs`` are the ``initial_lr`` of its optimizer's ``groups`` (a scheduler sets them from
+    each other when it is built, and both are saved together); ``ValueError`` otherwise. Groups without an
+    ``initial_lr`` (an optimizer no scheduler was built on) are not compared."""
     started = [float(group["initial_lr"]) if "initial_lr" in group else None for group in groups]
     base = saved.get("base_lrs")
     if isinstance(base, list) and len(base) == len(started) and None not in started and base != started:
         raise ValueError(
             f"its base learning rates {base} are not the {started} its optimizer's saved groups started from; the "
             "file is from another save (crafted, or mixed from two runs)"
-        )
-    if saved.get("base_lrs") != current.get("base_lrs") and (not dist.is_initialized() or dist.get_rank() == 0):
-        print(
-            f"mtk: the checkpoint's learning rate {saved.get('base_lrs')} is restored over this run's "
-            f"{current.get('base_lrs')}, as accelerate's load_state does; start a new run to train with another",
-            flush=True,
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -12,7 +13,7 @@ from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.parallel.state import ParallelState
 
-__all__ = ["restore_rng", "rng_state", "set_rng_state"]
+__all__ = ["check_restorable", "restore_rng", "rng_state", "set_rng_state"]
 
 
 def rng_state(extra: dict[str, Any]) -> dict[str, Any]:
@@ -48,3 +49,18 @@ def restore_rng(paths: CheckpointPaths, meta: CheckpointMeta, parallel: Parallel
         rng = torch.load(path, weights_only=True)
         set_rng_state(rng)
     return rng
+
+
+def check_restorable(path: Path) -> None:
+    """What ``mtk verify-checkpoint`` checks of an RNG file without training: its states set as resume sets them
+    (this process's own are put back after); one line naming the file otherwise. A device's states are left out:
+    verify runs on any machine."""
+    with reading(path):
+        states = torch.load(path, weights_only=True)
+        if not isinstance(states, dict):
+            raise TypeError(f"an RNG state is a dict, this is a {type(states).__name__}")
+        own = rng_state({})
+        try:
+            set_rng_state({key: value for key, value in states.items() if key != "device"})
+        finally:
+            set_rng_state(own)

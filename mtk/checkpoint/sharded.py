@@ -33,6 +33,7 @@ from mtk.checkpoint.counts import (
     recorded_counts,
 )
 from mtk.checkpoint.integrity import Checksums, checksum_files, read_verified
+from mtk.checkpoint.labels import KEY, labelled, new_label
 from mtk.checkpoint.meta import FORMAT, RUN_ID, CheckpointMeta, read_metadata
 from mtk.checkpoint.optimizer import (
     check_settings_agree,
@@ -124,20 +125,22 @@ def save_checkpoint(
     data: dict[str, Any] | None = None,
     engine: dict[str, Any] | None = None,
     writers: Sequence[Callable[[Path], None]] = (),
-    collective_writers: Sequence[Callable[[Path], None]] = (),
+    collective_writers: Sequence[Callable[[Path, str], None]] = (),
     piece: Piece | None = None,
 ) -> Path:
     """Write a checkpoint at ``directory`` atomically. Collective: every rank calls it.
 
     ``data`` is the data position; ``engine`` names the engine that owns extra state (DeepSpeed).
     ``writers`` run on rank 0 with the (still incomplete) directory, e.g. to save a tokenizer;
-    ``collective_writers`` run on every rank (e.g. DeepSpeed's own, collective, save_checkpoint).
+    ``collective_writers`` run on every rank with the directory and the save's label (e.g. DeepSpeed's own,
+    collective, save_checkpoint, and mtk's ZeRO-3 pieces, which carry the label: :mod:`~mtk.checkpoint.labels`).
     ``piece``: where this rank's pieces sit when the model's parameters are split over DP by an engine (ZeRO-3);
     FSDP2's are found from the parameters themselves.
     """
     _check_finite_weights(model, parallel, step)
     counts = recorded_counts(optimizers if engine is None else None, schedulers, parallel.device)  # collective
     piece = _with_experts(piece or piece_of(model), model, parallel)
+    label = new_label(step)  # collective: every file this save writes carries it
     if piece is not None and len(optimizers) > 1:  # a checkpoint in pieces is read back through the resharding
         raise CheckpointError(  # reader, which restores one optimizer
             f"saving {len(optimizers)} optimizers with parameters split over data parallelism (FSDP2) or experts "
@@ -161,19 +164,20 @@ def save_checkpoint(
                 # the biggest files first (Adam's are twice the weights): only the last one's hash is not hidden
                 for i, optimizer in enumerate(optimizers):
                     stem, groups = paths.optimizer(tp, pp, i, piece=index), paths.optimizer(tp, pp, i)
-                    save_optimizer(model, optimizer, stem, piece, groups=groups.with_suffix(".json"))
+                    save_optimizer(model, optimizer, stem, piece, groups=groups.with_suffix(".json"), label=label)
                     checksums.add(stem.with_suffix(".safetensors"))
                 weights = paths.weights(tp, pp, index)
-                save_weights(model, weights, piece)
+                save_weights(model, weights, piece, label=label)
                 checksums.add(weights)
-        for write in collective_writers:
-            write(tmp)
-        torch.save(rng_state({**(extra_rng or {}), **_streams_state(model)}), paths.rng(parallel.rank))
+        for write_labelled in collective_writers:
+            write_labelled(tmp, label)
+        rng = rng_state({**(extra_rng or {}), **_streams_state(model)})
+        torch.save(labelled(rng, label), paths.rng(parallel.rank))
         if parallel.rank == 0:
             for write in writers:
                 write(tmp)
             for i, scheduler in enumerate(schedulers):
-                torch.save(scheduler.state_dict(), paths.scheduler(i))
+                torch.save(labelled(scheduler.state_dict(), label), paths.scheduler(i))
         base = base_record(model, parallel)  # collective; adapter-only checkpoints name their frozen base
         _barrier()  # every rank's files are in place before they are hashed and the metadata says "complete"
         files = checksum_files(tmp, checksums)  # collective: each rank hashes and fsyncs its share
@@ -188,6 +192,7 @@ def save_checkpoint(
                 files=files,
                 base_model=base,
                 counts=counts,
+                save=label,
                 pieces=piece.count if piece is not None else None,
                 **(engine or {}),
             )
@@ -376,6 +381,8 @@ def load_schedulers(paths: CheckpointPaths, schedulers: list, counts: Mapping[st
     for i, scheduler in enumerate(schedulers):
         with reading(paths.scheduler(i)):
             saved = torch.load(paths.scheduler(i), weights_only=True)
+            if isinstance(saved, dict):
+                saved.pop(KEY, None)  # the save's label (read_verified checked it), not the scheduler's state
             check_scheduler_state(scheduler.state_dict(), saved, getattr(scheduler, "optimizer", None))
             scheduler.load_state_dict(saved)
     check_scheduler_positions(schedulers, counts, str(paths.root))

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from mtk.checkpoint.base_model import checkpointed_parameters
+from mtk.checkpoint.labels import KEY
 from mtk.errors import CheckpointError
 from mtk.parallel.expert_parallel import experts_piece, spread_placement
 from mtk.parallel.fsdp import copy_into
@@ -26,10 +27,11 @@ from mtk.parallel.sharding import take_shard
 __all__ = ["load_weights", "read_safetensors", "reshard_weights", "save_weights", "source_name"]
 
 
-def save_weights(model: nn.Module, path: Path, piece: Piece | None = None) -> None:
+def save_weights(model: nn.Module, path: Path, piece: Piece | None = None, *, label: str | None = None) -> None:
     """This rank's TP shard of every checkpointed tensor, with its spec; with ``piece`` (FSDP2, ZeRO-3, EP), only
     this rank's flat piece of each, with the elements of the shard it covers (``flat``) and the shard's shape: no
-    rank gathers anything, each writes what it holds (under EP: its own experts, and piece 0 the dense tensors)."""
+    rank gathers anything, each writes what it holds (under EP: its own experts, and piece 0 the dense tensors).
+    ``label``: the save's (:mod:`~mtk.checkpoint.labels`), kept in the header."""
     tensors: dict[str, torch.Tensor] = {}
     specs: dict[str, dict[str, Any]] = {}
     for name, param in checkpointed_parameters(model):
@@ -58,7 +60,7 @@ def save_weights(model: nn.Module, path: Path, piece: Piece | None = None) -> No
             tensors[name] = held[0].cpu()  # [stop - start]
             record.update(flat=list(held[1]), shard_shape=list(shard_shape(param)))
         specs[name] = record
-    save_file(tensors, str(path), metadata={"mtk_specs": json.dumps(specs)})
+    save_file(tensors, str(path), metadata={"mtk_specs": json.dumps(specs), **({KEY: label} if label else {})})
 
 
 def load_weights(model: nn.Module, path: Path) -> None:

@@ -13,6 +13,7 @@ from mtk.checkpoint.optimizer import check_settings_agree
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.reader import ShardedCheckpointReader
 from mtk.checkpoint.resume import rescaled_position
+from mtk.checkpoint.rng import check_restorable
 from mtk.errors import CheckpointError
 
 
@@ -57,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
         groups = [name for name in meta.files if name.startswith("optimizer/tp00-pp00") and name.endswith(".json")]
         check_settings_agree(CheckpointPaths(args.checkpoint), layout.tp_size, layout.pp_size, len(groups))
     check_saved_counts(args.checkpoint, meta)  # the optimizer's steps and the schedulers' positions
+    for name in meta.files:
+        if re.fullmatch(r"rng/rank\d+\.pt", name):
+            check_restorable(Path(args.checkpoint) / name)  # each rank's RNG states set as resume sets them
     rescaled_position(meta.data, None)  # the data position's counts, and that they agree
     size = sum(record["bytes"] for record in meta.files.values())
     print(

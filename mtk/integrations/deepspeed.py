@@ -216,7 +216,7 @@ def save_deepspeed_checkpoint(
     """
     model: nn.Module = engine.module
 
-    def deepspeed_state(tmp: Path) -> None:
+    def deepspeed_state(tmp: Path, label: str) -> None:  # DeepSpeed's own files carry no label
         # a LoRA model's frozen base is not state: the checkpoint names it (metadata.json's base_model)
         engine.save_checkpoint(str(CheckpointPaths(tmp).deepspeed), tag=_DS_TAG, exclude_frozen_parameters=True)
 
@@ -224,10 +224,10 @@ def save_deepspeed_checkpoint(
     # optimizer state in mtk's format (what a resume at another layout reads), except for a LoRA model, whose
     # frozen base is fingerprinted whole
     piece = _zero3_piece(engine, parallel)
-    writers_everywhere: list[Callable[[Path], None]] = [deepspeed_state]
+    writers_everywhere: list[Callable[[Path, str], None]] = [deepspeed_state]
     if piece is not None:
         writers_everywhere.append(
-            lambda tmp: save_optimizer_pieces(engine, piece, tmp, parallel.tp_rank, parallel.pp_rank)
+            lambda tmp, label: save_optimizer_pieces(engine, piece, tmp, parallel.tp_rank, parallel.pp_rank, label)
         )
     if not schedulers and engine.lr_scheduler is not None:  # run.py's, which DeepSpeed steps: saved as mtk's too
         schedulers = [engine.lr_scheduler]

@@ -23,6 +23,7 @@ from torch import nn
 
 from mtk import jsonio
 from mtk.checkpoint.base_model import checkpointed_parameters
+from mtk.checkpoint.labels import KEY
 from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.checkpoint.reader import ShardedCheckpointReader
@@ -54,8 +55,9 @@ def _step(engine) -> torch.Tensor | None:
     return torch.as_tensor(states[0][_STEP]).detach().float().cpu() if states else None
 
 
-def save_optimizer_pieces(engine, piece: Piece, directory: Path, tp_rank: int, pp_rank: int) -> None:
-    """This rank's piece of every trainable parameter's optimizer state, placed like its weights piece."""
+def save_optimizer_pieces(engine, piece: Piece, directory: Path, tp_rank: int, pp_rank: int, label: str) -> None:
+    """This rank's piece of every trainable parameter's optimizer state, placed like its weights piece, with the
+    save's ``label`` (:mod:`~mtk.checkpoint.labels`)."""
     from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
     model: nn.Module = engine.module
@@ -73,10 +75,11 @@ def save_optimizer_pieces(engine, piece: Piece, directory: Path, tp_rank: int, p
             tensors[f"{name}::{_MASTER}"] = safe_get_local_fp32_param(param)[:count].detach().cpu()
         if step is not None and piece.index == 0:
             tensors[f"{name}::{_STEP}"] = step.clone()  # one tensor per name (safetensors refuses shared ones)
-    save_file(tensors, str(paths.optimizer(tp_rank, pp_rank, piece=piece.index).with_suffix(".safetensors")))
+    stem = paths.optimizer(tp_rank, pp_rank, piece=piece.index)
+    save_file(tensors, str(stem.with_suffix(".safetensors")), {KEY: label})
     if piece.index == 0:
         groups = [{k: v for k, v in group.items() if k != "params"} for group in _inner(engine).param_groups]
-        record = {"param_groups": groups, "state": {}, "engine": "deepspeed"}
+        record = {"param_groups": groups, "state": {}, "engine": "deepspeed", KEY: label}
         paths.optimizer(tp_rank, pp_rank).with_suffix(".json").write_text(json.dumps(record, default=float))
 
 

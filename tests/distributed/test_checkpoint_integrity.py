@@ -1,6 +1,8 @@
 """A damaged shard that only one TP rank reads is found by every rank: all refuse with the same line
 naming the file, none is left waiting in a collective."""
 
+import json
+
 import torch
 
 from mtk.checkpoint import CheckpointError
@@ -145,8 +147,9 @@ def test_replicas_that_differ_between_the_tp_ranks_files_are_refused(tmp_path, c
 
 def _rng_of_one_rank_crafted(rank: int, world_size: int, directory: str) -> str:
     parallel, model, optimizer, path = _saved(world_size, directory)
-    if rank == 0:  # rank 1's RNG state replaced by a dict of another shape, its checksum rewritten with it
-        torch.save({"python": 1}, path / "rng" / "rank00001.pt")
+    if rank == 0:  # rank 1's RNG state replaced by a dict of another shape (its save label and checksum kept right)
+        label = json.loads((path / "metadata.json").read_text())["save"]
+        torch.save({"python": 1, "mtk_save": label}, path / "rng" / "rank00001.pt")
         _rehash(path, "rng/rank00001.pt")
     return _load_or_refusal(directory, parallel, model, optimizer)
 

@@ -131,13 +131,16 @@ def _meta_field(**fields):
 
 def _crafted_specs(directory: Path) -> None:
     """Shard specs without their fields, the shard's checksum rewritten to match (what an attacker can do)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     from mtk.checkpoint.integrity import file_checksum
 
     shard = directory / "model" / "tp00-pp00.safetensors"
     tensors = load_file(shard)
-    save_file(tensors, shard, metadata={"mtk_specs": json.dumps({name: {} for name in tensors})})
+    with safe_open(str(shard), "pt") as handle:
+        header = handle.metadata()
+    save_file(tensors, shard, metadata={**header, "mtk_specs": json.dumps({name: {} for name in tensors})})
     record = {"bytes": shard.stat().st_size, "xxh3_128": file_checksum(shard)}
     _meta_field(
         files={**json.loads((directory / "metadata.json").read_text())["files"], "model/tp00-pp00.safetensors": record}

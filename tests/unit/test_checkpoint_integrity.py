@@ -115,6 +115,37 @@ def test_a_shard_from_another_step_is_refused(tmp_path, trained):
         _load(second, trained)
 
 
+@pytest.mark.parametrize(
+    "name",
+    [SHARD, "optimizer/tp00-pp00.safetensors", "optimizer/tp00-pp00.json", "rng/rank00000.pt", "scheduler.pt"],
+)
+def test_a_file_from_another_save_is_refused_even_with_its_checksum_recorded(tmp_path, trained, capsys, name):
+    """Each file carries its save's label: a file copied in from another save of the same run, its checksum rewritten
+    into the metadata, verified and trained on where it counted nothing the metadata records (a pipeline stage's
+    weights, an FSDP2 piece's moments: the seventh campaign's re-check)."""
+    parallel, model, optimizer = trained
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    first = save_checkpoint(tmp_path / "step_1", parallel, model, [optimizer], [scheduler], step=2)
+    second = save_checkpoint(tmp_path / "step_2", parallel, model, [optimizer], [scheduler], step=2)
+    (second / name).write_bytes((first / name).read_bytes())
+    _rewrite_metadata(second, lambda meta: meta["files"].update({name: _record(second / name)}))
+    label = json.loads((second / "metadata.json").read_text())["save"]
+    for said in _refusals(second, trained, tmp_path, capsys):
+        assert f"{name} was written by the save labelled" in said and f"not by this checkpoint's ('{label}')" in said
+    _rewrite_metadata(second, lambda meta: meta.pop("save"))  # a label removed from the metadata: still refused
+    assert all(
+        "this checkpoint's metadata records no label" in said for said in _refusals(second, trained, tmp_path, capsys)
+    )
+
+
+def test_a_checkpoint_written_before_labels_is_read_as_before(tmp_path, trained, monkeypatch):
+    parallel, model, optimizer = trained
+    monkeypatch.setattr("mtk.checkpoint.sharded.new_label", lambda step: None)
+    directory = save_checkpoint(tmp_path / "step_2", parallel, model, [optimizer], [], step=2)
+    assert "mtk_save" not in (directory / SHARD).read_bytes()[:4096].decode(errors="replace")
+    assert _load(directory, trained).save is None
+
+
 def test_save_never_removes_what_mtk_did_not_create(tmp_path, trained):
     parallel, model, optimizer = trained
     theirs = tmp_path / "step_3.incomplete"
@@ -217,21 +248,24 @@ class _Payload:
         return (os.system, ("echo ran",))
 
 
+_FOREIGN = "does not hold what this run loads from it"
+
+
 @pytest.mark.parametrize(
-    "name, content",
+    "name, content, message",
     [
-        ("rng/rank00000.pt", lambda: pickle.dumps(_Payload())),
-        ("optimizer/tp00-pp00.json", lambda: b'{"param_groups": "x"}'),
-        ("optimizer/tp00-pp00.json", lambda: b"{not json"),
+        ("rng/rank00000.pt", lambda: pickle.dumps(_Payload()), _FOREIGN),
+        ("optimizer/tp00-pp00.json", lambda: b'{"param_groups": "x"}', "carries no save label"),
+        ("optimizer/tp00-pp00.json", lambda: b"{not json", _FOREIGN),
     ],
     ids=["pickle-payload", "json-of-another-shape", "json-broken"],
 )
-def test_a_crafted_file_whose_checksum_matches_is_one_line_on_resume(saved, trained, name, content):
+def test_a_crafted_file_whose_checksum_matches_is_one_line_on_resume(saved, trained, name, content, message):
     """Checksums can be rewritten with the file: content mtk did not write, listed with its true checksum, is refused
     by resume in one line naming the file (weights_only never runs the pickle), not by a reader's traceback."""
     (saved / name).write_bytes(content())
     _rewrite_metadata(saved, lambda meta: meta["files"].update({name: _record(saved / name)}))
-    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} does not hold what this run loads from it"):
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} {message}"):
         _load(saved, trained)
 
 
@@ -913,15 +947,19 @@ def _set_group(key, value):
 
 
 def _rewrite_moments(change):
-    """A damage: ``change`` applied to the optimizer file's tensors (a dict), the file rewritten; returns its path."""
+    """A damage: ``change`` applied to the optimizer file's tensors (a dict), the file rewritten in place (its header's
+    save label kept); returns its path."""
 
     def damage(directory):
+        from safetensors import safe_open
         from safetensors.torch import load_file, save_file
 
         path = directory / "optimizer/tp00-pp00.safetensors"
+        with safe_open(str(path), "pt") as handle:
+            header = handle.metadata()
         tensors = load_file(str(path))
         change(tensors)
-        save_file(tensors, str(path))
+        save_file(tensors, str(path), metadata=header)
         return path
 
     return damage
@@ -1044,6 +1082,24 @@ def test_a_scheduler_state_of_another_shape_is_refused_and_a_changed_setting_sai
         _rewrite_metadata(directory, lambda meta, record=record: meta["files"].update(record))
         with pytest.raises(CheckpointError, match=message):
             load_checkpoint(directory, parallel, model, [resumed], [again])
+        if "last_epoch" in change or change.get("base_lrs") == [30.0]:  # what verify can tell without the run
+            code, _, said = _verify_cli(directory, capsys)
+            assert code == 2 and ("position" in said or "base learning rates [30.0]" in said), said
+
+
+def test_verify_checkpoint_refuses_an_rng_state_resume_cannot_set(saved, trained, capsys):
+    """A truncated torch RNG state (its checksum rewritten) was refused by resume in one line, and called ok by
+    verify-checkpoint; verify now sets each rank's states as resume does, and puts its own back."""
+    path = saved / "rng" / "rank00000.pt"
+    states = torch.load(path, weights_only=True)
+    torch.save({**states, "torch": states["torch"][:100]}, path)
+    _rewrite_metadata(saved, lambda meta: meta["files"].update({"rng/rank00000.pt": _record(path)}))
+    before = torch.get_rng_state()
+    code, _, said = _verify_cli(saved, capsys)
+    assert code == 2 and "rng/rank00000.pt does not hold what this run loads from it" in said, said
+    assert torch.equal(torch.get_rng_state(), before)
+    with pytest.raises(CheckpointError, match="rng/rank00000.pt does not hold what this run loads from it"):
+        _load(saved, trained)
 
 
 def test_a_data_position_that_is_not_a_count_or_disagrees_with_itself_is_refused():
