@@ -27,6 +27,7 @@ from mtk.parallel.pieces import Piece, flat_piece
 from mtk.parallel.sharding import take_shard
 
 __all__ = [
+    "check_listed_parameters",
     "check_settings_agree",
     "load_optimizer",
     "reshard_optimizer",
@@ -222,6 +223,32 @@ def check_settings_agree(paths: CheckpointPaths, tp_size: int, pp_size: int, opt
                         f"{stage}); the files are not from one save (crafted, or mixed from two runs): use another "
                         "checkpoint"
                     )
+
+
+def check_listed_parameters(paths: CheckpointPaths, names: list[str], held: dict[str, set[str]]) -> None:
+    """What ``mtk verify-checkpoint`` checks of each optimizer JSON (``names``, relative to the checkpoint) without
+    the run: its groups list parameter names, each once, and each a tensor its rank's weights file holds (``held``:
+    the names of each ``tpXX-ppYY`` rank's weights). A resume refuses a list of another order too, against the
+    run's optimizer; a checkpoint alone does not know that order."""
+    for name in names:
+        path = paths.root / name
+        with reading(path):
+            record = jsonio.loads(path.read_text())
+            groups = record["param_groups"]
+            if not isinstance(groups, list) or not all(isinstance(group, dict) for group in groups):
+                raise TypeError("param_groups is not a list of objects")
+        if record.get("engine") == "deepspeed":  # DeepSpeed's groups name no parameters (its own files hold them)
+            continue
+        listed = [n for group in groups for n in (group.get("params") or [])]
+        rank = Path(name).stem[: len("tpXX-ppYY")]  # optimizer/tp01-pp00-1.json: optimizer 1 of (tp 1, pp 0)
+        weights = held.get(rank, set())
+        twice = sorted({n for n in listed if listed.count(n) > 1})
+        unknown = [n for n in listed if not isinstance(n, str) or n not in weights]
+        if twice or unknown:
+            what = f"lists {twice[0]!r} twice" if twice else f"lists {unknown[0]!r}, which model/{rank} does not hold"
+            raise CheckpointError(
+                f"{path} {what}; not as mtk wrote it (crafted, or mixed from two runs): use another checkpoint"
+            )
 
 
 def saved_optimizer_groups(paths: CheckpointPaths, pp_size: int) -> dict:

@@ -6,11 +6,14 @@ import argparse
 import re
 from pathlib import Path
 
+from safetensors import safe_open
+
 from mtk.checkpoint.counts import check_saved_counts
 from mtk.checkpoint.export import check_against_config
 from mtk.checkpoint.integrity import ALGORITHM, read_verified
-from mtk.checkpoint.optimizer import check_settings_agree
-from mtk.checkpoint.paths import CheckpointPaths
+from mtk.checkpoint.meta import CheckpointMeta
+from mtk.checkpoint.optimizer import check_listed_parameters, check_settings_agree
+from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.checkpoint.reader import ShardedCheckpointReader
 from mtk.checkpoint.resume import rescaled_position
 from mtk.checkpoint.rng import check_restorable
@@ -57,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     if optimizer and meta.engine is None:  # each TP rank's optimizer settings are the others'
         groups = [name for name in meta.files if name.startswith("optimizer/tp00-pp00") and name.endswith(".json")]
         check_settings_agree(CheckpointPaths(args.checkpoint), layout.tp_size, layout.pp_size, len(groups))
+        listing = sorted(name for name in meta.files if name.startswith("optimizer/") and name.endswith(".json"))
+        check_listed_parameters(CheckpointPaths(args.checkpoint), listing, _weights_held(Path(args.checkpoint), meta))
     check_saved_counts(args.checkpoint, meta)  # the optimizer's steps and the schedulers' positions
     for name in meta.files:
         if re.fullmatch(r"rng/rank\d+\.pt", name):
@@ -68,3 +73,14 @@ def run(args: argparse.Namespace) -> int:
         f"{where}, run {meta.run_id}"
     )
     return 0
+
+
+def _weights_held(root: Path, meta: CheckpointMeta) -> dict[str, set[str]]:
+    """The tensor names each ``tpXX-ppYY`` rank's weights file holds (its pieces' together), from the headers."""
+    held: dict[str, set[str]] = {}
+    for name in meta.files:
+        match = re.fullmatch(r"model/(tp\d+-pp\d+)(?:-piece\d+)?\.safetensors", name)
+        if match:
+            with reading(root / name), safe_open(str(root / name), framework="pt") as file:
+                held.setdefault(match[1], set()).update(file.keys())
+    return held

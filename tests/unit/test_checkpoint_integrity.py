@@ -1053,6 +1053,30 @@ def test_a_crafted_optimizer_state_is_refused_when_resumed(saved, trained, damag
     assert "\n" not in str(err.value)
 
 
+def test_verify_checkpoint_refuses_an_optimizer_list_naming_a_parameter_twice_or_one_not_held(saved, capsys):
+    """Resume refused a parameter listed twice in the optimizer's JSON (torch pairs by position); verify called it
+    ok. Verify now checks each name is listed once and is a tensor of its rank's weights file (the order is the
+    run's, which only a resume knows)."""
+    path = saved / "optimizer/tp00-pp00.json"
+    original = path.read_text()
+    for change, said in [
+        (lambda params: params.__setitem__(1, params[0]), "twice"),
+        (
+            lambda params: params.__setitem__(0, "model.no_such.weight"),
+            "'model.no_such.weight', which model/tp00-pp00",
+        ),
+    ]:
+        record = json.loads(original)
+        change(record["param_groups"][0]["params"])
+        path.write_text(json.dumps(record))
+        _rewrite_metadata(saved, lambda meta: meta["files"].update({"optimizer/tp00-pp00.json": _record(path)}))
+        code, _, err = _verify_cli(saved, capsys)
+        assert code == 2 and said in err and "\n" not in err.strip(), err
+    path.write_text(original)
+    _rewrite_metadata(saved, lambda meta: meta["files"].update({"optimizer/tp00-pp00.json": _record(path)}))
+    assert _verify_cli(saved, capsys)[0] == 0
+
+
 def test_a_scheduler_state_of_another_shape_is_refused_and_a_changed_setting_said(tmp_path, trained, capsys):
     """Two ``base_lrs`` for one parameter group failed at the first step (``zip``); a setting the checkpoint restores
     over this run's (a weight decay, a learning rate changed on resume) is said, as accelerate's load_state restores
