@@ -20,7 +20,6 @@ checkpoints written before labels record no ``save`` and their files none, and a
 
 from __future__ import annotations
 
-import json
 import uuid
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from mtk import jsonio
 from mtk.checkpoint.paths import reading
 from mtk.errors import CheckpointError
 
@@ -75,7 +75,7 @@ def file_label(path: Path, kind: str) -> str | None:
             except Exception as err:  # safetensors raises its own types for a damaged header
                 raise ValueError(f"not a readable safetensors file: {err}") from None
         elif kind == "json":
-            record = json.loads(path.read_text())
+            record = jsonio.loads(path.read_text())
             found = record.get(KEY) if isinstance(record, dict) else None
         else:
             state = torch.load(path, weights_only=True, map_location="cpu")
