@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -197,15 +198,21 @@ def _problem(root: Path, name: str, record: dict[str, Any], label: str | None) -
     return label_problem(root, name, label)
 
 
-def verify_files(root: Path, recorded: dict[str, dict[str, Any]], label: str | None = None) -> list[str]:
+def verify_files(
+    root: Path, recorded: dict[str, dict[str, Any]], label: str | None = None, *, listed: list[str] | None = None
+) -> list[str]:
     """Problems with the files under ``root`` against ``recorded``, and with the save labels the files carry against
-    ``label`` (:mod:`~mtk.checkpoint.labels`); empty when every file matches.
+    ``label`` (:mod:`~mtk.checkpoint.labels`); empty when every file matches. With ``listed`` (a checkpoint without
+    checksums), only those files' labels.
 
     Collective when a process group exists: each rank checks its share and every rank returns the
     same full list, so every rank can refuse the checkpoint together (no rank is left in a collective).
     A file the checkpoint does not list (a shard of another layout copied in) is a problem too.
     """
     root = Path(root)
+    if listed is not None:  # no record to check against: only the labels of ``listed``
+        mine = [p for p in _each(lambda name: label_problem(root, name, label), _share(listed)) if p]
+        return [problem for part in _gather(mine) for problem in part]
     names = sorted(recorded)
     mine = [p for p in _each(lambda name: _problem(root, name, recorded[name], label), _share(names)) if p]
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -228,6 +235,33 @@ def _unlisted_weights(meta: CheckpointMeta) -> list[str]:
     return [name for name in expected if name not in meta.files]
 
 
+def _check_format_fields(directory: str | Path, meta: CheckpointMeta) -> None:
+    """A metadata of the first format records nothing of what later formats added (a run id, checksums, a save
+    label, counts, pieces): rewriting a checkpoint's format to the first would otherwise turn every check off."""
+    if meta.format != FIRST_FORMAT:
+        return
+    later = [name for name in ("run_id", "files", "save", "counts", "pieces") if getattr(meta, name)]
+    if later:
+        raise CheckpointError(
+            f"{directory}/metadata.json says format {FIRST_FORMAT} but records {later[0]!r}, which only later "
+            "formats write; the metadata is crafted or damaged: use another checkpoint"
+        )
+
+
+def _check_scheduler_count(directory: str | Path, meta: CheckpointMeta) -> None:
+    """A metadata that records the schedulers' positions records one per scheduler file (none left out: an empty
+    list would switch the position check off)."""
+    positions = meta.counts.get("scheduler_positions")
+    if positions is None or not meta.files:
+        return
+    held = [name for name in meta.files if re.fullmatch(r"scheduler(_\d+)?\.pt", name)]
+    if len(held) != len(positions):
+        raise CheckpointError(
+            f"{directory}/metadata.json records the positions of {len(positions)} schedulers, the checkpoint holds "
+            f"{len(held)} scheduler files; not as mtk wrote it (crafted, or damaged): use another checkpoint"
+        )
+
+
 def read_verified(directory: str | Path) -> CheckpointMeta:
     """The metadata of a complete checkpoint whose every file matches it; else one clear error.
 
@@ -236,6 +270,7 @@ def read_verified(directory: str | Path) -> CheckpointMeta:
     (mtk never writes one: its weights are always listed).
     """
     meta = read_metadata(directory)
+    _check_format_fields(directory, meta)
     linked = links(Path(directory))
     if linked and meta.format == FIRST_FORMAT:  # format 2 names links among its problems (verify_files)
         raise CheckpointError(
@@ -256,6 +291,11 @@ def read_verified(directory: str | Path) -> CheckpointMeta:
                 f"{'' if meta.pieces is None else f', {meta.pieces} pieces'}) writes; the checkpoint is incomplete or "
                 "crafted: use another one"
             )
+    if meta.format == FIRST_FORMAT:  # files mtk labels cannot be of a save before labels
+        problems = verify_files(Path(directory), {}, None, listed=list_files(Path(directory)))
+        if problems:
+            raise CheckpointError(f"{problems[0]}: a checkpoint of format {FIRST_FORMAT} holds no labelled file")
+    _check_scheduler_count(directory, meta)
     if meta.files:
         problems = verify_files(Path(directory), meta.files, meta.save)
         if problems:

@@ -138,6 +138,30 @@ def test_a_file_from_another_save_is_refused_even_with_its_checksum_recorded(tmp
     )
 
 
+def test_metadata_rewritten_to_the_first_format_does_not_turn_the_checks_off(saved, trained, tmp_path, capsys):
+    """``format`` set to the first (no checksums) and ``files`` emptied: every check was off, and a pipeline stage's
+    weights from another save trained with exit 0 (the re-check's N2). The first format recorded no run id, label or
+    counts, and no file of its saves carries a label."""
+    _rewrite_metadata(saved, lambda meta: meta.update(format="mtk-checkpoint/1", files={}))
+    for said in _refusals(saved, trained, tmp_path, capsys):
+        assert "says format mtk-checkpoint/1 but records 'run_id', which only later formats write" in said, said
+    _rewrite_metadata(saved, lambda meta: [meta.pop(k) for k in ("run_id", "save", "counts")])
+    for said in _refusals(saved, trained, tmp_path, capsys):
+        assert "was written by the save labelled" in said and "holds no labelled file" in said, said
+
+
+@pytest.mark.parametrize("positions", [[], [0, 0]], ids=["none-recorded", "one-more"])
+def test_recorded_scheduler_positions_cover_the_scheduler_files(tmp_path, trained, capsys, positions):
+    """``scheduler_positions: []`` switched the position check off (a scheduler from another save then trained on);
+    two positions for one scheduler file were refused by verify but resumed."""
+    parallel, model, optimizer = trained
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    directory = save_checkpoint(tmp_path / "step_2", parallel, model, [optimizer], [scheduler], step=2)
+    _rewrite_metadata(directory, lambda meta: meta["counts"].update(scheduler_positions=positions))
+    for said in _refusals(directory, trained, tmp_path, capsys):
+        assert f"records the positions of {len(positions)} schedulers, the checkpoint holds 1 scheduler" in said
+
+
 def test_a_checkpoint_written_before_labels_is_read_as_before(tmp_path, trained, monkeypatch):
     parallel, model, optimizer = trained
     monkeypatch.setattr("mtk.checkpoint.sharded.new_label", lambda step: None)
@@ -279,7 +303,8 @@ def test_a_link_in_a_checkpoint_of_the_first_format_is_refused_too(saved, traine
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (saved / "tokenizer").symlink_to(elsewhere, target_is_directory=True)
-    _rewrite_metadata(saved, lambda meta: (meta.pop("files"), meta.update(format="mtk-checkpoint/1")))
+    first = ("files", "run_id", "save", "counts")  # what the first format did not record
+    _rewrite_metadata(saved, lambda meta: ([meta.pop(k) for k in first], meta.update(format="mtk-checkpoint/1")))
     code, _, err = _verify_cli(saved, capsys)
     assert code == 2 and "tokenizer is a symbolic link" in err and "\n" not in err.strip()
     with pytest.raises(CheckpointError, match="tokenizer is a symbolic link"):
@@ -385,7 +410,7 @@ def test_verify_checkpoint_checks_the_counts_each_file_keeps(tmp_path, trained, 
     _rewrite_metadata(directory, lambda meta: meta["data"].update(samples_per_micro_batch=8))
     _rewrite_metadata(directory, lambda meta: meta["counts"].update(scheduler_positions=[0, 0]))
     code, _, said = _verify_cli(directory, capsys)  # (a FileNotFoundError traceback)
-    assert code == 2 and "records 2 schedulers, the checkpoint holds no scheduler_1.pt" in said, said
+    assert code == 2 and "records the positions of 2 schedulers, the checkpoint holds 1 scheduler" in said, said
 
 
 @pytest.mark.parametrize("base", [{}, "x", {"name_or_path": "b", "peft_type": "LORA", "fingerprint": {"sum": "1"}}])
