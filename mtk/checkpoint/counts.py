@@ -28,6 +28,7 @@ from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.errors import CheckpointError
 
 __all__ = [
+    "check_engine_state",
     "check_learning_rates",
     "check_optimizer_steps",
     "check_saved_counts",
@@ -35,6 +36,7 @@ __all__ = [
     "learning_rates",
     "optimizer_steps",
     "recorded_counts",
+    "engine_state_sums",
 ]
 
 
@@ -89,6 +91,52 @@ def recorded_counts(
         counts["fewest_optimizer_steps"] = steps[0] if steps else None
         counts["learning_rates"] = [learning_rates(optimizer.param_groups) for optimizer in optimizers]
     return counts
+
+
+def _state_sums(optimizer: Any) -> list[float]:
+    """``[sum, sum of |x|]`` in float64 over an optimizer's parameters and its state tensors of one or more dimensions
+    (its moments; a count kept as a 0-dim tensor or a number is left out: an engine may restore it as the other)."""
+    if optimizer is None:
+        return [0.0, 0.0]
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
+    tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
+    if not tensors:
+        return [0.0, 0.0]
+    values = [t.detach().to(torch.float64) for t in tensors]
+    return [
+        float(torch.stack([v.sum() for v in values]).sum()),
+        float(torch.stack([v.abs().sum() for v in values]).sum()),
+    ]
+
+
+def engine_state_sums(optimizer: Any) -> list[list[float]]:
+    """Every rank's :func:`_state_sums` of an engine's optimizer (DeepSpeed's inner one: its fp32 partitions and
+    moments), in rank order: what a save records of files mtk does not write or label itself. Collective."""
+    mine = _state_sums(optimizer)
+    if not dist.is_initialized():
+        return [mine]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def check_engine_state(optimizer: Any, recorded: Mapping[str, Any], where: str, device: torch.device) -> None:
+    """The engine's optimizer state just restored from its own files holds, on every rank, the sums its save
+    recorded (``counts.engine_state``): its files from another save of the run (checksums rewritten) trained on from
+    that save's moments and weights, without a word. Collective: every rank refuses together."""
+    saved = recorded.get("engine_state")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if not isinstance(saved, list) or len(saved) != world:
+        return
+    differs = torch.tensor([1.0 if _state_sums(optimizer) != saved[rank] else 0.0], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+    if differs.item():
+        raise CheckpointError(
+            f"{where}: the engine's optimizer state restored from its own files is not the one its save recorded "
+            "(weights or moments of another save); its files are from another save (crafted, or mixed from two "
+            "runs): use another checkpoint"
+        )
 
 
 def learning_rates(groups: Sequence[Mapping[str, Any]]) -> list[float]:

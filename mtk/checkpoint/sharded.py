@@ -127,6 +127,7 @@ def save_checkpoint(
     writers: Sequence[Callable[[Path], None]] = (),
     collective_writers: Sequence[Callable[[Path, str], None]] = (),
     piece: Piece | None = None,
+    engine_state: list[list[float]] | None = None,
 ) -> Path:
     """Write a checkpoint at ``directory`` atomically. Collective: every rank calls it.
 
@@ -135,10 +136,13 @@ def save_checkpoint(
     ``collective_writers`` run on every rank with the directory and the save's label (e.g. DeepSpeed's own,
     collective, save_checkpoint, and mtk's ZeRO-3 pieces, which carry the label: :mod:`~mtk.checkpoint.labels`).
     ``piece``: where this rank's pieces sit when the model's parameters are split over DP by an engine (ZeRO-3);
-    FSDP2's are found from the parameters themselves.
+    FSDP2's are found from the parameters themselves. ``engine_state``: every rank's sums of the engine's optimizer
+    state (:func:`~mtk.checkpoint.counts.engine_state_sums`), recorded in ``counts`` to check its own files by.
     """
     _check_finite_weights(model, parallel, step)
     counts = recorded_counts(optimizers if engine is None else None, schedulers, parallel.device)  # collective
+    if engine_state is not None:
+        counts["engine_state"] = engine_state
     piece = _with_experts(piece or piece_of(model), model, parallel)
     label = new_label(step)  # collective: every file this save writes carries it
     if piece is not None and len(optimizers) > 1:  # a checkpoint in pieces is read back through the resharding

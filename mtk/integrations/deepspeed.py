@@ -29,7 +29,7 @@ from torch import nn
 
 from mtk import jsonio
 from mtk.checkpoint.base_model import check_base
-from mtk.checkpoint.counts import check_scheduler_positions
+from mtk.checkpoint.counts import check_engine_state, check_scheduler_positions, engine_state_sums
 from mtk.checkpoint.integrity import read_verified
 from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.paths import CheckpointPaths
@@ -38,7 +38,7 @@ from mtk.checkpoint.sharded import load_schedulers, restore_streams, save_checkp
 from mtk.config import ConfigError
 from mtk.errors import CheckpointError
 from mtk.integrations.deepspeed_batch import BatchSizes, reconcile_batch
-from mtk.integrations.deepspeed_reshard import load_at_another_layout, save_optimizer_pieces
+from mtk.integrations.deepspeed_reshard import inner_optimizer, load_at_another_layout, save_optimizer_pieces
 from mtk.integrations.deepspeed_sections import check_sections
 from mtk.parallel.optimizer_updates import check_named_update
 from mtk.parallel.pieces import Piece
@@ -231,6 +231,9 @@ def save_deepspeed_checkpoint(
         )
     if not schedulers and engine.lr_scheduler is not None:  # run.py's, which DeepSpeed steps: saved as mtk's too
         schedulers = [engine.lr_scheduler]
+    state = engine_state_sums(
+        inner_optimizer(engine)
+    )  # collective: DeepSpeed's own files are checked against it on resume
     with zero3_gathered(engine) if piece is None else contextlib.nullcontext():
         return save_checkpoint(
             directory,
@@ -244,6 +247,7 @@ def save_deepspeed_checkpoint(
             data=data,
             engine={"engine": "deepspeed", "zero_stage": engine.zero_optimization_stage()},
             piece=piece,
+            engine_state=state,
         )
 
 
@@ -294,6 +298,8 @@ def load_deepspeed_checkpoint(
             f"{directory}: DeepSpeed's state counts {engine.global_steps} steps where the metadata says {meta.step}; "
             "its files are from another save (crafted, or mixed from two runs): use another checkpoint"
         )
+    if same:  # and hold the optimizer state the save recorded (its files carry no save label)
+        check_engine_state(inner_optimizer(engine), meta.counts, str(directory), parallel.device)
     if not schedulers and engine.lr_scheduler is not None:
         if same:  # DeepSpeed restored it from its own files: at the position the metadata recorded
             check_scheduler_positions([engine.lr_scheduler], meta.counts, str(directory))

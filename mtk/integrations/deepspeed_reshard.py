@@ -34,24 +34,26 @@ from mtk.parallel.pieces import Piece, flat_piece
 from mtk.parallel.sharding import take_shard
 from mtk.parallel.state import ParallelState
 
-__all__ = ["load_at_another_layout", "save_optimizer_pieces"]
+__all__ = ["inner_optimizer", "load_at_another_layout", "save_optimizer_pieces"]
 
 _MASTER, _STEP = "master", "step"
 
 
-def _inner(engine) -> torch.optim.Optimizer:
-    """The torch optimizer DeepSpeed steps over this rank's flat fp32 partitions."""
-    return engine.optimizer.optimizer
+def inner_optimizer(engine) -> Any:
+    """The torch optimizer DeepSpeed steps over this rank's flat fp32 partitions (which holds them and their moments);
+    ``None`` for an engine without an optimizer."""
+    optimizer = getattr(engine, "optimizer", None)
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def _moment_keys(engine) -> list[str]:
     """The optimizer's per-element state (AdamW: exp_avg, exp_avg_sq), from its state after a step."""
-    states = [s for s in _inner(engine).state.values() if s]
+    states = [s for s in inner_optimizer(engine).state.values() if s]
     return sorted(k for k, v in states[0].items() if torch.is_tensor(v) and v.dim() > 0) if states else []
 
 
 def _step(engine) -> torch.Tensor | None:
-    states = [s for s in _inner(engine).state.values() if _STEP in s]
+    states = [s for s in inner_optimizer(engine).state.values() if _STEP in s]
     return torch.as_tensor(states[0][_STEP]).detach().float().cpu() if states else None
 
 
@@ -78,7 +80,7 @@ def save_optimizer_pieces(engine, piece: Piece, directory: Path, tp_rank: int, p
     stem = paths.optimizer(tp_rank, pp_rank, piece=piece.index)
     save_file(tensors, str(stem.with_suffix(".safetensors")), {KEY: label})
     if piece.index == 0:
-        groups = [{k: v for k, v in group.items() if k != "params"} for group in _inner(engine).param_groups]
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in inner_optimizer(engine).param_groups]
         record = {"param_groups": groups, "state": {}, "engine": "deepspeed", KEY: label}
         paths.optimizer(tp_rank, pp_rank).with_suffix(".json").write_text(json.dumps(record, default=float))
 
@@ -110,7 +112,7 @@ def load_at_another_layout(directory: str | Path, engine, meta: CheckpointMeta, 
         raise CheckpointError(
             f"{directory} resumes at its own layout only ({why}); take its weights with `mtk export`"
         )
-    inner = _inner(engine)
+    inner = inner_optimizer(engine)
     if not type(inner).__module__.startswith("torch.optim"):  # DeepSpeed's own Adams keep other state types
         raise CheckpointError(
             f"resuming {directory} at another layout needs torch's optimizer inside DeepSpeed (mtk's default, "
@@ -175,7 +177,7 @@ def _create_state(engine, moments: list[str], step: torch.Tensor | None) -> None
             "this DeepSpeed version keeps ZeRO-3's fp32 partitions elsewhere (no fp32_partitioned_groups_flat); "
             "resume at the checkpoint's own layout"
         )
-    inner = _inner(engine)
+    inner = inner_optimizer(engine)
     for flat in flats:  # [this rank's elements of one sub-group], fp32
         state: dict[str, Any] = inner.state[flat]
         for key in moments:

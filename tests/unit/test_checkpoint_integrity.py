@@ -356,20 +356,31 @@ def test_deepspeed_state_from_another_save_is_refused(tmp_path, trained):
     step count and its scheduler's position must be the ones the metadata recorded."""
     from types import SimpleNamespace
 
+    from mtk.checkpoint.counts import engine_state_sums
     from mtk.integrations.deepspeed import load_deepspeed_checkpoint
 
     parallel, model, optimizer = trained
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     engine_record = {"engine": "deepspeed", "zero_stage": 2}
-    directory = save_checkpoint(tmp_path / "step_2", parallel, model, [], [scheduler], step=2, engine=engine_record)
+    partition = torch.nn.Parameter(torch.linspace(-1, 1, 6))  # a rank's flat fp32 partition, stepped once
+    inner = torch.optim.AdamW([partition])
+    partition.grad = torch.ones(6)
+    inner.step()
+    directory = save_checkpoint(tmp_path / "step_2", parallel, model, [], [scheduler], step=2, engine=engine_record,
+                                engine_state=engine_state_sums(inner))  # fmt: skip
 
-    def engine(steps, position):  # what DeepSpeed's load_checkpoint restored from deepspeed/
+    def engine(steps, position, restored_optimizer=inner):  # what DeepSpeed's load_checkpoint restored
         restored = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         restored.last_epoch = position
         load = lambda *args, **kwargs: (str(directory / "deepspeed"), {})  # noqa: E731
-        return SimpleNamespace(module=model, global_steps=steps, lr_scheduler=restored, load_checkpoint=load)
+        return SimpleNamespace(module=model, global_steps=steps, lr_scheduler=restored, load_checkpoint=load,
+                               optimizer=SimpleNamespace(optimizer=restored_optimizer))  # fmt: skip
 
     assert load_deepspeed_checkpoint(directory, engine(2, 0), parallel).step == 2
+    other = torch.optim.AdamW([torch.nn.Parameter(partition.detach() + 0.5)])  # weights of another save (N1)
+    other.load_state_dict(inner.state_dict())
+    with pytest.raises(CheckpointError, match="the engine's optimizer state restored from its own files is not the"):
+        load_deepspeed_checkpoint(directory, engine(2, 0, other), parallel)
     with pytest.raises(CheckpointError, match="DeepSpeed's state counts 3 steps where the metadata says 2"):
         load_deepspeed_checkpoint(directory, engine(3, 0), parallel)
     with pytest.raises(CheckpointError, match="scheduler 0 is at position 7 where the metadata recorded 0"):
