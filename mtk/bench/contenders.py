@@ -61,7 +61,12 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     device = bench_device()
     baseline = resident_memory(device)
     parallel = ParallelState.build(
-        tp_size=spec.tp_size, pp_size=spec.pp_size, cp_size=spec.cp_size, ep_size=spec.ep_size, device=device
+        tp_size=spec.tp_size,
+        pp_size=spec.pp_size,
+        cp_size=spec.cp_size,
+        ep_size=spec.ep_size,
+        etp_size=spec.etp_size,
+        device=device,
     )
     model = build_model(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype])
     parallelize(
@@ -194,6 +199,12 @@ def run_mtk_without_ep(rank: int, world_size: int, spec: BenchSpec) -> dict:
     return run_mtk(rank, world_size, replace(spec, ep_size=1))
 
 
+def run_mtk_experts_split(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """mtk at the same layout with each expert split over TP (the experts' TP size the TP size): what keeping the
+    experts whole and splitting the tokens (``--etp 1``) is held against."""
+    return run_mtk(rank, world_size, replace(spec, etp_size=None))
+
+
 def run_mtk_one_stage(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """mtk at the same TP with the whole model on one stage: what a pipeline's ideal is measured from."""
     one_stage = replace(
@@ -208,6 +219,7 @@ CONTENDERS: dict[str, tuple[Callable, Callable[[BenchSpec], int], Callable[[Benc
     "mtk-one-stage": (run_mtk_one_stage, lambda s: s.tp_size * s.dp_size, lambda s: 1),
     "mtk-one-replica": (run_mtk_one_replica, lambda s: s.tp_size * s.pp_size, lambda s: 1),
     "mtk-without-ep": (run_mtk_without_ep, lambda s: s.tp_size * s.dp_size, lambda s: 1),
+    "mtk-experts-split": (run_mtk_experts_split, lambda s: s.tp_size * s.pp_size * s.dp_size, lambda s: 1),
     "hf-1thread": (run_hf, lambda s: 1, lambda s: 1),
     "accelerate": (run_accelerate, lambda s: 1, lambda s: 1),
     "mtk-accelerator": (run_mtk_accelerator, lambda s: 1, lambda s: 1),

@@ -70,6 +70,7 @@ class BenchSpec:
     cp_size: int = 1  # mtk only: context parallelism, the sequence split over this many ranks per TP rank
     cp_comm: str = "p2p"  # mtk only, cp > 1: ring ("p2p") or all-to-all ("a2a") attention
     ep_size: int = 1  # mtk only: expert parallelism, each MoE layer's experts spread over this many DP replicas
+    etp_size: int | None = None  # mtk only: the experts' TP size (None: the TP size; 1: whole, the tokens split)
 
 
 @dataclass

@@ -37,6 +37,7 @@ CHECKED_LAYOUTS: dict[str, dict] = {
     "pp2 m=2 (warm-up only)": dict(model="bench-llama", tp_size=1, pp_size=2, batch=2, seq=256, micro_batches=2),
     "tiny-gpt2 tp2 (dropout)": dict(model="tiny-gpt2", tp_size=2, pp_size=1, batch=4, seq=128),
     "cp2 (ring)": dict(model="bench-llama", tp_size=1, pp_size=1, cp_size=2, batch=1, seq=1024),
+    "moe tp2 etp1 (whole experts)": dict(model="bench-qwen3-moe", tp_size=2, pp_size=1, batch=2, seq=256, etp_size=1),
     "tp2 cp2 sp (all-to-all)": dict(
         model="bench-llama", tp_size=2, pp_size=1, cp_size=2, cp_comm="a2a", batch=1, seq=1024, sequence_parallel=True
     ),
@@ -75,6 +76,8 @@ def _request_and_candidate(spec: BenchSpec, device: str) -> tuple[Request, Candi
         ddp=False,
         cp_sizes=(spec.cp_size,),
         cp_comm=spec.cp_comm,
+        ep_sizes=(spec.ep_size,),
+        etp_sizes=(spec.etp_size,),
     )
     candidate = Candidate(
         tp_size=spec.tp_size,
@@ -88,6 +91,8 @@ def _request_and_candidate(spec: BenchSpec, device: str) -> tuple[Request, Candi
         recompute=spec.recompute,
         sharding="distopt" if spec.distributed_optimizer else "fsdp2" if spec.fsdp else "none",
         cp_size=spec.cp_size,
+        ep_size=spec.ep_size,
+        etp_size=spec.etp_size,
     )
     return request, candidate
 

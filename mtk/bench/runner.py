@@ -92,7 +92,9 @@ def predicted_for(spec: BenchSpec) -> Predicted:
     dp_traffic = (
         {}
         if spec.fsdp
-        else data_parallel_traffic(config, spec.tp_size, replicas, spec.distributed_optimizer, spec.ep_size)
+        else data_parallel_traffic(
+            config, spec.tp_size, replicas, spec.distributed_optimizer, spec.ep_size, spec.etp_size
+        )
     )
     stage_layers = _first_rank_layers(config, spec) if spec.pp_size > 1 else layers
     moe_here = stage_moe_layers(config, stage_layers, spec.pp_size)  # rank 0's
@@ -113,15 +115,21 @@ def predicted_for(spec: BenchSpec) -> Predicted:
         residual_dropout=has_residual_dropout(config),
         virtual_stages=spec.virtual_stages,
         stage_layers=_first_rank_layers(config, spec) if spec.pp_size > 1 else None,
-        tp_summed_numels=tuple(tp_shared_numels(config, spec.tp_size)) * stage_layers if spec.tp_size > 1 else (),
+        tp_summed_numels=(
+            tuple(tp_shared_numels(config, spec.tp_size, spec.etp_size, spec.ep_size)) * stage_layers
+            if spec.tp_size > 1
+            else ()
+        ),
         moe_layers=moe_here if spec.tp_size > 1 else 0,
         top_k=top_k,
         router_experts=router_experts(config) if spec.pp_size > 1 else 0,
+        experts_whole=spec.etp_size == 1,
         **dp_traffic,
     )
+    tokens = spec.batch // spec.micro_batches * spec.seq  # a micro-batch's, each TP rank's share at the experts' TP 1
     exchange = predict_expert_collectives(
         moe_here,
-        spec.batch // spec.micro_batches * spec.seq,
+        -(-tokens // spec.tp_size) if spec.etp_size == 1 else tokens,
         top_k,
         config.hidden_size,
         spec.ep_size,

@@ -11,13 +11,13 @@ from mtk.bench.plan_check import check_lines, check_ranks
 from mtk.bench.report import format_report, report_dict, write_json
 from mtk.bench.runner import predicted_for, run_bench
 from mtk.checkpoint.export import check_writable_beside
-from mtk.config import PIPELINE_SCHEDULES, RECOMPUTE_GRANULARITIES, check_schedule
-from mtk.errors import MtkError
+from mtk.config import PIPELINE_SCHEDULES, RECOMPUTE_GRANULARITIES, check_expert_tp_size, check_schedule
+from mtk.errors import ConfigError, MtkError
 from mtk.models import DTYPES, resolve_config
 from mtk.parallel.layout import Layout
 from mtk.parallel.state import default_device
 from mtk.pipeline.stages import stage_layer_counts
-from mtk.planner.shapes import expert_parallel_refusal
+from mtk.planner.shapes import expert_parallel_refusal, moe_layers
 from mtk.rules import check_tp_size
 
 PEERS = ["hf-1thread", "hf-all-threads", "transformers-tp_plan", "deepspeed-autotp"]
@@ -80,6 +80,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(default 1)",
     )
     parser.add_argument(
+        "--etp",
+        type=int,
+        help="the experts' TP size: --tp (default: each expert split over TP) or 1 (every expert whole on each TP "
+        "rank, each rank running its share of the tokens); 1 also runs mtk with the experts split on the same layout",
+    )
+    parser.add_argument(
         "--cp",
         type=int,
         default=1,
@@ -135,6 +141,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         raise MtkError("--fsdp measures mtk's own layout; --compare holds mtk against its peers without it")
     _check_context_parallel(args, config)
     _check_expert_parallel(args, config)
+    _check_expert_tp_size(args, config)
     micro = args.micro_batches or (args.batch if args.pp > 1 else 1)
     if args.memory and args.dtype != "fp32":
         raise MtkError("--memory holds the run against mtk plan, which models bf16 as mixed precision: use fp32")
@@ -169,6 +176,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         cp_size=args.cp,
         cp_comm=args.cp_comm_type,
         ep_size=args.ep,
+        etp_size=args.etp if args.etp != args.tp else None,
         track_memory=args.memory,
     )
 
@@ -190,6 +198,22 @@ def _check_expert_parallel(args: argparse.Namespace, config) -> None:
         raise MtkError(
             f"--ep {args.ep} --compare holds mtk against DeepSpeed AutoEP, whose experts are whole: use --tp 1"
         )
+
+
+def _check_expert_tp_size(args: argparse.Namespace, config) -> None:
+    """``--etp``: the TP size or 1 (at TP 1 the same: every expert whole), on an MoE model (one line otherwise)."""
+    if args.etp is None or args.etp == args.tp:
+        return
+    try:
+        check_expert_tp_size(args.etp, args.tp)
+    except ConfigError as err:
+        raise MtkError(f"--etp {args.etp}: {err}") from None
+    if moe_layers(config) == 0:
+        raise MtkError(f"--etp 1 keeps an MoE model's experts whole on each TP rank; {args.model} has no experts")
+    others = [flag for flag, on in (("--fsdp", args.fsdp), ("--cp > 1", args.cp > 1), ("--compare", args.compare),
+              ("--sequence_parallel", args.sequence_parallel)) if on]  # fmt: skip
+    if others:
+        raise MtkError(f"--etp 1 is measured against mtk with the experts split over TP, without {', '.join(others)}")
 
 
 def _check_context_parallel(args: argparse.Namespace, config) -> None:
@@ -244,12 +268,15 @@ def run(args: argparse.Namespace) -> int:
         contenders.insert(1, "mtk-one-replica")  # and data parallelism's
     if spec.ep_size > 1:
         contenders.insert(1, "mtk-without-ep")  # expert parallelism's baseline: every expert on every replica
+    if spec.etp_size == 1:
+        contenders.insert(1, "mtk-experts-split")  # the experts' TP size 1's baseline: each expert split over TP
     rounds = args.rounds or (3 if args.compare else 1)
     assert set(contenders) <= set(CONTENDERS)
     print(
         f"mtk bench: {spec.model} tp={spec.tp_size} pp={spec.pp_size}"
         + (f" cp={spec.cp_size} ({spec.cp_comm})" if spec.cp_size > 1 else "")
         + (f" dp={spec.dp_size} ep={spec.ep_size}" if spec.ep_size > 1 else "")
+        + (" etp=1" if spec.etp_size == 1 else "")
         + f", {', '.join(contenders)}, {rounds} round(s)",
         flush=True,
     )

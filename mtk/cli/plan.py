@@ -13,7 +13,7 @@ from mtk.models import check_seq_len, resolve_config
 from mtk.parallel.context import router_loss_refusal
 from mtk.planner.cluster import INFINIBAND_GBPS, NVLINK_GBPS, PEAK_TFLOPS, Cluster, parse_bytes
 from mtk.planner.search import Estimate, Request, context_parallel_refusal, plan, valid_tp_sizes
-from mtk.planner.shapes import expert_parallel_refusal
+from mtk.planner.shapes import expert_parallel_refusal, moe_layers
 from mtk.planner.timing import model_size
 from mtk.rules import check_tp_size
 
@@ -68,6 +68,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "replicas), or 'auto' for every one the GPUs allow (default 1)",
     )
     parser.add_argument(
+        "--etp",
+        choices=("tp", "1", "auto"),
+        default="tp",
+        help="the experts' TP size to weigh on an MoE model: tp (each expert split over the TP ranks, default), 1 "
+        "(every expert whole on each TP rank, each rank running its share of the tokens), or auto (both)",
+    )
+    parser.add_argument(
         "--cp_comm_type",
         choices=CP_COMM_TYPES,
         default="p2p",
@@ -81,6 +88,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--all", action="store_true", help="every SP/recompute setting, fitting or not")
     parser.add_argument("--json", action="store_true", help="print every estimate as JSON instead of the table")
     parser.set_defaults(run=run)
+
+
+_EXPERT_TP_SIZES: dict[str, tuple[int | None, ...]] = {"tp": (None,), "1": (1,), "auto": (None, 1)}
 
 
 def _degrees(text: str) -> tuple:
@@ -143,6 +153,7 @@ def request_from_args(args: argparse.Namespace) -> Request:
         cp_sizes=args.cp if args.cp != ("auto",) else tuple(range(1, cluster.gpus + 1)),
         cp_comm=args.cp_comm_type,
         ep_sizes=args.ep if args.ep != ("auto",) else tuple(range(1, cluster.gpus + 1)),
+        etp_sizes=_EXPERT_TP_SIZES[args.etp],
         device=args.device,
         every_setting=args.all,
     )
@@ -182,6 +193,8 @@ def _check_fixed_degrees(request: Request) -> None:
                 f"--ep {ep} runs under accelerate (DDP, the distributed optimizer or FSDP2), not DeepSpeed; use "
                 "--engine accelerate or any"
             )
+    if request.etp_sizes == (1,) and not moe_layers(config):
+        raise ConfigError(f"--etp 1 keeps an MoE model's experts whole on each TP rank; {config.model_type} has none")
     if request.pp_size and request.pp_size > 1:
         refusal = router_loss_refusal(config, "pipeline parallelism")
         if refusal:
@@ -280,6 +293,7 @@ def _request_dict(request: Request) -> dict:
         "offload": request.offload,
         "cp_sizes": list(request.cp_sizes),
         "ep_sizes": list(request.ep_sizes),
+        "etp_sizes": [etp or "tp" for etp in request.etp_sizes],
         "cp_comm_type": request.cp_comm,
         "device": request.device,
     }

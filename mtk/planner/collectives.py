@@ -65,6 +65,7 @@ def predict_collectives(
     moe_layers: int = 0,
     top_k: int = 0,
     router_experts: int = 0,
+    experts_whole: bool = False,
 ) -> Predicted:
     """What stage ``stage`` of a TP x PP layout sends per optimizer step (``pp = 1``: the whole model).
 
@@ -82,7 +83,11 @@ def predict_collectives(
     embedding's gather too); ``moe_layers`` MoE layers (this
     stage's) routing ``top_k`` experts per token add, with the experts split over TP, the routing weights'
     gradient ``[b s, k]`` summed over TP in every backward (the experts' input and output are the blocks' MLP
-    pair, counted with them).
+    pair, counted with them). With ``experts_whole`` (the experts' TP size 1, :mod:`mtk.parallel.expert_tokens`)
+    an MoE layer has no such pair: each TP rank runs the experts on its share of the tokens, all-gathers their
+    output ``[b s / tp, h]`` in forward and, in backward, the gradients of its rows ``[b s / tp, h]`` and of their
+    routing weights ``[b s / tp, k]`` (the first ranks' shares one row more where TP does not divide the tokens:
+    rank 0's counted); the experts' own gradients are ``tp_shared`` (``tp_summed_numels``).
 
     With PP, ``batch`` is the step's batch, cut into ``micro_batches``; this stage's layers are
     ``stage_layers`` (:func:`mtk.pipeline.balance.layer_counts` gives the model's split; by default the
@@ -124,14 +129,21 @@ def predict_collectives(
                 ends * micro_batches * activation + layers * sequence_parallel_elements * element_size
             )
         else:
-            per_micro = 4 * layers + ends + reruns - skipped
+            # whole experts: an MoE layer's pair is gathers of rows (below), as is the MLP's rerun under dropout
+            unpaired = (2 + (1 if reruns and residual_dropout else 0)) * moe_layers if experts_whole else 0
+            per_micro = 4 * layers + ends + reruns - skipped - unpaired
             counts["all_reduce"] += per_micro * micro_batches
             nbytes["all_reduce"] += per_micro * micro_batches * activation
         if tp_summed_numels:
             counts["all_reduce"] += len(tp_summed_numels) * micro_batches
             summed_size = element_size if gradient_element_size is None else gradient_element_size
             nbytes["all_reduce"] += sum(tp_summed_numels) * summed_size * micro_batches
-        if moe_layers:
+        if moe_layers and experts_whole:
+            rows = -(-micro * seq // tp)  # rank 0's share of the tokens
+            outputs = 2 if reruns and residual_dropout else 1  # the forward's gather, rerun where backward needs it
+            counts["all_gather"] += moe_layers * (outputs + 2) * micro_batches
+            nbytes["all_gather"] += moe_layers * rows * ((outputs + 1) * hidden + top_k) * element_size * micro_batches
+        elif moe_layers:
             counts["all_reduce"] += moe_layers * micro_batches
             nbytes["all_reduce"] += moe_layers * micro * seq * top_k * element_size * micro_batches
         if last:  # vocab-parallel cross-entropy: [b, s] maxima, then [2, b, s]

@@ -11,7 +11,7 @@ from mtk.planner.layouts import Candidate, Request
 from mtk.planner.shapes import every_layer_moe, expert_parallel_refusal, moe_layers, stage_moe_layers
 from mtk.planner.timing import collective_seconds
 
-__all__ = ["expert_collectives", "expert_parallel_sizes", "expert_traffic"]
+__all__ = ["expert_collectives", "expert_parallel_sizes", "expert_tp_sizes", "expert_traffic"]
 
 
 def expert_parallel_sizes(request: Request, c: Candidate) -> list[int]:
@@ -24,13 +24,30 @@ def expert_parallel_sizes(request: Request, c: Candidate) -> list[int]:
     return [ep for ep in request.ep_sizes if c.replica_size % ep == 0 and expert_parallel_refusal(config, ep) is None]
 
 
+def expert_tp_sizes(request: Request, c: Candidate) -> list[int | None]:
+    """The experts' TP sizes ``c`` may run: the TP size (``None``), and 1 where asked for on an MoE model at TP > 1
+    under accelerate without a sharded model (FSDP2 and ZeRO sum the whole experts' gradients over TP once per step,
+    not in every backward as :func:`~mtk.planner.collectives.predict_collectives` counts them)."""
+    whole = (
+        1 in request.etp_sizes
+        and c.tp_size > 1
+        and moe_layers(request.config) > 0
+        and c.engine == "accelerate"
+        and c.sharding in ("none", "distopt")
+        and (c.pp_size == 1 or every_layer_moe(request.config))
+    )
+    split = None in request.etp_sizes or c.tp_size == 1  # (at TP 1 every expert is whole already)
+    return ([None] if split else []) + ([1] if whole else [])
+
+
 def expert_collectives(request: Request, c: Candidate, element_size: int, stage_layers: int) -> Predicted:
     """The exchange's all-to-alls per step on a rank of a stage of ``stage_layers`` decoder layers (nothing at
     ``ep = 1``)."""
     config: PretrainedConfig = request.config
+    tokens = c.micro_batch_size * request.seq // c.cp_size  # a CP rank dispatches its part of each row
     return predict_expert_collectives(
         stage_moe_layers(config, stage_layers, c.pp_size),
-        c.micro_batch_size * request.seq // c.cp_size,  # a CP rank dispatches its part of each row
+        -(-tokens // c.tp_size) if c.etp_size == 1 else tokens,  # whole experts: each TP rank its share
         int(getattr(config, "num_experts_per_tok", 0) or 0),
         config.hidden_size,
         c.ep_size,

@@ -34,6 +34,8 @@ class Request:
     cp_sizes: tuple[int, ...] = (1,)  # context-parallel degrees to weigh (mtk plan --cp)
     cp_comm: str = "p2p"  # context-parallel attention: ring (p2p) or all-to-all (a2a)
     ep_sizes: tuple[int, ...] = (1,)  # expert-parallel degrees to weigh on an MoE model (mtk plan --ep)
+    # the experts' TP sizes to weigh on an MoE model at TP > 1 (mtk plan --etp): None (the TP size), 1 (whole)
+    etp_sizes: tuple[int | None, ...] = (None,)
     device: str = "cuda"  # attention kernels of this device (``cpu`` for the validation on this machine)
     ddp: bool = True  # accelerate at pp = 1 reduces through DDP's buckets (False: one coalesced all-reduce)
     every_setting: bool = False
@@ -57,6 +59,7 @@ class Candidate:
     pipeline_layers: tuple[int, ...] = ()  # decoder layers per stage (chunk) as given; (): mtk's default split
     cp_size: int = 1  # ranks that split each sequence (they hold the same weights: DP x CP replicas)
     ep_size: int = 1  # replicas each MoE layer's experts are spread over (carved out of DP)
+    etp_size: int | None = None  # the experts' TP size: None (the TP size) or 1 (whole, each TP rank its tokens)
 
     @property
     def replica_size(self) -> int:
@@ -67,7 +70,8 @@ class Candidate:
     def label(self) -> str:
         parts = [
             f"tp{self.tp_size}{f' cp{self.cp_size}' if self.cp_size > 1 else ''} pp{self.pp_size} dp{self.dp_size}"
-            + (f" ep{self.ep_size}" if self.ep_size > 1 else ""),
+            + (f" ep{self.ep_size}" if self.ep_size > 1 else "")
+            + (" etp1" if self.etp_size == 1 else ""),
             f"{self.micro_batch_size}x{self.micro_batches}",
         ]
         if self.virtual_stages > 1:
@@ -104,6 +108,7 @@ class Estimate:
                 "dp_size": c.dp_size,
                 "cp_size": c.cp_size,
                 "ep_size": c.ep_size,
+                "etp_size": c.etp_size or c.tp_size,
                 "micro_batch_size": c.micro_batch_size,
                 "micro_batches": c.micro_batches,
                 "virtual_stages": c.virtual_stages,

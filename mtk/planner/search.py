@@ -33,7 +33,7 @@ from mtk.pipeline.balance import head_weight, layer_counts, rank_layers
 from mtk.pipeline.schedules import bubble_overhead
 from mtk.planner.collectives import predict_collectives
 from mtk.planner.context import attention_workspace, context_collectives, context_parallel_refusal, context_traffic
-from mtk.planner.experts import expert_collectives, expert_parallel_sizes, expert_traffic
+from mtk.planner.experts import expert_collectives, expert_parallel_sizes, expert_tp_sizes, expert_traffic
 from mtk.planner.layouts import Candidate, Estimate, Request
 from mtk.planner.memory import RankMemory, Training, stage_memory, stage_parameters
 from mtk.planner.shapes import (
@@ -91,6 +91,7 @@ def _trace_settings(request: Request, candidate: Candidate) -> TraceSettings:
         device=request.device,
         chunked_loss=candidate.sharding != "zero3",  # ZeRO-3's partitioned head computes its logits (vocab_head.py)
         ep_size=candidate.ep_size,
+        etp_size=candidate.etp_size,
     )
 
 
@@ -185,6 +186,7 @@ def _traffic(request: Request, c: Candidate, stage: int, params: Parameters) -> 
         moe_layers=stage_moe_layers(config, _rank_layers(config, c)[stage], c.pp_size) if c.tp_size > 1 else 0,
         top_k=int(getattr(config, "num_experts_per_tok", 0) or 0),
         router_experts=router_experts(config) if c.pp_size > 1 else 0,
+        experts_whole=c.etp_size == 1,
     )
     layout = Layout(
         world_size=c.tp_size * c.cp_size * c.pp_size * c.dp_size,
@@ -349,7 +351,8 @@ def layouts(request: Request) -> Iterator[Candidate]:
     """Every (tp, cp, pp, dp, ep, micro-batch, engine, sharding) the rules allow, before SP and recompute."""
     for candidate in _dense_layouts(request):
         for ep in expert_parallel_sizes(request, candidate):
-            yield replace(candidate, ep_size=ep)
+            for etp in expert_tp_sizes(request, replace(candidate, ep_size=ep)):
+                yield replace(candidate, ep_size=ep, etp_size=etp)
 
 
 def _dense_layouts(request: Request) -> Iterator[Candidate]:
@@ -400,6 +403,7 @@ def _settings(request: Request, candidate: Candidate, most_recompute: int) -> It
     """The candidate's SP / recompute variants, cheapest in time first, up to ``RECOMPUTE_ORDER[most_recompute]``."""
     sp_allowed = (
         candidate.tp_size > 1
+        and candidate.etp_size is None  # (whole experts under SP: not modelled)
         and candidate.engine == "accelerate"
         and _rank_seq(request, candidate) % candidate.tp_size == 0
         and _sequence_parallel_rules(request.config, candidate.tp_size)
@@ -426,6 +430,7 @@ def plan(request: Request) -> list[Estimate]:
             layout.pp_size,
             layout.dp_size,
             layout.ep_size,
+            layout.etp_size,
             layout.virtual_stages,
             layout.engine,
             layout.sharding,

@@ -38,16 +38,16 @@ __all__ = [
 ]
 
 
-def local_numels(config: PretrainedConfig, tp_size: int) -> list[int]:
+def local_numels(config: PretrainedConfig, tp_size: int, etp_size: int | None = None) -> list[int]:
     """Elements of each of a TP rank's parameters, in the converted model's order (vocabulary padded, kv heads
-    replicated, tied embeddings once)."""
-    return list(_converted(_class_of(config), config.to_json_string(use_diff=False), tp_size, False).numels)
+    replicated, tied embeddings once; at the experts' TP size 1, every expert whole)."""
+    return list(_converted(_class_of(config), config.to_json_string(use_diff=False), tp_size, False, etp_size).numels)
 
 
-def expert_flags(config: PretrainedConfig, tp_size: int) -> list[bool]:
+def expert_flags(config: PretrainedConfig, tp_size: int, etp_size: int | None = None) -> list[bool]:
     """Whether each of :func:`local_numels`' parameters is an MoE layer's 3D expert tensor (what expert parallelism
     spreads)."""
-    return list(_converted(_class_of(config), config.to_json_string(use_diff=False), tp_size, False).experts)
+    return list(_converted(_class_of(config), config.to_json_string(use_diff=False), tp_size, False, etp_size).experts)
 
 
 def moe_layers(config: PretrainedConfig) -> int:
@@ -84,11 +84,15 @@ def expert_parallel_refusal(config: PretrainedConfig, ep_size: int) -> str | Non
     return None
 
 
-def tp_shared_numels(config: PretrainedConfig, tp_size: int) -> list[int]:
-    """Elements of each of one block's replicated parameters applied to one TP rank's heads only (per-head q/k
-    norms): each one's gradient is all-reduced over TP in backward."""
+def tp_shared_numels(
+    config: PretrainedConfig, tp_size: int, etp_size: int | None = None, ep_size: int = 1
+) -> list[int]:
+    """Elements of each of one block's replicated parameters applied to one TP rank's heads or tokens only (per-head
+    q/k norms; at the experts' TP size 1 the experts, ``1/ep`` of each under EP): each one's gradient is all-reduced
+    over TP in backward."""
     one_layer = with_layers(config, 1)
-    return list(_converted(_class_of(one_layer), one_layer.to_json_string(use_diff=False), tp_size, False).tp_shared)
+    converted = _converted(_class_of(one_layer), one_layer.to_json_string(use_diff=False), tp_size, False, etp_size)
+    return [n // ep_size if expert else n for n, expert in zip(converted.tp_shared, converted.tp_shared_experts)]
 
 
 def fsdp_traffic(config: PretrainedConfig, tp_size: int, dp_size: int, element_size: int = 4) -> dict[str, Any]:
@@ -145,17 +149,21 @@ class _Converted:
     numels: tuple[int, ...]
     experts: tuple[bool, ...]  # an MoE layer's 3D expert tensor
     tp_shared: tuple[int, ...]  # the elements of each parameter marked tp_shared
+    tp_shared_experts: tuple[bool, ...]  # of those, which are expert tensors (the experts' TP size 1)
     sequence_parallel: int  # elements marked sequence-parallel
     moe_layers: int
     experts_per_layer: int  # E of the first MoE layer (0: none)
 
 
 @functools.lru_cache(maxsize=64)
-def _converted(config_class: Any, config_json: str, tp_size: int, sequence_parallel: bool) -> _Converted:
+def _converted(
+    config_class: Any, config_json: str, tp_size: int, sequence_parallel: bool, etp_size: int | None = None
+) -> _Converted:
     config = config_class.from_dict(json.loads(config_json))
+    settings = TraceSettings(tp_size, sequence_parallel=sequence_parallel, etp_size=etp_size)
     with fake_process_group(tp_size), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' notes belong to a real run
-        model = meta_model(config, TraceSettings(tp_size, sequence_parallel=sequence_parallel), pp=1, pp_rank=0)
+        model = meta_model(config, settings, pp=1, pp_rank=0)
         params = list(model.parameters())
         moe = [m for m in model.modules() if hasattr(m, "num_experts") and hasattr(m, "down_proj")]  # spread_experts'
         experts = {id(p) for m in moe for p in m.parameters(recurse=False)}
@@ -163,6 +171,7 @@ def _converted(config_class: Any, config_json: str, tp_size: int, sequence_paral
         numels=tuple(p.numel() for p in params),
         experts=tuple(id(p) in experts for p in params),
         tp_shared=tuple(p.numel() for p in params if param_info(p).tp_shared),
+        tp_shared_experts=tuple(id(p) in experts for p in params if param_info(p).tp_shared),
         sequence_parallel=sum(p.numel() for p in params if param_info(p).sequence_parallel),
         moe_layers=len(moe),
         experts_per_layer=int(cast(Any, moe[0]).num_experts) if moe else 0,
@@ -175,19 +184,25 @@ def has_residual_dropout(config: PretrainedConfig) -> bool:
 
 
 def data_parallel_traffic(
-    config: PretrainedConfig, tp_size: int, dp_size: int, distributed_optimizer: bool = False, ep_size: int = 1
+    config: PretrainedConfig,
+    tp_size: int,
+    dp_size: int,
+    distributed_optimizer: bool = False,
+    ep_size: int = 1,
+    etp_size: int | None = None,
 ) -> dict[str, Any]:
     """:func:`~mtk.planner.collectives.predict_collectives`' DP arguments for a one-stage replica: this rank's
     gradient elements and, with the distributed optimizer, the all-gather rounds (the same assignment
     ``shard_optimizer`` makes). With expert parallelism the experts (``1/ep`` of them here) are reduced in calls
     of their own over their ``dp/ep`` replicas (``expert_gradient_numels``; none with one replica), and the
-    distributed optimizer's expert rounds run over those replicas too."""
+    distributed optimizer's expert rounds run over those replicas too. ``etp_size``: the experts' TP size (1: each
+    expert whole on every TP rank)."""
 
     if dp_size == 1:
         return {}
-    numels = local_numels(config, tp_size)
+    numels = local_numels(config, tp_size, etp_size)
     if ep_size > 1:
-        flags = expert_flags(config, tp_size)
+        flags = expert_flags(config, tp_size, etp_size)
         dense = [n for n, expert in zip(numels, flags) if not expert]
         experts = [n // ep_size for n, expert in zip(numels, flags) if expert]
     else:

@@ -71,6 +71,7 @@ class TraceSettings:
     device: str = "cuda"  # attention kernels of: "cuda" (fused; math in fp32 with GQA), "cpu" (math under dropout)
     chunked_loss: bool = True  # the loss holds no logits (mtk's default; not under ZeRO-3, whose head cannot defer)
     ep_size: int = 1  # expert parallelism: each MoE layer keeps 1/ep of its experts' tensors
+    etp_size: int | None = None  # the experts' TP size: None (the TP size) or 1 (whole experts, the tokens split)
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,9 @@ def _meta_replacements(device: str) -> Iterator[None]:
 
 def meta_model(config: PretrainedConfig, settings: TraceSettings, pp: int, pp_rank: int) -> nn.Module:
     """The converted model of TP rank 0 of stage ``pp_rank`` on the meta device (inside a fake group)."""
-    parallel = ParallelState.build(tp_size=settings.tp_size, pp_size=pp, device=torch.device("cpu"))
+    parallel = ParallelState.build(
+        tp_size=settings.tp_size, pp_size=pp, etp_size=settings.etp_size, device=torch.device("cpu")
+    )
     with torch.device("meta"):
         model = auto_class_for(config).from_config(config, dtype=DTYPES[settings.dtype])
     # the rules mtk would pick, without the parity run that HF-derived and generic rules pass at training

@@ -221,6 +221,32 @@ def test_bench_expert_parallel_counts_its_all_to_alls_and_holds_mtk_at_ep1(tmp_p
     assert all(c["error"] is None for c in report["contenders"]) and "dp=4 ep=2" in text
 
 
+def test_bench_whole_experts_at_ep_count_what_the_prediction_says_and_hold_mtk_with_the_experts_split(
+    tmp_path, capsys
+):
+    """--tp 2 --etp 1 inside --dp 2 --ep 2 with the distributed optimizer, 15 tokens (TP rank 0 runs 8 of them, rank 1
+    7): the exchange carries each TP rank's share of the tokens, the experts' gradients are summed over TP in
+    backward and reduced over their replicas after it, every count and byte as predicted; mtk with each expert split
+    over TP runs beside it as the ratio's baseline."""
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", "tiny-qwen3-moe", "--tp", "2", "--etp", "1", "--dp", "2", "--ep", "2",
+                 "--distributed_optimizer", "--batch", "1", "--seq", "15", "--steps", "1",
+                 "--json", str(out)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    mtk = report["contenders"][0]
+    assert mtk["processes"] == 4 and mtk["collectives"] == report["predicted_collectives"], text
+    assert mtk["collectives"]["all_gather"]["count"] >= 2 * 3 and "dp=2 ep=2 etp=1" in text
+    assert [c["name"] for c in report["contenders"]] == [
+        "mtk",
+        "mtk-experts-split",
+        "mtk-without-ep",
+        "mtk-one-replica",
+    ]
+    assert all(c["error"] is None for c in report["contenders"]), text
+
+
 def test_bench_expert_parallel_against_deepspeed_autoep(tmp_path, capsys):
     """--ep 2 --compare: DeepSpeed AutoEP (dropless, the model's own router and load-balancing loss) over the same 2
     replicas, on the same weights and batch, ends on mtk's loss."""

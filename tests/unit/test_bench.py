@@ -1,6 +1,7 @@
 """``mtk bench``'s collective prediction and report format (not its timings)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -163,6 +164,37 @@ def test_expert_parallel_prediction_per_layer():
     again = predict_expert_collectives(3, tokens, k, hidden, ep_size=4, recompute=True, micro_batches=2)
     assert again.counts == {"all_to_all": 3 * 10 * 2}  # the forward's four rerun in backward, per micro-batch
     assert predict_expert_collectives(3, tokens, k, hidden, ep_size=1).counts == {}
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--tp", "2", "--etp", "3"],
+            "--etp 3: expert tensor parallel size (megatron_lm_expert_tensor_parallel_size)",
+        ),
+        (["--model", "tiny-llama", "--tp", "2", "--etp", "1"], "whole on each TP rank; tiny-llama has no experts"),
+        (["--tp", "2", "--dp", "2", "--etp", "1", "--fsdp"], "without --fsdp"),
+        (["--tp", "2", "--etp", "1", "--sequence_parallel"], "without --sequence_parallel"),
+    ],
+)
+def test_expert_tp_size_bench_input_is_one_line(argv, message, capsys):
+    assert main(["bench", "--model", "tiny-qwen3-moe", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_expert_tp_size_1_prediction_equals_the_counted_run():
+    """tiny-qwen3-moe at TP 2 with whole experts (2 MoE layers, 32 tokens, k 2, h 64), as counted in a real run
+    (``mtk bench --model tiny-qwen3-moe --tp 2 --etp 1 --batch 2 --seq 16``): no MLP pair and no routing-weights sum
+    per MoE layer, the experts' 2 tensors summed over TP, and 3 gathers of 16 rows ([16, 64], [16, 64], [16, 2])."""
+    spec = BenchSpec(model="tiny-qwen3-moe", tp_size=2, pp_size=1, batch=2, seq=16, steps=1, etp_size=1)
+    predicted = predicted_for(spec)
+    assert dict(predicted.counts) == {"all_reduce": 16, "all_gather": 6}
+    assert dict(predicted.nbytes) == {"all_reduce": 443008, "all_gather": 2 * 16 * (64 + 64 + 2) * 4}
+    split = predicted_for(replace(spec, etp_size=None))
+    assert dict(split.counts) == {"all_reduce": 18} and dict(split.nbytes) == {"all_reduce": 83072}
+    uneven = predicted_for(replace(spec, batch=1, seq=15))  # 15 tokens: rank 0 runs 8
+    assert uneven.nbytes["all_gather"] == 2 * 8 * (64 + 64 + 2) * 4
 
 
 def test_peak_allocations_replays_the_allocator_trace_to_its_highest_point():

@@ -12,6 +12,7 @@ from mtk.cli.main import main
 from mtk.models import resolve_config
 from mtk.pipeline.schedules import bubble_overhead
 from mtk.planner.cluster import Cluster, parse_bytes
+from mtk.planner.collectives import predict_expert_collectives
 from mtk.planner.search import Candidate, Request, estimate, plan
 from mtk.planner.shapes import local_numels
 from mtk.planner.timing import model_size
@@ -373,6 +374,30 @@ def test_expert_parallelism_divides_the_experts_and_adds_its_all_to_alls():
     assert sharded_ep.collectives["all_gather"]["bytes"] < sharded.collectives["all_gather"]["bytes"]
 
 
+def test_whole_experts_hold_every_expert_on_each_tp_rank_and_send_each_token_once_per_tp_group():
+    """The experts' TP size 1 at TP 2 on bench-qwen3-moe: each TP rank holds every expert whole (twice the split
+    layout's expert weights, gradients and moments), runs them on half the tokens (EP's exchange moves half the
+    rows), gathers their output and its gradients over TP (no MLP pair, no routing-weights sum), and sums the
+    experts' gradients over TP in every backward; never with sequence parallelism (not modelled)."""
+    config = resolve_config("bench-qwen3-moe")
+    request = Request(config, Cluster(4, gpu_memory=8 * GIB), 1024, 4, dtype="fp32", reserve=0, ep_sizes=(2,),
+                      etp_sizes=(None, 1), tp_size=2, engines=("accelerate",), every_setting=True)  # fmt: skip
+    by_label = {e.candidate.label: e for e in plan(request)}
+    split, whole = by_label["tp2 pp1 dp2 ep2 1x2"], by_label["tp2 pp1 dp2 ep2 etp1 1x2"]
+    experts = 4 * 3 * 8 * 512 * 768 // 2  # layers x (gate, up, down) x E x h x I, half of them at EP 2
+    assert whole.memory.weights - split.memory.weights == experts // 2 * 4  # whole, not halved by TP (fp32)
+    assert whole.memory.optimizer - split.memory.optimizer == experts // 2 * 8
+    k, hidden = config.num_experts_per_tok, config.hidden_size
+    for estimate_, tokens in ((split, 1024), (whole, 512)):  # a micro-batch's tokens a rank dispatches
+        exchange = predict_expert_collectives(4, tokens, k, hidden, 2, 4, micro_batches=2)
+        assert estimate_.collectives["all_to_all"] == {"count": 4 * 6 * 2, "bytes": exchange.nbytes["all_to_all"]}
+    gathers = 4 * 3 * 2  # MoE layers x (output, its gradient, the routing weights' gradient) x micro-batches
+    assert whole.collectives["all_gather"]["count"] == gathers and "all_gather" not in split.collectives
+    assert whole.traffic.ep < split.traffic.ep and whole.traffic.tp > split.traffic.tp
+    assert not any(e.candidate.etp_size == 1 and e.candidate.sequence_parallel for e in by_label.values())
+    assert whole.as_dict()["layout"]["etp_size"] == 1 and split.as_dict()["layout"]["etp_size"] == 2
+
+
 def test_what_mtk_cannot_run_on_an_moe_model_is_one_line(capsys):
     assert main(["plan", "--model", "bench-llama", "--gpus", "4", "--seq_len", "1024", "--global_batch", "4",
                  "--ep", "2"]) == 2  # fmt: skip
@@ -382,6 +407,9 @@ def test_what_mtk_cannot_run_on_an_moe_model_is_one_line(capsys):
     assert "--ep 3: its 8 experts per layer do not divide over 3 ranks" in capsys.readouterr().err
     assert main([*moe, "--ep", "2", "--engine", "deepspeed"]) == 2
     assert "--ep 2 runs under accelerate" in capsys.readouterr().err
+    assert main(["plan", "--model", "bench-llama", "--gpus", "4", "--seq_len", "1024", "--global_batch", "4",
+                 "--etp", "1"]) == 2  # fmt: skip
+    assert "--etp 1 keeps an MoE model's experts whole on each TP rank; llama has none" in capsys.readouterr().err
 
 
 def test_a_pipeline_for_a_router_loss_carries_its_routing_sums_between_stages():
