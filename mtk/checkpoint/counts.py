@@ -93,13 +93,8 @@ def recorded_counts(
     return counts
 
 
-def _state_sums(optimizer: Any) -> list[float]:
-    """``[sum, sum of |x|]`` in float64 over an optimizer's parameters and its state tensors of one or more dimensions
-    (its moments; a count kept as a 0-dim tensor or a number is left out: an engine may restore it as the other)."""
-    if optimizer is None:
-        return [0.0, 0.0]
-    tensors = [p for group in optimizer.param_groups for p in group["params"]]
-    tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
+def _sums(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """``[sum, sum of |x|]`` of ``tensors`` in float64."""
     if not tensors:
         return [0.0, 0.0]
     values = [t.detach().to(torch.float64) for t in tensors]
@@ -109,10 +104,20 @@ def _state_sums(optimizer: Any) -> list[float]:
     ]
 
 
-def engine_state_sums(optimizer: Any) -> list[list[float]]:
-    """Every rank's :func:`_state_sums` of an engine's optimizer (DeepSpeed's inner one: its fp32 partitions and
-    moments), in rank order: what a save records of files mtk does not write or label itself. Collective."""
-    mine = _state_sums(optimizer)
+def _state_sums(optimizer: Any, weights: Sequence[torch.Tensor]) -> list[float]:
+    """:func:`_sums` of an optimizer's parameters and state tensors of one or more dimensions (its moments; a count
+    kept as a 0-dim tensor or a number is left out: an engine may restore it as the other), then of ``weights``."""
+    tensors = [p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else []
+    states = optimizer.state.values() if optimizer is not None else []
+    tensors += [t for state in states for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
+    return _sums(tensors) + _sums(weights)
+
+
+def engine_state_sums(optimizer: Any, weights: Sequence[torch.Tensor]) -> list[list[float]]:
+    """Every rank's sums of an engine's optimizer (DeepSpeed's inner one: its fp32 partitions and moments) and of
+    the ``weights`` its own files restore (DeepSpeed's ZeRO-1/2 module weights), in rank order: what a save records
+    of files mtk does not write or label itself. Collective."""
+    mine = _state_sums(optimizer, weights)
     if not dist.is_initialized():
         return [mine]
     every: list[Any] = [None] * dist.get_world_size()
@@ -120,22 +125,32 @@ def engine_state_sums(optimizer: Any) -> list[list[float]]:
     return every
 
 
-def check_engine_state(optimizer: Any, recorded: Mapping[str, Any], where: str, device: torch.device) -> None:
-    """The engine's optimizer state just restored from its own files holds, on every rank, the sums its save
-    recorded (``counts.engine_state``): its files from another save of the run (checksums rewritten) trained on from
-    that save's moments and weights, without a word. Collective: every rank refuses together."""
-    saved = recorded.get("engine_state")
+def check_engine_state(
+    optimizer: Any, weights: Sequence[torch.Tensor], meta: CheckpointMeta, where: str, device: torch.device
+) -> None:
+    """The engine's state just restored from its own files holds, on every rank, the sums its save recorded
+    (``counts.engine_state``, :func:`engine_state_sums`): its files from another save of the run (checksums
+    rewritten) trained on from that save's moments and weights, without a word. A labelled save (one of the code
+    that records the sums) must hold them for every rank: removed or cut, the check would be off. Collective: every
+    rank refuses together."""
+    saved = meta.counts.get("engine_state")
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if saved is None and meta.save is None:
+        return  # written before the record
     if not isinstance(saved, list) or len(saved) != world:
-        return
-    differs = torch.tensor([1.0 if _state_sums(optimizer) != saved[rank] else 0.0], device=device)
+        count = "none" if saved is None else len(saved)
+        raise CheckpointError(
+            f"{where}: its metadata records the engine's state sums of {count} ranks, its save had {world}; not as "
+            "mtk wrote it (crafted, or damaged): use another checkpoint"
+        )
+    differs = torch.tensor([1.0 if _state_sums(optimizer, weights) != saved[rank] else 0.0], device=device)
     if dist.is_initialized():
         dist.all_reduce(differs, op=dist.ReduceOp.MAX)
     if differs.item():
         raise CheckpointError(
-            f"{where}: the engine's optimizer state restored from its own files is not the one its save recorded "
-            "(weights or moments of another save); its files are from another save (crafted, or mixed from two "
-            "runs): use another checkpoint"
+            f"{where}: the engine's state restored from its own files is not the one its save recorded (weights or "
+            "moments of another save); its files are from another save (crafted, or mixed from two runs): use "
+            "another checkpoint"
         )
 
 

@@ -94,9 +94,9 @@ def _check_types(values: dict[str, Any]) -> None:
         raise TypeError(f"counts.learning_rates {rates!r} is not a list (per optimizer) of lists of numbers")
     sums = counts.get("engine_state", [])
     if not isinstance(sums, list) or not all(
-        isinstance(pair, list) and len(pair) == 2 and all(type(x) in (int, float) for x in pair) for pair in sums
+        isinstance(four, list) and len(four) == 4 and all(type(x) in (int, float) for x in four) for four in sums
     ):
-        raise TypeError(f"counts.engine_state {sums!r} is not a list (per rank) of [sum, sum of magnitudes]")
+        raise TypeError(f"counts.engine_state {sums!r} is not a list (per rank) of four sums")
 
 
 _FINGERPRINT = ("parameters", "elements", "sum", "sum_abs", "sum_sq")  # mtk.checkpoint.base_model.fingerprint's
@@ -143,8 +143,9 @@ class CheckpointMeta:
             (:func:`~mtk.checkpoint.base_model.base_record`); ``None`` when the weights are all here.
         counts: what the files count at this step, checked against them at load (:mod:`~mtk.checkpoint.counts`):
             ``optimizer_steps`` (the most any optimizer state counts, ``None`` if none keeps a count) and
-            ``scheduler_positions`` (one per scheduler); under an engine, ``engine_state`` (every rank's sums of its
-            optimizer state, which the engine's own files hold). Empty in checkpoints written before the record.
+            ``scheduler_positions`` (one per scheduler); under an engine, ``engine_state`` (every rank's sums of
+            its optimizer state and of the weights the engine's own files hold). Empty in checkpoints written before
+            the record.
         save: the label of the save that wrote it, which each of its files carries too (:mod:`~mtk.checkpoint.labels`);
             ``None`` in checkpoints written before labels.
         pieces: ``None`` when each (tp, pp) rank's tensors are saved whole; else how many flat pieces they are

@@ -231,9 +231,8 @@ def save_deepspeed_checkpoint(
         )
     if not schedulers and engine.lr_scheduler is not None:  # run.py's, which DeepSpeed steps: saved as mtk's too
         schedulers = [engine.lr_scheduler]
-    state = engine_state_sums(
-        inner_optimizer(engine)
-    )  # collective: DeepSpeed's own files are checked against it on resume
+    # collective: resume checks DeepSpeed's own files against it
+    state = engine_state_sums(inner_optimizer(engine), _restored_weights(engine))
     with zero3_gathered(engine) if piece is None else contextlib.nullcontext():
         return save_checkpoint(
             directory,
@@ -249,6 +248,14 @@ def save_deepspeed_checkpoint(
             piece=piece,
             engine_state=state,
         )
+
+
+def _restored_weights(engine) -> list[torch.Tensor]:
+    """The module weights DeepSpeed restores from its own ``model_states`` files: its trainable parameters at ZeRO-0
+    to 2 (this rank's TP shards, replicated over DP). At ZeRO-3 they are the optimizer's partitions, counted there."""
+    if engine.zero_optimization_stage() == 3:
+        return []
+    return [param for param in engine.module.parameters() if param.requires_grad]
 
 
 def _zero3_piece(engine, parallel: ParallelState) -> Piece | None:
@@ -298,8 +305,8 @@ def load_deepspeed_checkpoint(
             f"{directory}: DeepSpeed's state counts {engine.global_steps} steps where the metadata says {meta.step}; "
             "its files are from another save (crafted, or mixed from two runs): use another checkpoint"
         )
-    if same:  # and hold the optimizer state the save recorded (its files carry no save label)
-        check_engine_state(inner_optimizer(engine), meta.counts, str(directory), parallel.device)
+    if same:  # and hold the state the save recorded (its files carry no save label)
+        check_engine_state(inner_optimizer(engine), _restored_weights(engine), meta, str(directory), parallel.device)
     if not schedulers and engine.lr_scheduler is not None:
         if same:  # DeepSpeed restored it from its own files: at the position the metadata recorded
             check_scheduler_positions([engine.lr_scheduler], meta.counts, str(directory))

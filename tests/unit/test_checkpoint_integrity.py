@@ -1,6 +1,7 @@
 """Checkpoints prove their integrity: checksums in the metadata, checked by resume, export and
 ``mtk verify-checkpoint``; mtk never removes a directory it did not create."""
 
+import copy
 import errno
 import json
 import os
@@ -367,20 +368,36 @@ def test_deepspeed_state_from_another_save_is_refused(tmp_path, trained):
     partition.grad = torch.ones(6)
     inner.step()
     directory = save_checkpoint(tmp_path / "step_2", parallel, model, [], [scheduler], step=2, engine=engine_record,
-                                engine_state=engine_state_sums(inner))  # fmt: skip
+                                engine_state=engine_state_sums(inner, list(model.parameters())))  # fmt: skip
 
-    def engine(steps, position, restored_optimizer=inner):  # what DeepSpeed's load_checkpoint restored
+    def engine(steps, position, restored_optimizer=inner, module=model):  # what DeepSpeed's load_checkpoint restored
         restored = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         restored.last_epoch = position
         load = lambda *args, **kwargs: (str(directory / "deepspeed"), {})  # noqa: E731
-        return SimpleNamespace(module=model, global_steps=steps, lr_scheduler=restored, load_checkpoint=load,
-                               optimizer=SimpleNamespace(optimizer=restored_optimizer))  # fmt: skip
+        return SimpleNamespace(module=module, global_steps=steps, lr_scheduler=restored, load_checkpoint=load,
+                               optimizer=SimpleNamespace(optimizer=restored_optimizer),
+                               zero_optimization_stage=lambda: 2)  # fmt: skip
 
     assert load_deepspeed_checkpoint(directory, engine(2, 0), parallel).step == 2
     other = torch.optim.AdamW([torch.nn.Parameter(partition.detach() + 0.5)])  # weights of another save (N1)
     other.load_state_dict(inner.state_dict())
-    with pytest.raises(CheckpointError, match="the engine's optimizer state restored from its own files is not the"):
+    with pytest.raises(CheckpointError, match="the engine's state restored from its own files is not the one"):
         load_deepspeed_checkpoint(directory, engine(2, 0, other), parallel)
+    shifted = copy.deepcopy(model)  # ZeRO-2's module weights (its model_states) of another save or TP rank (D2)
+    with torch.no_grad():
+        next(shifted.parameters()).add_(1.0)
+    with pytest.raises(CheckpointError, match="the engine's state restored from its own files is not the one"):
+        load_deepspeed_checkpoint(directory, engine(2, 0, module=shifted), parallel)
+    recorded = json.loads((directory / "metadata.json").read_text())["counts"]["engine_state"]
+    for cut in ([], recorded * 2, None):  # the record removed or cut in a labelled save: the check is not off (D1)
+        _rewrite_metadata(directory, lambda meta, cut=cut: meta["counts"].update(engine_state=cut))
+        if cut is None:
+            _rewrite_metadata(directory, lambda meta: meta["counts"].pop("engine_state"))
+        with pytest.raises(
+            CheckpointError, match="records the engine's state sums of (0|2|none) ranks, its save had 1"
+        ):
+            load_deepspeed_checkpoint(directory, engine(2, 0), parallel)
+    _rewrite_metadata(directory, lambda meta: meta["counts"].update(engine_state=recorded))
     with pytest.raises(CheckpointError, match="DeepSpeed's state counts 3 steps where the metadata says 2"):
         load_deepspeed_checkpoint(directory, engine(3, 0), parallel)
     with pytest.raises(CheckpointError, match="scheduler 0 is at position 7 where the metadata recorded 0"):
