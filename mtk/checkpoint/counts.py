@@ -138,7 +138,7 @@ def check_engine_state(
     if saved is None and meta.save is None:
         return  # written before the record
     if not isinstance(saved, list) or len(saved) != world:
-        count = "none" if saved is None else len(saved)
+        count = "no" if saved is None else len(saved)
         raise CheckpointError(
             f"{where}: its metadata records the engine's state sums of {count} ranks, its save had {world}; not as "
             "mtk wrote it (crafted, or damaged): use another checkpoint"

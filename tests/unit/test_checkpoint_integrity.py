@@ -393,9 +393,7 @@ def test_deepspeed_state_from_another_save_is_refused(tmp_path, trained):
         _rewrite_metadata(directory, lambda meta, cut=cut: meta["counts"].update(engine_state=cut))
         if cut is None:
             _rewrite_metadata(directory, lambda meta: meta["counts"].pop("engine_state"))
-        with pytest.raises(
-            CheckpointError, match="records the engine's state sums of (0|2|none) ranks, its save had 1"
-        ):
+        with pytest.raises(CheckpointError, match="records the engine's state sums of (0|2|no) ranks, its save had 1"):
             load_deepspeed_checkpoint(directory, engine(2, 0), parallel)
     _rewrite_metadata(directory, lambda meta: meta["counts"].update(engine_state=recorded))
     with pytest.raises(CheckpointError, match="DeepSpeed's state counts 3 steps where the metadata says 2"):
