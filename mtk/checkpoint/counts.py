@@ -269,12 +269,11 @@ def _check_scheduler_started(paths: CheckpointPaths, meta: CheckpointMeta) -> No
     if schedulers != ["scheduler.pt"] or groups_files != ["optimizer/tp00-pp00.json"]:
         return
     scheduler, groups = paths.scheduler(0), paths.root / groups_files[0]
-    with reading(scheduler), reading(groups):
-        saved = torch.load(scheduler, weights_only=True)
+    with reading(groups):
         param_groups = jsonio.loads(groups.read_text())["param_groups"]
-        if (
-            isinstance(saved, dict)
-            and isinstance(param_groups, list)
-            and all(isinstance(g, dict) for g in param_groups)
-        ):
+    if not (isinstance(param_groups, list) and all(isinstance(group, dict) for group in param_groups)):
+        return  # (its shape is the optimizer checks' to name)
+    with reading(scheduler):  # named as resume names it
+        saved = torch.load(scheduler, weights_only=True)
+        if isinstance(saved, dict):
             check_scheduler_started(saved, param_groups)
