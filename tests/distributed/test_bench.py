@@ -8,6 +8,15 @@ from mtk.cli.main import main
 from mtk.models import builtin_config
 
 
+def _bench(tmp_path, capsys, *argv: str) -> tuple[dict, str]:
+    """``mtk bench ARGV --json``: its report and what it printed (one line if it did not exit 0)."""
+    out = tmp_path / "bench.json"
+    code = main(["bench", *argv, "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    return json.loads(out.read_text()), text
+
+
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3-moe"])  # mtk's rules, transformers' tp plan
 def test_bench_counts_exactly_the_predicted_collectives(tmp_path, capsys, model):
     """One all-reduce per Column->Row pair each way (q/k/v and gate/up share one), one each for the embedding and
@@ -207,13 +216,8 @@ def test_bench_expert_parallel_counts_its_all_to_alls_and_holds_mtk_at_ep1(tmp_p
     """--ep 2 inside --dp 4 with the distributed optimizer on tiny-qwen3-moe: 6 all-to-alls per MoE layer, their
     bytes (the EP group's mean) as predicted, the dense gradients over DP and the experts' over their 2 replicas,
     each domain's all-gather rounds; mtk at EP 1 on the same replicas runs beside it as the ratio's baseline."""
-    out = tmp_path / "bench.json"
-    code = main(["bench", "--model", "tiny-qwen3-moe", "--tp", "1", "--dp", "4", "--ep", "2",
-                 "--distributed_optimizer", "--batch", "2", "--seq", "16", "--steps", "1",
-                 "--json", str(out)])  # fmt: skip
-    text = capsys.readouterr().out
-    assert code == 0, text
-    report = json.loads(out.read_text())
+    report, text = _bench(tmp_path, capsys, "--model", "tiny-qwen3-moe", "--tp", "1", "--dp", "4", "--ep", "2",
+                          "--distributed_optimizer", "--batch", "2", "--seq", "16", "--steps", "1")  # fmt: skip
     mtk = report["contenders"][0]
     assert mtk["processes"] == 4 and mtk["collectives"] == report["predicted_collectives"], text
     assert mtk["collectives"]["all_to_all"]["count"] == 2 * 6 and mtk["collectives"]["all_reduce"]["count"] == 2
@@ -228,16 +232,13 @@ def test_bench_whole_experts_at_ep_count_what_the_prediction_says_and_hold_mtk_w
     7): the exchange carries each TP rank's share of the tokens, the experts' gradients are summed over TP in
     backward and reduced over their replicas after it, every count and byte as predicted; mtk with each expert split
     over TP runs beside it as the ratio's baseline."""
-    out = tmp_path / "bench.json"
-    code = main(["bench", "--model", "tiny-qwen3-moe", "--tp", "2", "--etp", "1", "--dp", "2", "--ep", "2",
-                 "--distributed_optimizer", "--batch", "1", "--seq", "15", "--steps", "1",
-                 "--json", str(out)])  # fmt: skip
-    text = capsys.readouterr().out
-    assert code == 0, text
-    report = json.loads(out.read_text())
+    report, text = _bench(tmp_path, capsys, "--model", "tiny-qwen3-moe", "--tp", "2", "--etp", "1", "--dp", "2",
+                          "--ep", "2", "--distributed_optimizer", "--batch", "1", "--seq", "15",
+                          "--steps", "1")  # fmt: skip
     mtk = report["contenders"][0]
     assert mtk["processes"] == 4 and mtk["collectives"] == report["predicted_collectives"], text
-    assert mtk["collectives"]["all_gather"]["count"] >= 2 * 3 and "dp=2 ep=2 etp=1" in text
+    # 2 MoE layers x 3 row gathers (the output, its gradient, the routing weights' gradient), 1 optimizer round
+    assert mtk["collectives"]["all_gather"]["count"] == 2 * 3 + 1 and "dp=2 ep=2 etp=1" in text
     assert [c["name"] for c in report["contenders"]] == [
         "mtk",
         "mtk-experts-split",
@@ -250,12 +251,8 @@ def test_bench_whole_experts_at_ep_count_what_the_prediction_says_and_hold_mtk_w
 def test_bench_expert_parallel_against_deepspeed_autoep(tmp_path, capsys):
     """--ep 2 --compare: DeepSpeed AutoEP (dropless, the model's own router and load-balancing loss) over the same 2
     replicas, on the same weights and batch, ends on mtk's loss."""
-    out = tmp_path / "bench.json"
-    code = main(["bench", "--model", "tiny-qwen3-moe", "--tp", "1", "--dp", "2", "--ep", "2", "--compare",
-                 "--rounds", "1", "--batch", "2", "--seq", "16", "--steps", "2", "--json", str(out)])  # fmt: skip
-    text = capsys.readouterr().out
-    assert code == 0, text
-    report = json.loads(out.read_text())
+    report, text = _bench(tmp_path, capsys, "--model", "tiny-qwen3-moe", "--tp", "1", "--dp", "2", "--ep", "2",
+                          "--compare", "--rounds", "1", "--batch", "2", "--seq", "16", "--steps", "2")  # fmt: skip
     by_name = {c["name"]: c for c in report["contenders"]}
     assert set(by_name) == {"mtk", "mtk-without-ep", "mtk-one-replica", "deepspeed-autoep"}, text
     assert all(c["error"] is None for c in by_name.values()), text
