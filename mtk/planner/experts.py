@@ -26,14 +26,15 @@ def expert_parallel_sizes(request: Request, c: Candidate) -> list[int]:
 
 def expert_tp_sizes(request: Request, c: Candidate) -> list[int | None]:
     """The experts' TP sizes ``c`` may run: the TP size (``None``), and 1 where asked for on an MoE model at TP > 1
-    under accelerate without a sharded model (FSDP2 and ZeRO sum the whole experts' gradients over TP once per step,
-    not in every backward as :func:`~mtk.planner.collectives.predict_collectives` counts them)."""
+    under accelerate without a sharded model or CP (FSDP2 and ZeRO sum the whole experts' gradients over TP once per
+    step, not in every backward as :func:`~mtk.planner.collectives.predict_collectives` counts them)."""
     whole = (
         1 in request.etp_sizes
         and c.tp_size > 1
         and moe_layers(request.config) > 0
         and c.engine == "accelerate"
         and c.sharding in ("none", "distopt")
+        and c.cp_size == 1  # (whole experts under CP: not held against a run)
         and (c.pp_size == 1 or every_layer_moe(request.config))
     )
     split = None in request.etp_sizes or c.tp_size == 1  # (at TP 1 every expert is whole already)
