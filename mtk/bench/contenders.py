@@ -46,7 +46,7 @@ from mtk.models import DTYPES, build_model
 from mtk.parallel.context import attach_context_parallel
 from mtk.parallel.expert_parallel import is_expert_parallel, reduce_expert_gradients
 from mtk.parallel.fsdp import ShardingSettings, data_parallel_mesh, shard_over_data_parallel
-from mtk.parallel.grads import all_reduce_coalesced, sync_sequence_parallel_grads
+from mtk.parallel.grads import all_reduce_coalesced, sum_tp_shared_grads_at_step, sync_sequence_parallel_grads
 from mtk.parallel.recompute import enable_recompute
 from mtk.parallel.record import parallelized
 from mtk.parallel.state import ParallelState
@@ -79,12 +79,12 @@ def run_mtk(rank: int, world_size: int, spec: BenchSpec) -> dict:
     )
     record = parallelized(model)
     enable_recompute(model, RunSettings(recompute_granularity=spec.recompute), record.rng if record else None)
+    sum_tp_shared_grads_at_step(model, parallel.tp_group)  # as the Accelerator: once per step, after backward
     if spec.cp_size > 1:
         return _run_context_parallel(spec, model, parallel, device, baseline)
 
-    def sync_sequence_parallel() -> None:  # what the Accelerator does after backward
-        if spec.sequence_parallel:
-            sync_sequence_parallel_grads(model, parallel.tp_group)
+    def sync_sequence_parallel() -> None:  # what the Accelerator does after backward (SP's and tp_shared gradients)
+        sync_sequence_parallel_grads(model, parallel.tp_group)
 
     def sync_grads() -> None:  # and the DP average (DDP's job in the Accelerator; here one coalesced call)
         sync_sequence_parallel()
@@ -155,8 +155,7 @@ def _run_context_parallel(spec: BenchSpec, model, parallel: ParallelState, devic
     attach_context_parallel(model, cp_group, spec.cp_comm)
 
     def after_backward() -> None:
-        if spec.sequence_parallel:
-            sync_sequence_parallel_grads(model, parallel.tp_group)
+        sync_sequence_parallel_grads(model, parallel.tp_group)
         all_reduce_coalesced([p.grad for p in model.parameters() if p.grad is not None], cp_group, average=True)
 
     return measure_model(spec, model.to(device), device, after_backward, baseline)

@@ -115,7 +115,7 @@ def predicted_for(spec: BenchSpec) -> Predicted:
         residual_dropout=has_residual_dropout(config),
         virtual_stages=spec.virtual_stages,
         stage_layers=_first_rank_layers(config, spec) if spec.pp_size > 1 else None,
-        tp_summed_numels=(
+        tp_summed_at_step_numels=(  # mtk's contender sums them once per step, as the Accelerator
             tuple(tp_shared_numels(config, spec.tp_size, spec.etp_size, spec.ep_size)) * stage_layers
             if spec.tp_size > 1
             else ()

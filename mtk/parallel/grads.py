@@ -10,6 +10,14 @@ Two cases need the TP ranks' gradients summed:
   ``loss.backward()`` alone is exact, gradient accumulation and DDP/ZeRO see the summed gradient, and
   the state dict keeps HF's names. A loader that creates new parameter objects calls
   :func:`sum_grad_over_tp` on them again (the hook belongs to the tensor).
+
+Summing in every backward costs one collective per parameter and micro-batch. A training loop that finishes the
+gradients once per step (``mtk.Accelerator``'s ``backward``: DDP, the distributed optimizer, FSDP2) moves the whole
+sums there instead (:func:`sum_tp_shared_grads_at_step`): by linearity the sum of the micro-batches' sums is the sum
+of their sum, so the result is the same, in one coalesced all-reduce per step (Megatron-Core's
+``finalize_model_grads`` does the same for its layer-norm gradients). This is what makes the experts' TP size 1
+affordable: their whole gradients are summed once per step, not once per micro-batch. DeepSpeed's ZeRO reduces
+gradients inside backward, so under DeepSpeed the hooks stay.
 """
 
 from __future__ import annotations
@@ -23,24 +31,51 @@ from mtk.parallel.comm import Group, all_reduce, group_size
 from mtk.parallel.fsdp import is_sharded, local
 from mtk.parallel.parameters import param_info, set_param_info
 
-__all__ = ["all_reduce_coalesced", "share_params_across_tp", "sum_grad_over_tp", "sync_sequence_parallel_grads"]
+__all__ = [
+    "all_reduce_coalesced",
+    "share_params_across_tp",
+    "sum_grad_over_tp",
+    "sum_tp_shared_grads_at_step",
+    "sync_sequence_parallel_grads",
+]
+
+_SUM_HOOK = "_mtk_tp_sum_hook"  # (handle, group) of a parameter's whole-gradient sum hook: movable to the step
 
 
 def sync_sequence_parallel_grads(module: nn.Module, tp_group: Group) -> None:
-    """Sum, over the TP group, the grads of parameters whose :class:`ParamInfo` says ``sequence_parallel``, and of
-    ``tp_shared`` ones FSDP2 replaced (their gradient hook stayed on the tensor it replaced; summing the DP-averaged
-    pieces after backward is the same sum, by linearity).
+    """Sum, over the TP group, the grads of parameters whose :class:`ParamInfo` says ``sequence_parallel`` or
+    ``tp_summed_at_step``, and of ``tp_shared`` ones FSDP2 replaced (their gradient hook stayed on the tensor it
+    replaced; summing the DP-averaged pieces after backward is the same sum, by linearity). One all-reduce per dtype.
 
-    Call after backward, before clipping and the optimizer step.
+    Call once per optimizer step, after the last backward, before clipping and the optimizer step.
     """
     if group_size(tp_group) == 1:
         return
-    grads = [
-        local(p.grad)
-        for p in module.parameters()
-        if p.grad is not None and (param_info(p).sequence_parallel or (param_info(p).tp_shared and is_sharded(p)))
-    ]
+    grads = [local(p.grad) for p in module.parameters() if p.grad is not None and _summed_after_backward(p)]
     all_reduce_coalesced(grads, tp_group)
+
+
+def _summed_after_backward(param: torch.Tensor) -> bool:
+    info = param_info(param)
+    return info.sequence_parallel or info.tp_summed_at_step or (info.tp_shared and is_sharded(param))
+
+
+def sum_tp_shared_grads_at_step(module: nn.Module, tp_group: Group) -> int:
+    """Move the whole-gradient TP sums of ``module``'s ``tp_shared`` parameters over ``tp_group`` from every backward
+    to once per step (module docstring); how many moved. The caller must then run
+    :func:`sync_sequence_parallel_grads` once per step, after the last backward. Sums over another group stay in
+    backward, and so do sums of a part of a gradient (the experts' LoRA factors under EP: the rest is zero on every TP
+    rank only until the DP reduction, which fills in the other EP ranks' experts)."""
+    moved = 0
+    for param in module.parameters():
+        hook = getattr(param, _SUM_HOOK, None)
+        if hook is None or hook[1] is not tp_group:
+            continue
+        hook[0].remove()
+        delattr(param, _SUM_HOOK)
+        set_param_info(param, tp_summed_at_step=True)
+        moved += 1
+    return moved
 
 
 @torch.no_grad()
@@ -104,7 +139,9 @@ def sum_grad_over_tp(
     """
     set_param_info(param, tp_shared=True)
     if group_size(tp_group) > 1 and param.requires_grad:
-        param.register_hook(_SumOverTP(tp_group) if part is None else _SumPartOverTP(tp_group, part))
+        handle = param.register_hook(_SumOverTP(tp_group) if part is None else _SumPartOverTP(tp_group, part))
+        if part is None:
+            setattr(param, _SUM_HOOK, (handle, tp_group))
 
 
 def share_params_across_tp(module: nn.Module, names: Sequence[str], tp_group: Group) -> None:

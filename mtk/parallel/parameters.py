@@ -42,6 +42,8 @@ class ParamInfo:
             the TP group counts each copy ``1 / tp_replicas``.
         tp_shared: replicated, but applied to one rank's heads only (per-head q/k norms): its gradient
             is summed over TP in backward.
+        tp_summed_at_step: a ``tp_shared`` parameter whose gradient is summed over TP once per optimizer step, after
+            the last backward, instead (:func:`~mtk.parallel.grads.sum_tp_shared_grads_at_step`).
         sequence_parallel: replicated, but applied to one rank's slice of the sequence (norms, row
             biases under sequence parallelism): its gradient is summed over TP after backward.
         pipeline_tied: a first- or last-stage copy of an embedding tied to the LM head; the copies'
@@ -54,6 +56,7 @@ class ParamInfo:
 
     tp_replicas: int = 1
     tp_shared: bool = False
+    tp_summed_at_step: bool = False
     sequence_parallel: bool = False
     pipeline_tied: bool = False
     pipeline_duplicate: bool = False

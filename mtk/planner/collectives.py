@@ -60,6 +60,7 @@ def predict_collectives(
     all_gather_widths: tuple[int, ...] = (),
     stage_layers: int | None = None,
     tp_summed_numels: tuple[int, ...] = (),
+    tp_summed_at_step_numels: tuple[int, ...] = (),
     gradient_element_size: int | None = None,
     input_gradient: bool = True,
     moe_layers: int = 0,
@@ -76,8 +77,10 @@ def predict_collectives(
     elements).
 
     ``tp_summed_numels``: this stage's trainable parameters whose gradient is summed over TP in every backward
-    (``tp_shared``: per-head q/k norms, the whole LoRA factors of experts split over TP; a TP-split linear's
-    replicated LoRA factor), of ``gradient_element_size`` bytes per element (default ``element_size``);
+    (a TP-split linear's replicated LoRA factor, the experts' LoRA factors' part under EP; every ``tp_shared`` one
+    under DeepSpeed), of ``gradient_element_size`` bytes per element (default ``element_size``);
+    ``tp_summed_at_step_numels``: those summed once per step instead, in the call that sums the sequence-parallel
+    gradients (``tp_shared`` under ``mtk.Accelerator``: per-head q/k norms, experts whole on each TP rank);
     ``input_gradient``: whether the first stage's embedding output needs a gradient (not where the embedding is
     frozen, as under LoRA: then backward skips the first block's input collective, and under sequence parallelism the
     embedding's gather too); ``moe_layers`` MoE layers (this
@@ -87,7 +90,7 @@ def predict_collectives(
     an MoE layer has no such pair: each TP rank runs the experts on its share of the tokens, all-gathers their
     output ``[b s / tp, h]`` in forward and, in backward, the gradients of its rows ``[b s / tp, h]`` and of their
     routing weights ``[b s / tp, k]`` (the first ranks' shares one row more where TP does not divide the tokens:
-    rank 0's counted); the experts' own gradients are ``tp_shared`` (``tp_summed_numels``).
+    rank 0's counted); the experts' own gradients are ``tp_shared`` (``tp_summed_at_step_numels``).
 
     With PP, ``batch`` is the step's batch, cut into ``micro_batches``; this stage's layers are
     ``stage_layers`` (:func:`mtk.pipeline.balance.layer_counts` gives the model's split; by default the
@@ -134,10 +137,13 @@ def predict_collectives(
             per_micro = 4 * layers + ends + reruns - skipped - unpaired
             counts["all_reduce"] += per_micro * micro_batches
             nbytes["all_reduce"] += per_micro * micro_batches * activation
+        summed_size = element_size if gradient_element_size is None else gradient_element_size
         if tp_summed_numels:
             counts["all_reduce"] += len(tp_summed_numels) * micro_batches
-            summed_size = element_size if gradient_element_size is None else gradient_element_size
             nbytes["all_reduce"] += sum(tp_summed_numels) * summed_size * micro_batches
+        if tp_summed_at_step_numels:  # one call with the sequence-parallel gradients (counted above, if any)
+            counts["all_reduce"] += 0 if sequence_parallel and sequence_parallel_elements else 1
+            nbytes["all_reduce"] += sum(tp_summed_at_step_numels) * summed_size
         if moe_layers and experts_whole:
             rows = -(-micro * seq // tp)  # rank 0's share of the tokens
             outputs = 2 if reruns and residual_dropout else 1  # the forward's gather, rerun where backward needs it

@@ -180,7 +180,11 @@ def _traffic(request: Request, c: Candidate, stage: int, params: Parameters) -> 
         ),
         recompute=c.recompute,
         residual_dropout=has_residual_dropout(config),
-        tp_summed_numels=params.tp_summed if c.tp_size > 1 else (),
+        # DeepSpeed's ZeRO reduces in backward: every TP sum stays there (sum_tp_shared_grads_at_step)
+        tp_summed_numels=(
+            (params.tp_summed + (params.tp_summed_at_step if c.engine == "deepspeed" else ())) if c.tp_size > 1 else ()
+        ),
+        tp_summed_at_step_numels=params.tp_summed_at_step if c.tp_size > 1 and c.engine != "deepspeed" else (),
         gradient_element_size=2 if (request.dtype == "bf16" and c.engine == "deepspeed") else 4,
         input_gradient=request.lora_r == 0,  # LoRA freezes the embedding
         moe_layers=stage_moe_layers(config, _rank_layers(config, c)[stage], c.pp_size) if c.tp_size > 1 else 0,

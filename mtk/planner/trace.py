@@ -82,9 +82,13 @@ class Parameters:
     frozen: int = 0
     experts: tuple[bool, ...] = ()  # per trainable parameter: an MoE layer's expert tensor (empty: none is)
     frozen_experts: int = 0  # of ``frozen``, the elements of expert tensors (LoRA's frozen experts)
-    # the elements of each trainable parameter whose gradient is summed over TP in every backward (``tp_shared``:
-    # per-head q/k norms, the whole LoRA factors of experts split over TP)
+    # the elements of each trainable parameter whose gradient is summed over TP in every backward (a TP-split
+    # linear's replicated LoRA factor, through copy_to_tp; the experts' LoRA factors under EP, their 1/ep part)
     tp_summed: tuple[int, ...] = ()
+    # and of those whose whole gradient ``mtk.Accelerator`` sums once per step instead (``tp_shared``: per-head q/k
+    # norms, experts whole on each TP rank, the experts' LoRA factors without EP; in every backward under DeepSpeed:
+    # :func:`~mtk.parallel.grads.sum_tp_shared_grads_at_step`)
+    tp_summed_at_step: tuple[int, ...] = ()
 
     def __add__(self, other: Parameters) -> Parameters:
         experts = self.expert_flags + other.expert_flags if self.experts or other.experts else ()
@@ -94,12 +98,18 @@ class Parameters:
             experts,
             self.frozen_experts + other.frozen_experts,
             self.tp_summed + other.tp_summed,
+            self.tp_summed_at_step + other.tp_summed_at_step,
         )
 
     def __mul__(self, count: int) -> Parameters:
         frozen_experts = self.frozen_experts * count
         return Parameters(
-            self.trainable * count, self.frozen * count, self.experts * count, frozen_experts, self.tp_summed * count
+            self.trainable * count,
+            self.frozen * count,
+            self.experts * count,
+            frozen_experts,
+            self.tp_summed * count,
+            self.tp_summed_at_step * count,
         )
 
     @property
@@ -290,8 +300,8 @@ def _parameters(model, block: nn.Module | None, ep_size: int = 1) -> tuple[Param
         for factor in (cast(Any, m).lora_B if m.is_row else cast(Any, m).lora_A).values()
         for p in factor.parameters()
     }
-    parts: list[tuple[list[int], list[int], list[bool], list[int], list[int]]] = [
-        ([], [], [], [], []) for _ in range(3)
+    parts: list[tuple[list[int], list[int], list[bool], list[int], list[int], list[int]]] = [
+        ([], [], [], [], [], []) for _ in range(3)
     ]
     part = 0
     for param in model.parameters():
@@ -299,22 +309,29 @@ def _parameters(model, block: nn.Module | None, ep_size: int = 1) -> tuple[Param
             part = 1
         elif part == 1:
             part = 2
-        trainable, frozen, flags, frozen_experts, tp_summed = parts[part]
+        trainable, frozen, flags, frozen_experts, tp_summed, at_step = parts[part]
         expert = id(param) in experts
         numel = param.numel() // ep_size if expert else param.numel()
         if param.requires_grad:
             trainable.append(numel)
             flags.append(expert)
-            if param_info(param).tp_shared or id(param) in summed:
+            if id(param) in summed or (id(param) in factors and ep_size > 1):  # through copy_to_tp, or a part
                 tp_summed.append(numel // ep_size if id(param) in factors else numel)
+            elif param_info(param).tp_shared:  # the whole gradient
+                at_step.append(numel)
         else:
             frozen.append(numel)
             frozen_experts.append(numel if expert else 0)
     before, layer, after = (
         Parameters(
-            tuple(trainable), sum(frozen), tuple(flags) if any(flags) else (), sum(frozen_experts), tuple(summed)
+            tuple(trainable),
+            sum(frozen),
+            tuple(flags) if any(flags) else (),
+            sum(frozen_experts),
+            tuple(summed),
+            tuple(at_step),
         )
-        for trainable, frozen, flags, frozen_experts, summed in parts
+        for trainable, frozen, flags, frozen_experts, summed, at_step in parts
     )
     return before, layer, after
 

@@ -229,8 +229,8 @@ def test_bench_whole_experts_at_ep_count_what_the_prediction_says_and_hold_mtk_w
     tmp_path, capsys
 ):
     """--tp 2 --etp 1 inside --dp 2 --ep 2 with the distributed optimizer, 15 tokens (TP rank 0 runs 8 of them, rank 1
-    7): the exchange carries each TP rank's share of the tokens, the experts' gradients are summed over TP in
-    backward and reduced over their replicas after it, every count and byte as predicted; mtk with each expert split
+    7): the exchange carries each TP rank's share of the tokens, the experts' gradients are summed over TP once per
+    step and reduced over their replicas, every count and byte as predicted; mtk with each expert split
     over TP runs beside it as the ratio's baseline."""
     report, text = _bench(tmp_path, capsys, "--model", "tiny-qwen3-moe", "--tp", "2", "--etp", "1", "--dp", "2",
                           "--ep", "2", "--distributed_optimizer", "--batch", "1", "--seq", "15",

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from mtk.parallel.expert_parallel import expert_placement, is_expert_parallel, spread_experts
+from mtk.parallel.parameters import param_info
 from mtk.testing import assert_close_rel, run_distributed
 from mtk.verify.sweep import tiny_config
 
@@ -191,6 +192,10 @@ def _accelerator_worker(
     # gradients by their own size, and turn rounding into sign flips of whole updates)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if tp > 1:  # the q/k norms (and whole experts) are summed over TP once per step, by backward(), not in backward
+        shared = {name for name, p in model.named_parameters() if param_info(p).tp_shared}
+        assert shared and all(param_info(p).tp_summed_at_step for n, p in model.named_parameters() if n in shared)
+        assert any(".experts." in name for name in shared) == (etp == 1), shared
     if sharded:  # each parameter updated by one rank of the group holding it alike
         kept = [p for group in optimizer.param_groups for p in group["params"]]
         for experts in (True, False):

@@ -30,9 +30,10 @@ def test_plan_matches_the_measured_run(name):
 
 
 def _lora_step_collectives(rank: int, world: int, model_name: str, targets: list[str], sp: bool) -> dict:
-    """One LoRA forward and backward at TP 2, then the sum of the sequence-parallel gradients the Accelerator does
-    after backward (not a prepared model's checks that the ranks share inputs and loss, which the planner leaves out
-    as the bench does): the collectives TP rank 0 issued, by kind."""
+    """One LoRA forward and backward at TP 2, then the sum of the sequence-parallel and ``tp_shared`` gradients the
+    Accelerator does after backward (its ``prepare`` moves the latter there; not a prepared model's checks that the
+    ranks share inputs and loss, which the planner leaves out as the bench does): the collectives TP rank 0 issued,
+    by kind."""
     import torch
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
@@ -41,7 +42,7 @@ def _lora_step_collectives(rank: int, world: int, model_name: str, targets: list
     from mtk.lora import get_peft_model
     from mtk.models import builtin_config
     from mtk.parallel.collective_count import count_collectives
-    from mtk.parallel.grads import sync_sequence_parallel_grads
+    from mtk.parallel.grads import sum_tp_shared_grads_at_step, sync_sequence_parallel_grads
 
     accelerator = Accelerator(
         parallel_config=ParallelConfig(tp_size=2), run_settings=RunSettings(sequence_parallel=sp)
@@ -50,6 +51,7 @@ def _lora_step_collectives(rank: int, world: int, model_name: str, targets: list
     base = AutoModelForCausalLM.from_config(builtin_config(model_name)).float()
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", target_parameters=targets or None)
     model = get_peft_model(accelerator.parallelize(base), lora, report=lambda *_: None)  # unprepared, as the bench
+    sum_tp_shared_grads_at_step(model, accelerator.parallel.tp_group)  # as prepare does
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     with count_collectives() as log:
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
@@ -65,9 +67,9 @@ def _lora_step_collectives(rank: int, world: int, model_name: str, targets: list
 )
 def test_plan_counts_the_collectives_of_lora_at_tp(model, targets, sp):
     """LoRA at TP 2 as the planner predicts it: each TP-split linear's replicated factor (a column's A, a row's B)
-    summed over TP in every backward, the whole factors of experts split over TP too, the frozen embedding's input
-    path without a gradient (one input collective fewer; under SP a gather and a scatter), LoRA's frozen norms
-    without one (no q/k norm sum; under SP no sum after backward)."""
+    summed over TP in every backward, the whole factors of experts split over TP once per step (no EP here), the
+    frozen embedding's input path without a gradient (one input collective fewer; under SP a gather and a scatter),
+    LoRA's frozen norms without one (no q/k norm sum; under SP no sum after backward)."""
     from dataclasses import replace
 
     from mtk.planner.search import stage_collectives

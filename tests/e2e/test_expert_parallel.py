@@ -150,13 +150,22 @@ def test_ep2_inside_dp4_with_the_distributed_optimizer_resumes_at_ep1_exactly(tm
     assert_same_losses(resumed, losses, range(4, 7), "ep2 x dp4 distopt step 3 resumed at ep1")
 
 
-def test_ep2_inside_a_pp2_pipeline_logs_the_accumulated_dp2_losses_and_resumes_at_ep1(tmp_path):
+ACCUMULATING = ("--model", "tiny-qwen3-moe", "--max_steps", "6")
+
+
+@pytest.fixture(scope="module")
+def dp2_accumulating(tmp_path_factory) -> dict[int, float]:
+    """The reference losses of DP 2 accumulating 2 micro-batches of 2 rows (each its own load-balancing term)."""
+    out_dir = tmp_path_factory.mktemp("moe_dp2_accumulating")
+    return finetune("tp1_dp2", out_dir, *ACCUMULATING, "--batch_size", "2", "--grad_accum", "2")
+
+
+def test_ep2_inside_a_pp2_pipeline_logs_the_accumulated_dp2_losses_and_resumes_at_ep1(dp2_accumulating, tmp_path):
     """TP 1 x PP 2 x DP 2 with EP 2 over the DP pairs of each stage, the load-balancing term carried through the
     stages with each micro-batch's hidden states: the losses of DP 2 accumulating the same 2 micro-batches of 2 rows
     (each its own term; padded rows, the padding left out), as one process accumulating gradients computes them.
     The step-3 checkpoint (each stage's experts in its EP ranks' pieces) resumes at EP 1 in the same pipeline."""
-    run = ("--model", "tiny-qwen3-moe", "--max_steps", "6")
-    reference = finetune("tp1_dp2", tmp_path / "dp2", *run, "--batch_size", "2", "--grad_accum", "2")
+    run, reference = ACCUMULATING, dp2_accumulating
     keys = {"pp_degree": "2", "tp_degree": "1", "expert_tensor_parallel_size": "1", "num_micro_batches": "2"}
     out = accelerate_launch("finetune.py", _yaml(tmp_path, **keys), "--output_dir", str(tmp_path / "run"), *run,
                             "--batch_size", "4", "--save_every", "3")  # fmt: skip
@@ -169,6 +178,16 @@ def test_ep2_inside_a_pp2_pipeline_logs_the_accumulated_dp2_losses_and_resumes_a
         at_ep1, tmp_path / "at_ep1", *run, "--batch_size", "4", "--resume", str(tmp_path / "run" / "step_3")
     )
     assert_same_losses(resumed, reference, range(4, 7), "pp2 x ep2 step 3 resumed at pp2 x ep1")
+
+
+def test_experts_whole_on_each_tp_rank_accumulating_log_the_accumulated_dp2_losses(dp2_accumulating, tmp_path):
+    """ep2_tp2_etp1.yaml accumulating 2 micro-batches: the whole experts' gradients (and Qwen3's q/k norms') are
+    summed over TP once per step, after the last micro-batch's backward, not in each backward; the losses are DP 2's
+    accumulating the same micro-batches."""
+    out = accelerate_launch("finetune.py", "ep2_tp2_etp1", "--output_dir", str(tmp_path / "run"), *ACCUMULATING,
+                            "--batch_size", "2", "--grad_accum", "2")  # fmt: skip
+    assert "ep=2 etp=1" in out.stdout + out.stderr
+    assert_same_losses(step_losses(out), dp2_accumulating, range(1, 7), "ep2 x tp2 etp1 accumulating vs dp2")
 
 
 def test_lora_at_ep2_logs_the_dp2_losses_resumes_at_ep1_and_exports(moe_dp2, tmp_path):

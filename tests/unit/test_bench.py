@@ -186,13 +186,14 @@ def test_expert_tp_size_bench_input_is_one_line(argv, message, capsys):
 def test_expert_tp_size_1_prediction_equals_the_counted_run():
     """tiny-qwen3-moe at TP 2 with whole experts (2 MoE layers, 32 tokens, k 2, h 64), as counted in a real run
     (``mtk bench --model tiny-qwen3-moe --tp 2 --etp 1 --batch 2 --seq 16``): no MLP pair and no routing-weights sum
-    per MoE layer, the experts' 2 tensors summed over TP, and 3 gathers of 16 rows ([16, 64], [16, 64], [16, 2])."""
+    per MoE layer, the experts' 2 tensors summed over TP (with the q/k norms, in one call once per step), and 3
+    gathers of 16 rows ([16, 64], [16, 64], [16, 2])."""
     spec = BenchSpec(model="tiny-qwen3-moe", tp_size=2, pp_size=1, batch=2, seq=16, steps=1, etp_size=1)
     predicted = predicted_for(spec)
-    assert dict(predicted.counts) == {"all_reduce": 16, "all_gather": 6}
+    assert dict(predicted.counts) == {"all_reduce": 9, "all_gather": 6}
     assert dict(predicted.nbytes) == {"all_reduce": 443008, "all_gather": 2 * 16 * (64 + 64 + 2) * 4}
     split = predicted_for(replace(spec, etp_size=None))
-    assert dict(split.counts) == {"all_reduce": 18} and dict(split.nbytes) == {"all_reduce": 83072}
+    assert dict(split.counts) == {"all_reduce": 15} and dict(split.nbytes) == {"all_reduce": 83072}
     uneven = predicted_for(replace(spec, batch=1, seq=15))  # 15 tokens: rank 0 runs 8
     assert uneven.nbytes["all_gather"] == 2 * 8 * (64 + 64 + 2) * 4
 

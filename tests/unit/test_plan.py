@@ -444,9 +444,10 @@ def test_lora_on_the_expert_tensors_plans_their_whole_factors():
 
 def test_tp_summed_gradients_are_counted_from_the_trace():
     """Gradients summed over TP in every backward, read off the traced model (``tp_shared`` and trainable): at TP 2
-    the whole factors of experts split over TP add one all-reduce per factor, MoE layer and micro-batch (fp32: they
-    train in fp32) of their experts' part, half of them at EP 2, on top of their DP reduction (whole). Against the
-    counted collectives of real runs: tests/distributed/test_plan_check.py."""
+    and EP 2 the whole factors of experts split over TP add one all-reduce per factor, MoE layer and micro-batch
+    (fp32: they train in fp32) of their experts' part, half of them, on top of their DP reduction (whole): a part's
+    sum stays in backward (the DP reduction fills in the other EP ranks' parts). Against the counted collectives of
+    real runs: tests/distributed/test_plan_check.py."""
     config = resolve_config("tiny-qwen3-moe")
     request = Request(config, Cluster(4, gpu_memory=8 * GIB), 64, 4, dtype="fp32", reserve=0, lora_r=4, ep_sizes=(2,))
     experts = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")

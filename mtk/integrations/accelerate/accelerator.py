@@ -56,7 +56,7 @@ from mtk.parallel.expert_parallel import is_expert_parallel, reduce_expert_gradi
 from mtk.parallel.fsdp import held_elements, reshard
 from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
-from mtk.parallel.grads import sync_sequence_parallel_grads
+from mtk.parallel.grads import sum_tp_shared_grads_at_step, sync_sequence_parallel_grads
 from mtk.parallel.optimizer_updates import check_elementwise_update, checked_additions
 from mtk.parallel.state import ParallelState, default_device
 from mtk.pipeline.engine import PipelineModel
@@ -275,6 +275,8 @@ class Accelerator(
         if getattr(model, "_is_accelerate_prepared", False):
             return super().prepare_model(model, device_placement, evaluation_mode)
         model = self._convert_once(model)
+        if not self.uses_deepspeed:  # backward() finishes the gradients once per step: the TP sums move there
+            sum_tp_shared_grads_at_step(model, self.parallel.tp_group)
         # accelerate's own preparation (mixed-precision forward, device placement), but not its DDP,
         # which would span every process: replicas are only the data-parallel group.
         model = super().prepare_model(model, device_placement, evaluation_mode=True)
@@ -349,7 +351,7 @@ class Accelerator(
                 reduce_expert_gradients(
                     list(model.parameters()), self.parallel.expert_replica_group, self.parallel.replica_size
                 )
-        if self.settings.sequence_parallel or self.sharding is not None:
+        if self.parallel.tp_size > 1:  # SP's gradients, and those summed over TP once per step
             for model in self._models:
                 sync_sequence_parallel_grads(model, self.parallel.tp_group)
 
