@@ -18,10 +18,16 @@ of their sum, so the result is the same, in one coalesced all-reduce per step (M
 ``finalize_model_grads`` does the same for its layer-norm gradients). This is what makes the experts' TP size 1
 affordable: their whole gradients are summed once per step, not once per micro-batch. DeepSpeed's ZeRO reduces
 gradients inside backward, so under DeepSpeed the hooks stay.
+
+A sum over TP, unlike DP's average, must not run twice on one gradient: a loop that calls ``backward`` again on top
+of a gradient the step's sum already holds (several backward calls, each a sync, before one optimizer step) would
+count the earlier micro-batches ``tp`` times. Each gradient summed once per step keeps a hook that notices this and
+sums such late gradients as they arrive instead (:class:`_SummedOncePerStep`).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -40,6 +46,7 @@ __all__ = [
 ]
 
 _SUM_HOOK = "_mtk_tp_sum_hook"  # (handle, group) of a parameter's whole-gradient sum hook: movable to the step
+_ONCE = "_mtk_tp_summed_once"  # the _SummedOncePerStep hook of a parameter whose gradient is summed once per step
 
 
 def sync_sequence_parallel_grads(module: nn.Module, tp_group: Group) -> None:
@@ -51,7 +58,16 @@ def sync_sequence_parallel_grads(module: nn.Module, tp_group: Group) -> None:
     """
     if group_size(tp_group) == 1:
         return
-    grads = [local(p.grad) for p in module.parameters() if p.grad is not None and _summed_after_backward(p)]
+    grads = []
+    for param in module.parameters():
+        if param.grad is None or not _summed_after_backward(param):
+            continue
+        once = getattr(param, _ONCE, None)
+        if once is not None:
+            if once.summed:  # summed already: at an earlier sync, and what came since as it came
+                continue
+            once.summed = True
+        grads.append(local(param.grad))
     all_reduce_coalesced(grads, tp_group)
 
 
@@ -62,20 +78,42 @@ def _summed_after_backward(param: torch.Tensor) -> bool:
 
 def sum_tp_shared_grads_at_step(module: nn.Module, tp_group: Group) -> int:
     """Move the whole-gradient TP sums of ``module``'s ``tp_shared`` parameters over ``tp_group`` from every backward
-    to once per step (module docstring); how many moved. The caller must then run
+    to once per step (module docstring), and keep each gradient summed once per step from being summed twice
+    (:class:`_SummedOncePerStep`, the sequence-parallel ones' too); how many moved. The caller must then run
     :func:`sync_sequence_parallel_grads` once per step, after the last backward. Sums over another group stay in
     backward, and so do sums of a part of a gradient (the experts' LoRA factors under EP: the rest is zero on every TP
     rank only until the DP reduction, which fills in the other EP ranks' experts)."""
     moved = 0
     for param in module.parameters():
         hook = getattr(param, _SUM_HOOK, None)
-        if hook is None or hook[1] is not tp_group:
-            continue
-        hook[0].remove()
-        delattr(param, _SUM_HOOK)
-        set_param_info(param, tp_summed_at_step=True)
-        moved += 1
+        if hook is not None and hook[1] is tp_group:
+            hook[0].remove()
+            delattr(param, _SUM_HOOK)
+            set_param_info(param, tp_summed_at_step=True)
+            moved += 1
+        summed = param_info(param).tp_summed_at_step or param_info(param).sequence_parallel
+        if summed and param.requires_grad and group_size(tp_group) > 1 and not hasattr(param, _ONCE):
+            once = _SummedOncePerStep(param, tp_group)
+            param.register_hook(once)
+            setattr(param, _ONCE, once)
     return moved
+
+
+class _SummedOncePerStep:
+    """Tensor hook of a gradient summed over TP once per step (module docstring): a gradient arriving while
+    ``.grad`` holds the step's sum already is summed here, as it arrives; one arriving while ``.grad`` is ``None``
+    (``zero_grad``) starts a new step. Every TP rank runs the same backward calls and syncs, so all agree."""
+
+    def __init__(self, param: torch.Tensor, tp_group: Group) -> None:
+        self.param = weakref.ref(param)
+        self.tp_group = tp_group
+        self.summed = False  # whether .grad holds the TP sum
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        param = self.param()
+        if param is None or param.grad is None:
+            self.summed = False
+        return all_reduce(grad.detach().clone(), self.tp_group) if self.summed else grad
 
 
 @torch.no_grad()

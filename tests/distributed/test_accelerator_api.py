@@ -8,6 +8,7 @@ One launch checks: the parallel-rank properties, ``split_between_processes`` ove
 ``parallelism_config``.
 """
 
+import contextlib
 import pickle
 from datetime import timedelta
 from pathlib import Path
@@ -184,3 +185,50 @@ def test_an_optimizer_reading_whole_tensors_is_refused_next_to_tensor_parallelis
         "mtk: Mine updates split parameters shard by shard; that equals one process only if its update treats every "
         "element on its own (as AdamW and SGD do)"
     ]
+
+
+def _summed_once_per_step(rank: int, world_size: int) -> int:
+    """tiny-qwen3 at TP 2 with sequence parallelism: its per-head q/k norms' and its norms' gradients are summed over
+    TP once per step. Three ways of accumulating two micro-batches all give one process's gradients: accelerate's
+    ``accumulate`` (one sync, after the second backward), two ``backward`` calls that each sync before one step (the
+    second arrives on top of a summed gradient), and the same after ``zero_grad(set_to_none=False)``."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mtk import Accelerator, ParallelConfig, RunSettings
+    from mtk.models import builtin_config
+    from mtk.parallel.parameters import param_info
+    from mtk.testing import assert_close_rel
+
+    accelerator = Accelerator(
+        parallel_config=ParallelConfig(tp_size=2),
+        run_settings=RunSettings(sequence_parallel=True),
+        gradient_accumulation_steps=2,
+    )
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(builtin_config("tiny-qwen3")).float()
+    model = accelerator.prepare(copy.deepcopy(reference))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    whole = (reference(input_ids=ids[:1], labels=ids[:1]).loss + reference(input_ids=ids[1:], labels=ids[1:]).loss) / 2
+    whole.backward()
+    wanted = {name: p.grad for name, p in reference.named_parameters()}
+    marked = [(n, p, param_info(p)) for n, p in model.named_parameters()]
+    summed = [(n, p) for n, p, info in marked if info.tp_shared or info.sequence_parallel]
+    assert any(param_info(p).tp_shared for _, p in summed) and any(param_info(p).sequence_parallel for _, p in summed)
+    for way in ("accumulate", "backward twice", "zeroed in place"):
+        for row in (0, 1):
+            context = accelerator.accumulate(model) if way == "accumulate" else contextlib.nullcontext()
+            with context:
+                accelerator.backward(model(input_ids=ids[row : row + 1], labels=ids[row : row + 1]).loss)
+            assert accelerator.sync_gradients == (way != "accumulate" or row == 1)  # elsewhere each backward syncs
+        for name, param in summed:
+            assert_close_rel(param.grad, wanted[name], f"{way}: {name} gradient")
+        model.zero_grad(set_to_none=way != "backward twice")  # the third way starts from zeros held in place
+    return len(summed)
+
+
+def test_gradients_summed_over_tp_once_per_step_count_each_micro_batch_once():
+    counts = run_distributed(_summed_once_per_step, world_size=2)
+    assert counts[0] == counts[1] > 0
