@@ -18,6 +18,7 @@ of it.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import re
@@ -248,6 +249,25 @@ def _check_format_fields(directory: str | Path, meta: CheckpointMeta) -> None:
         )
 
 
+def _check_labelled_record(directory: str | Path, meta: CheckpointMeta) -> None:
+    """A labelled save (every save since save labels) records its data position and the counts of what it wrote:
+    the schedulers' positions, and, of optimizer files mtk or an engine wrote, their steps and learning rates (an
+    engine's since 2026-11-28: a labelled DeepSpeed checkpoint of the day before is refused). A record removed from
+    its metadata would otherwise switch the check it feeds off, as an emptied list would."""
+    if meta.save is None:
+        return
+    needed = ["data.micro_batches", "counts.scheduler_positions"]
+    if meta.engine is not None or any(name.startswith("optimizer/") for name in meta.files):  # (an engine's own too)
+        needed += ["counts.optimizer_steps", "counts.fewest_optimizer_steps", "counts.learning_rates"]
+    records = {"data": meta.data, "counts": meta.counts}
+    missing = [name for name in needed if name.split(".")[1] not in records[name.split(".")[0]]]
+    if missing:
+        raise CheckpointError(
+            f"{directory}/metadata.json records no {missing[0]}, which every save since save labels writes (this one "
+            f"is labelled {meta.save!r}); the metadata is crafted or damaged: use another checkpoint"
+        )
+
+
 def _check_scheduler_count(directory: str | Path, meta: CheckpointMeta) -> None:
     """A metadata that records the schedulers' positions records one per scheduler file (none left out: an empty
     list would switch the position check off)."""
@@ -260,6 +280,23 @@ def _check_scheduler_count(directory: str | Path, meta: CheckpointMeta) -> None:
             f"{directory}/metadata.json records the positions of {len(positions)} schedulers, the checkpoint holds "
             f"{len(held)} scheduler files; not as mtk wrote it (crafted, or damaged): use another checkpoint"
         )
+
+
+def missing_files_are_one_line(load: Callable[..., _T]) -> Callable[..., _T]:
+    """A loader of the checkpoint in its first argument: a file it needs that is gone and that the metadata does not
+    list (deleted, and left out of the list: no checksum could miss it) is one line, not a traceback."""
+
+    @functools.wraps(load)
+    def loading(directory: str | Path, *args: Any, **kwargs: Any) -> _T:
+        try:
+            return load(directory, *args, **kwargs)
+        except FileNotFoundError as err:
+            raise CheckpointError(
+                f"{err.filename or directory} is missing, and {directory}/metadata.json does not list it: the "
+                "checkpoint is incomplete or crafted: use another one"
+            ) from None
+
+    return loading
 
 
 def read_verified(directory: str | Path) -> CheckpointMeta:
@@ -295,6 +332,7 @@ def read_verified(directory: str | Path) -> CheckpointMeta:
         problems = verify_files(Path(directory), {}, None, listed=list_files(Path(directory)))
         if problems:
             raise CheckpointError(f"{problems[0]}: a checkpoint of format {FIRST_FORMAT} holds no labelled file")
+    _check_labelled_record(directory, meta)
     _check_scheduler_count(directory, meta)
     if meta.files:
         problems = verify_files(Path(directory), meta.files, meta.save)

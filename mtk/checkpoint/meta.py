@@ -79,6 +79,13 @@ def _check_types(values: dict[str, Any]) -> None:
         if not isinstance(values.get(key, {}), dict):
             raise TypeError(f"{key} is not a JSON object")
     _check_base_model(values.get("base_model"))
+    data = values.get("data", {})
+    step = data.get("accelerate_step", 0)
+    if not _is_count(step):
+        raise TypeError(f"data.accelerate_step {step!r} is not a count of steps")
+    iterations = data.get("dataloader_iterations", [])
+    if not isinstance(iterations, list) or not all(_is_count(i) for i in iterations):
+        raise TypeError(f"data.dataloader_iterations {iterations!r} is not a list of counts (one per DataLoader)")
     counts = values.get("counts", {})
     for key in ("optimizer_steps", "fewest_optimizer_steps"):
         steps = counts.get(key)

@@ -32,7 +32,7 @@ from mtk.checkpoint.counts import (
     optimizer_steps,
     recorded_counts,
 )
-from mtk.checkpoint.integrity import Checksums, checksum_files, read_verified
+from mtk.checkpoint.integrity import Checksums, checksum_files, missing_files_are_one_line, read_verified
 from mtk.checkpoint.labels import KEY, labelled, new_label
 from mtk.checkpoint.meta import FORMAT, RUN_ID, CheckpointMeta, read_metadata
 from mtk.checkpoint.optimizer import (
@@ -128,6 +128,7 @@ def save_checkpoint(
     collective_writers: Sequence[Callable[[Path, str], None]] = (),
     piece: Piece | None = None,
     engine_state: list[list[float]] | None = None,
+    engine_optimizers: list[Any] | None = None,
 ) -> Path:
     """Write a checkpoint at ``directory`` atomically. Collective: every rank calls it.
 
@@ -137,10 +138,13 @@ def save_checkpoint(
     collective, save_checkpoint, and mtk's ZeRO-3 pieces, which carry the label: :mod:`~mtk.checkpoint.labels`).
     ``piece``: where this rank's pieces sit when the model's parameters are split over DP by an engine (ZeRO-3);
     FSDP2's are found from the parameters themselves. ``engine_state``: every rank's sums of the engine's optimizer
-    state (:func:`~mtk.checkpoint.counts.engine_state_sums`), recorded in ``counts`` to check its own files by.
+    state (:func:`~mtk.checkpoint.counts.engine_state_sums`), recorded in ``counts`` to check its own files by;
+    ``engine_optimizers``: the engine's own optimizers (DeepSpeed's inner one), whose steps and learning rates the
+    counts record as they do ``optimizers``'.
     """
     _check_finite_weights(model, parallel, step)
-    counts = recorded_counts(optimizers if engine is None else None, schedulers, parallel.device)  # collective
+    counted = optimizers if engine is None else engine_optimizers
+    counts = recorded_counts(counted, schedulers, parallel.device)  # collective
     if engine_state is not None:
         counts["engine_state"] = engine_state
     piece = _with_experts(piece or piece_of(model), model, parallel)
@@ -204,6 +208,7 @@ def save_checkpoint(
     return Path(directory)
 
 
+@missing_files_are_one_line
 def load_checkpoint(
     directory: str | Path,
     parallel: ParallelState,

@@ -29,8 +29,15 @@ from torch import nn
 
 from mtk import jsonio
 from mtk.checkpoint.base_model import check_base
-from mtk.checkpoint.counts import check_engine_state, check_scheduler_positions, engine_state_sums
-from mtk.checkpoint.integrity import read_verified
+from mtk.checkpoint.counts import (
+    check_engine_state,
+    check_learning_rates,
+    check_optimizer_steps,
+    check_scheduler_positions,
+    engine_state_sums,
+    optimizer_steps,
+)
+from mtk.checkpoint.integrity import missing_files_are_one_line, read_verified
 from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.rng import restore_rng
@@ -232,7 +239,8 @@ def save_deepspeed_checkpoint(
     if not schedulers and engine.lr_scheduler is not None:  # run.py's, which DeepSpeed steps: saved as mtk's too
         schedulers = [engine.lr_scheduler]
     # collective: resume checks DeepSpeed's own files against it
-    state = engine_state_sums(inner_optimizer(engine), _restored_weights(engine))
+    inner = inner_optimizer(engine)
+    state = engine_state_sums(inner, _restored_weights(engine))
     with zero3_gathered(engine) if piece is None else contextlib.nullcontext():
         return save_checkpoint(
             directory,
@@ -247,6 +255,7 @@ def save_deepspeed_checkpoint(
             engine={"engine": "deepspeed", "zero_stage": engine.zero_optimization_stage()},
             piece=piece,
             engine_state=state,
+            engine_optimizers=[inner] if inner is not None else [],  # its steps and learning rates, checked at load
         )
 
 
@@ -271,6 +280,7 @@ def _zero3_piece(engine, parallel: ParallelState) -> Piece | None:
     return Piece(dist.get_rank(group=group), parallel.replica_size)
 
 
+@missing_files_are_one_line
 def load_deepspeed_checkpoint(
     directory: str | Path, engine, parallel: ParallelState, *, schedulers: Sequence = ()
 ) -> CheckpointMeta:
@@ -284,10 +294,10 @@ def load_deepspeed_checkpoint(
     if meta.engine != "deepspeed":
         raise CheckpointError(f"{directory} was not written by the DeepSpeed engine; resume it with the same engine")
     check_base(str(directory), meta.base_model, engine.module, parallel)  # collective
-    layout = (parallel.tp_size, parallel.pp_size, parallel.dp_size, parallel.cp_size)
-    same = (saved.tp_size, saved.pp_size, saved.dp_size, saved.cp_size) == layout
+    layout = (parallel.tp_size, parallel.pp_size, parallel.dp_size, parallel.cp_size, engine.zero_optimization_stage())
+    same = (saved.tp_size, saved.pp_size, saved.dp_size, saved.cp_size, meta.zero_stage) == layout
     if same:
-        path, _ = engine.load_checkpoint(str(paths.deepspeed), tag=_DS_TAG, load_module_strict=meta.base_model is None)
+        path = _deepspeed_load(engine, paths, meta)
         if path is None:
             raise CheckpointError(f"{directory}/deepspeed holds no DeepSpeed checkpoint")
     elif meta.zero_stage == 3 and engine.zero_optimization_stage() == 3 and saved.pp_size == parallel.pp_size:
@@ -305,8 +315,14 @@ def load_deepspeed_checkpoint(
             f"{directory}: DeepSpeed's state counts {engine.global_steps} steps where the metadata says {meta.step}; "
             "its files are from another save (crafted, or mixed from two runs): use another checkpoint"
         )
+    inner = inner_optimizer(engine)
     if same:  # and hold the state the save recorded (its files carry no save label)
-        check_engine_state(inner_optimizer(engine), _restored_weights(engine), meta, str(directory), parallel.device)
+        check_engine_state(inner, _restored_weights(engine), meta, str(directory), parallel.device)
+        _apply_configured_clipping(engine, str(directory))
+    # the steps and learning rates the save recorded, from DeepSpeed's files or from mtk's pieces and JSON
+    counted = [inner] if inner is not None else []
+    check_optimizer_steps(optimizer_steps(counted, parallel.device), meta.counts, str(directory))  # collective
+    check_learning_rates(counted, meta.counts, str(directory))
     if not schedulers and engine.lr_scheduler is not None:
         if same:  # DeepSpeed restored it from its own files: at the position the metadata recorded
             check_scheduler_positions([engine.lr_scheduler], meta.counts, str(directory))
@@ -316,6 +332,35 @@ def load_deepspeed_checkpoint(
     meta.rng = restore_rng(paths, meta, parallel)
     restore_streams(engine.module, meta, parallel)  # the per-TP-rank dropout stream
     return meta
+
+
+def _apply_configured_clipping(engine, where: str) -> None:
+    """DeepSpeed's ZeRO 1/2 state restores the gradient clipping it was saved with over this run's
+    ``gradient_clipping``: this run's applies, and the difference is said in one line."""
+    wrapper: Any = getattr(engine, "optimizer", None)
+    saved, configured = getattr(wrapper, "clip_grad", None), engine.gradient_clipping()
+    if saved is None or float(saved) == float(configured):
+        return
+    wrapper.clip_grad = configured
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(
+            f"mtk: {where} was saved clipping gradients at {saved}; this run's gradient_clipping {configured} applies"
+        )
+
+
+def _deepspeed_load(engine, paths: CheckpointPaths, meta: CheckpointMeta) -> str | None:
+    """DeepSpeed's own ``load_checkpoint`` of ``paths.deepspeed`` (where it found its state, or ``None``). Its files
+    matched their checksums, so a file it cannot read (cut short, or not its format, with the checksum rewritten) is
+    a crafted checkpoint: whatever DeepSpeed raises reading it is one line."""
+    try:
+        path, _ = engine.load_checkpoint(str(paths.deepspeed), tag=_DS_TAG, load_module_strict=meta.base_model is None)
+    except Exception as err:  # noqa: BLE001 (a third party's reader of files from disk: any failure is the file's)
+        message = " ".join(str(err).split())[:300] or type(err).__name__
+        raise CheckpointError(
+            f"{paths.deepspeed}: DeepSpeed cannot read its state ({type(err).__name__}: {message}); its files are "
+            "damaged or crafted, though they match the recorded checksums: use another checkpoint"
+        ) from None
+    return path
 
 
 def _shm_buffers(rank: str | None) -> list[Path]:

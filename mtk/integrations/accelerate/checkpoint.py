@@ -180,8 +180,10 @@ class ShardedCheckpointing(_Host):
             replay_shuffles(dataloader, iteration)
         for i, obj in enumerate(self._custom_objects):
             path = CheckpointPaths(input_dir).custom_object(i)
-            if not path.is_file() and getattr(obj, "absent_from_older_checkpoints", False):
-                continue  # e.g. a ResumeGuard a script registers since a later version: nothing recorded to compare
+            if not path.is_file() and getattr(obj, "absent_from_older_checkpoints", False) and meta.save is None:
+                # e.g. a ResumeGuard a script registers since a later version: nothing recorded to compare (every
+                # labelled save, the later ones, holds it)
+                continue
             if not path.is_file():
                 raise CheckpointError(
                     f"{input_dir} holds no {path.name}: it was saved with fewer objects registered with "
