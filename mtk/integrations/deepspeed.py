@@ -51,6 +51,7 @@ from mtk.parallel.optimizer_updates import check_named_update
 from mtk.parallel.pieces import Piece
 from mtk.parallel.record import is_peft_model
 from mtk.parallel.state import ParallelState
+from mtk.training.entry import peer_failure
 
 __all__ = [
     "check_launcher_config",
@@ -355,6 +356,8 @@ def _deepspeed_load(engine, paths: CheckpointPaths, meta: CheckpointMeta) -> str
     try:
         path, _ = engine.load_checkpoint(str(paths.deepspeed), tag=_DS_TAG, load_module_strict=meta.base_model is None)
     except Exception as err:  # noqa: BLE001 (a third party's reader of files from disk: any failure is the file's)
+        if peer_failure(err) is not None:  # another rank's failure reached this one's collective: said there
+            raise
         message = " ".join(str(err).split())[:300] or type(err).__name__
         raise CheckpointError(
             f"{paths.deepspeed}: DeepSpeed cannot read its state ({type(err).__name__}: {message}); its files are "

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from mtk.errors import MtkError
 from mtk.parallel.state import group_timeout
 
-__all__ = ["report_mtk_errors", "run_main"]
+__all__ = ["peer_failure", "report_mtk_errors", "run_main"]
 
 
 def _first_report(message: str) -> bool:
@@ -74,7 +74,7 @@ def _run(main: Callable[[], None], prog: str) -> None:
         _report(prog, str(err), str(err))
         sys.exit(2)
     except Exception as err:
-        detail = _peer_failure(err)
+        detail = peer_failure(err)
         if detail is None:
             raise
         _report(
@@ -146,7 +146,7 @@ _PEER_LOST = (
 )
 
 
-def _peer_failure(err: Exception) -> str | None:
+def peer_failure(err: Exception) -> str | None:
     """The gist of a collective's error when a peer died or hung, else ``None`` (a bug: keep the traceback)."""
     import torch.distributed as dist
 

@@ -4,7 +4,7 @@ exits without racing gloo's threads."""
 import pytest
 
 from mtk.spawn import run_distributed
-from mtk.training.entry import _peer_failure, run_main
+from mtk.training.entry import peer_failure, run_main
 
 CLOSED = (
     "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
@@ -14,14 +14,14 @@ CLOSED = (
 
 
 def test_the_gist_of_a_lost_peer():
-    assert _peer_failure(RuntimeError(CLOSED)) == "Connection closed by peer [127.0.0.1]:10125"
+    assert peer_failure(RuntimeError(CLOSED)) == "Connection closed by peer [127.0.0.1]:10125"
     timed_out = "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete"
-    assert _peer_failure(RuntimeError(timed_out)) == "Timed out waiting 3000ms for recv operation to complete"
+    assert peer_failure(RuntimeError(timed_out)) == "Timed out waiting 3000ms for recv operation to complete"
 
 
 def test_other_errors_keep_their_traceback():
-    assert _peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
-    assert _peer_failure(KeyError("Timed out waiting")) is None
+    assert peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert peer_failure(KeyError("Timed out waiting")) is None
 
     def main() -> None:
         raise RuntimeError("a bug")
