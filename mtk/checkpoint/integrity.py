@@ -259,12 +259,22 @@ def _check_labelled_record(directory: str | Path, meta: CheckpointMeta) -> None:
     needed = ["data.micro_batches", "counts.scheduler_positions"]
     if meta.engine is not None or any(name.startswith("optimizer/") for name in meta.files):  # (an engine's own too)
         needed += ["counts.optimizer_steps", "counts.fewest_optimizer_steps", "counts.learning_rates"]
-    records = {"data": meta.data, "counts": meta.counts}
+    data = meta.data
+    records = {"data": data, "counts": meta.counts}
     missing = [name for name in needed if name.split(".")[1] not in records[name.split(".")[0]]]
+    # values a save writes as numbers (the counts of steps may be null: no optimizer state yet)
+    missing += ["data.micro_batches"] if data.get("micro_batches", 0) is None else []
+    if data.get("samples_per_micro_batch") is not None and data.get("samples") is None:
+        missing.append("data.samples")  # the product that ties the position to itself
     if missing:
         raise CheckpointError(
             f"{directory}/metadata.json records no {missing[0]}, which every save since save labels writes (this one "
             f"is labelled {meta.save!r}); the metadata is crafted or damaged: use another checkpoint"
+        )
+    if data.get("samples_per_micro_batch") is None and data.get("micro_batches"):
+        raise CheckpointError(
+            f"{directory}/metadata.json records {data['micro_batches']} micro-batches consumed but not their size; a "
+            "save that consumed data records both: the metadata is crafted or damaged: use another checkpoint"
         )
 
 
