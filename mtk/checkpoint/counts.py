@@ -210,7 +210,8 @@ def check_saved_counts(directory: str | Path, meta: CheckpointMeta) -> None:
     recorded = meta.counts
     paths = CheckpointPaths(directory)
     optimizer_files = [name for name in sorted(meta.files) if name.startswith("optimizer/")]
-    if "optimizer_steps" in recorded:
+    # an engine's steps without mtk's files of them (DeepSpeed's ZeRO 1/2) are checked when it loads its own
+    if "optimizer_steps" in recorded and (meta.engine is None or optimizer_files):
         found: list[int] = []
         for name in optimizer_files:
             if name.endswith(".safetensors"):
