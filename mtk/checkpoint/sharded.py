@@ -195,7 +195,7 @@ def save_checkpoint(
                 topology=topology_of(parallel),
                 versions=_versions(),
                 model=_model_record(model),
-                data=data or {},
+                data={"micro_batches": 0, **(data or {})},  # a position always: its absence is a removed record
                 run_id=RUN_ID,
                 files=files,
                 base_model=base,

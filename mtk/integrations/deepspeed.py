@@ -339,8 +339,11 @@ def _apply_configured_clipping(engine, where: str) -> None:
     """DeepSpeed's ZeRO 1/2 state restores the gradient clipping it was saved with over this run's
     ``gradient_clipping``: this run's applies, and the difference is said in one line."""
     wrapper: Any = getattr(engine, "optimizer", None)
-    saved, configured = getattr(wrapper, "clip_grad", None), engine.gradient_clipping()
-    if saved is None or float(saved) == float(configured):
+    saved = getattr(wrapper, "clip_grad", None)
+    if saved is None:  # (ZeRO-3's and ZeRO-0's keep none in their state)
+        return
+    configured = engine.gradient_clipping()
+    if float(saved) == float(configured):
         return
     wrapper.clip_grad = configured
     if not dist.is_initialized() or dist.get_rank() == 0:

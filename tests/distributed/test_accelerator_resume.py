@@ -66,3 +66,40 @@ def test_replay_shuffles_reaches_the_epoch_start():
     assert replay_shuffles(fresh, 2) == 2
     assert [b.tolist() for b in fresh] == orders[2]
     assert replay_shuffles(DataLoader(range(10), shuffle=False), 2) == 0
+
+
+def _guarded(rank, world_size, checkpoint, seed):
+    """Save (``seed`` None) or resume a run whose script guards its ``--seed`` (a ResumeGuard, as the examples'):
+    what the resume refused, if anything."""
+    from mtk import Accelerator
+    from mtk.checkpoint.resume import ResumeGuard
+    from mtk.errors import CheckpointError
+
+    accelerator = Accelerator()
+    model = torch.nn.Linear(1, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    accelerator.register_for_checkpointing(ResumeGuard(seed=0 if seed is None else seed))
+    if seed is None:
+        accelerator.save_state(checkpoint)
+        return ""
+    try:
+        accelerator.load_state(checkpoint)
+    except CheckpointError as err:
+        return str(err)
+    return ""
+
+
+def test_a_labelled_checkpoint_without_its_resume_guard_is_refused(tmp_path):
+    """The guard's file deleted and left out of the metadata's list: a resume with another --seed trained on, the
+    guard skipped as if the checkpoint predated it (the re-check's D-C). Every labelled save holds it."""
+    import json
+
+    checkpoint = tmp_path / "step"
+    run_distributed(_guarded, world_size=1, args=(str(checkpoint), None))
+    assert "changes --seed 0 -> 7" in run_distributed(_guarded, world_size=1, args=(str(checkpoint), 7))[0]
+    (checkpoint / "custom_checkpoint_0.pt").unlink()
+    meta = json.loads((checkpoint / "metadata.json").read_text())
+    meta["files"].pop("custom_checkpoint_0.pt")
+    (checkpoint / "metadata.json").write_text(json.dumps(meta))
+    said = run_distributed(_guarded, world_size=1, args=(str(checkpoint), 7))[0]
+    assert "holds no custom_checkpoint_0.pt" in said, said

@@ -163,6 +163,64 @@ def test_recorded_scheduler_positions_cover_the_scheduler_files(tmp_path, traine
         assert f"records the positions of {len(positions)} schedulers, the checkpoint holds 1 scheduler" in said
 
 
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (lambda meta: meta["counts"].pop("scheduler_positions"), "records no counts.scheduler_positions"),
+        (lambda meta: meta["counts"].pop("optimizer_steps"), "records no counts.optimizer_steps"),
+        (lambda meta: meta["counts"].pop("fewest_optimizer_steps"), "records no counts.fewest_optimizer_steps"),
+        (lambda meta: meta["counts"].pop("learning_rates"), "records no counts.learning_rates"),
+        (lambda meta: meta.pop("counts"), "records no counts.scheduler_positions"),
+        (lambda meta: meta.pop("data"), "records no data.micro_batches"),
+        (lambda meta: meta["data"].update(micro_batches=None), "records no data.micro_batches"),
+        (lambda meta: meta["data"].update(micro_batches=4, samples=None), "records no data.samples"),
+        (
+            lambda meta: meta["data"].update(micro_batches=4, samples=None, samples_per_micro_batch=None),
+            "records 4 micro-batches consumed but not their size",
+        ),  # fmt: skip
+    ],
+    ids=["positions", "steps", "fewest", "rates", "counts", "data", "data-null", "samples-null", "size-null"],
+)
+def test_a_labelled_save_without_its_records_is_refused(tmp_path, trained, capsys, change, said):
+    """A record removed from a labelled save's metadata switched the check it feeds off, as an emptied list did
+    (the re-check's D-C: every ::step 1000 with counts removed, data replayed from 0 with data removed, the scheduler
+    at 100 with its position removed trained with exit 0); every save since labels writes them all."""
+    parallel, model, optimizer = trained
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    position = {"micro_batches": 2, "samples_per_micro_batch": 4, "samples": 8}
+    directory = save_checkpoint(tmp_path / "step_2", parallel, model, [optimizer], [scheduler], step=2, data=position)
+    _rewrite_metadata(directory, change)
+    for refusal in _refusals(directory, trained, tmp_path, capsys):
+        assert said in refusal, refusal
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("accelerate_step", "x", "data.accelerate_step 'x' is not a count of steps"),
+        ("accelerate_step", -1, "data.accelerate_step -1 is not a count of steps"),
+        ("dataloader_iterations", None, "data.dataloader_iterations None is not a list of counts"),
+        ("dataloader_iterations", [1.5], "data.dataloader_iterations [1.5] is not a list of counts"),
+    ],
+)
+def test_data_position_fields_of_another_type_are_one_line(saved, trained, tmp_path, capsys, field, value, said):
+    """``accelerate_step`` and ``dataloader_iterations`` were read unchecked: a string or a null was a TypeError
+    traceback on every rank of a resume."""
+    _rewrite_metadata(saved, lambda meta: meta["data"].update({field: value}))
+    for refusal in _refusals(saved, trained, tmp_path, capsys):
+        assert said in refusal, refusal
+
+
+@pytest.mark.parametrize("name", ["rng/rank00000.pt", "optimizer/tp00-pp00.json", "optimizer/tp00-pp00.safetensors"])
+def test_a_file_deleted_and_left_out_of_the_list_is_one_line_on_resume(saved, trained, name):
+    """A file a reader needs, deleted and removed from ``files`` (so no checksum misses it), was a FileNotFoundError
+    traceback deep in the reader."""
+    (saved / name).unlink()
+    _rewrite_metadata(saved, lambda meta: meta["files"].pop(name))
+    with pytest.raises(CheckpointError, match=r"is missing"):
+        _load(saved, trained)
+
+
 def test_a_checkpoint_written_before_labels_is_read_as_before(tmp_path, trained, monkeypatch):
     parallel, model, optimizer = trained
     monkeypatch.setattr("mtk.checkpoint.sharded.new_label", lambda step: None)
@@ -368,15 +426,17 @@ def test_deepspeed_state_from_another_save_is_refused(tmp_path, trained):
     partition.grad = torch.ones(6)
     inner.step()
     directory = save_checkpoint(tmp_path / "step_2", parallel, model, [], [scheduler], step=2, engine=engine_record,
-                                engine_state=engine_state_sums(inner, list(model.parameters())))  # fmt: skip
+                                engine_state=engine_state_sums(inner, list(model.parameters())),
+                                engine_optimizers=[inner])  # fmt: skip
 
-    def engine(steps, position, restored_optimizer=inner, module=model):  # what DeepSpeed's load_checkpoint restored
+    def engine(steps, position, restored_optimizer=inner, module=model, stage=2, load=None, clip=None):
+        """What DeepSpeed's load_checkpoint restored."""
         restored = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         restored.last_epoch = position
-        load = lambda *args, **kwargs: (str(directory / "deepspeed"), {})  # noqa: E731
+        load = load or (lambda *args, **kwargs: (str(directory / "deepspeed"), {}))
         return SimpleNamespace(module=module, global_steps=steps, lr_scheduler=restored, load_checkpoint=load,
-                               optimizer=SimpleNamespace(optimizer=restored_optimizer),
-                               zero_optimization_stage=lambda: 2)  # fmt: skip
+                               optimizer=SimpleNamespace(optimizer=restored_optimizer, clip_grad=clip),
+                               zero_optimization_stage=lambda: stage, gradient_clipping=lambda: 1.0)  # fmt: skip
 
     assert load_deepspeed_checkpoint(directory, engine(2, 0), parallel).step == 2
     other = torch.optim.AdamW([torch.nn.Parameter(partition.detach() + 0.5)])  # weights of another save (N1)
@@ -400,6 +460,31 @@ def test_deepspeed_state_from_another_save_is_refused(tmp_path, trained):
         load_deepspeed_checkpoint(directory, engine(3, 0), parallel)
     with pytest.raises(CheckpointError, match="scheduler 0 is at position 7 where the metadata recorded 0"):
         load_deepspeed_checkpoint(directory, engine(2, 7), parallel)
+    # DeepSpeed's own numbers that are not tensors (the re-check's D-A): its steps and learning rates are recorded
+    for field, value, said in (("step", 1000, "counts 1000 steps where its metadata recorded 1"),
+                               ("lr", 5.0, "rates [5.0] are not the [0.001] its metadata recorded")):  # fmt: skip
+        edited = torch.optim.AdamW([partition])
+        edited.load_state_dict(inner.state_dict())
+        if field == "step":
+            edited.state[partition]["step"] = torch.tensor(1000.0)
+        else:
+            edited.param_groups[0]["lr"] = value
+        with pytest.raises(CheckpointError, match=re.escape(said)):
+            load_deepspeed_checkpoint(directory, engine(2, 0, edited), parallel)
+    clipped = engine(2, 0, clip=1e-4)  # the clipping DeepSpeed's state restored yields to this run's, said
+    load_deepspeed_checkpoint(directory, clipped, parallel)
+    assert clipped.optimizer.clip_grad == 1.0
+
+    def unreadable(*args, **kwargs):
+        raise RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory")
+
+    with pytest.raises(CheckpointError, match="DeepSpeed cannot read its state .RuntimeError: PytorchStreamReader"):
+        load_deepspeed_checkpoint(directory, engine(2, 0, load=unreadable), parallel)
+    with pytest.raises(CheckpointError, match="with ZeRO stage 2, this run is .* with stage 3"):
+        load_deepspeed_checkpoint(directory, engine(2, 0, stage=3), parallel)
+    _rewrite_metadata(directory, lambda meta: meta["counts"].pop("optimizer_steps"))
+    with pytest.raises(CheckpointError, match="records no counts.optimizer_steps, which every save since save labels"):
+        load_deepspeed_checkpoint(directory, engine(2, 0), parallel)
 
 
 def test_verify_checkpoint_checks_the_counts_each_file_keeps(tmp_path, trained, capsys):
