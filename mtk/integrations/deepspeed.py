@@ -150,7 +150,12 @@ def _on_rank_zero(parallel: ParallelState) -> Callable[[str], None]:
     return report
 
 
-MTK_BLOCK_KEYS = {"tensor_parallel_size": "tp_size", "context_parallel_size": "cp_size"}  # -> ParallelConfig
+MTK_BLOCK_KEYS = {  # -> ParallelConfig
+    "tensor_parallel_size": "tp_size",
+    "context_parallel_size": "cp_size",
+    "expert_parallel_size": "ep_size",
+    "expert_tensor_parallel_size": "etp_size",
+}
 
 
 def sizes_from_config(config: dict[str, Any]) -> dict[str, int]:

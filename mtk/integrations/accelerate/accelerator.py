@@ -49,6 +49,7 @@ from mtk.integrations.accelerate.scheduler import DataParallelScheduler
 from mtk.integrations.accelerate.sharding import accelerate_fsdp_off, sharding_from_accelerate
 from mtk.integrations.deepspeed import held_elements as deepspeed_held_elements
 from mtk.integrations.deepspeed import remove_shm_buffers_at_exit, zero3_whole
+from mtk.integrations.deepspeed_experts import follow_param_group_split
 from mtk.parallel.amp import TPGradScaler
 from mtk.parallel.consistency import check_same_loss, same_inputs_hook
 from mtk.parallel.distributed_optimizer import shard_optimizer
@@ -317,6 +318,7 @@ class Accelerator(
     def prepare_scheduler(self, scheduler):
         if getattr(scheduler, "_is_accelerate_prepared", False):
             return super().prepare_scheduler(scheduler)
+        follow_param_group_split(scheduler)  # under DeepSpeed with EP the experts took param groups of their own
         optimizer = next((o for o in self._optimizers if getattr(scheduler, "optimizer", None) is o.optimizer), None)
         prepared = DataParallelScheduler(
             scheduler,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -20,6 +21,14 @@ from mtk.errors import ConfigError
 from mtk.integrations.accelerate.scheduler import DataParallelScheduler
 from mtk.integrations.deepspeed import check_precision, check_sections, initialization_cleanup, partition_over_replicas
 from mtk.integrations.deepspeed_batch import BATCH_FIELDS, dp_layout, reconcile_batch
+from mtk.integrations.deepspeed_experts import (
+    check_deepspeed_experts,
+    follow_param_group_split,
+    named_param_groups,
+    prepare_experts_for_deepspeed,
+    split_client_optimizer,
+    spread_experts_seen_as_moe,
+)
 from mtk.parallel.state import ParallelState
 
 __all__ = [
@@ -125,8 +134,14 @@ def deepspeed_initialize_with_mpu(parallel: ParallelState, where: str) -> Iterat
         if isinstance(config, dict):
             config.pop("mtk", None)
             check_precision(config, where, accelerate=True)
+            check_deepspeed_experts(config, parallel, where)
         kwargs["mpu"] = parallel
-        with initialization_cleanup(where):
+        spread = prepare_experts_for_deepspeed(kwargs["model"], parallel) is not None
+        if spread and isinstance(kwargs.get("optimizer"), Optimizer):
+            split_client_optimizer(kwargs["optimizer"])
+        elif spread and kwargs.get("model_parameters") is not None:  # the JSON's optimizer (accelerate's DummyOptim)
+            kwargs["model_parameters"] = named_param_groups(kwargs["model_parameters"])
+        with initialization_cleanup(where), spread_experts_seen_as_moe() if spread else contextlib.nullcontext():
             if isinstance(config, dict):
                 partition_over_replicas(kwargs["model"], config, parallel)  # ZeRO-3 at CP > 1: over DP x CP
             return original(*args, **kwargs)
@@ -144,6 +159,8 @@ def replace_accelerated_schedulers(accelerator, prepared):
     single = not isinstance(prepared, tuple)
     items = [prepared] if single else list(prepared)
     for i, obj in enumerate(items):
+        if isinstance(obj, AcceleratedScheduler):
+            follow_param_group_split(obj.scheduler)  # the optimizer's experts took groups of their own (EP)
         if type(obj) is AcceleratedScheduler:
             replacement = DataParallelScheduler(
                 obj.scheduler,

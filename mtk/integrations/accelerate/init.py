@@ -133,14 +133,18 @@ def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | N
 
 
 def check_expert_parallel(config: ParallelConfig, *, deepspeed: bool, sharding: ShardingSettings | None) -> None:
-    """DeepSpeed next to EP, and an HSDP whose writing replica would miss experts, are one line each
-    (docs/moe.md); the experts' TP size (``megatron_lm_expert_tensor_parallel_size``: the TP size or 1) is checked
+    """DeepSpeed next to EP and CP, and an HSDP whose writing replica would miss experts, are one line each
+    (docs/moe.md; what DeepSpeed's own MoE path refuses: :mod:`~mtk.integrations.deepspeed_experts`); the experts' TP
+    size (``megatron_lm_expert_tensor_parallel_size``: the TP size or 1) is checked
     by :class:`~mtk.config.ParallelConfig`."""
     if config.ep_size == 1:
         return
     where = f"expert parallelism (ep = {config.ep_size})"
-    if deepspeed:
-        raise ConfigError(f"{where} does not run under DeepSpeed yet; use a megatron_lm_config YAML (DDP)")
+    if deepspeed and config.cp_size > 1:
+        raise ConfigError(
+            f"{where} with context parallelism (cp = {config.cp_size}) does not run under DeepSpeed yet; use a "
+            "megatron_lm_config YAML (DDP), or EP without CP"
+        )
     shard = sharding.dp_shard_size * config.cp_size if sharding is not None else 0
     if sharding is not None and sharding.dp_replicate_size > 1 and shard % config.ep_size:
         # HSDP's first replica writes a checkpoint: every expert must have a holder there
