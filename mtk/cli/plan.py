@@ -190,8 +190,8 @@ def _check_fixed_degrees(request: Request) -> None:
             raise ConfigError(f"--ep {ep} spreads the experts over data-parallel replicas: use a divisor of --gpus")
         if "accelerate" not in request.engines:
             raise ConfigError(
-                f"--ep {ep} runs under accelerate (DDP, the distributed optimizer or FSDP2), not DeepSpeed; use "
-                "--engine accelerate or any"
+                f"--ep {ep} is weighed under accelerate (DDP, the distributed optimizer or FSDP2); DeepSpeed runs EP "
+                "at ZeRO 0 to 2 (docs/moe.md), which the planner does not model yet: use --engine accelerate or any"
             )
     if request.etp_sizes == (1,) and not moe_layers(config):
         raise ConfigError(f"--etp 1 keeps an MoE model's experts whole on each TP rank; {config.model_type} has none")

@@ -40,14 +40,17 @@ from mtk.checkpoint.counts import (
 from mtk.checkpoint.integrity import missing_files_are_one_line, read_verified
 from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.paths import CheckpointPaths
+from mtk.checkpoint.reader import ShardedCheckpointReader
 from mtk.checkpoint.rng import restore_rng
 from mtk.checkpoint.sharded import load_schedulers, restore_streams, save_checkpoint
+from mtk.checkpoint.weights import reshard_weights
 from mtk.config import ConfigError
 from mtk.errors import CheckpointError
 from mtk.integrations.deepspeed_batch import BatchSizes, reconcile_batch
 from mtk.integrations.deepspeed_reshard import inner_optimizer, load_at_another_layout, save_optimizer_pieces
 from mtk.integrations.deepspeed_sections import check_sections
 from mtk.parallel.optimizer_updates import check_named_update
+from mtk.parallel.parameters import is_expert_parallel
 from mtk.parallel.pieces import Piece
 from mtk.parallel.record import is_peft_model
 from mtk.parallel.state import ParallelState
@@ -301,20 +304,23 @@ def load_deepspeed_checkpoint(
         raise CheckpointError(f"{directory} was not written by the DeepSpeed engine; resume it with the same engine")
     check_base(str(directory), meta.base_model, engine.module, parallel)  # collective
     layout = (parallel.tp_size, parallel.pp_size, parallel.dp_size, parallel.cp_size, engine.zero_optimization_stage())
-    same = (saved.tp_size, saved.pp_size, saved.dp_size, saved.cp_size, meta.zero_stage) == layout
+    experts = (parallel.ep_size, parallel.etp_size) == (saved.ep_size, saved.etp_size)  # DeepSpeed's groups by EP
+    same = (saved.tp_size, saved.pp_size, saved.dp_size, saved.cp_size, meta.zero_stage) == layout and experts
     if same:
         path = _deepspeed_load(engine, paths, meta)
         if path is None:
             raise CheckpointError(f"{directory}/deepspeed holds no DeepSpeed checkpoint")
+        _restore_spread_experts(engine.module, directory, meta, parallel)
     elif meta.zero_stage == 3 and engine.zero_optimization_stage() == 3 and saved.pp_size == parallel.pp_size:
         load_at_another_layout(directory, engine, meta, parallel)
     else:
         raise CheckpointError(
             f"{directory} was written at tp={saved.tp_size} cp={saved.cp_size} pp={saved.pp_size} dp={saved.dp_size} "
-            f"with ZeRO stage {meta.zero_stage}, this run is tp={parallel.tp_size} cp={parallel.cp_size} "
-            f"pp={parallel.pp_size} dp={parallel.dp_size} with stage {engine.zero_optimization_stage()}; a DeepSpeed "
-            "checkpoint resumes at its own layout, or a ZeRO-3 one under ZeRO-3 at another TP, CP or DP size (export "
-            "it with `mtk export` to change anything else)"
+            f"{_experts(saved.ep_size, saved.etp_size)}with ZeRO stage {meta.zero_stage}, this run is "
+            f"tp={parallel.tp_size} cp={parallel.cp_size} pp={parallel.pp_size} dp={parallel.dp_size} "
+            f"{_experts(parallel.ep_size, parallel.etp_size)}with stage {engine.zero_optimization_stage()}; a "
+            "DeepSpeed checkpoint resumes at its own layout, or a ZeRO-3 one under ZeRO-3 at another TP, CP or DP "
+            "size (export it with `mtk export` to change anything else)"
         )
     if same and engine.global_steps != meta.step:  # DeepSpeed's files count steps too
         raise CheckpointError(
@@ -338,6 +344,21 @@ def load_deepspeed_checkpoint(
     meta.rng = restore_rng(paths, meta, parallel)
     restore_streams(engine.module, meta, parallel)  # the per-TP-rank dropout stream
     return meta
+
+
+def _experts(ep_size: int, etp_size: int | None) -> str:
+    return f"ep={ep_size} etp={etp_size} " if ep_size > 1 else ""
+
+
+def _restore_spread_experts(model: nn.Module, directory: str | Path, meta: CheckpointMeta, parallel) -> None:
+    """Under expert parallelism DeepSpeed's own module file holds the weights of one rank of each data-parallel group
+    (its experts are registered with DeepSpeed as MoE parameters, whose per-expert files DeepSpeed writes only for its
+    own MoE layers): every rank then reads its weights, its experts included, from mtk's files, which hold every
+    expert by its global index (their fp32 partitions and moments are DeepSpeed's, one file per rank)."""
+    if parallel.ep_size == 1 or not any(is_expert_parallel(p) for p in model.parameters()):
+        return
+    with ShardedCheckpointReader(directory, meta) as reader, torch.no_grad():
+        reshard_weights(model, reader)
 
 
 def _apply_configured_clipping(engine, where: str) -> None:

@@ -104,10 +104,11 @@ def split_client_optimizer(optimizer: torch.optim.Optimizer) -> None:
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     groups = named_param_groups(optimizer.param_groups)
+    before = len(groups)  # (DeepSpeed's split appends to the list it is given)
     for index, group in enumerate(groups):
         group[_SOURCE] = index  # copied into the experts' groups made from it
     split = [g for g in split_params_into_different_moe_groups_for_optimizer(groups) if g["params"]]
-    setattr(optimizer, _SPLIT, (len(groups), [g.pop(_SOURCE) for g in split]))
+    setattr(optimizer, _SPLIT, (before, [g.pop(_SOURCE) for g in split]))
     optimizer.param_groups = split
 
 
@@ -116,6 +117,13 @@ _SPLIT = "_mtk_moe_split"  # on a split optimizer: (groups before, each group's 
 _FOLLOWED = "_mtk_follows_split"  # on a scheduler whose lists follow the split already
 # a torch LR scheduler's per-group lists (LambdaLR's lr_lambdas, CyclicLR's max_lrs, ReduceLROnPlateau's min_lrs)
 _PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "max_lrs", "min_lrs")
+
+
+def _per_group(name: str, value: Any, groups: int) -> bool:
+    """Whether a scheduler's attribute looks like a list of one number (or function) per param group."""
+    if not isinstance(value, list) or len(value) != groups or name in ("milestones", "_milestones"):
+        return False
+    return all(callable(v) or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in value)
 
 
 def follow_param_group_split(scheduler: Any) -> None:
@@ -136,7 +144,7 @@ def follow_param_group_split(scheduler: Any) -> None:
             if isinstance(values, list) and len(values) == before:
                 setattr(one, name, [values[source] for source in sources])
         setattr(one, _FOLLOWED, True)
-        left = [k for k, v in vars(one).items() if isinstance(v, list) and len(v) == before != len(sources)]
+        left = [k for k, v in vars(one).items() if _per_group(k, v, before) and len(sources) != before]
         if left:
             raise ConfigError(
                 f"{type(one).__name__} keeps a list per param group ({', '.join(left)}) that mtk does not know; under "

@@ -17,7 +17,8 @@ __all__ = ["expert_collectives", "expert_parallel_sizes", "expert_tp_sizes", "ex
 def expert_parallel_sizes(request: Request, c: Candidate) -> list[int]:
     """The EP sizes ``c`` may run: those asked for that divide its DP x CP replicas and the experts, where mtk runs
     EP (init.check_expert_parallel): an MoE model under accelerate. Not weighed: a pipeline unless every decoder
-    layer is an MoE layer (each stage's exchanges are then known)."""
+    layer is an MoE layer (each stage's exchanges are then known), and DeepSpeed's EP (ZeRO 0 to 2: its experts'
+    groups are not modelled)."""
     config = request.config
     if not moe_layers(config) or (c.pp_size > 1 and not every_layer_moe(config)) or c.engine != "accelerate":
         return [1] if 1 in request.ep_sizes else []  # as --cp N, --ep N weighs EP N layouts only
@@ -26,8 +27,8 @@ def expert_parallel_sizes(request: Request, c: Candidate) -> list[int]:
 
 def expert_tp_sizes(request: Request, c: Candidate) -> list[int | None]:
     """The experts' TP sizes ``c`` may run: the TP size (``None``), and 1 where asked for on an MoE model at TP > 1
-    under accelerate without a sharded model or CP (FSDP2 and ZeRO sum the whole experts' gradients over TP once per
-    step, not in every backward as :func:`~mtk.planner.collectives.predict_collectives` counts them)."""
+    under accelerate without a sharded model or CP (checked against runs: under FSDP2 the gradients reduce-scatter
+    in backward, under DeepSpeed the whole experts' TP sums stay in backward)."""
     whole = (
         1 in request.etp_sizes
         and c.tp_size > 1

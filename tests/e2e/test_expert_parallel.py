@@ -9,6 +9,7 @@ expert by its global index: a checkpoint written at EP 2 resumes at EP 1 and one
 model family and with uneven routing, is tests/distributed/test_expert_parallel.py.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from mtk.cli.main import main as mtk_main
 from mtk.testing import assert_close_rel
 from tests.e2e.conftest import Run
 from tests.e2e.launch import (
@@ -188,6 +190,51 @@ def test_experts_whole_on_each_tp_rank_accumulating_log_the_accumulated_dp2_loss
                             "--batch_size", "2", "--grad_accum", "2")  # fmt: skip
     assert "ep=2 etp=1" in out.stdout + out.stderr
     assert_same_losses(step_losses(out), dp2_accumulating, range(1, 7), "ep2 x tp2 etp1 accumulating vs dp2")
+
+
+def test_ep2_under_deepspeed_zero2_logs_the_dp2_losses_and_resumes_exactly(moe_dp2, tmp_path):
+    """accelerate_configs/ep2_zero2.yaml: EP 2 over DP 2 under DeepSpeed ZeRO-2, the experts reduced and partitioned
+    over their replicas through DeepSpeed's own MoE parameter groups, the dense parameters over DP. It logs the DP 2
+    (DDP) losses; its step-3 checkpoint resumes at its own layout exactly (each rank's experts read back from mtk's
+    files) and, at EP 1, is one line; its step-6 checkpoint exports the model ``from_pretrained`` loads."""
+    run = ("--output_dir", str(tmp_path / "run"), *MOE, "--save_every", "3")
+    out = accelerate_launch("finetune.py", "ep2_zero2", *run)
+    assert "tp=1 pp=1 dp=2 ep=2 world=2" in out.stdout + out.stderr
+    assert_same_losses(step_losses(out), moe_dp2.losses, range(1, 7), "ep2 under ZeRO-2 vs dp2")
+    assert_checkpoint_whole(tmp_path / "run" / "step_3")
+    resumed = finetune("ep2_zero2", tmp_path / "again", *MOE, "--resume", str(tmp_path / "run" / "step_3"))
+    assert_same_losses(resumed, moe_dp2.losses, range(4, 7), "ep2 under ZeRO-2, step 3 resumed")
+    config = json.loads(Path("ds_configs/accelerate_zero2_ep2.json").read_text())
+    config["mtk"] = {}
+    (tmp_path / "ep1.json").write_text(json.dumps(config))
+    yaml = Path("accelerate_configs/ep2_zero2.yaml").read_text()
+    yaml = yaml.replace("ds_configs/accelerate_zero2_ep2.json", str(tmp_path / "ep1.json"))
+    (tmp_path / "ep1.yaml").write_text(yaml)
+    out = accelerate_launch("finetune.py", str(tmp_path / "ep1.yaml"), "--output_dir", str(tmp_path / "at_ep1"), *MOE,
+                            "--resume", str(tmp_path / "run" / "step_3"), check=False)  # fmt: skip
+    one_line_error(out, "dp=2 ep=2 etp=1 with ZeRO stage 2, this run is tp=1 cp=1 pp=1 dp=2 with stage 2")
+    assert mtk_main(["export", str(tmp_path / "run" / "step_6"), str(tmp_path / "hf")]) == 0
+    ours = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "hf").named_parameters())
+    theirs = dict(AutoModelForCausalLM.from_pretrained(moe_dp2.dir / "model").named_parameters())
+    for name, param in theirs.items():
+        assert_close_rel(ours[name].detach(), param.detach(), f"exported {name}", tol=1e-4)  # after 6 AdamW steps
+
+
+def test_whole_experts_under_deepspeed_zero1_accumulating_log_the_accumulated_dp2_losses(dp2_accumulating, tmp_path):
+    """TP 2 x DP 2 with EP 2 and every expert whole on each TP rank (the experts' TP size 1) under ZeRO-1,
+    accumulating 2 micro-batches (the whole experts' gradients summed over TP in backward, DeepSpeed reducing in
+    it): DP 2's losses accumulating the same micro-batches."""
+    config = json.loads(Path("ds_configs/accelerate_zero2_ep2.json").read_text())
+    config["zero_optimization"]["stage"] = 1
+    config["mtk"].update(tensor_parallel_size=2, expert_tensor_parallel_size=1)
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    yaml = Path("accelerate_configs/ep2_zero2.yaml").read_text()
+    yaml = yaml.replace("ds_configs/accelerate_zero2_ep2.json", str(tmp_path / "ds.json"))
+    (tmp_path / "ep.yaml").write_text(yaml.replace("num_processes: 2", "num_processes: 4"))
+    out = accelerate_launch("finetune.py", str(tmp_path / "ep.yaml"), "--output_dir", str(tmp_path / "run"),
+                            *ACCUMULATING, "--batch_size", "2", "--grad_accum", "2")  # fmt: skip
+    assert "tp=2 pp=1 dp=2 ep=2 etp=1 world=4" in out.stdout + out.stderr
+    assert_same_losses(step_losses(out), dp2_accumulating, range(1, 7), "ep2 x tp2 etp1 under ZeRO-1 vs dp2")
 
 
 def test_lora_at_ep2_logs_the_dp2_losses_resumes_at_ep1_and_exports(moe_dp2, tmp_path):

@@ -406,7 +406,7 @@ def test_what_mtk_cannot_run_on_an_moe_model_is_one_line(capsys):
     assert main([*moe, "--ep", "3"]) == 2
     assert "--ep 3: its 8 experts per layer do not divide over 3 ranks" in capsys.readouterr().err
     assert main([*moe, "--ep", "2", "--engine", "deepspeed"]) == 2
-    assert "--ep 2 runs under accelerate" in capsys.readouterr().err
+    assert "--ep 2 is weighed under accelerate" in capsys.readouterr().err
     assert main(["plan", "--model", "bench-llama", "--gpus", "4", "--seq_len", "1024", "--global_batch", "4",
                  "--etp", "1"]) == 2  # fmt: skip
     assert "--etp 1 keeps an MoE model's experts whole on each TP rank; llama has none" in capsys.readouterr().err

@@ -49,7 +49,7 @@ from mtk.integrations.accelerate.scheduler import DataParallelScheduler
 from mtk.integrations.accelerate.sharding import accelerate_fsdp_off, sharding_from_accelerate
 from mtk.integrations.deepspeed import held_elements as deepspeed_held_elements
 from mtk.integrations.deepspeed import remove_shm_buffers_at_exit, zero3_whole
-from mtk.integrations.deepspeed_experts import follow_param_group_split
+from mtk.integrations.deepspeed_experts import check_deepspeed_experts, follow_param_group_split
 from mtk.parallel.amp import TPGradScaler
 from mtk.parallel.consistency import check_same_loss, same_inputs_hook
 from mtk.parallel.distributed_optimizer import shard_optimizer
@@ -164,6 +164,10 @@ class Accelerator(
             self.print(line)
         self._check_sharding()
         check_expert_parallel(config, deepspeed=self.uses_deepspeed, sharding=self.sharding)
+        if self.uses_deepspeed:  # before a model is built (ZeRO-3 would build it partitioned)
+            check_deepspeed_experts(
+                self.state.deepspeed_plugin.deepspeed_config, self.parallel, self.deepspeed_batch_fields[1]
+            )
         self._data_parallel_mesh: Any = None  # FSDP2's, built with the first prepared model
         self._replaced_params: ReplacedParams = {}  # id(unconverted param) -> (weakref to it, its shard)
         # The data position, across epochs (accelerate's ``step`` restarts at every epoch end).
