@@ -22,6 +22,7 @@ if __name__ == "__main__":  # Ctrl-C while the libraries below load (seconds): s
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # (run_main says it in one line from then on)
 
 import argparse
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ from mtk.args import (
     seed,
 )
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, data_position, rescaled_position, start_point
-from mtk.config import CP_COMM_TYPES, ConfigError, RunSettings
+from mtk.config import CP_COMM_TYPES, RunSettings
 from mtk.convert import parallelize
 from mtk.data import FORMATS, LOSS_ON, add_tokenizer_argument, tokenizer_for
 from mtk.errors import DataError
@@ -63,6 +64,12 @@ from mtk.integrations.deepspeed import (
     sums_over_context_parallel,
 )
 from mtk.integrations.deepspeed_batch import dp_layout
+from mtk.integrations.deepspeed_experts import (
+    check_deepspeed_experts,
+    named_param_groups,
+    prepare_experts_for_deepspeed,
+    spread_experts_seen_as_moe,
+)
 from mtk.lora import get_peft_model
 from mtk.lora.options import add_lora_arguments, base_dtype, lora_config
 from mtk.models import check_seq_len, resolve_config
@@ -131,6 +138,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         "MEGATRON_LM_CONTEXT_PARALLEL_SIZE, else 1)",
     )
     parser.add_argument(
+        "--ep",
+        type=positive_int,
+        help="expert-parallel size on an MoE model: each layer's experts spread over this many data-parallel ranks, "
+        "ZeRO 0-2 (default: MEGATRON_LM_EXPERT_MODEL_PARALLEL_SIZE, else 1)",
+    )
+    parser.add_argument(
+        "--etp",
+        type=positive_int,
+        help="the experts' TP size: the TP size (each expert split over TP) or 1 (every expert whole on each TP rank) "
+        "(default: MEGATRON_LM_EXPERT_TENSOR_PARALLEL_SIZE, else the TP size)",
+    )
+    parser.add_argument(
         "--cp_comm_type",
         choices=CP_COMM_TYPES,
         help="with --cp: ring (p2p) or all-to-all (a2a) (default: MTK_CP_COMM_TYPE, else p2p)",
@@ -171,6 +190,7 @@ def build_engine(args: argparse.Namespace, parallel: ParallelState) -> tuple[Any
     )
     check_precision(ds_config, args.deepspeed_config)  # fp16 where DeepSpeed has none: one line
     check_launcher_config(ds_config, args.deepspeed_config, parallel)  # accelerate's "auto", another "mtk" size
+    check_deepspeed_experts(ds_config, parallel, args.deepspeed_config)  # what DeepSpeed's MoE path cannot take
     optimizer_and_schedule(ds_config, args.deepspeed_config, args.lr, report)  # --lr beats the JSON's, in one line
     lora = lora_config(args)
     dtype = base_dtype(args) if lora else None
@@ -192,11 +212,17 @@ def build_engine(args: argparse.Namespace, parallel: ParallelState) -> tuple[Any
         return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_linear(args.warmup_steps, args.max_steps))
 
     remove_shm_buffers_at_exit()  # DeepSpeed's CPU shared-memory buffers outlive the job otherwise
-    with initialization_cleanup(args.deepspeed_config):  # a failure removes them now; bad config: one line
+    trained = [p for p in model.parameters() if p.requires_grad]  # all, or the adapters
+    # EP: the spread experts as DeepSpeed's MoE parameters, in param groups of their own (docs/moe.md)
+    spread = prepare_experts_for_deepspeed(model, parallel) is not None
+    with (
+        initialization_cleanup(args.deepspeed_config),  # a failure removes them now; bad config: one line
+        spread_experts_seen_as_moe() if spread else contextlib.nullcontext(),
+    ):
         partition_over_replicas(model, ds_config, parallel)  # ZeRO-3 at CP > 1: over DP x CP, as it reduces
         engine, _, _, scheduler = deepspeed.initialize(
             model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],  # all, or the adapters
+            model_parameters=named_param_groups(trained) if spread else trained,
             lr_scheduler=lr_schedule,
             config=ds_config,
             mpu=parallel,
@@ -238,12 +264,9 @@ def build_data(
 def main(argv=None) -> None:
     args = parse_args(argv)
     # torch.distributed from the launcher; --tp beats the env
-    parallel = ParallelState.from_env(tp_size=args.tp, cp_size=args.cp, timeout=collective_timeout(args))
-    if parallel.ep_size > 1:  # MEGATRON_LM_EXPERT_MODEL_PARALLEL_SIZE in the environment
-        raise ConfigError(
-            f"expert parallelism (ep = {parallel.ep_size}, MEGATRON_LM_EXPERT_MODEL_PARALLEL_SIZE) does not run under "
-            "DeepSpeed yet; train MoE models at EP with accelerate_configs/ep2.yaml, or unset the variable"
-        )
+    sizes = {"tp_size": args.tp, "cp_size": args.cp, "ep_size": args.ep, "etp_size": args.etp}
+    explicit = {field: size for field, size in sizes.items() if size is not None}
+    parallel = ParallelState.from_env(timeout=collective_timeout(args), **explicit)
     where = placement(parallel)  # which node each rank is on; TP groups inside nodes
     if parallel.rank == 0:
         print(where.describe(), flush=True)
@@ -276,7 +299,9 @@ def main(argv=None) -> None:
     if parallel.rank == 0:
         print(
             f"mtk+deepspeed: zero stage {engine.zero_optimization_stage()}, "
-            f"tp={parallel.tp_size}{f' cp={parallel.cp_size}' if parallel.cp_size > 1 else ''} dp={parallel.dp_size}, "
+            f"tp={parallel.tp_size}{f' cp={parallel.cp_size}' if parallel.cp_size > 1 else ''} dp={parallel.dp_size}"
+            f"{f' ep={parallel.ep_size}' if parallel.ep_size > 1 else ''}"
+            f"{f' etp={parallel.etp_size}' if parallel.etp_size != parallel.tp_size else ''}, "
             f"global batch {global_batch} "
             f"{'rows' if args.packing else 'examples'}, "
             f"steps {step}->{args.max_steps}",

@@ -123,7 +123,8 @@ def check_launcher_config(config: dict[str, Any], path: str | Path, parallel: Pa
     """What the deepspeed launcher (``examples/run.py``) cannot take from a JSON written for accelerate, one line
     each: an ``"auto"`` clipping (accelerate and the HF Trainer fill it in; DeepSpeed compares it with numbers), an
     optimizer that reads whole tensors next to TP (``"Lamb"``: :mod:`mtk.parallel.optimizer_updates`), and an
-    ``"mtk"`` block whose degrees are not the run's (the launcher's come from --tp / --cp and the environment)."""
+    ``"mtk"`` block whose degrees are not the run's (the launcher's come from --tp, --cp, --ep, --etp and the
+    environment)."""
     if config.get("gradient_clipping") == "auto":
         raise ConfigError(
             f'{path}: "gradient_clipping": "auto" is filled in by accelerate and the HF Trainer, not under the '
@@ -132,11 +133,13 @@ def check_launcher_config(config: dict[str, Any], path: str | Path, parallel: Pa
     block = config.get("optimizer")
     if parallel.tp_size > 1 and isinstance(block, dict) and "type" in block:  # each rank updates its TP shards
         check_named_update(str(block["type"]), _on_rank_zero(parallel))
-    degrees = {"tp_size": parallel.tp_size, "cp_size": parallel.cp_size}
+    degrees = {"tp_size": parallel.tp_size, "cp_size": parallel.cp_size, "ep_size": parallel.ep_size}
+    degrees["etp_size"] = parallel.etp_size
+    flags = {"tp_size": "--tp", "cp_size": "--cp", "ep_size": "--ep", "etp_size": "--etp"}
     for key, field in MTK_BLOCK_KEYS.items():
         asked = sizes_from_config(config).get(field)
         if asked is not None and asked != degrees[field]:
-            flag = "--tp" if field == "tp_size" else "--cp"
+            flag = flags[field]
             raise ConfigError(
                 f'{path}: "mtk": {{"{key}": {asked}}} but this run\'s size is {degrees[field]} ({flag}, else the '
                 f"environment); make them agree or drop the key"

@@ -51,6 +51,11 @@ def check_deepspeed_experts(config: dict[str, Any], parallel: ParallelState, whe
     if parallel.ep_size == 1:
         return
     what = f"expert parallelism (ep = {parallel.ep_size}) under DeepSpeed"
+    if parallel.cp_size > 1:
+        raise ConfigError(
+            f"{what} does not run with context parallelism (cp = {parallel.cp_size}) yet; use a megatron_lm_config "
+            "YAML (DDP), or EP without CP"
+        )
     zero = config.get("zero_optimization") or {}
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
     if stage == 3:

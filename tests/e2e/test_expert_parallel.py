@@ -26,6 +26,7 @@ from tests.e2e.launch import (
     accelerate_launch,
     assert_checkpoint_whole,
     assert_same_losses,
+    deepspeed_run,
     finetune,
     one_line_error,
     step_losses,
@@ -218,6 +219,19 @@ def test_ep2_under_deepspeed_zero2_logs_the_dp2_losses_and_resumes_exactly(moe_d
     theirs = dict(AutoModelForCausalLM.from_pretrained(moe_dp2.dir / "model").named_parameters())
     for name, param in theirs.items():
         assert_close_rel(ours[name].detach(), param.detach(), f"exported {name}", tol=1e-4)  # after 6 AdamW steps
+
+
+def test_deepspeeds_launcher_at_ep2_logs_its_ep1_losses_and_resumes_exactly(tmp_path):
+    """``deepspeed ... examples/run.py --ep 2`` under ds_configs/zero2.json logs the same run's losses at EP 1 (the
+    DeepSpeed path's own: within 1e-5 of finetune.py's), and its step-3 checkpoint resumes to them."""
+    run = ("--model", "tiny-qwen3-moe", "--max_steps", "6", "--batch_size", "4")
+    whole = deepspeed_run(2, "zero2", *run, "--output_dir", str(tmp_path / "ep1"))
+    spread = deepspeed_run(2, "zero2", "--ep", "2", *run, "--save_every", "3", "--output_dir", str(tmp_path / "ep2"))
+    assert "tp=1 dp=2 ep=2," in spread.stdout
+    assert_same_losses(step_losses(spread), step_losses(whole), range(1, 7), "run.py ep2 vs ep1")
+    again = deepspeed_run(2, "zero2", "--ep", "2", *run, "--resume", str(tmp_path / "ep2" / "step_3"),
+                          "--output_dir", str(tmp_path / "again"))  # fmt: skip
+    assert_same_losses(step_losses(again), step_losses(whole), range(4, 7), "run.py ep2 step 3 resumed")
 
 
 def test_whole_experts_under_deepspeed_zero1_accumulating_log_the_accumulated_dp2_losses(dp2_accumulating, tmp_path):

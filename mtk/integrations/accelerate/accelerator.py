@@ -163,7 +163,7 @@ class Accelerator(
         for line in unused:
             self.print(line)
         self._check_sharding()
-        check_expert_parallel(config, deepspeed=self.uses_deepspeed, sharding=self.sharding)
+        check_expert_parallel(config, sharding=self.sharding)
         if self.uses_deepspeed:  # before a model is built (ZeRO-3 would build it partitioned)
             check_deepspeed_experts(
                 self.state.deepspeed_plugin.deepspeed_config, self.parallel, self.deepspeed_batch_fields[1]

@@ -132,19 +132,14 @@ def resolve_topology(explicit: ParallelConfig | None, deepspeed_config: dict | N
     return config
 
 
-def check_expert_parallel(config: ParallelConfig, *, deepspeed: bool, sharding: ShardingSettings | None) -> None:
-    """DeepSpeed next to EP and CP, and an HSDP whose writing replica would miss experts, are one line each
-    (docs/moe.md; what DeepSpeed's own MoE path refuses: :mod:`~mtk.integrations.deepspeed_experts`); the experts' TP
+def check_expert_parallel(config: ParallelConfig, *, sharding: ShardingSettings | None) -> None:
+    """An HSDP whose writing replica would miss experts is one line (docs/moe.md; what DeepSpeed's MoE path cannot
+    take next to EP: :func:`~mtk.integrations.deepspeed_experts.check_deepspeed_experts`); the experts' TP
     size (``megatron_lm_expert_tensor_parallel_size``: the TP size or 1) is checked
     by :class:`~mtk.config.ParallelConfig`."""
     if config.ep_size == 1:
         return
     where = f"expert parallelism (ep = {config.ep_size})"
-    if deepspeed and config.cp_size > 1:
-        raise ConfigError(
-            f"{where} with context parallelism (cp = {config.cp_size}) does not run under DeepSpeed yet; use a "
-            "megatron_lm_config YAML (DDP), or EP without CP"
-        )
     shard = sharding.dp_shard_size * config.cp_size if sharding is not None else 0
     if sharding is not None and sharding.dp_replicate_size > 1 and shard % config.ep_size:
         # HSDP's first replica writes a checkpoint: every expert must have a holder there
