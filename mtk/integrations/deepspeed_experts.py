@@ -76,8 +76,15 @@ def check_deepspeed_experts(config: dict[str, Any], parallel: ParallelState, whe
 def prepare_experts_for_deepspeed(model: nn.Module, parallel: ParallelState) -> str | None:
     """Register mtk's EP and expert-replica groups with DeepSpeed and mark the spread experts as its MoE parameters;
     the group name, or ``None`` where nothing is spread (EP 1, or this pipeline stage has no MoE layer)."""
-    if parallel.ep_size == 1 or not any(is_expert_parallel(p) for p in model.parameters()):
+    spread = [p for p in model.parameters() if is_expert_parallel(p)]
+    if parallel.ep_size == 1 or not spread:
         return None
+    if not any(p.requires_grad for p in spread):  # DeepSpeed's MoE path needs a param group of them to train
+        raise ConfigError(
+            f"expert parallelism (ep = {parallel.ep_size}) under DeepSpeed trains the experts: with them frozen "
+            "(LoRA) DeepSpeed would broadcast one rank's experts over the others; train LoRA at EP with accelerate "
+            "(a megatron_lm_config YAML: accelerate_configs/ep2.yaml), or set the EP size to 1"
+        )
     from deepspeed.utils import groups
 
     name = deepspeed_expert_group(parallel)

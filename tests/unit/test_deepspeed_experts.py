@@ -14,7 +14,7 @@ from mtk.integrations.deepspeed_experts import (
 
 
 class _Layout:
-    ep_size = 2
+    ep_size, cp_size = 2, 1
 
 
 @pytest.mark.parametrize(
@@ -30,8 +30,14 @@ def test_what_deepspeeds_moe_path_cannot_take_is_one_line(config, said):
         check_deepspeed_experts(config, _Layout(), "ds.json")
 
 
+def test_expert_parallelism_next_to_context_parallelism_under_deepspeed_is_one_line():
+    with_cp = type("WithCP", (), {"ep_size": 2, "cp_size": 2})()
+    with pytest.raises(ConfigError, match=r"does not run with context parallelism \(cp = 2\) yet"):
+        check_deepspeed_experts({"zero_optimization": {"stage": 2}}, with_cp, "ds.json")
+
+
 def test_nothing_to_check_without_expert_parallelism_or_with_what_runs():
-    one = type("One", (), {"ep_size": 1})()
+    one = type("One", (), {"ep_size": 1, "cp_size": 1})()
     check_deepspeed_experts({"zero_optimization": {"stage": 3}}, one, "ds.json")
     check_deepspeed_experts({"zero_optimization": {"stage": 2}, "expert_parallel": {"enabled": False}}, _Layout(), "x")
 
@@ -85,3 +91,17 @@ def test_model_parameters_are_named_for_the_split():
     dense, experts, _ = _experts_and_dense()
     assert [g["name"] for g in named_param_groups([dense, experts])] == ["mtk_group_0"]
     assert named_param_groups([{"params": [dense], "name": "mine"}, {"params": [experts]}])[1]["name"] == "mtk_group_1"
+
+
+def test_frozen_spread_experts_under_deepspeed_are_one_line():
+    """LoRA at EP: DeepSpeed would broadcast the frozen experts of one rank over its DP group (they are not MoE
+    parameters of a param group it trains)."""
+    from mtk.integrations.deepspeed_experts import prepare_experts_for_deepspeed
+    from mtk.parallel.parameters import set_param_info
+
+    model = torch.nn.Linear(2, 2)
+    for param in model.parameters():
+        set_param_info(param, expert_parallel=True)
+        param.requires_grad_(False)
+    with pytest.raises(ConfigError, match=r"with them frozen \(LoRA\) DeepSpeed would broadcast one rank's experts"):
+        prepare_experts_for_deepspeed(model, _Layout())
