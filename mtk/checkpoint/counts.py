@@ -165,6 +165,11 @@ def check_learning_rates(optimizers: Sequence[torch.optim.Optimizer], recorded: 
     saved = recorded.get("learning_rates")
     if not isinstance(saved, list):
         return
+    if len(saved) != len(optimizers):  # an emptied or cut list would check nothing
+        raise CheckpointError(
+            f"{where}: its metadata records the learning rates of {len(saved)} optimizers, this run restores "
+            f"{len(optimizers)}; not as mtk wrote it (crafted, or damaged): use another checkpoint"
+        )
     for number, (optimizer, expected) in enumerate(zip(optimizers, saved)):
         mine = learning_rates(optimizer.param_groups)
         if mine != expected:
@@ -196,7 +201,7 @@ def check_scheduler_positions(schedulers: Sequence[Any], recorded: Mapping[str, 
     if not isinstance(saved, list):
         return
     for number, (position, expected) in enumerate(zip(scheduler_positions(schedulers), saved)):
-        if expected is not None and position != expected:
+        if position != expected:  # (``None``: a scheduler that keeps no position, so the file holds none either)
             raise CheckpointError(
                 f"{where}: scheduler {number} is at position {position} where the metadata recorded {expected} (the "
                 "learning rate of another step); the file is from another save (crafted, or mixed from two runs): "
@@ -238,7 +243,7 @@ def check_saved_counts(directory: str | Path, meta: CheckpointMeta) -> None:
         with reading(paths.root / name):
             mine = learning_rates(jsonio.loads((paths.root / name).read_text())["param_groups"])
         expected = rates[number] if number < len(rates) else None
-        if rates and mine != expected:
+        if "learning_rates" in recorded and mine != expected:
             raise CheckpointError(
                 f"{directory}: {name} holds the learning rates {mine}, its metadata recorded {expected}; the "
                 "file is from another save (crafted, or mixed from two runs): use another checkpoint"
@@ -253,7 +258,7 @@ def check_saved_counts(directory: str | Path, meta: CheckpointMeta) -> None:
         with reading(path):
             state = torch.load(path, weights_only=True)
         position = state.get("last_epoch", state.get("last_batch_iteration")) if isinstance(state, dict) else None
-        if expected is not None and position != expected:
+        if position != expected:
             raise CheckpointError(
                 f"{directory}: {path.name} is at position {position} where the metadata recorded {expected}; the file "
                 "is from another save (crafted, or mixed from two runs): use another checkpoint"

@@ -68,6 +68,9 @@ def _check_types(values: dict[str, Any]) -> None:
             and isinstance(record.get("xxh3_128"), str)
         ):
             raise TypeError(f"files[{name!r}] is {record!r}, not {{'bytes': <int>, 'xxh3_128': <hex>}}")
+    stage = values.get("zero_stage")
+    if stage is not None and (not isinstance(stage, int) or isinstance(stage, bool) or stage not in range(4)):
+        raise TypeError(f"zero_stage {stage!r} is not a ZeRO stage (0 to 3)")
     if not isinstance(values.get("save"), (str, type(None))):
         raise TypeError(f"save {values['save']!r} is not a save's label")
     pieces = values.get("pieces")

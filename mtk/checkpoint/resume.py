@@ -154,6 +154,11 @@ def rescaled_position(data: dict, samples_now: int | None) -> int:
                 f"the checkpoint's data position {name} is {count!r}, not a count: not as mtk saved it (crafted, or "
                 "damaged); use another checkpoint"
             )
+    if per_batch == 0:  # a micro-batch holds a sample at least: 0 would switch the checks below off
+        raise CheckpointError(
+            "the checkpoint's data position records micro-batches of 0 samples: not as mtk saved it (crafted, or "
+            "damaged); use another checkpoint"
+        )
     if samples is not None and per_batch and samples != seen * per_batch:  # (recorded since the field exists)
         raise CheckpointError(
             f"the checkpoint's data position disagrees with itself: {seen} micro-batches of {per_batch} samples, "

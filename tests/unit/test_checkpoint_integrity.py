@@ -195,6 +195,35 @@ def test_a_labelled_save_without_its_records_is_refused(tmp_path, trained, capsy
 
 
 @pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (lambda meta: meta["counts"].update(learning_rates=[]), "records the learning rates of 0 optimizers"),
+        (lambda meta: meta["counts"].update(scheduler_positions=[None]), "at position 0 where the metadata recorded"),
+        (lambda meta: meta["data"].update(micro_batches=4, samples_per_micro_batch=0, samples=0), "of 0 samples"),
+        (lambda meta: meta.update(engine="deepspeed", zero_stage="2"), "zero_stage '2' is not a ZeRO stage"),
+    ],
+    ids=["rates-emptied", "position-null", "size-0", "stage-str"],
+)
+def test_a_record_emptied_or_nulled_checks_as_removed(tmp_path, trained, capsys, change, said):
+    """The re-check after the ninth round: an emptied list of learning rates checked no optimizer (lr 5 in the JSON:
+    step 4 loss 176.2), a null position no scheduler (one at 100 trained on), micro-batches of 0 samples no data
+    position; each is one line from resume (and verify, where it reads that record)."""
+    from mtk.checkpoint.resume import rescaled_position
+
+    parallel, model, optimizer = trained
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    position = {"micro_batches": 2, "samples_per_micro_batch": 4, "samples": 8}
+    directory = save_checkpoint(tmp_path / "step_2", parallel, model, [optimizer], [scheduler], step=2, data=position)
+    _rewrite_metadata(directory, change)
+    with pytest.raises(CheckpointError, match=re.escape(said)):
+        meta = load_checkpoint(directory, parallel, model, [optimizer], [scheduler])
+        rescaled_position(meta.data, 4)  # what the Accelerator's load_state reads next
+    if "samples" not in said:
+        code, _, err_text = _verify_cli(directory, capsys)
+        assert code == 2 and len(err_text.strip().splitlines()) == 1, err_text
+
+
+@pytest.mark.parametrize(
     ("field", "value", "said"),
     [
         ("accelerate_step", "x", "data.accelerate_step 'x' is not a count of steps"),
