@@ -12,6 +12,7 @@ checkpoint written before the record says nothing.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -47,18 +48,26 @@ def _fewest_and_most(steps: Sequence[int]) -> Steps:
     return (min(steps), max(steps)) if steps else None
 
 
+def step_bounds(step: Any) -> tuple[int, int]:
+    """The whole counts a ``step`` (a number, or a tensor of them) lies between: a fraction (2.9 steps, crafted: Adam
+    corrects its moments by it) is counted as both its floor and its ceiling, so it cannot pass for either."""
+    values = step.detach().double() if torch.is_tensor(step) else torch.tensor(float(step), dtype=torch.float64)
+    return math.floor(float(values.min())), math.ceil(float(values.max()))
+
+
 def optimizer_steps(optimizers: Sequence[torch.optim.Optimizer], device: torch.device) -> Steps:
     """The fewest and the most steps any parameter's optimizer state counts (its ``step``), over every optimizer
     and every rank; ``None`` when no state keeps a count (SGD, a fresh optimizer, an engine's own). Both, because a
     state of another save may count fewer as well as more. Collective over the world (each rank holds the state of
     its own shard, stage or share)."""
     found = [
-        int(step.detach().max().item()) if torch.is_tensor(step) else int(step)
+        bound
         for optimizer in optimizers
         for fields in (optimizer.state if isinstance(optimizer.state, Mapping) else {}).values()
         if isinstance(fields, Mapping)
         for step in [fields.get("step")]
         if (torch.is_tensor(step) and step.numel()) or (isinstance(step, (int, float)) and not isinstance(step, bool))
+        for bound in step_bounds(step)
     ]
     here = _fewest_and_most(found)
     if not dist.is_initialized():
@@ -69,12 +78,25 @@ def optimizer_steps(optimizers: Sequence[torch.optim.Optimizer], device: torch.d
     return None if int(flag[1]) < 0 else (-int(flag[0]), int(flag[1]))
 
 
+def _position(scheduler: Any) -> Any:
+    """A scheduler's position as it holds it: torch's ``last_epoch``, DeepSpeed's ``last_batch_iteration``."""
+    return getattr(scheduler, "last_epoch", getattr(scheduler, "last_batch_iteration", None))
+
+
+def _comparable(position: Any) -> Any:
+    """A position read back, for comparing with the recorded one: a count or ``None`` as it is, anything else (100.0,
+    ``tensor(100)``, ``True``) as its text, which equals no recorded position (nor the null of a scheduler that
+    keeps none)."""
+    if position is None or (isinstance(position, int) and not isinstance(position, bool)):
+        return position
+    return repr(position)
+
+
 def scheduler_positions(schedulers: Sequence[Any]) -> list[int | None]:
-    """Each scheduler's position: torch's ``last_epoch``, DeepSpeed's ``last_batch_iteration``; ``None`` for one
-    that keeps neither."""
+    """Each scheduler's position, as a save records it: ``None`` for one that keeps none (or none that is a count)."""
     positions: list[int | None] = []
     for scheduler in schedulers:
-        position = getattr(scheduler, "last_epoch", getattr(scheduler, "last_batch_iteration", None))
+        position = _position(scheduler)
         positions.append(position if isinstance(position, int) and not isinstance(position, bool) else None)
     return positions
 
@@ -155,8 +177,15 @@ def check_engine_state(
 
 
 def learning_rates(groups: Sequence[Mapping[str, Any]]) -> list[float]:
-    """Each parameter group's learning rate, the schedule's value at the step (a tensor's as a number)."""
-    return [float(group["lr"]) for group in groups]
+    """Each parameter group's learning rate, the schedule's value at the step (a tensor's as a number); one that is
+    not a number (``"0.0009"`` in a file) is one line, not a rate that compares equal."""
+    rates = []
+    for group in groups:
+        lr = group["lr"]
+        if isinstance(lr, (str, bool)) or not (torch.is_tensor(lr) or isinstance(lr, (int, float))):
+            raise CheckpointError(f"a learning rate {lr!r} is not a number: not as mtk saved it (crafted, or damaged)")
+        rates.append(float(lr))
+    return rates
 
 
 def check_learning_rates(optimizers: Sequence[torch.optim.Optimizer], recorded: Mapping[str, Any], where: str) -> None:
@@ -200,7 +229,8 @@ def check_scheduler_positions(schedulers: Sequence[Any], recorded: Mapping[str, 
     saved = recorded.get("scheduler_positions")
     if not isinstance(saved, list):
         return
-    for number, (position, expected) in enumerate(zip(scheduler_positions(schedulers), saved)):
+    for number, (scheduler, expected) in enumerate(zip(schedulers, saved)):
+        position = _comparable(_position(scheduler))  # as loaded
         if position != expected:  # (``None``: a scheduler that keeps no position, so the file holds none either)
             raise CheckpointError(
                 f"{where}: scheduler {number} is at position {position} where the metadata recorded {expected} (the "
@@ -223,7 +253,7 @@ def check_saved_counts(directory: str | Path, meta: CheckpointMeta) -> None:
                 with reading(paths.root / name), safe_open(str(paths.root / name), framework="pt") as file:
                     for key in file.keys():  # noqa: SIM118 (a safetensors file is not a mapping)
                         if key.endswith("::step"):
-                            found.append(int(file.get_tensor(key).max().item()))
+                            found.extend(step_bounds(file.get_tensor(key)))
             elif name.endswith(".json"):  # steps kept as numbers (Adafactor's)
                 with reading(paths.root / name):
                     state = jsonio.loads((paths.root / name).read_text())["state"]
@@ -232,14 +262,16 @@ def check_saved_counts(directory: str | Path, meta: CheckpointMeta) -> None:
                     for fields in state.values():
                         step = fields.get("step") if isinstance(fields, dict) else None
                         if isinstance(step, (int, float)) and not isinstance(step, bool):
-                            found.append(int(step))
+                            found.extend(step_bounds(step))
         check_optimizer_steps(_fewest_and_most(found), recorded, str(directory))
     rates = recorded.get("learning_rates") or []
+    numbers = set()
     for name in optimizer_files:  # every stage's groups (every TP rank's agree: checked before)
         match = re.fullmatch(r"optimizer/tp00-pp\d+(?:-(\d+))?\.json", name)
         if match is None:
             continue
         number = int(match[1] or 0)
+        numbers.add(number)
         with reading(paths.root / name):
             mine = learning_rates(jsonio.loads((paths.root / name).read_text())["param_groups"])
         expected = rates[number] if number < len(rates) else None
@@ -248,6 +280,11 @@ def check_saved_counts(directory: str | Path, meta: CheckpointMeta) -> None:
                 f"{directory}: {name} holds the learning rates {mine}, its metadata recorded {expected}; the "
                 "file is from another save (crafted, or mixed from two runs): use another checkpoint"
             )
+    if numbers and "learning_rates" in recorded and len(rates) != len(numbers):  # as resume counts them
+        raise CheckpointError(
+            f"{directory}: its metadata records the learning rates of {len(rates)} optimizers, the checkpoint holds "
+            f"{len(numbers)}; not as mtk wrote it (crafted, or damaged): use another checkpoint"
+        )
     for number, expected in enumerate(recorded.get("scheduler_positions") or []):
         path = paths.scheduler(number)
         if str(path.relative_to(paths.root)) not in meta.files:
@@ -258,6 +295,7 @@ def check_saved_counts(directory: str | Path, meta: CheckpointMeta) -> None:
         with reading(path):
             state = torch.load(path, weights_only=True)
         position = state.get("last_epoch", state.get("last_batch_iteration")) if isinstance(state, dict) else None
+        position = _comparable(position)
         if position != expected:
             raise CheckpointError(
                 f"{directory}: {path.name} is at position {position} where the metadata recorded {expected}; the file "

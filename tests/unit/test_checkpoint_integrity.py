@@ -201,8 +201,9 @@ def test_a_labelled_save_without_its_records_is_refused(tmp_path, trained, capsy
         (lambda meta: meta["counts"].update(scheduler_positions=[None]), "at position 0 where the metadata recorded"),
         (lambda meta: meta["data"].update(micro_batches=4, samples_per_micro_batch=0, samples=0), "of 0 samples"),
         (lambda meta: meta.update(engine="deepspeed", zero_stage="2"), "zero_stage '2' is not a ZeRO stage"),
+        (lambda meta: meta["counts"].update(learning_rates=[[0.001], [0.001]]), "learning rates of 2 optimizers"),
     ],
-    ids=["rates-emptied", "position-null", "size-0", "stage-str"],
+    ids=["rates-emptied", "position-null", "size-0", "stage-str", "rates-of-two"],
 )
 def test_a_record_emptied_or_nulled_checks_as_removed(tmp_path, trained, capsys, change, said):
     """The re-check after the ninth round: an emptied list of learning rates checked no optimizer (lr 5 in the JSON:
@@ -1182,6 +1183,8 @@ def _steps_set_to(value):
         (_reorder_params(lambda names: [names[0], *names[:-1]]), "lists the optimizer's parameters otherwise"),
         (_set_json("param_groups", ["x"]), "param_groups is not a list of objects"),  # (AttributeError tracebacks)
         (_set_json("state", []), "state is not an object of parameter names"),
+        (_rewrite_moments(_steps_set_to(1.9)), "optimizer state counts 2 steps where its metadata recorded 1"),
+        (_set_group("lr", "0.001"), "settings saved in the checkpoint are ones AdamW refuses"),
     ],
     ids=[
         "betas-1",
@@ -1198,6 +1201,8 @@ def _steps_set_to(value):
         "params-duplicated",
         "groups-of-strings",
         "state-a-list",
+        "steps-fractional",  # (Adam's bias correction from 1.9: counted as its floor it passed for 1)
+        "lr-a-string",  # (verify compared float("0.001") with the record: test_learning_rates_are_numbers)
     ],
 )
 def test_a_crafted_optimizer_state_is_refused_when_resumed(saved, trained, damage, message):
@@ -1338,3 +1343,29 @@ def test_a_parameter_stored_in_another_float_dtype_is_refused_on_resume(saved, t
     if dtype == torch.float8_e4m3fn:
         for said in _refusals(saved, trained, tmp_path, capsys)[1:]:
             assert "mtk saves fp64, fp32, bf16, fp16" in said, said
+
+
+def test_learning_rates_are_numbers():
+    """What verify-checkpoint reads of an optimizer JSON: a rate written as text equalled its record as a float."""
+    from mtk.checkpoint.counts import learning_rates
+
+    assert learning_rates([{"lr": 0.5}, {"lr": torch.tensor(0.25)}]) == [0.5, 0.25]
+    with pytest.raises(CheckpointError, match="a learning rate '0.001' is not a number"):
+        learning_rates([{"lr": "0.001"}])
+
+
+@pytest.mark.parametrize("position", [100.0, torch.tensor(100)], ids=["float", "tensor"])
+def test_a_scheduler_position_of_another_type_is_not_the_recorded_null(tmp_path, trained, position):
+    """``scheduler_positions: [null]`` beside a ``scheduler.pt`` at ``100.0`` (or a tensor): read back through the
+    recording rule, any position not an int became ``None`` and equalled the null (the scheduler then ran at 100)."""
+    parallel, model, optimizer = trained
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    directory = save_checkpoint(tmp_path / "step_2", parallel, model, [optimizer], [scheduler], step=2)
+    path = directory / "scheduler.pt"
+    state = torch.load(path, weights_only=True)
+    state.update(last_epoch=position, _step_count=101)
+    torch.save(state, path)
+    _rewrite_metadata(directory, lambda meta: meta["counts"].update(scheduler_positions=[None]))
+    _rewrite_metadata(directory, lambda meta: meta["files"].update({"scheduler.pt": _record(path)}))
+    with pytest.raises(CheckpointError, match="scheduler 0 is at position .*100.* where the metadata recorded None"):
+        load_checkpoint(directory, parallel, model, [optimizer], [scheduler])
