@@ -48,9 +48,15 @@ def _fewest_and_most(steps: Sequence[int]) -> Steps:
     return (min(steps), max(steps)) if steps else None
 
 
+NOT_A_COUNT = 2**61  # what a step that is not one count (a tensor of many, a bool) counts as: no save records it
+
+
 def step_bounds(step: Any) -> tuple[int, int]:
     """The whole counts a ``step`` (a number, or a tensor of them) lies between: a fraction (2.9 steps, crafted: Adam
-    corrects its moments by it) is counted as both its floor and its ceiling, so it cannot pass for either."""
+    corrects its moments by it) is counted as both its floor and its ceiling, so it cannot pass for either; so is a
+    step that is not one count (DeepSpeed's files restore what they hold before any check of mtk's sees it)."""
+    if torch.is_tensor(step) and (step.numel() != 1 or step.dtype == torch.bool):  # not one count: matches no record
+        return -1, NOT_A_COUNT
     values = step.detach().double() if torch.is_tensor(step) else torch.tensor(float(step), dtype=torch.float64)
     return math.floor(float(values.min())), math.ceil(float(values.max()))
 

@@ -41,6 +41,11 @@ def check_loadable(
                 raise CheckpointError(
                     f"the optimizer's {key!r} of {names[index]} holds NaN or infinity; use another checkpoint"
                 )
+            if key == "step" and (value.numel() != 1 or value.dtype == torch.bool):  # one count, as torch keeps it
+                raise CheckpointError(
+                    f"the optimizer's step of {names[index]} is not one count (shape {tuple(value.shape)}, "
+                    f"{value.dtype}); use another checkpoint"
+                )
             if key == "step" and bool((value < 0).any()):  # a count of steps (Adam's bias correction reads it)
                 raise CheckpointError(f"the optimizer's step of {names[index]} is negative; use another checkpoint")
             if elementwise and value.dim() > 0 and tuple(value.shape) != tuple(params[index].shape):

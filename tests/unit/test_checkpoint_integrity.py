@@ -1155,6 +1155,19 @@ def _reshape_a_moment(tensors):
     tensors[name] = tensors[name].reshape(-1, 2)
 
 
+def _steps_shaped_as_moments(tensors):
+    for key in [k for k in tensors if k.endswith("::step")]:
+        tensors[key] = torch.full_like(tensors[key.replace("::step", "::exp_avg")], 1.0)
+
+
+def _steps_as(dtype):
+    def change(tensors):
+        for key in [k for k in tensors if k.endswith("::step")]:
+            tensors[key] = tensors[key].to(dtype)
+
+    return change
+
+
 def _steps_set_to(value):
     def change(tensors):
         for key in [k for k in tensors if k.endswith("::step")]:
@@ -1184,6 +1197,8 @@ def _steps_set_to(value):
         (_set_json("param_groups", ["x"]), "param_groups is not a list of objects"),  # (AttributeError tracebacks)
         (_set_json("state", []), "state is not an object of parameter names"),
         (_rewrite_moments(_steps_set_to(1.9)), "optimizer state counts 2 steps where its metadata recorded 1"),
+        (_rewrite_moments(_steps_shaped_as_moments), r"step of .* is not one count \(shape \("),
+        (_rewrite_moments(_steps_as(torch.bool)), r"step of .* is not one count \(shape \(\), torch.bool\)"),
         (_set_group("lr", "0.001"), "settings saved in the checkpoint are ones AdamW refuses"),
     ],
     ids=[
@@ -1203,6 +1218,8 @@ def _steps_set_to(value):
         "state-a-list",
         "steps-fractional",  # (Adam's bias correction from 1.9: counted as its floor it passed for 1)
         "lr-a-string",  # (verify compared float("0.001") with the record: test_learning_rates_are_numbers)
+        "steps-shaped-as-moments",  # (a traceback inside Adam's step)
+        "steps-bool",  # (a traceback inside Adam's step)
     ],
 )
 def test_a_crafted_optimizer_state_is_refused_when_resumed(saved, trained, damage, message):
