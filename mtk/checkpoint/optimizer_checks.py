@@ -137,11 +137,13 @@ def check_scheduler_state(current: dict[str, Any], saved: Any, optimizer: Any = 
 
 def check_scheduler_started(saved: dict[str, Any], groups: list[dict[str, Any]]) -> None:
     """A scheduler's ``base_lrs`` are the ``initial_lr`` of its optimizer's ``groups`` (a scheduler sets them from
-    each other when it is built, and both are saved together); ``ValueError`` otherwise. Groups without an
-    ``initial_lr`` (an optimizer no scheduler was built on) are not compared."""
+    each other when it is built, and both are saved together); ``ValueError`` otherwise, also where the groups lack an
+    ``initial_lr`` beside a scheduler's ``base_lrs`` for each of them (a scheduler built on the optimizer sets every
+    one: removed, the comparison would be off). Groups the scheduler has no rate for (added after it) are not
+    compared."""
     started = [float(group["initial_lr"]) if "initial_lr" in group else None for group in groups]
     base = saved.get("base_lrs")
-    if isinstance(base, list) and len(base) == len(started) and None not in started and base != started:
+    if isinstance(base, list) and len(base) == len(started) and base != started:
         raise ValueError(
             f"its base learning rates {base} are not the {started} its optimizer's saved groups started from; the "
             "file is from another save (crafted, or mixed from two runs)"
