@@ -1386,3 +1386,23 @@ def test_a_scheduler_position_of_another_type_is_not_the_recorded_null(tmp_path,
     _rewrite_metadata(directory, lambda meta: meta["files"].update({"scheduler.pt": _record(path)}))
     with pytest.raises(CheckpointError, match="scheduler 0 is at position .*100.* where the metadata recorded None"):
         load_checkpoint(directory, parallel, model, [optimizer], [scheduler])
+
+
+def test_base_lrs_beside_groups_without_their_initial_lr_are_refused(tmp_path, trained, capsys):
+    """``base_lrs`` of 0.03 with every group's ``initial_lr`` removed from the optimizer JSON (labels kept): the
+    comparison skipped groups without one and trained at 10x the rate, only "restored" in a line (the sixth re-check's
+    borderline case). A scheduler built on the optimizer sets every group's."""
+    parallel, model, optimizer = trained
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    directory = save_checkpoint(tmp_path / "step_2", parallel, model, [optimizer], [scheduler], step=2)
+    path = directory / "scheduler.pt"
+    torch.save({**torch.load(path, weights_only=True), "base_lrs": [0.03]}, path)
+    groups_path = directory / "optimizer/tp00-pp00.json"
+    groups = json.loads(groups_path.read_text())
+    for group in groups["param_groups"]:
+        group.pop("initial_lr")
+    groups_path.write_text(json.dumps(groups))
+    records = {name: _record(directory / name) for name in ("scheduler.pt", "optimizer/tp00-pp00.json")}
+    _rewrite_metadata(directory, lambda meta: meta["files"].update(records))
+    with pytest.raises(CheckpointError, match=r"base learning rates \[0.03\] are not the \[None\]"):
+        load_checkpoint(directory, parallel, model, [optimizer], [scheduler])
