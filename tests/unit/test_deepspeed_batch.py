@@ -309,11 +309,13 @@ def test_what_the_deepspeed_launcher_cannot_take_from_an_accelerate_json_is_one_
 
     from mtk.integrations.deepspeed import check_launcher_config
 
-    run = SimpleNamespace(tp_size=1, cp_size=2)
+    run = SimpleNamespace(tp_size=1, cp_size=2, ep_size=1, etp_size=1)
     with pytest.raises(ConfigError, match='"gradient_clipping": "auto" is filled in by accelerate'):
         check_launcher_config({"gradient_clipping": "auto"}, "ds.json", run)
     with pytest.raises(ConfigError, match=r'"mtk": \{"tensor_parallel_size": 2\} but this run\'s size is 1 \(--tp'):
         check_launcher_config({"mtk": {"tensor_parallel_size": 2}}, "ds.json", run)
+    with pytest.raises(ConfigError, match=r'"mtk": \{"expert_parallel_size": 2\} but this run\'s size is 1 \(--ep'):
+        check_launcher_config({"mtk": {"expert_parallel_size": 2}}, "ds.json", run)
     check_launcher_config({"gradient_clipping": 1.0, "mtk": {"context_parallel_size": 2}}, "ds.json", run)
 
 
@@ -334,7 +336,8 @@ def test_a_json_optimizer_reading_whole_tensors_is_one_line_next_to_tensor_paral
 
     from mtk.integrations.deepspeed import check_launcher_config
 
-    tp2, tp1 = SimpleNamespace(tp_size=2, cp_size=1, rank=0), SimpleNamespace(tp_size=1, cp_size=1, rank=0)
+    tp2 = SimpleNamespace(tp_size=2, cp_size=1, ep_size=1, etp_size=2, rank=0)
+    tp1 = SimpleNamespace(tp_size=1, cp_size=1, ep_size=1, etp_size=1, rank=0)
     for name in ("Lamb", "OneBitLamb"):
         with pytest.raises(ConfigError, match=f"{name} computes its update from statistics of each whole tensor"):
             check_launcher_config({"optimizer": {"type": name}}, "ds.json", tp2)
