@@ -133,15 +133,12 @@ def check_launcher_config(config: dict[str, Any], path: str | Path, parallel: Pa
     block = config.get("optimizer")
     if parallel.tp_size > 1 and isinstance(block, dict) and "type" in block:  # each rank updates its TP shards
         check_named_update(str(block["type"]), _on_rank_zero(parallel))
-    degrees = {"tp_size": parallel.tp_size, "cp_size": parallel.cp_size, "ep_size": parallel.ep_size}
-    degrees["etp_size"] = parallel.etp_size
-    flags = {"tp_size": "--tp", "cp_size": "--cp", "ep_size": "--ep", "etp_size": "--etp"}
     for key, field in MTK_BLOCK_KEYS.items():
-        asked = sizes_from_config(config).get(field)
-        if asked is not None and asked != degrees[field]:
-            flag = flags[field]
+        asked, mine = sizes_from_config(config).get(field), getattr(parallel, field)
+        if asked is not None and asked != mine:
+            flag = "--" + field.removesuffix("_size")  # --tp, --cp, --ep, --etp
             raise ConfigError(
-                f'{path}: "mtk": {{"{key}": {asked}}} but this run\'s size is {degrees[field]} ({flag}, else the '
+                f'{path}: "mtk": {{"{key}": {asked}}} but this run\'s size is {mine} ({flag}, else the '
                 f"environment); make them agree or drop the key"
             )
 
@@ -353,7 +350,9 @@ def _experts(ep_size: int, etp_size: int | None) -> str:
     return f"ep={ep_size} etp={etp_size} " if ep_size > 1 else ""
 
 
-def _restore_spread_experts(model: nn.Module, directory: str | Path, meta: CheckpointMeta, parallel) -> None:
+def _restore_spread_experts(
+    model: nn.Module, directory: str | Path, meta: CheckpointMeta, parallel: ParallelState
+) -> None:
     """Under expert parallelism DeepSpeed's own module file holds the weights of one rank of each data-parallel group
     (its experts are registered with DeepSpeed as MoE parameters, whose per-expert files DeepSpeed writes only for its
     own MoE layers): every rank then reads its weights, its experts included, from mtk's files, which hold every
