@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["PRELOAD", "DistributedTestError", "free_port", "run_distributed"]
+__all__ = ["PRELOAD", "DistributedTestError", "fork_context", "free_port", "preload", "run_distributed"]
 
 # Imported once by the fork server (gloo only, see the module docstring); a missing one is skipped.
 PRELOAD = (
@@ -51,6 +51,24 @@ PRELOAD = (
     "mtk.testing",
     "mtk.integrations.accelerate",  # the Accelerator most workers build: seconds of imports each, paid once here
 )
+
+
+_preload = list(PRELOAD)
+
+
+def preload(*modules: str) -> None:
+    """Have the fork server also import ``modules`` (a caller whose workers import more than :data:`PRELOAD`, e.g.
+    a test suite forking whole training scripts). Only a server not yet started sees them: call it first."""
+    _preload.extend(module for module in modules if module not in _preload)
+
+
+def fork_context():
+    """The fork server's multiprocessing context: its processes fork from one that imported the preload once.
+
+    Only for processes that will not touch CUDA (gloo, CPU): the server itself never runs torch code."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(_preload))  # used when the server starts, i.e. on the first call
+    return ctx
 
 
 class DistributedTestError(AssertionError):
@@ -92,9 +110,7 @@ def free_port() -> int:
 def _context(backend: str | None, fresh_interpreters: bool):
     """Fork-server processes for gloo (fast start), fresh interpreters otherwise (CUDA-safe)."""
     if backend == "gloo" and not fresh_interpreters and "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(list(PRELOAD))  # used when the server starts, i.e. on the first call
-        return ctx
+        return fork_context()
     return mp.get_context("spawn")
 
 

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from mtk import spawn
+from tests.e2e import forked
+
 _MARKERS = {"unit": "unit", "distributed": "distributed", "e2e": "e2e", "conformance": "e2e"}
 
 # Seconds per file on 2 cores with the suite's other worker beside it (`pytest -n 2 --durations=0 tests`, summed
@@ -45,6 +48,7 @@ def _seconds(item: pytest.Item) -> float:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    spawn.preload(*forked.PRELOAD)  # before any test starts the fork server
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist reorders files by test count: keep this order
         config.option.loadscopereorder = False
 

@@ -5,6 +5,7 @@ import subprocess
 from pathlib import Path
 
 from mtk.spawn import free_port
+from tests.e2e.forked import accelerate_in_forks, command_in_forks, forks_wanted
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP_LINE = re.compile(r"step (\d+) loss (\S+)")
@@ -18,11 +19,13 @@ def accelerate_launch(
     check: bool = True,
     timeout: int = 600,
     env: dict | None = None,
+    real: bool = False,
 ) -> subprocess.CompletedProcess:
     """``accelerate launch --config_file <config> [launcher_args] <script> [args]`` from the repo root.
 
     ``config`` is a name in accelerate_configs/ or a path to a YAML file; ``script`` a file in
-    examples/ or a path relative to the repo root.
+    examples/ or a path relative to the repo root. The ranks fork from the fork server (:mod:`tests.e2e.forked`)
+    unless ``real``: then ``accelerate launch`` runs as a command, torchrun and fresh interpreters included.
     """
     config_path = config if config.endswith(".yaml") else f"accelerate_configs/{config}.yaml"
     command = [
@@ -36,9 +39,27 @@ def accelerate_launch(
         script if "/" in script else f"examples/{script}",
         *args,
     ]
-    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    if forks_wanted() and not real:
+        out = accelerate_in_forks(command[2:], cwd=ROOT, environ=env, timeout=timeout)
+    else:
+        out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     if check:
         assert out.returncode == 0, _workers_story(out.stderr)
+    return out
+
+
+def run_command(
+    command: list[str], *, cwd: Path | str | None = None, env: dict | None = None, timeout: float = 600, check=False
+) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True)``, from the fork server for the suite's own kinds
+    of command (``python``, ``torchrun``, ``deepspeed`` on one node, ``mtk``: :func:`forked.command_in_forks`)."""
+    out = None
+    if forks_wanted():
+        out = command_in_forks(command, cwd=Path(cwd or Path.cwd()), environ=env, timeout=timeout)
+    if out is None:
+        out = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and out.returncode:
+        raise subprocess.CalledProcessError(out.returncode, command, out.stdout, out.stderr)
     return out
 
 
@@ -107,7 +128,7 @@ def deepspeed_run(processes: int, config: str, *args: str, check: bool = True) -
         config if config.endswith(".json") else f"ds_configs/{config}.json",
         *args,
     ]
-    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = run_command(command, cwd=ROOT, timeout=900)
     if check:
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out

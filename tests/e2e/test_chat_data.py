@@ -13,7 +13,7 @@ import re
 import pytest
 
 from mtk.spawn import free_port
-from tests.e2e.launch import ROOT, STEP_LINE, accelerate_launch, assert_same_losses
+from tests.e2e.launch import ROOT, STEP_LINE, accelerate_launch, assert_same_losses, run_command
 
 STEPS = 4
 
@@ -62,14 +62,12 @@ def test_tp2_pp2_dp2_with_accumulation_logs_the_single_process_token_mean(chat_s
 
 
 def test_deepspeed_zero2_tp2_dp2_logs_the_single_process_token_mean(chat_setup, single, tmp_path):
-    import subprocess
-
     command = [
         "deepspeed", "--num_gpus", "4", "--master_port", str(free_port()), "examples/run.py", "--deepspeed",
         "--deepspeed_config", "ds_configs/zero2.json", "--tp", "2", "--output_dir", str(tmp_path),
         *_options(chat_setup, 4, packing=True),
     ]  # fmt: skip
-    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = run_command(command, cwd=ROOT, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     _assert_same(_losses(out.stdout + out.stderr), single[True], "deepspeed zero2 tp2 dp2 vs tp1")
 

@@ -8,7 +8,6 @@ packing, DPO) and LoRA at TP2 x CP2 in test_trainers.py, test_trl.py and test_lo
 """
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from tests.e2e.launch import (
     deepspeed_run,
     finetune,
     logged,
+    run_command,
     step_losses,
 )
 
@@ -51,9 +51,7 @@ def test_a_tp2_cp2_checkpoint_resumes_at_tp1_and_a_tp1_one_at_cp2(tp2_cp2, llama
 
 def test_export_of_a_tp2_cp2_checkpoint_is_the_tp1_model(tp2_cp2, llama_tp1, tmp_path):
     for name, run in (("cp", tp2_cp2), ("tp1", llama_tp1)):
-        out = subprocess.run(
-            ["mtk", "export", str(run.dir / "step_6"), str(tmp_path / name)], capture_output=True, text=True
-        )
+        out = run_command(["mtk", "export", str(run.dir / "step_6"), str(tmp_path / name)])
         assert out.returncode == 0, out.stderr[-2000:]
     ours, theirs = (load_file(tmp_path / name / "model.safetensors") for name in ("cp", "tp1"))
     assert sorted(ours) == sorted(theirs)

@@ -14,7 +14,7 @@ import pytest
 
 from mtk.models import build_model
 from mtk.testing import assert_close_rel
-from tests.e2e.launch import ROOT, accelerate_launch, assert_checkpoint_whole, deepspeed_run, step_losses
+from tests.e2e.launch import ROOT, accelerate_launch, assert_checkpoint_whole, deepspeed_run, run_command, step_losses
 
 
 def held(out: subprocess.CompletedProcess) -> tuple[float, float]:
@@ -107,9 +107,7 @@ def test_zero3_tp2_dp2_equals_non_zero_resumes_and_exports(reference, llama_tp1,
         f"tp{t:02d}-pp00-piece{d:02d}.safetensors" for t in range(2) for d in range(2)
     ]
     for checkpoint, out_dir in ((saved, tmp_path / "hf"), (llama_tp1.dir / "step_6", tmp_path / "hf_tp1")):
-        out = subprocess.run(
-            ["mtk", "export", str(checkpoint), str(out_dir)], capture_output=True, text=True, timeout=600
-        )
+        out = run_command(["mtk", "export", str(checkpoint), str(out_dir)], timeout=600)
         assert out.returncode == 0 and "verified" in out.stdout, out.stderr[-2000:]
     zero3, tp1 = (load_file(str(d / "model.safetensors")) for d in (tmp_path / "hf", tmp_path / "hf_tp1"))
     assert sorted(zero3) == sorted(tp1)
@@ -126,9 +124,7 @@ def test_zero3_at_one_data_parallel_rank_exports(tmp_path):
     deepspeed_run(2, "zero3", *args)
     assert read_metadata(tmp_path / "step_2").pieces == 1
     assert_checkpoint_whole(tmp_path / "step_2")
-    out = subprocess.run(
-        ["mtk", "export", str(tmp_path / "step_2"), str(tmp_path / "hf")], capture_output=True, text=True, timeout=600
-    )
+    out = run_command(["mtk", "export", str(tmp_path / "step_2"), str(tmp_path / "hf")], timeout=600)
     assert out.returncode == 0 and "verified" in out.stdout, out.stderr[-2000:]
 
 
@@ -164,9 +160,7 @@ def test_resume_and_export_a_deepspeed_checkpoint(zero2_run, tmp_path):
     assert sorted(resumed) == [4, 5, 6]
     for step in (4, 5, 6):
         assert_close_rel(resumed[step], uninterrupted[step], f"loss at step {step} after resume")
-    out = subprocess.run(
-        ["mtk", "export", str(out_dir / "step_6"), str(tmp_path / "hf")], capture_output=True, text=True, timeout=600
-    )
+    out = run_command(["mtk", "export", str(out_dir / "step_6"), str(tmp_path / "hf")], timeout=600)
     assert out.returncode == 0 and "verified" in out.stdout, out.stderr[-2000:]
     # ZeRO-2's flat partitions resume at their own layout only (ZeRO-3's at another TP or DP size: above)
     out = deepspeed_run(

@@ -1,23 +1,20 @@
 """The example scripts run as users type them (on the tiny default models)."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from mtk.checkpoint.integrity import read_verified
-from tests.e2e.launch import accelerate_launch, one_line_error
+from tests.e2e.launch import accelerate_launch, one_line_error, run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _benchmark(script: str, *args: str) -> str:
     """``python examples/benchmarks/<script> <args>`` from the repository root; its stdout once it succeeded."""
-    out = subprocess.run(
-        [sys.executable, f"examples/benchmarks/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
+    out = run_command([sys.executable, f"examples/benchmarks/{script}", *args], cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
 
@@ -170,7 +167,7 @@ def test_a_setting_the_trl_examples_libraries_refuse_is_one_line(tmp_path, args,
     taken.write_text("kept")
     args = [str(taken) if arg == "{file}" else arg for arg in args]
     command = [sys.executable, "examples/sft.py", "--max_steps", "2", "--output_dir", str(tmp_path / "run"), *args]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = run_command(command, cwd=ROOT, timeout=600)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     one_line_error(done, message, prog="sft.py")
     assert taken.read_text() == "kept" and not (tmp_path / "run" / "model.safetensors").exists()

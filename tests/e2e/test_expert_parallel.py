@@ -11,7 +11,6 @@ model family and with uneven routing, is tests/distributed/test_expert_parallel.
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from tests.e2e.launch import (
     deepspeed_run,
     finetune,
     one_line_error,
+    run_command,
     step_losses,
 )
 
@@ -272,8 +272,7 @@ def test_lora_at_ep2_logs_the_dp2_losses_resumes_at_ep1_and_exports(moe_dp2, tmp
     assert_same_losses(resumed, reference, range(4, 7), "LoRA ep2 step 3 resumed at ep1")
     step = str(tmp_path / "run" / "step_6")
     for kind in ("--adapter", "--merge"):
-        export = subprocess.run([sys.executable, "-m", "mtk.cli.main", "export", step, str(tmp_path / kind[2:]), kind],
-                                capture_output=True, text=True, timeout=600)  # fmt: skip
+        export = run_command([sys.executable, "-m", "mtk.cli.main", "export", step, str(tmp_path / kind[2:]), kind])
         assert export.returncode == 0, export.stderr[-2000:]
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter").eval()
     assert any("experts.lora_A" in name for name, _ in adapted.named_parameters())

@@ -9,11 +9,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mtk.testing import assert_close_rel
-from tests.e2e.launch import ROOT, finetune
+from tests.e2e.launch import ROOT, finetune, run_command
 
 
 def mtk_export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["mtk", "export", *args], capture_output=True, text=True, timeout=600)
+    return run_command(["mtk", "export", *args], timeout=600)
 
 
 @pytest.fixture(scope="module")

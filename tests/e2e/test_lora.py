@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.e2e.conftest import Run
-from tests.e2e.launch import ROOT, accelerate_launch, assert_same_losses, one_line_error, step_losses
+from tests.e2e.launch import ROOT, accelerate_launch, assert_same_losses, one_line_error, run_command, step_losses
 
 LORA = ("--lora_r", "8", "--lora_targets", "all-linear", "--lora_alpha", "16")
 
@@ -133,9 +133,7 @@ def test_resume_at_another_layout(tmp_path, lora_tp2, chat_setup):
 
 
 def _mtk(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "mtk.cli.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
+    return run_command([sys.executable, "-m", "mtk.cli.main", *args], cwd=ROOT, timeout=600)
 
 
 def test_export_adapter_loads_with_peft(tmp_path, lora_tp2, chat_setup):

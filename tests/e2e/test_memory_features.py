@@ -89,7 +89,8 @@ def test_a_key_mtk_cannot_honour_or_accelerate_drops_is_one_line(tmp_path, key, 
     """A misspelt key never reaches the workers' environment: mtk reads the launcher's YAML for it. Every other
     refusal is a unit test of the key table (tests/unit/test_megatron_keys.py)."""
     config = _yaml(tmp_path, "tp2", **{key: True})
-    out = accelerate_launch("finetune.py", config, "--max_steps", "1", check=False)
+    # real: mtk finds the YAML on the command line of the `accelerate launch` its ranks descend from
+    out = accelerate_launch("finetune.py", config, "--max_steps", "1", check=False, real=True)
     one_line_error(out, message)
 
 

@@ -5,13 +5,12 @@ returns the batch's token mean, sequence parallelism pads inside), and at TP2xPP
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from mtk.testing import assert_close_rel
-from tests.e2e.launch import ROOT, accelerate_launch, free_port
+from tests.e2e.launch import ROOT, accelerate_launch, free_port, run_command
 
 SCRIPT = "tests/e2e/own_loop_script.py"
 
@@ -23,12 +22,10 @@ def _result(output: str) -> dict:
 @pytest.fixture(scope="module")
 def plain() -> dict[int, dict]:
     """accelerate's own runs: one process, and two processes (DDP on CPU) started by torchrun."""
-    one = subprocess.run([sys.executable, SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
-    two = subprocess.run(
+    one = run_command([sys.executable, SCRIPT], cwd=ROOT, timeout=300, check=True)
+    two = run_command(
         ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), SCRIPT],
         cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=300,
         env={**os.environ, "ACCELERATE_USE_CPU": "true"},
     )

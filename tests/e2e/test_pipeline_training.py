@@ -6,7 +6,6 @@ and the head on the last are one parameter). Every layout must log the single-pr
 """
 
 import json
-import subprocess
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from mtk.models import builtin_config
 from mtk.testing import assert_close_rel
-from tests.e2e.launch import accelerate_launch, assert_same_losses, one_line_error, step_losses
+from tests.e2e.launch import accelerate_launch, assert_same_losses, one_line_error, run_command, step_losses
 
 MODEL = ("--model", "tiny-qwen2")
 
@@ -82,9 +81,7 @@ def test_resume_single_process_checkpoint_with_pipeline(runs, tmp_path):
 def test_export_and_save_pretrained_of_a_pipeline_run(runs, tmp_path):
     root, _, _ = runs
     for name in ("tp2_pp2", "tp1"):
-        out = subprocess.run(
-            ["mtk", "export", str(root / name / "step_6"), str(tmp_path / name)], capture_output=True, text=True
-        )
+        out = run_command(["mtk", "export", str(root / name / "step_6"), str(tmp_path / name)])
         assert out.returncode == 0, out.stderr[-2000:]
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "tp2_pp2")
     single = AutoModelForCausalLM.from_pretrained(tmp_path / "tp1")
@@ -197,9 +194,7 @@ def test_interleaved_schedule_trains_resumes_and_reshards_like_one_process(four_
     )
     assert_same_losses(resumed, tp1, [4, 5, 6], "one-process checkpoint resumed interleaved")
     for name, checkpoint in (("il", step3), ("tp1", root / "tp1" / "step_3")):
-        out = subprocess.run(
-            ["mtk", "export", str(checkpoint), str(tmp_path / f"export-{name}")], capture_output=True, text=True
-        )
+        out = run_command(["mtk", "export", str(checkpoint), str(tmp_path / f"export-{name}")])
         assert out.returncode == 0, out.stderr[-2000:]
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -7,12 +7,11 @@ and ``mtk export`` of the TP=2 x PP=2 checkpoint reloads with ``from_pretrained`
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
-from tests.e2e.launch import ROOT, assert_same_losses, finetune
+from tests.e2e.launch import ROOT, assert_same_losses, finetune, run_command
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +42,9 @@ def test_gemma2_trains_exactly_at_every_layout(tmp_path, gemma2_dir):
         "tp2", tmp_path / "resumed", "--model", str(gemma2_dir), *ARGS, "--resume", str(tmp_path / "tp1" / "step_2")
     )
     assert_same_losses(resumed, reference, range(3, 5), "Gemma 2 TP=1 checkpoint resumed at TP=2")
-    out = subprocess.run(
+    out = run_command(
         [sys.executable, "-m", "mtk.cli.main", "export", str(tmp_path / "tp2_pp2" / "step_4"), str(tmp_path / "hf")],
         cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert out.returncode == 0 and "verified" in out.stdout, out.stderr[-2000:]

@@ -10,7 +10,6 @@ agree within the exactness bar; checkpoints resume exactly at the same layout an
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from safetensors.torch import load_file
 from mtk.checkpoint.integrity import read_verified
 from mtk.spawn import free_port
 from mtk.testing import assert_close_rel
-from tests.e2e.launch import ROOT, accelerate_launch
+from tests.e2e.launch import ROOT, accelerate_launch, run_command
 
 SCRIPT = "tests/e2e/trainer_script.py"
 LOGGED = ("loss", "grad_norm", "learning_rate", "eval_loss", "eval_accuracy")
@@ -37,7 +36,7 @@ def _hf_run(out_dir: Path, processes: int, *extra: str) -> list[dict]:
         command = ["torchrun", "--nproc_per_node", str(processes), "--master_port", str(free_port()), SCRIPT]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     args = ["--trainer", "hf", "--output_dir", str(out_dir), "--save_model", *extra]
-    done = subprocess.run([*command, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = run_command([*command, *args], cwd=ROOT, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return _history(out_dir)
 
@@ -110,9 +109,7 @@ def test_checkpoint_n_is_a_verified_mtk_checkpoint_with_the_trainer_state_inside
     assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 2
     assert "trainer_state.json" in meta.files  # listed and checksummed with the shards
     exported = tp2_run.parent / "exported_checkpoint_2"
-    done = subprocess.run(
-        ["mtk", "export", str(checkpoint), str(exported)], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    done = run_command(["mtk", "export", str(checkpoint), str(exported)], cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (exported / "config.json").is_file()
 
@@ -128,7 +125,7 @@ def test_resume_from_checkpoint_n_continues_exactly(reference, tp2_run, tmp_path
     if resume_at == "single process":
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         command = ["python", SCRIPT, "--trainer", "mtk", "--output_dir", str(out), "--resume", checkpoint]
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        done = run_command(command, cwd=ROOT, env=env, timeout=600)
         assert done.returncode == 0, done.stderr[-4000:]
         resumed = _history(out)
     else:
@@ -204,7 +201,7 @@ def test_a_refused_training_argument_is_one_line(tmp_path):
         f"args = TrainingArguments(output_dir={str(tmp_path / 'out')!r}, torch_compile=True, report_to=[])\n"
         "Trainer(model=model(), args=args)\n"
     )
-    done = subprocess.run(["python", str(script)], capture_output=True, text=True, timeout=300)
+    done = run_command(["python", str(script)], timeout=300)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("refused.py: error:")]
     expected = "TrainingArguments.torch_compile=True: mtk's parallel layers are not compiled yet; leave it off"

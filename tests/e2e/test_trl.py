@@ -12,7 +12,6 @@ its slices of it (``tests/e2e/trl_slices_probe.py`` records the reads).
 import json
 import math
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from safetensors import safe_open
 from mtk.spawn import free_port
 from mtk.testing import assert_close_rel
 from tests.e2e.conftest import ChatSetup, save_chat_model
-from tests.e2e.launch import ROOT, accelerate_launch
+from tests.e2e.launch import ROOT, accelerate_launch, run_command
 
 SCRIPT = "tests/e2e/trl_script.py"
 PROBE = "tests/e2e/trl_slices_probe.py"  # the same script, recording how each rank got its weights
@@ -43,7 +42,7 @@ def _trl_run(task: str, chat_setup, out_dir: Path, processes: int, *extra: str) 
         command = ["torchrun", "--nproc_per_node", str(processes), "--master_port", str(free_port()), SCRIPT]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     args = [task, "--trainer", "trl", *_inputs(chat_setup), "--output_dir", str(out_dir), *extra]
-    done = subprocess.run([*command, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = run_command([*command, *args], cwd=ROOT, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return _history(out_dir)
 

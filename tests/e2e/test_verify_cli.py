@@ -6,12 +6,13 @@ import subprocess
 import pytest
 
 from mtk.models import build_model
+from tests.e2e.launch import run_command
 
 
 def _mtk(*args: str) -> subprocess.CompletedProcess:
     exe = shutil.which("mtk")
     assert exe, "the mtk console script is installed by the README's install command"
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=600)
+    return run_command([exe, *args], timeout=600)
 
 
 @pytest.mark.parametrize("model,tp", [("tiny-llama", 2), ("tiny-bert", 2)])
