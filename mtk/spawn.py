@@ -31,6 +31,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from multiprocessing.context import ForkServerContext, SpawnContext
 from typing import Any
 
 import torch
@@ -62,10 +63,10 @@ def preload(*modules: str) -> None:
     _preload.extend(module for module in modules if module not in _preload)
 
 
-def fork_context():
+def fork_context() -> ForkServerContext:
     """The fork server's multiprocessing context: its processes fork from one that imported the preload once.
 
-    Only for processes that will not touch CUDA (gloo, CPU): the server itself never runs torch code."""
+    For gloo (CPU) workers; CUDA workers start as fresh interpreters (module docstring)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(_preload))  # used when the server starts, i.e. on the first call
     return ctx
@@ -107,7 +108,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _context(backend: str | None, fresh_interpreters: bool):
+def _context(backend: str | None, fresh_interpreters: bool) -> ForkServerContext | SpawnContext:
     """Fork-server processes for gloo (fast start), fresh interpreters otherwise (CUDA-safe)."""
     if backend == "gloo" and not fresh_interpreters and "forkserver" in mp.get_all_start_methods():
         return fork_context()
