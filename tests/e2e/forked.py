@@ -19,6 +19,9 @@ the ``accelerate launch`` command line of an ancestor process) are only there in
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
+import json
 import multiprocessing
 import os
 import runpy
@@ -26,10 +29,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, cast
 from unittest import mock
 
 import torch
@@ -63,35 +68,48 @@ def forks_wanted() -> bool:
     return os.environ.get("MTK_TEST_LAUNCH", "fork") != "subprocess"
 
 
-def _rank_main(script: str, argv: Sequence[str], cwd: str, environ: dict[str, str], out: str, err: str) -> None:
+def _rank_main(
+    script: str,
+    argv: Sequence[str],
+    cwd: str,
+    environ: dict[str, str],
+    sys_path: Sequence[str],
+    out: str,
+    err: str,
+    launched: bool,
+) -> None:
     """One process: its environment, output to files, ``script`` run as ``python script argv`` (``-m module`` for
-    ``python -m module argv``)."""
+    ``python -m module argv``); ``launched``: as a launcher starts a rank (``python -u``, a session of its own)."""
+    os.setsid()  # a process group of its own, as torchrun starts each rank: stopping it stops its children too
     for fd, path in ((1, out), (2, err)):
         handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(handle, fd)
         os.close(handle)
+    if launched:  # torchrun and DeepSpeed's launcher run `python -u`: a rank stopped by a signal keeps its output
+        for stream in (sys.stdout, sys.stderr):
+            cast(Any, stream).reconfigure(write_through=True)
     os.environ.clear()
     os.environ.update(environ)
-    multiprocessing.set_start_method(None, force=True)  # the platform's default, as in a fresh interpreter
+    _as_a_main_process()
     torch.set_num_threads(int(environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
     os.chdir(cwd)
     module = script.removeprefix("-m ") if script.startswith("-m ") else None
-    path = str(Path(cwd, script))
     sys.argv = [module or script, *argv]
-    sys.path.insert(0, cwd if module else str(Path(path).parent))
+    sys.path[:] = [cwd if module else str(Path(cwd, script).parent), *sys_path]  # as a fresh interpreter has it
     code: int | str | None = 0
     try:
         if module:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
-            runpy.run_path(path, run_name="__main__")
+            runpy.run_path(str(Path(cwd, script)), run_name="__main__")
     except SystemExit as stop:
         code = stop.code
     except BaseException:  # what python does with an uncaught exception (the script's own excepthook included)
         sys.excepthook(*sys.exc_info())
         code = 1
-    try:
-        atexit._run_exitfuncs()  # a real interpreter runs them at exit; multiprocessing's child does not
+    try:  # the interpreter's own exit: wait for non-daemon threads, then the atexit handlers
+        cast(Any, threading)._shutdown()
+        atexit._run_exitfuncs()
     finally:
         if code is not None and not isinstance(code, int):
             print(code, file=sys.stderr)
@@ -99,6 +117,27 @@ def _rank_main(script: str, argv: Sequence[str], cwd: str, environ: dict[str, st
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code or 0)
+
+
+def _as_a_main_process() -> None:
+    """What multiprocessing tells a fresh interpreter: the main process (no parent, named ``MainProcess``; some
+    libraries check it), children none yet, and the platform's default start method."""
+    process = cast(Any, multiprocessing.process)
+    this = process._current_process
+    this._name, this._identity, this._parent_pid, this._parent_name = "MainProcess", (), None, None
+    process._parent_process = None
+    process._children = set()
+    multiprocessing.set_start_method(None, force=True)
+
+
+@functools.cache
+def _interpreter_path(pythonpath: str) -> tuple[str, ...]:
+    """``sys.path`` of a fresh ``python`` with ``PYTHONPATH=pythonpath``, without its first entry (the script's
+    folder): the fork server's is the test process's, which holds the repository root (pytest put it there)."""
+    probe = "import json, sys; print(json.dumps(sys.path[1:]))"
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    found = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    return tuple(json.loads(found.stdout))
 
 
 def run_ranks(
@@ -162,14 +201,17 @@ def run_deepspeed(
     ranks = [({**base, "RANK": str(r), "LOCAL_RANK": str(r)}, [f"--local_rank={r}", *argv]) for r in range(nproc)]
     codes, stdout, stderr = _start_and_collect(script, ranks, cwd=cwd, command=command, timeout=timeout)
     failed = next((code for code in codes if code), 0)
-    return subprocess.CompletedProcess(list(command), failed if failed > 0 else int(failed != 0), stdout, stderr)
+    status = failed if failed > 0 else int(failed != 0)  # a rank killed by a signal (a negative code): 1
+    return subprocess.CompletedProcess(list(command), status, stdout, stderr)
 
 
 def run_python(
     script: str, argv: Sequence[str], environ: dict[str, str], *, cwd: Path, command: Sequence[str], timeout: float
 ) -> subprocess.CompletedProcess:
     """``python script argv`` (``script`` ``-m module`` for ``python -m module``): its own status and output."""
-    codes, stdout, stderr = _start_and_collect(script, [(environ, argv)], cwd=cwd, command=command, timeout=timeout)
+    codes, stdout, stderr = _start_and_collect(
+        script, [(environ, argv)], cwd=cwd, command=command, timeout=timeout, launched=False
+    )
     return subprocess.CompletedProcess(list(command), codes[0], stdout, stderr)
 
 
@@ -180,45 +222,63 @@ def _start_and_collect(
     cwd: Path,
     command: Sequence[str],
     timeout: float,
+    launched: bool = True,
 ) -> tuple[list[int], str, str]:
     """One process per (environment, arguments), forked from the fork server: exit codes, and the output of each,
-    process by process."""
+    process by process. A timeout raises :class:`subprocess.TimeoutExpired` with the output so far."""
     ctx = spawn.fork_context()
     with tempfile.TemporaryDirectory(prefix="mtk-ranks-") as logs:
         files = [(f"{logs}/{rank}.out", f"{logs}/{rank}.err") for rank in range(len(processes))]
-        procs = []
-        for (env, argv), (out, err) in zip(processes, files):
-            proc = ctx.Process(target=_rank_main, args=(script, tuple(argv), str(cwd), env, out, err))
-            proc.start()
-            procs.append(proc)
+
+        def output() -> tuple[str, str]:
+            return tuple("".join(Path(f[i]).read_text(errors="replace") for f in files if Path(f[i]).exists())
+                         for i in (0, 1))  # type: ignore[return-value]  # fmt: skip
+
+        procs: list = []
         try:
-            _wait(procs, time.monotonic() + timeout, command)
+            for (env, argv), (out, err) in zip(processes, files):
+                sys_path = _interpreter_path(env.get("PYTHONPATH", ""))
+                arguments = (script, tuple(argv), str(cwd), env, sys_path, out, err, launched)
+                procs.append(ctx.Process(target=_rank_main, args=arguments))
+                procs[-1].start()
+            if not _wait(procs, time.monotonic() + timeout):
+                raise subprocess.TimeoutExpired(list(command), timeout, *output())
         finally:
             for proc in procs:
                 if proc.is_alive():
-                    proc.kill()
+                    _signal(proc, signal.SIGKILL)
                 proc.join()
-        stdout = "".join(Path(out).read_text(errors="replace") for out, _ in files)
-        stderr = "".join(Path(err).read_text(errors="replace") for _, err in files)
+        stdout, stderr = output()
     return [proc.exitcode for proc in procs], stdout, stderr
 
 
-def _wait(procs: list, deadline: float, command: Sequence[str]) -> None:
-    """Until every rank exits; after the first failure, the rest get SIGTERM, then SIGKILL (torchrun's agent)."""
+def _wait(procs: list, deadline: float) -> bool:
+    """Until every rank exits (``True``) or ``deadline`` passes (``False``); after the first failure, the rest get
+    SIGTERM, then SIGKILL (torchrun's agent, which signals each rank's process group)."""
     stop_at = None
     while any(proc.is_alive() for proc in procs):
         if time.monotonic() > deadline:
-            raise subprocess.TimeoutExpired(list(command), deadline)
+            return False
         if stop_at is None and any(proc.exitcode not in (None, 0) for proc in procs):
             for proc in procs:
                 if proc.is_alive():
-                    os.kill(proc.pid, signal.SIGTERM)
+                    _signal(proc, signal.SIGTERM)
             stop_at = time.monotonic() + _STOP_GRACE_S
         if stop_at is not None and time.monotonic() > stop_at:
             for proc in procs:
                 if proc.is_alive():
-                    proc.kill()
+                    _signal(proc, signal.SIGKILL)
         time.sleep(0.02)
+    return True
+
+
+def _signal(proc, sig: int) -> None:
+    """``sig`` to the process's group (its children too), or to the process before it has made its group."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, sig)
 
 
 class _Launch:
@@ -231,6 +291,9 @@ class _Launch:
     def torchrun(self, args) -> None:  # torch.distributed.run.run(args), under accelerate's patched environment
         if str(args.nnodes) not in ("1", "1:1"):
             raise ValueError(f"forked launches run one node; got --nnodes {args.nnodes}: accelerate_launch(real=True)")
+        if args.module or args.no_python or int(args.max_restarts):
+            raise ValueError("forked launches run a script once: --module, --no_python and --max_restarts need "
+                             "accelerate_launch(real=True)")  # fmt: skip
         nproc = int(args.nproc_per_node)
         self.result = run_ranks(
             args.training_script,
@@ -246,7 +309,9 @@ class _Launch:
         from accelerate.commands.launch import prepare_simple_launcher_cmd_env
 
         cmd, environ = prepare_simple_launcher_cmd_env(args)
-        script, *argv = cmd[1:]
+        if Path(cmd[0]).name != Path(sys.executable).name:  # --no_python
+            raise ValueError(f"forked launches run python scripts; got {cmd[0]}: accelerate_launch(real=True)")
+        script, *argv = cmd[1:] if cmd[1] != "-m" else [f"-m {cmd[2]}", *cmd[3:]]
         plain = run_python(script, argv, environ, cwd=self.cwd, command=self.command, timeout=self.timeout)
         self.result = subprocess.CompletedProcess(plain.args, int(plain.returncode != 0), plain.stdout, plain.stderr)
 
@@ -273,6 +338,8 @@ def accelerate_in_forks(
             mock.patch.object(launcher, "simple_launcher", launch.simple),
         ):
             launcher.launch_command(args)
+    except subprocess.TimeoutExpired:  # as subprocess.run raises it
+        raise
     except SystemExit as stop:  # the launcher's own refusal (argparse)
         return subprocess.CompletedProcess(command, stop.code if isinstance(stop.code, int) else 1, "", "")
     except Exception:
