@@ -14,6 +14,10 @@ with SIGTERM, as torchrun's agent does, and the launch exits 1, as ``accelerate 
 agent (signal forwarding, its failure report) and the launcher's process tree (mtk reads the YAML named on
 the ``accelerate launch`` command line of an ancestor process) are only there in real launches:
 ``accelerate_launch(..., real=True)``, or ``MTK_TEST_LAUNCH=subprocess`` for every launch.
+
+What a fork cannot reproduce: output printed while the preloaded modules import (a real rank's stderr starts with
+it), and the interpreter's teardown (a forked process ends with ``os._exit`` after its threads and ``atexit``
+handlers). Run the suite with ``MTK_TEST_LAUNCH=subprocess`` now and then for those.
 """
 
 from __future__ import annotations
