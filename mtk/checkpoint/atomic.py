@@ -12,6 +12,7 @@ with a clear error instead of being deleted.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -34,6 +35,7 @@ __all__ = [
     "refuse_link",
     "remove_ours",
     "storage_reason",
+    "unlisted_files",
     "write_synced",
 ]
 
@@ -87,12 +89,33 @@ def storage_reason(err: BaseException) -> str | None:
 
 
 def check_replaceable(final: Path) -> None:
-    """``final`` may be replaced only if it is empty or a checkpoint (mtk's metadata.json is in it), not a link."""
+    """``final`` may be replaced only if it is empty or a checkpoint (mtk's metadata.json is in it) holding nothing
+    its metadata does not list (a user's notes put into it would go with it), and not a link."""
     refuse_link(final)
     if final.exists() and not (final.is_dir() and (not any(final.iterdir()) or (final / "metadata.json").is_file())):
         raise CheckpointError(
             f"{final} exists and is not an mtk checkpoint; mtk will not replace it, save to another directory"
         )
+    unlisted = unlisted_files(final) if final.is_dir() else []
+    if unlisted:
+        more = f" and {len(unlisted) - 1} more" if len(unlisted) > 1 else ""
+        raise CheckpointError(
+            f"{final} holds {unlisted[0]}{more}, which its checkpoint does not list; mtk removes only files it "
+            "wrote: move them out of it, or save to another directory"
+        )
+
+
+def unlisted_files(folder: Path) -> list[str]:
+    """Files under checkpoint ``folder`` that its metadata's file list leaves out, sorted; none for a checkpoint
+    that lists no files (format 1) or whose metadata cannot be read (those are read, and refused, elsewhere)."""
+    try:
+        listed = json.loads((folder / "metadata.json").read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not isinstance(listed, dict) or not listed:
+        return []
+    found = (path.relative_to(folder).as_posix() for path in folder.rglob("*") if not path.is_dir())
+    return sorted(name for name in found if name != "metadata.json" and name not in listed)
 
 
 def fsync_dir(path: Path) -> None:

@@ -138,8 +138,26 @@ def _check_shapes(config, cls, reader: ShardedCheckpointReader, checkpoint: str 
     """Every tensor of the checkpoint is one the recorded config's model has, of the same shape, before anything is
     written: the config and the weights are separate records of the metadata, and a pair that disagrees wrote an
     export that transformers then refused to load (a traceback, or a broken directory with --no_verify)."""
-    with torch.device("meta"):  # nothing allocated, whatever sizes the config claims
-        expected = {name: tuple(t.shape) for name, t in cls(config).state_dict().items()}
+    try:
+        with torch.device("meta"):  # nothing allocated, whatever sizes the config claims
+            model = cls(config)
+    except Exception as err:  # the class and the config are both records of the metadata: any mismatch
+        raise CheckpointError(
+            f"{checkpoint}'s recorded model class {cls.__name__} cannot be built from its recorded config "
+            f"({type(err).__name__}: {err}); it cannot be exported"
+        ) from None
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    held = set(reader.names())
+    aliases: dict[int, list[str]] = {}  # tied parameters: one tensor under several names, any of them saved
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(parameter), []).append(name)
+    missing = [names[0] for names in aliases.values() if not held.intersection(names)]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise CheckpointError(
+            f"{checkpoint} holds no {missing[0]}{more}, which its recorded {cls.__name__} config needs (config and "
+            "weights disagree); it cannot be exported"
+        )
     for name in reader.names():
         if name not in expected:
             raise CheckpointError(

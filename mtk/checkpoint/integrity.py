@@ -256,6 +256,11 @@ def _check_labelled_record(directory: str | Path, meta: CheckpointMeta) -> None:
     its metadata would otherwise switch the check it feeds off, as an emptied list would."""
     if meta.save is None:
         return
+    if not meta.save.startswith(f"step_{meta.step}-"):  # the label is drawn for the step the save writes
+        raise CheckpointError(
+            f"{directory}/metadata.json records step {meta.step}, but the save is labelled {meta.save!r}; the "
+            "metadata is crafted or damaged: use another checkpoint"
+        )
     needed = ["data.micro_batches", "counts.scheduler_positions"]
     if meta.engine is not None or any(name.startswith("optimizer/") for name in meta.files):  # (an engine's own too)
         needed += ["counts.optimizer_steps", "counts.fewest_optimizer_steps", "counts.learning_rates"]

@@ -79,6 +79,7 @@ def remove_checkpoints(output_dir: str | Path) -> list[str]:
     removed, folders = [], [folder for _, folder in complete_checkpoints(output_dir)]
     for folder in folders:  # all checked before any is removed
         refuse_link(folder, "--overwrite removes only the checkpoints mtk wrote here, never through a link")
+        check_replaceable(folder)
     for folder in folders:
         shutil.rmtree(folder)
         removed.append(folder.name)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -64,11 +65,15 @@ def save_weights(model: nn.Module, path: Path, piece: Piece | None = None, *, la
 
 
 def load_weights(model: nn.Module, path: Path) -> None:
+    """This rank's shard file at the layout it was saved at, each tensor as is. The file's own record of which part
+    of each tensor it holds (``mtk_specs``) must be this rank's: TP ranks' files of one tensor have the same shape,
+    so a file of another rank (swapped, copied over) would load without a word and train on the wrong rows."""
     tensors = read_safetensors(path)
     params = dict(checkpointed_parameters(model))
     missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
     if missing or unexpected:
         raise CheckpointError(f"{path} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    recorded = _recorded_specs(path)
     with torch.no_grad():
         for name, param in params.items():
             if tensors[name].shape != param.shape:
@@ -76,7 +81,43 @@ def load_weights(model: nn.Module, path: Path) -> None:
                     f"{path}: {name} has shape {tuple(tensors[name].shape)}, model has {tuple(param.shape)}"
                 )
             _check_dtype(f"{path}: {name}", tensors[name], param)
+            if recorded is not None:
+                _check_own_part(path, name, recorded.get(name), full_shape_and_spec(model, name))
             copy_into(param, tensors[name])
+
+
+def _recorded_specs(path: Path) -> dict[str, Any] | None:
+    """The ``mtk_specs`` a shard file's header records (``None``: a file without them, read as before)."""
+    try:
+        with safe_open(str(path), "pt") as handle:
+            text = (handle.metadata() or {}).get("mtk_specs")
+        specs = json.loads(text) if text is not None else None
+    except Exception as err:  # safetensors raises its own types; a header that is not JSON
+        raise CheckpointError(f"{path}: its header's tensor records cannot be read ({err})") from None
+    if specs is not None and not isinstance(specs, dict):
+        raise CheckpointError(f"{path}: its header's tensor records are not a table; the file is damaged")
+    return specs
+
+
+def _check_own_part(path: Path, name: str, record: Any, own: tuple) -> None:
+    """``record`` (the file's entry for ``name``) holds the part of the tensor this rank holds (``own``: its full
+    shape and spec)."""
+    shape, spec = own
+    wanted = {"full_shape": list(shape), "dim": spec.dim, "ranges": [list(r) for r in spec.ranges]}
+    held = {key: record.get(key) for key in wanted} if isinstance(record, dict) else None
+    if held != wanted:
+        raise CheckpointError(
+            f"{path}: {name} holds {_part(held)} of the tensor, this rank holds {_part(wanted)}: the file is another "
+            "rank's (swapped or copied over) or damaged; use the checkpoint as it was saved"
+        )
+
+
+def _part(record: dict[str, Any] | None) -> str:
+    if record is None:
+        return "an unrecorded part"
+    if record["dim"] is None:
+        return f"the whole {tuple(record['full_shape'] or ())}"
+    return f"ranges {record['ranges']} of dim {record['dim']} of {tuple(record['full_shape'] or ())}"
 
 
 def _check_dtype(what: str, stored: torch.Tensor, param: torch.Tensor) -> None:

@@ -275,6 +275,24 @@ def test_save_never_removes_what_mtk_did_not_create(tmp_path, trained):
     assert (folder / "table.csv").read_text() == "1,2"
 
 
+def test_a_users_file_inside_a_checkpoint_stops_its_replacement_and_overwrite(tmp_path, trained):
+    """A rewind that saves step_N again, and --overwrite, would take the user's notes put into a checkpoint with it:
+    a file the metadata does not list stops both, in one line, and nothing is removed."""
+    from mtk.checkpoint.resume import remove_checkpoints
+
+    parallel, model, optimizer = trained
+    saved = save_checkpoint(tmp_path / "step_2", parallel, model, [optimizer], [], step=2)
+    (saved / "model" / "NOTES.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"step_2 holds model/NOTES.txt, which its checkpoint does not list"):
+        save_checkpoint(tmp_path / "step_2", parallel, model, [optimizer], [], step=2)
+    with pytest.raises(CheckpointError, match=r"mtk removes only files it wrote: move them out of it"):
+        remove_checkpoints(tmp_path)
+    assert (saved / "model" / "NOTES.txt").read_text() == "mine" and (saved / "metadata.json").is_file()
+    (saved / "model" / "NOTES.txt").unlink()
+    save_checkpoint(tmp_path / "step_2", parallel, model, [optimizer], [], step=2)  # its own files only: replaced
+    assert remove_checkpoints(tmp_path) == ["step_2"]
+
+
 def test_a_leftover_of_an_interrupted_save_is_cleaned_at_the_next_save(tmp_path, trained):
     parallel, model, optimizer = trained
     for name in ("step_4.incomplete", "step_9.incomplete", "step_2.old"):  # this save's, a later one's (crash,
@@ -406,8 +424,12 @@ def test_a_link_in_a_checkpoint_of_the_first_format_is_refused_too(saved, traine
         ({"vocab_size": 10**12}, r"holds model.embed_tokens.weight of shape \(\d+, 64\), its recorded config"),
         ({"num_hidden_layers": 1}, "holds model.layers.1.*which its recorded LlamaForCausalLM config has no place"),
         ({"model_type": "no-such-model"}, "recorded model config cannot be built"),
+        (
+            {"num_hidden_layers": 3},
+            "holds no model.layers.2.*and 8 more, which its recorded LlamaForCausalLM config needs",
+        ),
     ],
-    ids=["vocab", "layers", "model-type"],
+    ids=["vocab", "layers", "model-type", "more-layers"],
 )
 def test_an_export_whose_config_and_weights_disagree_is_one_line_before_writing(
     saved, tmp_path, capsys, config, message
@@ -424,12 +446,29 @@ def test_an_export_whose_config_and_weights_disagree_is_one_line_before_writing(
     assert code == 2 and re.search(message, said), said
 
 
+def test_an_export_whose_recorded_class_cannot_take_its_config_is_one_line(saved, tmp_path, capsys):
+    """The class is a third record: Qwen2's class on a Llama config raised transformers' AttributeError."""
+    _rewrite_metadata(saved, lambda meta: meta["model"].update({"class": "Qwen2ForCausalLM"}))
+    message = "recorded model class Qwen2ForCausalLM cannot be built from its recorded config"
+    with pytest.raises(CheckpointError, match=message):
+        export_checkpoint(saved, tmp_path / "out", progress=False)
+    code, _, said = _verify_cli(saved, capsys)
+    assert code == 2 and message in said, said
+
+
 def test_verify_checkpoint_refuses_a_step_folder_whose_metadata_records_another_step(saved, capsys):
     """Resume refuses a ``step_N`` recording another step (``--resume auto`` would take it for the newest);
-    verify-checkpoint called it ok."""
-    _rewrite_metadata(saved, lambda meta: meta.update(step=10**15))
+    verify-checkpoint called it ok. A step edited in the metadata disagrees with the save's label (a resume from it
+    trained one step and logged it as the next)."""
+    import shutil
+
+    renamed = saved.parent / "step_5"
+    shutil.copytree(saved, renamed)
+    code, _, said = _verify_cli(renamed, capsys)
+    assert code == 2 and "records step 2, not 5: a copy or a renamed checkpoint" in said, said
+    _rewrite_metadata(saved, lambda meta: meta.update(step=3))
     code, _, said = _verify_cli(saved, capsys)
-    assert code == 2 and f"records step {10**15}, not 2: a copy or a renamed checkpoint" in said, said
+    assert code == 2 and "records step 3, but the save is labelled 'step_2-" in said, said
 
 
 def test_a_deepspeed_checkpoint_resumed_without_deepspeed_is_one_line_naming_the_engine(saved, trained):
