@@ -22,9 +22,8 @@ _MARKERS = {"unit": "unit", "distributed": "distributed", "e2e": "e2e", "conform
 # Seconds per file on 2 cores with the suite's other worker beside it (`pytest -n 2 --durations=0 tests`, summed
 # per file); only the order matters, so a stale figure costs balance, never a result.
 FILE_SECONDS = {
-    "tests/distributed/test_bench.py": 619,
-    "tests/distributed/test_plan_check.py": 201,
     "tests/e2e/test_deepspeed.py": 171,
+    "tests/distributed/test_bench.py": 150,
     "tests/e2e/test_signals.py": 96,
     "tests/e2e/test_faults.py": 90,
     "tests/e2e/test_examples.py": 90,
@@ -32,6 +31,7 @@ FILE_SECONDS = {
     "tests/e2e/test_trl.py": 58,
     "tests/e2e/test_expert_parallel.py": 48,
     "tests/e2e/test_verify_cli.py": 41,
+    "tests/distributed/test_plan_check.py": 40,
     "tests/e2e/test_memory_features.py": 39,
     "tests/e2e/test_chat_data.py": 39,
     "tests/distributed/test_expert_parallel.py": 39,

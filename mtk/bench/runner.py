@@ -180,9 +180,14 @@ def run_bench(
     rounds: int,
     progress: Callable[[str], None] = print,
     timeout: float = 600,
+    fork_workers: bool = False,
 ) -> tuple[list[ContenderSummary], list[float]]:
     """Run ``contenders`` for ``rounds`` interleaved rounds; returns their summaries and the busy
-    share of the machine sampled before each launch."""
+    share of the machine sampled before each launch.
+
+    Each launch's workers start as fresh interpreters, so that a rank's peak RSS (the memory column on CPU) is its
+    own; ``fork_workers`` forks them (gloo, CPU) from a server that imported torch once: seconds faster per launch,
+    the RSS then counting pages shared with the server (live bytes, ``track_memory``, are unaffected)."""
     summaries = {
         name: ContenderSummary(name, CONTENDERS[name][1](spec), CONTENDERS[name][2](spec)) for name in contenders
     }
@@ -208,7 +213,7 @@ def run_bench(
                         world_size=summary.processes,
                         args=(replace(spec, threads=summary.threads),),
                         timeout=timeout,
-                        backend=None,  # torch's per-device default: gloo on CPU, NCCL on CUDA
+                        backend="gloo" if fork_workers else None,  # None: gloo on CPU, NCCL on CUDA
                     )
                 except DistributedTestError as err:
                     summary.error = _last_line(str(err))

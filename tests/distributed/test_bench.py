@@ -1,4 +1,7 @@
-"""``mtk bench`` end to end on a tiny model: mtk's measured collectives equal the prediction."""
+"""``mtk bench`` end to end on a tiny model: mtk's measured collectives equal the prediction.
+
+The runs fork their workers (``--fork_workers``: start-up is most of their cost), except the one that measures each
+rank's memory, which starts them as fresh interpreters as ``mtk bench`` does by default."""
 
 import json
 
@@ -7,11 +10,13 @@ import pytest
 from mtk.cli.main import main
 from mtk.models import builtin_config
 
+BENCH = ["bench", "--fork_workers"]  # (module docstring)
+
 
 def _bench(tmp_path, capsys, *argv: str) -> tuple[dict, str]:
     """``mtk bench ARGV --json``: its report and what it printed (one line if it did not exit 0)."""
     out = tmp_path / "bench.json"
-    code = main(["bench", *argv, "--json", str(out)])
+    code = main([*BENCH, *argv, "--json", str(out)])
     text = capsys.readouterr().out
     assert code == 0, text
     return json.loads(out.read_text()), text
@@ -22,7 +27,7 @@ def test_bench_counts_exactly_the_predicted_collectives(tmp_path, capsys, model)
     """One all-reduce per Column->Row pair each way (q/k/v and gate/up share one), one each for the embedding and
     the loss; Qwen3-MoE's plan: the same for attention, and its MoE block's experts take their input once."""
     out = tmp_path / "bench.json"
-    code = main(["bench", "--model", model, "--tp", "2", "--batch", "2", "--seq", "16", "--steps", "2",
+    code = main([*BENCH, "--model", model, "--tp", "2", "--batch", "2", "--seq", "16", "--steps", "2",
                  "--json", str(out)])  # fmt: skip
     text = capsys.readouterr().out
     assert code == 0, text
@@ -37,7 +42,7 @@ def test_bench_counts_exactly_the_predicted_collectives(tmp_path, capsys, model)
 
 def test_bench_pipeline_layout(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    code = main(["bench", "--model", "tiny-llama", "--tp", "1", "--pp", "2", "--batch", "4", "--seq", "16",
+    code = main([*BENCH, "--model", "tiny-llama", "--tp", "1", "--pp", "2", "--batch", "4", "--seq", "16",
                  "--steps", "1", "--json", str(out)])  # fmt: skip
     assert code == 0, capsys.readouterr().out
     report = json.loads(out.read_text())
@@ -59,7 +64,7 @@ def test_bench_interleaved_pipeline(tmp_path, capsys, sequence_parallel):
     model = tmp_path / "four-layer-llama.json"
     model.write_text(config.to_json_string())
     out = tmp_path / "bench.json"
-    code = main(["bench", "--model", str(model), "--tp", "2", "--pp", "2", "--batch", "4", "--seq", "16",
+    code = main([*BENCH, "--model", str(model), "--tp", "2", "--pp", "2", "--batch", "4", "--seq", "16",
                  "--steps", "1", "--pipeline_schedule", "interleaved", "--virtual_stages", "2",
                  *(["--sequence_parallel"] if sequence_parallel else []), "--json", str(out)])  # fmt: skip
     assert code == 0, capsys.readouterr().out
@@ -76,7 +81,7 @@ def test_bench_sequence_parallel_with_recompute(tmp_path, capsys):
     """By kind: per block an all-gather and a reduce-scatter replace the all-reduce; recompute reruns the
     forward collectives backward needs (GPT-2: a residual dropout after the MLP makes it rerun both)."""
     out = tmp_path / "bench.json"
-    code = main(["bench", "--model", "tiny-gpt2", "--tp", "2", "--batch", "2", "--seq", "16", "--steps", "1",
+    code = main([*BENCH, "--model", "tiny-gpt2", "--tp", "2", "--batch", "2", "--seq", "16", "--steps", "1",
                  "--sequence_parallel", "--recompute", "selective", "--json", str(out)])  # fmt: skip
     assert code == 0, capsys.readouterr().out
     report = json.loads(out.read_text())
@@ -89,7 +94,7 @@ def test_bench_sequence_parallel_with_recompute(tmp_path, capsys):
 def test_bench_data_parallel_with_the_distributed_optimizer(tmp_path, capsys):
     """TP=2 x DP=2: one coalesced gradient all-reduce over DP, then the optimizer's all-gather rounds."""
     out = tmp_path / "bench.json"
-    code = main(["bench", "--model", "tiny-llama", "--tp", "2", "--dp", "2", "--distributed_optimizer",
+    code = main([*BENCH, "--model", "tiny-llama", "--tp", "2", "--dp", "2", "--distributed_optimizer",
                  "--batch", "2", "--seq", "16", "--steps", "1", "--json", str(out)])  # fmt: skip
     assert code == 0, capsys.readouterr().out
     report = json.loads(out.read_text())
@@ -106,7 +111,7 @@ def test_bench_fsdp2_counts_its_gathers_and_reduce_scatters_and_holds_the_planne
     root, a reduce-scatter, as predicted from the padded unit shapes; the model state each rank holds is the
     planner's fsdp2 row to the byte."""
     out = tmp_path / "bench.json"
-    code = main(["bench", "--model", "tiny-llama", "--tp", "2", "--dp", "2", "--fsdp", "--batch", "2", "--seq",
+    code = main([*BENCH, "--model", "tiny-llama", "--tp", "2", "--dp", "2", "--fsdp", "--batch", "2", "--seq",
                  "16", "--steps", "1", "--memory", "--json", str(out)])  # fmt: skip
     text = capsys.readouterr().out
     assert code == 0, text
@@ -131,7 +136,7 @@ def test_bench_memory_against_the_plan(tmp_path, capsys):
 
 def test_bench_tp1_compares_mtk_accelerator_with_plain_accelerate(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    code = main(["bench", "--model", "tiny-llama", "--tp", "1", "--compare", "--batch", "2", "--seq", "16",
+    code = main([*BENCH, "--model", "tiny-llama", "--tp", "1", "--compare", "--batch", "2", "--seq", "16",
                  "--steps", "1", "--rounds", "1", "--json", str(out)])  # fmt: skip
     text = capsys.readouterr().out
     assert code == 0, text
@@ -145,7 +150,7 @@ def test_bench_tp1_compares_mtk_accelerator_with_plain_accelerate(tmp_path, caps
 
 def test_bench_data_parallel_against_deepspeed_zero(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    code = main(["bench", "--model", "tiny-llama", "--tp", "1", "--dp", "2", "--compare", "--batch", "2", "--seq",
+    code = main([*BENCH, "--model", "tiny-llama", "--tp", "1", "--dp", "2", "--compare", "--batch", "2", "--seq",
                  "16", "--steps", "1", "--rounds", "1", "--json", str(out)])  # fmt: skip
     text = capsys.readouterr().out
     assert code == 0, text
@@ -161,7 +166,7 @@ def test_bench_pipeline_with_an_uneven_split(tmp_path, capsys):
     """--pipeline_layers 3,1 (the last stage also runs the head and the loss): the counted collectives of
     stage 0 still equal the prediction for its three layers."""
     out = tmp_path / "bench.json"
-    code = main(["bench", "--model", "bench-llama", "--tp", "2", "--pp", "2", "--pipeline_layers", "3,1", "--batch",
+    code = main([*BENCH, "--model", "bench-llama", "--tp", "2", "--pp", "2", "--pipeline_layers", "3,1", "--batch",
                  "2", "--micro_batches", "2", "--seq", "16", "--steps", "1", "--json", str(out)])  # fmt: skip
     assert code == 0, capsys.readouterr().out
     report = json.loads(out.read_text())
@@ -180,7 +185,7 @@ def test_bench_pipeline_against_torch_pipelining(tmp_path, capsys, schedule):
     model.write_text(config.to_json_string())
     chunks = ["--pipeline_schedule", "interleaved", "--virtual_stages", "2"] if schedule == "interleaved" else []
     out = tmp_path / "bench.json"
-    code = main(["bench", "--model", str(model), "--tp", "1", "--pp", "2", "--compare", "--batch", "4", "--seq",
+    code = main([*BENCH, "--model", str(model), "--tp", "1", "--pp", "2", "--compare", "--batch", "4", "--seq",
                  "16", "--steps", "1", "--rounds", "1", *chunks, "--json", str(out)])  # fmt: skip
     text = capsys.readouterr().out
     assert code == 0, text
@@ -202,7 +207,7 @@ def test_bench_pipeline_against_torch_pipelining(tmp_path, capsys, schedule):
 def test_bench_context_parallel_counts_exactly_the_predicted_collectives(tmp_path, capsys, layout):
     out = tmp_path / "bench.json"
     model = [] if "--model" in layout else ["--model", "tiny-llama"]
-    code = main(["bench", *model, *layout, "--batch", "2", "--seq", "32", "--steps", "1",
+    code = main([*BENCH, *model, *layout, "--batch", "2", "--seq", "32", "--steps", "1",
                  "--json", str(out)])  # fmt: skip
     text = capsys.readouterr().out
     assert code == 0, text

@@ -19,7 +19,7 @@ EXPERT_TENSORS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 @pytest.mark.parametrize("name", list(CHECKED_LAYOUTS))
 def test_plan_matches_the_measured_run(name):
     spec = BenchSpec(steps=1, track_memory=True, **CHECKED_LAYOUTS[name])
-    (summary,), _ = run_bench(spec, ["mtk"], 1, progress=lambda line: None, timeout=600)
+    (summary,), _ = run_bench(spec, ["mtk"], 1, progress=lambda line: None, timeout=600, fork_workers=True)
     assert summary.error is None, summary.error
     checks = check_ranks(spec, summary, "cpu")
     assert len(checks) == spec.tp_size * spec.cp_size * spec.pp_size * spec.dp_size

@@ -233,6 +233,13 @@ def test_cli_options(checkpoint, tmp_path, capsys):
     assert (tmp_path / "a_file").read_text() == "mine" and (theirs / "keep.txt").read_text() == "mine"
 
 
+def test_bench_fork_workers_beside_an_accelerator_is_one_line(monkeypatch, capsys):
+    """--fork_workers forks CPU (gloo) workers; where an accelerator is there, the run would not be what it says."""
+    monkeypatch.setattr("torch.accelerator.is_available", lambda: True)
+    assert mtk_main(["bench", "--fork_workers"]) == 2
+    _one_line(capsys.readouterr().err, "mtk bench", "--fork_workers starts CPU workers (gloo); this machine has an")
+
+
 def test_export_into_a_read_only_folder_is_one_line(checkpoint, tmp_path, capsys):
     locked = tmp_path / "locked"
     locked.mkdir()
