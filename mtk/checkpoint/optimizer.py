@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -25,6 +26,8 @@ from mtk.parallel.fsdp import shard_like
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.pieces import Piece, flat_piece
 from mtk.parallel.sharding import take_shard
+
+OWN_FILE = "mtk_file"  # header and JSON key: the stem a rank's optimizer file was written as
 
 __all__ = [
     "check_listed_parameters",
@@ -81,6 +84,8 @@ def save_optimizer(
             elif (held := flat_piece(value, piece)) is not None:
                 tensors[f"{names[index]}::{key}"] = held[0].cpu()  # [stop - start]
     marks = {KEY: label} if label else {}
+    if piece is None:  # one file per TP x PP rank, whose tensors' shapes are every TP rank's: it names its own place
+        marks[OWN_FILE] = stem.name
     save_file(tensors, str(stem.with_suffix(".safetensors")), metadata=marks or None)
     if piece is None or piece.index == 0:
         param_groups = [
@@ -99,6 +104,8 @@ def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Pa
     names = _param_names(model, optimizer)
     tensors = read_safetensors(stem.with_suffix(".safetensors"))
     meta = jsonio.loads(stem.with_suffix(".json").read_text())
+    _check_own_file(stem.with_suffix(".safetensors"), _header(stem.with_suffix(".safetensors")).get(OWN_FILE), stem)
+    _check_own_file(stem.with_suffix(".json"), meta.get(OWN_FILE) if isinstance(meta, dict) else None, stem)
     index = {name: i for i, name in enumerate(names)}
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
@@ -115,6 +122,24 @@ def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Pa
     _check_grouping(stem, meta["param_groups"], optimizer, names)
     groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
     _load_as_params_are_split(optimizer, names, state, groups)
+
+
+def _header(path: Path) -> dict[str, str]:
+    try:
+        with safe_open(str(path), "pt") as handle:
+            return handle.metadata() or {}
+    except Exception as err:  # safetensors raises its own types
+        raise CheckpointError(f"{path} is not a readable safetensors file ({err})") from None
+
+
+def _check_own_file(path: Path, named: Any, stem: Path) -> None:
+    """A rank's optimizer file names the place it was written for (files of every TP rank hold tensors of the same
+    shapes: swapped or copied over, they loaded another rank's moments without a word); older files name none."""
+    if named is not None and named != stem.name:
+        raise CheckpointError(
+            f"{path} was written as {named!r}, not {stem.name!r}: another rank's file (swapped or copied over) or "
+            "damaged; use the checkpoint as it was saved"
+        )
 
 
 def _check_grouping(stem: Path, saved: list[dict], optimizer: torch.optim.Optimizer, names: list[str]) -> None:

@@ -62,26 +62,31 @@ def test_every_rank_refuses_a_shard_only_one_rank_reads(tmp_path):
     assert "model/tp01-pp00.safetensors does not match its recorded xxh3_128" in errors[0]
 
 
-def _save_swap_load(rank: int, world_size: int, directory: str) -> str:
-    parallel, model, optimizer, path = _saved(world_size, directory)
-    if rank == 0:  # the two TP ranks' weight files swapped, their checksums rewritten to match
-        first, second = (path / "model" / f"tp{t:02d}-pp00.safetensors" for t in range(2))
+def _save_swap_load(rank: int, world_size: int, directory: str, folder: str = "model") -> str:
+    parallel, model, optimizer, path = _saved(world_size, directory, stepped=True)
+    if rank == 0:  # the two TP ranks' weight (or optimizer) files swapped, their checksums rewritten to match
+        first, second = (path / folder / f"tp{t:02d}-pp00.safetensors" for t in range(2))
         held = first.read_bytes()
         first.write_bytes(second.read_bytes())
         second.write_bytes(held)
         for shard in (first, second):
-            _rehash(path, f"model/{shard.name}")
+            _rehash(path, f"{folder}/{shard.name}")
     return _load_or_refusal(directory, parallel, model, optimizer)
 
 
 def test_a_tp_ranks_weights_file_swapped_with_anothers_is_refused(tmp_path):
     """Files of one tensor's TP shards have the same shape: swapped (or one copied over the other) they loaded
-    without a word and trained on the wrong rows (5.5645 at step 3 where 5.3378 is right). Each file records the
-    part it holds (``mtk_specs``), which must be the reading rank's."""
+    without a word and trained on the wrong rows (5.5645 at step 3 where 5.3378 is right). Each weights file records
+    the part it holds (``mtk_specs``), which must be the reading rank's; each optimizer file the place it was written
+    for."""
     errors = run_distributed(_save_swap_load, world_size=2, args=(str(tmp_path / "step_1"),))
     for rank, (held, own) in enumerate((("[[130, 259]]", "[[0, 130]]"), ("[[0, 130]]", "[[130, 259]]"))):
         assert f"tp{rank:02d}-pp00.safetensors: model.embed_tokens.weight holds ranges {held}" in errors[rank], errors
         assert f"this rank holds ranges {own} of dim 0 of (259, 64): the file is another rank's" in errors[rank]
+    errors = run_distributed(_save_swap_load, world_size=2, args=(str(tmp_path / "optimizer" / "step_1"), "optimizer"))
+    for rank in range(2):  # their moments alike: step 4 5.227782 for 5.197235, nothing said
+        written, own = f"tp{1 - rank:02d}-pp00", f"tp{rank:02d}-pp00"
+        assert f"optimizer/{own}.safetensors was written as {written!r}, not {own!r}" in errors[rank], errors
 
 
 def _replicas_differ(rank: int, world_size: int, directory: str, damage: str) -> str:
