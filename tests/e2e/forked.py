@@ -234,9 +234,11 @@ def _start_and_collect(
     with tempfile.TemporaryDirectory(prefix="mtk-ranks-") as logs:
         files = [(f"{logs}/{rank}.out", f"{logs}/{rank}.err") for rank in range(len(processes))]
 
+        def read(paths: list[str]) -> str:  # every process's, in order (one may not have started)
+            return "".join(Path(p).read_text(errors="replace") for p in paths if Path(p).exists())
+
         def output() -> tuple[str, str]:
-            return tuple("".join(Path(f[i]).read_text(errors="replace") for f in files if Path(f[i]).exists())
-                         for i in (0, 1))  # type: ignore[return-value]  # fmt: skip
+            return read([out for out, _ in files]), read([err for _, err in files])
 
         procs: list = []
         try:
