@@ -19,9 +19,9 @@ from mtk import jsonio
 from mtk.checkpoint.labels import KEY
 from mtk.checkpoint.optimizer_checks import check_loadable, report_changed_settings
 from mtk.checkpoint.paths import CheckpointPaths, reading
-from mtk.checkpoint.weights import own_rows, read_safetensors, source_name
+from mtk.checkpoint.weights import own_part, own_rows, read_safetensors, source_name
 from mtk.errors import CheckpointError
-from mtk.parallel.expert_parallel import experts_piece, spread_placement
+from mtk.parallel.expert_parallel import experts_piece, spread_layout, whole_piece
 from mtk.parallel.fsdp import shard_like
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.pieces import Piece, flat_piece
@@ -69,7 +69,7 @@ def save_optimizer(
     tensors: dict[str, torch.Tensor] = {}
     other: dict[str, dict[str, Any]] = {}
     for index, param_state in state_dict["state"].items():
-        placement = spread_placement(model, names[index]) if piece is not None else None
+        layout = spread_layout(model, names[index]) if piece is not None else None
         for key, value in param_state.items():
             if not torch.is_tensor(value):
                 other.setdefault(names[index], {})[key] = value
@@ -78,9 +78,11 @@ def save_optimizer(
             elif value.dim() == 0:  # a scalar (Adam's step): piece 0 keeps it as it is
                 if piece.index == 0:
                     tensors[f"{names[index]}::{key}"] = value.detach().cpu()
-            elif placement is not None:  # a moment of this EP rank's experts: placed by the weights file's range
+            elif layout is not None:  # a moment of this EP rank's experts: placed by the weights file's range
                 if piece.experts:  # (another rank holding the same experts saves them otherwise)
-                    tensors[f"{names[index]}::{key}"] = experts_piece(value, placement)[0].contiguous().cpu()
+                    run = experts_piece(value, layout) or whole_piece(value, layout)  # (whole: collective over EP)
+                    if run is not None:
+                        tensors[f"{names[index]}::{key}"] = run[0].contiguous().cpu()
             elif (held := flat_piece(value, piece)) is not None:
                 tensors[f"{names[index]}::{key}"] = held[0].cpu()  # [stop - start]
     marks = {KEY: label} if label else {}
@@ -199,14 +201,16 @@ def reshard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, reader
     for i, name in enumerate(names):
         source = source_name(model, name, fields)
         rows = own_rows(model, name)  # this EP rank's experts' moments, read alone
+        layout = spread_layout(model, name)
         for field in fields.get(source, ()):
             full = reader.full_optimizer_state(f"{source}::{field}", rows=rows)
             if full.dim() == 0:
                 value = full
             else:
+                full = own_part(model, name, full, rows)
                 shape, spec = full_shape_and_spec(model, name)
-                if rows is not None:
-                    shape = (rows[1] - rows[0], *shape[1:])
+                if layout is not None:
+                    shape = layout.own_shape(tuple(shape))
                 # contiguous, as the parameter is: a fused optimizer reads its state by memory, not by index
                 value = take_shard(spec, shape, full.__getitem__).contiguous()
             state.setdefault(i, {})[field] = value

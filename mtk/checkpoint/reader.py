@@ -246,6 +246,8 @@ class ShardedCheckpointReader:
                 if spec.is_replicated and (not of_optimizer or self._holds(shard, key)):
                     stages.setdefault(self.ranks[shard][1], []).append(shard)
             for held in stages.values():
+                if len(held) < 2:  # one TP rank's file (TP 1): nothing to compare, nothing to read
+                    continue
                 first = self._shard(held[0], key, name, optimizer=of_optimizer)
                 for shard in held[1:]:
                     if not torch.equal(self._shard(shard, key, name, optimizer=of_optimizer), first):

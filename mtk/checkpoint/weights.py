@@ -18,7 +18,7 @@ from torch import nn
 from mtk.checkpoint.base_model import checkpointed_parameters
 from mtk.checkpoint.labels import KEY
 from mtk.errors import CheckpointError
-from mtk.parallel.expert_parallel import experts_piece, spread_placement
+from mtk.parallel.expert_parallel import experts_piece, spread_layout, whole_piece
 from mtk.parallel.fsdp import copy_into
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.parameters import param_info
@@ -45,13 +45,16 @@ def save_weights(model: nn.Module, path: Path, piece: Piece | None = None, *, la
         }
         if param_info(param).pipeline_duplicate:  # last stage's copy of a tied embedding
             record["tied_to"] = param_info(param).tied_to
-        placement = spread_placement(model, name)
+        layout = spread_layout(model, name)
         if piece is None:
             tensors[name] = param.detach().contiguous().cpu()
-        elif placement is not None:  # this EP rank's experts: its run of the tensor of every expert
+        elif layout is not None:  # this EP rank's experts: its run of the tensor of every expert
             if not piece.experts:  # another rank holding the same experts saves them
                 continue
-            values, flat, whole = experts_piece(param, placement)
+            run = experts_piece(param, layout) or whole_piece(param, layout)  # (whole: collective over EP)
+            if run is None:  # EP rank 0 writes a tensor whose experts are no run (a LoRA factor) whole
+                continue
+            values, flat, whole = run
             tensors[name] = values.contiguous().cpu()  # [stop - start]
             record.update(flat=list(flat), shard_shape=list(whole))
         else:
@@ -150,9 +153,17 @@ def source_name(model: nn.Module, name: str, available) -> str:
 
 
 def own_rows(model: nn.Module, name: str) -> tuple[int, int] | None:
-    """The experts ``[start, stop)`` parameter ``name`` holds where EP spread it (``None``: the whole tensor)."""
-    placement = spread_placement(model, name)
-    return None if placement is None else (placement.first, placement.first + placement.local)
+    """The rows ``[start, stop)`` of the whole tensor that hold parameter ``name``'s experts where EP spread it, to
+    read those alone (``None``: read the whole tensor, then :func:`own_part` keeps this rank's experts)."""
+    layout = spread_layout(model, name)
+    return None if layout is None else layout.own_rows()
+
+
+def own_part(model: nn.Module, name: str, whole: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
+    """This rank's experts of ``whole`` (read as ``rows``, or whole where :func:`own_rows` gave none) for parameter
+    ``name``; ``whole`` itself where EP did not spread it or the rows were read alone."""
+    layout = spread_layout(model, name)
+    return layout.own(whole) if layout is not None and rows is None else whole
 
 
 def reshard_weights(model: nn.Module, reader) -> None:
@@ -162,12 +173,13 @@ def reshard_weights(model: nn.Module, reader) -> None:
             shape, spec = full_shape_and_spec(model, name)
             rows = own_rows(model, name)
             source = source_name(model, name, available)
-            if rows is not None:  # this EP rank's experts, read alone: [E, ...] -> [E/ep, ...], then its TP shard
+            layout = spread_layout(model, name)
+            if layout is not None:  # this EP rank's experts: [E, ...] -> [E/ep, ...], then its TP shard
                 whole = reader.full_shapes.get(source)
                 if whole is not None and tuple(whole) != tuple(shape):
                     raise CheckpointError(f"{name}: checkpoint has shape {tuple(whole)}, this model {tuple(shape)}")
-                shape = (rows[1] - rows[0], *shape[1:])
-            full = reader.full(source, rows=rows)
+                shape = layout.own_shape(tuple(shape))
+            full = own_part(model, name, reader.full(source, rows=rows), rows)
             if tuple(full.shape) != tuple(shape):
                 raise CheckpointError(f"{name}: checkpoint has shape {tuple(full.shape)}, this model {tuple(shape)}")
             _check_dtype(f"{reader.directory}: {name}", full, param)

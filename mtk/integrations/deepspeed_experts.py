@@ -79,7 +79,7 @@ def prepare_experts_for_deepspeed(model: nn.Module, parallel: ParallelState) -> 
     spread = [p for p in model.parameters() if is_expert_parallel(p)]
     if parallel.ep_size == 1 or not spread:
         return None
-    if not any(p.requires_grad for p in spread):  # DeepSpeed's MoE path needs a param group of them to train
+    if any(not p.requires_grad for p in spread):  # DeepSpeed's MoE path needs a param group of them to train
         raise ConfigError(
             f"expert parallelism (ep = {parallel.ep_size}) under DeepSpeed trains the experts: with them frozen "
             "(LoRA) DeepSpeed would broadcast one rank's experts over the others; train LoRA at EP with accelerate "

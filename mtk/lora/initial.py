@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from mtk.errors import ConfigError
+from mtk.parallel.expert_parallel import spread_layout
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.record import hf_model
 from mtk.parallel.sharding import take_shard
@@ -134,6 +135,8 @@ def load_full_adapters(model: nn.Module, tensors: dict[str, torch.Tensor], adapt
         if tuple(full.shape) != tuple(shape):
             raise ConfigError(f"full adapters: {name} is {tuple(full.shape)}, the model's is {tuple(shape)}")
         param = cast(torch.Tensor, params[name])
+        value = take_shard(spec, shape, full.__getitem__)
+        layout = spread_layout(hf, name)  # the experts' factors spread with them: this rank's experts' part
         with torch.no_grad():
-            param.copy_(take_shard(spec, shape, full.__getitem__))
+            param.copy_(layout.own(value) if layout is not None else value)
     return len(wanted)

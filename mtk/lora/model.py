@@ -46,7 +46,7 @@ def _linear_kind(module: nn.Module) -> str | None:
 
 def _check_target_parameters(model: nn.Module, config: Any) -> None:
     """PEFT's ``target_parameters`` (LoRA on 3D expert tensors) naming no parameter: one line (PEFT's own error is a
-    traceback). Tensors EP spread or TP split take whole factors (:mod:`mtk.lora.experts`)."""
+    traceback). Tensors EP spread or TP split take factors spread with their experts (:mod:`mtk.lora.experts`)."""
     targets = list(getattr(config, "target_parameters", None) or ())
     names = [name for name, _ in model.named_parameters()]
     unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
@@ -148,7 +148,7 @@ def get_peft_model(
     """
     import peft  # PEFT (and mtk's layers built on it) load only when a run asks for LoRA: ~1-2 s of start-up
 
-    from mtk.lora.experts import use_whole_expert_factors
+    from mtk.lora.experts import draw_expert_factors
     from mtk.lora.layers import SEED_ATTRIBUTE, ParallelLoraLinear
 
     record = parallelized(model)
@@ -168,5 +168,5 @@ def get_peft_model(
     for module in peft_model.modules():
         if isinstance(module, ParallelLoraLinear):
             module.rng = record.rng
-    use_whole_expert_factors(peft_model, adapter_name, config.init_lora_weights, getattr(config, SEED_ATTRIBUTE))
+    draw_expert_factors(peft_model, adapter_name, config.init_lora_weights, getattr(config, SEED_ATTRIBUTE))
     return peft_model

@@ -56,19 +56,72 @@ __all__ = [
     "distribute_experts",
     "expert_parallel_forward",
     "expert_placement",
+    "ExpertLayout",
+    "LAYOUT_ATTRIBUTE",
     "experts_piece",
-    "gather_experts",
     "is_expert_parallel",
     "local_experts_implementation",
     "reduce_expert_gradients",
     "own_expert_rows",
     "spread_experts",
-    "spread_placement",
+    "spread_layout",
+    "whole_piece",
 ]
 
 EXPERT_PARALLEL_ATTRIBUTE = "mtk_expert_parallel"  # the ExpertPlacement of an experts module spread over EP
+LAYOUT_ATTRIBUTE = "mtk_expert_layout"  # the ExpertLayout of a spread tensor that is not its module's experts tensor
 EXPERTS_IMPLEMENTATION = "mtk_expert_parallel"  # the name of expert_parallel_forward in transformers' ExpertsInterface
 _EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where a spread tensor holds its experts: dim ``dim`` of its shape is ``outer x local x inner`` (expert
+    ``first + e`` at the middle index ``e``). An experts tensor ``[E/ep, ...]`` is dim 0 with ``outer = inner = 1``;
+    PEFT's LoRA factors of one are ``lora_A [r E/ep, in]`` (dim 0, ``inner = r``: expert-major rows) and
+    ``lora_B [out, r E/ep]`` (dim 1, ``outer = r``: the expert index fastest). The tensor of all ``E`` experts is
+    the same with ``E`` in the middle, so one description serves the exchange's gather, the checkpoint's pieces
+    and the resharding reader."""
+
+    placement: ExpertPlacement
+    dim: int = 0
+    outer: int = 1
+    inner: int = 1
+
+    def _split(self, shape: tuple[int, ...], experts: int) -> tuple[int, ...]:
+        """``shape`` with dim ``dim`` split into ``(outer, experts, inner)``; the experts' axis is ``dim + 1``."""
+        return (*shape[: self.dim], self.outer, experts, self.inner, *shape[self.dim + 1 :])
+
+    def whole_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the tensor of every expert, of which ``local_shape`` holds this rank's."""
+        size = self.outer * self.placement.num_experts * self.inner
+        return (*local_shape[: self.dim], size, *local_shape[self.dim + 1 :])
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's experts of ``local``, in global order (collective over the EP group)."""
+        axis = self.dim + 1
+        split = local.reshape(self._split(tuple(local.shape), self.placement.local)).movedim(axis, 0).contiguous()
+        gathered = split.new_empty((self.placement.num_experts, *split.shape[1:]))  # [E, ...]
+        dist.all_gather_into_tensor(gathered, split, group=self.placement.group)
+        return gathered.movedim(0, axis).reshape(self.whole_shape(tuple(local.shape)))
+
+    def own_shape(self, whole_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of this rank's experts of a tensor of every expert shaped ``whole_shape``."""
+        size = self.outer * self.placement.local * self.inner
+        return (*whole_shape[: self.dim], size, *whole_shape[self.dim + 1 :])
+
+    def own(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of ``whole``, the tensor of every expert."""
+        split = whole.reshape(self._split(tuple(whole.shape), self.placement.num_experts))
+        mine = split.narrow(self.dim + 1, self.placement.first, self.placement.local)
+        return mine.reshape(self.own_shape(tuple(whole.shape)))
+
+    def own_rows(self) -> tuple[int, int] | None:
+        """This rank's experts as rows ``[start, stop)`` of dim 0 of the whole tensor, where they are such rows
+        (``None`` otherwise: ``lora_B``'s columns interleave the experts)."""
+        if self.dim != 0 or self.outer != 1:
+            return None
+        return self.placement.first * self.inner, (self.placement.first + self.placement.local) * self.inner
 
 
 @dataclass(frozen=True)
@@ -314,31 +367,43 @@ def reduce_expert_gradients(params: list[torch.Tensor], group: Group, replicas: 
             grad.copy_(chunk.view_as(grad))
 
 
-def gather_experts(local: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
-    """Every rank's experts of one tensor, in global order: ``[E/ep, ...]`` -> ``[E, ...]`` (collective)."""
-    whole = local.new_empty((placement.num_experts, *local.shape[1:]))
-    dist.all_gather_into_tensor(whole, local.contiguous(), group=placement.group)
-    return whole
-
-
-def spread_placement(model: nn.Module, name: str) -> ExpertPlacement | None:
-    """The placement of parameter ``name`` of ``model`` where it holds this rank's experts only (else ``None``)."""
-    if not is_expert_parallel(model.get_parameter(name)):
+def spread_layout(model: nn.Module, name: str) -> ExpertLayout | None:
+    """How parameter ``name`` of ``model`` holds this rank's experts where EP spread it (else ``None``): an experts
+    tensor by its module's placement, a tensor spread with them (LoRA's factors of one) by its own layout."""
+    param = model.get_parameter(name)
+    if not is_expert_parallel(param):
         return None
-    return expert_placement(model.get_submodule(name.rpartition(".")[0]))
+    layout = getattr(param, LAYOUT_ATTRIBUTE, None)
+    if layout is not None:
+        return layout
+    placement = expert_placement(model.get_submodule(name.rpartition(".")[0]))
+    return ExpertLayout(placement) if placement is not None else None
 
 
 def experts_piece(
-    tensor: torch.Tensor, placement: ExpertPlacement
-) -> tuple[torch.Tensor, tuple[int, int], tuple[int, ...]]:
-    """A spread experts tensor (or one of its optimizer moments) as a flat piece of the tensor of all ``E`` experts:
+    tensor: torch.Tensor, layout: ExpertLayout
+) -> tuple[torch.Tensor, tuple[int, int], tuple[int, ...]] | None:
+    """A spread tensor (or one of its optimizer moments) as a flat piece of the tensor of all ``E`` experts:
     ``(values, (start, stop), whole shape)``. This rank's experts are consecutive rows, so they are one contiguous
     run of the row-major whole; a checkpoint stores each EP rank's run (:mod:`mtk.parallel.pieces`) and no rank
-    gathers the experts."""
+    gathers the experts. ``None`` where this rank's experts are no such run (LoRA's ``lora_B``, the expert index
+    fastest): :func:`whole_piece` then writes the tensor whole."""
+    rows = layout.own_rows()
+    if rows is None:
+        return None
     row = math.prod(tensor.shape[1:])
-    start = placement.first * row
-    whole = (placement.num_experts, *tensor.shape[1:])
-    return tensor.detach().reshape(-1), (start, start + placement.local * row), whole
+    return tensor.detach().reshape(-1), (rows[0] * row, rows[1] * row), layout.whole_shape(tuple(tensor.shape))
+
+
+def whole_piece(
+    tensor: torch.Tensor, layout: ExpertLayout
+) -> tuple[torch.Tensor, tuple[int, int], tuple[int, ...]] | None:
+    """A spread tensor whose experts are no contiguous run (a LoRA factor, small beside the experts) gathered over
+    its EP group, as the piece of its EP rank 0 (``None`` on the others). Collective over the EP group."""
+    whole = layout.gather(tensor.detach())
+    if layout.placement.rank != 0:
+        return None
+    return whole.reshape(-1), (0, whole.numel()), tuple(whole.shape)
 
 
 def local_experts_implementation(model: nn.Module, implementation: str) -> int:

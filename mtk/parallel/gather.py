@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtk.parallel.comm import Group, group_size
-from mtk.parallel.expert_parallel import expert_placement, gather_experts, is_expert_parallel
+from mtk.parallel.expert_parallel import is_expert_parallel, spread_layout
 from mtk.parallel.experts import SPECS_ATTRIBUTE
 from mtk.parallel.fsdp import full_local
 from mtk.parallel.layers import ShardedModule
@@ -71,11 +71,9 @@ def iter_full_tensors(model: nn.Module, tp_group: Group, grads: bool = False) ->
         tensor = param.grad if grads else param
         if tensor is None:
             raise ValueError(f"{name} has no gradient to gather; run backward first")
-        placement = (
-            expert_placement(model.get_submodule(name.rpartition(".")[0])) if is_expert_parallel(param) else None
-        )
-        if placement is not None:
-            tensor = gather_experts(tensor.detach(), placement)  # [E, ...] of this TP slice
+        layout = spread_layout(model, name)
+        if layout is not None:
+            tensor = layout.gather(tensor.detach())  # [E, ...] of this TP slice
         shape, spec = full_shape_and_spec(model, name)
         yield name, gather_full_tensor(tensor, spec, shape, tp_group)
 
@@ -105,11 +103,9 @@ def gather_state_dict(
         seen[id(tensor)] = name
         shape, spec = full_shape_and_spec(model, name)
         value = tensor.detach()
-        placement = (
-            expert_placement(model.get_submodule(name.rpartition(".")[0])) if is_expert_parallel(tensor) else None
-        )
-        if placement is not None:  # this rank's experts: all of them first (over EP), then over TP
-            value = gather_experts(value, placement)
+        layout = spread_layout(model, name) if is_expert_parallel(tensor) else None
+        if layout is not None:  # this rank's experts: all of them first (over EP), then over TP
+            value = layout.gather(value)
         with whole(tensor) if whole is not None else contextlib.nullcontext():
             gathered = gather_full_tensor(value, spec, shape, parallel.tp_group)
         if sender:

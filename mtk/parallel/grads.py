@@ -81,8 +81,7 @@ def sum_tp_shared_grads_at_step(module: nn.Module, tp_group: Group) -> int:
     to once per step (module docstring), and keep each gradient summed once per step from being summed twice
     (:class:`_SummedOncePerStep`, the sequence-parallel ones' too); how many moved. The caller must then run
     :func:`sync_sequence_parallel_grads` once per step, after the last backward. Sums over another group stay in
-    backward, and so do sums of a part of a gradient (the experts' LoRA factors under EP: the rest is zero on every TP
-    rank only until the DP reduction, which fills in the other EP ranks' experts)."""
+    backward."""
     moved = 0
     for param in module.parameters():
         hook = getattr(param, _SUM_HOOK, None)
@@ -149,37 +148,16 @@ class _SumOverTP:
         return all_reduce(grad.detach().clone(), self.tp_group)
 
 
-class _SumPartOverTP(_SumOverTP):
-    """Tensor hook: only a part of the incoming gradient summed over TP, the rest being zero on every TP rank (the
-    whole LoRA factors of experts, where this TP group's experts are that part). ``part``: ``(grouped shape, dim,
-    start, stop)``; the gradient viewed as the grouped shape, ``[start, stop)`` along ``dim``."""
-
-    def __init__(self, tp_group: Group, part: tuple[tuple[int, ...], int, int, int]) -> None:
-        super().__init__(tp_group)
-        self.part = part
-
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        shape, dim, start, stop = self.part
-        out = grad.detach().clone()
-        piece = out.view(shape).narrow(dim, start, stop - start)
-        piece.copy_(all_reduce(piece.contiguous(), self.tp_group))  # reduced in place where it is contiguous
-        return out
-
-
-def sum_grad_over_tp(
-    param: nn.Parameter, tp_group: Group, part: tuple[tuple[int, ...], int, int, int] | None = None
-) -> None:
-    """Mark ``param`` ``tp_shared`` and sum each of its gradients over TP before it accumulates; only ``part`` of it
-    (``(grouped shape, dim, start, stop)``: the gradient viewed as that shape, ``[start, stop)`` along ``dim``) where
-    the rest is zero on every TP rank.
+def sum_grad_over_tp(param: nn.Parameter, tp_group: Group) -> None:
+    """Mark ``param`` ``tp_shared`` and sum each of its gradients over TP before it accumulates (the sum may move to
+    once per step: :func:`sum_tp_shared_grads_at_step`).
 
     Call once per parameter object: a second call would sum twice.
     """
     set_param_info(param, tp_shared=True)
     if group_size(tp_group) > 1 and param.requires_grad:
-        handle = param.register_hook(_SumOverTP(tp_group) if part is None else _SumPartOverTP(tp_group, part))
-        if part is None:
-            setattr(param, _SUM_HOOK, (handle, tp_group))
+        handle = param.register_hook(_SumOverTP(tp_group))
+        setattr(param, _SUM_HOOK, (handle, tp_group))
 
 
 def share_params_across_tp(module: nn.Module, names: Sequence[str], tp_group: Group) -> None:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from peft import LoraConfig
+from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
@@ -42,7 +43,6 @@ from mtk.convert import parallelize
 from mtk.convert.regions import local_blocks
 from mtk.errors import MtkError, UnsupportedModelError
 from mtk.lora import get_peft_model
-from mtk.lora.experts import LocalExpertsLora
 from mtk.lora.layers import ParallelLoraLinear
 from mtk.models import DTYPES, auto_class_for, with_layers
 from mtk.parallel.parameters import param_info
@@ -66,7 +66,7 @@ class TraceSettings:
     sequence_parallel: bool = False
     recompute: str | None = None  # None, "selective" or "full"
     lora_r: int = 0  # LoRA rank on every linear mtk splits (0: full fine-tuning)
-    lora_target_parameters: tuple[str, ...] = ()  # and on these tensors (an MoE's experts: whole factors)
+    lora_target_parameters: tuple[str, ...] = ()  # and on these tensors (an MoE's experts: factors spread with them)
     dtype: str = "fp32"  # parameters and activations (fp32, bf16)
     device: str = "cuda"  # attention kernels of: "cuda" (fused; math in fp32 with GQA), "cpu" (math under dropout)
     chunked_loss: bool = True  # the loss holds no logits (mtk's default; not under ZeRO-3, whose head cannot defer)
@@ -83,11 +83,11 @@ class Parameters:
     experts: tuple[bool, ...] = ()  # per trainable parameter: an MoE layer's expert tensor (empty: none is)
     frozen_experts: int = 0  # of ``frozen``, the elements of expert tensors (LoRA's frozen experts)
     # the elements of each trainable parameter whose gradient is summed over TP in every backward (a TP-split
-    # linear's replicated LoRA factor, through copy_to_tp; the experts' LoRA factors under EP, their 1/ep part)
+    # linear's replicated LoRA factor, through copy_to_tp)
     tp_summed: tuple[int, ...] = ()
     # and of those whose whole gradient ``mtk.Accelerator`` sums once per step instead (``tp_shared``: per-head q/k
-    # norms, experts whole on each TP rank, the experts' LoRA factors without EP; in every backward under DeepSpeed:
-    # :func:`~mtk.parallel.grads.sum_tp_shared_grads_at_step`)
+    # norms, experts whole on each TP rank, the experts' LoRA factors, under EP their 1/ep; in every backward under
+    # DeepSpeed: :func:`~mtk.parallel.grads.sum_tp_shared_grads_at_step`)
     tp_summed_at_step: tuple[int, ...] = ()
 
     def __add__(self, other: Parameters) -> Parameters:
@@ -283,11 +283,13 @@ def _parameters(model, block: nn.Module | None, ep_size: int = 1) -> tuple[Param
     in_block = {id(p) for p in block.parameters()} if block is not None else set()
     moe = [m for m in model.modules() if hasattr(m, "num_experts") and hasattr(m, "down_proj")]  # spread_experts'
     experts = {id(p) for m in moe for p in m.parameters(recurse=False)}
-    # the whole LoRA factors of experts: summed over TP in their experts' part only, 1/ep of them under EP
+    # the LoRA factors of expert tensors: spread with their experts under EP (1/ep of them, reduced over the expert
+    # replicas), their gradients summed over TP as the experts' own part
+    moe_ids = {id(m) for m in moe}
     factors = {
         id(p)
         for m in model.modules()
-        if isinstance(m, LocalExpertsLora)
+        if isinstance(m, ParamWrapper) and id(m.get_base_layer()) in moe_ids
         for factor in (*cast(Any, m).lora_A.values(), *cast(Any, m).lora_B.values())
         for p in factor.parameters()
     }
@@ -310,13 +312,13 @@ def _parameters(model, block: nn.Module | None, ep_size: int = 1) -> tuple[Param
         elif part == 1:
             part = 2
         trainable, frozen, flags, frozen_experts, tp_summed, at_step = parts[part]
-        expert = id(param) in experts
+        expert = id(param) in experts or (id(param) in factors and ep_size > 1)
         numel = param.numel() // ep_size if expert else param.numel()
         if param.requires_grad:
             trainable.append(numel)
             flags.append(expert)
-            if id(param) in summed or (id(param) in factors and ep_size > 1):  # through copy_to_tp, or a part
-                tp_summed.append(numel // ep_size if id(param) in factors else numel)
+            if id(param) in summed:  # through copy_to_tp
+                tp_summed.append(numel)
             elif param_info(param).tp_shared:  # the whole gradient
                 at_step.append(numel)
         else:

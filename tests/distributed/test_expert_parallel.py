@@ -407,6 +407,83 @@ def test_a_checkpoint_at_expert_parallelism_is_written_in_pieces_and_reads_back_
     }
 
 
+def _lora_checkpoint_worker(rank: int, world: int, directory: str) -> dict:
+    """LoRA on the expert tensors at EP 2 inside DP 4 with the distributed optimizer: one AdamW step, a checkpoint,
+    the factors and moments scrambled and the checkpoint loaded back. Each rank holds its experts' part of every
+    factor; ``lora_A``'s part is a run of its rows (each EP rank writes its own), ``lora_B``'s interleaves the
+    experts (the expert index fastest), so its EP rank 0 writes it whole."""
+    from peft import LoraConfig
+    from safetensors import safe_open
+
+    from mtk import Accelerator, ParallelConfig, RunSettings
+    from mtk.lora import get_peft_model
+
+    accelerator = Accelerator(
+        parallel_config=ParallelConfig(ep_size=2), run_settings=RunSettings(use_distributed_optimizer=True)
+    )
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(_config("qwen3_moe", 4)).float()
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=experts, init_lora_weights=False)
+    model = get_peft_model(accelerator.parallelize(base), lora, report=lambda *_: None)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(trainable, lr=1e-2))
+    ids = torch.randint(0, 256, (ROWS, SEQ), generator=torch.Generator().manual_seed(rank))
+    accelerator.backward(model(input_ids=ids, labels=ids, use_cache=False).loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    trained = accelerator.unwrap_model(model)
+    factors = {n: p for n, p in trained.named_parameters() if p.requires_grad and is_expert_parallel(p)}
+    assert factors and all(".experts." in n and ".lora_" in n for n in factors), sorted(factors)
+    accelerator.save_state(directory)
+    saved = {n: p.detach().clone() for n, p in trained.named_parameters() if p.requires_grad}
+    moments = {id(p): {k: v.clone() for k, v in s.items()} for p, s in optimizer.optimizer.state.items()}
+    with torch.no_grad():
+        for param in trained.parameters():
+            if param.requires_grad:
+                param.fill_(0.5)
+    for state in optimizer.optimizer.state.values():
+        for value in state.values():
+            if value.dim():
+                value.fill_(0.5)
+    with _recording_reads() as slicers:
+        accelerator.load_state(directory)
+    read_a = sum(s.bytes_read // s.dtype.itemsize for s in slicers if _experts_factor(s.name, "A") and s.get_shape())
+    own_a = sum(p.numel() for n, p in factors.items() if _experts_factor(n, "A"))
+    assert read_a == 3 * own_a, f"read {read_a} elements of lora_A, holds 3 x {own_a}"  # its own rows only
+    for name, param in trained.named_parameters():
+        if param.requires_grad:
+            assert torch.equal(param.detach(), saved[name]), f"{name} after load"
+    for param, state in optimizer.optimizer.state.items():
+        for key, value in state.items():
+            assert torch.equal(value, moments[id(param)][key]), f"moment {key} after load"
+    files = {}
+    if rank == 0:
+        for stem in ("piece00", "piece01"):
+            with safe_open(f"{directory}/model/tp00-pp00-{stem}.safetensors", "pt") as handle:
+                files[stem] = {n: list(handle.get_slice(n).get_shape()) for n in handle.keys()}
+    return files
+
+
+def _experts_factor(name: str, which: str) -> bool:
+    """``name`` is a LoRA factor (``lora_A`` or ``lora_B``) of an experts tensor (at any PEFT wrapping)."""
+    return ".mlp.experts." in name and f".lora_{which}." in name
+
+
+def test_lora_factors_of_spread_experts_are_saved_by_expert_and_read_back_exactly(tmp_path):
+    """The experts' LoRA factors spread with their experts (``1/ep`` on each rank) are checkpointed by global
+    index: ``lora_A``'s rows of each EP rank in its piece, ``lora_B`` (its columns interleave the experts) gathered
+    and written whole by EP rank 0; factors and AdamW moments (the distributed optimizer's) load back exactly, each
+    rank reading its own rows of ``lora_A``. tests/e2e/test_expert_parallel.py resumes such checkpoints at EP 1 and
+    an EP 1 one at EP 2."""
+    files = run_distributed(_lora_checkpoint_worker, world_size=4, args=(str(tmp_path / "step"),), timeout=600)[0]
+    a_names = [n for n in files["piece00"] if _experts_factor(n, "A")]
+    b_names = [n for n in files["piece00"] if _experts_factor(n, "B")]
+    assert a_names and sorted(a_names) == sorted(n for n in files["piece01"] if _experts_factor(n, "A"))
+    assert b_names and not any(_experts_factor(n, "B") for n in files["piece01"])  # whole, in EP rank 0's piece
+    assert all(len(files["piece00"][n]) == 1 for n in a_names + b_names)  # flat runs
+
+
 def _two_optimizers(rank: int, world: int) -> str:
     from mtk import Accelerator, ParallelConfig
     from mtk.errors import ConfigError
@@ -495,6 +572,8 @@ def _lora_on_experts_worker(
     model = get_peft_model(accelerator.parallelize(base), lora, report=lambda *_: None)
     layers = base.config.num_hidden_layers  # every one an MoE layer
     assert sum(isinstance(m, LocalExpertsLora) for m in model.modules()) == 2 * layers  # 2 tensors in each
+    spread = [name for name, param in model.named_parameters() if is_expert_parallel(param) and "lora_" in name]
+    assert len(spread) == 4 * layers  # each expert tensor's two factors hold this rank's experts only
     load_full_adapters(model, peft_initial_adapters(model, lora, seed=3))
     wanted = dict(reference.named_parameters())
     adapters = [(name, param) for name, param in model.named_parameters() if "lora_" in name]
@@ -528,14 +607,29 @@ def _lora_on_experts_worker(
         param = param.full_tensor() if isinstance(param, DTensor) else param
         whole = _whole(accelerator.unwrap_model(model), name, param, parallel)
         assert_close_rel(whole, wanted[name].detach(), f"{name} after 3 steps")
+    if world == 2 and shard == 1:  # an adapter PEFT's add_adapter draws at this rank's experts: one line
+        from mtk.errors import ConfigError
+
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.add_adapter("other", LoraConfig(r=2, target_modules=[], target_parameters=experts))
+        unwrapped.set_adapter("other")
+        with pytest.raises(ConfigError, match="'other' on (gate_up|down)_proj was not added through mtk.lora.get_peft"):
+            unwrapped(input_ids=mine, use_cache=False)
     return logged
 
 
 def _whole(model, name: str, param: torch.Tensor, parallel) -> torch.Tensor:
-    """A LoRA factor whole: the experts' factors are (replicated), a TP-split linear's gathered over TP."""
+    """A LoRA factor whole: the experts' factors gathered over EP (each rank holds its experts' part, ``1/ep`` of
+    them), a TP-split linear's over TP."""
+    from mtk.parallel.expert_parallel import spread_layout
     from mtk.parallel.gather import full_shape_and_spec, gather_full_tensor
 
     shape, spec = full_shape_and_spec(model, name)
+    layout = spread_layout(model, name)
+    if layout is not None:
+        whole = layout.gather(param.detach())
+        assert whole.numel() == param.numel() * parallel.ep_size, name  # spread with the experts, not replicated
+        return whole
     return gather_full_tensor(param.detach(), spec, shape, parallel.tp_group)
 
 

@@ -253,23 +253,27 @@ def test_whole_experts_under_deepspeed_zero1_accumulating_log_the_accumulated_dp
 
 def test_lora_at_ep2_logs_the_dp2_losses_resumes_at_ep1_and_exports(moe_dp2, tmp_path):
     """LoRA on the linears (PEFT on mtk's linears) and on the expert tensors themselves (PEFT's target_parameters,
-    --lora_target_parameters) while the experts are spread over EP 2: every expert's factors whole on every rank,
-    each rank applying its own experts' part. The DP 2 LoRA run's losses; the adapter-only checkpoint records the
-    base's fingerprint with every expert counted once (its first holder adds it), so it resumes on the same base at
-    EP 1; it exports as a PEFT adapter directory and merged into the base, which from_pretrained loads and which
-    computes what PEFT computes with the adapter on one process."""
+    --lora_target_parameters) while the experts are spread over EP 2: each rank holds its own experts' part of the
+    experts' factors. The DP 2 LoRA run's losses; the adapter-only checkpoint records the base's fingerprint with
+    every expert counted once (its first holder adds it) and the factors by global expert, so it resumes on the same
+    base at EP 1, and the DP 2 run's checkpoint at EP 2; it exports as a PEFT adapter directory and merged into the
+    base, which from_pretrained loads and which computes what PEFT computes with the adapter on one process."""
     from peft import PeftModel
 
     experts = "mlp.experts.gate_up_proj,mlp.experts.down_proj"
     base = str(moe_dp2.dir / "model")
     lora = ("--model", base, *MOE[2:], "--lora_r", "4", "--lora_target_parameters", experts)
-    reference = finetune("tp1_dp2", tmp_path / "dp2", *lora)
+    reference = finetune("tp1_dp2", tmp_path / "dp2", *lora, "--save_every", "3")
     out = accelerate_launch("finetune.py", "ep2", "--output_dir", str(tmp_path / "run"), *lora, "--save_every", "3")
     assert "LoRA all-linear" in out.stdout + out.stderr and "ep=2" in out.stdout + out.stderr
     assert_same_losses(step_losses(out), reference, range(1, 7), "LoRA at ep2 vs dp2")
     assert_checkpoint_whole(tmp_path / "run" / "step_3")
     resumed = finetune("tp1_dp2", tmp_path / "at_ep1", *lora, "--resume", str(tmp_path / "run" / "step_3"))
     assert_same_losses(resumed, reference, range(4, 7), "LoRA ep2 step 3 resumed at ep1")
+    at_ep2 = accelerate_launch(
+        "finetune.py", "ep2", "--output_dir", str(tmp_path / "at_ep2"), *lora, "--resume", str(tmp_path / "dp2/step_3")
+    )
+    assert_same_losses(step_losses(at_ep2), reference, range(4, 7), "LoRA dp2 step 3 resumed at ep2")
     step = str(tmp_path / "run" / "step_6")
     for kind in ("--adapter", "--merge"):
         export = run_command([sys.executable, "-m", "mtk.cli.main", "export", step, str(tmp_path / kind[2:]), kind])

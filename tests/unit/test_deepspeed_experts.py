@@ -95,13 +95,15 @@ def test_model_parameters_are_named_for_the_split():
 
 def test_frozen_spread_experts_under_deepspeed_are_one_line():
     """LoRA at EP: DeepSpeed would broadcast the frozen experts of one rank over its DP group (they are not MoE
-    parameters of a param group it trains)."""
+    parameters of a param group it trains); also where the experts' LoRA factors, spread with them, train."""
     from mtk.integrations.deepspeed_experts import prepare_experts_for_deepspeed
     from mtk.parallel.parameters import set_param_info
 
-    model = torch.nn.Linear(2, 2)
-    for param in model.parameters():
-        set_param_info(param, expert_parallel=True)
-        param.requires_grad_(False)
-    with pytest.raises(ConfigError, match=r"with them frozen \(LoRA\) DeepSpeed would broadcast one rank's experts"):
-        prepare_experts_for_deepspeed(model, _Layout())
+    for trained_factor in (False, True):
+        model = torch.nn.Linear(2, 2)
+        for param in model.parameters():
+            set_param_info(param, expert_parallel=True)
+            param.requires_grad_(False)
+        model.bias.requires_grad_(trained_factor)  # (standing for a factor spread with the frozen experts)
+        with pytest.raises(ConfigError, match=r"with them frozen \(LoRA\) DeepSpeed would broadcast one rank's"):
+            prepare_experts_for_deepspeed(model, _Layout())

@@ -102,12 +102,12 @@ def test_expert_factors_take_the_inits_that_need_no_base_tensor():
     from peft import LoraConfig
 
     from mtk.errors import ConfigError
-    from mtk.lora.experts import use_whole_expert_factors
+    from mtk.lora.experts import draw_expert_factors
 
     model = peft.get_peft_model(
         build_model("tiny-qwen3-moe", seed=0),
         LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.down_proj"]),
     )
     with pytest.raises(ConfigError, match="init_lora_weights='pissa' needs the whole base tensor"):
-        use_whole_expert_factors(model, "default", "pissa", seed=0)
-    assert use_whole_expert_factors(model, "default", True, seed=0) == 0  # whole factors, nothing cut at one process
+        draw_expert_factors(model, "default", "pissa", seed=0)
+    assert draw_expert_factors(model, "default", True, seed=0) == 0  # whole factors, nothing cut at one process

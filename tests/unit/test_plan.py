@@ -428,26 +428,35 @@ def test_a_pipeline_for_a_router_loss_carries_its_routing_sums_between_stages():
         assert sends["bytes"] - plain[label].collectives["send"]["bytes"] == sends["count"] * (2 * 8 + 1) * 4
 
 
-def test_lora_on_the_expert_tensors_plans_their_whole_factors():
-    """--lora_target_parameters: every expert's factors whole on every rank (r E (in + out) per tensor), trainable
-    next to the linears' adapters; the distributed optimizer shards their moments over DP as any replicated one's."""
+def test_lora_on_the_expert_tensors_plans_their_factors_spread_with_the_experts():
+    """--lora_target_parameters: the experts' factors (r E (in + out) per tensor) spread with their experts, 1/ep on
+    each rank, trainable next to the linears' adapters; reduced over the expert replicas (one all-reduce of the
+    rank's part) and, with the distributed optimizer, their moments sharded over those replicas."""
     config = resolve_config("tiny-qwen3-moe")  # 2 MoE layers of 8 experts, hidden 64, expert width 32
     request = Request(config, Cluster(4, gpu_memory=8 * GIB), 64, 4, dtype="fp32", reserve=0, lora_r=4, ep_sizes=(2,))
     experts = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     linears = {e.candidate.label: e for e in plan(request)}
     both = {e.candidate.label: e for e in plan(replace(request, lora_target_parameters=experts))}
     factors = 2 * 4 * 8 * ((64 + 2 * 32) + (32 + 64))  # layers x r E x (in + out) of gate_up_proj and down_proj
-    for label, dp in (("tp1 pp1 dp4 ep2 1x1", 1), ("tp1 pp1 dp4 ep2 1x1 distopt", 4)):
-        assert both[label].memory.gradients - linears[label].memory.gradients == factors * 4
-        assert both[label].memory.optimizer - linears[label].memory.optimizer == factors * 2 * 4 // dp
+    for label, replicas in (("tp1 pp1 dp4 ep2 1x1", 1), ("tp1 pp1 dp4 ep2 1x1 distopt", 2)):
+        mine = both[label]
+        assert mine.memory.gradients - linears[label].memory.gradients == factors // 2 * 4
+        assert mine.memory.optimizer - linears[label].memory.optimizer == factors // 2 * 2 * 4 // replicas
+        reduced = mine.collectives["all_reduce"]  # the rank's part, over the 2 ranks holding the same experts
+        assert reduced["count"] - linears[label].collectives["all_reduce"]["count"] == 1
+        assert reduced["bytes"] - linears[label].collectives["all_reduce"]["bytes"] == factors // 2 * 4
+        gathered = mine.collectives.get("all_gather", {"bytes": 0})["bytes"]
+        assert gathered - linears[label].collectives.get("all_gather", {"bytes": 0})["bytes"] == (
+            factors // 2 * 4 // 2 if replicas == 2 else 0  # the distributed optimizer's: its half of the part
+        )
 
 
 def test_tp_summed_gradients_are_counted_from_the_trace():
-    """Gradients summed over TP in every backward, read off the traced model (``tp_shared`` and trainable): at TP 2
-    and EP 2 the whole factors of experts split over TP add one all-reduce per factor, MoE layer and micro-batch
-    (fp32: they train in fp32) of their experts' part, half of them, on top of their DP reduction (whole): a part's
-    sum stays in backward (the DP reduction fills in the other EP ranks' parts). Against the counted collectives of
-    real runs: tests/distributed/test_plan_check.py."""
+    """Gradients summed over TP, read off the traced model (``tp_shared`` and trainable): at TP 2 and EP 2 the
+    factors of experts split over TP, spread with their experts (half of them on each rank), are summed over TP once
+    per step, after the last micro-batch (fp32: they train in fp32), in one all-reduce; at DP 2 each rank holds the
+    only copy of its experts' factors, so no reduction over expert replicas. Against the counted collectives of real
+    runs: tests/distributed/test_plan_check.py."""
     config = resolve_config("tiny-qwen3-moe")
     request = Request(config, Cluster(4, gpu_memory=8 * GIB), 64, 4, dtype="fp32", reserve=0, lora_r=4, ep_sizes=(2,))
     experts = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -456,7 +465,6 @@ def test_tp_summed_gradients_are_counted_from_the_trace():
         for changed in (request, replace(request, lora_target_parameters=experts))
     )
     factors = 2 * 4 * 8 * ((64 + 2 * 32) + (32 + 64))  # layers x r E x (in + out), as above
-    for label, micro_batches, dp_reduced in (("tp2 pp1 dp2 ep2 2x1", 1, 1), ("tp2 pp1 dp2 ep2 1x2", 2, 1),
-                                             ("tp2 pp1 dp2 ep2 1x2 fsdp2", 2, 0)):  # fmt: skip
-        assert both[label]["count"] - linears[label]["count"] == 2 * 2 * 2 * micro_batches  # A, B x 2 tensors x 2
-        assert both[label]["bytes"] - linears[label]["bytes"] == factors * 4 * (micro_batches / 2 + dp_reduced)
+    for label in ("tp2 pp1 dp2 ep2 2x1", "tp2 pp1 dp2 ep2 1x2", "tp2 pp1 dp2 ep2 1x2 fsdp2"):
+        assert both[label]["count"] - linears[label]["count"] == 1  # once per step, every factor in one
+        assert both[label]["bytes"] - linears[label]["bytes"] == factors // 2 * 4
