@@ -183,6 +183,19 @@ def test_ep2_inside_a_pp2_pipeline_logs_the_accumulated_dp2_losses_and_resumes_a
     assert_same_losses(resumed, reference, range(4, 7), "pp2 x ep2 step 3 resumed at pp2 x ep1")
 
 
+def test_lora_on_the_experts_inside_a_pp2_pipeline_at_ep2_logs_the_accumulated_dp2_losses(tmp_path):
+    """LoRA on the linears and the expert tensors at TP 1 x PP 2 x DP 2 with EP 2: each stage's experts' factors
+    spread with its experts and reduced over their replicas beside the pipeline's DP reduction of the other
+    adapters; the losses of DP 2 accumulating the same 2 micro-batches with the same adapters."""
+    lora = ("--lora_r", "4", "--lora_target_parameters", "mlp.experts.gate_up_proj,mlp.experts.down_proj")
+    reference = finetune("tp1_dp2", tmp_path / "dp2", *ACCUMULATING, *lora, "--batch_size", "2", "--grad_accum", "2")
+    keys = {"pp_degree": "2", "tp_degree": "1", "expert_tensor_parallel_size": "1", "num_micro_batches": "2"}
+    out = accelerate_launch("finetune.py", _yaml(tmp_path, **keys), "--output_dir", str(tmp_path / "run"),
+                            *ACCUMULATING, *lora, "--batch_size", "4")  # fmt: skip
+    assert "dp=2 ep=2" in out.stdout + out.stderr
+    assert_same_losses(step_losses(out), reference, range(1, 7), "LoRA pp2 x ep2 vs dp2 accumulating 2")
+
+
 def test_experts_whole_on_each_tp_rank_accumulating_log_the_accumulated_dp2_losses(dp2_accumulating, tmp_path):
     """ep2_tp2_etp1.yaml accumulating 2 micro-batches: the whole experts' gradients (and Qwen3's q/k norms') are
     summed over TP once per step, after the last micro-batch's backward, not in each backward; the losses are DP 2's
