@@ -79,11 +79,13 @@ def prepare_experts_for_deepspeed(model: nn.Module, parallel: ParallelState) -> 
     spread = [p for p in model.parameters() if is_expert_parallel(p)]
     if parallel.ep_size == 1 or not spread:
         return None
-    if any(not p.requires_grad for p in spread):  # DeepSpeed's MoE path needs a param group of them to train
+    if not any(p.requires_grad for p in spread):  # DeepSpeed's MoE path needs a param group of them to train
         raise ConfigError(
-            f"expert parallelism (ep = {parallel.ep_size}) under DeepSpeed trains the experts: with them frozen "
-            "(LoRA) DeepSpeed would broadcast one rank's experts over the others; train LoRA at EP with accelerate "
-            "(a megatron_lm_config YAML: accelerate_configs/ep2.yaml), or set the EP size to 1"
+            f"expert parallelism (ep = {parallel.ep_size}) under DeepSpeed trains the experts or their LoRA factors: "
+            "with the experts frozen and no factor of theirs (LoRA on the linears only) DeepSpeed has no MoE "
+            "parameter group and would broadcast one rank's experts over the others; add the expert tensors to LoRA "
+            "(--lora_target_parameters mlp.experts.gate_up_proj,mlp.experts.down_proj), train at EP with accelerate "
+            "(accelerate_configs/ep2.yaml), or set the EP size to 1"
         )
     from deepspeed.utils import groups
 

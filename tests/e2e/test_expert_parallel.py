@@ -270,7 +270,8 @@ def test_lora_at_ep2_logs_the_dp2_losses_resumes_at_ep1_and_exports(moe_dp2, tmp
     experts' factors. The DP 2 LoRA run's losses; the adapter-only checkpoint records the base's fingerprint with
     every expert counted once (its first holder adds it) and the factors by global expert, so it resumes on the same
     base at EP 1, and the DP 2 run's checkpoint at EP 2; it exports as a PEFT adapter directory and merged into the
-    base, which from_pretrained loads and which computes what PEFT computes with the adapter on one process."""
+    base, which from_pretrained loads and which computes what PEFT computes with the adapter on one process. Under
+    DeepSpeed ZeRO-2 (ep2_zero2.yaml) the same run logs the same losses and resumes exactly."""
     from peft import PeftModel
 
     experts = "mlp.experts.gate_up_proj,mlp.experts.down_proj"
@@ -287,6 +288,12 @@ def test_lora_at_ep2_logs_the_dp2_losses_resumes_at_ep1_and_exports(moe_dp2, tmp
         "finetune.py", "ep2", "--output_dir", str(tmp_path / "at_ep2"), *lora, "--resume", str(tmp_path / "dp2/step_3")
     )
     assert_same_losses(step_losses(at_ep2), reference, range(4, 7), "LoRA dp2 step 3 resumed at ep2")
+    # under DeepSpeed ZeRO-2 the experts' factors are its MoE parameters (the frozen experts marked too)
+    ds_run = ("--output_dir", str(tmp_path / "ds"), *lora, "--save_every", "3")
+    ds = accelerate_launch("finetune.py", "ep2_zero2", *ds_run)
+    assert_same_losses(step_losses(ds), reference, range(1, 7), "LoRA at ep2 under ZeRO-2 vs dp2")
+    ds_resumed = finetune("ep2_zero2", tmp_path / "ds_again", *lora, "--resume", str(tmp_path / "ds" / "step_3"))
+    assert_same_losses(ds_resumed, reference, range(4, 7), "LoRA at ep2 under ZeRO-2, step 3 resumed")
     step = str(tmp_path / "run" / "step_6")
     for kind in ("--adapter", "--merge"):
         export = run_command([sys.executable, "-m", "mtk.cli.main", "export", step, str(tmp_path / kind[2:]), kind])
