@@ -188,11 +188,13 @@ def _check_fixed_degrees(request: Request) -> None:
             raise ConfigError(f"--ep {ep}: {refusal}; use --ep 1 or a divisor of the experts")
         if cluster.gpus % ep:
             raise ConfigError(f"--ep {ep} spreads the experts over data-parallel replicas: use a divisor of --gpus")
-        if "accelerate" not in request.engines:
+        if "accelerate" not in request.engines and request.lora_r and not request.lora_target_parameters:
             raise ConfigError(
-                f"--ep {ep} is weighed under accelerate (DDP, the distributed optimizer or FSDP2); DeepSpeed runs EP "
-                "at ZeRO 0 to 2 (docs/moe.md), which the planner does not model yet: use --engine accelerate or any"
+                f"--ep {ep} under DeepSpeed trains the experts or their LoRA factors: with --lora_r add "
+                "--lora_target_parameters (the expert tensors), or use --engine accelerate or any"
             )
+        if "accelerate" not in request.engines and max(request.cp_sizes) > 1:
+            raise ConfigError(f"--ep {ep} under DeepSpeed runs without context parallelism: use --cp 1")
     if request.etp_sizes == (1,) and not moe_layers(config):
         raise ConfigError(f"--etp 1 keeps an MoE model's experts whole on each TP rank; {config.model_type} has none")
     if request.pp_size and request.pp_size > 1:

@@ -16,11 +16,19 @@ __all__ = ["expert_collectives", "expert_parallel_sizes", "expert_tp_sizes", "ex
 
 def expert_parallel_sizes(request: Request, c: Candidate) -> list[int]:
     """The EP sizes ``c`` may run: those asked for that divide its DP x CP replicas and the experts, where mtk runs
-    EP (init.check_expert_parallel): an MoE model under accelerate. Not weighed: a pipeline unless every decoder
-    layer is an MoE layer (each stage's exchanges are then known), and DeepSpeed's EP (ZeRO 0 to 2: its experts'
-    groups are not modelled)."""
+    EP (init.check_expert_parallel, deepspeed_experts.check_deepspeed_experts): an MoE model under accelerate, or
+    under DeepSpeed at ZeRO 1 or 2 without CP, training the experts or their LoRA factors. Not weighed: a pipeline
+    unless every decoder layer is an MoE layer (each stage's exchanges are then known), and DeepSpeed's optimizer
+    offload next to EP."""
     config = request.config
-    if not moe_layers(config) or (c.pp_size > 1 and not every_layer_moe(config)) or c.engine != "accelerate":
+    deepspeed = (
+        c.sharding in ("zero1", "zero2")
+        and not c.offload
+        and c.cp_size == 1
+        and (not request.lora_r or bool(request.lora_target_parameters))
+    )
+    runs = c.engine == "accelerate" or deepspeed
+    if not moe_layers(config) or (c.pp_size > 1 and not every_layer_moe(config)) or not runs:
         return [1] if 1 in request.ep_sizes else []  # as --cp N, --ep N weighs EP N layouts only
     return [ep for ep in request.ep_sizes if c.replica_size % ep == 0 and expert_parallel_refusal(config, ep) is None]
 

@@ -176,15 +176,25 @@ def stage_memory(
         gradients = -(-(gradients - whole * weight_size) // dp) + whole * weight_size
         optimizer = -(-(optimizer - whole * 8) // dp) + whole * 8
     elif training.sharding in ("zero1", "zero2", "zero3"):
-        optimizer = -(-optimizer // dp)
+        # DeepSpeed partitions the dense state over DP x CP and, at EP, its MoE parameter groups (the spread experts
+        # or their LoRA factors) over the dp / ep replicas holding the same experts
+        spread = (
+            sum(n for n, expert in zip(params.trainable, params.expert_flags) if expert) if training.ep_size > 1 else 0
+        )
+        replicas = max(dp // training.ep_size, 1)
+
+        def partitioned(per_element: int) -> int:
+            return -(-(trainable - spread) * per_element // dp) + -(-spread * per_element // replicas)
+
+        optimizer = partitioned(12 if bf16_deepspeed else 8)
         if training.sharding in ("zero2", "zero3"):
-            gradients = -(-gradients // dp)
+            gradients = partitioned(weight_size)
             buffers += min(trainable, DEEPSPEED_BUCKET_ELEMENTS) * weight_size  # the reduce bucket
         if training.sharding == "zero3":
             weights = -(-weights // dp)
             buffers += min(trainable + frozen, DEEPSPEED_BUCKET_ELEMENTS) * weight_size  # gathered live parameters
         if bf16_deepspeed and not training.offload:  # the fp32 gradients of this rank's partition, for the step
-            gradients += -(-trainable * 4 // dp)
+            gradients += partitioned(4)
     if training.offload:
         optimizer = 0
 

@@ -250,7 +250,7 @@ def _traffic(request: Request, c: Candidate, stage: int, params: Parameters) -> 
         dp_s += collective_seconds("all_reduce", expert_bytes, expert_replicas, cluster.bandwidth(expert_group))
         for width in expert_gathers:
             dp_s += collective_seconds("all_gather", width * 4, expert_replicas, cluster.bandwidth(expert_group))
-        if expert_bytes:  # in buckets of DDP's size (reduce_expert_gradients)
+        if expert_bytes and c.engine == "accelerate":  # in DDP-sized buckets (DeepSpeed's reduction is its own)
             predicted.counts["all_reduce"] += len(
                 gradient_buckets([(n * grad_size, torch.float32) for n in expert_numels])
             )

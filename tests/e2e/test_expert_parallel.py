@@ -11,6 +11,7 @@ model family and with uneven routing, is tests/distributed/test_expert_parallel.
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -232,6 +233,42 @@ def test_ep2_under_deepspeed_zero2_logs_the_dp2_losses_and_resumes_exactly(moe_d
     theirs = dict(AutoModelForCausalLM.from_pretrained(moe_dp2.dir / "model").named_parameters())
     for name, param in theirs.items():
         assert_close_rel(ours[name].detach(), param.detach(), f"exported {name}", tol=1e-4)  # after 6 AdamW steps
+
+
+def _planned_deepspeed_state(world: int, lora: bool) -> tuple[int, int]:
+    """(parameter, optimizer-state) elements ``mtk plan`` puts on a rank of tiny-qwen3-moe at DP ``world`` x EP 2
+    under ZeRO-2 in fp32 (weights 4 bytes an element, AdamW's two moments 8)."""
+    from mtk.models import builtin_config
+    from mtk.planner.cluster import Cluster
+    from mtk.planner.layouts import Request
+    from mtk.planner.search import plan
+
+    adapters = {"lora_r": 4, "lora_target_parameters": EXPERT_TENSORS} if lora else {}
+    cluster = Cluster(world, gpu_memory=8 << 30)
+    request = Request(builtin_config("tiny-qwen3-moe"), cluster, 64, 2 * world, dtype="fp32", reserve=0,
+                      ep_sizes=(2,), engines=("deepspeed",), **adapters)  # fmt: skip
+    entry = next(e for e in plan(request) if e.candidate.label.endswith(" zero2"))
+    assert f"dp{world} ep2" in entry.candidate.label, entry.candidate.label
+    return entry.memory.weights // 4, entry.memory.optimizer // 4
+
+
+EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+@pytest.mark.parametrize(("world", "lora"), [(2, False), (4, False), (2, True)], ids=["dp2", "dp4", "dp2-lora"])
+def test_the_plan_of_expert_parallelism_under_deepspeed_is_the_state_a_run_holds(tmp_path, world, lora):
+    """``mtk plan --ep 2 --engine deepspeed``: ZeRO-2 partitions the dense state over DP and DeepSpeed's MoE
+    parameter groups (the spread experts, or their LoRA factors) over the DP / EP ranks holding the same experts;
+    the parameter and optimizer-state elements it plans for a rank are the ones rank 0 of such a run holds (at DP 4
+    each expert has two holders, which split its moments)."""
+    yaml = Path("accelerate_configs/ep2_zero2.yaml").read_text()
+    (tmp_path / "run.yaml").write_text(yaml.replace("num_processes: 2", f"num_processes: {world}"))
+    adapters = ("--lora_r", "4", "--lora_target_parameters", ",".join(EXPERT_TENSORS)) if lora else ()
+    out = accelerate_launch("finetune.py", str(tmp_path / "run.yaml"), "--output_dir", str(tmp_path / "run"),
+                            "--model", "tiny-qwen3-moe", "--max_steps", "1", "--batch_size", "2", *adapters)  # fmt: skip
+    held = re.search(r"model state held by rank 0: (\d+) parameter elements, (\d+) optimizer-state", out.stdout)
+    assert held and f"dp={world} ep=2" in out.stdout + out.stderr, out.stdout[-2000:]
+    assert (int(held[1]), int(held[2])) == _planned_deepspeed_state(world, lora)
 
 
 def test_deepspeeds_launcher_at_ep2_logs_its_ep1_losses_and_resumes_exactly(tmp_path):

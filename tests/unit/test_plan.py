@@ -345,7 +345,20 @@ def test_expert_parallelism_divides_the_experts_and_adds_its_all_to_alls():
     # the dense gradients in one call, then the experts' in 25 MiB buckets: a layer's half of its 8 experts (18 MiB)
     assert sharded.collectives["all_reduce"]["count"] == 1 + 4
     assert model_size(config).matmul_parameters < model_size(config).parameters - experts * 3 // 4 + 1
-    assert not any(e.candidate.ep_size > 1 and e.candidate.engine == "deepspeed" for e in by_label.values())
+    # under DeepSpeed at ZeRO 1 and 2 (not 3, which refuses MoE parameters): its MoE parameter groups hold the
+    # experts' state over their 2 replicas, its own reduction not among mtk's collectives (held against runs:
+    # tests/e2e/test_expert_parallel.py)
+    stages = {
+        e.candidate.sharding
+        for e in by_label.values()
+        if e.candidate.ep_size > 1 and e.candidate.engine != "accelerate"
+    }
+    assert stages == {"zero1", "zero2"}
+    zero1 = by_label["tp1 pp1 dp4 ep2 1x1 zero1"]
+    dense = model_size(config).parameters - experts
+    assert zero1.memory.gradients == (dense + experts // 2) * 4  # ZeRO-1: every gradient of the rank's experts
+    assert zero1.memory.optimizer == -(-dense * 8 // 4) + experts // 2 * 8 // 2
+    assert "all_reduce" not in zero1.collectives and zero1.collectives["all_to_all"]["count"] == 4 * 6
     # at CP 2 (without the load-balancing term CP refuses) EP is carved out of the DP x CP replicas, and a CP rank
     # dispatches its half of each row: micro-batches of 2 rows move what 1 row does at CP 1
     unbalanced = copy.deepcopy(config)
@@ -405,8 +418,12 @@ def test_what_mtk_cannot_run_on_an_moe_model_is_one_line(capsys):
     moe = ["plan", "--model", "tiny-qwen3-moe", "--gpus", "6", "--seq_len", "64", "--global_batch", "6"]
     assert main([*moe, "--ep", "3"]) == 2
     assert "--ep 3: its 8 experts per layer do not divide over 3 ranks" in capsys.readouterr().err
-    assert main([*moe, "--ep", "2", "--engine", "deepspeed"]) == 2
-    assert "--ep 2 is weighed under accelerate" in capsys.readouterr().err
+    assert main([*moe, "--ep", "2", "--engine", "deepspeed", "--lora_r", "4"]) == 2
+    assert (
+        "--ep 2 under DeepSpeed trains the experts or their LoRA factors: with --lora_r add" in capsys.readouterr().err
+    )
+    assert main([*moe, "--ep", "2", "--engine", "deepspeed", "--cp", "2", "--gpus", "4"]) == 2
+    assert "--ep 2 under DeepSpeed runs without context parallelism: use --cp 1" in capsys.readouterr().err
     assert main(["plan", "--model", "bench-llama", "--gpus", "4", "--seq_len", "1024", "--global_batch", "4",
                  "--etp", "1"]) == 2  # fmt: skip
     assert "--etp 1 keeps an MoE model's experts whole on each TP rank; llama has none" in capsys.readouterr().err
