@@ -31,7 +31,15 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification
 
 from mtk import Accelerator
-from mtk.args import ArgumentParser, add_safety_arguments, collective_timeout, positive_float, positive_int, seed
+from mtk.args import (
+    ArgumentParser,
+    add_safety_arguments,
+    collective_timeout,
+    directory,
+    positive_float,
+    positive_int,
+    seed,
+)
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.data import ByteTokenizer, add_tokenizer_argument, load_data, pad_id_of, tokenizer_for
 from mtk.errors import DataError
@@ -55,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eval_data", help="evaluation rows (default: a fifth of --data, held out)")
     parser.add_argument("--max_steps", type=positive_int, default=200)
     parser.add_argument("--save_every", type=positive_int, default=50)
-    parser.add_argument("--output_dir", default="ckpts/classify")
+    parser.add_argument("--output_dir", type=directory, default="ckpts/classify")
     add_resume_arguments(parser, example="ckpts/classify/step_150")
     parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument("--lr", type=positive_float, default=1e-3)

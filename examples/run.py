@@ -40,6 +40,7 @@ from mtk.args import (
     add_recompute_argument,
     add_safety_arguments,
     collective_timeout,
+    directory,
     non_negative_int,
     positive_float,
     positive_int,
@@ -118,7 +119,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--save_every", type=non_negative_int, default=0, help="checkpoint every N steps (0: only at the end)"
     )
-    parser.add_argument("--output_dir", default="ckpts")
+    parser.add_argument("--output_dir", type=directory, default="ckpts")
     add_resume_arguments(parser)
     parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument(

@@ -15,6 +15,7 @@ __all__ = [
     "add_recompute_argument",
     "add_safety_arguments",
     "collective_timeout",
+    "directory",
     "finite_float",
     "seed",
     "non_negative_int",
@@ -42,6 +43,13 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def directory(text: str) -> str:
+    """A directory option (``--output_dir``): an empty one would write into whatever folder the run starts in."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; give a directory (e.g. ckpts)")
+    return text
 
 
 def non_negative_int(text: str) -> int:

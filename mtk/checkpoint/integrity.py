@@ -88,11 +88,14 @@ def contained(root: Path, name: str) -> Path:
     path = root / name
     if inside:
         walked = root
-        for part in parts:
-            walked = walked / part
-            if walked.is_symlink():
-                inside = False
-                break
+        try:
+            for part in parts:
+                walked = walked / part
+                if walked.is_symlink():
+                    inside = False
+                    break
+        except OSError:  # a name the file system cannot hold (longer than its limit): no file of the checkpoint
+            inside = False
     if not inside:
         raise CheckpointError(
             f"{root}/metadata.json lists {name!r}, which is not a file inside the checkpoint; the metadata is "
@@ -187,6 +190,13 @@ def _problem(root: Path, name: str, record: dict[str, Any], label: str | None) -
         path = contained(root, name)
     except CheckpointError as err:
         return str(err)
+    try:
+        return _file_problem(root, name, path, record, label)
+    except OSError as err:  # a name the file system cannot take (too long), a file it cannot read
+        return f"{root}: the recorded file {name[:80]!r} cannot be read ({err.strerror or err})"
+
+
+def _file_problem(root: Path, name: str, path: Path, record: dict[str, Any], label: str | None) -> str | None:
     if not path.is_file():
         if path.exists() or path.is_symlink():  # a folder, a FIFO, a device, a dangling link in its place
             return f"{path} is not a regular file; the checkpoint recorded a file of {record['bytes']} bytes there"

@@ -68,7 +68,7 @@ def save_optimizer(
     state_dict = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     other: dict[str, dict[str, Any]] = {}
-    for index, param_state in state_dict["state"].items():
+    for index, param_state in sorted(state_dict["state"].items()):  # model order on every rank (collectives below)
         layout = spread_layout(model, names[index]) if piece is not None else None
         for key, value in param_state.items():
             if not torch.is_tensor(value):

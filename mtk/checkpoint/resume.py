@@ -25,6 +25,7 @@ from mtk.checkpoint.lock import lock_output_dir
 from mtk.checkpoint.meta import read_metadata
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.data.sources import data_fingerprint
+from mtk.data.tokenizers import tokenizer_source
 from mtk.errors import CheckpointError
 
 __all__ = [
@@ -277,7 +278,7 @@ class ResumeGuard:
     _MODEL_CONFIG = "model_config"  # not an option: --model's config.json as it was (a directory's, or the file)
 
     def __init__(self, **options: Any) -> None:
-        self.options = {key: _normalized(value) if key in self._PATHS else value for key, value in options.items()}
+        self.options = _as_read(options)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ResumeGuard:
@@ -300,7 +301,7 @@ class ResumeGuard:
         return saved.get(key, self.options.get(key)) != self.options.get(key)
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        saved = {key: _normalized(value) if key in self._PATHS else value for key, value in saved.items()}
+        saved = _as_read(saved)
         # a checkpoint from before an option was guarded says nothing about it: nothing to compare
         changed = [
             f"--{key} {saved[key]} -> {value}"
@@ -334,6 +335,15 @@ def _shared_fingerprint(path: str) -> str:
     if dist.is_initialized():
         dist.broadcast_object_list(digest, src=0)
     return str(digest[0])
+
+
+def _as_read(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` as what they make the script read: the tokenizer as the one it reads (no ``--tokenizer`` and
+    ``--tokenizer bytes`` on a built-in config are one tokenizer), each path as the file it names."""
+    options = dict(options)
+    if "tokenizer" in options and "model" in options:
+        options["tokenizer"] = tokenizer_source(options["model"], options["tokenizer"])
+    return {key: _normalized(value) if key in ResumeGuard._PATHS else value for key, value in options.items()}
 
 
 def _normalized(value: Any) -> Any:

@@ -164,7 +164,8 @@ def save_checkpoint(
         # weights and optimizer are replicated over DP x CP: one copy per (tp, pp), written by replica rank 0 (a
         # distributed optimizer first gathers its state there: collective, every replica takes part). FSDP2 splits
         # them over DP (ZeRO-3 too): each rank writes its own flat piece of its TP shard (HSDP: the first replica).
-        # Under EP each rank of the first EP group writes its experts as its piece (piece 0 the dense tensors too)
+        # Under EP each rank of the first EP group writes its experts as its piece (piece 0 the dense tensors too;
+        # a LoRA factor whose experts are no run, lora_B, gathered and written whole by EP rank 0)
         index = piece.index if piece is not None else None
         tp, pp = parallel.tp_rank, parallel.pp_rank
         with full_optimizer_state(optimizers, gather=True):
@@ -343,7 +344,8 @@ def _check_replicas_agree(
 
 
 def _saves_spread_experts(model: nn.Module, parallel: ParallelState) -> bool:
-    """Whether a checkpoint of ``model`` holds experts spread over EP (not a LoRA run's frozen ones). Decided for
+    """Whether a checkpoint of ``model`` holds tensors spread over EP: experts, or the LoRA factors of expert tensors
+    spread with them (not a LoRA run's frozen experts, which it does not hold). Decided for
     the whole model (collective): a pipeline stage of dense layers only writes pieces as the others do."""
     if parallel.ep_size == 1:
         return False

@@ -30,8 +30,9 @@ __all__ = ["load_weights", "read_safetensors", "reshard_weights", "save_weights"
 
 def save_weights(model: nn.Module, path: Path, piece: Piece | None = None, *, label: str | None = None) -> None:
     """This rank's TP shard of every checkpointed tensor, with its spec; with ``piece`` (FSDP2, ZeRO-3, EP), only
-    this rank's flat piece of each, with the elements of the shard it covers (``flat``) and the shard's shape: no
-    rank gathers anything, each writes what it holds (under EP: its own experts, and piece 0 the dense tensors).
+    this rank's flat piece of each, with the elements of the shard it covers (``flat``) and the shard's shape: each
+    rank writes what it holds (under EP: its own experts, and piece 0 the dense tensors), gathering nothing but a
+    LoRA factor of expert tensors whose experts are no run (``lora_B``: EP rank 0 writes it whole).
     ``label``: the save's (:mod:`~mtk.checkpoint.labels`), kept in the header."""
     tensors: dict[str, torch.Tensor] = {}
     specs: dict[str, dict[str, Any]] = {}
@@ -52,7 +53,7 @@ def save_weights(model: nn.Module, path: Path, piece: Piece | None = None, *, la
             if not piece.experts:  # another rank holding the same experts saves them
                 continue
             run = experts_piece(param, layout) or whole_piece(param, layout)  # (whole: collective over EP)
-            if run is None:  # EP rank 0 writes a tensor whose experts are no run (a LoRA factor) whole
+            if run is None:  # a tensor whose experts are no run (lora_B): EP rank 0 writes it whole, not this rank
                 continue
             values, flat, whole = run
             tensors[name] = values.contiguous().cpu()  # [stop - start]

@@ -193,7 +193,7 @@ def _check_fixed_degrees(request: Request) -> None:
                 f"--ep {ep} under DeepSpeed trains the experts or their LoRA factors: with --lora_r add "
                 "--lora_target_parameters (the expert tensors), or use --engine accelerate or any"
             )
-        if "accelerate" not in request.engines and max(request.cp_sizes) > 1:
+        if "accelerate" not in request.engines and 1 not in request.cp_sizes:
             raise ConfigError(f"--ep {ep} under DeepSpeed runs without context parallelism: use --cp 1")
     if request.etp_sizes == (1,) and not moe_layers(config):
         raise ConfigError(f"--etp 1 keeps an MoE model's experts whole on each TP rank; {config.model_type} has none")

@@ -52,6 +52,18 @@ def add_tokenizer_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def tokenizer_source(model_spec: Any, tokenizer: Any) -> Any:
+    """What :func:`tokenizer_for` reads for these options, as one value: ``"bytes"`` for the byte tokenizer (asked
+    for by name, or a built-in config's default), else the directory it reads (``--tokenizer``, or the model's
+    own). Options that are not paths are returned as they are."""
+    if not isinstance(model_spec, str) or not (tokenizer is None or isinstance(tokenizer, str)):
+        return tokenizer
+    source = Path(tokenizer or model_spec)
+    if tokenizer == BYTES or (tokenizer is None and not source.is_dir()) or (source / _BYTE_FILE).is_file():
+        return BYTES
+    return str(source)
+
+
 def tokenizer_for(model_spec: str, tokenizer: str | None = None, vocab_size: int | None = None) -> Any:
     """``tokenizer`` (a local directory, or ``bytes``) if given; else the model directory's own; the byte tokenizer
     for a built-in config, which is made for it. A model directory without a tokenizer is one line, and so is the

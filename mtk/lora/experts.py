@@ -68,7 +68,7 @@ class LocalExpertsLora:
             raise ConfigError(
                 f"LoRA adapter {adapter_name!r} on {this.parameter_name} was not added through "
                 "mtk.lora.get_peft_model: PEFT's add_adapter draws its factors at this rank's piece of the experts, "
-                "other numbers on every rank; add every adapter through mtk.lora.get_peft_model"
+                "other numbers on every rank; train the adapter mtk.lora.get_peft_model made (one per model)"
             )
         weight_a = this.lora_A[adapter_name].weight
         weight_b = this.lora_B[adapter_name].weight
@@ -158,7 +158,7 @@ def draw_expert_factors(model: nn.Module, adapter_name: str, init: Any, seed: in
             old = factor.weight
             whole_shape = tuple(value.shape)
             if layout is not None:
-                value = layout.own(value)  # [r E/ep, in] or [out, r E/ep]
+                value = layout.own(value).clone()  # [r E/ep, in] or [out, r E/ep] (not a view of the whole)
             factor.weight = nn.Parameter(value.to(old.device, old.dtype), requires_grad=old.requires_grad)
             factor.in_features, factor.out_features = value.shape[1], value.shape[0]
             if layout is not None:  # reduced over the expert replicas, counted once over EP, saved by global index
@@ -173,7 +173,8 @@ def draw_expert_factors(model: nn.Module, adapter_name: str, init: Any, seed: in
             wrapper.num_experts = placement.local if placement is not None else experts
             wrapper.mtk_tp_cut = tp_cut
             wrapper.mtk_adapters = {*getattr(wrapper, "mtk_adapters", ()), adapter_name}
-            wrapper.__class__ = _local_class(type(wrapper))
+            if not isinstance(wrapper, LocalExpertsLora):
+                wrapper.__class__ = _local_class(type(wrapper))
             cut += 1
     return cut
 

@@ -24,7 +24,8 @@ class Piece:
     """This rank's place among the ranks that split every TP shard: piece ``index`` of ``count``. ``writes``:
     whether its pieces are saved from this rank (HSDP's first replica; the other replicas hold the same).
     ``experts``: whether its piece holds its experts spread over EP (the first of the ranks holding them saves them,
-    as a run of the tensor of every expert: :func:`~mtk.parallel.expert_parallel.experts_piece`)."""
+    as a run of the tensor of every expert: :func:`~mtk.parallel.expert_parallel.experts_piece`; a LoRA factor
+    whose experts are no run whole, from EP rank 0: :func:`~mtk.parallel.expert_parallel.whole_piece`)."""
 
     index: int
     count: int

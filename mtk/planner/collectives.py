@@ -77,10 +77,11 @@ def predict_collectives(
     elements).
 
     ``tp_summed_numels``: this stage's trainable parameters whose gradient is summed over TP in every backward
-    (a TP-split linear's replicated LoRA factor, the experts' LoRA factors' part under EP; every ``tp_shared`` one
-    under DeepSpeed), of ``gradient_element_size`` bytes per element (default ``element_size``);
+    (a TP-split linear's replicated LoRA factor; every ``tp_shared`` one under DeepSpeed), of
+    ``gradient_element_size`` bytes per element (default ``element_size``);
     ``tp_summed_at_step_numels``: those summed once per step instead, in the call that sums the sequence-parallel
-    gradients (``tp_shared`` under ``mtk.Accelerator``: per-head q/k norms, experts whole on each TP rank);
+    gradients (``tp_shared`` under ``mtk.Accelerator``: per-head q/k norms, experts whole on each TP rank, the
+    experts' LoRA factors);
     ``input_gradient``: whether the first stage's embedding output needs a gradient (not where the embedding is
     frozen, as under LoRA: then backward skips the first block's input collective, and under sequence parallelism the
     embedding's gather too); ``moe_layers`` MoE layers (this

@@ -24,7 +24,8 @@ deepspeed bf16         2 (P+F)      2 P + 4 P/DP 12 P  (fp32 master + moments)
 
 FSDP2 (accelerate's ``parallelism_config``, :mod:`mtk.parallel.fsdp`) divides all three by DP, and holds one decoder
 layer gathered (two: the next one prefetched) and one layer's unsharded gradients until they are reduce-scattered.
-ZeRO-1 divides the optimizer column by DP, ZeRO-2 the gradients too, ZeRO-3 the weights too (ZeRO paper:
+ZeRO-1 divides the optimizer column by DP (at EP, DeepSpeed's MoE parameter groups by the ``dp / ep`` replicas
+holding the same experts), ZeRO-2 the gradients too, ZeRO-3 the weights too (ZeRO paper:
 16 bytes per parameter for mixed-precision Adam, the accelerate bf16 and deepspeed bf16 rows alike).
 DeepSpeed also keeps the fp32 gradients of a rank's partition for the step (``4 P / DP``): its own
 ``estimate_zero2_model_states_mem_needs`` counts ``2 P + 18 P / DP``, which these rows reproduce.

@@ -572,8 +572,9 @@ def _lora_on_experts_worker(
     model = get_peft_model(accelerator.parallelize(base), lora, report=lambda *_: None)
     layers = base.config.num_hidden_layers  # every one an MoE layer
     assert sum(isinstance(m, LocalExpertsLora) for m in model.modules()) == 2 * layers  # 2 tensors in each
-    spread = [name for name, param in model.named_parameters() if is_expert_parallel(param) and "lora_" in name]
+    spread = [param for name, param in model.named_parameters() if is_expert_parallel(param) and "lora_" in name]
     assert len(spread) == 4 * layers  # each expert tensor's two factors hold this rank's experts only
+    assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in spread)  # (no view of more)
     load_full_adapters(model, peft_initial_adapters(model, lora, seed=3))
     wanted = dict(reference.named_parameters())
     adapters = [(name, param) for name, param in model.named_parameters() if "lora_" in name]

@@ -6,6 +6,7 @@ batch (fp32, <= 1e-5). The first DeepSpeed run on a machine compiles a CPU comm 
 """
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -266,7 +267,9 @@ def test_zero2_cpu_offload_equals_non_zero(reference, tmp_path):
 
 def test_deepspeed_through_accelerate_yaml(reference, tmp_path):
     """accelerate launch --config_file accelerate_configs/tp2_dp2_zero2.yaml examples/finetune.py: accelerate
-    runs DeepSpeed, mtk gives it the topology as mpu; TP from the DeepSpeed JSON. Exact, and resumes exactly."""
+    runs DeepSpeed, mtk gives it the topology as mpu; TP from the DeepSpeed JSON. Exact, and resumes exactly; the
+    resume with ACCELERATE_USE_CPU=true exported (accelerate would drop DeepSpeed for it) says it set the variable
+    aside, as DeepSpeed runs on this machine's CPU anyway."""
     first = step_losses(
         accelerate_launch(
             "finetune.py", "tp2_dp2_zero2", "--batch_size", "4", "--max_steps", "6", "--save_every", "3",
@@ -276,12 +279,13 @@ def test_deepspeed_through_accelerate_yaml(reference, tmp_path):
     for step in range(1, 7):
         assert_close_rel(first[step], reference[step], f"accelerate + ZeRO-2 TP2xDP2 loss at step {step}")
     assert (tmp_path / "a" / "step_3" / "deepspeed").is_dir()
-    resumed = step_losses(
-        accelerate_launch(
-            "finetune.py", "tp2_dp2_zero2", "--batch_size", "4", "--max_steps", "6",
-            "--output_dir", str(tmp_path / "b"), "--resume", str(tmp_path / "a" / "step_3"),
-        )
+    out = accelerate_launch(
+        "finetune.py", "tp2_dp2_zero2", "--batch_size", "4", "--max_steps", "6",
+        "--output_dir", str(tmp_path / "b"), "--resume", str(tmp_path / "a" / "step_3"),
+        env={**os.environ, "ACCELERATE_USE_CPU": "true"},
     )  # fmt: skip
+    assert "mtk: ACCELERATE_USE_CPU=true set aside: this machine has no accelerator" in out.stdout + out.stderr
+    resumed = step_losses(out)
     assert sorted(resumed) == [4, 5, 6]
     for step in (4, 5, 6):
         assert_close_rel(resumed[step], first[step], f"accelerate + ZeRO-2 loss at step {step} after resume")

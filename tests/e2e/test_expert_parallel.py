@@ -264,8 +264,8 @@ def test_the_plan_of_expert_parallelism_under_deepspeed_is_the_state_a_run_holds
     yaml = Path("accelerate_configs/ep2_zero2.yaml").read_text()
     (tmp_path / "run.yaml").write_text(yaml.replace("num_processes: 2", f"num_processes: {world}"))
     adapters = ("--lora_r", "4", "--lora_target_parameters", ",".join(EXPERT_TENSORS)) if lora else ()
-    out = accelerate_launch("finetune.py", str(tmp_path / "run.yaml"), "--output_dir", str(tmp_path / "run"),
-                            "--model", "tiny-qwen3-moe", "--max_steps", "1", "--batch_size", "2", *adapters)  # fmt: skip
+    run = ("--output_dir", str(tmp_path / "run"), "--model", "tiny-qwen3-moe", "--max_steps", "1", "--batch_size", "2")
+    out = accelerate_launch("finetune.py", str(tmp_path / "run.yaml"), *run, *adapters)
     held = re.search(r"model state held by rank 0: (\d+) parameter elements, (\d+) optimizer-state", out.stdout)
     assert held and f"dp={world} ep=2" in out.stdout + out.stderr, out.stdout[-2000:]
     assert (int(held[1]), int(held[2])) == _planned_deepspeed_state(world, lora)

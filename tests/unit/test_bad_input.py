@@ -38,6 +38,9 @@ EXAMPLES = {name: _example(name) for name in ("finetune", "classify", "run", "ge
 
 SCRIPT_CASES = [
     ("finetune", ["--batch_size", "0"], "argument --batch_size: must be a positive integer, got 0"),
+    ("finetune", ["--output_dir", ""], "argument --output_dir: is empty; give a directory"),
+    ("classify", ["--output_dir", " "], "argument --output_dir: is empty; give a directory"),
+    ("run", ["--deepspeed_config", "x.json", "--output_dir", ""], "argument --output_dir: is empty; give a directory"),
     ("finetune", ["--batch_size", "two"], "argument --batch_size: 'two' is not an integer"),
     ("finetune", ["--grad_accum", "0"], "argument --grad_accum: must be a positive integer, got 0"),
     ("finetune", ["--seq_len", "0"], "argument --seq_len: must be a positive integer, got 0"),

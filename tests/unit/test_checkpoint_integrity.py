@@ -337,12 +337,13 @@ def _refusals(directory, trained, tmp_path, capsys) -> list[str]:
 
 @pytest.mark.parametrize(
     "entry",
-    ["../outside.bin", "/etc/hostname", "model/../../outside.bin"],
-    ids=["parent", "absolute", "parent-inside-a-path"],
+    ["../outside.bin", "/etc/hostname", "model/../../outside.bin", "model/" + "a" * 300],
+    ids=["parent", "absolute", "parent-inside-a-path", "longer-than-a-file-name-may-be"],
 )
 def test_metadata_cannot_name_a_file_outside_the_checkpoint(saved, trained, tmp_path, capsys, entry):
     """A listed path that leaves the checkpoint is refused by name, never read, hashed or measured: the
-    message says nothing of the outside file (its size), whatever it is."""
+    message says nothing of the outside file (its size), whatever it is. A name the file system cannot hold (its
+    lookup fails with ENAMETOOLONG) is no file of the checkpoint either."""
     (saved.parent / "outside.bin").write_bytes(b"x" * 1234)
     _rewrite_metadata(saved, lambda meta: meta["files"].update({entry: {"bytes": 1, "xxh3_128": "0" * 32}}))
     for message in _refusals(saved, trained, tmp_path, capsys):
@@ -816,6 +817,19 @@ def test_a_resume_must_keep_the_options_that_decide_the_data_and_the_adapters(tm
         ResumeGuard(tokenizer=str(model_dir)).load_state_dict(ResumeGuard(tokenizer="bytes").state_dict())
     with pytest.raises(CheckpointError, match="changes --max_length 64 -> 8"):
         ResumeGuard(max_length=8).load_state_dict(ResumeGuard(max_length=64).state_dict())
+    # the tokenizer is compared as the one the script reads: a built-in config's default is --tokenizer bytes, a
+    # model directory's default its own tokenizer (older checkpoints recorded None and resume as they did)
+    ResumeGuard(model="tiny-llama", tokenizer="bytes").load_state_dict({"model": "tiny-llama", "tokenizer": None})
+    ResumeGuard(model="tiny-llama", tokenizer=None).load_state_dict(
+        ResumeGuard(model="tiny-llama", tokenizer="bytes").state_dict()
+    )
+    ResumeGuard(model=str(model_dir), tokenizer=str(model_dir)).load_state_dict(
+        ResumeGuard(model=str(model_dir), tokenizer=None).state_dict()
+    )
+    with pytest.raises(CheckpointError, match="changes --tokenizer .*model -> bytes"):
+        ResumeGuard(model=str(model_dir), tokenizer="bytes").load_state_dict(
+            ResumeGuard(model=str(model_dir), tokenizer=None).state_dict()
+        )
     assert ResumeGuard.absent_from_older_checkpoints  # a checkpoint from before the script registered one resumes
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator as _AccelerateAccelerator
+from accelerate.utils import parse_flag_from_env
 from torch import nn
 
 from mtk.config import ParallelConfig, RunSettings
@@ -121,6 +122,18 @@ class Accelerator(
         if self.uses_deepspeed:
             check_launcher_sections()  # before accelerate's plugin reads the JSON
             remove_shm_buffers_at_exit()
+        if self.uses_deepspeed and parse_flag_from_env("ACCELERATE_USE_CPU"):  # accelerate would drop DeepSpeed
+            if not on_cpu:
+                raise ConfigError(
+                    "ACCELERATE_USE_CPU=true next to a DeepSpeed config: accelerate would drop DeepSpeed and train "
+                    f"without it on the CPU; unset ACCELERATE_USE_CPU to train under DeepSpeed on {default_device()}, "
+                    "or drop the DeepSpeed config"
+                )
+            os.environ["ACCELERATE_USE_CPU"] = "false"
+            reports.append(
+                "mtk: ACCELERATE_USE_CPU=true set aside: this machine has no accelerator, so DeepSpeed runs on the "
+                "CPU anyway (accelerate would have dropped DeepSpeed)"
+            )
         if self.uses_deepspeed and on_cpu:
             # accelerate forms DeepSpeed's process group only when not told cpu=True (which drops the
             # DeepSpeed plugin) and, without a GPU, only with an explicit backend: gloo.
