@@ -49,6 +49,10 @@ def directory(text: str) -> str:
     """A directory option (``--output_dir``): an empty one would write into whatever folder the run starts in."""
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty; give a directory (e.g. ckpts)")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # bytes Python kept as surrogates: tensorboard's event files could not be named
+        raise argparse.ArgumentTypeError(f"{text!r} holds bytes that are not UTF-8; use a UTF-8 name") from None
     return text
 
 

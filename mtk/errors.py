@@ -6,6 +6,7 @@ Each carries a one-line message saying what is wrong and what is allowed. Entry 
 """
 
 import contextlib
+import errno
 from collections.abc import Iterator
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "TrainingError",
     "UnsupportedModelError",
     "library_refusals",
+    "unusable_name",
 ]
 
 
@@ -76,3 +78,28 @@ def library_refusals() -> Iterator[None]:
         message = lines[0] if lines else type(err).__name__
         hint = next((hint for start, hint in _HINTS.items() if message.startswith(start)), None)
         raise ConfigError(f"{message}; {hint}" if hint else message) from err
+
+
+# what a file system says of a name it cannot hold, whichever path the user gave (Python's Path.is_file() and
+# is_dir() raise these rather than answering False)
+_NAME_ERRNOS = (errno.ENAMETOOLONG, errno.EILSEQ)
+
+
+def unusable_name(err: BaseException) -> MtkError | None:
+    """``err`` as one line where it is about a name the user gave that cannot be used at all, wherever the script
+    first touched it: a path too long for the file system (a name over 255 bytes, a path over 4096), or one whose
+    bytes are not UTF-8 where it must be written as text (tensorboard, JSON, the logs). ``None`` for anything else,
+    whose traceback is wanted."""
+    if isinstance(err, OSError) and err.errno in _NAME_ERRNOS:
+        name = str(err.filename or "")
+        shown = name if len(name) <= 120 else f"{name[:60]}...{name[-40:]} ({len(name)} characters)"
+        return ConfigError(
+            f"{shown}: {err.strerror} (a name may take at most 255 bytes, a path 4096); give a shorter path"
+        )
+    if isinstance(err, UnicodeEncodeError) and any(0xDC80 <= ord(c) <= 0xDCFF for c in str(err.object)):
+        # undecodable bytes of a file name or argument, kept as surrogates by Python (PEP 383)
+        return ConfigError(
+            f"{str(err.object)[:120]!r} holds bytes that are not UTF-8, which tensorboard, JSON and the logs cannot "
+            "write; rename it with UTF-8 characters"
+        )
+    return None

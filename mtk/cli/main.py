@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 
 from mtk import __version__
 from mtk.args import ArgumentParser
-from mtk.errors import MtkError
+from mtk.errors import MtkError, unusable_name
 
 SUBCOMMANDS = ("bench", "export", "plan", "topology", "verify", "verify-checkpoint")
 
@@ -90,6 +90,12 @@ def _main(argv: Sequence[str] | None) -> int:
         return args.run(args) or 0
     except MtkError as err:  # bad input: one line, no traceback
         print(f"mtk {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except (OSError, UnicodeEncodeError) as err:  # a path the file system cannot take: one line too
+        unusable = unusable_name(err)
+        if unusable is None:
+            raise
+        print(f"mtk {args.command}: error: {unusable}", file=sys.stderr)
         return 2
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -102,7 +103,7 @@ def data_fingerprint(path: str | Path) -> str:
     root = Path(path)
     digest = hashlib.sha256()
     for file in _read_files(root):
-        digest.update(str(file.relative_to(root) if root.is_dir() else "").encode() + b"\0")
+        digest.update(os.fsencode(file.relative_to(root) if root.is_dir() else "") + b"\0")  # (any bytes a name has)
         with open(file, "rb") as handle:
             for block in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(block)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from mtk.errors import MtkError
+from mtk.errors import MtkError, unusable_name
 from mtk.parallel.state import group_timeout
 
 __all__ = ["peer_failure", "report_mtk_errors", "run_main"]
@@ -74,6 +74,10 @@ def _run(main: Callable[[], None], prog: str) -> None:
         _report(prog, str(err), str(err))
         sys.exit(2)
     except Exception as err:
+        unusable = unusable_name(err)
+        if unusable is not None:
+            _report(prog, str(unusable), str(unusable))
+            sys.exit(2)
         detail = peer_failure(err)
         if detail is None:
             raise

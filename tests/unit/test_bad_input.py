@@ -39,6 +39,12 @@ EXAMPLES = {name: _example(name) for name in ("finetune", "classify", "run", "ge
 SCRIPT_CASES = [
     ("finetune", ["--batch_size", "0"], "argument --batch_size: must be a positive integer, got 0"),
     ("finetune", ["--output_dir", ""], "argument --output_dir: is empty; give a directory"),
+    ("finetune", ["--output_dir", "out\udcff"], "argument --output_dir: 'out\\udcff' holds bytes that are not UTF-8"),
+    # a name the file system cannot take, wherever the script first touches it (Path.is_file raises, not False)
+    ("finetune", ["--data", "a" * 300 + ".jsonl"], "characters): File name too long (a name may take at most"),
+    ("finetune", ["--model", "m" * 300], "characters): File name too long"),
+    ("finetune", ["--resume", "r" * 300], "characters): File name too long"),
+    ("classify", ["--data", "a" * 300 + ".csv"], "characters): File name too long"),
     ("classify", ["--output_dir", " "], "argument --output_dir: is empty; give a directory"),
     ("run", ["--deepspeed_config", "x.json", "--output_dir", ""], "argument --output_dir: is empty; give a directory"),
     ("finetune", ["--batch_size", "two"], "argument --batch_size: 'two' is not an integer"),
@@ -229,6 +235,9 @@ def test_cli_options(checkpoint, tmp_path, capsys):
         (["bench", "--pp", "2", "--pipeline_layers", "3,x"], "mtk bench", "is not a list of counts"),
         (["bench", "--pp", "2", "--pipeline_layers", "3,3"], "mtk bench", "summing to the model's 4 layers"),
         (["plan", "--model", "tiny-llama", "--gpus", "0", "--seq_len", "8", "--global_batch", "8"], "mtk", "--gpus"),
+        (["export", str(checkpoint), str(tmp_path / ("o" * 300))], "mtk export", "characters): File name too long"),
+        (["verify-checkpoint", "c" * 300], "mtk verify-checkpoint", "characters): File name too long"),
+        (["plan", "--model", "m" * 300, "--gpus", "2", "--seq_len", "8", "--global_batch", "8"], "mtk plan", "too long"),
     ]
     for argv, prog, message in cases:
         assert mtk_main(argv) == 2, argv

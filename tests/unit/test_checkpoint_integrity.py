@@ -880,6 +880,8 @@ def test_a_resume_refuses_data_files_changed_since_the_checkpoint(tmp_path):
     assert data_fingerprint(folder) == before
     (folder / "b.jsonl").write_text("")
     assert data_fingerprint(folder) != before
+    (folder / "c\udcff.jsonl").write_text("")  # a name whose bytes are not UTF-8 is read, and digested, as is
+    assert data_fingerprint(folder) not in (before, data_fingerprint(copy))
     from datasets import Dataset  # a save_to_disk folder: the arrow files its state.json lists, not map's caches
 
     Dataset.from_dict({"text": ["a", "b"]}).save_to_disk(str(tmp_path / "saved"))
