@@ -62,6 +62,7 @@ from mtk.integrations.deepspeed import (
     partition_over_replicas,
     remove_shm_buffers_at_exit,
     save_deepspeed_checkpoint,
+    standalone_environment,
     sums_over_context_parallel,
 )
 from mtk.integrations.deepspeed_batch import dp_layout
@@ -264,6 +265,7 @@ def build_data(
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    standalone_environment(lambda line: print(line, flush=True))  # plain `python run.py`: one process
     # torch.distributed from the launcher; --tp beats the env
     sizes = {"tp_size": args.tp, "cp_size": args.cp, "ep_size": args.ep, "etp_size": args.etp}
     explicit = {field: size for field, size in sizes.items() if size is not None}

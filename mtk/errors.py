@@ -56,8 +56,12 @@ class TrainingError(MtkError):
 
 
 # What to do, added to a library's refusal that does not say it (matched by the start of its first line).
+_LAUNCHER = "start the run with accelerate launch, torchrun or deepspeed, or unset the launcher's variables"
 _HINTS = {
     "Some specified arguments are not used by the HfArgumentParser": "check the spelling; --help lists the options",
+    # accelerate, where a launcher's variables (ACCELERATE_USE_DEEPSPEED, WORLD_SIZE) are set without a launcher
+    "Default process group has not been initialized": f"a launcher's variable is set by hand: {_LAUNCHER}",
+    "Tried to launch on distributed with multinode": f"WORLD_SIZE is set without a launcher: {_LAUNCHER}",
 }
 
 
@@ -75,7 +79,7 @@ def library_refusals() -> Iterator[None]:
         raise
     except (ValueError, ImportError, FileExistsError, NotADirectoryError) as err:
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        message = lines[0] if lines else type(err).__name__
+        message = lines[0].rstrip(".") if lines else type(err).__name__
         hint = next((hint for start, hint in _HINTS.items() if message.startswith(start)), None)
         raise ConfigError(f"{message}; {hint}" if hint else message) from err
 

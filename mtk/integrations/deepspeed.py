@@ -76,6 +76,24 @@ __all__ = [
 _DS_TAG = "state"
 
 
+_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def standalone_environment(report: Callable[[str], None]) -> None:
+    """A script run by plain ``python`` (no ``deepspeed`` launcher) runs as one process: the variables the launcher
+    would export for ``--num_gpus 1`` are set here, said in one line. Without them DeepSpeed looks for MPI to find
+    its ranks (``ModuleNotFoundError: mpi4py``). Launcher variables already there are left alone."""
+    if any(name in os.environ for name in _LAUNCHER_VARIABLES):
+        return
+    import socket
+
+    with socket.socket() as probe:  # a free port for the one-process group's store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    report("mtk: started without the deepspeed launcher: one process (deepspeed --num_gpus N runs N)")
+
+
 def deepspeed_config(
     path: str | Path,
     dp_size: int,

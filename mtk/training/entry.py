@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from mtk.errors import MtkError, unusable_name
 from mtk.parallel.state import group_timeout
 
-__all__ = ["peer_failure", "report_mtk_errors", "run_main"]
+__all__ = ["out_of_memory", "peer_failure", "report_mtk_errors", "run_main"]
 
 
 def _first_report(message: str) -> bool:
@@ -78,6 +78,10 @@ def _run(main: Callable[[], None], prog: str) -> None:
         if unusable is not None:
             _report(prog, str(unusable), str(unusable))
             sys.exit(2)
+        memory = out_of_memory(err)
+        if memory is not None:
+            _report(prog, memory, memory)
+            sys.exit(1)
         detail = peer_failure(err)
         if detail is None:
             raise
@@ -88,6 +92,21 @@ def _run(main: Callable[[], None], prog: str) -> None:
             key="peer failure",
         )
         sys.exit(1)
+
+
+def out_of_memory(err: BaseException) -> str | None:
+    """``err`` as one line where an allocation failed (a device's ``OutOfMemoryError``, the CPU allocator's
+    refusal): what was asked for and what to change; ``None`` for anything else."""
+    import torch
+
+    lines = str(err).strip().splitlines()
+    first = lines[0] if lines else type(err).__name__
+    if isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and "can't allocate memory" in first):
+        return (
+            f"out of memory ({first}); use a smaller --batch_size, --seq_len or --lora_r, recompute, or more ranks "
+            "(mtk plan estimates a layout's memory per rank)"
+        )
+    return None
 
 
 def _launched_worker(prog: str) -> bool:

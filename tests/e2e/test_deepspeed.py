@@ -9,6 +9,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -243,6 +244,20 @@ def test_a_json_with_only_train_batch_size_runs_that_global_batch(reference, tmp
     losses = step_losses(out)
     for step in range(1, 7):
         assert_close_rel(losses[step], reference[step], f"train_batch_size only: loss at step {step}")
+
+
+def test_run_py_without_the_launcher_is_one_process(reference, tmp_path):
+    """``python examples/run.py --deepspeed ...`` (no ``deepspeed`` launcher): one process, said in one line, with the
+    one-process losses (DeepSpeed alone would look for MPI: ``ModuleNotFoundError: mpi4py``)."""
+    command = [sys.executable, "examples/run.py", "--deepspeed", "--deepspeed_config", "ds_configs/zero2.json",
+               "--max_steps", "2", "--output_dir", str(tmp_path)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    out = run_command(command, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "mtk: started without the deepspeed launcher: one process" in out.stdout
+    losses = step_losses(out)
+    for step in (1, 2):
+        assert_close_rel(losses[step], reference[step], f"run.py alone, loss at step {step}")
 
 
 def test_deepspeed_bf16_trains(tmp_path):

@@ -2,6 +2,7 @@
 exits without racing gloo's threads."""
 
 import pytest
+import torch
 
 from mtk.spawn import run_distributed
 from mtk.training.entry import peer_failure, run_main
@@ -39,6 +40,31 @@ def test_a_lost_peer_is_one_line_and_status_1(capsys):
     assert exit_.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("train.py: error: a collective failed (Connection closed by peer [127.0.0.1]:10125)"), err
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried to "
+            "allocate 25599999999744 bytes. Error code 12 (Cannot allocate memory)"
+        ),  # fmt: skip
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+    ],
+    ids=["cpu", "device"],
+)
+def test_an_allocation_that_fails_is_one_line_and_status_1(capsys, error):
+    """finetune.py --lora_r 99999999999 asked the CPU allocator for 25.6 TB: one line saying what to change."""
+
+    def main() -> None:
+        raise error
+
+    with pytest.raises(SystemExit) as exit_:
+        run_main(main, "train.py")
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("train.py: error: out of memory (") and "use a smaller --batch_size" in err, err
     assert len(err.splitlines()) == 1
 
 

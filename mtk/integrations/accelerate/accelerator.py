@@ -22,7 +22,7 @@ from accelerate.utils import parse_flag_from_env
 from torch import nn
 
 from mtk.config import ParallelConfig, RunSettings
-from mtk.errors import ConfigError
+from mtk.errors import ConfigError, library_refusals
 from mtk.integrations.accelerate.checkpoint import ShardedCheckpointing
 from mtk.integrations.accelerate.collectives import DataParallelCollectives
 from mtk.integrations.accelerate.convert import ReplacedParams, repoint
@@ -146,6 +146,7 @@ class Accelerator(
             megatron_plugin_off(),
             accelerate_fsdp_off(),
             accumulation_from_launcher(self._explicit_accumulation, reports.append),
+            library_refusals(),  # accelerate's refusals of the environment (a launcher's variables set by hand)
         ):
             super().__init__(*args, **kwargs)
         for line in reports:
