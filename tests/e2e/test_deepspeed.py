@@ -260,6 +260,21 @@ def test_run_py_without_the_launcher_is_one_process(reference, tmp_path):
         assert_close_rel(losses[step], reference[step], f"run.py alone, loss at step {step}")
 
 
+@pytest.mark.parametrize(
+    ("variable", "hint"),
+    [("ACCELERATE_USE_DEEPSPEED", "a launcher's variable is set by hand"), ("WORLD_SIZE", "WORLD_SIZE is set")],
+)
+def test_a_launchers_variable_set_by_hand_is_one_line(tmp_path, variable, hint):
+    """``ACCELERATE_USE_DEEPSPEED=true`` or ``WORLD_SIZE=2`` exported before a plain ``python finetune.py``:
+    accelerate refuses the environment; one line saying what to do, exit status 2."""
+    command = [sys.executable, "examples/finetune.py", "--max_steps", "1", "--output_dir", str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    out = run_command(command, cwd=ROOT, env={**env, variable: "true" if variable.startswith("ACC") else "2"})
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert lines[-1].startswith("finetune.py: error: ") and hint in lines[-1] and "accelerate launch" in lines[-1]
+
+
 def test_deepspeed_bf16_trains(tmp_path):
     losses = step_losses(
         deepspeed_run(
