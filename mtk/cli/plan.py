@@ -17,6 +17,8 @@ from mtk.planner.shapes import expert_parallel_refusal, moe_layers
 from mtk.planner.timing import model_size
 from mtk.rules import check_tp_size
 
+LARGEST_CLUSTER = 1 << 20  # 1,048,576 GPUs
+LARGEST_BATCH = 1 << 16  # 65,536 sequences a step (a pretraining batch of 4M tokens is ~1,000 sequences)
 ENGINES = {"any": ("accelerate", "deepspeed"), "accelerate": ("accelerate",), "deepspeed": ("deepspeed",)}
 GIB = 2**30
 
@@ -125,6 +127,12 @@ def request_from_args(args: argparse.Namespace) -> Request:
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ConfigError(f"--{name} must be a positive number, got {value}")
+    if args.gpus > LARGEST_CLUSTER:  # every layout's degrees are searched (and --cp/--ep auto lists each size)
+        raise ConfigError(f"--gpus {args.gpus}: mtk plan weighs clusters of up to {LARGEST_CLUSTER} GPUs")
+    if args.global_batch > LARGEST_BATCH:  # each schedule is walked micro-batch by micro-batch
+        raise ConfigError(
+            f"--global_batch {args.global_batch}: mtk plan weighs up to {LARGEST_BATCH} sequences a step"
+        )
     cluster = Cluster(
         gpus=args.gpus,
         nodes=args.nodes,

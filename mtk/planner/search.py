@@ -17,6 +17,7 @@ time and saves memory); ``every_setting`` lists all of them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -322,7 +323,8 @@ def _gather_widths(numels: list[int], dp: int) -> tuple[int, ...]:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def valid_tp_sizes(request: Request) -> list[int]:
