@@ -286,7 +286,7 @@ def main(argv=None) -> None:
     max_grad_norm = settings.gradient_clipping or 1.0  # --max_grad_norm, else megatron_lm_gradient_clipping
 
     # a resumed run must continue the same data stream: a changed one of these is one clear line
-    accelerator.register_for_checkpointing(ResumeGuard.from_args(args))
+    accelerator.register_for_checkpointing(ResumeGuard.from_args(args, data.format))
     step = 0
     if resume:
         accelerator.load_state(resume)  # weights, optimizer, scheduler, RNG, data position

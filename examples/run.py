@@ -287,7 +287,7 @@ def main(argv=None) -> None:
         return {**data_position(micro_batches, micro * parallel.dp_size), "resume_guard": guard.state_dict()}
 
     # a resumed run must continue the same data stream: a changed one of these is one clear line
-    guard = ResumeGuard.from_args(args)
+    guard = ResumeGuard.from_args(args, data.format)
     step, micro_batches = 0, 0
     if resume:
         meta = load_deepspeed_checkpoint(resume, engine, parallel)

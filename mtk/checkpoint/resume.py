@@ -281,10 +281,13 @@ class ResumeGuard:
         self.options = _as_read(options)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ResumeGuard:
-        """The guard of a training script's parsed options (those of the two lists it has)."""
+    def from_args(cls, args: argparse.Namespace, data_format: str | None = None) -> ResumeGuard:
+        """The guard of a training script's parsed options (those of the two lists it has). ``data_format``: that
+        of ``--data`` (formats.detect_format); on plain ``text`` rows ``--loss_on`` changes nothing, so it is not
+        guarded there."""
         names = (*cls.DATA_OPTIONS, *cls.MODEL_OPTIONS)
-        options = {name: getattr(args, name) for name in names if hasattr(args, name)}
+        unused = ("loss_on",) if data_format == "text" else ()
+        options = {name: getattr(args, name) for name in names if hasattr(args, name) and name not in unused}
         if isinstance(options.get("data"), str) and Path(options["data"]).exists():
             options[cls._CONTENTS] = _shared_fingerprint(options["data"])
         model = Path(options["model"]) if isinstance(options.get("model"), str) else None

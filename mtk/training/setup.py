@@ -72,6 +72,7 @@ class RunData:
     train: Any
     collate: Callable[[list], dict[str, torch.Tensor]]
     evaluation: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    format: str = "text"  # --data's: text, messages or prompt_completion (formats.detect_format)
 
 
 def load_run_data(
@@ -98,7 +99,7 @@ def load_run_data(
             f"--data {data} gives {len(train)} {'rows' if packing else 'examples'}, fewer than one batch of "
             f"--batch_size {batch_size} x dp {parallel.dp_size}; give more data or a smaller batch"
         )
-    run = RunData(train, collate)
+    run = RunData(train, collate, format=summary.format)
     if eval_data:
         examples, _, eval_summary = training_data(
             eval_data,

@@ -830,6 +830,13 @@ def test_a_resume_must_keep_the_options_that_decide_the_data_and_the_adapters(tm
         ResumeGuard(model=str(model_dir), tokenizer="bytes").load_state_dict(
             ResumeGuard(model=str(model_dir), tokenizer=None).state_dict()
         )
+    # --loss_on decides nothing on plain text rows: changed there, it is no other stream (on chat rows it is)
+    import argparse
+
+    was, now = (argparse.Namespace(loss_on=side, seq_len=8) for side in ("assistant", "all"))
+    ResumeGuard.from_args(now, "text").load_state_dict(ResumeGuard.from_args(was, "text").state_dict())
+    with pytest.raises(CheckpointError, match="changes --loss_on assistant -> all"):
+        ResumeGuard.from_args(now, "messages").load_state_dict(ResumeGuard.from_args(was, "messages").state_dict())
     assert ResumeGuard.absent_from_older_checkpoints  # a checkpoint from before the script registered one resumes
 
 
