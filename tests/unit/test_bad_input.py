@@ -245,6 +245,17 @@ def test_cli_options(checkpoint, tmp_path, capsys):
     assert (tmp_path / "a_file").read_text() == "mine" and (theirs / "keep.txt").read_text() == "mine"
 
 
+def test_a_misspelt_mixed_precision_variable_is_refused_before_anything_is_built(monkeypatch):
+    """accelerate reads ACCELERATE_MIXED_PRECISION=fp17 (set by hand; its launcher checks its choices) as "no" and
+    trains in fp32 without a word."""
+    from mtk import Accelerator
+    from mtk.errors import ConfigError
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp17")
+    with pytest.raises(ConfigError, match="ACCELERATE_MIXED_PRECISION=fp17 is none of no, fp8, fp16, bf16"):
+        Accelerator()
+
+
 def test_bench_fork_workers_beside_an_accelerator_is_one_line(monkeypatch, capsys):
     """--fork_workers forks CPU (gloo) workers; where an accelerator is there, the run would not be what it says."""
     monkeypatch.setattr("torch.accelerator.is_available", lambda: True)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator as _AccelerateAccelerator
-from accelerate.utils import parse_flag_from_env
+from accelerate.utils import PrecisionType, parse_flag_from_env
 from torch import nn
 
 from mtk.config import ParallelConfig, RunSettings
@@ -104,6 +104,14 @@ class Accelerator(
             kwargs.pop("gradient_accumulation_steps", None)
         self._explicit_accumulation: int | None = kwargs.get("gradient_accumulation_steps")
         on_cpu = default_device().type == "cpu"
+        precision = os.environ.get("ACCELERATE_MIXED_PRECISION")  # accelerate takes any value there as "no"
+        if kwargs.get("mixed_precision") is None and precision is not None:
+            allowed = [p.value for p in PrecisionType]
+            if precision.lower() not in allowed:
+                raise ConfigError(
+                    f"ACCELERATE_MIXED_PRECISION={precision} is none of {', '.join(allowed)} (accelerate would train "
+                    "in fp32 without a word); set one of them, or unset it"
+                )
         self.uses_deepspeed = (
             os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
             or kwargs.get("deepspeed_plugin") is not None
