@@ -79,9 +79,9 @@ def library_refusals() -> Iterator[None]:
         raise
     except (ValueError, ImportError, FileExistsError, NotADirectoryError) as err:
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        message = lines[0].rstrip(".") if lines else type(err).__name__
+        message = lines[0] if lines else type(err).__name__
         hint = next((hint for start, hint in _HINTS.items() if message.startswith(start)), None)
-        raise ConfigError(f"{message}; {hint}" if hint else message) from err
+        raise ConfigError(f"{message.rstrip('.')}; {hint}" if hint else message) from err
 
 
 # what a file system says of a name it cannot hold, whichever path the user gave (Python's Path.is_file() and
