@@ -69,13 +69,12 @@ __all__ = [
     "sums_over_context_parallel",
     "save_deepspeed_checkpoint",
     "sizes_from_config",
+    "standalone_environment",
     "zero3_gathered",
     "zero3_whole",
 ]
 
 _DS_TAG = "state"
-
-
 _LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
