@@ -56,6 +56,14 @@ def main(argv: list[str] | None = None) -> None:
         inputs = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
         )
+    prompt_tokens = inputs["input_ids"].shape[1]
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is not None and prompt_tokens + args.max_new_tokens > positions:
+        room = max(positions - prompt_tokens, 0)
+        raise DataError(  # (transformers only warns, and generates past them until stopped)
+            f"--max_new_tokens {args.max_new_tokens} after the prompt's {prompt_tokens} tokens goes past the model's "
+            f"{positions} positions (max_position_embeddings); use --max_new_tokens {room} or fewer"
+        )
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
     print(tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip())

@@ -84,22 +84,27 @@ def library_refusals() -> Iterator[None]:
         raise ConfigError(f"{message.rstrip('.')}; {hint}" if hint else message) from err
 
 
-# what a file system says of a name it cannot hold, whichever path the user gave (Python's Path.is_file() and
-# is_dir() raise these rather than answering False)
-_NAME_ERRNOS = (errno.ENAMETOOLONG, errno.EILSEQ)
+# what a file system says of a name it cannot use, whichever path the user gave (Python's Path.is_file() and
+# is_dir() raise these rather than answering False), and what to do about it
+_NAME_ERRNOS = {
+    errno.ENAMETOOLONG: "a name may take at most 255 bytes, a path 4096; give a shorter path",
+    errno.EILSEQ: "give a name the file system takes",
+    errno.ELOOP: "its symbolic links point back at themselves; give a path without the loop",
+}
 
 
 def unusable_name(err: BaseException) -> MtkError | None:
     """``err`` as one line where it is about a name the user gave that cannot be used at all, wherever the script
-    first touched it: a path too long for the file system (a name over 255 bytes, a path over 4096), or one whose
-    bytes are not UTF-8 where it must be written as text (tensorboard, JSON, the logs). ``None`` for anything else,
+    first touched it: a path too long for the file system (a name over 255 bytes, a path over 4096), one through a
+    loop of symbolic links, or one whose bytes are not UTF-8 where it must be written as text (tensorboard, JSON,
+    the logs). ``None`` for anything else,
     whose traceback is wanted."""
     if isinstance(err, OSError) and err.errno in _NAME_ERRNOS:
         name = str(err.filename or "")
         shown = name if len(name) <= 120 else f"{name[:60]}...{name[-40:]} ({len(name)} characters)"
-        return ConfigError(
-            f"{shown}: {err.strerror} (a name may take at most 255 bytes, a path 4096); give a shorter path"
-        )
+        return ConfigError(f"{shown}: {err.strerror} ({_NAME_ERRNOS[err.errno]})")
+    if isinstance(err, RuntimeError) and str(err).startswith("Symlink loop from"):  # Path.resolve before 3.13
+        return ConfigError(f"{str(err)[:200]} ({_NAME_ERRNOS[errno.ELOOP]})")
     if isinstance(err, UnicodeEncodeError) and any(0xDC80 <= ord(c) <= 0xDCFF for c in str(err.object)):
         # undecodable bytes of a file name or argument, kept as surrogates by Python (PEP 383)
         return ConfigError(

@@ -91,7 +91,7 @@ def _main(argv: Sequence[str] | None) -> int:
     except MtkError as err:  # bad input: one line, no traceback
         print(f"mtk {args.command}: error: {err}", file=sys.stderr)
         return 2
-    except (OSError, UnicodeEncodeError) as err:  # a path the file system cannot take: one line too
+    except (OSError, UnicodeEncodeError, RuntimeError) as err:  # a path the file system cannot take: one line too
         unusable = unusable_name(err)
         if unusable is None:
             raise

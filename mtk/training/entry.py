@@ -22,6 +22,19 @@ from mtk.parallel.state import group_timeout
 __all__ = ["out_of_memory", "peer_failure", "report_mtk_errors", "run_main"]
 
 
+def _rank() -> int:
+    """This process's rank as a launcher exported it (0 without one, or where ``RANK`` holds no number)."""
+    text = os.environ.get("RANK", "0").strip()
+    return int(text) if text.isdigit() else 0
+
+
+def _speaks_for_all() -> bool:
+    """Whether this process reports a line before a process group exists: rank 0 of a launched job (its peers
+    check the same arguments), or a process alone, whatever ``RANK`` was set to by hand."""
+    world = os.environ.get("WORLD_SIZE", "1").strip()
+    return _rank() == 0 or not world.isdigit() or int(world) <= 1
+
+
 def _first_report(message: str) -> bool:
     """Whether no other rank has reported this exact message yet (so this rank prints it).
 
@@ -33,8 +46,8 @@ def _first_report(message: str) -> bool:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        return int(os.environ.get("RANK", "0")) == 0
-    me = os.environ.get("RANK", "0")
+        return _speaks_for_all()
+    me = str(_rank())
     key = "mtk/error/" + hashlib.sha1(message.encode()).hexdigest()  # one key per distinct message
     try:
         store = dist.distributed_c10d._get_default_store()
@@ -67,7 +80,7 @@ def _run(main: Callable[[], None], prog: str) -> None:
     try:
         main()
     except KeyboardInterrupt:  # Ctrl-C before the script's ExitSignal took over (start-up): no traceback
-        if os.environ.get("RANK", "0") == "0":
+        if _speaks_for_all():
             tqdm.write(f"{prog}: interrupted (SIGINT); stopped without saving", file=sys.stderr)
         sys.exit(130)  # the shell's status for a program that SIGINT stopped
     except MtkError as err:
@@ -149,7 +162,7 @@ def report_mtk_errors(prog: str) -> None:
 
 
 def _report(prog: str, message: str, key: str) -> None:
-    rank = int(os.environ.get("RANK", "0"))
+    rank = _rank()
     if _first_report(key):
         where = f"[rank {rank}] " if rank else ""
         # tqdm.write clears this process's bar; rank 0's bar on the shared stream is another process's, so another

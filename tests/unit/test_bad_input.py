@@ -439,6 +439,51 @@ def test_generate_with_a_chat_template_that_leaves_the_sandbox_is_one_line(tmp_p
     _one_line(capsys.readouterr().err, "generate.py", "the tokenizer's chat template refuses a conversation")
 
 
+def test_a_symbolic_link_loop_as_a_path_is_one_line(tmp_path, capsys):
+    """pathlib's resolve() raises RuntimeError("Symlink loop ...") (Python 3.11; OSError ELOOP from 3.13) wherever a
+    script or command first resolves the path."""
+    (tmp_path / "loop").symlink_to("loop")
+    for script in ("finetune", "classify"):
+        with pytest.raises(SystemExit) as exit_:
+            run_main(partial(EXAMPLES[script].main, ["--output_dir", str(tmp_path / "loop" / "sub")]), f"{script}.py")
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err  # (classify.py's data preparation draws its progress bars first)
+        assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(f"{script}.py: error: ")
+        assert "give a path without the loop" in err.strip().splitlines()[-1], err
+
+
+def test_rank_set_by_hand_on_a_process_alone_still_reports(monkeypatch, capsys):
+    """RANK exported by hand before plain python: the reporter took "rank 0 reports for all" from it and said nothing
+    (RANK=1), or raised itself (RANK=abc)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for rank in ("1", "abc"):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exit_:
+            run_main(partial(EXAMPLES["finetune"].main, ["--data", "/nonexistent.jsonl"]), "finetune.py")
+        assert exit_.value.code == 2
+        assert "--data /nonexistent.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_generate_past_the_models_positions_is_one_line(tmp_path, capsys, monkeypatch):
+    """transformers only warns when generation goes past max_position_embeddings, and generated until stopped."""
+    import transformers.utils.logging as tqdm_logging
+
+    from mtk.testing import train_chat_tokenizer
+
+    tokenizer = train_chat_tokenizer(["a river runs by the mill"] * 20)
+    model = build_model("tiny-llama", seed=0)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    capsys.readouterr()  # (the save's progress bar)
+    monkeypatch.setattr(tqdm_logging, "_tqdm_active", False)  # (the load's)
+    argv = [str(tmp_path), "--prompt", "hi", "--max_new_tokens", "100000"]
+    with pytest.raises(SystemExit) as exit_:
+        run_main(partial(EXAMPLES["generate"].main, argv), "generate.py")
+    assert exit_.value.code == 2
+    positions = model.config.max_position_embeddings
+    _one_line(capsys.readouterr().err, "generate.py", f"goes past the model's {positions} positions")
+
+
 def test_weights_for_more_layers_than_the_config_builds_are_one_line(tmp_path):
     """A config that says 2 layers beside weights for 8 trained a 2-layer model without a word (the rest ignored)."""
     from safetensors.torch import save_file
