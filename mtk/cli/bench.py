@@ -135,7 +135,10 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     if positions and args.seq > positions:
         raise MtkError(f"--seq {args.seq} is longer than the model's {positions} positions; use at most {positions}")
     if args.json:
-        check_writable_beside(Path(args.json))  # before the benchmark, not after it
+        json_path = Path(args.json)
+        if json_path.is_symlink() and not json_path.exists() or json_path.is_dir():  # (a loop, a folder)
+            raise ConfigError(f"--json {args.json} is not a file mtk bench can write; give a file's path")
+        check_writable_beside(json_path)  # before the benchmark, not after it
     Layout(world_size=args.tp * args.cp * args.pp * args.dp, tp_size=args.tp, pp_size=args.pp)
     if args.dp > 1 and args.pp > 1:
         raise MtkError("--dp > 1 runs with --pp 1 (the bench's pipeline contender has one replica)")

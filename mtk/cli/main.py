@@ -104,8 +104,13 @@ def console() -> None:
     interpreter's teardown (its line and files are out by then): a thread torch or a loader still ran would abort
     the teardown ("terminate called without an active exception", SIGABRT instead of status 130). A command that
     finished ignores a Ctrl-C during the teardown: its work is done, and the interrupt would only print a traceback
-    from whichever exit handler it landed in."""
-    code = main()
+    from whichever exit handler it landed in. Output into a pipe its reader closed (``mtk plan ... | head``) ends
+    quietly, as ``ls | head`` does."""
+    try:
+        code = main()
+    except BrokenPipeError:  # the reader is gone: nothing more to say, and a flush at exit would raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)  # the shell's status for a program SIGPIPE stopped
     if code == 130:
         sys.stdout.flush()
         sys.stderr.flush()

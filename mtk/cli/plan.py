@@ -99,7 +99,7 @@ def _degrees(text: str) -> tuple:
     """``--cp`` / ``--ep``: one degree, or ``auto``."""
     if text == "auto":
         return ("auto",)
-    if not text.isdigit() or int(text) < 1:
+    if not text.isdecimal() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer or 'auto'")
     return (int(text),)
 

@@ -25,14 +25,14 @@ __all__ = ["out_of_memory", "peer_failure", "report_mtk_errors", "run_main"]
 def _rank() -> int:
     """This process's rank as a launcher exported it (0 without one, or where ``RANK`` holds no number)."""
     text = os.environ.get("RANK", "0").strip()
-    return int(text) if text.isdigit() else 0
+    return int(text) if text.isdecimal() else 0
 
 
 def _speaks_for_all() -> bool:
     """Whether this process reports a line before a process group exists: rank 0 of a launched job (its peers
     check the same arguments), or a process alone, whatever ``RANK`` was set to by hand."""
     world = os.environ.get("WORLD_SIZE", "1").strip()
-    return _rank() == 0 or not world.isdigit() or int(world) <= 1
+    return _rank() == 0 or not world.isdecimal() or int(world) <= 1
 
 
 def _first_report(message: str) -> bool:

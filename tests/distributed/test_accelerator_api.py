@@ -122,9 +122,10 @@ def _accumulation_from_the_launcher(rank: int, world_size: int) -> list:
         explicit = Accelerator(gradient_accumulation_steps=2, parallel_config=ParallelConfig(tp_size=2))
     seen = [explicit.gradient_accumulation_steps, os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"]]
     seen.append(Accelerator(parallel_config=ParallelConfig(tp_size=2)).gradient_accumulation_steps)
-    os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = "two"
-    with pytest.raises(ConfigError, match="ACCELERATE_GRADIENT_ACCUMULATION_STEPS='two' must be a positive integer"):
-        Accelerator(parallel_config=ParallelConfig(tp_size=2))
+    for malformed in ("two", "\u00b2"):  # (a superscript two passes str.isdigit, not int())
+        os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = malformed
+        with pytest.raises(ConfigError, match=f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={malformed!r} must be a"):
+            Accelerator(parallel_config=ParallelConfig(tp_size=2))
     return [*seen, said.getvalue() if rank == 0 else None]
 
 

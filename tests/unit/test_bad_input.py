@@ -237,6 +237,7 @@ def test_cli_options(checkpoint, tmp_path, capsys):
         (["plan", "--model", "tiny-llama", "--gpus", "0", "--seq_len", "8", "--global_batch", "8"], "mtk", "--gpus"),
         (["export", str(checkpoint), str(tmp_path / ("o" * 300))], "mtk export", "characters): File name too long"),
         (["verify-checkpoint", "c" * 300], "mtk verify-checkpoint", "characters): File name too long"),
+        (["bench", "--json", str(tmp_path)], "mtk bench", "is not a file mtk bench can write"),  # (it ran first)
         (["plan", "--model", "m" * 300, "--gpus", "2", "--seq_len", "8", "--global_batch", "8"], "mtk plan", "long"),
     ]
     for argv, prog, message in cases:
@@ -437,6 +438,17 @@ def test_generate_with_a_chat_template_that_leaves_the_sandbox_is_one_line(tmp_p
         run_main(partial(EXAMPLES["generate"].main, [str(tmp_path), "--prompt", "hi"]), "generate.py")
     assert exit_.value.code == 2
     _one_line(capsys.readouterr().err, "generate.py", "the tokenizer's chat template refuses a conversation")
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    """``mtk topology ... | head -1``: the reader closes the pipe; the command ends with the shell's SIGPIPE status
+    and no BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    command = f"{sys.executable} -m mtk.cli.main topology --world 4096 --tp 2 | head -1"
+    out = subprocess.run(["bash", "-c", f"{command}; echo status ${{PIPESTATUS[0]}}"], capture_output=True, text=True)
+    assert "Traceback" not in out.stderr and out.stdout.strip().endswith("status 141"), (out.stdout, out.stderr)
 
 
 def test_a_symbolic_link_loop_as_a_path_is_one_line(tmp_path, capsys):

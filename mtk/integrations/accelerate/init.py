@@ -57,7 +57,7 @@ def accumulation_from_launcher(explicit: int | None, report: Callable[[str], Non
     if saved is None:
         yield
         return
-    if not saved.strip().isdigit() or int(saved) < 1:
+    if not saved.strip().isdecimal() or int(saved) < 1:
         raise ConfigError(f"{ACCUMULATION_VARIABLE}={saved!r} must be a positive integer (micro-batches per step)")
     if explicit is None or explicit == int(saved):
         yield
