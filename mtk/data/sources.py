@@ -14,6 +14,7 @@ import pyarrow as pa
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
 from mtk import jsonio
+from mtk.data.json_depth import check_json_depth
 from mtk.errors import DataError
 
 __all__ = ["COMPRESSIONS", "FORMATS", "data_fingerprint", "load_data"]
@@ -145,6 +146,9 @@ def load_data(path: str | Path, option: str = "--data") -> Dataset:
         kind = kinds.pop()
         if all(p.stat().st_size == 0 for p in files):
             raise DataError(f"{option} {path} is empty; give it at least one row")
+        if kind == "json":  # pyarrow's reader dies of SIGSEGV, without a line, on rows nested too deeply
+            for file in files:
+                check_json_depth(file, option)
         try:
             with _quiet_datasets():
                 dataset = load_dataset(kind, data_files=[str(p) for p in files], split="train")
