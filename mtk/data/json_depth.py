@@ -45,7 +45,8 @@ def json_lines_depth(path: Path) -> int:
                 deepest = max(deepest, min(opening, MAX_JSON_DEPTH))
                 continue
             scan = _Scan()
-            scan.feed(block)
+            for start in range(0, len(block), _CHUNK):  # a long line in pieces: the arrays stay ~40x _CHUNK
+                scan.feed(block[start : start + _CHUNK])
             deepest = max(deepest, scan.deepest)
     return deepest
 

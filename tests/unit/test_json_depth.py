@@ -48,7 +48,8 @@ def test_the_depth_is_a_parsers_whatever_the_blocks(tmp_path, monkeypatch, block
         assert json_depth(tmp_path / "rows.json") == _reference(text), (case, text)
 
 
-def test_json_lines_skip_runs_that_cannot_pass_the_limit_and_find_the_deep_row(tmp_path):
+def test_json_lines_skip_runs_that_cannot_pass_the_limit_and_find_the_deep_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(json_depth_module, "_CHUNK", 4096)  # the deep row (60 KB) scanned in pieces
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"text": "a [b] {c}"}\n' * 20_000)  # many brackets, each row two deep
     assert json_lines_depth(rows) <= MAX_JSON_DEPTH
