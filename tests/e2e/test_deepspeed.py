@@ -246,13 +246,17 @@ def test_a_json_with_only_train_batch_size_runs_that_global_batch(reference, tmp
         assert_close_rel(losses[step], reference[step], f"train_batch_size only: loss at step {step}")
 
 
+def _without_a_launcher() -> dict[str, str]:
+    """This environment without the variables a launcher exports (as a plain ``python`` in a shell has it)."""
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
+
+
 def test_run_py_without_the_launcher_is_one_process(reference, tmp_path):
     """``python examples/run.py --deepspeed ...`` (no ``deepspeed`` launcher): one process, said in one line, with the
     one-process losses (DeepSpeed alone would look for MPI: ``ModuleNotFoundError: mpi4py``)."""
     command = [sys.executable, "examples/run.py", "--deepspeed", "--deepspeed_config", "ds_configs/zero2.json",
                "--max_steps", "2", "--output_dir", str(tmp_path)]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    out = run_command(command, cwd=ROOT, env=env)
+    out = run_command(command, cwd=ROOT, env=_without_a_launcher())
     assert out.returncode == 0, out.stderr[-2000:]
     assert "mtk: started without the deepspeed launcher: one process" in out.stdout
     losses = step_losses(out)
@@ -268,8 +272,8 @@ def test_a_launchers_variable_set_by_hand_is_one_line(tmp_path, variable, hint):
     """``ACCELERATE_USE_DEEPSPEED=true`` or ``WORLD_SIZE=2`` exported before a plain ``python finetune.py``:
     accelerate refuses the environment; one line saying what to do, exit status 2."""
     command = [sys.executable, "examples/finetune.py", "--max_steps", "1", "--output_dir", str(tmp_path)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    out = run_command(command, cwd=ROOT, env={**env, variable: "true" if variable.startswith("ACC") else "2"})
+    value = "true" if variable.startswith("ACC") else "2"
+    out = run_command(command, cwd=ROOT, env={**_without_a_launcher(), variable: value})
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert lines[-1].startswith("finetune.py: error: ") and hint in lines[-1] and "accelerate launch" in lines[-1]

@@ -34,6 +34,7 @@ from tests.e2e.launch import (
 )
 
 MOE = ("--model", "tiny-qwen3-moe", "--max_steps", "6", "--batch_size", "4")  # a global batch of 8 over DP 2
+EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # --lora_target_parameters
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +189,7 @@ def test_lora_on_the_experts_inside_a_pp2_pipeline_at_ep2_logs_the_accumulated_d
     """LoRA on the linears and the expert tensors at TP 1 x PP 2 x DP 2 with EP 2: each stage's experts' factors
     spread with its experts and reduced over their replicas beside the pipeline's DP reduction of the other
     adapters; the losses of DP 2 accumulating the same 2 micro-batches with the same adapters."""
-    lora = ("--lora_r", "4", "--lora_target_parameters", "mlp.experts.gate_up_proj,mlp.experts.down_proj")
+    lora = ("--lora_r", "4", "--lora_target_parameters", ",".join(EXPERT_TENSORS))
     reference = finetune("tp1_dp2", tmp_path / "dp2", *ACCUMULATING, *lora, "--batch_size", "2", "--grad_accum", "2")
     keys = {"pp_degree": "2", "tp_degree": "1", "expert_tensor_parallel_size": "1", "num_micro_batches": "2"}
     out = accelerate_launch("finetune.py", _yaml(tmp_path, **keys), "--output_dir", str(tmp_path / "run"),
@@ -252,9 +253,6 @@ def _planned_deepspeed_state(world: int, lora: bool) -> tuple[int, int]:
     return entry.memory.weights // 4, entry.memory.optimizer // 4
 
 
-EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-
-
 @pytest.mark.parametrize(("world", "lora"), [(2, False), (4, False), (2, True)], ids=["dp2", "dp4", "dp2-lora"])
 def test_the_plan_of_expert_parallelism_under_deepspeed_is_the_state_a_run_holds(tmp_path, world, lora):
     """``mtk plan --ep 2 --engine deepspeed``: ZeRO-2 partitions the dense state over DP and DeepSpeed's MoE
@@ -311,7 +309,7 @@ def test_lora_at_ep2_logs_the_dp2_losses_resumes_at_ep1_and_exports(moe_dp2, tmp
     DeepSpeed ZeRO-2 (ep2_zero2.yaml) the same run logs the same losses and resumes exactly."""
     from peft import PeftModel
 
-    experts = "mlp.experts.gate_up_proj,mlp.experts.down_proj"
+    experts = ",".join(EXPERT_TENSORS)
     base = str(moe_dp2.dir / "model")
     lora = ("--model", base, *MOE[2:], "--lora_r", "4", "--lora_target_parameters", experts)
     reference = finetune("tp1_dp2", tmp_path / "dp2", *lora, "--save_every", "3")

@@ -127,3 +127,31 @@ def _groups_outlive_their_destruction(rank: int, world_size: int) -> list[int]:
 
 def test_process_groups_outlive_ddp_after_end_training():
     assert all(owners[0] >= 1 for owners in run_distributed(_groups_outlive_their_destruction, 2))
+
+
+def test_a_name_the_file_system_cannot_use_is_one_line(capsys):
+    """A path too long, through a link loop, or with bytes that are not UTF-8 where it must be written as text
+    (tensorboard's record of a --data path): one line, exit status 2, wherever the script first touched it."""
+    import errno
+
+    for error, said in (
+        (OSError(errno.ENAMETOOLONG, "File name too long", "a" * 300), "characters): File name too long (a name may"),
+        (OSError(errno.ELOOP, "Too many levels of symbolic links", "loop/sub"), "give a path without the loop"),
+        (RuntimeError("Symlink loop from '/x/loop'"), "Symlink loop from '/x/loop' (its symbolic links point back"),
+        (UnicodeEncodeError("utf-8", "da\udcffta.jsonl", 2, 3, "surrogates not allowed"), "holds bytes that are not"),
+    ):
+
+        def main(error=error) -> None:
+            raise error
+
+        with pytest.raises(SystemExit) as exit_:
+            run_main(main, "train.py")
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("train.py: error: ") and said in err and len(err.splitlines()) == 1, err
+
+    def broken_disk() -> None:
+        raise OSError(errno.EIO, "I/O error", "x")
+
+    with pytest.raises(OSError):  # any other OSError keeps its traceback
+        run_main(broken_disk, "train.py")
