@@ -72,6 +72,7 @@ from mtk.integrations.deepspeed_experts import (
     prepare_experts_for_deepspeed,
     spread_experts_seen_as_moe,
 )
+from mtk.integrations.deepspeed_norm import clip_where_deepspeed_keeps_no_norm
 from mtk.lora import get_peft_model
 from mtk.lora.options import add_lora_arguments, base_dtype, lora_config
 from mtk.models import check_seq_len, resolve_config
@@ -229,6 +230,7 @@ def build_engine(args: argparse.Namespace, parallel: ParallelState) -> tuple[Any
             config=ds_config,
             mpu=parallel,
         )
+    clip_where_deepspeed_keeps_no_norm(engine, parallel)  # ZeRO-0 fp32 keeps no norm to log and check
     return engine, model, scheduler
 
 

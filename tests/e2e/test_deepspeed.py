@@ -16,7 +16,16 @@ import pytest
 
 from mtk.models import build_model
 from mtk.testing import assert_close_rel
-from tests.e2e.launch import ROOT, accelerate_launch, assert_checkpoint_whole, deepspeed_run, run_command, step_losses
+from tests.e2e.launch import (
+    ROOT,
+    accelerate_launch,
+    assert_checkpoint_whole,
+    assert_same_losses,
+    deepspeed_run,
+    logged,
+    run_command,
+    step_losses,
+)
 
 
 def held(out: subprocess.CompletedProcess) -> tuple[float, float]:
@@ -339,6 +348,31 @@ def test_accelerate_steps_and_weights_tokens_with_the_json_accumulation(referenc
     losses = step_losses(out)
     for step in range(1, 7):
         assert_close_rel(losses[step], reference[step], f"accelerate + JSON accumulation 2: loss at step {step}")
+
+
+def test_zero0_fp32_clips_by_and_logs_the_global_norm(llama_tp1, tmp_path):
+    """ZeRO-0 in fp32 steps the script's own optimizer and DeepSpeed keeps no gradient norm there (through
+    accelerate the run stopped at step 1, "the gradient norm is nan"). mtk clips in its place: the losses and the
+    logged norms of the non-ZeRO run, at TP 2 through accelerate and under DeepSpeed's launcher."""
+    config = json.loads((ROOT / "ds_configs" / "accelerate_zero2_tp2.json").read_text())
+    write_json(tmp_path / "ds.json", **{**config, "zero_optimization": {"stage": 0}})
+    yaml = (ROOT / "accelerate_configs" / "tp2_dp2_zero2.yaml").read_text()
+    yaml = yaml.replace("ds_configs/accelerate_zero2_tp2.json", str(tmp_path / "ds.json"))
+    (tmp_path / "ds.yaml").write_text(yaml.replace("num_processes: 4", "num_processes: 2"))
+    six_steps = ("--max_steps", "6")
+    runs = {
+        "accelerate": accelerate_launch(
+            "finetune.py", str(tmp_path / "ds.yaml"), *six_steps, "--output_dir", str(tmp_path / "accelerate")
+        ),
+        "run.py": deepspeed_run(2, "zero0", "--tp", "2", *six_steps, "--output_dir", str(tmp_path / "run.py")),
+    }
+    expected = logged(llama_tp1.dir)
+    assert min(expected.values()) > 1.0  # every step clipped at 1.0
+    for name, out in runs.items():
+        assert_same_losses(step_losses(out), llama_tp1.losses, range(1, 7), f"ZeRO-0 TP 2 ({name})")
+        norms = logged(tmp_path / name)
+        for step in range(1, 7):
+            assert_close_rel(norms[step], expected[step], f"ZeRO-0 TP 2 ({name}): gradient norm at step {step}")
 
 
 def test_a_non_finite_deepspeed_step_stops_the_run_before_it_is_saved(tmp_path):

@@ -29,6 +29,7 @@ from mtk.integrations.deepspeed_experts import (
     split_client_optimizer,
     spread_experts_seen_as_moe,
 )
+from mtk.integrations.deepspeed_norm import clip_where_deepspeed_keeps_no_norm
 from mtk.parallel.state import ParallelState
 
 __all__ = [
@@ -144,7 +145,9 @@ def deepspeed_initialize_with_mpu(parallel: ParallelState, where: str) -> Iterat
         with initialization_cleanup(where), spread_experts_seen_as_moe() if spread else contextlib.nullcontext():
             if isinstance(config, dict):
                 partition_over_replicas(kwargs["model"], config, parallel)  # ZeRO-3 at CP > 1: over DP x CP
-            return original(*args, **kwargs)
+            initialized = original(*args, **kwargs)
+        clip_where_deepspeed_keeps_no_norm(initialized[0], parallel)  # ZeRO-0 fp32: the norm accelerate returns
+        return initialized
 
     deepspeed.initialize = initialize
     try:
