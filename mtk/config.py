@@ -267,21 +267,6 @@ class RunSettings:
     loss_chunk_tokens: int | None = None
     cp_comm_type: str = "p2p"
 
-    def layers_per_stage(self, num_layers: int, pp_size: int) -> tuple[int, ...]:
-        """Decoder blocks per stage as asked (``pipeline_layers``, or ``last_stage_layers`` with the rest
-        as even as possible, earlier stages taking the remainder); ``()``: mtk's default split, the LM head
-        counted as layers of the last stage (:mod:`mtk.pipeline.balance`)."""
-        if self.pipeline_layers or self.last_stage_layers is None or pp_size == 1:
-            return self.pipeline_layers
-        rest = num_layers - self.last_stage_layers
-        if rest < pp_size - 1:
-            raise ConfigError(
-                f"decoder_last_pipeline_num_layers={self.last_stage_layers} leaves {rest} of the model's {num_layers} "
-                f"layers for the other {pp_size - 1} stages; each needs at least one"
-            )
-        base, extra = divmod(rest, pp_size - 1)
-        return (*(base + (stage < extra) for stage in range(pp_size - 1)), self.last_stage_layers)
-
     def check_pipeline(self, pp_size: int) -> list[str]:
         """Refuse (one line) a schedule this layout cannot run; returns lines to report for pipeline
         settings that do nothing at ``pp_size = 1``."""

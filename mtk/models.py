@@ -43,12 +43,15 @@ __all__ = [
     "DTYPES",
     "MAX_LAYERS",
     "ModelSpecError",
+    "attention_heads",
     "auto_class_for",
     "builtin_config",
     "build_model",
     "check_config_values",
     "check_seq_len",
     "check_weights",
+    "element_size",
+    "num_layers",
     "resolve_config",
     "whole_parameters",
     "with_layers",
@@ -405,18 +408,41 @@ def check_seq_len(config: PretrainedConfig, seq_len: int) -> None:
         )
 
 
+def num_layers(config: PretrainedConfig) -> int:
+    """The model's decoder layers, under whichever name its config keeps them (``num_hidden_layers``, GPT-2's
+    ``n_layer``, ``num_layers``)."""
+    for name in _DEPTH_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ModelSpecError(f"{type(config).__name__} gives no decoder depth (one of {', '.join(_DEPTH_FIELDS)})")
+
+
+def attention_heads(config: PretrainedConfig) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head dim) of the whole model (GPT-2 names the heads ``n_head``)."""
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def element_size(dtype: str) -> int:
+    """Bytes per element of a dtype named as mtk's options name it (:data:`DTYPES`: ``fp32``, ``bf16``, ``fp16``)."""
+    return DTYPES[dtype].itemsize
+
+
 def with_layers(config: PretrainedConfig, layers: int) -> PretrainedConfig:
     """A copy of ``config`` with ``layers`` decoder layers, for a model built on the meta device (per-layer lists
     such as sliding-window layer types keep the new depth; no pad token, which GPT-2 looks for in the batch)."""
     config = copy.deepcopy(config)
     config.pad_token_id = None
-    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+    for name in _DEPTH_FIELDS:
         if hasattr(config, name):
             setattr(config, name, layers)
     for name in ("layer_types", "mlp_layer_types"):
         value = getattr(config, name, None)
         if isinstance(value, list) and value:
-            setattr(config, name, (value * layers)[:layers])
+            with contextlib.suppress(AttributeError):  # a property computed from other fields (Jamba, Bamba) follows
+                setattr(config, name, (value * layers)[:layers])
     return config
 
 

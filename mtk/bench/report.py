@@ -10,7 +10,7 @@ from typing import Any
 
 from mtk.bench.contenders import BenchSpec
 from mtk.bench.runner import ContenderSummary
-from mtk.models import resolve_config
+from mtk.models import element_size, resolve_config
 from mtk.pipeline.schedules import bubble_fraction, bubble_overhead
 from mtk.planner.collectives import Predicted
 
@@ -97,7 +97,7 @@ def tensor_parallel_floor(
     assert ours.median_s is not None and one_thread.median_s is not None
     per_all_reduce = max((x for x in ours.activation_all_reduce_s if x is not None), default=0.0)
     hidden = resolve_config(spec.model).hidden_size
-    activation = spec.batch * spec.seq * hidden * (2 if spec.dtype == "bf16" else 4)
+    activation = spec.batch * spec.seq * hidden * element_size(spec.dtype)
     all_reduces = predicted.nbytes["all_reduce"] / activation
     floor = one_thread.median_s / spec.tp_size + all_reduces * per_all_reduce
     return {

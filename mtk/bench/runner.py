@@ -18,7 +18,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from mtk.bench.contenders import CONTENDERS, BenchSpec
-from mtk.models import build_model, resolve_config
+from mtk.models import attention_heads, build_model, num_layers, resolve_config
+from mtk.models import element_size as dtype_size
 from mtk.pipeline.balance import layer_counts, rank_layers
 from mtk.planner.collectives import (
     Predicted,
@@ -87,7 +88,7 @@ class ContenderSummary:
 
 def predicted_for(spec: BenchSpec) -> Predicted:
     config = resolve_config(spec.model)
-    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    layers = num_layers(config)
     replicas = spec.cp_size if spec.cp_size > 1 else spec.dp_size  # CP ranks sum their gradients in one call
     dp_traffic = (
         {}
@@ -99,7 +100,7 @@ def predicted_for(spec: BenchSpec) -> Predicted:
     stage_layers = _first_rank_layers(config, spec) if spec.pp_size > 1 else layers
     moe_here = stage_moe_layers(config, stage_layers, spec.pp_size)  # rank 0's
     top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
-    element_size = 2 if spec.dtype == "bf16" else 4
+    element_size = dtype_size(spec.dtype)
     predicted = predict_collectives(
         layers,
         config.hidden_size,
@@ -108,7 +109,7 @@ def predicted_for(spec: BenchSpec) -> Predicted:
         spec.tp_size,
         pp_size=spec.pp_size,
         micro_batches=spec.micro_batches,
-        element_size=2 if spec.dtype == "bf16" else 4,
+        element_size=element_size,
         sequence_parallel=spec.sequence_parallel and spec.tp_size > 1,
         sequence_parallel_elements=sequence_parallel_elements(config, spec.tp_size) if spec.sequence_parallel else 0,
         recompute=spec.recompute,
@@ -140,14 +141,11 @@ def predicted_for(spec: BenchSpec) -> Predicted:
     predicted.counts.update(exchange.counts)
     predicted.nbytes.update(exchange.nbytes)
     if spec.fsdp:  # FSDP2's gathers and reduce-scatters, per unit
-        element_size = 2 if spec.dtype == "bf16" else 4
         for kind, moved in fsdp_traffic(config, spec.tp_size, spec.dp_size, element_size).items():
             predicted.counts[kind] += moved["count"]
             predicted.nbytes[kind] += moved["bytes"]
     if spec.cp_size > 1:
-        heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
-        kv_heads = kv_heads or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        heads, kv_heads, head_dim = attention_heads(config)
         context = predict_context_collectives(
             layers,
             spec.batch,
@@ -157,7 +155,7 @@ def predicted_for(spec: BenchSpec) -> Predicted:
             heads // spec.tp_size,
             max(1, kv_heads // spec.tp_size),  # tp beyond the kv heads: one (replicated) per rank
             head_dim,
-            2 if spec.dtype == "bf16" else 4,
+            element_size,
             recompute=spec.recompute is not None,
             losses=spec.micro_batches,
             router_experts=router_experts(config),

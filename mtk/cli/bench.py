@@ -15,10 +15,10 @@ from mtk.bench.runner import predicted_for, run_bench
 from mtk.checkpoint.export import check_writable_beside
 from mtk.config import PIPELINE_SCHEDULES, RECOMPUTE_GRANULARITIES, check_expert_tp_size, check_schedule
 from mtk.errors import ConfigError, MtkError
-from mtk.models import DTYPES, resolve_config
+from mtk.models import DTYPES, num_layers, resolve_config
 from mtk.parallel.layout import Layout
 from mtk.parallel.state import default_device
-from mtk.pipeline.stages import stage_layer_counts
+from mtk.pipeline.balance import stage_layer_counts
 from mtk.planner.shapes import expert_parallel_refusal, moe_layers
 from mtk.rules import check_tp_size
 
@@ -257,8 +257,7 @@ def _pipeline_layers(args: argparse.Namespace, config) -> tuple[int, ...]:
         counts = tuple(int(part) for part in args.pipeline_layers.split(","))
     except ValueError:
         raise MtkError(f"--pipeline_layers {args.pipeline_layers!r} is not a list of counts such as 3,1") from None
-    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
-    stage_layer_counts(layers, args.pp * args.virtual_stages, counts)  # one line unless counts >= 1 sum to the layers
+    stage_layer_counts(num_layers(config), args.pp * args.virtual_stages, counts)  # one line if no split of them
     return counts
 
 

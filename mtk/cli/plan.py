@@ -9,7 +9,7 @@ import json
 from mtk.args import positive_int
 from mtk.config import CP_COMM_TYPES
 from mtk.errors import ConfigError, MtkError
-from mtk.models import check_seq_len, resolve_config
+from mtk.models import check_seq_len, num_layers, resolve_config
 from mtk.parallel.context import router_loss_refusal
 from mtk.planner.cluster import INFINIBAND_GBPS, NVLINK_GBPS, PEAK_TFLOPS, Cluster, parse_bytes
 from mtk.planner.search import Estimate, Request, context_parallel_refusal, plan, valid_tp_sizes
@@ -210,7 +210,7 @@ def _check_fixed_degrees(request: Request) -> None:
         if refusal:
             raise ConfigError(f"--pp {request.pp_size}: {refusal}")
     if request.pp_size:
-        layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+        layers = num_layers(config)
         if layers % request.pp_size:
             valid = [p for p in range(1, layers + 1) if layers % p == 0]
             raise ConfigError(f"--pp {request.pp_size} does not divide the model's {layers} layers; valid: {valid}")

@@ -30,10 +30,31 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from mtk.errors import UnsupportedModelError
-from mtk.models import auto_class_for, with_layers
+from mtk.config import RunSettings
+from mtk.errors import ConfigError, UnsupportedModelError
+from mtk.models import auto_class_for, num_layers, with_layers
 
-__all__ = ["head_layers", "head_weight", "layer_counts", "rank_layers", "stage_layer_counts"]
+__all__ = ["asked_layers", "head_layers", "head_weight", "layer_counts", "rank_layers", "stage_layer_counts"]
+
+
+def _even(count: int, parts: int) -> list[int]:
+    """``count`` split into ``parts`` as evenly as possible, earlier parts taking the remainder."""
+    base, extra = divmod(count, parts)
+    return [base + (1 if part < extra else 0) for part in range(parts)]
+
+
+def asked_layers(settings: RunSettings, num_layers: int, pp_size: int) -> tuple[int, ...]:
+    """Decoder blocks per stage as the run's settings ask (``pipeline_layers``; or ``last_stage_layers``, Megatron's
+    ``decoder_last_pipeline_num_layers``, with the rest split evenly); ``()``: mtk's head-aware default."""
+    last = settings.last_stage_layers
+    if settings.pipeline_layers or last is None or pp_size == 1:
+        return settings.pipeline_layers
+    if num_layers - last < pp_size - 1:
+        raise ConfigError(
+            f"decoder_last_pipeline_num_layers={last} leaves {num_layers - last} of the model's {num_layers} "
+            f"layers for the other {pp_size - 1} stages; each needs at least one"
+        )
+    return (*_even(num_layers - last, pp_size - 1), last)
 
 
 def stage_layer_counts(
@@ -58,8 +79,7 @@ def stage_layer_counts(
     if num_stages == 1:
         return [num_layers]
     last = max(1, (num_layers + head_layers) // num_stages - head_layers)  # the last stage's share of the units
-    base, extra = divmod(num_layers - last, num_stages - 1)
-    return [base + (1 if stage < extra else 0) for stage in range(num_stages - 1)] + [last]
+    return [*_even(num_layers - last, num_stages - 1), last]
 
 
 def rank_layers(counts: list[int], pp_size: int) -> list[int]:
@@ -69,9 +89,8 @@ def rank_layers(counts: list[int], pp_size: int) -> list[int]:
 
 def layer_counts(config: PretrainedConfig, num_stages: int, requested: tuple[int, ...] = ()) -> list[int]:
     """The split mtk uses for this model: ``requested`` if given, else the head-aware default."""
-    num_layers = getattr(config, "num_hidden_layers", None) or config.n_layer
     head = 0 if requested or num_stages == 1 else head_layers(config)
-    return stage_layer_counts(num_layers, num_stages, requested, head)
+    return stage_layer_counts(num_layers(config), num_stages, requested, head)
 
 
 def head_layers(config: PretrainedConfig) -> int:

@@ -24,10 +24,10 @@ from torch import nn
 
 from mtk.parallel.parameters import set_param_info
 from mtk.parallel.state import ParallelState
-from mtk.pipeline.balance import head_layers, stage_layer_counts
+from mtk.pipeline.balance import layer_counts
 from mtk.rules.base import IDENTITY, REMOVE, ZEROS, RuleSet, UnsupportedModelError, compile_pattern
 
-__all__ = ["SkipLayer", "StageInfo", "split_stages", "stage_layer_counts", "swapped"]
+__all__ = ["SkipLayer", "StageInfo", "split_stages", "swapped"]
 
 
 class SkipLayer(nn.Module):
@@ -200,8 +200,11 @@ def split_stages(
         )
     layers_name, layers = _find_layers(model, spec.layers)
     p = parallel.pp_size
-    head = 0 if layers_per_stage else head_layers(cast(Any, model).config)  # the default split weighs the LM head
-    counts = stage_layer_counts(len(layers), p * virtual_stages, layers_per_stage, head)
+    counts = layer_counts(cast(Any, model).config, p * virtual_stages, layers_per_stage)  # the default weighs the head
+    if sum(counts) != len(layers):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: its config gives {sum(counts)} decoder layers, the model has {len(layers)}"
+        )
     starts = [sum(counts[:k]) for k in range(len(counts))]
     chunks = tuple(
         range(starts[k], starts[k] + counts[k]) for k in range(parallel.pp_rank, len(counts), p)

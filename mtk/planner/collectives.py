@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 
 from mtk.parallel.overlap import gradient_buckets
-from mtk.pipeline.balance import rank_layers, stage_layer_counts
 
 __all__ = ["predict_context_collectives", "predict_expert_collectives", "Predicted", "predict_collectives"]
 
@@ -94,8 +93,8 @@ def predict_collectives(
     rank 0's counted); the experts' own gradients are ``tp_shared`` (``tp_summed_at_step_numels``).
 
     With PP, ``batch`` is the step's batch, cut into ``micro_batches``; this stage's layers are
-    ``stage_layers`` (:func:`mtk.pipeline.balance.layer_counts` gives the model's split; by default the
-    layers' even share, the remainder on earlier stages: a model whose LM head weighs nothing), P2P moves one
+    ``stage_layers`` (required at ``pp > 1``: the runtime's split, :func:`mtk.pipeline.balance.layer_counts`, is
+    the one source, so no second default here), P2P moves one
     ``[b, s, h]`` tensor per micro-batch and direction at each chunk boundary (with TP, each TP rank its
     1/tp slice, all-gathered over TP by the receiver), and the loss is broadcast from the last stage. With
     ``virtual_stages`` chunks per rank (interleaved), every chunk but the model's last sends forward and every
@@ -107,8 +106,9 @@ def predict_collectives(
     counts: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
     first, last = stage == 0, stage == pp - 1
-    layers = rank_layers(stage_layer_counts(num_layers, pp * virtual_stages), pp)[stage]
-    layers = layers if stage_layers is None else stage_layers
+    if stage_layers is None and pp > 1:
+        raise ValueError("stage_layers is required at pp > 1 (mtk.pipeline.balance.layer_counts gives the split)")
+    layers = num_layers if stage_layers is None else stage_layers
     micro = batch // micro_batches
     activation = micro * seq * hidden * element_size  # one [b, s, h] tensor of a micro-batch
     if tp > 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from mtk.models import attention_heads
 from mtk.parallel.context import router_loss_refusal
 from mtk.planner.collectives import Predicted, predict_context_collectives
 from mtk.planner.layouts import Candidate, Request
@@ -15,20 +16,13 @@ from mtk.rules.registry import find_rules
 __all__ = ["attention_workspace", "context_collectives", "context_parallel_refusal", "context_traffic"]
 
 
-def _heads(config: PretrainedConfig) -> tuple[int, int, int]:
-    """(query heads, kv heads, head dim) of the whole model."""
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    return heads, kv, getattr(config, "head_dim", None) or config.hidden_size // heads
-
-
 def attention_workspace(request: Request, c: Candidate, rank_seq: int) -> int:
     """Bytes per sequence context-parallel attention holds at its backward's peak besides the trace's activations:
     two fp32 score blocks of this TP rank's heads (``[h/tp, s/cp, s/cp]`` per ring step; all-to-all: ``[h/(tp cp),
     s, s]`` at once) and the block's boolean mask (mtk.parallel.ring_attention). ``rank_seq``: a rank's tokens."""
     if c.cp_size == 1:
         return 0
-    heads = _heads(request.config)[0] // c.tp_size
+    heads = attention_heads(request.config)[0] // c.tp_size
     queries = keys = rank_seq
     if request.cp_comm == "a2a":
         heads, queries, keys = max(heads // c.cp_size, 1), request.seq, request.seq
@@ -38,7 +32,7 @@ def attention_workspace(request: Request, c: Candidate, rank_seq: int) -> int:
 def context_collectives(request: Request, c: Candidate, stage_layers: int, element_size: int) -> Predicted:
     """The CP attention's collectives per step on a rank of a stage of ``stage_layers`` decoder layers: every
     micro-batch's forward and backward (nothing at ``cp = 1``)."""
-    heads, kv_heads, head_dim = _heads(request.config)
+    heads, kv_heads, head_dim = attention_heads(request.config)
     context = predict_context_collectives(  # one micro-batch
         stage_layers,
         c.micro_batch_size,

@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import cast
 
+from mtk.models import element_size
 from mtk.parallel.distributed_optimizer import assign_owners
 from mtk.pipeline.schedules import peak_in_flight
 from mtk.planner.trace import Parameters, Phases, RankTrace
@@ -133,7 +134,7 @@ def stage_memory(
     dp = training.dp_size
     bf16_deepspeed = training.dtype == "bf16" and training.engine == "deepspeed"
     weight_size = 2 if bf16_deepspeed else 4
-    base_size = 2 if training.dtype == "bf16" else 4  # a frozen LoRA base stays in --dtype
+    base_size = element_size(training.dtype)  # a frozen LoRA base stays in --dtype
     weights = trainable * weight_size + frozen * (base_size if training.lora else weight_size)
     gradients = trainable * weight_size
     optimizer = trainable * (12 if bf16_deepspeed else 8)
@@ -209,7 +210,7 @@ def stage_memory(
     in_flight = peak_in_flight(schedule, micro_batches, stage, pp, v) if pp > 1 else 1  # chunk passes
     activations = micro_batch * (in_flight * saved // v + transient)  # a chunk pass keeps 1/v of the stage's
     trace_grad_bytes = sum(phases.before.trainable + phases.layer.trainable + phases.after.trainable)
-    trace_grad_bytes *= _trace_size(trace)
+    trace_grad_bytes *= element_size(trace.dtype)
     # Every gradient is live at the most-in-flight moment once a backward ran before it: accumulation at
     # pp = 1, a 1F1B steady state (m > p - s); else only those backward had made when the trace peaked.
     partial = int(gradients * phases.grad_at_peak / max(trace_grad_bytes, 1))
@@ -236,7 +237,3 @@ def stage_memory(
     after = gradients + reduction
     peak = weights + optimizer + buffers + max(backward, after)
     return RankMemory(weights, gradients, optimizer, activations, max(buffers, buffers + reduction), peak)
-
-
-def _trace_size(trace: RankTrace) -> int:
-    return 2 if trace.dtype == "bf16" else 4

@@ -26,6 +26,7 @@ from transformers import PretrainedConfig
 
 from mtk.config import check_schedule
 from mtk.errors import MtkError
+from mtk.models import element_size, num_layers
 from mtk.parallel.context import router_loss_refusal
 from mtk.parallel.distributed_optimizer import all_gather_rounds, assign_owners
 from mtk.parallel.layout import Layout
@@ -63,17 +64,9 @@ RECOMPUTE_ORDER = (None, "selective", "full")
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
 
-def _layers(config: PretrainedConfig) -> int:
-    return getattr(config, "num_hidden_layers", None) or config.n_layer
-
-
 def _rank_layers(config: PretrainedConfig, c: Candidate) -> list[int]:
     """Decoder layers per pipeline rank, as mtk's runtime splits them."""
     return rank_layers(layer_counts(config, c.pp_size * c.virtual_stages, c.pipeline_layers), c.pp_size)
-
-
-def _activation_size(request: Request, candidate: Candidate) -> int:
-    return 2 if request.dtype == "bf16" else 4
 
 
 def _rank_seq(request: Request, candidate: Candidate) -> int:
@@ -163,7 +156,7 @@ def _traffic(request: Request, c: Candidate, stage: int, params: Parameters) -> 
     frozen = params.frozen - (params.frozen_experts if c.ep_size > 1 else 0)
     config, cluster = request.config, request.cluster
     predicted = predict_collectives(
-        _layers(config),
+        num_layers(config),
         config.hidden_size,
         c.micro_batch_size * c.micro_batches,
         _rank_seq(request, c),
@@ -173,7 +166,7 @@ def _traffic(request: Request, c: Candidate, stage: int, params: Parameters) -> 
         micro_batches=c.micro_batches,
         virtual_stages=c.virtual_stages,
         stage_layers=_rank_layers(config, c)[stage],
-        element_size=_activation_size(request, c),
+        element_size=element_size(request.dtype),
         sequence_parallel=c.sequence_parallel,
         # the replicated parameters sequence parallelism sums over TP after backward: frozen under LoRA
         sequence_parallel_elements=(
@@ -186,7 +179,7 @@ def _traffic(request: Request, c: Candidate, stage: int, params: Parameters) -> 
             (params.tp_summed + (params.tp_summed_at_step if c.engine == "deepspeed" else ())) if c.tp_size > 1 else ()
         ),
         tp_summed_at_step_numels=params.tp_summed_at_step if c.tp_size > 1 and c.engine != "deepspeed" else (),
-        gradient_element_size=2 if (request.dtype == "bf16" and c.engine == "deepspeed") else 4,
+        gradient_element_size=element_size(request.dtype) if c.engine == "deepspeed" else 4,
         input_gradient=request.lora_r == 0,  # LoRA freezes the embedding
         moe_layers=stage_moe_layers(config, _rank_layers(config, c)[stage], c.pp_size) if c.tp_size > 1 else 0,
         top_k=int(getattr(config, "num_experts_per_tok", 0) or 0),
@@ -206,14 +199,14 @@ def _traffic(request: Request, c: Candidate, stage: int, params: Parameters) -> 
     # gradients and sharded state go over the DP x CP replicas
     tp_group, cp_group, pp_group, dp_group = (layout.groups(kind)[0] for kind in ("tp", "cp", "pp", "replica"))
     replicas = c.replica_size
-    context = context_collectives(request, c, _rank_layers(config, c)[stage], _activation_size(request, c))
+    context = context_collectives(request, c, _rank_layers(config, c)[stage], element_size(request.dtype))
     cp_bytes, cp_s = context_traffic(context, request.cp_comm, c.cp_size, cluster.bandwidth(cp_group))
     tp_kinds = ("all_reduce", "all_gather", "reduce_scatter")
     tp_bytes = sum(predicted.nbytes[k] for k in tp_kinds)
     tp_s = sum(collective_seconds(k, predicted.nbytes[k], c.tp_size, cluster.bandwidth(tp_group)) for k in tp_kinds)
     pp_bytes = predicted.nbytes["send"]
     pp_s = collective_seconds("send", pp_bytes, c.pp_size, cluster.bandwidth(pp_group[:2])) if c.pp_size > 1 else 0.0
-    grad_size = 2 if (request.dtype == "bf16" and c.engine == "deepspeed") else 4
+    grad_size = element_size(request.dtype) if c.engine == "deepspeed" else 4
     dp_bytes = sum(numels) * grad_size if replicas > 1 else 0
     dp_s = collective_seconds("all_reduce", dp_bytes, replicas, cluster.bandwidth(dp_group))
     if c.sharding == "zero3" and replicas > 1:  # every micro-batch gathers the parameters (a LoRA base's too) for
@@ -228,7 +221,7 @@ def _traffic(request: Request, c: Candidate, stage: int, params: Parameters) -> 
         dp_bytes = 2 * contributed * replicas + scattered
     if c.sharding == "fsdp2":  # every micro-batch gathers each unit for forward and backward, then reduce-scatters
         units = _rank_layers(request.config, c)[stage] + 1 + (c.pp_size > 1)  # layers, root, a stage's decoder
-        base_size = 2 if request.dtype == "bf16" and request.lora_r > 0 else 4  # a LoRA base stays in --dtype
+        base_size = element_size(request.dtype) if request.lora_r > 0 else 4  # a LoRA base stays in --dtype
         # all-gathers counted by what each rank contributes (its piece), reduce-scatters by their input
         pieces = -(-(sum(numels) * 4 + frozen * base_size) // replicas) * c.micro_batches if replicas > 1 else 0
         scattered = dp_bytes * c.micro_batches
@@ -271,7 +264,7 @@ def _traffic(request: Request, c: Candidate, stage: int, params: Parameters) -> 
         predicted.counts.update(context.counts)
         predicted.nbytes.update(context.nbytes)
     dp_bytes += expert_bytes  # (the dense reduction's prediction above is of the dense gradients alone)
-    exchange = expert_collectives(request, c, _activation_size(request, c), _rank_layers(config, c)[stage])
+    exchange = expert_collectives(request, c, element_size(request.dtype), _rank_layers(config, c)[stage])
     ep_bytes, ep_s = expert_traffic(exchange, c.ep_size, cluster.bandwidth(layout.groups("ep")[0]))
     predicted.counts.update(exchange.counts)
     predicted.nbytes.update(exchange.nbytes)
@@ -363,7 +356,7 @@ def layouts(request: Request) -> Iterator[Candidate]:
 
 def _dense_layouts(request: Request) -> Iterator[Candidate]:
     """:func:`layouts` with every expert on every replica (EP 1)."""
-    cluster, layers = request.cluster, _layers(request.config)
+    cluster, layers = request.cluster, num_layers(request.config)
     tps = [request.tp_size] if request.tp_size else valid_tp_sizes(request)
     pipeline = _pipeline_supported(request.config)
     cps = request.cp_sizes if context_parallel_refusal(request.config) is None else (1,)

@@ -18,6 +18,7 @@ from typing import Any, cast
 
 from transformers import PretrainedConfig
 
+from mtk.models import num_layers
 from mtk.parallel.distributed_optimizer import all_gather_rounds, assign_owners
 from mtk.parallel.fsdp import sharded_modules
 from mtk.parallel.parameters import param_info
@@ -65,7 +66,7 @@ def router_experts(config: PretrainedConfig) -> int:
 
 def every_layer_moe(config: PretrainedConfig) -> bool:
     """Whether every decoder layer is an MoE layer (then a pipeline stage's MoE layers are its layers)."""
-    return moe_layers(config) == (getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0))
+    return moe_layers(config) == num_layers(config)
 
 
 def stage_moe_layers(config: PretrainedConfig, stage_layers: int, pp_size: int) -> int:

@@ -26,7 +26,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from mtk.models import auto_class_for
+from mtk.models import attention_heads, auto_class_for, num_layers
 
 __all__ = ["ModelSize", "StepTime", "Traffic", "model_size"]
 
@@ -60,11 +60,8 @@ def _size(config_class: Any, config_json: str) -> ModelSize:
     for experts in (m for m in model.modules() if hasattr(m, "num_experts") and hasattr(m, "down_proj")):
         stored = sum(p.numel() for p in experts.parameters(recurse=False))  # a token runs k of the E experts
         matmul -= stored - stored * min(top_k or experts.num_experts, experts.num_experts) // experts.num_experts
-    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
-    hidden = config.hidden_size
-    heads = getattr(config, "num_attention_heads", None) or config.n_head
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    return ModelSize(total, matmul, layers, hidden, heads * head_dim)
+    heads, _, head_dim = attention_heads(config)
+    return ModelSize(total, matmul, num_layers(config), config.hidden_size, heads * head_dim)
 
 
 def model_size(config: PretrainedConfig) -> ModelSize:

@@ -7,7 +7,6 @@ converted and its logits compared with the unconverted copy on every rank.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from dataclasses import replace
 
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mtk.models import with_layers
 from mtk.parallel.comm import all_reduce
 from mtk.parallel.gather import full_shape_and_spec, gather_full_tensor
 from mtk.parallel.state import ParallelState
@@ -85,16 +85,8 @@ def check_tp_size(config, tp_size: int) -> None:
 def _one_layer_config(config):
     """``config`` with one decoder layer, or (a hybrid with ``layer_types``) the fewest first layers that hold one of
     each type: a rule that is right for one kind of layer and wrong for another fails the parity check."""
-    small = copy.deepcopy(config)
-    types = list(getattr(small, "layer_types", None) or [])
-    layers = max(types.index(t) for t in set(types)) + 1 if types else 1
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        if hasattr(small, key):
-            setattr(small, key, layers)
-    if types:
-        with contextlib.suppress(AttributeError):  # a property computed from other fields (Jamba, Bamba) follows
-            small.layer_types = types[:layers]
-    return small
+    types = list(getattr(config, "layer_types", None) or [])
+    return with_layers(config, max(types.index(t) for t in set(types)) + 1 if types else 1)
 
 
 def _check_parity(model_class: type, config, parallel: ParallelState, rule_set: RuleSet = GENERIC) -> None:

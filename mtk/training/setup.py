@@ -20,8 +20,9 @@ from mtk.checkpoint import load_pretrained_tp
 from mtk.config import RunSettings
 from mtk.data import eval_batches, training_data
 from mtk.errors import DataError
-from mtk.models import build_model, resolve_config, whole_parameters
+from mtk.models import build_model, num_layers, resolve_config, whole_parameters
 from mtk.parallel.state import ParallelState
+from mtk.pipeline.balance import asked_layers
 from mtk.training.evaluation import evaluate
 from mtk.training.signals import ExitSignal
 from mtk.training.windows import StepWindow
@@ -56,7 +57,7 @@ def _starting_model(
             spec,
             parallel,
             dtype=dtype,
-            pipeline_layers=settings.layers_per_stage(resolve_config(spec).num_hidden_layers, parallel.pp_size),
+            pipeline_layers=asked_layers(settings, num_layers(resolve_config(spec)), parallel.pp_size),
             virtual_stages=settings.virtual_stages if parallel.pp_size > 1 else 1,
             sequence_parallel=settings.sequence_parallel,
             loss_chunk_tokens=settings.loss_chunk_tokens,

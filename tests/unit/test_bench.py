@@ -25,16 +25,18 @@ def test_prediction_follows_the_megatron_math():
 
 
 def test_pipeline_prediction_per_stage():
-    first = predict_collectives(4, 64, 8, 16, 1, pp_size=2, stage=0, micro_batches=4)
-    last = predict_collectives(4, 64, 8, 16, 1, pp_size=2, stage=1, micro_batches=4)
+    first = predict_collectives(4, 64, 8, 16, 1, pp_size=2, stage=0, micro_batches=4, stage_layers=2)
+    last = predict_collectives(4, 64, 8, 16, 1, pp_size=2, stage=1, micro_batches=4, stage_layers=2)
     activation = 2 * 16 * 64 * 4
     assert first.counts == {"send": 4, "recv": 4, "broadcast": 1}
     assert first.nbytes["send"] == 4 * activation
     assert last.counts == first.counts
-    with_tp = predict_collectives(4, 64, 8, 16, 2, pp_size=2, stage=1, micro_batches=4)
+    with_tp = predict_collectives(4, 64, 8, 16, 2, pp_size=2, stage=1, micro_batches=4, stage_layers=2)
     assert with_tp.counts["all_reduce"] == 4 * (4 * 2 + 1) + 2 * 4, "2 layers, head grad, loss, per micro-batch"
     assert with_tp.nbytes["send"] == 4 * activation // 2, "scatter-gather: each TP rank sends half"
     assert with_tp.counts["all_gather"] == 4 and with_tp.nbytes["all_gather"] == 4 * activation // 2
+    with pytest.raises(ValueError, match="stage_layers is required"):  # the runtime's split is the one source
+        predict_collectives(4, 64, 8, 16, 1, pp_size=2, stage=0, micro_batches=4)
 
 
 MEMORY = {

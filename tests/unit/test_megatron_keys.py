@@ -10,6 +10,7 @@ from mtk.config import RunSettings
 from mtk.errors import ConfigError
 from mtk.integrations.accelerate.launcher import accelerate_megatron_keys, check_launcher_keys, config_file_from_argv
 from mtk.integrations.accelerate.megatron_keys import MEGATRON_KEYS, check_megatron_environment
+from mtk.pipeline.balance import asked_layers
 
 
 def test_every_variable_accelerate_exports_is_in_the_table():
@@ -80,11 +81,11 @@ def test_recompute_settings():
 
 def test_last_stage_layers():
     settings = RunSettings.from_env({"MEGATRON_LM_DECODER_LAST_PIPELINE_NUM_LAYERS": "1"})
-    assert settings.layers_per_stage(4, 2) == (3, 1)
-    assert settings.layers_per_stage(6, 3) == (3, 2, 1)
-    assert settings.layers_per_stage(4, 1) == ()
+    assert asked_layers(settings, 4, 2) == (3, 1)
+    assert asked_layers(settings, 6, 3) == (3, 2, 1)
+    assert asked_layers(settings, 4, 1) == ()
     with pytest.raises(ConfigError, match="leaves 0 of the model's 1 layers"):
-        settings.layers_per_stage(1, 2)
+        asked_layers(settings, 1, 2)
     with pytest.raises(ConfigError, match="give one of them"):
         RunSettings(pipeline_layers=(2, 2), last_stage_layers=1)
 

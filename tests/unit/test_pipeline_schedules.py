@@ -2,6 +2,7 @@
 
 import pytest
 
+from mtk.pipeline.balance import stage_layer_counts
 from mtk.pipeline.schedules import (
     Pass,
     bubble_fraction,
@@ -10,7 +11,6 @@ from mtk.pipeline.schedules import (
     schedule_order,
     simulate,
 )
-from mtk.pipeline.stages import stage_layer_counts
 from mtk.rules import UnsupportedModelError
 
 

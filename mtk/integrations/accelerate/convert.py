@@ -17,7 +17,9 @@ from torch import nn
 from mtk.config import RunSettings
 from mtk.convert import parallelize
 from mtk.errors import ConfigError
+from mtk.models import num_layers
 from mtk.parallel.state import ParallelState
+from mtk.pipeline.balance import asked_layers
 
 __all__ = ["ReplacedParams", "convert_tracking", "repoint"]
 
@@ -30,7 +32,7 @@ def convert_tracking(model: nn.Module, parallel: ParallelState, settings: RunSet
     before: dict[int, tuple[weakref.ref, list[str]]] = {}  # a tied parameter has several names
     for name, param in model.named_parameters(remove_duplicate=False):
         before.setdefault(id(param), (weakref.ref(param), []))[1].append(name)
-    layers = settings.layers_per_stage(cast(Any, model).config.num_hidden_layers, parallel.pp_size)
+    layers = asked_layers(settings, num_layers(cast(Any, model).config), parallel.pp_size)
     sequence_parallel = settings.sequence_parallel and parallel.tp_size > 1
     virtual_stages = settings.virtual_stages if parallel.pp_size > 1 else 1
     parallelize(
