@@ -186,7 +186,7 @@ def build_engine(args: argparse.Namespace, parallel: ParallelState) -> tuple[Any
     ds_config, _ = deepspeed_config(
         args.deepspeed_config,
         parallel.dp_size,
-        micro_batch=args.batch_size,
+        micro_batch_size=args.batch_size,
         grad_accum=args.grad_accum,
         layout=dp_layout(parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.cp_size),
         report=report,

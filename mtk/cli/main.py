@@ -45,11 +45,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:  # what a command leaves is already cleaned (export stages, saves are atomic)
+        _close_progress_bars()
         print(INTERRUPTED, file=sys.stderr)
         return 130
 
 
 INTERRUPTED = "mtk: interrupted (SIGINT); stopped, nothing half-written is left"
+
+
+def _close_progress_bars() -> None:
+    """Close the progress bars the interrupt stopped mid-line (transformers' loading bar, the export's), so the line
+    that follows is a line of its own rather than the end of a bar's."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # a stream already closed
+            bar.close()
 
 
 def _stop_while_starting(signum: int, frame: object) -> None:

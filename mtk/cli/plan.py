@@ -241,13 +241,13 @@ def format_table(estimates: list[Estimate], top: int) -> str:
     lines = [f"(memory and traffic in {unit})", head, "-" * len(head)]
     for index, e in enumerate(rows, 1):
         m, t = e.memory, e.traffic
-        cp = (f" {t.cp / size:>6.2f}" if context else "") + (f" {t.ep / size:>6.2f}" if experts else "")
+        cp = (f" {t.cp_bytes / size:>6.2f}" if context else "") + (f" {t.ep_bytes / size:>6.2f}" if experts else "")
         lines.append(
             f"{index:>3}  {e.candidate.label:<40} {e.candidate.engine:<10} {m.weights / size:>7.1f} "
             f"{m.gradients / size:>6.1f} {m.optimizer / size:>6.1f} {m.activations / size:>6.1f} "
-            f"{m.buffers / size:>7.1f} {m.peak / size:>6.1f} | {t.tp / size:>7.1f}{cp} {t.pp / size:>6.2f} "
-            f"{t.dp / size:>6.1f} | {e.time.bubble_overhead:>7.2f} {e.time.total:>8.3g} {e.tokens_per_s:>9.0f}"
-            + ("" if e.fits else "  *")
+            f"{m.buffers / size:>7.1f} {m.peak / size:>6.1f} | {t.tp_bytes / size:>7.1f}{cp} "
+            f"{t.pp_bytes / size:>6.2f} {t.dp_bytes / size:>6.1f} | "
+            f"{e.time.bubble_overhead:>7.2f} {e.time.total:>8.3g} {e.tokens_per_s:>9.0f}" + ("" if e.fits else "  *")
         )
     return "\n".join(lines)
 

@@ -97,7 +97,7 @@ def deepspeed_config(
     path: str | Path,
     dp_size: int,
     *,
-    micro_batch: int | None = None,
+    micro_batch_size: int | None = None,
     grad_accum: int | None = None,
     gradient_clipping: float | None = None,
     layout: str = "",
@@ -126,7 +126,7 @@ def deepspeed_config(
             f"and pass --tp N"
         )
     batch, note = reconcile_batch(
-        config, dp_size, micro=micro_batch, accumulation=grad_accum, where=str(path), layout=layout
+        config, dp_size, micro_batch_size=micro_batch_size, accumulation=grad_accum, where=str(path), layout=layout
     )
     if note:
         report(note)

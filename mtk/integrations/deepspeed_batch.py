@@ -34,27 +34,27 @@ BATCH_FIELDS = (TRAIN_BATCH, MICRO, ACCUMULATION)
 
 @dataclass(frozen=True)
 class BatchSizes:
-    """One optimizer step's batch: ``micro`` rows per DP replica per micro-batch, ``accumulation``
+    """One optimizer step's batch: ``micro_batch_size`` rows per DP replica per micro-batch, ``accumulation``
     micro-batches, ``dp_size`` replicas."""
 
-    micro: int
+    micro_batch_size: int
     accumulation: int
     dp_size: int
 
     @property
     def global_batch(self) -> int:
         """Rows (examples, or packed rows) per optimizer step: DeepSpeed's ``train_batch_size``."""
-        return self.micro * self.accumulation * self.dp_size
+        return self.micro_batch_size * self.accumulation * self.dp_size
 
     def apply(self, config: dict[str, Any]) -> dict[str, Any]:
         """``config`` with the three fields set to these values (in place; returns it)."""
         config[TRAIN_BATCH] = self.global_batch
-        config[MICRO] = self.micro
+        config[MICRO] = self.micro_batch_size
         config[ACCUMULATION] = self.accumulation
         return config
 
     def describe(self) -> str:
-        sizes = f"micro {self.micro} x accumulation {self.accumulation} x dp {self.dp_size}"
+        sizes = f"micro {self.micro_batch_size} x accumulation {self.accumulation} x dp {self.dp_size}"
         return f"global batch {self.global_batch} = {sizes}"
 
 
@@ -95,7 +95,7 @@ def reconcile_batch(
     config: Mapping[str, Any],
     dp_size: int,
     *,
-    micro: int | None = None,
+    micro_batch_size: int | None = None,
     accumulation: int | None = None,
     micro_flag: str = "--batch_size",
     accumulation_flag: str = "--grad_accum",
@@ -107,7 +107,7 @@ def reconcile_batch(
     Args:
         config: the DeepSpeed JSON (read only); its batch fields may be integers, ``"auto"`` or absent.
         dp_size: data-parallel replicas (world / (tp x pp)).
-        micro, accumulation: the script's explicit values (``None``: not given).
+        micro_batch_size, accumulation: the script's explicit values (``None``: not given).
         micro_flag, accumulation_flag, where: how messages name the flags (the value follows, or fills a ``{}``)
             and the JSON.
         layout: how DP came about, for messages (e.g. ``" (dp = world 4 / tp 2)"``).
@@ -119,12 +119,12 @@ def reconcile_batch(
     own = BatchSizes(stated[MICRO] or 0, stated[ACCUMULATION] or 0, dp_size)
     if stated[TRAIN_BATCH] is not None and own.global_batch and own.global_batch != stated[TRAIN_BATCH]:
         raise ConfigError(
-            f"{where}: {TRAIN_BATCH} {stated[TRAIN_BATCH]} != {MICRO} {own.micro} x {ACCUMULATION} {own.accumulation} "
-            f"x dp {dp_size} = {own.global_batch}{layout}; give two of the three (the third is derived), or values "
-            "that agree"
+            f"{where}: {TRAIN_BATCH} {stated[TRAIN_BATCH]} != {MICRO} {own.micro_batch_size} x {ACCUMULATION} "
+            f"{own.accumulation} x dp {dp_size} = {own.global_batch}{layout}; give two of the three (the third is "
+            "derived), or values that agree"
         )
     overrides, flags = [], []
-    for key, flag, value in ((MICRO, micro_flag, micro), (ACCUMULATION, accumulation_flag, accumulation)):
+    for key, flag, value in ((MICRO, micro_flag, micro_batch_size), (ACCUMULATION, accumulation_flag, accumulation)):
         if value is None:
             continue
         flags.append(_says(flag, value))
@@ -132,7 +132,7 @@ def reconcile_batch(
             overrides.append(f"{flags[-1]} overrides {key} {stated[key]}")
         stated[key] = value
     train_batch, mb, ga = stated[TRAIN_BATCH], stated[MICRO], stated[ACCUMULATION]
-    mb_says = _says(micro_flag, mb) if micro is not None and mb is not None else f"{MICRO} {mb}"
+    mb_says = _says(micro_flag, mb) if micro_batch_size is not None and mb is not None else f"{MICRO} {mb}"
     ga_says = _says(accumulation_flag, ga) if accumulation is not None and ga is not None else f"{ACCUMULATION} {ga}"
     if train_batch is None:
         if mb is None:

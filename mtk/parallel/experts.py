@@ -34,9 +34,9 @@ SPECS_ATTRIBUTE = "mtk_shard_specs"  # {parameter name: (full shape, ShardSpec)}
 TP_GROUP_ATTRIBUTE = "mtk_tp_group"  # the TP group an experts module's tensors were cut over
 
 
-def _specs(module: Any, intermediate: int, tp: int, rank: int) -> dict[str, tuple[tuple[int, ...], ShardSpec]]:
+def _specs(module: Any, intermediate: int, tp_size: int, rank: int) -> dict[str, tuple[tuple[int, ...], ShardSpec]]:
     gate_up, down = module.gate_up_proj, module.down_proj  # [E, 2I, H] and [E, H, I] (or transposed)
-    per = intermediate // tp
+    per = intermediate // tp_size
     mine = (rank * per, (rank + 1) * per)
     up_dim = 1 if gate_up.shape[1] == 2 * intermediate else 2
     down_dim = 2 if down.shape[2] == intermediate else 1

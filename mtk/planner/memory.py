@@ -78,32 +78,32 @@ class RankMemory:
         return asdict(self)
 
 
-def stage_parameters(trace: RankTrace, layers: int, stage: int, pp: int) -> Parameters:
+def stage_parameters(trace: RankTrace, layers: int, stage: int, pp_size: int) -> Parameters:
     """This stage's parameters in the model's order: those ahead of the layers, ``layers`` decoder layers,
     those behind them."""
-    phases = _stage_phases(trace, stage, pp)
+    phases = _stage_phases(trace, stage, pp_size)
     if phases is None:
         return trace.whole.layer * layers
     return phases.before + trace.whole.layer * layers + phases.after
 
 
-def _stage_phases(trace: RankTrace, stage: int, pp: int) -> Phases | None:
-    if pp == 1:
+def _stage_phases(trace: RankTrace, stage: int, pp_size: int) -> Phases | None:
+    if pp_size == 1:
         return trace.whole
     if trace.first is None or trace.last is None:
         raise ValueError("a pipeline stage needs a trace with pipeline=True")
     if stage == 0:
         return trace.first
-    if stage == pp - 1:
+    if stage == pp_size - 1:
         return trace.last
     return None  # a middle stage: layers only
 
 
-def _owned(numels: tuple[int, ...], dp: int, dp_rank: int | None) -> int:
+def _owned(numels: tuple[int, ...], dp_size: int, dp_rank: int | None) -> int:
     """Elements whose optimizer state DP rank ``dp_rank`` keeps under mtk's distributed optimizer (``None``:
     the most loaded rank)."""
-    owners = assign_owners(list(numels), dp)
-    loads = [sum(n for n, owner in zip(numels, owners) if owner == rank) for rank in range(dp)]
+    owners = assign_owners(list(numels), dp_size)
+    loads = [sum(n for n, owner in zip(numels, owners) if owner == rank) for rank in range(dp_size)]
     return max(loads) if dp_rank is None else loads[dp_rank]
 
 
@@ -128,8 +128,7 @@ def stage_memory(
     sharded optimizer (default: the largest). ``attention_workspace``: bytes per sequence an attention the trace
     did not run keeps while it computes (context parallelism's score blocks), on top of the trace's peak.
     """
-    pp, micro_batch = pp_size, micro_batch_size
-    params = stage_parameters(trace, layers, stage, pp)
+    params = stage_parameters(trace, layers, stage, pp_size)
     trainable, frozen = sum(params.trainable), params.frozen
     dp = training.dp_size
     bf16_deepspeed = training.dtype == "bf16" and training.engine == "deepspeed"
@@ -166,7 +165,7 @@ def stage_memory(
             trainable = sum(part.trainable) - ignored(part)
             return trainable * weight_size + (part.frozen - ignored_frozen(part)) * frozen_size
 
-        ends = _stage_phases(trace, stage, pp)  # the root unit: what the stage holds outside its layers
+        ends = _stage_phases(trace, stage, pp_size)  # the root unit: what the stage holds outside its layers
         root = (ends.before + ends.after) if ends is not None else Parameters()
         layer = trace.whole.layer
         # the root stays gathered from its forward to its backward, a layer and the next one (prefetched) with it,
@@ -201,14 +200,14 @@ def stage_memory(
         optimizer = 0
 
     # activations, per micro-batch in flight
-    phases = _stage_phases(trace, stage, pp) or cast(Phases, trace.first)
+    phases = _stage_phases(trace, stage, pp_size) or cast(Phases, trace.first)
     rest_saved = phases.saved - trace.layer_saved
     saved = max(rest_saved, 0) + layers * trace.layer_saved  # one sequence
     transient = phases.peak - phases.saved + attention_workspace
     v = virtual_stages
     schedule = "interleaved" if v > 1 else "1f1b"
-    in_flight = peak_in_flight(schedule, micro_batches, stage, pp, v) if pp > 1 else 1  # chunk passes
-    activations = micro_batch * (in_flight * saved // v + transient)  # a chunk pass keeps 1/v of the stage's
+    in_flight = peak_in_flight(schedule, micro_batches, stage, pp_size, v) if pp_size > 1 else 1  # chunk passes
+    activations = micro_batch_size * (in_flight * saved // v + transient)  # a chunk pass keeps 1/v of the stage's
     trace_grad_bytes = sum(phases.before.trainable + phases.layer.trainable + phases.after.trainable)
     trace_grad_bytes *= element_size(trace.dtype)
     # Every gradient is live at the most-in-flight moment once a backward ran before it: accumulation at

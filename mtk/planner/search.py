@@ -28,7 +28,6 @@ from mtk.config import check_schedule
 from mtk.errors import MtkError
 from mtk.models import element_size, num_layers
 from mtk.parallel.context import router_loss_refusal
-from mtk.parallel.distributed_optimizer import all_gather_rounds, assign_owners
 from mtk.parallel.layout import Layout
 from mtk.parallel.overlap import gradient_buckets
 from mtk.pipeline.balance import head_weight, layer_counts, rank_layers
@@ -39,6 +38,7 @@ from mtk.planner.experts import expert_collectives, expert_parallel_sizes, exper
 from mtk.planner.layouts import Candidate, Estimate, Request
 from mtk.planner.memory import RankMemory, Training, stage_memory, stage_parameters
 from mtk.planner.shapes import (
+    all_gather_widths,
     has_residual_dropout,
     router_experts,
     sequence_parallel_elements,
@@ -233,13 +233,13 @@ def _traffic(request: Request, c: Candidate, stage: int, params: Parameters) -> 
         dp_s = 2 * collective_seconds("all_gather", pieces, replicas, bandwidth)
         dp_s += collective_seconds("reduce_scatter", scattered, replicas, bandwidth)
         dp_bytes = 2 * pieces * replicas + scattered  # gathered in, scattered out
-    gathers = _gather_widths(numels, replicas) if c.sharding == "distopt" else ()
+    gathers = all_gather_widths(numels, replicas) if c.sharding == "distopt" else ()
     for width in gathers:  # the distributed optimizer's all-gather rounds of the updated weights
         dp_s += collective_seconds("all_gather", width * 4, replicas, cluster.bandwidth(dp_group))
     expert_replicas = replicas // c.ep_size
     expert_group = layout.groups("expert_replica")[0] if spread else dp_group
     expert_bytes = sum(expert_numels) * grad_size if expert_replicas > 1 else 0
-    expert_gathers = _gather_widths(expert_numels, expert_replicas) if c.sharding == "distopt" and spread else ()
+    expert_gathers = all_gather_widths(expert_numels, expert_replicas) if c.sharding == "distopt" and spread else ()
     if spread:  # the experts' own reduction and all-gather rounds, over the replicas holding the same experts
         dp_s += collective_seconds("all_reduce", expert_bytes, expert_replicas, cluster.bandwidth(expert_group))
         for width in expert_gathers:
@@ -309,12 +309,6 @@ def _step_time(request: Request, c: Candidate, rank_layers: list[int], traffic: 
     )
 
 
-def _gather_widths(numels: list[int], dp: int) -> tuple[int, ...]:
-    """Elements each rank contributes per all-gather round of mtk's distributed optimizer."""
-    rounds = all_gather_rounds(numels, assign_owners(numels, dp), dp)
-    return tuple(max(sum(numels[i] for i in pieces) for pieces in per_rank) for per_rank in rounds)
-
-
 def _divisors(n: int) -> list[int]:
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted({*small, *(n // d for d in small)})
@@ -332,11 +326,11 @@ def valid_tp_sizes(request: Request) -> list[int]:
     return sizes
 
 
-def _sequence_parallel_rules(config: PretrainedConfig, tp: int) -> bool:
+def _sequence_parallel_rules(config: PretrainedConfig, tp_size: int) -> bool:
     """Whether the rules mtk picks take sequence parallelism: hand-written plans do; transformers' tp plans (not
     checked under SP) and the generic rules (no shared inputs to gather the sequence) do not, and mtk refuses SP
     with them."""
-    rule_set = find_rules(config, tp)
+    rule_set = find_rules(config, tp_size)
     return rule_set is not None and rule_set.sequence_parallel and bool(rule_set.shared_inputs)
 
 
@@ -370,10 +364,10 @@ def _dense_layouts(request: Request) -> Iterator[Candidate]:
             if request.global_batch % dp:
                 continue
             replica_batch = request.global_batch // dp
-            for micro_batch in MICRO_BATCH_SIZES:
-                if replica_batch % micro_batch:
+            for micro_batch_size in MICRO_BATCH_SIZES:
+                if replica_batch % micro_batch_size:
                     continue
-                shape = Candidate(tp, pp, dp, micro_batch, replica_batch // micro_batch, cp_size=cp)
+                shape = Candidate(tp, pp, dp, micro_batch_size, replica_batch // micro_batch_size, cp_size=cp)
                 replicas = dp * cp  # distopt and FSDP2 shard over the DP x CP ranks
                 if "accelerate" in request.engines:
                     for virtual in _virtual_stages(layers, pp, shape.micro_batches):
@@ -389,13 +383,13 @@ def _dense_layouts(request: Request) -> Iterator[Candidate]:
                                 yield replace(shape, engine="deepspeed", sharding=stage, offload=offload)
 
 
-def _virtual_stages(layers: int, pp: int, micro_batches: int) -> list[int]:
+def _virtual_stages(layers: int, pp_size: int, micro_batches: int) -> list[int]:
     """1 (1F1B), then every ``v`` the interleaved schedule can run: ``p v`` chunks dividing the layers, ``m`` a
     multiple of ``p``."""
-    if pp == 1:
+    if pp_size == 1:
         return [1]
-    chunked = [v for v in range(2, layers // pp + 1) if layers % (pp * v) == 0]
-    return [1] + [v for v in chunked if check_schedule("interleaved", pp, micro_batches, v) is None]
+    chunked = [v for v in range(2, layers // pp_size + 1) if layers % (pp_size * v) == 0]
+    return [1] + [v for v in chunked if check_schedule("interleaved", pp_size, micro_batches, v) is None]
 
 
 def _settings(request: Request, candidate: Candidate, most_recompute: int) -> Iterator[Candidate]:

@@ -26,6 +26,7 @@ from mtk.parallel.router_loss import router_loss_in_loss
 from mtk.planner.trace import TraceSettings, fake_process_group, meta_model, with_layers
 
 __all__ = [
+    "all_gather_widths",
     "data_parallel_traffic",
     "expert_flags",
     "expert_parallel_refusal",
@@ -124,7 +125,7 @@ def _units(config_class: Any, config_json: str, tp_size: int) -> tuple[tuple[tup
     config = config_class.from_dict(json.loads(config_json))
     with fake_process_group(tp_size), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = meta_model(config, TraceSettings(tp_size), pp=1, pp_rank=0)
+        model = meta_model(config, TraceSettings(tp_size), pp_size=1, pp_rank=0)
         layers = sharded_modules(model)
         inside = {id(p) for layer in layers for p in layer.parameters()}
         units = [tuple(tuple(p.shape) for p in layer.parameters()) for layer in layers]
@@ -164,7 +165,7 @@ def _converted(
     settings = TraceSettings(tp_size, sequence_parallel=sequence_parallel, etp_size=etp_size)
     with fake_process_group(tp_size), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' notes belong to a real run
-        model = meta_model(config, settings, pp=1, pp_rank=0)
+        model = meta_model(config, settings, pp_size=1, pp_rank=0)
         params = list(model.parameters())
         moe = [m for m in model.modules() if hasattr(m, "num_experts") and hasattr(m, "down_proj")]  # spread_experts'
         experts = {id(p) for m in moe for p in m.parameters(recurse=False)}
@@ -213,12 +214,14 @@ def data_parallel_traffic(
     if experts and replicas > 1:
         traffic["expert_gradient_numels"] = tuple(experts)
     if distributed_optimizer:
-        widths = _all_gather_widths(dense, dp_size) + (_all_gather_widths(experts, replicas) if experts else ())
+        widths = all_gather_widths(dense, dp_size) + (all_gather_widths(experts, replicas) if experts else ())
         traffic["all_gather_widths"] = widths
     return traffic
 
 
-def _all_gather_widths(numels: list[int], replicas: int) -> tuple[int, ...]:
+def all_gather_widths(numels: list[int], replicas: int) -> tuple[int, ...]:
+    """Elements each rank contributes per all-gather round of mtk's distributed optimizer over ``replicas`` ranks
+    (none over one)."""
     if replicas == 1:
         return ()
     rounds = all_gather_rounds(numels, assign_owners(numels, replicas), replicas)

@@ -73,15 +73,15 @@ def model_size(config: PretrainedConfig) -> ModelSize:
 class Traffic:
     """Bytes one rank sends per optimizer step, by group (collective inputs, as the bench counts them)."""
 
-    tp: int
-    pp: int
-    dp: int
+    tp_bytes: int
+    pp_bytes: int
+    dp_bytes: int
     tp_wire_s: float  # seconds on the TP group's link
     pp_wire_s: float
     dp_wire_s: float
-    cp: int = 0  # context-parallel attention's sends (ring) or all-to-alls
+    cp_bytes: int = 0  # context-parallel attention's sends (ring) or all-to-alls
     cp_wire_s: float = 0.0
-    ep: int = 0  # expert parallelism's all-to-alls (the tokens to their experts and back)
+    ep_bytes: int = 0  # expert parallelism's all-to-alls (the tokens to their experts and back)
     ep_wire_s: float = 0.0
 
 

@@ -240,10 +240,10 @@ def _meta_replacements(device: str) -> Iterator[None]:
             fold.forward = saved_fold
 
 
-def meta_model(config: PretrainedConfig, settings: TraceSettings, pp: int, pp_rank: int) -> nn.Module:
+def meta_model(config: PretrainedConfig, settings: TraceSettings, pp_size: int, pp_rank: int) -> nn.Module:
     """The converted model of TP rank 0 of stage ``pp_rank`` on the meta device (inside a fake group)."""
     parallel = ParallelState.build(
-        tp_size=settings.tp_size, pp_size=pp, etp_size=settings.etp_size, device=torch.device("cpu")
+        tp_size=settings.tp_size, pp_size=pp_size, etp_size=settings.etp_size, device=torch.device("cpu")
     )
     with torch.device("meta"):
         model = auto_class_for(config).from_config(config, dtype=DTYPES[settings.dtype])
@@ -338,15 +338,15 @@ def _parameters(model, block: nn.Module | None, ep_size: int = 1) -> tuple[Param
     return before, layer, after
 
 
-def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp: int, pp_rank: int) -> Phases:
+def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp_size: int, pp_rank: int) -> Phases:
     """Trace forward and backward of TP rank 0 of stage ``pp_rank`` on a ``1 x seq`` batch."""
     with (
-        fake_process_group(settings.tp_size * pp, rank=pp_rank * settings.tp_size),
+        fake_process_group(settings.tp_size * pp_size, rank=pp_rank * settings.tp_size),
         _meta_replacements(settings.device),
         warnings.catch_warnings(),
     ):
         warnings.simplefilter("ignore")  # transformers' and PEFT's notes belong to a real run, not to a trace
-        model = meta_model(config, settings, pp, pp_rank)
+        model = meta_model(config, settings, pp_size, pp_rank)
         hf = hf_model(model)
         record = parallelized(hf)
         assert record is not None
@@ -364,7 +364,7 @@ def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp: int
             if blocks:  # live bytes around the first layer's own forward (after mtk's SP split, before its gather)
                 block, reading = blocks[0], lambda *_: around.append(live.live.get("other", 0))
                 hooks += [block.register_forward_pre_hook(reading), block.register_forward_hook(reading, prepend=True)]
-            if pp_rank == 0 and pp > 1:  # as the pipeline engine runs a stage
+            if pp_rank == 0 and pp_size > 1:  # as the pipeline engine runs a stage
                 out = cast(Any, hf).base_model(input_ids=ids, use_cache=False).last_hidden_state  # [b, s, h]
                 grad: torch.Tensor | None = torch.empty_like(out)
             else:
@@ -387,10 +387,11 @@ def _phases(config: PretrainedConfig, settings: TraceSettings, seq: int, pp: int
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_phases(config_class: Any, config_json: str, settings: TraceSettings, seq: int, pp: int, rank: int):
+def _cached_phases(config_class: Any, config_json: str, settings: TraceSettings, seq: int, pp_size: int, rank: int):
     config = config_class.from_dict(json.loads(config_json))
     try:
-        return _phases(with_layers(config, 1 if pp == 1 else 2), settings, seq, pp, rank)  # one layer per stage
+        layers = 1 if pp_size == 1 else 2  # one per stage
+        return _phases(with_layers(config, layers), settings, seq, pp_size, rank)
     except MtkError:
         raise
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as err:  # data-dependent code, for one

@@ -184,8 +184,8 @@ def tracker_config(flags: dict[str, Any], parallel: ParallelState, settings: Run
     """The hyper-parameters a tracker records: the script's flags (tensorboard takes scalars and strings: tuples
     joined, unset ones left out), the layout, and ``run``'s derived values (global batch, ...)."""
     hparams = {k: ",".join(map(str, v)) if isinstance(v, tuple) else v for k, v in flags.items() if v is not None}
-    layout = {"tp": parallel.tp_size, "cp": parallel.cp_size, "pp": parallel.pp_size, "dp": parallel.dp_size}
-    layout |= {"ep": parallel.ep_size, "etp": parallel.etp_size}
+    sizes = ("tp_size", "cp_size", "pp_size", "dp_size", "ep_size", "etp_size")
+    layout = {name: getattr(parallel, name) for name in sizes}
     return {**hparams, **layout, "micro_batches": settings.num_micro_batches, **run}
 
 

@@ -39,3 +39,21 @@ def test_topology_bad_input_is_one_line_and_nonzero():
     assert out.stderr.strip().count("\n") == 0
     assert "not divisible by tp*pp" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_an_interrupt_closes_the_progress_bars_before_its_line(capsys, monkeypatch):
+    """A Ctrl-C while a bar is drawn (the export's, transformers' loading): the bar is closed first, so the interrupt's
+    line is a line of its own, not the end of the bar's (``\\r`` splits lines too)."""
+    from tqdm import tqdm
+
+    import mtk.cli.main as cli
+
+    bars = []  # held, as the command's frame holds its bar when the interrupt lands
+
+    def interrupted(argv):
+        bars.append(tqdm(total=2, desc="export"))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_main", interrupted)
+    assert cli.main([]) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == cli.INTERRUPTED

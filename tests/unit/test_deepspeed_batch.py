@@ -23,12 +23,12 @@ TB, MB, GA = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_acc
 
 def sizes(config, dp=2, **flags):
     batch, note = reconcile_batch(config, dp, **flags)
-    return (batch.global_batch, batch.micro, batch.accumulation), note
+    return (batch.global_batch, batch.micro_batch_size, batch.accumulation), note
 
 
 def test_only_train_batch_size_accumulates_once():
     assert sizes({TB: 32}) == ((32, 16, 1), None)
-    assert sizes({TB: 32}, micro=4) == ((32, 4, 4), None)  # the flag's micro-batch, accumulation derived
+    assert sizes({TB: 32}, micro_batch_size=4) == ((32, 4, 4), None)  # the flag's micro-batch, accumulation derived
     assert sizes({TB: 32}, accumulation=4) == ((32, 4, 4), None)  # the flag's accumulation, micro derived
 
 
@@ -48,7 +48,7 @@ def test_train_batch_and_one_other_derive_the_third():
 
 def test_three_that_agree_are_used():
     assert sizes({TB: 32, MB: 8, GA: 2}) == ((32, 8, 2), None)
-    assert sizes({TB: 32, MB: 8, GA: 2}, micro=8, accumulation=2) == ((32, 8, 2), None)  # flags that agree
+    assert sizes({TB: 32, MB: 8, GA: 2}, micro_batch_size=8, accumulation=2) == ((32, 8, 2), None)  # flags that agree
 
 
 def test_three_that_disagree_are_one_line_naming_dp():
@@ -59,7 +59,7 @@ def test_three_that_disagree_are_one_line_naming_dp():
         "16 (dp = world 4 / tp 2); give two of the three (the third is derived), or values that agree"
     )
     with pytest.raises(ConfigError, match="train_batch_size 32 != "):  # flags do not hide a JSON at odds with itself
-        reconcile_batch({TB: 32, MB: 8, GA: 1}, 2, micro=8)
+        reconcile_batch({TB: 32, MB: 8, GA: 1}, 2, micro_batch_size=8)
 
 
 def test_a_flag_that_disagrees_overrides_in_one_line():
@@ -69,7 +69,7 @@ def test_a_flag_that_disagrees_overrides_in_one_line():
         "mtk: --grad_accum 1 overrides gradient_accumulation_steps 4 in the DeepSpeed JSON: "
         "global batch 8 = micro 4 x accumulation 1 x dp 2"
     )
-    (batch, note) = sizes({MB: 8, GA: 1}, micro=4, accumulation=2)
+    (batch, note) = sizes({MB: 8, GA: 1}, micro_batch_size=4, accumulation=2)
     assert batch == (16, 4, 2)
     assert note is not None and "--batch_size 4 overrides train_micro_batch_size_per_gpu 8; --grad_accum 2" in note
 
@@ -81,7 +81,7 @@ def test_train_batch_size_follows_the_flags_and_says_so():
         "mtk: train_batch_size 32 -> 16 (follows --grad_accum 1) in the DeepSpeed JSON: "
         "global batch 16 = micro 8 x accumulation 1 x dp 2"
     )
-    (batch, note) = sizes({TB: 32, MB: 8, GA: 2}, micro=4)
+    (batch, note) = sizes({TB: 32, MB: 8, GA: 2}, micro_batch_size=4)
     assert batch == (16, 4, 2) and note is not None and note.count("\n") == 0
     assert "--batch_size 4 overrides train_micro_batch_size_per_gpu 8; train_batch_size 32 -> 16" in note
 
@@ -90,7 +90,7 @@ def test_accelerate_names_its_own_flags():
     _, note = reconcile_batch(
         {MB: "auto", GA: 4},
         2,
-        micro=1,
+        micro_batch_size=1,
         accumulation=1,
         micro_flag="the DataLoader's batch_size {}",
         accumulation_flag="Accelerator(gradient_accumulation_steps={})",
@@ -103,8 +103,8 @@ def test_accelerate_names_its_own_flags():
 
 
 def test_flags_fill_a_json_that_gives_none():
-    assert sizes({}, micro=4, accumulation=2) == ((16, 4, 2), None)
-    assert sizes({}, micro=4) == ((8, 4, 1), None)
+    assert sizes({}, micro_batch_size=4, accumulation=2) == ((16, 4, 2), None)
+    assert sizes({}, micro_batch_size=4) == ((8, 4, 1), None)
 
 
 def test_a_global_batch_that_does_not_divide_names_what_would():
@@ -112,7 +112,7 @@ def test_a_global_batch_that_does_not_divide_names_what_would():
         reconcile_batch({TB: 30}, 4, where="ds.json")
     assert str(err.value).startswith("ds.json: train_batch_size 30 is not a multiple of dp 4 = 4; allowed: 4, 8, 12")
     with pytest.raises(ConfigError, match=r"train_batch_size 32 is not a multiple of --batch_size 3 x dp 2 = 6; "):
-        reconcile_batch({TB: 32}, 2, micro=3)
+        reconcile_batch({TB: 32}, 2, micro_batch_size=3)
 
 
 def test_no_batch_size_at_all_is_one_line():
@@ -122,9 +122,9 @@ def test_no_batch_size_at_all_is_one_line():
 
 def test_auto_is_a_value_not_given():
     auto = {TB: "auto", MB: "auto", GA: "auto"}
-    assert sizes(auto, micro=4) == ((8, 4, 1), None)
-    assert sizes(auto, micro=4, accumulation=2) == ((16, 4, 2), None)
-    assert sizes({TB: 64, MB: "auto", GA: "auto"}, micro=8) == ((64, 8, 4), None)
+    assert sizes(auto, micro_batch_size=4) == ((8, 4, 1), None)
+    assert sizes(auto, micro_batch_size=4, accumulation=2) == ((16, 4, 2), None)
+    assert sizes({TB: 64, MB: "auto", GA: "auto"}, micro_batch_size=8) == ((64, 8, 4), None)
     with pytest.raises(ConfigError, match="gives no batch size"):
         reconcile_batch(auto, 2)
 
@@ -136,7 +136,7 @@ def test_a_value_that_is_no_batch_size_is_one_line(value):
 
 
 def test_dp_is_the_data_parallel_size_not_the_process_count():
-    assert BatchSizes(micro=4, accumulation=2, dp_size=2).global_batch == 16  # e.g. world 8 / (tp 2 x pp 2)
+    assert BatchSizes(micro_batch_size=4, accumulation=2, dp_size=2).global_batch == 16  # e.g. world 8 / (tp 2 x pp 2)
     assert dp_layout(8, 2, 2) == " (dp = world 8 / (tp 2 x pp 2))"
     assert (
         dp_layout(8, 2, cp_size=2) == " (dp = world 8 / (tp 2 x cp 2))" and dp_layout(4, 1) == " (dp = world 4 / tp 1)"
@@ -147,9 +147,9 @@ def test_deepspeed_config_writes_all_three_and_keeps_train_batch_size(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({TB: 32, "zero_optimization": {"stage": 2}}))
     lines = []
-    config, batch = deepspeed_config(path, 2, micro_batch=4, report=lines.append)
+    config, batch = deepspeed_config(path, 2, micro_batch_size=4, report=lines.append)
     assert (config[TB], config[MB], config[GA]) == (32, 4, 4) and batch.accumulation == 4 and lines == []
-    config, _ = deepspeed_config(path, 2, micro_batch=4, grad_accum=1, report=lines.append)
+    config, _ = deepspeed_config(path, 2, micro_batch_size=4, grad_accum=1, report=lines.append)
     assert (config[TB], config[MB], config[GA]) == (8, 4, 1) and len(lines) == 1
 
 

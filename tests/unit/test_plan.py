@@ -309,7 +309,7 @@ def test_context_parallelism_divides_what_a_rank_keeps_and_adds_its_traffic():
     assert split.memory.activations - blocks < whole.memory.activations / 4 * 1.05
     assert split.memory.weights == whole.memory.weights and split.memory.optimizer == whole.memory.optimizer
     assert by_label["tp1 cp4 pp1 dp1 1x4 fsdp2"].memory.weights * 4 <= whole.memory.weights * 1.01
-    assert split.traffic.cp > 0 and whole.traffic.cp == 0
+    assert split.traffic.cp_bytes > 0 and whole.traffic.cp_bytes == 0
     assert split.collectives["send"]["count"] == 4 * 4 * (3 + 7)  # micro-batches x layers x (3 hops + 7 back)
     assert split.collectives["all_reduce"]["count"] == 1 + 4  # the gradients; each micro-batch's loss
     a2a = estimate(replace(request, cp_comm="a2a"), split.candidate)
@@ -340,7 +340,7 @@ def test_expert_parallelism_divides_the_experts_and_adds_its_all_to_alls():
     assert whole.memory.weights - spread.memory.weights == experts * 3 // 4 * 4  # fp32
     assert whole.memory.optimizer - spread.memory.optimizer == experts * 3 // 4 * 8
     assert spread.collectives["all_to_all"]["count"] == 4 * 6 and "all_to_all" not in whole.collectives
-    assert spread.traffic.ep > 0 and whole.traffic.ep == 0
+    assert spread.traffic.ep_bytes > 0 and whole.traffic.ep_bytes == 0
     sharded = by_label["tp1 pp1 dp4 ep2 1x1 distopt"]  # the experts' moments over their 2 replicas
     # the dense gradients in one call, then the experts' in 25 MiB buckets: a layer's half of its 8 experts (18 MiB)
     assert sharded.collectives["all_reduce"]["count"] == 1 + 4
@@ -406,7 +406,7 @@ def test_whole_experts_hold_every_expert_on_each_tp_rank_and_send_each_token_onc
         assert estimate_.collectives["all_to_all"] == {"count": 4 * 6 * 2, "bytes": exchange.nbytes["all_to_all"]}
     gathers = 4 * 3 * 2  # MoE layers x (output, its gradient, the routing weights' gradient) x micro-batches
     assert whole.collectives["all_gather"]["count"] == gathers and "all_gather" not in split.collectives
-    assert whole.traffic.ep < split.traffic.ep and whole.traffic.tp > split.traffic.tp
+    assert whole.traffic.ep_bytes < split.traffic.ep_bytes and whole.traffic.tp_bytes > split.traffic.tp_bytes
     assert not any(e.candidate.etp_size == 1 and e.candidate.sequence_parallel for e in by_label.values())
     assert whole.as_dict()["layout"]["etp_size"] == 1 and split.as_dict()["layout"]["etp_size"] == 2
 

@@ -94,7 +94,7 @@ def reconcile_accelerate_batch(accelerator, args: tuple, explicit_accumulation: 
     batch, note = reconcile_batch(
         fields,
         parallel.dp_size,
-        micro=micro,
+        micro_batch_size=micro,
         accumulation=explicit_accumulation,
         micro_flag="the DataLoader's batch_size {}",
         accumulation_flag="Accelerator(gradient_accumulation_steps={})",
