@@ -138,6 +138,32 @@ def test_an_explicit_accumulation_beats_the_launchers_variable_with_one_line():
     assert "mtk: gradient_accumulation_steps=2 (explicit) overrides ACCELERATE_GRADIENT_ACCUMULATION_STEPS=3" in said
 
 
+def _mixed_precision_in_capitals(rank: int, world_size: int) -> list:
+    import contextlib
+    import io
+    import os
+
+    import torch
+
+    from mtk import Accelerator, ParallelConfig
+
+    os.environ["ACCELERATE_MIXED_PRECISION"] = "BF16"
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+        accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=2))
+    with accelerator.autocast():
+        dtype = torch.nn.Linear(4, 4)(torch.ones(1, 4)).dtype
+    return [accelerator.mixed_precision, str(dtype), said.getvalue() if rank == 0 else None]
+
+
+def test_a_mixed_precision_variable_in_capitals_is_read_as_accelerate_reads_its_argument():
+    """accelerate lower-cases ``mixed_precision=`` but compares ACCELERATE_MIXED_PRECISION as written: ``BF16`` trained
+    in fp32 without a word. mtk reads it as ``bf16``, says so, and the matmuls run in bf16."""
+    (precision, dtype, said), _ = run_distributed(_mixed_precision_in_capitals, world_size=2)
+    assert (precision, dtype) == ("bf16", "torch.bfloat16")
+    assert "mtk: ACCELERATE_MIXED_PRECISION=BF16 read as bf16" in said
+
+
 def _optimizer_updates(rank: int, world_size: int) -> list:
     import contextlib
     import io

@@ -112,6 +112,9 @@ class Accelerator(
                     f"ACCELERATE_MIXED_PRECISION={precision} is none of {', '.join(allowed)} (accelerate would train "
                     "in fp32 without a word); set one of them, or unset it"
                 )
+            if precision != precision.lower():  # accelerate lower-cases the argument, not the variable ("BF16": fp32)
+                os.environ["ACCELERATE_MIXED_PRECISION"] = precision.lower()
+                reports.append(f"mtk: ACCELERATE_MIXED_PRECISION={precision} read as {precision.lower()}")
         self.uses_deepspeed = (
             os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
             or kwargs.get("deepspeed_plugin") is not None
