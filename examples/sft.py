@@ -57,8 +57,9 @@ def starter_model(texts: list[str]):
 
 
 def texts_of(row: dict) -> list[str]:
-    if "messages" in row:
-        return [turn["content"] for turn in row["messages"]]
+    if "messages" in row:  # (a tool call's content is null; a malformed row is SFTTrainer's one line)
+        turns = row["messages"] if isinstance(row["messages"], list) else []
+        return [turn["content"] for turn in turns if isinstance(turn, dict) and isinstance(turn.get("content"), str)]
     return [value for key, value in row.items() if key in ("text", "prompt", "completion") and isinstance(value, str)]
 
 

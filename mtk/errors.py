@@ -90,17 +90,22 @@ _NAME_ERRNOS = {
     errno.ENAMETOOLONG: "a name may take at most 255 bytes, a path 4096; give a shorter path",
     errno.EILSEQ: "give a name the file system takes",
     errno.ELOOP: "its symbolic links point back at themselves; give a path without the loop",
+    # a place the run cannot write at all (where a library, not mtk, first tried: the Trainer's or tensorboard's mkdir)
+    errno.EROFS: "the file system is read-only; give a writable place",
+    errno.EACCES: "this user may not use it; give a place this user may read and write, or change its permissions",
+    errno.ENOSPC: "the file system is full; free space, or give a place on another file system",
+    errno.EDQUOT: "the disk quota is used up; free space, or give a place on another file system",
 }
 
 
 def unusable_name(err: BaseException) -> MtkError | None:
     """``err`` as one line where it is about a name the user gave that cannot be used at all, wherever the script
     first touched it: a path too long for the file system (a name over 255 bytes, a path over 4096), one through a
-    loop of symbolic links, or one whose bytes are not UTF-8 where it must be written as text (tensorboard, JSON,
-    the logs). ``None`` for anything else,
-    whose traceback is wanted."""
+    loop of symbolic links, one whose bytes are not UTF-8 where it must be written as text (tensorboard, JSON,
+    the logs), or a place that cannot be written (a read-only or full file system, no permission). ``None`` for
+    anything else, whose traceback is wanted."""
     if isinstance(err, OSError) and err.errno in _NAME_ERRNOS:
-        name = str(err.filename or "")
+        name = str(err.filename or "a file it writes")
         shown = name if len(name) <= 120 else f"{name[:60]}...{name[-40:]} ({len(name)} characters)"
         return ConfigError(f"{shown}: {err.strerror} ({_NAME_ERRNOS[err.errno]})")
     if isinstance(err, RuntimeError) and str(err).startswith("Symlink loop from"):  # Path.resolve before 3.13

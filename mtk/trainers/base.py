@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -44,8 +45,10 @@ from mtk.pipeline.engine import PipelineModel
 from mtk.rules.lm_head import logits_mode
 from mtk.trainers.adapters import add_adapters, refuse_peft_model
 from mtk.trainers.arguments import check_training_arguments, clipping_report, recompute_settings
-from mtk.trainers.checkpoints import TrainerCheckpointing
+from mtk.trainers.checkpoints import TrainerCheckpointing, claim_output_dir
 from mtk.trainers.model_path import PathLoader
+from mtk.trainers.signals import SaveAndStopOnSignal
+from mtk.training.signals import ExitSignal
 
 __all__ = ["ParallelTrainerMixin"]
 
@@ -61,6 +64,23 @@ def _mtk_accelerator(**kwargs: Any) -> Accelerator:
             "FSDP2 from parallelism_config (dp_shard_size): pass that instead"
         )
     return Accelerator(**kwargs)
+
+
+@contextlib.contextmanager
+def _saving_on_signals(trainer: Any) -> Iterator[SaveAndStopOnSignal | None]:
+    """For the block: signals save and stop the Trainer (:class:`SaveAndStopOnSignal`); then the signals' handlers
+    are the caller's again. In another thread than the main one (where Python installs no handler): as before."""
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    exit_signal = ExitSignal(trainer.accelerator.device)
+    stop = SaveAndStopOnSignal(exit_signal)
+    trainer.add_callback(stop)
+    try:
+        yield stop
+    finally:
+        trainer.remove_callback(stop)
+        exit_signal.restore()
 
 
 @contextlib.contextmanager
@@ -247,12 +267,28 @@ class ParallelTrainerMixin(TrainerCheckpointing):
         with logits_mode(self.model, "full"):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)  # type: ignore[misc]
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's, skipping resumed batches through ``mtk.Accelerator`` (whose loaders broadcast each
-        batch from the replica's source rank); checkpoints carry the tokenizer, so ``mtk export`` ships it."""
+        batch from the replica's source rank); checkpoints carry the tokenizer, so ``mtk export`` ships it.
+
+        The output directory is this run's alone (:func:`claim_output_dir`), and a signal saves and stops: SIGTERM
+        (a scheduler's preemption), SIGINT or SIGHUP save ``checkpoint-N`` at the next step's end on every rank,
+        say so in one line, and end the process (status 0, as mtk's scripts): code after ``train()`` would treat
+        the stopped run as finished. A second signal stops at once (:class:`~mtk.training.signals.ExitSignal`)."""
+        resume_from_checkpoint = claim_output_dir(
+            self.args.output_dir, resume_from_checkpoint, main_process=self.accelerator.is_main_process
+        )
         self.accelerator.checkpoint_tokenizer = self._saveable_tokenizer()
-        with _in_trainer_module(skip_first_batches=self.accelerator.skip_first_batches):
-            return super().train(*args, **kwargs)  # type: ignore[misc]
+        with (
+            _saving_on_signals(self) as stop,
+            _in_trainer_module(skip_first_batches=self.accelerator.skip_first_batches),
+        ):
+            result = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        if stop is not None and stop.stopped_at is not None:
+            name, folder = stop.signal_name, Path(self.args.output_dir) / f"checkpoint-{stop.stopped_at}"
+            self.accelerator.print(f"mtk: {name}: saved {folder}; continue with resume_from_checkpoint=True")
+            raise SystemExit(0)
+        return result
 
     # ------------------------------------------------------------------------------------- checkpoints
     def create_optimizer(self, model: Any = None) -> Any:

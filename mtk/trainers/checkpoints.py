@@ -6,21 +6,27 @@ TP/PP changed), the RNG restored where the Trainer restores its own; ``save_mode
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import transformers.trainer as hf_trainer
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_last_checkpoint, sort_checkpoints
 
 from mtk.checkpoint.integrity import read_verified
+from mtk.checkpoint.lock import lock_output_dir
 from mtk.checkpoint.paths import CheckpointPaths
+from mtk.checkpoint.resume import check_output_place
 from mtk.checkpoint.rng import rng_state, set_rng_state
 from mtk.errors import CheckpointError, ConfigError
 from mtk.integrations.accelerate import Accelerator
 from mtk.integrations.accelerate.save import save_pretrained
 
-__all__ = ["TrainerCheckpointing"]
+__all__ = ["TrainerCheckpointing", "claim_output_dir", "rotate_checkpoints"]
+
+_CHECKPOINT = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-\d+")
 
 # Names a saved HF model (or PEFT adapter) directory holds that could clash with folders.
 _MODEL_FOLDERS = (
@@ -31,6 +37,78 @@ _MODEL_FOLDERS = (
     "adapter_config.json",
     "adapter_model.safetensors",
 )
+
+
+def claim_output_dir(output_dir: str, resume: str | bool | None, *, main_process: bool) -> str | None:
+    """The Trainer's ``output_dir`` for this run alone, and the checkpoint it resumes (``None``: a fresh run).
+
+    The main process locks the folder for the run's lifetime (:func:`~mtk.checkpoint.lock.lock_output_dir`: a
+    second run there is one line). A fresh run into a folder holding ``checkpoint-N`` folders is refused: the
+    Trainer would replace the earlier run's checkpoints of the same steps, keep its later ones beside this run's
+    (``resume_from_checkpoint=True`` would then take another run's newest) and rotate them away with its own.
+    ``True`` is resolved to the newest ``checkpoint-N`` here, and the checkpoint must be one the Trainer under mtk
+    wrote (mtk's metadata and the Trainer's state): each other kind is one line, not a library's traceback.
+    Every rank calls it; each reads the same folder and decides alike.
+    """
+    if main_process:
+        check_output_place(output_dir, None)
+        lock_output_dir(output_dir)
+    folder = Path(output_dir)
+    if resume is True:
+        newest = get_last_checkpoint(output_dir) if folder.is_dir() else None
+        if newest is None:
+            raise CheckpointError(
+                f"resume_from_checkpoint=True, but output_dir {output_dir} holds no checkpoint-N to resume; leave it "
+                "unset to start a fresh run"
+            )
+        resume = newest
+    if resume is None or resume is False:
+        earlier = sorted(
+            (entry.name for entry in folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if _CHECKPOINT.fullmatch(entry.name)),
+            key=lambda name: int(name.rsplit("-", 1)[1]),
+        )
+        if earlier:
+            raise CheckpointError(
+                f"output_dir {output_dir} already holds {', '.join(earlier)} of an earlier run, which this run would "
+                "replace or rotate away; continue it with resume_from_checkpoint (True, or the path of its newest "
+                "checkpoint-N), or pass another output_dir"
+            )
+        return None
+    checkpoint = Path(str(resume))
+    has_state = (checkpoint / hf_trainer.TRAINER_STATE_NAME).is_file()
+    has_metadata = CheckpointPaths(checkpoint).metadata.is_file()
+    if has_state and not has_metadata:
+        raise CheckpointError(
+            f"{checkpoint} is a checkpoint of transformers' own Trainer (no mtk metadata.json), which holds one "
+            "process's view of the model and optimizer: start from its weights (model=<its directory>) instead of "
+            "resuming it"
+        )
+    if has_metadata and not has_state:
+        raise CheckpointError(
+            f"{checkpoint} is an mtk checkpoint of a training script (finetune.py, run.py: no trainer_state.json), "
+            f"not a Trainer's checkpoint-N: resume it with the script that wrote it, or start the Trainer from its "
+            f"weights (mtk export {checkpoint} DIR, then model=DIR)"
+        )
+    return str(checkpoint)
+
+
+def rotate_checkpoints(run_dir: str, limit: int | None, best: str | None) -> None:
+    """transformers' rotation (keep the newest ``limit`` checkpoints, the newest and the best always), over the
+    checkpoints the Trainer under mtk wrote only (mtk's metadata inside): the Trainer's own rotation removes every
+    ``checkpoint-*`` folder it finds, a user's folder of that name included."""
+    if not limit or limit <= 0:
+        return
+    written = [
+        folder
+        for folder in sort_checkpoints(run_dir, use_mtime=True)
+        if not Path(folder).is_symlink() and CheckpointPaths(Path(folder)).metadata.is_file()
+    ]
+    protected = {written[-1]} if written else set()
+    if best is not None:
+        protected.add(str(Path(best)))
+    surplus = len(written) - max(limit, len(protected))
+    for folder in [f for f in written if f not in protected][: max(surplus, 0)]:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class TrainerCheckpointing:
@@ -72,25 +150,13 @@ class TrainerCheckpointing:
         self.accelerator.completed_steps = self.state.global_step  # the step mtk's metadata records
         self.accelerator.save_state(output_dir, writers=[self._write_trainer_state])
         if self.args.should_save:
-            hf_trainer.rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
 
     def _write_trainer_state(self, directory: Path) -> None:
         self.state.save_to_json(str(directory / hf_trainer.TRAINER_STATE_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """Checked now (one line if it is not a complete mtk checkpoint); loaded once the model is prepared."""
-        folder = Path(resume_from_checkpoint)
-        if (folder / hf_trainer.TRAINER_STATE_NAME).is_file() and not CheckpointPaths(folder).metadata.is_file():
-            raise CheckpointError(
-                f"{folder} is a checkpoint of transformers' own Trainer (no mtk metadata.json), which holds one "
-                "process's view of the model and optimizer: start from its weights (model=<its directory>) "
-                "instead of resuming it"
-            )
         read_verified(resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:

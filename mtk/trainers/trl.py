@@ -68,6 +68,40 @@ def _check_preference_columns(dataset: Any, which: str) -> None:
         )
 
 
+def _check_conversations(dataset: Any, which: str, columns: tuple[str, ...]) -> None:
+    """Conversational rows, checked before TRL reads them: a column of ``columns`` that holds messages must hold, in
+    every row, a non-empty list of ``{role, content}`` (content a string, a list of parts, or null beside
+    ``tool_calls``; ``messages`` is always a list); otherwise one line naming the row. TRL's own failures were an
+    ``IndexError`` (an empty list), a ``KeyError: 'text'`` (``messages`` a string) and a template's ``TypeError``. A
+    dict of evaluation sets is checked set by set; an iterable dataset (read lazily) is left to TRL."""
+    if isinstance(dataset, dict):
+        for name, part in dataset.items():
+            _check_conversations(part, f"{which}[{name!r}]", columns)
+        return
+    present = getattr(dataset, "column_names", None) or []
+    for column in (c for c in columns if c in present and hasattr(dataset, "__getitem__")):
+        for row, value in enumerate(dataset[column]):
+            if isinstance(value, str) and column != "messages":
+                continue  # TRL's standard (not conversational) format
+            if not isinstance(value, list) or not value:
+                raise DataError(
+                    f"{which} row {row}: {column!r} must be a non-empty list of {{role, content}} messages, got "
+                    f"{str(value)[:80]!r}"
+                )
+            for turn in value:
+                content = turn.get("content") if isinstance(turn, dict) else None
+                tool_call = content is None and isinstance(turn, dict) and bool(turn.get("tool_calls"))
+                if (
+                    not isinstance(turn, dict)
+                    or not isinstance(turn.get("role"), str)
+                    or not (isinstance(content, (str, list)) or tool_call)
+                ):
+                    raise DataError(
+                        f"{which} row {row}: every message needs a string 'role' and a 'content' (a string, a list "
+                        f"of parts, or null beside 'tool_calls'), got {str(turn)[:120]}"
+                    )
+
+
 def _refuse_cloned_template(model: Any, config: Any) -> None:
     """TRL clones another tokenizer's chat template by resizing the embeddings of the model as loaded; a model
     given by path is read slice by slice only after its conversion, at its saved size."""
@@ -116,6 +150,8 @@ class SFTTrainer(ParallelTrainerMixin, trl.SFTTrainer):
         config = _argument(args, kwargs, "args", 1)
         _refuse_unverified(config, "SFTTrainer")
         _refuse_cloned_template(_argument(args, kwargs, "model", 0), config)
+        for name, position in (("train_dataset", 3), ("eval_dataset", 4)):
+            _check_conversations(_argument(args, kwargs, name, position), name, ("messages", "prompt", "completion"))
         self._path_loader = PathLoader(self, trl_sft.create_model_from_path)
         with trl_loading(trl_sft, self._path_loader), chat_template_refusals("SFTTrainer's data"):
             super().__init__(*args, **kwargs)
@@ -155,6 +191,8 @@ class DPOTrainer(ParallelTrainerMixin, trl.DPOTrainer):
             _check_loss_types(_argument(args, kwargs, "args", 2))
         _check_preference_columns(_argument(args, kwargs, "train_dataset", 4), "train_dataset")
         _check_preference_columns(_argument(args, kwargs, "eval_dataset", 5), "eval_dataset")
+        for name, position in (("train_dataset", 4), ("eval_dataset", 5)):
+            _check_conversations(_argument(args, kwargs, name, position), name, ("prompt", "chosen", "rejected"))
         given = list(args)
         reference = take_reference_directory(given, kwargs, self._peft_config)
         self._path_loader = PathLoader(self, trl_dpo.create_model_from_path, reference)

@@ -75,14 +75,21 @@ class ExitSignal:
         self.device = device
         self.duplicate_s = duplicate_s
         self.received: int | None = None
-        read, write = os.pipe()
-        os.set_blocking(write, False)  # a full pipe drops a byte rather than block a signal handler
-        chained = signal.set_wakeup_fd(write, warn_on_full_buffer=False)  # (asyncio's, if any, still gets its bytes)
-        for sig in signals:
-            signal.signal(sig, self._record)
-        watcher = threading.Thread(target=self._watch, args=(read, chained, set(signals)), daemon=True)
+        read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # a full pipe drops a byte rather than block a signal handler
+        self._chained = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)  # (asyncio: still its bytes)
+        self._previous = {sig: signal.signal(sig, self._record) for sig in signals}
+        watcher = threading.Thread(target=self._watch, args=(read, self._chained, set(signals)), daemon=True)
         watcher.start()
         _die_with_parent()
+
+    def restore(self) -> None:
+        """Give the signals back to the handlers they had (a library's ``train()`` that returns to its caller's
+        code, where a Ctrl-C should act as it did before); the watcher thread ends. In the main thread."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(self._chained)
+        os.close(self._write)  # the watcher reads the end of the pipe and returns
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         self.received = self.received or signum  # read by requested(); the watcher decides about "stop now"
@@ -91,7 +98,7 @@ class ExitSignal:
         """Time each signal as it arrives; one more than ``duplicate_s`` after the first means "stop now"."""
         first: float | None = None
         first_signum = 0
-        while arrived := os.read(read, 64):
+        while arrived := os.read(read, 64):  # b"" once restore() closed the pipe
             now = time.monotonic()
             if chained >= 0:
                 with contextlib.suppress(OSError):
@@ -101,6 +108,7 @@ class ExitSignal:
                     first, first_signum = now, signum
                 elif now - first > self.duplicate_s:
                     _stop_now(signum, first_signum)
+        os.close(read)
 
     @property
     def name(self) -> str:

@@ -130,8 +130,9 @@ def test_process_groups_outlive_ddp_after_end_training():
 
 
 def test_a_name_the_file_system_cannot_use_is_one_line(capsys):
-    """A path too long, through a link loop, or with bytes that are not UTF-8 where it must be written as text
-    (tensorboard's record of a --data path): one line, exit status 2, wherever the script first touched it."""
+    """A path too long, through a link loop, with bytes that are not UTF-8 where it must be written as text
+    (tensorboard's record of a --data path), or a place that cannot be written (read-only, no permission, full): one
+    line, exit status 2, wherever the script first touched it."""
     import errno
 
     for error, said in (
@@ -139,6 +140,10 @@ def test_a_name_the_file_system_cannot_use_is_one_line(capsys):
         (OSError(errno.ELOOP, "Too many levels of symbolic links", "loop/sub"), "give a path without the loop"),
         (RuntimeError("Symlink loop from '/x/loop'"), "Symlink loop from '/x/loop' (its symbolic links point back"),
         (UnicodeEncodeError("utf-8", "da\udcffta.jsonl", 2, 3, "surrogates not allowed"), "holds bytes that are not"),
+        # a place that cannot be written, where a library first tried (the Trainer's, tensorboard's mkdir)
+        (OSError(errno.EROFS, "Read-only file system", "/ro/out"), "/ro/out: Read-only file system (the file system"),
+        (OSError(errno.EACCES, "Permission denied", "/root/x"), "/root/x: Permission denied (this user may not use"),
+        (OSError(errno.ENOSPC, "No space left on device"), "a file it writes: No space left on device (the file"),
     ):
 
         def main(error=error) -> None:

@@ -193,3 +193,41 @@ def test_trl_rows_of_one_token_and_dpo_rows_without_a_rejected_answer_are_one_li
         _check_preference_columns(pairs.remove_columns("rejected"), "train_dataset")
     with pytest.raises(DataError, match="eval_dataset\\['held'\\] has no 'chosen' column"):
         _check_preference_columns({"held": pairs.remove_columns("chosen")}, "eval_dataset")
+
+
+@pytest.mark.parametrize(
+    ("row", "said"),
+    [
+        ({"messages": []}, "row 0: 'messages' must be a non-empty list"),
+        ({"messages": "hello"}, "row 0: 'messages' must be a non-empty list"),
+        ({"messages": [{"role": "user", "content": 5}]}, "row 0: every message needs a string 'role'"),
+        ({"messages": [{"content": "x"}]}, "row 0: every message needs a string 'role'"),
+        ({"messages": [{"role": "assistant", "content": None}]}, "row 0: every message .* null beside 'tool_calls'"),
+        ({"prompt": [], "completion": [{"role": "assistant", "content": "x"}]}, "row 0: 'prompt' must be a non-empty"),
+    ],
+)
+def test_malformed_conversations_are_one_line_naming_the_row(row, said):
+    """SFT's and DPO's conversational rows, checked before TRL reads them (its own failures were an IndexError, a
+    KeyError and a template's TypeError)."""
+    from datasets import Dataset
+
+    from mtk.errors import DataError
+    from mtk.trainers.trl import _check_conversations
+
+    with pytest.raises(DataError, match=f"train_dataset {said}"):
+        _check_conversations(Dataset.from_list([row]), "train_dataset", ("messages", "prompt", "completion"))
+
+
+def test_tool_calls_lists_of_parts_and_plain_text_are_valid_rows():
+    """Not refused: an assistant turn that only calls a tool (content null), content as a list of parts, TRL's
+    standard prompt/completion strings, and a dict of evaluation sets."""
+    from datasets import Dataset
+
+    from mtk.trainers.trl import _check_conversations
+
+    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
+    tool = {"role": "tool", "content": "42", "tool_calls": None}
+    parts = Dataset.from_list([{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}])
+    sets = {"calls": Dataset.from_list([{"messages": [call, tool]}]), "parts": parts}
+    sets["plain"] = Dataset.from_list([{"prompt": "2 + 2 =", "completion": " 4"}])
+    _check_conversations(sets, "eval_dataset", ("messages", "prompt", "completion"))

@@ -1,0 +1,79 @@
+"""What a Trainer run (examples/sft.py, mtk's ``SFTTrainer``) keeps of a user's files and how it stops.
+
+transformers' Trainer writes ``checkpoint-N`` into whatever ``output_dir`` it is given and rotates away every
+``checkpoint-*`` folder there; it installs no signal handler. Under mtk a fresh run into a folder holding an earlier
+run's checkpoints is one line, rotation removes only the checkpoints the run's lineage wrote, a script's ``step_N``
+given to ``resume_from_checkpoint`` is one line, and SIGTERM saves ``checkpoint-N`` at the next step's end (as
+mtk's scripts do) and ends the run with a line saying how to continue.
+"""
+
+import signal
+import subprocess
+import sys
+import time
+
+from mtk.checkpoint.integrity import read_verified
+from tests.e2e.launch import ROOT, run_command
+
+SFT = [sys.executable, "examples/sft.py"]
+
+
+def _sft(out_dir, *args: str) -> subprocess.CompletedProcess:
+    return run_command([*SFT, "--output_dir", str(out_dir), *args], cwd=ROOT)
+
+
+def _one_line(out: subprocess.CompletedProcess, said: str) -> None:
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("sft.py: error: ") and said in out.stderr, out.stderr
+
+
+def test_a_trainer_run_keeps_what_was_in_its_output_dir(llama_tp1, tmp_path):
+    """A user's ``checkpoint-0/`` blocks a fresh run (it was rotated away); the run's own rotation keeps only its
+    lineage's checkpoints, a resumed run's included; a second fresh run into the folder is refused; a finetune.py
+    ``step_N`` is not resumed as a Trainer checkpoint."""
+    mine = tmp_path / "out" / "checkpoint-0"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    _one_line(_sft(tmp_path / "out", "--max_steps", "2"), "already holds checkpoint-0 of an earlier run")
+    assert (mine / "notes.txt").read_text() == "mine"
+
+    run = tmp_path / "run"
+    rotating = ("--save_steps", "1", "--save_total_limit", "1")
+    assert _sft(run, "--max_steps", "2", *rotating).returncode == 0
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2"]
+    (run / "checkpoint-0").mkdir()
+    (run / "checkpoint-0" / "notes.txt").write_text("mine")
+    resumed = _sft(run, "--max_steps", "3", *rotating, "--resume_from_checkpoint", str(run / "checkpoint-2"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-0", "checkpoint-3"]
+    assert (run / "checkpoint-0" / "notes.txt").read_text() == "mine"
+
+    _one_line(_sft(run, "--max_steps", "2"), "already holds checkpoint-0, checkpoint-3 of an earlier run")
+    script_checkpoint = str(llama_tp1.dir / "step_3")
+    refused = _sft(tmp_path / "other", "--resume_from_checkpoint", script_checkpoint)
+    _one_line(refused, "is an mtk checkpoint of a training script (finetune.py, run.py: no trainer_state.json)")
+
+
+def test_sigterm_saves_a_trainer_run_at_the_next_step_and_ends_it(tmp_path):
+    """SIGTERM (a scheduler's preemption) to a running sft.py: ``checkpoint-N`` of the step it reached, complete,
+    one line saying so, status 0 (before, the process died at once: status 143, no line, the steps since the last
+    checkpoint lost). A real process: the signal reaches it as a scheduler sends it."""
+    out = tmp_path / "out"
+    steps = ("--max_steps", "10000", "--save_steps", "100000", "--logging_steps", "1")
+    command = [*SFT, "--output_dir", str(out), *steps]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert process.stdout is not None
+    seen = ""
+    for line in process.stdout:  # training has begun once the Trainer logs a step's loss
+        seen += line
+        if "'loss'" in line:
+            break
+    time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    seen += process.communicate(timeout=300)[0]
+    assert process.returncode == 0 and "Traceback" not in seen, seen[-3000:]
+    said = [line for line in seen.splitlines() if line.startswith("mtk: SIGTERM: saved ")]
+    assert len(said) == 1 and said[0].endswith("; continue with resume_from_checkpoint=True"), seen[-3000:]
+    saved = said[0].removeprefix("mtk: SIGTERM: saved ").split(";")[0]
+    assert [str(p) for p in out.glob("checkpoint-*")] == [saved]
+    read_verified(saved)  # complete: every file its metadata lists, checksums matching
