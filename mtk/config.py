@@ -203,9 +203,10 @@ def check_expert_tp_size(etp_size: Any, tp_size: int) -> None:
     group or keeps it whole; a size between (Megatron allows any divisor) is not built."""
     if etp_size is None or (type(etp_size) is int and etp_size in (1, tp_size)):
         return
+    allowed = f"set it to {tp_size} or 1" if tp_size > 1 else "at tp 1 it can only be 1: set it to 1, or unset it"
     raise ConfigError(
         f"expert tensor parallel size (megatron_lm_expert_tensor_parallel_size) {etp_size!r}: mtk splits each expert "
-        f"over the TP size ({tp_size}) or keeps every expert whole on each TP rank (1); set it to {tp_size} or 1"
+        f"over the TP size ({tp_size}) or keeps every expert whole on each TP rank (1); {allowed}"
     )
 
 

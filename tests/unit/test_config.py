@@ -69,6 +69,8 @@ def test_the_experts_tp_size_comes_from_accelerates_megatron_key_and_is_the_tp_s
     assert ParallelConfig.from_env(env).etp_size is None
     with pytest.raises(ConfigError, match=r"megatron_lm_expert_tensor_parallel_size\) 3: .* set it to 2 or 1"):
         ParallelConfig.from_env({**env, "MEGATRON_LM_EXPERT_TENSOR_PARALLEL_SIZE": "3"})
+    with pytest.raises(ConfigError, match=r"\) 2: .* at tp 1 it can only be 1: set it to 1, or unset it"):
+        ParallelConfig.from_env({"MEGATRON_LM_EXPERT_TENSOR_PARALLEL_SIZE": "2"})
     with pytest.raises(LayoutError, match="neither the TP size"):
         Layout(world_size=4, tp_size=4, etp_size=2)
     whole = Layout(world_size=4, tp_size=2, ep_size=2, etp_size=1)
