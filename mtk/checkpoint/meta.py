@@ -73,6 +73,10 @@ def _check_types(values: dict[str, Any]) -> None:
         raise TypeError(f"zero_stage {stage!r} is not a ZeRO stage (0 to 3)")
     if not isinstance(values.get("save"), (str, type(None))):
         raise TypeError(f"save {values['save']!r} is not a save's label")
+    if values.get("engine") not in (None, "deepspeed"):  # the only engine whose state mtk's checkpoints hold
+        raise TypeError(f"engine {values['engine']!r} is not an engine mtk saves for (null or 'deepspeed')")
+    if not isinstance(values.get("run_id"), (str, type(None))):
+        raise TypeError(f"run_id {values['run_id']!r} is not a run's label")
     pieces = values.get("pieces")
     if pieces is not None and (not isinstance(pieces, int) or isinstance(pieces, bool) or pieces < 1):
         raise TypeError(f"pieces {pieces!r} is not a positive count")
