@@ -1,18 +1,30 @@
-"""The sections of a DeepSpeed JSON that DeepSpeed reads as objects: another type there is one line, not a
-``TypeError`` from DeepSpeed's ``**block`` (or an ``AttributeError`` in accelerate's plugin) on every rank. So is a
-number written as a string in the optimizer's or scheduler's ``params`` (``"lr": "1e-3"``), which DeepSpeed passes to
-torch's optimizer as is."""
+"""The top-level keys and sections of a DeepSpeed JSON, checked before DeepSpeed or accelerate reads them.
+
+A key DeepSpeed does not read is one line naming it: DeepSpeed ignores it without a word (``"gradient_cliping"``
+trained unclipped). A section DeepSpeed reads as an object given as another type is one line, not a ``TypeError``
+from DeepSpeed's ``**block`` (or an ``AttributeError`` in accelerate's plugin) on every rank. So is a number written
+as a string in the optimizer's or scheduler's ``params`` (``"lr": "1e-3"``), which DeepSpeed passes to torch's
+optimizer as is. Keys inside ``zero_optimization``, ``fp16``, ``bf16`` and DeepSpeed's other pydantic sections need
+no such check: those models forbid extra keys themselves."""
 
 from __future__ import annotations
 
+import ast
+import difflib
+import functools
+import inspect
 import json
+import logging
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
 from mtk.errors import ConfigError
 
-__all__ = ["OBJECT_SECTIONS", "check_sections"]
+__all__ = ["OBJECT_SECTIONS", "check_keys", "check_sections", "deepspeed_keys", "removed_deepspeed_keys"]
+
+_MTK_KEYS = frozenset({"mtk"})  # mtk's own block (mtk.integrations.deepspeed reads it; DeepSpeed passes it by)
 
 _PARAMS_SECTIONS = ("optimizer", "scheduler")  # their "params" go to the optimizer or scheduler class as keywords
 
@@ -58,10 +70,167 @@ OBJECT_SECTIONS = (
 )
 
 
+class _ReadKeys(dict):
+    """A config dict that records which of its keys are asked for, however DeepSpeed asks (``get``, ``[]``,
+    ``in``, ``in d.keys()``); ``walked`` when something went through all of them, which names none."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read: set[str] = set()
+        self.walked = False
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(str(key))
+        return super().__contains__(key)
+
+    def keys(self) -> Any:
+        return _ReadKeysView(self)
+
+    def __iter__(self) -> Any:
+        self.walked = True
+        return super().__iter__()
+
+    def items(self) -> Any:
+        self.walked = True
+        return super().items()
+
+    def values(self) -> Any:
+        self.walked = True
+        return super().values()
+
+    def __copy__(self) -> _ReadKeys:
+        return self
+
+
+class _ReadKeysView:
+    """``d.keys()`` of a :class:`_ReadKeys`: ``key in d.keys()`` is a read of ``key`` too."""
+
+    def __init__(self, owner: _ReadKeys) -> None:
+        self._owner = owner
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._owner
+
+    def __iter__(self) -> Any:
+        return iter(self._owner)
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+
+def _keys_named_in(function: Any, names: frozenset[str]) -> set[str]:
+    """The string keys ``function``'s source looks up on a dict called one of ``names``: ``"k" in config``,
+    ``config["k"]``, ``config.get("k")`` (a key of a section, ``config.get("a", {}).get("b")``, is not one)."""
+    found: set[str] = set()
+
+    def named(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id in names) or (
+            isinstance(node, ast.Attribute) and node.attr in names
+        )
+
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(function)))):
+        key: ast.expr | None = None
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            key = node.left if named(node.comparators[0]) else None
+        elif isinstance(node, ast.Subscript) and named(node.value):
+            key = node.slice
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            key = node.args[0] if node.args and named(node.func.value) else None
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            found.add(key.value)
+    return found
+
+
+@functools.cache
+def deepspeed_keys() -> frozenset[str] | None:
+    """Every top-level key of a training config the installed DeepSpeed reads, taken from DeepSpeed itself:
+    ``DeepSpeedConfig._initialize_params`` (every ``get_*`` helper and section config it calls) run on a dict that
+    records the keys asked for (once more with the legacy ``"zero_optimization": true``, whose branch reads
+    ``allgather_size``); the keys ``deepspeed.initialize`` and ``DeepSpeedConfig.__init__`` look up on the raw
+    dict (``sequence_parallel_size``, ``data_parallel_size``, ``tensor_parallel``); and those accelerate's
+    DeepSpeed plugin reads off the user's dict (``msamp``). ``None`` when DeepSpeed cannot be read that way (not
+    installed, or a version whose parsing walks every key): then no key is refused, as refusing one DeepSpeed
+    reads would be worse than saying nothing."""
+    try:
+        import deepspeed
+        from deepspeed.runtime.config import DeepSpeedConfig
+        from deepspeed.utils import logger
+    except ImportError:
+        return None
+    read: set[str] = set()
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # the legacy probe's deprecation warning is not the user's
+    try:
+        for probe in ({}, {"zero_optimization": True}):
+            config = _ReadKeys(probe)
+            DeepSpeedConfig.__new__(DeepSpeedConfig)._initialize_params(config)
+            if config.walked:
+                return None
+            read |= config.read
+        read |= _keys_named_in(deepspeed.initialize, frozenset({"config"}))
+        read |= _keys_named_in(DeepSpeedConfig.__init__, frozenset({"config"}))
+    except Exception:  # noqa: BLE001 - another DeepSpeed's parsing: say nothing rather than refuse what it reads
+        return None
+    finally:
+        logger.setLevel(level)
+    try:
+        from accelerate.utils import DeepSpeedPlugin
+
+        read |= _keys_named_in(DeepSpeedPlugin, frozenset({"config", "ds_config", "deepspeed_config"}))
+    except (ImportError, OSError, TypeError):
+        pass  # the deepspeed launcher's path does not go through accelerate
+    return frozenset(read) | _MTK_KEYS
+
+
+def removed_deepspeed_keys() -> dict[str, str]:
+    """The top-level keys of features the installed DeepSpeed has removed, with the message its config refuses
+    each with (a ``DeepSpeedConfigError`` traceback on every rank)."""
+    try:
+        from deepspeed.runtime import config as ds_config
+    except ImportError:
+        return {}
+    removed = getattr(ds_config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {})
+    return {str(key): str(message) for key, message in removed.items()} if isinstance(removed, dict) else {}
+
+
+def check_keys(config: dict[str, Any], where: str | Path) -> None:
+    """Refuse (one line) a top-level key DeepSpeed does not read, naming the closest one it does: DeepSpeed ignores
+    it without a word, so a misspelt ``"gradient_cliping"`` trained unclipped. A key of a feature DeepSpeed has
+    removed is refused with DeepSpeed's own message, in one line rather than its traceback on every rank."""
+    from mtk.integrations.deepspeed import MTK_BLOCK_KEYS  # (that module imports this one)
+
+    removed = removed_deepspeed_keys()
+    known = deepspeed_keys()
+    for key in config:
+        if key in removed:
+            raise ConfigError(f'{where}: "{key}": {removed[key].strip()}; remove it')
+        if key in MTK_BLOCK_KEYS:  # mtk's sizes, written beside DeepSpeed's keys instead of in mtk's block
+            raise ConfigError(
+                f'{where}: "{key}" is mtk\'s, not a key DeepSpeed reads (it would be ignored without a word); '
+                f'write it inside the "mtk" block: "mtk": {{"{key}": {json.dumps(config[key])}}}'
+            )
+        if known is None or key in known:
+            continue
+        close = difflib.get_close_matches(str(key), sorted(known), n=1)
+        hint = f'did you mean "{close[0]}"?' if close else f"remove it (DeepSpeed reads: {', '.join(sorted(known))})"
+        raise ConfigError(
+            f'{where}: "{key}" is not a key DeepSpeed reads, so it would be ignored without a word; {hint}'
+        )
+
+
 def check_sections(config: dict[str, Any], where: str | Path) -> None:
-    """Refuse (one line) a section DeepSpeed reads as an object that the JSON gives as another type
-    (``"zero_optimization": "2"``), before anything reads it: DeepSpeed's ``**block`` raised a ``TypeError`` on
-    every rank."""
+    """Refuse (one line) a top-level key DeepSpeed does not read (:func:`check_keys`), and a section DeepSpeed
+    reads as an object that the JSON gives as another type (``"zero_optimization": "2"``), before anything reads
+    it: DeepSpeed's ``**block`` raised a ``TypeError`` on every rank."""
+    check_keys(config, where)
     for key in OBJECT_SECTIONS:
         if key not in config or isinstance(config[key], dict):
             continue

@@ -8,7 +8,14 @@ import pytest
 
 from mtk.config import RunSettings
 from mtk.errors import ConfigError
-from mtk.integrations.accelerate.launcher import accelerate_megatron_keys, check_launcher_keys, config_file_from_argv
+from mtk.integrations.accelerate import sharding
+from mtk.integrations.accelerate.launcher import (
+    accelerate_block_keys,
+    accelerate_megatron_keys,
+    check_launcher_blocks,
+    check_launcher_keys,
+    config_file_from_argv,
+)
 from mtk.integrations.accelerate.megatron_keys import MEGATRON_KEYS, check_megatron_environment
 from mtk.pipeline.balance import asked_layers
 
@@ -124,3 +131,70 @@ def test_a_misspelt_key_in_the_yaml_is_refused_by_name(tmp_path):
         with pytest.raises(ConfigError, match="a megatron_lm_config block with distributed_type .*drop the block"):
             check_launcher_keys(config)
     check_launcher_keys(None)  # no launcher seen (torchrun, another OS): the environment check alone
+
+
+def test_every_parallelism_config_and_fsdp_key_accelerate_exports_is_known():
+    """The known keys are accelerate's own: each PARALLELISM_CONFIG_* / FSDP_* variable its launcher builds comes
+    from one of them (fsdp_ignored_modules has no option: only a YAML gives it)."""
+    source = (Path(accelerate.__file__).parent / "utils" / "launch.py").read_text()
+    for block, prefix in (("parallelism_config", "parallelism_config_"), ("fsdp_config", "fsdp_")):
+        known = accelerate_block_keys(block)
+        assert known is not None
+        exported = set(re.findall(rf"args\.({prefix}\w+)", source))
+        assert len(exported) > 8 and exported <= set(known), (block, sorted(exported - set(known)))
+    assert "fsdp_ignored_modules" in (accelerate_block_keys("fsdp_config") or [])
+
+
+@pytest.mark.parametrize(
+    "block, line, message",
+    [
+        ("parallelism_config", "parallelism_config_bogus: 3", "'parallelism_config_bogus' is unknown to accelerate"),
+        ("parallelism_config", "parallelism_config_tp_szie: 2", r"did you mean parallelism_config_tp_size\?$"),
+        ("parallelism_config", "tp_size: 2", r"'tp_size' is unknown.*did you mean parallelism_config_tp_size\?$"),
+        ("fsdp_config", "fsdp_verison: 2", r"'fsdp_verison' is unknown.*did you mean fsdp_version\?$"),
+        ("fsdp_config", "reshard_after_fwd: true", r"did you mean fsdp_reshard_after_forward\?$"),
+        ("fsdp_config", "fsdp_bogus: 1", "'fsdp_bogus' is unknown to accelerate.*accelerate knows: fsdp_"),
+    ],
+)
+def test_an_unknown_parallelism_or_fsdp_key_in_the_yaml_is_refused_by_name(tmp_path, block, line, message):
+    """accelerate copies every key of these blocks onto its arguments and exports only those it knows: a misspelt
+    one trained at accelerate's default without a word."""
+    config = tmp_path / "fsdp.yaml"
+    blocks = {
+        "fsdp_config": ["fsdp_version: 2", "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP"],
+        "parallelism_config": ["parallelism_config_dp_shard_size: 2", "parallelism_config_tp_size: 2"],
+    }
+    blocks[block].append(line)
+    config.write_text("distributed_type: FSDP\n" + "".join(f"{b}:\n" + "".join(f"  {k}\n" for k in keys)
+                                                        for b, keys in blocks.items()))  # fmt: skip
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(config))}: {block} key .*{message}") as err:
+        check_launcher_blocks(config)
+    assert "\n" not in str(err.value)
+
+
+def test_every_parallelism_and_fsdp_key_accelerate_knows_passes(tmp_path):
+    """No false refusal: this repository's YAMLs, every key accelerate knows, fsdp_config keys without their "fsdp_"
+    (accelerate adds it), and blocks a non-local compute environment never copies."""
+    for yaml_file in sorted(Path(__file__).parents[2].glob("accelerate_configs/*.yaml")):
+        check_launcher_blocks(yaml_file)
+    config = tmp_path / "all.yaml"
+    lines = ["distributed_type: FSDP"]
+    for block in ("parallelism_config", "fsdp_config"):
+        lines += [f"{block}:"] + [f"  {key}: 1" for key in accelerate_block_keys(block) or []]
+    config.write_text("\n".join(lines + ["  version: 2", "  ignored_modules: null", ""]))
+    check_launcher_blocks(config)
+    config.write_text("compute_environment: AMAZON_SAGEMAKER\nparallelism_config:\n  bogus: 1\n")
+    check_launcher_blocks(config)
+    check_launcher_blocks(None)
+
+
+def test_the_accelerators_sharding_reads_the_launchers_yaml(tmp_path, monkeypatch):
+    """Wired where accelerate's parallelism_config is taken over (the Accelerator's constructor), whenever the
+    launcher exported either block."""
+    config = tmp_path / "pc.yaml"
+    config.write_text("distributed_type: FSDP\nparallelism_config:\n  parallelism_config_bogus: 3\n")
+    monkeypatch.setattr(sharding, "launcher_config_file", lambda: config)
+    for flag in ("ACCELERATE_USE_PARALLELISM_CONFIG", "ACCELERATE_USE_FSDP"):
+        with pytest.raises(ConfigError, match="parallelism_config key 'parallelism_config_bogus' is unknown"):
+            sharding.sharding_from_accelerate(None, None, print, env={flag: "true"})
+    assert sharding.sharding_from_accelerate(None, None, print, env={}) == (None, None)  # no block in play

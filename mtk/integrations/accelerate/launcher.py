@@ -1,7 +1,9 @@
-"""The YAML ``accelerate launch`` read, and the ``megatron_lm_config`` keys in it that accelerate drops.
+"""The YAML ``accelerate launch`` read, and the ``megatron_lm_config``, ``parallelism_config`` and ``fsdp_config``
+keys in it that accelerate drops.
 
-accelerate turns each ``megatron_lm_config`` key it knows into a ``MEGATRON_LM_*`` variable and drops any other
-without a word (a misspelt ``megatron_lm_sequence_paralellism: true`` simply never arrives). It exports no
+accelerate copies each key of those blocks onto its parsed arguments and turns the ones it knows into
+``MEGATRON_LM_*``, ``PARALLELISM_CONFIG_*`` or ``FSDP_*`` variables; any other is dropped without a word (a misspelt
+``megatron_lm_sequence_paralellism: true`` or ``parallelism_config_tp_szie: 2`` simply never arrives). It exports no
 variable naming the config file either, so mtk reads the launcher's own command line: the processes that
 ``accelerate launch`` starts are its descendants (through torchrun's agent), and Linux shows each ancestor's
 arguments and working directory under ``/proc``. Where that is not available (another OS, another launcher),
@@ -11,8 +13,10 @@ nothing is found and the environment check alone applies.
 from __future__ import annotations
 
 import difflib
+import inspect
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +26,44 @@ from accelerate.commands.launch import launch_command_parser
 
 from mtk.errors import ConfigError
 
-__all__ = ["accelerate_megatron_keys", "check_launcher_keys", "config_file_from_argv", "launcher_config_file"]
+__all__ = [
+    "accelerate_block_keys",
+    "accelerate_megatron_keys",
+    "check_launcher_blocks",
+    "check_launcher_keys",
+    "config_file_from_argv",
+    "launcher_config_file",
+]
 
 _ANCESTORS = 8  # this process <- torchrun's agent <- accelerate launch (and a shell or SLURM's step between)
+
+# The YAML blocks whose keys ``accelerate launch`` copies onto its arguments as they are (fsdp_config's with "fsdp_"
+# put in front of a key without it), and the prefix its options for them share.
+BLOCK_PREFIXES = {"parallelism_config": "parallelism_config_", "fsdp_config": "fsdp_"}
 
 
 def accelerate_megatron_keys() -> list[str]:
     """Every ``megatron_lm_*`` key the installed accelerate's launcher knows."""
     return sorted(a.dest for a in launch_command_parser()._actions if a.dest.startswith("megatron_lm_"))
+
+
+def accelerate_block_keys(block: str) -> list[str] | None:
+    """Every key of the YAML's ``block`` (``parallelism_config``, ``fsdp_config``) the installed accelerate passes on:
+    its launcher's options of the block's prefix, and the names its environment builder
+    (``accelerate.utils.launch``) reads off the arguments without an option (``fsdp_ignored_modules``, which only
+    the YAML can give). ``None`` when that source cannot be read (a byte-compiled install): refusing a key the
+    builder might read would be worse than saying nothing."""
+    from accelerate.utils import launch as environment_builder
+
+    prefix = BLOCK_PREFIXES[block]
+    try:
+        source = inspect.getsource(environment_builder)
+    except (OSError, TypeError):
+        return None
+    pattern = rf"""args\.({prefix}\w+)|(?:get|has)attr\(\s*args\s*,\s*["']({prefix}\w+)["']"""
+    read = {name for match in re.findall(pattern, source) for name in match if name}
+    options = {a.dest for a in launch_command_parser()._actions if a.dest.startswith(prefix)}
+    return sorted(options | read)
 
 
 def config_file_from_argv(argv: Sequence[str], cwd: Path) -> Path | None:
@@ -76,15 +110,51 @@ def launcher_config_file() -> Path | None:
     return None
 
 
-def check_launcher_keys(config_file: Path | None, known: Sequence[str] | None = None) -> None:
-    """Refuse (one line) a ``megatron_lm_config`` key accelerate does not know, naming the closest one it does."""
+def _read_record(config_file: Path | None) -> dict[Any, Any] | None:
+    """The launcher's YAML as a mapping; ``None`` when there is none to read."""
     if config_file is None:
-        return
+        return None
     try:
         record: Any = yaml.safe_load(config_file.read_text())
     except (OSError, yaml.YAMLError):
-        return  # accelerate read it a moment ago; if it is gone or changed, its own reading stands
-    block = record.get("megatron_lm_config") if isinstance(record, dict) else None
+        return None  # accelerate read it a moment ago; if it is gone or changed, its own reading stands
+    return record if isinstance(record, dict) else None
+
+
+def check_launcher_blocks(config_file: Path | None, known: Mapping[str, Sequence[str]] | None = None) -> None:
+    """Refuse (one line) a ``parallelism_config`` or ``fsdp_config`` key accelerate does not pass on, naming the
+    closest one it does: ``parallelism_config_tp_szie: 2`` (or ``tp_size: 2``, without the prefix accelerate's keys
+    carry) would otherwise train at accelerate's default without a word."""
+    record = _read_record(config_file)
+    if record is None or str(record.get("compute_environment", "LOCAL_MACHINE")) != "LOCAL_MACHINE":
+        return  # accelerate copies the blocks onto its arguments on a local machine only
+    for block, prefix in BLOCK_PREFIXES.items():
+        given = record.get(block)
+        if not isinstance(given, dict):
+            continue
+        names = known[block] if known is not None else accelerate_block_keys(block)
+        if names is None:
+            continue
+        for key in given:
+            name = str(key)
+            if block == "fsdp_config" and not name.startswith("fsdp"):
+                name = "fsdp_" + name  # as accelerate reads fsdp_config's keys
+            if name in names:
+                continue
+            short = {n.removeprefix(prefix): n for n in names}  # compared without the prefix they all share
+            close = difflib.get_close_matches(name.removeprefix(prefix), list(short), n=1)
+            hint = f"did you mean {short[close[0]]}?" if close else f"accelerate knows: {', '.join(names)}"
+            raise ConfigError(
+                f"{config_file}: {block} key {key!r} is unknown to accelerate, which drops it without a word; {hint}"
+            )
+
+
+def check_launcher_keys(config_file: Path | None, known: Sequence[str] | None = None) -> None:
+    """Refuse (one line) a ``megatron_lm_config`` key accelerate does not know, naming the closest one it does."""
+    record = _read_record(config_file)
+    if record is None:
+        return
+    block = record.get("megatron_lm_config")
     if not isinstance(block, dict):
         return
     kind = str(record.get("distributed_type", ""))

@@ -18,6 +18,7 @@ from typing import Any
 
 from mtk.config import ParallelConfig, parse_bool
 from mtk.errors import ConfigError
+from mtk.integrations.accelerate.launcher import check_launcher_blocks, launcher_config_file
 from mtk.parallel.fsdp import ShardingSettings
 
 __all__ = ["accelerate_fsdp_off", "sharding_from_accelerate"]
@@ -134,6 +135,9 @@ def sharding_from_accelerate(
     """The TP size and FSDP2 settings accelerate's ``parallelism_config`` (argument, or the launcher's
     ``PARALLELISM_CONFIG_*`` variables) and ``fsdp_config`` describe: ``(parallel_config to use, sharding)``."""
     env = os.environ if env is None else env
+    if _true(env, "ACCELERATE_USE_PARALLELISM_CONFIG") or _true(env, "ACCELERATE_USE_FSDP"):
+        # a key of either block that accelerate does not know never became a variable: read the launcher's YAML
+        check_launcher_blocks(launcher_config_file())
     if parallelism_config is None and _true(env, "ACCELERATE_USE_PARALLELISM_CONFIG"):
         from accelerate.parallelism_config import ParallelismConfig
 
