@@ -48,7 +48,7 @@ from mtk.config import ConfigError
 from mtk.errors import CheckpointError
 from mtk.integrations.deepspeed_batch import BatchSizes, reconcile_batch
 from mtk.integrations.deepspeed_reshard import inner_optimizer, load_at_another_layout, save_optimizer_pieces
-from mtk.integrations.deepspeed_sections import check_sections
+from mtk.integrations.deepspeed_sections import check_sections, idle_sections
 from mtk.parallel.optimizer_updates import check_named_update
 from mtk.parallel.parameters import is_expert_parallel
 from mtk.parallel.pieces import Piece
@@ -120,6 +120,8 @@ def deepspeed_config(
     if not isinstance(config, dict):
         raise ConfigError(f"--deepspeed_config {path} is not a JSON object")
     check_sections(config, path)
+    for line in idle_sections(config, path):
+        report(line)
     if "tensor_parallel" in config:
         raise ConfigError(
             f"{path}: 'tensor_parallel' turns on DeepSpeed's own AutoTP; mtk does tensor parallelism: remove it "

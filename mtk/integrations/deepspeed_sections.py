@@ -22,7 +22,14 @@ from typing import Any
 
 from mtk.errors import ConfigError
 
-__all__ = ["OBJECT_SECTIONS", "check_keys", "check_sections", "deepspeed_keys", "removed_deepspeed_keys"]
+__all__ = [
+    "OBJECT_SECTIONS",
+    "check_keys",
+    "check_sections",
+    "deepspeed_keys",
+    "idle_sections",
+    "removed_deepspeed_keys",
+]
 
 _MTK_KEYS = frozenset({"mtk"})  # mtk's own block (mtk.integrations.deepspeed reads it; DeepSpeed passes it by)
 
@@ -224,6 +231,20 @@ def check_keys(config: dict[str, Any], where: str | Path) -> None:
         raise ConfigError(
             f'{where}: "{key}" is not a key DeepSpeed reads, so it would be ignored without a word; {hint}'
         )
+
+
+def idle_sections(config: dict[str, Any], where: str | Path) -> list[str]:
+    """Lines for sections DeepSpeed reads but nothing under mtk acts on: ``activation_checkpointing`` configures
+    ``deepspeed.checkpointing``, which only a model that calls it uses (DeepSpeed's engine never does, nor do HF
+    models); a block that asks for something (any setting on) is said, with what recomputes under mtk."""
+    block = config.get("activation_checkpointing")
+    if not (isinstance(block, dict) and any(block.values())):
+        return []
+    return [
+        f'mtk: {where}: "activation_checkpointing" configures deepspeed.checkpointing, which HF models do not call, '
+        "so it does nothing here; recompute with --gradient_checkpointing (run.py, finetune.py) or "
+        "TrainingArguments.gradient_checkpointing"
+    ]
 
 
 def check_sections(config: dict[str, Any], where: str | Path) -> None:

@@ -146,3 +146,21 @@ def test_what_accelerates_plugin_writes_passes():
     ):
         plugin.set_mixed_precision("bf16")
         check_keys(plugin.deepspeed_config, "plugin")
+
+
+def test_activation_checkpointing_that_asks_for_something_is_said_to_do_nothing(tmp_path):
+    """DeepSpeed's engine never reads ``activation_checkpointing`` (only a model calling deepspeed.checkpointing
+    does; HF models do not): a block with a setting on is one line saying so and what recomputes under mtk; one with
+    every setting off (as DeepSpeed's examples ship it) is not."""
+    from mtk.integrations.deepspeed import deepspeed_config
+    from mtk.integrations.deepspeed_sections import idle_sections
+
+    off = {"partition_activations": False, "cpu_checkpointing": False, "number_checkpoints": None}
+    assert idle_sections({"activation_checkpointing": off}, "ds.json") == []
+    path = tmp_path / "ds.json"
+    config = {"train_micro_batch_size_per_gpu": 2, "activation_checkpointing": {**off, "partition_activations": True}}
+    path.write_text(json.dumps(config))
+    said: list[str] = []
+    deepspeed_config(path, 1, report=said.append)
+    assert len(said) == 1 and '"activation_checkpointing" configures deepspeed.checkpointing' in said[0], said
+    assert "--gradient_checkpointing" in said[0]

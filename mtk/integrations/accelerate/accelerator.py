@@ -131,7 +131,7 @@ class Accelerator(
                 "parallelism; use DeepSpeed's ZeRO stage or drop the DeepSpeed config"
             )
         if self.uses_deepspeed:
-            check_launcher_sections()  # before accelerate's plugin reads the JSON
+            reports += check_launcher_sections()  # before accelerate's plugin reads the JSON
             remove_shm_buffers_at_exit()
         if self.uses_deepspeed and parse_flag_from_env("ACCELERATE_USE_CPU"):  # accelerate would drop DeepSpeed
             if not on_cpu:

@@ -30,6 +30,7 @@ from mtk.integrations.deepspeed_experts import (
     spread_experts_seen_as_moe,
 )
 from mtk.integrations.deepspeed_norm import clip_where_deepspeed_keeps_no_norm
+from mtk.integrations.deepspeed_sections import idle_sections
 from mtk.parallel.state import ParallelState
 
 __all__ = [
@@ -42,20 +43,23 @@ __all__ = [
 ]
 
 
-def check_launcher_sections() -> None:
+def check_launcher_sections() -> list[str]:
     """The DeepSpeed JSON ``accelerate launch`` names (its YAML's ``deepspeed_config_file``), checked before
     accelerate builds its plugin from it: a section given as another type than an object
     (:func:`~mtk.integrations.deepspeed.check_sections`) was an ``AttributeError`` in accelerate on every rank.
-    A file that is missing or not JSON is left to accelerate's own message."""
+    A file that is missing or not JSON is left to accelerate's own message. Returns the lines to say about
+    sections nothing acts on (:func:`~mtk.integrations.deepspeed_sections.idle_sections`)."""
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if not path or not Path(path).is_file():
-        return
+        return []
     try:
         raw = jsonio.loads(Path(path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return
-    if isinstance(raw, dict):
-        check_sections(raw, path)
+        return []
+    if not isinstance(raw, dict):
+        return []
+    check_sections(raw, path)
+    return idle_sections(raw, path)
 
 
 def user_batch_fields(plugin, from_launcher: bool = True) -> tuple[dict[str, Any], str]:
