@@ -7,6 +7,8 @@ Each carries a one-line message saying what is wrong and what is allowed. Entry 
 
 import contextlib
 import errno
+import re
+import sys
 from collections.abc import Iterator
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "MtkError",
     "TrainingError",
     "UnsupportedModelError",
+    "allocation_failure",
     "library_refusals",
     "unusable_name",
 ]
@@ -116,4 +119,24 @@ def unusable_name(err: BaseException) -> MtkError | None:
             f"{str(err.object)[:120]!r} holds bytes that are not UTF-8, which tensorboard, JSON and the logs cannot "
             "write; rename it with UTF-8 characters"
         )
+    return None
+
+
+def allocation_failure(err: BaseException, advice: str) -> MtkError | None:
+    """``err`` as one line where an allocation failed (a device's ``OutOfMemoryError``, the CPU allocator's
+    refusal), raised here or in a worker of :func:`mtk.spawn.run_distributed` (whose error carries the workers'
+    exceptions by rank): sizes past this machine's memory are bad input, not a bug, and the workers' nested
+    tracebacks said so in forty lines. ``advice`` says what to make smaller (the command's own options). ``None``
+    for anything else, whose traceback is wanted."""
+    workers = getattr(err, "errors", None)
+    candidates = sorted(workers.items()) if isinstance(workers, dict) else []
+    for rank, error in [(None, err), *candidates]:
+        torch = sys.modules.get("torch")  # (not imported: nothing of torch's failed)
+        lines = str(error).strip().splitlines()
+        first = lines[0] if lines else type(error).__name__
+        device = torch is not None and isinstance(error, torch.OutOfMemoryError)
+        if device or (isinstance(error, RuntimeError) and "can't allocate memory" in first):
+            first = re.sub(r"^\[enforce fail at [^\]]*\]\s*(err == 0\.\s*)?", "", first)  # c10's check, not news
+            where = "" if rank is None else f" on rank {rank}"
+            return ConfigError(f"out of memory{where} ({first[:200]}); {advice}")
     return None

@@ -202,7 +202,7 @@ _NESTED = ("text_config", "rope_parameters")  # a multimodal model's decoder; tr
 MAX_LAYERS = 1_000
 
 
-def check_config_values(values: Mapping[str, Any], source: str | Path) -> None:
+def check_config_values(values: Mapping[str, Any], source: str | Path, *, where: str | None = None) -> None:
     """Refuse (one line naming the field and ``source``) a model config whose sizes are not whole numbers (zero only
     where a config uses it for "none" or "derived": ``head_dim``, expert counts), whose depth is over
     :data:`MAX_LAYERS`, or whose epsilons, rope base or init range are not finite numbers. A per-layer list of sizes
@@ -210,17 +210,20 @@ def check_config_values(values: Mapping[str, Any], source: str | Path) -> None:
 
     Checked on the values as written, before transformers builds a config from them: its ``__init__`` divides by the
     head count, and a NaN epsilon or a negative vocabulary only fails later, in a plan or a model's first tensor.
-    A field the config does not have, or sets to null (GPT-2's ``n_inner``), is not checked."""
+    A field the config does not have, or sets to null (GPT-2's ``n_inner``), is not checked. ``where`` starts each
+    message (``--model <source>`` unless given): a checkpoint's recorded config is checked here too, and named as one.
+    """
+    where = f"--model {source}" if where is None else where
     for holder in (values, values.get("text_config")):
         holder = vars(holder) if isinstance(holder, PretrainedConfig) else holder
         if isinstance(holder, Mapping):
-            _check_relations(holder, source)
+            _check_relations(holder, where)
     for name, value in _checked_values(values):
         field = name.rsplit(".", 1)[-1]
         if field in _FINITE_FIELDS:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ModelSpecError(
-                    f"--model {source}: {name} is {_shown(value)}; it must be a finite number: correct the config"
+                    f"{where}: {name} is {_shown(value)}; it must be a finite number: correct the config"
                 )
             continue
         if isinstance(value, Mapping):
@@ -230,12 +233,10 @@ def check_config_values(values: Mapping[str, Any], source: str | Path) -> None:
             whole = isinstance(size, (int, float)) and not isinstance(size, bool) and math.isfinite(size)
             if not whole or size != int(size) or size < least:
                 what = "a whole number >= 0" if least == 0 else "a positive whole number"
-                raise ModelSpecError(
-                    f"--model {source}: {name} is {_shown(value)}; it must be {what}: correct the config"
-                )
+                raise ModelSpecError(f"{where}: {name} is {_shown(value)}; it must be {what}: correct the config")
         if field in _DEPTH_FIELDS and isinstance(value, (int, float)) and value > MAX_LAYERS:
             raise ModelSpecError(
-                f"--model {source}: {name} is {value}; mtk builds and plans models of at most {MAX_LAYERS:,} layers: "
+                f"{where}: {name} is {value}; mtk builds and plans models of at most {MAX_LAYERS:,} layers: "
                 "correct the config"
             )
 
@@ -245,18 +246,18 @@ _PROBABILITIES = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
-def _check_relations(values: Mapping[str, Any], source: str | Path) -> None:
+def _check_relations(values: Mapping[str, Any], where: str) -> None:
     """Values valid alone that the modeling code cannot use together, each of which only failed in a forward (or
     trained without a word): a dropout outside [0, 1], more experts per token than experts, or none of several."""
     for name in _PROBABILITIES:
         value = values.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 <= value <= 1:
-            raise ModelSpecError(f"--model {source}: {name} is {_shown(value)}; a dropout is in [0, 1]: correct it")
+            raise ModelSpecError(f"{where}: {name} is {_shown(value)}; a dropout is in [0, 1]: correct it")
     experts = next((values[n] for n in _EXPERT_COUNTS if isinstance(values.get(n), int) and values[n] > 0), None)
     chosen = values.get("num_experts_per_tok")
     if experts is not None and isinstance(chosen, int) and not 1 <= chosen <= experts:
         raise ModelSpecError(
-            f"--model {source}: num_experts_per_tok is {chosen} of {experts} experts; each token is routed to 1 to "
+            f"{where}: num_experts_per_tok is {chosen} of {experts} experts; each token is routed to 1 to "
             f"{experts}: correct the config"
         )
 
@@ -270,7 +271,7 @@ def _zero_head_dim_is_default(values: Mapping[str, Any], name: str) -> bool:
         model_type = holder.model_type
     elif isinstance(holder, Mapping):
         model_type = holder.get("model_type")
-    if model_type not in CONFIG_MAPPING:
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:  # (a list is not even a mapping's key)
         return False
     try:
         default = CONFIG_MAPPING[model_type]().get_text_config()

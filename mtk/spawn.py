@@ -30,7 +30,7 @@ import random
 import socket
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.context import ForkServerContext, SpawnContext
 from typing import Any
 
@@ -73,7 +73,15 @@ def fork_context() -> ForkServerContext:
 
 
 class DistributedTestError(AssertionError):
-    """One or more workers failed or timed out; the message holds their tracebacks."""
+    """One or more workers failed or timed out; the message holds their tracebacks.
+
+    ``errors`` holds the workers' exceptions themselves (by rank), where they could be carried over: a command
+    running workers tells bad input (an allocation past this machine's memory) from a bug by them, not by parsing a
+    traceback's text (:func:`mtk.errors.allocation_failure`)."""
+
+    def __init__(self, message: str = "", errors: Mapping[int, BaseException] | None = None) -> None:
+        super().__init__(message)
+        self.errors: dict[int, BaseException] = dict(errors or {})
 
 
 def _ephemeral_ports() -> tuple[int, int]:
@@ -151,20 +159,33 @@ def _worker(
         # By value: torch's queue would pass tensors as file descriptors that die with this process,
         # and the parent may read the queue only after this worker has exited.
         queue.put((rank, True, pickle.dumps(result)))
-    except BaseException:  # report everything, including assertion errors, to the parent
-        queue.put((rank, False, traceback.format_exc()))
+    except BaseException as err:  # report everything, including assertion errors, to the parent
+        queue.put((rank, False, (traceback.format_exc(), _portable(err))))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _receive(queue, results: dict[int, Any], failures: dict[int, str]) -> None:
-    """File one worker's report: a pickled result (our own child's bytes) or a traceback."""
+def _portable(err: BaseException) -> bytes | None:
+    """``err`` pickled for the parent, or ``None`` where it cannot be (an attribute that does not pickle)."""
+    try:
+        return pickle.dumps(err)
+    except Exception:
+        return None
+
+
+def _receive(queue, results: dict[int, Any], failures: dict[int, str], errors: dict[int, BaseException]) -> None:
+    """File one worker's report: a pickled result (our own child's bytes), or a traceback and the exception."""
     rank, ok, payload = queue.get()
     if ok:
         results[rank] = pickle.loads(payload)
-    else:
-        failures[rank] = payload
+        return
+    failures[rank], pickled = payload
+    if pickled is not None:
+        try:
+            errors[rank] = pickle.loads(pickled)
+        except Exception:  # an exception class whose __init__ takes other arguments than it stores: text only
+            pass
 
 
 def run_distributed(
@@ -200,15 +221,16 @@ def run_distributed(
         proc.start()
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
+    errors: dict[int, BaseException] = {}
     deadline = time.monotonic() + timeout
     try:
         while len(results) + len(failures) < world_size:
             if not queue.empty():
-                _receive(queue, results, failures)
+                _receive(queue, results, failures, errors)
                 if failures:
                     time.sleep(1.0)  # let the other ranks report their own error before we stop them
                     while not queue.empty():
-                        _receive(queue, results, failures)
+                        _receive(queue, results, failures, errors)
                     break
                 continue
             dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
@@ -234,5 +256,5 @@ def run_distributed(
         del store
     if failures:
         report = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items()))
-        raise DistributedTestError(f"{fn.__name__} failed on ranks {sorted(failures)}:\n{report}")
+        raise DistributedTestError(f"{fn.__name__} failed on ranks {sorted(failures)}:\n{report}", errors)
     return [results[rank] for rank in range(world_size)]

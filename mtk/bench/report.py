@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+import stat
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from mtk.bench.contenders import BenchSpec
 from mtk.bench.runner import ContenderSummary
+from mtk.errors import ConfigError
 from mtk.models import element_size, resolve_config
 from mtk.pipeline.schedules import bubble_fraction, bubble_overhead
 from mtk.planner.collectives import Predicted
 
-__all__ = ["collective_lines", "format_report", "report_dict", "write_json"]
+__all__ = ["check_json_target", "collective_lines", "format_report", "report_dict", "write_json"]
 
 
 def _mib(nbytes: float) -> str:
@@ -228,5 +232,92 @@ def _counter(table: dict, key: str) -> Counter:
     return Counter({kind: values[key] for kind, values in table.items()})
 
 
+# names of a process's streams (/dev/stdout, /proc/self/fd/1), written as they are even where they lead to a
+# regular file (a shell's log, appended to): that file is not the report's to replace
+_STREAM_NAMES = ("/dev/stdout", "/dev/stderr")
+_STREAM_FOLDERS = ("/dev/fd/", "/proc/")
+
+
+def _is_stream(path: Path) -> bool:
+    """Whether ``path`` is written in place (a device, a FIFO, a process's stream), not staged and renamed."""
+    absolute = os.path.abspath(path)
+    if absolute in _STREAM_NAMES or absolute.startswith(_STREAM_FOLDERS):
+        return True
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)  # a device (/dev/null, /dev/full), a FIFO, a socket
+    except FileNotFoundError:
+        return False  # a new file
+
+
+def check_json_target(path: str | Path) -> None:
+    """Refuse now (one line), not after a benchmark of minutes, a ``--json`` file that cannot be written: a file is
+    created beside it (on the same file system) and a byte written, synced and removed, so a full or read-only
+    file system, a missing folder or a folder this user may not write is said before anything runs; the user's own
+    file is never touched. A device is sent an empty write (``/dev/full`` refuses even that; a terminal prints
+    nothing), a FIFO nothing at all (its reader would read the probe)."""
+    target = Path(path)
+    try:
+        if _is_stream(target):
+            if stat.S_ISCHR(os.stat(target).st_mode):
+                descriptor = os.open(target, os.O_WRONLY | os.O_NONBLOCK)
+                try:
+                    os.write(descriptor, b"")
+                finally:
+                    os.close(descriptor)
+            return
+        real = Path(os.path.realpath(target))
+        descriptor, probe = _create_beside(real, ".probe")
+        try:
+            os.write(descriptor, b"{")
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+            os.unlink(probe)
+    except OSError as err:
+        raise ConfigError(
+            f"cannot write --json {path}: {err.strerror or err} (checked before the benchmark runs); give a file "
+            "in an existing folder this user may write, on a file system with free space"
+        ) from None
+
+
+def _create_beside(real: Path, suffix: str) -> tuple[int, Path]:
+    """A new file of a fresh name in ``real``'s folder (mode 0666 less the umask, as a plain ``open`` makes it)."""
+    for _ in range(100):
+        candidate = real.with_name(f".{real.name}.{os.urandom(4).hex()}{suffix}")
+        try:
+            return os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), candidate
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(real.parent))
+
+
 def write_json(report: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(report, indent=1))
+    """Write the report to ``path``; a write the storage refuses (a disk filled while the benchmark ran) is one line
+    naming the file and the OS's reason, never a traceback after the whole run. A regular file is written whole
+    beside its place and renamed over it, so a failed write leaves the user's earlier file as it was and no new
+    file behind; a device or stream (``/dev/stdout``) is written directly."""
+    data = json.dumps(report, indent=1).encode()
+    target = Path(path)
+    try:
+        if _is_stream(target):
+            with open(target, "ab") as stream:  # (appending: a log behind /dev/stdout keeps what was printed)
+                stream.write(data)
+            return
+        real = Path(os.path.realpath(target))  # a link to a file stays a link: its file is replaced
+        descriptor, staged = _create_beside(real, ".incomplete")
+        try:
+            with os.fdopen(descriptor, "wb") as staged_file:
+                staged_file.write(data)
+                staged_file.flush()
+                os.fsync(staged_file.fileno())
+            if real.exists():
+                shutil.copymode(real, staged)  # the user's file keeps its permissions
+            os.replace(staged, real)
+        except BaseException:
+            staged.unlink(missing_ok=True)
+            raise
+    except OSError as err:
+        raise ConfigError(
+            f"could not write --json {path}: {err.strerror or err}; the results are printed above (a file it held is "
+            "left as it was): free space, or give another file"
+        ) from None

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from mtk.bench.contenders import CONTENDERS, BenchSpec
+from mtk.errors import allocation_failure
 from mtk.models import attention_heads, build_model, num_layers, resolve_config
 from mtk.models import element_size as dtype_size
 from mtk.pipeline.balance import layer_counts, rank_layers
@@ -214,7 +215,8 @@ def run_bench(
                         backend="gloo" if fork_workers else None,  # None: gloo on CPU, NCCL on CUDA
                     )
                 except DistributedTestError as err:
-                    summary.error = _last_line(str(err))
+                    oom = allocation_failure(err, "use a smaller --batch or --seq")  # (sizes, not a bug)
+                    summary.error = str(oom) if oom else _last_line(str(err))
                     progress(f"[{done}/{total}] {name}: failed ({summary.error})")
                     continue
                 summary.add(ranks)

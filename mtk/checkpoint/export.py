@@ -19,9 +19,11 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
@@ -32,8 +34,8 @@ from mtk.checkpoint.integrity import contained, list_files, read_verified
 from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.reader import ShardedCheckpointReader
-from mtk.errors import CheckpointError
-from mtk.models import DTYPES
+from mtk.errors import CheckpointError, ModelSpecError
+from mtk.models import DTYPES, check_config_values
 
 __all__ = [
     "DTYPES",
@@ -58,8 +60,20 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
+def _class_name(meta: CheckpointMeta) -> str:
+    """The recorded model class's name; a record missing or not a string (edited metadata) is one line, not a
+    ``KeyError``."""
+    name = meta.model.get("class")
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(
+            f"the checkpoint's metadata records the model class as {name!r}, not a transformers class name; the "
+            "metadata is damaged: correct model.class in its metadata.json or use another checkpoint"
+        )
+    return name
+
+
 def _model_class(meta: CheckpointMeta):
-    name = meta.model["class"]
+    name = _class_name(meta)
     cls = getattr(transformers, name, None)
     if cls is None:
         raise CheckpointError(
@@ -115,16 +129,81 @@ def _verify(out: Path, meta: CheckpointMeta, reader: ShardedCheckpointReader, dt
 
 
 def recorded_config(checkpoint: str | Path, meta: CheckpointMeta) -> transformers.PretrainedConfig:
-    """The model config the checkpoint's metadata records, built by transformers (no code from ``auto_map``)."""
+    """The model config the checkpoint's metadata records, built by transformers (no code from ``auto_map``).
+
+    The metadata is data from disk (possibly edited or crafted): its values are checked as written first
+    (:func:`~mtk.models.check_config_values`, the check every ``--model`` config gets), and whatever transformers
+    still refuses while building the config (its strict dataclass validators raise an error that is not a
+    ``ValueError``; a mapping given as a list fails as an ``AttributeError``) is one line naming the checkpoint and,
+    where one field alone is refused, that field, never a traceback from ``mtk export`` or ``verify-checkpoint``."""
     config_dict = meta.model.get("config")
     if not config_dict:
         raise CheckpointError(f"{checkpoint} records no model config; it cannot be exported as an HF directory")
+    where = f"{checkpoint}'s recorded model config"
+    if not isinstance(config_dict, dict):
+        raise CheckpointError(f"{where} is a {type(config_dict).__name__}, not a JSON object; the metadata is damaged")
+    values = {k: v for k, v in config_dict.items() if k != "auto_map"}
     try:
-        config = transformers.AutoConfig.for_model(**{k: v for k, v in config_dict.items() if k != "auto_map"})
-    except (ValueError, TypeError, KeyError) as err:
-        raise CheckpointError(f"{checkpoint}'s recorded model config cannot be built ({err})") from None
-    config.architectures = [meta.model["class"]]
+        check_config_values(values, checkpoint, where=where)
+    except ModelSpecError as err:
+        raise CheckpointError(str(err)) from None
+    model_type = values.get("model_type")
+    if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
+        raise CheckpointError(
+            f"{where} cannot be built (model_type is {_shown(model_type)}, which transformers "
+            f"{transformers.__version__} does not ship); correct model.config in its metadata.json or use another "
+            "checkpoint"
+        )
+    try:
+        config = transformers.AutoConfig.for_model(**values)
+    except _CONFIG_REFUSALS as err:
+        cause = err.__cause__ if isinstance(err, StrictDataclassError) and err.__cause__ else err  # the validator's
+        reason = (str(cause).strip().splitlines() or ["no message"])[0][:160]
+        field = _refused_field(model_type, values)
+        named = f"{field} is {_shown(values[field])}: " if field else ""
+        raise CheckpointError(
+            f"{where} cannot be built ({named}{type(cause).__name__}: {reason}); correct model.config in its "
+            "metadata.json or use another checkpoint"
+        ) from None
+    config.architectures = [_class_name(meta)]
     return config
+
+
+# what transformers raises for values its config classes refuse: huggingface_hub's StrictDataclassError (a field of
+# the wrong type, values that contradict each other) is an Exception, not a ValueError
+_CONFIG_REFUSALS = (ValueError, TypeError, KeyError, AttributeError, StrictDataclassError)
+
+
+def _refused_field(model_type: str, values: dict[str, Any]) -> str | None:
+    """The first field of ``values`` that transformers refuses alone (a config built from the model type and that
+    field only), to name it in the message; ``None`` when each is accepted alone (values that contradict each other,
+    which transformers' own message names) or the model type itself is refused. Only called once building failed."""
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the probes' warnings (a token id past a default vocabulary): noise
+    try:
+        try:
+            transformers.AutoConfig.for_model(model_type)
+        except _CONFIG_REFUSALS:
+            return None
+        for name, value in values.items():
+            if name == "model_type":
+                continue
+            try:
+                transformers.AutoConfig.for_model(model_type, **{name: value})
+            except _CONFIG_REFUSALS:
+                return name
+        return None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def _shown(value: Any) -> str:
+    """A recorded value as JSON, cut to keep the message one short line."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def check_against_config(checkpoint: str | Path, meta: CheckpointMeta, reader: ShardedCheckpointReader) -> None:

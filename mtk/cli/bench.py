@@ -10,7 +10,7 @@ import torch
 from mtk.args import non_negative_int
 from mtk.bench.contenders import CONTENDERS, BenchSpec
 from mtk.bench.plan_check import check_lines, check_ranks
-from mtk.bench.report import format_report, report_dict, write_json
+from mtk.bench.report import check_json_target, format_report, report_dict, write_json
 from mtk.bench.runner import predicted_for, run_bench
 from mtk.checkpoint.export import check_writable_beside
 from mtk.config import PIPELINE_SCHEDULES, RECOMPUTE_GRANULARITIES, check_expert_tp_size, check_schedule
@@ -139,6 +139,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         if json_path.is_symlink() and not json_path.exists() or json_path.is_dir():  # (a loop, a folder)
             raise ConfigError(f"--json {args.json} is not a file mtk bench can write; give a file's path")
         check_writable_beside(json_path)  # before the benchmark, not after it
+        check_json_target(json_path)  # a full file system too, or a device that refuses writes (/dev/full)
     Layout(world_size=args.tp * args.cp * args.pp * args.dp, tp_size=args.tp, pp_size=args.pp)
     if args.dp > 1 and args.pp > 1:
         raise MtkError("--dp > 1 runs with --pp 1 (the bench's pipeline contender has one replica)")

@@ -10,13 +10,16 @@ import transformers
 
 from mtk.args import positive_float, positive_int, seed
 from mtk.config import check_expert_tp_size
-from mtk.errors import MtkError
+from mtk.errors import MtkError, allocation_failure
 from mtk.models import resolve_config
 from mtk.planner.shapes import expert_parallel_refusal
 from mtk.rules import check_tp_size
 from mtk.spawn import DistributedTestError, run_distributed
 from mtk.verify import VERIFY_DTYPES, verify_worker
 from mtk.verify.sweep import SweepRow, causal_lm_types, sweep_worker, tp_plan_types
+
+# what a run past this machine's memory can change
+_SMALLER = "use a smaller --batch or --seq (every process runs the whole batch, through the model and its reference)"
 
 # fp32: mtk and HF are each about HF's rounding error away from the fp64 truth, in their own directions
 ROUNDING_FACTOR = 2.0
@@ -104,12 +107,18 @@ def run(args: argparse.Namespace) -> int:
     layout = f"tp={args.tp}" + (f" ep={args.ep}" if args.ep > 1 else "") + (f" etp={args.etp}" if args.etp else "")
     print(f"mtk verify: {args.model} at {layout}, {args.dtype}, batch {args.batch} x seq {args.seq}", flush=True)
     rounding = args.dtype == "fp32" and args.tolerance is None  # judged against HF's own fp32 rounding
-    results = run_distributed(
-        verify_worker,
-        world_size=args.tp * args.ep,
-        args=(args.model, args.dtype, args.batch, args.seq, args.seed, rounding, args.ep, args.etp),
-        timeout=args.timeout,
-    )
+    try:
+        results = run_distributed(
+            verify_worker,
+            world_size=args.tp * args.ep,
+            args=(args.model, args.dtype, args.batch, args.seq, args.seed, rounding, args.ep, args.etp),
+            timeout=args.timeout,
+        )
+    except DistributedTestError as err:  # a worker's allocation past memory is the sizes asked for: one line
+        one_line = allocation_failure(err, _SMALLER)
+        if one_line is None:
+            raise  # a bug: the workers' tracebacks are wanted
+        raise one_line from None
     errors = {r.error for r in results if r.error}
     if errors:
         raise MtkError(errors.pop())

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from mtk.errors import MtkError, unusable_name
+from mtk.errors import MtkError, allocation_failure, unusable_name
 from mtk.parallel.state import group_timeout
 
 __all__ = ["out_of_memory", "peer_failure", "report_mtk_errors", "run_main"]
@@ -110,16 +110,12 @@ def _run(main: Callable[[], None], prog: str) -> None:
 def out_of_memory(err: BaseException) -> str | None:
     """``err`` as one line where an allocation failed (a device's ``OutOfMemoryError``, the CPU allocator's
     refusal): what was asked for and what to change; ``None`` for anything else."""
-    import torch
-
-    lines = str(err).strip().splitlines()
-    first = lines[0] if lines else type(err).__name__
-    if isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and "can't allocate memory" in first):
-        return (
-            f"out of memory ({first}); use a smaller --batch_size, --seq_len or --lora_r, recompute, or more ranks "
-            "(mtk plan estimates a layout's memory per rank)"
-        )
-    return None
+    found = allocation_failure(
+        err,
+        "use a smaller --batch_size, --seq_len or --lora_r, recompute, or more ranks (mtk plan estimates a layout's "
+        "memory per rank)",
+    )
+    return None if found is None else str(found)
 
 
 def _launched_worker(prog: str) -> bool:

@@ -168,6 +168,8 @@ CHECKPOINT_DAMAGE = [
     (_meta_field(files={"scheduler.pt": {"xxh3_128": "0"}}), "(files['scheduler.pt'] is {'xxh3_128': '0'}, not"),
     (_meta_field(step="four"), "(step 'four' is not a count of steps)"),
     (_meta_field(data=[1]), "(data is not a JSON object)"),
+    (_meta_field(engine="bogus"), "(engine 'bogus' is not an engine mtk saves for (null or 'deepspeed'))"),
+    (_meta_field(run_id=[1]), "(run_id [1] is not a run's label)"),
     (lambda d: (d / "metadata.json").unlink(), "is not a complete mtk checkpoint (no metadata.json"),
     (lambda d: (d / "rng" / "rank00000.pt").unlink(), "rng/rank00000.pt is missing"),
     (lambda d: (d / "model" / "tp00-pp00.safetensors").write_bytes(b"garbage"), "has 7 bytes, the checkpoint"),
@@ -244,6 +246,62 @@ def test_cli_options(checkpoint, tmp_path, capsys):
         assert mtk_main(argv) == 2, argv
         _one_line(capsys.readouterr().err, prog, message)
     assert (tmp_path / "a_file").read_text() == "mine" and (theirs / "keep.txt").read_text() == "mine"
+
+
+def test_verify_past_the_machines_memory_is_one_line(capsys):
+    """--batch 99999999999: each worker died in the allocator (at once: 12.8 TB asked for, nothing allocated) and the
+    parent printed DistributedTestError with every worker's traceback nested. The workers' exceptions come back with
+    the error, and an allocation that failed is bad input: one line, exit 2."""
+    assert mtk_main(["verify", "--model", "tiny-llama", "--tp", "2", "--batch", "99999999999"]) == 2
+    err = capsys.readouterr().err
+    _one_line(err, "mtk verify", "out of memory on rank ")
+    assert "can't allocate memory: you tried to allocate" in err and "use a smaller --batch or --seq" in err
+
+
+def test_a_workers_bug_keeps_its_traceback():
+    """Only an allocation that failed is worded as one line: any other worker error is a bug, raised as it was."""
+    from mtk.errors import allocation_failure
+    from mtk.spawn import DistributedTestError
+
+    bug = DistributedTestError("verify_worker failed on ranks [0]:\n...", {0: KeyError("model.layers.0")})
+    assert allocation_failure(bug, "use less") is None and allocation_failure(ValueError("x"), "use less") is None
+    oom = DistributedTestError(
+        "...", {1: KeyError("x"), 0: RuntimeError("DefaultCPUAllocator: can't allocate memory")}
+    )
+    assert str(allocation_failure(oom, "use less")) == (
+        "out of memory on rank 0 (DefaultCPUAllocator: can't allocate memory); use less"
+    )
+
+
+def _no_benchmark(*args, **kwargs):
+    raise AssertionError("the benchmark ran before its --json file was checked")
+
+
+def test_bench_json_a_full_disk_cannot_take_is_refused_before_the_benchmark(tmp_path, monkeypatch, capsys):
+    """--json /dev/full (or a file on a full file system) ran the whole benchmark, then ended in an OSError
+    traceback from write_json. A probe file is written beside the target first (a device gets an empty write),
+    so the refusal is one line before anything runs, leaving nothing behind and the user's file untouched."""
+    monkeypatch.setattr("mtk.cli.bench.run_bench", _no_benchmark)
+    argv = ["bench", "--model", "tiny-llama", "--tp", "1", "--steps", "1", "--json"]
+    assert mtk_main([*argv, "/dev/full"]) == 2
+    _one_line(capsys.readouterr().err, "mtk bench", "cannot write --json /dev/full: No space left on device")
+    earlier = tmp_path / "bench.json"
+    earlier.write_text("mine")
+
+    def full(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("mtk.bench.report.os.fsync", full)  # what a full file system answers the probe
+    assert mtk_main([*argv, str(earlier)]) == 2
+    _one_line(capsys.readouterr().err, "mtk bench", f"cannot write --json {earlier}: No space left on device")
+    assert earlier.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+    assert mtk_main([*argv, str(tmp_path / "new.json")]) == 2
+    _one_line(capsys.readouterr().err, "mtk bench", "new.json: No space left on device")
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"], "no probe or empty file left behind"
+    monkeypatch.undo()
+    monkeypatch.setattr("mtk.cli.bench.run_bench", _no_benchmark)
+    assert mtk_main([*argv, str(tmp_path / "missing" / "new.json")]) == 2  # a folder that is not there: before too
+    _one_line(capsys.readouterr().err, "mtk bench", "new.json: No such file or directory")
 
 
 def test_a_misspelt_mixed_precision_variable_is_refused_before_anything_is_built(monkeypatch):

@@ -1,5 +1,6 @@
 """``mtk bench``'s collective prediction and report format (not its timings)."""
 
+import errno
 import json
 from dataclasses import replace
 
@@ -8,9 +9,11 @@ import pytest
 from mtk.bench.allocations import peak_allocations
 from mtk.bench.contenders import BenchSpec
 from mtk.bench.report import format_report, report_dict, write_json
-from mtk.bench.runner import ContenderSummary, predicted_for
+from mtk.bench.runner import ContenderSummary, predicted_for, run_bench
 from mtk.cli.main import main
+from mtk.errors import ConfigError
 from mtk.planner.collectives import predict_collectives, predict_context_collectives, predict_expert_collectives
+from mtk.spawn import DistributedTestError
 
 
 def test_prediction_follows_the_megatron_math():
@@ -217,3 +220,50 @@ def test_peak_allocations_replays_the_allocator_trace_to_its_highest_point():
     found = peak_allocations(events)
     assert found.peak == 170
     assert dict(found.by_frame) == {"transformers/integrations/sdpa_attention.py:182 f": 170}
+
+
+ENOSPC_FSYNC = OSError(errno.ENOSPC, "No space left on device")
+
+
+def _full_disk(*_):
+    raise ENOSPC_FSYNC
+
+
+def test_a_report_the_disk_cannot_take_is_one_line_and_keeps_the_earlier_file(tmp_path, monkeypatch):
+    """A disk that filled while the benchmark ran ended it in an OSError traceback after the whole run, and
+    write_text had already emptied the user's earlier report. Now: one line naming the file and the OS's reason,
+    the earlier file as it was, nothing else left beside it; /dev/full (refusing every write) the same."""
+    earlier = tmp_path / "bench.json"
+    earlier.write_text("mine")
+    monkeypatch.setattr("mtk.bench.report.os.fsync", _full_disk)
+    with pytest.raises(ConfigError, match=r"could not write --json .*bench.json: No space left on device") as err:
+        write_json({"contenders": []}, earlier)
+    assert "\n" not in str(err.value)
+    assert earlier.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="could not write --json /dev/full: No space left on device"):
+        write_json({"contenders": []}, "/dev/full")
+    write_json({"contenders": []}, earlier)  # and a write that works replaces it whole
+    assert json.loads(earlier.read_text()) == {"contenders": []}
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+
+
+def test_a_contender_past_memory_is_said_as_out_of_memory(monkeypatch):
+    """A worker whose allocation failed (--batch past the machine's memory) was reported by the traceback's last
+    line; the workers' exceptions now come back with the error, and the contender's failure says what to change."""
+    refused = RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+        "allocate 12799999999872 bytes. Error code 12 (Cannot allocate memory)"
+    )
+
+    def fail(fn, world_size, **_):
+        raise DistributedTestError(f"{fn.__name__} failed on ranks [0]:\n--- rank 0 ---\nTraceback ...", {0: refused})
+
+    monkeypatch.setattr("mtk.bench.runner.run_distributed", fail)
+    monkeypatch.setattr("mtk.bench.runner.machine_busy_fraction", lambda: 0.0)
+    spec = BenchSpec(model="tiny-llama", tp_size=1, pp_size=1, batch=99999999999, seq=16, steps=1)
+    (summary,), _ = run_bench(spec, ["mtk"], 1, progress=lambda line: None)
+    assert summary.error == (
+        "out of memory on rank 0 (DefaultCPUAllocator: can't allocate memory: you tried to allocate 12799999999872 "
+        "bytes. Error code 12 (Cannot allocate memory)); use a smaller --batch or --seq"
+    )

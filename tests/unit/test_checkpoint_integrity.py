@@ -457,6 +457,46 @@ def test_an_export_whose_recorded_class_cannot_take_its_config_is_one_line(saved
     assert code == 2 and message in said, said
 
 
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("vocab_size", "256", 'recorded model config: vocab_size is "256"; it must be a positive whole number'),
+        ("tie_word_embeddings", "yes", r'cannot be built \(tie_word_embeddings is "yes": TypeError: .*expected bool'),
+        ("id2label", [1], r"cannot be built \(id2label is \[1\]: AttributeError"),
+        ("model_type", [1], r"cannot be built \(model_type is \[1\], which transformers .* does not ship"),
+    ],
+    ids=["size-as-a-string", "strict-field", "mapping-as-a-list", "model-type-as-a-list"],
+)
+def test_a_recorded_config_field_of_the_wrong_type_is_one_line(saved, tmp_path, capsys, field, value, message):
+    """The metadata is data from disk: a recorded config field of the wrong type ended export and verify-checkpoint
+    in huggingface_hub's StrictDataclassFieldValidationError (not a ValueError) or an AttributeError, a traceback.
+    The values are checked as written, as a --model config's are, and what transformers still refuses is one line
+    naming the checkpoint and the field."""
+    _rewrite_metadata(saved, lambda meta: meta["model"]["config"].update({field: value}))
+    with pytest.raises(CheckpointError, match=message) as err:
+        export_checkpoint(saved, tmp_path / "out", progress=False)
+    assert str(saved) in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.*"))
+    code, _, said = _verify_cli(saved, capsys)
+    assert code == 2 and re.search(message, said) and len(said.strip().splitlines()) == 1, said
+    assert mtk_main(["export", str(saved), str(tmp_path / "out")]) == 2
+    said = capsys.readouterr().err
+    assert re.search(message, said) and len(said.strip().splitlines()) == 1, said
+
+
+@pytest.mark.parametrize("record", [None, 5], ids=["missing", "a-number"])
+def test_a_recorded_model_class_that_is_not_a_name_is_one_line(saved, tmp_path, capsys, record):
+    """The class beside the config is a record of the metadata too: removed, it was a KeyError traceback."""
+    _rewrite_metadata(
+        saved, lambda meta: meta["model"].pop("class") if record is None else meta["model"].update({"class": record})
+    )
+    message = "metadata records the model class as .*, not a transformers class name"
+    with pytest.raises(CheckpointError, match=message):
+        export_checkpoint(saved, tmp_path / "out", progress=False)
+    code, _, said = _verify_cli(saved, capsys)
+    assert code == 2 and re.search(message, said) and len(said.strip().splitlines()) == 1, said
+
+
 def test_verify_checkpoint_refuses_a_step_folder_whose_metadata_records_another_step(saved, capsys):
     """Resume refuses a ``step_N`` recording another step (``--resume auto`` would take it for the newest);
     verify-checkpoint called it ok. A step edited in the metadata disagrees with the save's label (a resume from it
