@@ -35,6 +35,7 @@ __all__ = [
     "ResumeGuard",
     "add_resume_arguments",
     "complete_checkpoints",
+    "on_main_process",
     "remove_checkpoints",
     "resolve_resume",
     "start_point",
@@ -100,14 +101,14 @@ def start_point(
     output_dir, resume, overwrite = args.output_dir, args.resume, args.overwrite
     if overwrite and resume is not None:
         raise CheckpointError("--overwrite starts a run over and cannot be combined with --resume; choose one")
-    _on_main_process(lambda: check_output_place(output_dir, getattr(args, "data", None)), main_process)
-    _on_main_process(lambda: lock_output_dir(output_dir), main_process)
+    on_main_process(lambda: check_output_place(output_dir, getattr(args, "data", None)), main_process)
+    on_main_process(lambda: lock_output_dir(output_dir), main_process)
     start = resolve_resume(output_dir, resume, overwrite)
     if resume == AUTO and main_process:
         found = f"resuming from {start}" if start else f"no checkpoint in {output_dir}, starting fresh"
         print(f"mtk: --resume auto: {found}", flush=True)
     # every refusal before anything is removed: an --overwrite that then refused would have deleted for nothing
-    _on_main_process(lambda: check_steps_to_write(output_dir, _step_of(start)), main_process)
+    on_main_process(lambda: check_steps_to_write(output_dir, _step_of(start)), main_process)
     if overwrite:
         if main_process and (removed := remove_checkpoints(output_dir)):
             print(f"mtk: --overwrite: removed {', '.join(removed)} of an earlier run in {output_dir}", flush=True)
@@ -225,7 +226,7 @@ def check_steps_to_write(output_dir: str | Path, after: int) -> None:
             check_replaceable(entry)
 
 
-def _on_main_process(check: Callable[[], Any], main_process: bool) -> None:
+def on_main_process(check: Callable[[], Any], main_process: bool) -> None:
     """Run ``check`` on the main process; its refusal, if any, is raised on every rank."""
     refusal = None
     if main_process:

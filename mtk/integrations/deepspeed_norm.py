@@ -33,6 +33,9 @@ def clip_where_deepspeed_keeps_no_norm(engine: Any, parallel: ParallelState) -> 
     optimizer = engine.optimizer
     if hasattr(optimizer, "_global_grad_norm") or not isinstance(optimizer, torch.optim.Optimizer):
         return False
+    if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
+        # (fp16 autocast: the scaler skips the step, and a pre-hook's collective, on a rank that overflowed alone)
+        return False
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
 
     def clip_and_record(stepped: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -224,7 +224,7 @@ def check_keys(config: dict[str, Any], where: str | Path) -> None:
                 f'{where}: "{key}" is mtk\'s, not a key DeepSpeed reads (it would be ignored without a word); '
                 f'write it inside the "mtk" block: "mtk": {{"{key}": {json.dumps(config[key])}}}'
             )
-        if known is None or key in known:
+        if known is None or key in known or str(key).startswith(("_", "//")):  # ("_comment": a JSON comment)
             continue
         close = difflib.get_close_matches(str(key), sorted(known), n=1)
         hint = f'did you mean "{close[0]}"?' if close else f"remove it (DeepSpeed reads: {', '.join(sorted(known))})"

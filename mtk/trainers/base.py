@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -45,7 +46,7 @@ from mtk.pipeline.engine import PipelineModel
 from mtk.rules.lm_head import logits_mode
 from mtk.trainers.adapters import add_adapters, refuse_peft_model
 from mtk.trainers.arguments import check_training_arguments, clipping_report, recompute_settings
-from mtk.trainers.checkpoints import TrainerCheckpointing, claim_output_dir
+from mtk.trainers.checkpoints import TrainerCheckpointing, claim_output_dir, written_checkpoints
 from mtk.trainers.model_path import PathLoader
 from mtk.trainers.signals import SaveAndStopOnSignal
 from mtk.training.signals import ExitSignal
@@ -73,7 +74,7 @@ def _saving_on_signals(trainer: Any) -> Iterator[SaveAndStopOnSignal | None]:
     if threading.current_thread() is not threading.main_thread():
         yield None
         return
-    exit_signal = ExitSignal(trainer.accelerator.device)
+    exit_signal = ExitSignal(trainer.accelerator.device, resume_hint=RESUME_HINT)
     stop = SaveAndStopOnSignal(exit_signal)
     trainer.add_callback(stop)
     try:
@@ -81,12 +82,17 @@ def _saving_on_signals(trainer: Any) -> Iterator[SaveAndStopOnSignal | None]:
     finally:
         trainer.remove_callback(stop)
         exit_signal.restore()
+    if exit_signal.received and stop.stopped_at is None:  # it came after the last step: the caller's handler has it
+        signal.raise_signal(exit_signal.received)
+
+
+RESUME_HINT = "resume_from_checkpoint=True continues from the newest checkpoint"
 
 
 @contextlib.contextmanager
 def _in_trainer_module(**names: Any) -> Iterator[None]:
-    """transformers' trainer module sees ``names`` (its ``Accelerator``, its ``skip_first_batches``) while the
-    block runs: the Trainer builds and calls them by those module-level names, with no hook to pass others."""
+    """transformers' trainer module sees ``names`` (its ``Accelerator``, ``skip_first_batches``, ``sort_checkpoints``)
+    while the block runs: the Trainer builds and calls them by those module-level names (no hook passes others)."""
     saved = {name: getattr(hf_trainer, name) for name in names}
     for name, value in names.items():
         setattr(hf_trainer, name, value)
@@ -279,14 +285,16 @@ class ParallelTrainerMixin(TrainerCheckpointing):
             self.args.output_dir, resume_from_checkpoint, main_process=self.accelerator.is_main_process
         )
         self.accelerator.checkpoint_tokenizer = self._saveable_tokenizer()
+        skipping, sorting = self.accelerator.skip_first_batches, written_checkpoints
         with (
             _saving_on_signals(self) as stop,
-            _in_trainer_module(skip_first_batches=self.accelerator.skip_first_batches),
+            _in_trainer_module(skip_first_batches=skipping, sort_checkpoints=sorting),
         ):
             result = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
         if stop is not None and stop.stopped_at is not None:
             name, folder = stop.signal_name, Path(self.args.output_dir) / f"checkpoint-{stop.stopped_at}"
-            self.accelerator.print(f"mtk: {name}: saved {folder}; continue with resume_from_checkpoint=True")
+            said = f"saved {folder}" if folder.is_dir() else "stopped (no checkpoint was written)"
+            self.accelerator.print(f"mtk: {name}: {said}; continue with resume_from_checkpoint=True")
             raise SystemExit(0)
         return result
 

@@ -18,13 +18,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_
 from mtk.checkpoint.integrity import read_verified
 from mtk.checkpoint.lock import lock_output_dir
 from mtk.checkpoint.paths import CheckpointPaths
-from mtk.checkpoint.resume import check_output_place
+from mtk.checkpoint.resume import check_output_place, on_main_process
 from mtk.checkpoint.rng import rng_state, set_rng_state
 from mtk.errors import CheckpointError, ConfigError
 from mtk.integrations.accelerate import Accelerator
 from mtk.integrations.accelerate.save import save_pretrained
 
-__all__ = ["TrainerCheckpointing", "claim_output_dir", "rotate_checkpoints"]
+__all__ = ["TrainerCheckpointing", "claim_output_dir", "rotate_checkpoints", "written_checkpoints"]
 
 _CHECKPOINT = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-\d+")
 
@@ -48,11 +48,10 @@ def claim_output_dir(output_dir: str, resume: str | bool | None, *, main_process
     (``resume_from_checkpoint=True`` would then take another run's newest) and rotate them away with its own.
     ``True`` is resolved to the newest ``checkpoint-N`` here, and the checkpoint must be one the Trainer under mtk
     wrote (mtk's metadata and the Trainer's state): each other kind is one line, not a library's traceback.
-    Every rank calls it; each reads the same folder and decides alike.
+    Every rank calls it: the main process's checks are broadcast, and each rank reads the same folder alike.
     """
-    if main_process:
-        check_output_place(output_dir, None)
-        lock_output_dir(output_dir)
+    on_main_process(lambda: check_output_place(output_dir, None), main_process)  # a refusal is every rank's
+    on_main_process(lambda: lock_output_dir(output_dir), main_process)
     folder = Path(output_dir)
     if resume is True:
         newest = get_last_checkpoint(output_dir) if folder.is_dir() else None
@@ -89,20 +88,34 @@ def claim_output_dir(output_dir: str, resume: str | bool | None, *, main_process
             f"not a Trainer's checkpoint-N: resume it with the script that wrote it, or start the Trainer from its "
             f"weights (mtk export {checkpoint} DIR, then model=DIR)"
         )
+    if not has_metadata:
+        newest = get_last_checkpoint(str(checkpoint)) if checkpoint.is_dir() else None
+        hint = f" (its newest checkpoint is {newest})" if newest else ""
+        raise CheckpointError(
+            f"resume_from_checkpoint={resume}: not a checkpoint-N the Trainer wrote{hint}; give a checkpoint-N "
+            "folder, or True for the newest in output_dir"
+        )
     return str(checkpoint)
 
 
-def rotate_checkpoints(run_dir: str, limit: int | None, best: str | None) -> None:
-    """transformers' rotation (keep the newest ``limit`` checkpoints, the newest and the best always), over the
-    checkpoints the Trainer under mtk wrote only (mtk's metadata inside): the Trainer's own rotation removes every
-    ``checkpoint-*`` folder it finds, a user's folder of that name included."""
-    if not limit or limit <= 0:
-        return
-    written = [
+def written_checkpoints(output_dir: str, *args: Any, **kwargs: Any) -> list[str]:
+    """transformers' ``sort_checkpoints`` (same arguments), keeping only the checkpoints the Trainer under mtk wrote
+    (mtk's metadata inside, not through a link): what the Trainer may remove. Its own rotation, and its clean-up at
+    the end of ``train()`` (``save_total_limit=1`` with a best checkpoint), removed every ``checkpoint-*`` folder,
+    a user's of that name included; the latter reads this through the trainer module's name for the call."""
+    return [
         folder
-        for folder in sort_checkpoints(run_dir, use_mtime=True)
+        for folder in sort_checkpoints(output_dir, *args, **kwargs)
         if not Path(folder).is_symlink() and CheckpointPaths(Path(folder)).metadata.is_file()
     ]
+
+
+def rotate_checkpoints(run_dir: str, limit: int | None, best: str | None) -> None:
+    """transformers' rotation (keep the newest ``limit`` checkpoints, the newest and the best always), over
+    :func:`written_checkpoints` only."""
+    if not limit or limit <= 0:
+        return
+    written = written_checkpoints(run_dir, use_mtime=True)
     protected = {written[-1]} if written else set()
     if best is not None:
         protected.add(str(Path(best)))

@@ -32,8 +32,15 @@ class SaveAndStopOnSignal(TrainerCallback):
         return self.exit_signal.name
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if self.exit_signal.requested():
+        if self.exit_signal.requested():  # save now (no evaluation first: a preemption's grace time is short)
             control.should_save = True
+            control.should_evaluate = False
             control.should_training_stop = True
             self.stopped_at = state.global_step
+        return control
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.stopped_at is not None:  # the step is saved: no evaluation or second save at the epoch's end
+            control.should_save = False
+            control.should_evaluate = False
         return control

@@ -29,6 +29,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import datasets
 import torch
 import trl
 import trl.trainer.dpo_trainer as trl_dpo
@@ -78,8 +79,10 @@ def _check_conversations(dataset: Any, which: str, columns: tuple[str, ...]) -> 
         for name, part in dataset.items():
             _check_conversations(part, f"{which}[{name!r}]", columns)
         return
-    present = getattr(dataset, "column_names", None) or []
-    for column in (c for c in columns if c in present and hasattr(dataset, "__getitem__")):
+    if not isinstance(dataset, datasets.Dataset):  # a stream (IterableDataset) would be read whole here
+        return
+    present = dataset.column_names or []
+    for column in (c for c in columns if c in present):
         for row, value in enumerate(dataset[column]):
             if isinstance(value, str) and column != "messages":
                 continue  # TRL's standard (not conversational) format

@@ -50,13 +50,15 @@ _PR_SET_PDEATHSIG = 1
 DUPLICATE_S = 1.0
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(signum: int) -> bool:
+    """Ask the kernel for ``signum`` when the parent dies (0: nothing); whether it could be asked."""
     if not sys.platform.startswith("linux"):
-        return
+        return False
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
     except (OSError, AttributeError):  # no prctl: the launcher's own shutdown is all there is
-        pass
+        return False
+    return True
 
 
 class ExitSignal:
@@ -71,8 +73,11 @@ class ExitSignal:
         device: torch.device | str = "cpu",
         signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP),
         duplicate_s: float = DUPLICATE_S,
+        resume_hint: str = "--resume auto continues from the newest checkpoint",
     ):
         self.device = device
+        self.resume_hint = resume_hint
+        signals = tuple(sig for sig in signals if signal.getsignal(sig) is not signal.SIG_IGN)  # nohup's SIGHUP stays
         self.duplicate_s = duplicate_s
         self.received: int | None = None
         read, self._write = os.pipe()
@@ -81,7 +86,8 @@ class ExitSignal:
         self._previous = {sig: signal.signal(sig, self._record) for sig in signals}
         watcher = threading.Thread(target=self._watch, args=(read, self._chained, set(signals)), daemon=True)
         watcher.start()
-        _die_with_parent()
+        # a launcher's worker: SIGTERM when the launcher dies (under a plain shell, its parent is the shell)
+        self._with_parent = "LOCAL_RANK" in os.environ and _die_with_parent(signal.SIGTERM)
 
     def restore(self) -> None:
         """Give the signals back to the handlers they had (a library's ``train()`` that returns to its caller's
@@ -90,6 +96,8 @@ class ExitSignal:
             signal.signal(sig, handler)
         signal.set_wakeup_fd(self._chained)
         os.close(self._write)  # the watcher reads the end of the pipe and returns
+        if self._with_parent:
+            _die_with_parent(0)
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         self.received = self.received or signum  # read by requested(); the watcher decides about "stop now"
@@ -107,7 +115,7 @@ class ExitSignal:
                 if first is None:
                     first, first_signum = now, signum
                 elif now - first > self.duplicate_s:
-                    _stop_now(signum, first_signum)
+                    _stop_now(signum, first_signum, self.resume_hint)
         os.close(read)
 
     @property
@@ -122,7 +130,7 @@ class ExitSignal:
         return bool(flag.item())
 
 
-def _stop_now(signum: int, first_signum: int) -> None:
+def _stop_now(signum: int, first_signum: int, resume_hint: str) -> None:
     """Die of ``signum`` (as an interrupted program does: the launcher and the shell see which), after one line
     from rank 0. Runs in the watcher thread, where Python cannot change a handler: libc's ``signal`` restores the
     default action (terminate the process), whatever the main thread is doing."""
@@ -130,7 +138,7 @@ def _stop_now(signum: int, first_signum: int) -> None:
         name, first = signal.Signals(signum).name, signal.Signals(first_signum).name
         # (torchrun turns a second Ctrl-C into SIGTERM for its workers; which delivery comes first is a race)
         again = "again" if name == first else f"after {first}"
-        stopped = "stopped at once, without saving; --resume auto continues from the newest checkpoint"
+        stopped = f"stopped at once, without saving; {resume_hint}"
         line = f"mtk: {name} {again}: {stopped}\n"
         os.write(2, line.encode())
     with contextlib.suppress(OSError, AttributeError):

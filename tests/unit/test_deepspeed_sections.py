@@ -124,6 +124,7 @@ def test_every_key_deepspeed_reads_passes_and_tensor_parallel_keeps_mtks_own_lin
     known = deepspeed_keys()
     assert known is not None
     check_keys(dict.fromkeys(known, "auto"), "ds.json")  # accelerate's "auto" values are not checked here
+    check_keys({"_comment": "ZeRO-2 for 8 GPUs", "//": "a JSON comment"}, "ds.json")  # comments, DeepSpeed skips
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({MB: 2, "tensor_parallel": {"autotp_size": 2}}))
     with pytest.raises(ConfigError, match="'tensor_parallel' turns on DeepSpeed's own AutoTP"):

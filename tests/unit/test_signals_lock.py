@@ -205,3 +205,24 @@ def test_a_ctrl_c_during_start_up_is_one_line_and_status_130(capsys, monkeypatch
         run_main(interrupted, "finetune.py")
     assert stopped.value.code == 130
     assert capsys.readouterr().err == "finetune.py: interrupted (SIGINT); stopped without saving\n"
+
+
+def test_an_ignored_signal_stays_ignored_and_restore_gives_every_handler_back():
+    """Under ``nohup`` SIGHUP is ignored: ExitSignal leaves it so (a logout then does not stop the run), and
+    ``restore()`` (the Trainer's ``train()`` returning) gives the other signals their handlers back; outside a
+    launcher no parent-death signal is asked for."""
+    code = """
+        import ctypes, signal
+        from mtk.training.signals import ExitSignal
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        exit_signal = ExitSignal()
+        hup, term = signal.getsignal(signal.SIGHUP), signal.getsignal(signal.SIGTERM)
+        during = (hup is signal.SIG_IGN, term is signal.SIG_DFL)
+        death = ctypes.c_int(-1)
+        ctypes.CDLL(None).prctl(2, ctypes.byref(death))  # PR_GET_PDEATHSIG
+        exit_signal.restore()
+        after = (signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, signal.getsignal(signal.SIGINT))
+        print(during, death.value, after[0], after[1] is signal.default_int_handler, flush=True)
+    """
+    out, err = _python(code).communicate(timeout=60)
+    assert out.strip() == "(True, False) 0 True True", (out, err)
