@@ -72,7 +72,8 @@ def main() -> None:
         else:
             from sft import starter_model  # the same tiny model and tokenizer as examples/sft.py
 
-            texts = [row[key] for row in dataset for key in ("prompt", "chosen") if isinstance(row[key], str)]
+            # (rows without these columns are DPOTrainer's one line)
+            texts = [row[key] for row in dataset for key in ("prompt", "chosen") if isinstance(row.get(key), str)]
             model, tokenizer = starter_model(texts)
             reference = copy.deepcopy(model)  # a model built in memory has no directory to load a reference from
         evaluation = load_dataset("json", data_files=script.eval_data)["train"] if script.eval_data else None
