@@ -79,3 +79,17 @@ def test_sigterm_saves_a_trainer_run_at_the_next_step_and_ends_it(tmp_path):
     saved = said[0].removeprefix("mtk: SIGTERM: saved ").split(";")[0]
     assert [str(p) for p in out.glob("checkpoint-*")] == [saved]
     read_verified(saved)  # complete: every file its metadata lists, checksums matching
+
+
+def test_dpo_on_chat_rows_without_preference_columns_is_one_line(tmp_path):
+    """dpo.py given SFT's chat rows: DPOTrainer's one line naming the missing column (the script's starter tokenizer
+    raised a KeyError first)."""
+    import json
+
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": chat}) + "\n" for _ in range(20)))
+    out = run_command([sys.executable, "examples/dpo.py", "--max_steps", "1", "--data", str(data),
+                       "--output_dir", str(tmp_path / "out")], cwd=ROOT)  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("dpo.py: error: DPOTrainer's train_dataset has no 'chosen'")
