@@ -20,6 +20,7 @@ __all__ = [
     "MtkError",
     "TrainingError",
     "UnsupportedModelError",
+    "WorkerKilled",
     "allocation_failure",
     "library_refusals",
     "unusable_name",
@@ -71,8 +72,9 @@ _HINTS = {
 @contextlib.contextmanager
 def library_refusals() -> Iterator[None]:
     """transformers, TRL and torch refuse a bad setting (an unknown flag, two fields that disagree, an optimizer
-    whose package is missing, an ``output_dir`` under a file) with a ``ValueError``, ``ImportError``,
-    ``FileExistsError`` or ``NotADirectoryError``: inside this block, that is a :class:`ConfigError` carrying the
+    whose package is missing, an ``output_dir`` under a file, a keyword ``lr_scheduler_kwargs`` passes on that the
+    scheduler does not take) with a ``ValueError``, ``ImportError``, ``FileExistsError``, ``NotADirectoryError`` or
+    a ``TypeError`` of an unexpected keyword argument: inside this block, that is a :class:`ConfigError` carrying the
     first line of their message, so an entry point reports it in one line. Meant for setting a run up (parsing,
     building the arguments, the trainer, its optimizer and scheduler), never around training itself, where the
     same errors are bugs whose traceback is wanted."""
@@ -80,7 +82,9 @@ def library_refusals() -> Iterator[None]:
         yield
     except MtkError:
         raise
-    except (ValueError, ImportError, FileExistsError, NotADirectoryError) as err:
+    except (ValueError, ImportError, FileExistsError, NotADirectoryError, TypeError) as err:
+        if isinstance(err, TypeError) and "unexpected keyword argument" not in str(err):
+            raise  # a keyword the user passed through (lr_scheduler_kwargs, optim_args) is a setting; others are bugs
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         message = lines[0] if lines else type(err).__name__
         hint = next((hint for start, hint in _HINTS.items() if message.startswith(start)), None)
@@ -122,6 +126,15 @@ def unusable_name(err: BaseException) -> MtkError | None:
     return None
 
 
+class WorkerKilled(RuntimeError):
+    """A worker process died of a signal before it could report (``signum``): SIGKILL is most often the kernel's
+    out-of-memory killer, which strikes where the allocator would have said yes."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"killed by signal {signum}")
+        self.signum = signum
+
+
 def allocation_failure(err: BaseException, advice: str) -> MtkError | None:
     """``err`` as one line where an allocation failed (a device's ``OutOfMemoryError``, the CPU allocator's
     refusal), raised here or in a worker of :func:`mtk.spawn.run_distributed` (whose error carries the workers'
@@ -135,6 +148,10 @@ def allocation_failure(err: BaseException, advice: str) -> MtkError | None:
         lines = str(error).strip().splitlines()
         first = lines[0] if lines else type(error).__name__
         device = torch is not None and isinstance(error, torch.OutOfMemoryError)
+        if isinstance(error, WorkerKilled) and error.signum == 9:
+            return ConfigError(
+                f"rank {rank} was killed (SIGKILL, most likely by the kernel's out-of-memory killer); {advice}"
+            )
         if device or (isinstance(error, RuntimeError) and "can't allocate memory" in first):
             first = re.sub(r"^\[enforce fail at [^\]]*\]\s*(err == 0\.\s*)?", "", first)  # c10's check, not news
             where = "" if rank is None else f" on rank {rank}"

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mtk.errors import WorkerKilled
+
 __all__ = ["PRELOAD", "DistributedTestError", "fork_context", "free_port", "preload", "run_distributed"]
 
 # Imported once by the fork server (gloo only, see the module docstring); a missing one is skipped.
@@ -239,6 +241,8 @@ def run_distributed(
                 if queue.empty():
                     for i in dead:
                         failures[i] = f"worker exited with code {procs[i].exitcode} before reporting a result"
+                        if (procs[i].exitcode or 0) < 0:  # died of a signal (multiprocessing's -N)
+                            errors[i] = WorkerKilled(-(procs[i].exitcode or 0))
                     break
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(results) - set(failures))

@@ -153,14 +153,16 @@ def _mixed_precision_in_capitals(rank: int, world_size: int) -> list:
         accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=2))
     with accelerator.autocast():
         dtype = torch.nn.Linear(4, 4)(torch.ones(1, 4)).dtype
-    return [accelerator.mixed_precision, str(dtype), said.getvalue() if rank == 0 else None]
+    # the Trainer passes TrainingArguments.mixed_precision, the variable's text, as the argument
+    argument = Accelerator(mixed_precision="BF16", parallel_config=ParallelConfig(tp_size=2)).mixed_precision
+    return [accelerator.mixed_precision, str(dtype), argument, said.getvalue() if rank == 0 else None]
 
 
 def test_a_mixed_precision_variable_in_capitals_is_read_as_accelerate_reads_its_argument():
     """accelerate lower-cases ``mixed_precision=`` but compares ACCELERATE_MIXED_PRECISION as written: ``BF16`` trained
     in fp32 without a word. mtk reads it as ``bf16``, says so, and the matmuls run in bf16."""
-    (precision, dtype, said), _ = run_distributed(_mixed_precision_in_capitals, world_size=2)
-    assert (precision, dtype) == ("bf16", "torch.bfloat16")
+    (precision, dtype, argument, said), _ = run_distributed(_mixed_precision_in_capitals, world_size=2)
+    assert (precision, dtype, argument) == ("bf16", "torch.bfloat16", "bf16")
     assert "mtk: ACCELERATE_MIXED_PRECISION=BF16 read as bf16" in said
 
 

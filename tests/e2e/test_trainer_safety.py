@@ -49,11 +49,14 @@ def test_a_trainer_run_keeps_what_was_in_its_output_dir(llama_tp1, tmp_path):
     assert (run / "checkpoint-0" / "notes.txt").read_text() == "mine"
 
     _one_line(_sft(run, "--max_steps", "2"), "already holds checkpoint-0, checkpoint-3 of an earlier run")
+    continued = _sft(run, "--max_steps", "4", *rotating, "--resume_from_checkpoint", "True")  # as the lines advise
+    assert continued.returncode == 0, continued.stderr[-2000:]
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-0", "checkpoint-4"]
     script_checkpoint = str(llama_tp1.dir / "step_3")
     refused = _sft(tmp_path / "other", "--resume_from_checkpoint", script_checkpoint)
     _one_line(refused, "is an mtk checkpoint of a training script (finetune.py, run.py: no trainer_state.json)")
     mistaken = _sft(tmp_path / "other", "--resume_from_checkpoint", str(run))  # the output_dir, not its checkpoint
-    _one_line(mistaken, f"not a checkpoint-N the Trainer wrote (its newest checkpoint is {run / 'checkpoint-3'})")
+    _one_line(mistaken, f"not a checkpoint-N the Trainer wrote (its newest checkpoint is {run / 'checkpoint-4'})")
 
 
 def test_sigterm_saves_a_trainer_run_at_the_next_step_and_ends_it(tmp_path):

@@ -258,6 +258,27 @@ def test_verify_past_the_machines_memory_is_one_line(capsys):
     assert "can't allocate memory: you tried to allocate" in err and "use a smaller --batch or --seq" in err
 
 
+def _killed_by_the_kernel(rank: int, world_size: int) -> None:
+    import os
+    import signal
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer ends a process: no exception, no report
+
+
+def test_a_worker_killed_by_sigkill_is_said_as_memory():
+    """A worker the kernel's out-of-memory killer ends reports nothing (exit -9); the parent's error carries it as
+    ``WorkerKilled``, which the commands say in one line (``mtk verify --seq 999999999`` on a machine whose memory
+    runs out before the allocator refuses)."""
+    from mtk.errors import allocation_failure
+    from mtk.spawn import DistributedTestError, run_distributed
+
+    with pytest.raises(DistributedTestError) as failed:
+        run_distributed(_killed_by_the_kernel, world_size=2, timeout=60)
+    said = str(allocation_failure(failed.value, "use less"))
+    assert said == "rank 1 was killed (SIGKILL, most likely by the kernel's out-of-memory killer); use less"
+
+
 def test_a_workers_bug_keeps_its_traceback():
     """Only an allocation that failed is worded as one line: any other worker error is a bug, raised as it was."""
     from mtk.errors import allocation_failure

@@ -160,3 +160,17 @@ def test_a_name_the_file_system_cannot_use_is_one_line(capsys):
 
     with pytest.raises(OSError):  # any other OSError keeps its traceback
         run_main(broken_disk, "train.py")
+
+
+def test_a_keyword_a_setting_passes_on_is_one_line_and_other_type_errors_are_bugs():
+    """``lr_scheduler_kwargs={"bogus": 1}`` reaches the scheduler's function as a keyword it does not take: a setting,
+    one line; any other ``TypeError`` inside ``library_refusals`` keeps its traceback."""
+    from mtk.errors import ConfigError, library_refusals
+
+    def schedule(warmup: int) -> None:
+        return None
+
+    with pytest.raises(ConfigError, match="got an unexpected keyword argument 'bogus'"), library_refusals():
+        schedule(warmup=1, **{"bogus": 1})  # type: ignore[call-arg]
+    with pytest.raises(TypeError), library_refusals():
+        len(5)  # type: ignore[arg-type]

@@ -104,6 +104,9 @@ class Accelerator(
             kwargs.pop("gradient_accumulation_steps", None)
         self._explicit_accumulation: int | None = kwargs.get("gradient_accumulation_steps")
         on_cpu = default_device().type == "cpu"
+        given = kwargs.get("mixed_precision")
+        if isinstance(given, str) and given.lower() in [p.value for p in PrecisionType]:
+            kwargs["mixed_precision"] = given.lower()  # (TrainingArguments passes the variable's "BF16" on as given)
         precision = os.environ.get("ACCELERATE_MIXED_PRECISION")  # accelerate takes any value there as "no"
         if kwargs.get("mixed_precision") is None and precision is not None:
             allowed = [p.value for p in PrecisionType]
