@@ -242,6 +242,8 @@ def load_checkpoint(
     with full_optimizer_state(optimizers, gather=False):
         layout = (saved.tp_size, saved.etp_size, saved.pp_size, meta.pieces, spread)
         same_layout = layout == (parallel.tp_size, parallel.etp_size, parallel.pp_size, None, False)
+        if same_layout and parallel.pp_size > 1:  # the same pp, but the layers may have been split otherwise
+            same_layout = _every_rank(parallel, _holds_this_stage(paths, model, parallel))
         _on_every_rank(parallel, lambda: _load_state(directory, meta, model, optimizers, parallel, same_layout))
         if same_layout:
             _check_replicas_agree(model, optimizers, parallel, directory)  # each TP rank read its own file
@@ -278,6 +280,28 @@ def _load_state(
         reshard_weights(model, reader)
         for optimizer in optimizers:
             reshard_optimizer(model, optimizer, reader, saved_optimizer_groups(paths, saved.pp_size))
+
+
+def _holds_this_stage(paths: CheckpointPaths, model: nn.Module, parallel: ParallelState) -> bool:
+    """Whether this rank's own weights file holds exactly the parameters of its stage: a checkpoint of another
+    split of the layers over the same pp (``--pipeline_layers 4,1`` resumed at ``2,3`` or at the default split)
+    has the same file names but other layers in them, and is resharded like any other layout."""
+    path = paths.weights(parallel.tp_rank, parallel.pp_rank)
+    if not path.is_file():
+        return False
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as handle:
+        held = set(handle.keys())
+    return held == {name for name, _ in checkpointed_parameters(model)}
+
+
+def _every_rank(parallel: ParallelState, holds: bool) -> bool:
+    """Whether ``holds`` is true on every rank (collective)."""
+    flag = torch.tensor([1.0 if holds else 0.0], device=parallel.device)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _check_settings(paths: CheckpointPaths, saved: Layout, optimizers: list[torch.optim.Optimizer]) -> None:
