@@ -103,11 +103,24 @@ def _in_trainer_module(**names: Any) -> Iterator[None]:
             setattr(hf_trainer, name, value)
 
 
+def _fill_launchers_deepspeed_config(args: Any) -> None:
+    """DeepSpeed from accelerate's YAML (no ``deepspeed=`` argument): transformers fills the JSON's ``"auto"`` values
+    from the arguments only once the Trainer's Accelerator exists (``propagate_args_to_deepspeed``), but mtk's
+    Accelerator reconciles the batch fields as it is built; so they are filled here first, as transformers would."""
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    plugin = args.deepspeed_plugin
+    plugin.hf_ds_config = HfTrainerDeepSpeedConfig(plugin.hf_ds_config.config)
+    plugin.deepspeed_config = plugin.hf_ds_config.config
+    plugin.hf_ds_config.trainer_config_process(args)
+    args.hf_deepspeed_config = plugin.hf_ds_config  # (the Trainer then does not fill them again)
+
+
 def _derive_global_batch(args: Any) -> None:
     """An ``"auto"`` ``train_batch_size`` is left for mtk to derive. transformers fills it with world size x
     micro-batch x accumulation when the arguments are made, before any layout is known; under TP and PP only the
     data-parallel replicas multiply the batch, which mtk's DeepSpeed set-up derives from the other two fields."""
-    given = args.deepspeed
+    given = args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or {}
     if isinstance(given, str):
         given = jsonio.loads(Path(given).read_text())
     if given.get("train_batch_size", "auto") != "auto":
@@ -172,6 +185,9 @@ class ParallelTrainerMixin(TrainerCheckpointing):
             _derive_global_batch(self.args)
             if default_device().type == "cpu":
                 _deepspeed_processes_on_cpu(self.args)
+        elif self.args.deepspeed_plugin is not None:  # accelerate's YAML names the JSON
+            _fill_launchers_deepspeed_config(self.args)
+            _derive_global_batch(self.args)
         _ = self.args.device  # set up before the Accelerator: TrainingArguments resets accelerate's state there
         with _in_trainer_module(Accelerator=_mtk_accelerator):
             super().create_accelerator_and_postprocess()  # type: ignore[misc]

@@ -141,9 +141,13 @@ def test_resume_from_checkpoint_n_continues_exactly(reference, tp2_run, tmp_path
         ("tp1_pp2", {"MTK_PIPELINE_SCHEDULE": "interleaved", "MTK_VIRTUAL_STAGES": "2"}, (), 1),
         ("tp2_dp2_zero2", {}, ("--deepspeed", "ds_configs/accelerate_zero2_tp2.json"), 2),
         ("tp2_dp2_zero2", {}, ("--deepspeed", "ds_configs/accelerate_zero3_tp2.json"), 2),
+        ("tp2_dp2_zero2", {}, (), 2),  # the JSON the YAML names: its "auto"s filled before mtk reads them
     ],
-    ids=["tp2_dp2", "tp2_pp2", "pp2_interleaved", "deepspeed_zero2_tp2_dp2", "deepspeed_zero3_tp2_dp2"],
-)
+    ids=[
+        "tp2_dp2", "tp2_pp2", "pp2_interleaved", "deepspeed_zero2_tp2_dp2", "deepspeed_zero3_tp2_dp2",
+        "deepspeed_zero2_from_the_yaml",
+    ],
+)  # fmt: skip
 def test_layouts_log_the_trainers_numbers(reference, tmp_path, config, env, args, dp):
     """TrainingArguments(deepspeed=...) included: ZeRO-2 and ZeRO-3 over DP (the JSON given to the arguments wins
     over the launcher's), TP from the JSON's "mtk" block, its "auto" global batch derived from the DP size
