@@ -358,7 +358,7 @@ def _dense_layouts(request: Request) -> Iterator[Candidate]:
         if cluster.gpus % (tp * cp) or request.seq % (2 * cp):  # each rank takes 2 of 2 cp equal chunks
             continue
         for pp in _divisors(cluster.gpus // (tp * cp)):
-            if (request.pp_size and pp != request.pp_size) or layers % pp or (pp > 1 and not pipeline):
+            if (request.pp_size and pp != request.pp_size) or layers < pp or (pp > 1 and not pipeline):
                 continue
             dp = cluster.gpus // (tp * cp * pp)
             if request.global_batch % dp:

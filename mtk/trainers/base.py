@@ -81,7 +81,8 @@ def _saving_on_signals(trainer: Any) -> Iterator[SaveAndStopOnSignal | None]:
         yield stop
     finally:
         trainer.remove_callback(stop)
-        exit_signal.restore()
+        if stop.stopped_at is None:  # (a stopped run ends now: a duplicate delivery of its signal stays a duplicate)
+            exit_signal.restore()
     if exit_signal.received and stop.stopped_at is None:  # it came after the last step: the caller's handler has it
         signal.raise_signal(exit_signal.received)
 

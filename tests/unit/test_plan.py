@@ -187,7 +187,7 @@ def test_lora_keeps_a_frozen_bf16_base_and_fp32_adapters(capsys):
     [
         (["--tp", "3"], "valid tp sizes for this model: [1, 2, 4, 8"),
         (["--tp", "16"], "does not fit inside a node of 8 GPUs"),
-        (["--pp", "5"], "--pp 5 does not divide the model's 32 layers"),
+        (["--pp", "40"], "--pp 40 is more stages than the model's 32 layers; use at most 32"),
         (["--gpu_memory", "eighty"], "is not a memory size"),
         (["--gpus", "1", "--gpu_memory", "24GiB"], "fits no layout of 1 x 24 GiB: the smallest"),
         (["--offload", "--engine", "accelerate"], "--offload is DeepSpeed's optimizer offload"),
