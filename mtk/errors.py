@@ -64,7 +64,9 @@ _LAUNCHER = "start the run with accelerate launch, torchrun or deepspeed, or uns
 _HINTS = {
     "Some specified arguments are not used by the HfArgumentParser": "check the spelling; --help lists the options",
     # accelerate, where a launcher's variables (ACCELERATE_USE_DEEPSPEED, WORLD_SIZE) are set without a launcher
-    "Default process group has not been initialized": f"a launcher's variable is set by hand: {_LAUNCHER}",
+    "Default process group has not been initialized": (  # (python script.py --deepspeed X.json too)
+        f"DeepSpeed started without a launcher, or a launcher's variable is set by hand: {_LAUNCHER}"
+    ),
     "Tried to launch on distributed with multinode": f"WORLD_SIZE is set without a launcher: {_LAUNCHER}",
 }
 

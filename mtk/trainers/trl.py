@@ -87,10 +87,9 @@ def _check_conversations(dataset: Any, which: str, columns: tuple[str, ...]) -> 
             if isinstance(value, str) and column != "messages":
                 continue  # TRL's standard (not conversational) format
             if not isinstance(value, list) or not value:
-                raise DataError(
-                    f"{which} row {row}: {column!r} must be a non-empty list of {{role, content}} messages, got "
-                    f"{str(value)[:80]!r}"
-                )
+                kinds = "a non-empty list of {role, content} messages"
+                kinds = kinds if column == "messages" else f"text or {kinds}"
+                raise DataError(f"{which} row {row}: {column!r} must be {kinds}, got {str(value)[:80]!r}")
             for turn in value:
                 content = turn.get("content") if isinstance(turn, dict) else None
                 tool_call = content is None and isinstance(turn, dict) and bool(turn.get("tool_calls"))

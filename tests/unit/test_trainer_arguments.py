@@ -203,7 +203,7 @@ def test_trl_rows_of_one_token_and_dpo_rows_without_a_rejected_answer_are_one_li
         ({"messages": [{"role": "user", "content": 5}]}, "row 0: every message needs a string 'role'"),
         ({"messages": [{"content": "x"}]}, "row 0: every message needs a string 'role'"),
         ({"messages": [{"role": "assistant", "content": None}]}, "row 0: every message .* null beside 'tool_calls'"),
-        ({"prompt": [], "completion": [{"role": "assistant", "content": "x"}]}, "row 0: 'prompt' must be a non-empty"),
+        ({"prompt": [], "completion": [{"role": "assistant", "content": "x"}]}, "row 0: 'prompt' must be text or a"),
     ],
 )
 def test_malformed_conversations_are_one_line_naming_the_row(row, said):

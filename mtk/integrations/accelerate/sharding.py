@@ -57,8 +57,8 @@ def _fsdp_keys(env: Mapping[str, str], report: Callable[[str], None]) -> tuple[b
         )
     refusals = {
         "FSDP_OFFLOAD_PARAMS": "fsdp_offload_params: offloading mtk's sharded parameters to the CPU is not supported",
-        "FSDP_ACTIVATION_CHECKPOINTING": "fsdp_activation_checkpointing: mtk recomputes with its own "
-        "recompute setting (megatron_lm_recompute_activations, RunSettings.recompute); set it to false",
+        "FSDP_ACTIVATION_CHECKPOINTING": "fsdp_activation_checkpointing: mtk recomputes blocks itself, asked by the "
+        "script (finetune.py --gradient_checkpointing, TrainingArguments.gradient_checkpointing)",
         "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "fsdp_activation_checkpointing_offload is not supported",
         "FSDP_FORWARD_PREFETCH": "fsdp_forward_prefetch is FSDP1's; FSDP2 prefetches the next unit itself",
     }
