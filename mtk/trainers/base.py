@@ -111,6 +111,11 @@ def _fill_launchers_deepspeed_config(args: Any) -> None:
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
     plugin = args.deepspeed_plugin
+    if plugin.hf_ds_config.config.get("zero_optimization", {}).get("stage") == 3:
+        raise ConfigError(
+            "ZeRO-3 named by accelerate's YAML with transformers' Trainer: pass the JSON to the Trainer instead "
+            "(TrainingArguments.deepspeed, --deepspeed FILE), which builds the model for ZeRO-3 as mtk converts it"
+        )
     plugin.hf_ds_config = HfTrainerDeepSpeedConfig(plugin.hf_ds_config.config)
     plugin.deepspeed_config = plugin.hf_ds_config.config
     plugin.hf_ds_config.trainer_config_process(args)

@@ -104,6 +104,25 @@ def _check_conversations(dataset: Any, which: str, columns: tuple[str, ...]) -> 
                     )
 
 
+def _check_implicit_prompts(dataset: Any, which: str) -> None:
+    """DPO rows without a ``prompt`` column take the prompt from the messages ``chosen`` and ``rejected`` start with
+    alike; rows whose first messages differ leave none, and TRL failed on the empty prompt with an ``IndexError``."""
+    if isinstance(dataset, dict):
+        for name, part in dataset.items():
+            _check_implicit_prompts(part, f"{which}[{name!r}]")
+        return
+    if not isinstance(dataset, datasets.Dataset) or "prompt" in (dataset.column_names or []):
+        return
+    if not {"chosen", "rejected"} <= set(dataset.column_names or []):
+        return  # (_check_preference_columns names the missing one)
+    for row, (chosen, rejected) in enumerate(zip(dataset["chosen"], dataset["rejected"])):
+        if isinstance(chosen, list) and isinstance(rejected, list) and chosen[:1] != rejected[:1]:
+            raise DataError(
+                f"{which} row {row}: 'chosen' and 'rejected' start with different messages, so no prompt can be taken "
+                "from them; give a 'prompt' column, or start both with the same prompt"
+            )
+
+
 def _refuse_cloned_template(model: Any, config: Any) -> None:
     """TRL clones another tokenizer's chat template by resizing the embeddings of the model as loaded; a model
     given by path is read slice by slice only after its conversion, at its saved size."""
@@ -195,6 +214,7 @@ class DPOTrainer(ParallelTrainerMixin, trl.DPOTrainer):
         _check_preference_columns(_argument(args, kwargs, "eval_dataset", 5), "eval_dataset")
         for name, position in (("train_dataset", 4), ("eval_dataset", 5)):
             _check_conversations(_argument(args, kwargs, name, position), name, ("prompt", "chosen", "rejected"))
+            _check_implicit_prompts(_argument(args, kwargs, name, position), name)
         given = list(args)
         reference = take_reference_directory(given, kwargs, self._peft_config)
         self._path_loader = PathLoader(self, trl_dpo.create_model_from_path, reference)

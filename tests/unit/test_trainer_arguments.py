@@ -231,3 +231,34 @@ def test_tool_calls_lists_of_parts_and_plain_text_are_valid_rows():
     sets = {"calls": Dataset.from_list([{"messages": [call, tool]}]), "parts": parts}
     sets["plain"] = Dataset.from_list([{"prompt": "2 + 2 =", "completion": " 4"}])
     _check_conversations(sets, "eval_dataset", ("messages", "prompt", "completion"))
+
+
+def test_preference_rows_whose_prompts_differ_are_one_line():
+    """DPO rows without a 'prompt' take it from what 'chosen' and 'rejected' start with alike: rows starting with
+    different messages leave none (TRL's IndexError), one line; rows sharing their first message pass."""
+    from datasets import Dataset
+
+    from mtk.errors import DataError
+    from mtk.trainers.trl import _check_implicit_prompts
+
+    def pair(first: str, second: str) -> dict:
+        answer = [{"role": "assistant", "content": "good"}]
+        chosen = [{"role": "user", "content": first}, *answer]
+        return {"chosen": chosen, "rejected": [{"role": "user", "content": second}, *answer]}
+
+    _check_implicit_prompts(Dataset.from_list([pair("a", "a")]), "train_dataset")
+    with pytest.raises(DataError, match="train_dataset row 1: 'chosen' and 'rejected' start with different messages"):
+        _check_implicit_prompts(Dataset.from_list([pair("a", "a"), pair("a", "b")]), "train_dataset")
+
+
+def test_zero3_named_by_the_launchers_yaml_points_to_the_trainers_own_argument():
+    """ZeRO-3 from accelerate's YAML on the Trainer path (its model built before the Trainer knows of ZeRO-3): one
+    line naming TrainingArguments.deepspeed, the tested way."""
+    from types import SimpleNamespace
+
+    from mtk.errors import ConfigError
+    from mtk.trainers.base import _fill_launchers_deepspeed_config
+
+    plugin = SimpleNamespace(hf_ds_config=SimpleNamespace(config={"zero_optimization": {"stage": 3}}))
+    with pytest.raises(ConfigError, match=r"ZeRO-3 named by accelerate's YAML .* \(TrainingArguments.deepspeed"):
+        _fill_launchers_deepspeed_config(SimpleNamespace(deepspeed_plugin=plugin))
