@@ -71,6 +71,10 @@ _HINTS = {
 }
 
 
+# what a TypeError says when keywords a user passed through (lr_scheduler_kwargs, optim_args) do not fit the function
+_KEYWORD_MISTAKES = ("unexpected keyword argument", "got multiple values for", "argument after ** must be a mapping")
+
+
 @contextlib.contextmanager
 def library_refusals() -> Iterator[None]:
     """transformers, TRL and torch refuse a bad setting (an unknown flag, two fields that disagree, an optimizer
@@ -85,8 +89,8 @@ def library_refusals() -> Iterator[None]:
     except MtkError:
         raise
     except (ValueError, ImportError, FileExistsError, NotADirectoryError, TypeError) as err:
-        if isinstance(err, TypeError) and "unexpected keyword argument" not in str(err):
-            raise  # a keyword the user passed through (lr_scheduler_kwargs, optim_args) is a setting; others are bugs
+        if isinstance(err, TypeError) and not any(sign in str(err) for sign in _KEYWORD_MISTAKES):
+            raise  # keywords the user passed through (lr_scheduler_kwargs, optim_args) are settings; others are bugs
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         message = lines[0] if lines else type(err).__name__
         hint = next((hint for start, hint in _HINTS.items() if message.startswith(start)), None)

@@ -53,8 +53,8 @@ def claim_output_dir(output_dir: str, resume: str | bool | None, *, main_process
     on_main_process(lambda: check_output_place(output_dir, None), main_process)  # a refusal is every rank's
     on_main_process(lambda: lock_output_dir(output_dir), main_process)
     folder = Path(output_dir)
-    if isinstance(resume, str) and resume.lower() == "true" and not Path(resume).exists():
-        resume = True  # a script's --resume_from_checkpoint True (TrainingArguments keeps it as text)
+    if isinstance(resume, str) and resume.lower() in ("true", "false", "none", "") and not Path(resume).is_dir():
+        resume = {"true": True}.get(resume.lower())  # a script's --resume_from_checkpoint True (kept as text)
     if resume is True:
         newest = get_last_checkpoint(output_dir) if folder.is_dir() else None
         if newest is None:

@@ -172,5 +172,7 @@ def test_a_keyword_a_setting_passes_on_is_one_line_and_other_type_errors_are_bug
 
     with pytest.raises(ConfigError, match="got an unexpected keyword argument 'bogus'"), library_refusals():
         schedule(warmup=1, **{"bogus": 1})  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match="got multiple values for argument 'warmup'"), library_refusals():
+        schedule(1, **{"warmup": 3})  # type: ignore[misc]
     with pytest.raises(TypeError), library_refusals():
         len(5)  # type: ignore[arg-type]
