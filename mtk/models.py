@@ -455,11 +455,14 @@ def auto_class_for(config: PretrainedConfig):
 
 
 def build_model(spec: str | PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A randomly initialized model from a built-in name or config, identical on every rank for ``seed``."""
+    """A randomly initialized model from a built-in name or config, identical on every rank for ``seed``; whole
+    even where transformers would build it under DeepSpeed's ``zero.Init`` (:func:`whole_parameters`), which mtk
+    cannot split over TP and which, on a machine without a GPU, reads a batch size filled for one process."""
     config = resolve_config(spec)
     config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
     torch.manual_seed(seed)
-    return auto_class_for(config).from_config(config, dtype=dtype)
+    with whole_parameters():
+        return auto_class_for(config).from_config(config, dtype=dtype)
 
 
 @contextlib.contextmanager

@@ -102,11 +102,11 @@ def gather_state_dict(
             continue
         seen[id(tensor)] = name
         shape, spec = full_shape_and_spec(model, name)
-        value = tensor.detach()
         layout = spread_layout(model, name) if is_expert_parallel(tensor) else None
-        if layout is not None:  # this rank's experts: all of them first (over EP), then over TP
-            value = layout.gather(value)
         with whole(tensor) if whole is not None else contextlib.nullcontext():
+            value = tensor.detach()  # (inside: ZeRO-3 replaces the parameter's data by the gathered tensor)
+            if layout is not None:  # this rank's experts: all of them first (over EP), then over TP
+                value = layout.gather(value)
             gathered = gather_full_tensor(value, spec, shape, parallel.tp_group)
         if sender:
             full[name] = gathered.cpu()

@@ -164,6 +164,36 @@ def test_layouts_log_the_trainers_numbers(reference, tmp_path, config, env, args
             assert_close_rel(saved[name], theirs[name], f"saved {name}", tol=1e-4)  # after 4 AdamW steps in fp32
 
 
+def test_zero3_at_tp1_dp2_logs_the_trainers_numbers_and_saves_the_model(reference, tmp_path):
+    """transformers' ZeRO-3 JSON of "auto"s with no "mtk" block at TP1 x DP2, every parameter partitioned over
+    both ranks (no persistence threshold: DeepSpeed keeps parameters under 100k elements whole by default);
+    save_model makes each whole in its turn (the gather reads the parameter inside ZeRO-3's gather). No
+    evaluation: a last evaluation leaves ZeRO-3's parameters gathered, which hid a gather of the placeholder."""
+    history, hf_dir = reference[2]
+    autos = {key: "auto" for key in ("train_micro_batch_size_per_gpu", "train_batch_size")}
+    autos.update({"gradient_accumulation_steps": "auto", "gradient_clipping": "auto"})
+    config = tmp_path / "zero3.json"
+    config.write_text(
+        json.dumps(
+            {
+                **autos,
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                "zero_allow_untested_optimizer": True,
+            }
+        )
+    )
+    ours = _mtk_run("tp1_dp2", tmp_path / "run", "--deepspeed", str(config), "--save_model", "--eval_steps", "0")
+
+    def trained(entries: list[dict]) -> list[dict]:  # (the reference's evaluations left out)
+        return [entry for entry in entries if "loss" in entry]
+
+    assert_same_history(trained(ours), trained(history), "tp1_dp2 zero3")
+    saved, theirs = (load_file(d / "final" / "model.safetensors") for d in (tmp_path / "run", hf_dir))
+    assert sorted(saved) == sorted(theirs)
+    for name in theirs:
+        assert_close_rel(saved[name], theirs[name], f"saved {name}", tol=1e-4)  # after 4 AdamW steps in fp32
+
+
 def test_fsdp2_logs_the_trainers_numbers_resumes_at_plain_tp2_dp2_and_saves_the_model(reference, tmp_path):
     """accelerate_configs/tp2_fsdp2.yaml (parallelism_config tp_size 2 x dp_shard_size 2): transformers' DP=2
     numbers; its checkpoint-2 (saved in FSDP2's pieces) resumed at plain TP2 x DP2; save_model writes the

@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--max_steps", type=int, default=4)
     parser.add_argument("--grad_accum", type=int, default=2)
     parser.add_argument("--save_steps", type=int, default=0)
+    parser.add_argument("--eval_steps", type=int, default=2, help="0: no evaluation")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--save_model", action="store_true")
     parser.add_argument("--deepspeed", default=None, help="a DeepSpeed JSON (TrainingArguments.deepspeed)")
@@ -104,8 +105,8 @@ def main() -> None:
         warmup_steps=1,
         max_grad_norm=1.0,
         logging_steps=1,
-        eval_strategy="steps",
-        eval_steps=2,
+        eval_strategy="steps" if args.eval_steps else "no",
+        eval_steps=args.eval_steps or None,
         save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500,
         report_to=[],

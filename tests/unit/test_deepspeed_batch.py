@@ -234,8 +234,10 @@ def test_a_rank_the_launcher_stops_with_sigterm_removes_its_shm_buffer(tmp_path)
 
 
 def test_models_build_whole_under_accelerates_zero3_registration():
-    """accelerate registers its DeepSpeed config with transformers even with zero3_init_flag false; inside
-    whole_parameters transformers builds without zero.Init (mtk splits the model, DeepSpeed partitions it later)."""
+    """accelerate registers its DeepSpeed config with transformers even with zero3_init_flag false (and
+    TrainingArguments(deepspeed=<ZeRO-3 JSON>) does); inside whole_parameters, and in build_model whatever the
+    caller does (sft.py's starter model at TP1 x DP2 met DeepSpeed's batch-size AssertionError in zero.Init),
+    transformers builds without zero.Init (mtk splits the model, DeepSpeed partitions it later)."""
     from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
 
     from mtk.models import build_model, whole_parameters
@@ -248,6 +250,9 @@ def test_models_build_whole_under_accelerates_zero3_registration():
             model = build_model("tiny-llama", seed=0)
         assert is_deepspeed_zero3_enabled()  # put back
         assert all(p.numel() > 0 and not hasattr(p, "ds_id") for p in model.parameters())
+        built = build_model("tiny-llama", seed=0)
+        assert is_deepspeed_zero3_enabled()
+        assert all(p.numel() > 0 and not hasattr(p, "ds_id") for p in built.parameters())
     finally:
         del registered
         unset_hf_deepspeed_config()
