@@ -22,6 +22,10 @@ is back in Python, which may be seconds later (inside a collective waiting for a
 one request delivered twice look like two. The same thread carries out "stop now", so it is prompt even
 while the main thread waits in a collective.
 
+A process that carried out a request ignores the signals while it ends (an ``atexit`` hook): Python's
+finalization puts the default action back, under which a late delivery of that same request (0.2 s after the first,
+on a machine where the save and the stop took less) killed a run that had saved, exit status 143 instead of 0.
+
 Workers also ask the kernel for SIGTERM when their launcher dies (``PR_SET_PDEATHSIG`` on Linux), so a
 launcher killed with SIGKILL does not leave them training and writing checkpoints on their own: they
 save at the next step boundary and exit.
@@ -29,6 +33,7 @@ save at the next step boundary and exit.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import os
@@ -88,16 +93,26 @@ class ExitSignal:
         watcher.start()
         # a launcher's worker: SIGTERM when the launcher dies (under a plain shell, its parent is the shell)
         self._with_parent = "LOCAL_RANK" in os.environ and _die_with_parent(signal.SIGTERM)
+        atexit.register(self._ignore_while_ending)
 
     def restore(self) -> None:
         """Give the signals back to the handlers they had (a library's ``train()`` that returns to its caller's
         code, where a Ctrl-C should act as it did before); the watcher thread ends. In the main thread."""
+        atexit.unregister(self._ignore_while_ending)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         signal.set_wakeup_fd(self._chained)
         os.close(self._write)  # the watcher reads the end of the pipe and returns
         if self._with_parent:
             _die_with_parent(0)
+
+    def _ignore_while_ending(self) -> None:
+        """At exit, after a request: its signals are ignored from here. CPython's finalization resets every signal
+        with a Python handler to the default action (and leaves an ignored one ignored), so a duplicate delivery
+        arriving then would kill a run that saved and is ending as asked."""
+        if self.received:
+            for sig in self._previous:
+                signal.signal(sig, signal.SIG_IGN)
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         self.received = self.received or signum  # read by requested(); the watcher decides about "stop now"

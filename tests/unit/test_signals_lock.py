@@ -226,3 +226,39 @@ def test_an_ignored_signal_stays_ignored_and_restore_gives_every_handler_back():
     """
     out, err = _python(code).communicate(timeout=60)
     assert out.strip() == "(True, False) 0 True True", (out, err)
+
+
+_LATE_DUPLICATE = """
+    import atexit, os, signal, sys, time
+    from mtk.training.signals import ExitSignal
+
+    def finalization_then_duplicate():  # (registered first: runs after ExitSignal's own exit hook)
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # what CPython's finalization does to a Python handler
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's forward of the request, arriving late
+        time.sleep(0.2)
+        print("ended", flush=True)
+
+    atexit.register(finalization_then_duplicate)
+    exit_signal = ExitSignal()
+    if sys.argv[1] == "asked":
+        os.kill(os.getpid(), signal.SIGTERM)
+        while not exit_signal.received:
+            time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("asked", ["asked", "not asked"])
+def test_a_duplicate_arriving_while_the_process_ends_does_not_kill_it(asked):
+    """A run stopped by SIGTERM saved and is ending with status 0 when the request's second delivery arrives
+    (0.2 s later: the save took less): Python's finalization had put the default action back and the process died
+    with 143. After a request the signals are ignored while the process ends; without one they act as before."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_LATE_DUPLICATE), asked],
+        env={**os.environ, "PYTHONPATH": ROOT, "RANK": "0"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    out, err = process.communicate(timeout=60)
+    if asked == "asked":
+        assert process.returncode == 0 and out == "ended\n" and err == "", (process.returncode, out, err)
+    else:
+        assert process.returncode == -signal.SIGTERM and out == "", (process.returncode, out, err)
