@@ -93,6 +93,8 @@ def claim_output_dir(output_dir: str, resume: str | bool | None, *, main_process
     if not has_metadata:
         newest = get_last_checkpoint(str(checkpoint)) if checkpoint.is_dir() else None
         hint = f" (its newest checkpoint is {newest})" if newest else ""
+        if str(resume).lower() in ("true", "false", "none"):  # a folder of that name exists: the word is a path
+            hint += f" (read as the folder {checkpoint.resolve()}, which exists: rename it to use the word)"
         raise CheckpointError(
             f"resume_from_checkpoint={resume}: not a checkpoint-N the Trainer wrote{hint}; give a checkpoint-N "
             "folder, or True for the newest in output_dir"

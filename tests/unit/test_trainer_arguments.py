@@ -262,3 +262,24 @@ def test_zero3_named_by_the_launchers_yaml_points_to_the_trainers_own_argument()
     plugin = SimpleNamespace(hf_ds_config=SimpleNamespace(config={"zero_optimization": {"stage": 3}}))
     with pytest.raises(ConfigError, match=r"ZeRO-3 named by accelerate's YAML .* \(TrainingArguments.deepspeed"):
         _fill_launchers_deepspeed_config(SimpleNamespace(deepspeed_plugin=plugin))
+
+
+@pytest.mark.parametrize("word", ["True", "true", "False"])
+def test_resume_from_checkpoint_a_word_that_names_a_folder_says_it_was_read_as_that_folder(
+    tmp_path, monkeypatch, word
+):
+    """``--resume_from_checkpoint True`` is the newest checkpoint, unless a folder ``True`` exists where the run
+    starts: it is then that folder (transformers reads the text as a path); one that is no checkpoint is one line
+    saying which folder was read, so the word's meaning is not a mystery."""
+    from mtk.checkpoint.lock import unlock_output_dir
+    from mtk.errors import CheckpointError
+    from mtk.trainers.checkpoints import claim_output_dir
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / word).mkdir()
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=f"read as the folder {re.escape(str(tmp_path / word))}, which exists"):
+        claim_output_dir(str(out), word, main_process=True)
+    unlock_output_dir(str(out))
+    assert claim_output_dir(str(out), None, main_process=True) is None  # (no earlier checkpoint: a fresh run)
+    unlock_output_dir(str(out))
