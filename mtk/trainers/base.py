@@ -47,6 +47,7 @@ from mtk.rules.lm_head import logits_mode
 from mtk.trainers.adapters import add_adapters, refuse_peft_model
 from mtk.trainers.arguments import check_training_arguments, clipping_report, recompute_settings
 from mtk.trainers.checkpoints import TrainerCheckpointing, claim_output_dir, written_checkpoints
+from mtk.trainers.hub import TrainerHub
 from mtk.trainers.model_path import PathLoader
 from mtk.trainers.signals import SaveAndStopOnSignal
 from mtk.training.signals import ExitSignal
@@ -157,7 +158,7 @@ def _deepspeed_processes_on_cpu(args: Any) -> None:
     args.__dict__.pop("_setup_devices", None)
 
 
-class ParallelTrainerMixin(TrainerCheckpointing):
+class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing):
     """Put before transformers' or TRL's trainer class: ``class Trainer(ParallelTrainerMixin, transformers.Trainer)``.
 
     See the module docstring for what it changes and why.

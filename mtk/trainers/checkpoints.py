@@ -166,6 +166,8 @@ class TrainerCheckpointing:
                     self.state.stateful_callbacks[name] = state
         self.accelerator.completed_steps = self.state.global_step  # the step mtk's metadata records
         self.accelerator.save_state(output_dir, writers=[self._write_trainer_state])
+        if self.args.push_to_hub:  # (mtk.trainers.hub: the merged model is written and pushed, as transformers')
+            self._push_from_checkpoint(output_dir)  # type: ignore[attr-defined]
         if self.args.should_save:
             rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
 
@@ -200,8 +202,13 @@ class TrainerCheckpointing:
 
         Into a directory that already holds files (the Trainer's output directory, with its checkpoints and logs)
         the model is written whole beside them first, then its files are moved in, replacing only files of the
-        same names (a previous save's): nothing else there is touched."""
-        target = Path(output_dir if output_dir is not None else self.args.output_dir)
+        same names (a previous save's): nothing else there is touched. With ``push_to_hub`` it is then pushed, as
+        transformers' ``save_model`` pushes (:mod:`mtk.trainers.hub`)."""
+        self._write_model(Path(output_dir if output_dir is not None else self.args.output_dir))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)  # type: ignore[attr-defined]
+
+    def _write_model(self, target: Path) -> None:
         tokenizer = self._saveable_tokenizer()
         if not (target.is_dir() and any(target.iterdir())):
             save_pretrained(self.accelerator, self.model, target, tokenizer)

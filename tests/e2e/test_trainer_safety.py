@@ -7,15 +7,20 @@ given to ``resume_from_checkpoint`` is one line, and SIGTERM saves ``checkpoint-
 mtk's scripts do) and ends the run with a line saying how to continue.
 """
 
+import hashlib
+import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from mtk.checkpoint.integrity import read_verified
-from tests.e2e.launch import ROOT, run_command
+from tests.e2e.launch import ROOT, accelerate_launch, run_command
 
 SFT = [sys.executable, "examples/sft.py"]
+HUB = "tests/e2e/hub_script.py"
 
 
 def _sft(out_dir, *args: str) -> subprocess.CompletedProcess:
@@ -96,3 +101,40 @@ def test_dpo_on_chat_rows_without_preference_columns_is_one_line(tmp_path):
                        "--output_dir", str(tmp_path / "out")], cwd=ROOT)  # fmt: skip
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1].startswith("dpo.py: error: DPOTrainer's train_dataset has no 'chosen'")
+
+
+def test_push_to_hub_pushes_what_transformers_pushes_without_the_runs_files(tmp_path):
+    """``push_to_hub`` at TP 2 (the Hub replaced by a recorder: tests/e2e/hub_script.py): each checkpoint's push
+    uploads the output directory holding that step's merged model, then the checkpoint folder as
+    ``last-checkpoint`` (``hub_strategy=checkpoint``); ``save_model`` pushes the final model. The run's lock and
+    staging folders are left out; a background checkpoint upload that failed is said at the next push. Before, the
+    Trainer under mtk pushed nothing, without a word. A Hub that cannot be reached is one line."""
+    log = tmp_path / "hub.jsonl"
+    out = tmp_path / "out"
+    flags = ("--max_steps", "2", "--save_steps", "1", "--push_to_hub", "True", "--hub_model_id", "me/tiny")
+    env = {**os.environ, "MTK_HUB_LOG": str(log), "MTK_HUB_FAIL": "checkpoints"}
+    launch = accelerate_launch(HUB, "tp2", *flags, "--hub_strategy", "checkpoint", "--output_dir", str(out), env=env)
+    assert "Traceback" not in launch.stderr, launch.stderr[-3000:]
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {call["rank"] for call in calls} == {0}
+    assert [call["call"] for call in calls] == ["create_repo", *["upload_folder"] * 5]
+    pushed = [(Path(call["folder"]).name, call["path_in_repo"], call["message"]) for call in calls[1:]]
+    assert pushed == [
+        ("out", None, "Training in progress, step 1"),
+        ("checkpoint-1", "last-checkpoint", "Training in progress, step 1, checkpoint"),
+        ("out", None, "Training in progress, step 2"),
+        ("checkpoint-2", "last-checkpoint", "Training in progress, step 2, checkpoint"),
+        ("out", None, "Model save"),
+    ]
+    for call in calls[1:]:
+        assert not any(".mtk" in name or "incomplete" in name for name in call["files"]), call["files"]
+        if call["path_in_repo"] is None:
+            assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(call["files"]), call["files"]
+    step_1, step_2, final = (calls[i]["weights"] for i in (1, 3, 5))
+    assert step_1 != step_2 == final == hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    failed = [line for line in launch.stdout.splitlines() if line.startswith("mtk: a push to the Hub failed")]
+    assert len(failed) == 2, launch.stdout[-3000:]
+
+    env = {**os.environ, "MTK_HUB_LOG": str(log), "MTK_HUB_FAIL": "create"}
+    offline = run_command([sys.executable, HUB, *flags, "--output_dir", str(tmp_path / "offline")], cwd=ROOT, env=env)
+    _one_line(offline, "push_to_hub: creating the Hub repository me/tiny failed (ConnectError: [Errno -2] Name or")
