@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from datasets import Dataset, load_dataset
+from datasets import Dataset
 from trl import DPOConfig, TrlParser
 
+from mtk.data.sources import load_data
 from mtk.data.tokenizers import directory_tokenizer
 from mtk.errors import library_refusals
 from mtk.trainers import DPOTrainer
@@ -63,7 +64,7 @@ def main() -> None:
         parser.set_defaults(per_device_train_batch_size=8, max_length=256)
         script, config = parser.parse_args_and_config()
         if script.data:
-            dataset = load_dataset("json", data_files=script.data)["train"]
+            dataset = load_data(script.data, "--data")
         else:
             dataset = made_up_pairs(HERE / "data" / "instructions.jsonl")
         reference = None  # TRL loads it from the model's directory
@@ -76,7 +77,7 @@ def main() -> None:
             texts = [row[key] for row in dataset for key in ("prompt", "chosen") if isinstance(row.get(key), str)]
             model, tokenizer = starter_model(texts)
             reference = copy.deepcopy(model)  # a model built in memory has no directory to load a reference from
-        evaluation = load_dataset("json", data_files=script.eval_data)["train"] if script.eval_data else None
+        evaluation = load_data(script.eval_data, "--eval_data") if script.eval_data else None
         trainer = DPOTrainer(
             model=model,
             ref_model=reference,

@@ -9,7 +9,8 @@ Every ``SFTConfig`` field is a flag (``--learning_rate``, ``--packing``, ``--sav
 says what each does under mtk). Defaults: a tiny Llama with random weights and a chat tokenizer trained on the data
 in a second (nothing to download), on examples/data/instructions.jsonl (``prompt``/``completion`` rows: the loss
 is on the completions); fp32 on a machine without a GPU. ``--data`` takes TRL's formats (``messages``, ``text``,
-``prompt`` + ``completion``) as JSON lines. The layout comes from the accelerate config; with a DeepSpeed one, pass
+``prompt`` + ``completion``) as JSON lines (or CSV, Parquet, a folder of them, a ``save_to_disk`` dataset). The
+layout comes from the accelerate config; with a DeepSpeed one, pass
 ``--deepspeed ds_configs/accelerate_zero2_tp2.json`` (TP from its ``"mtk"`` block).
 """
 
@@ -24,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from datasets import load_dataset
 from trl import SFTConfig, TrlParser
 
+from mtk.data.sources import load_data
 from mtk.data.tokenizers import directory_tokenizer
 from mtk.errors import library_refusals
 from mtk.trainers import SFTTrainer
@@ -39,7 +40,8 @@ HERE = Path(__file__).resolve().parent
 class ScriptArguments:
     model_name_or_path: str = field(default="", metadata={"help": "a local HF model directory; default: a tiny Llama"})
     data: str = field(
-        default=str(HERE / "data" / "instructions.jsonl"), metadata={"help": "JSON lines, TRL's formats"}
+        default=str(HERE / "data" / "instructions.jsonl"),
+        metadata={"help": "JSON lines (CSV, Parquet), TRL's formats"},
     )
     eval_data: str = field(default="", metadata={"help": "JSON lines to evaluate on (with --eval_strategy steps)"})
 
@@ -70,18 +72,14 @@ def main() -> None:
         parser.set_defaults(bf16=torch.cuda.is_available(), dataloader_pin_memory=torch.cuda.is_available())
         parser.set_defaults(per_device_train_batch_size=8, max_length=256)
         script, config = parser.parse_args_and_config()
-        data_files = {"train": script.data, **({"eval": script.eval_data} if script.eval_data else {})}
-        dataset = load_dataset("json", data_files=data_files)
-        if script.model_name_or_path:
+        train = load_data(script.data, "--data")
+        evaluation = load_data(script.eval_data, "--eval_data") if script.eval_data else None
+        if script.model_name_or_path:  # (each file read alone: TRL takes an eval file in another of its formats)
             model, tokenizer = script.model_name_or_path, directory_tokenizer(script.model_name_or_path)
         else:
-            model, tokenizer = starter_model([text for row in dataset["train"] for text in texts_of(row)])
+            model, tokenizer = starter_model([text for row in train for text in texts_of(row)])
         trainer = SFTTrainer(
-            model=model,
-            args=config,
-            train_dataset=dataset["train"],
-            eval_dataset=dataset["eval"] if script.eval_data else None,
-            processing_class=tokenizer,
+            model=model, args=config, train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer
         )
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()

@@ -72,15 +72,22 @@ _HINTS = {
 
 
 # what a TypeError says when keywords a user passed through (lr_scheduler_kwargs, optim_args) do not fit the function
-_KEYWORD_MISTAKES = ("unexpected keyword argument", "got multiple values for", "argument after ** must be a mapping")
+_KEYWORD_MISTAKES = (
+    "unexpected keyword argument",
+    "got multiple values for",
+    "argument after ** must be a mapping",
+    "required positional argument",  # a scheduler's own setting left out (warmup_stable_decay's num_decay_steps)
+    "required keyword-only argument",
+)
 
 
 @contextlib.contextmanager
 def library_refusals() -> Iterator[None]:
     """transformers, TRL and torch refuse a bad setting (an unknown flag, two fields that disagree, an optimizer
     whose package is missing, an ``output_dir`` under a file, a keyword ``lr_scheduler_kwargs`` passes on that the
-    scheduler does not take) with a ``ValueError``, ``ImportError``, ``FileExistsError``, ``NotADirectoryError`` or
-    a ``TypeError`` of an unexpected keyword argument: inside this block, that is a :class:`ConfigError` carrying the
+    scheduler does not take or one it needs and was not given) with a ``ValueError``, ``ImportError``, an
+    ``OSError`` (a path given that is a folder, missing, or not readable; a name that is neither a file nor a
+    repository) or a ``TypeError`` of keywords: inside this block, that is a :class:`ConfigError` carrying the
     first line of their message, so an entry point reports it in one line. Meant for setting a run up (parsing,
     building the arguments, the trainer, its optimizer and scheduler), never around training itself, where the
     same errors are bugs whose traceback is wanted."""
@@ -88,12 +95,19 @@ def library_refusals() -> Iterator[None]:
         yield
     except MtkError:
         raise
-    except (ValueError, ImportError, FileExistsError, NotADirectoryError, TypeError) as err:
+    except (ValueError, ImportError, OSError, TypeError) as err:
         if isinstance(err, TypeError) and not any(sign in str(err) for sign in _KEYWORD_MISTAKES):
             raise  # keywords the user passed through (lr_scheduler_kwargs, optim_args) are settings; others are bugs
+        unusable = unusable_name(err)
+        if unusable is not None:  # (a full disk, a read-only place: what to do about it)
+            raise unusable from err
+        if isinstance(err, OSError) and err.filename is not None and str(err.filename) not in str(err):
+            err = OSError(f"{err.filename}: {err.strerror or err}")  # (the name it is about, in the line)
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         message = lines[0] if lines else type(err).__name__
         hint = next((hint for start, hint in _HINTS.items() if message.startswith(start)), None)
+        if isinstance(err, TypeError) and "required" in message:
+            hint = "give it in lr_scheduler_kwargs (a JSON mapping), or optim_args for the optimizer"
         raise ConfigError(f"{message.rstrip('.')}; {hint}" if hint else message) from err
 
 

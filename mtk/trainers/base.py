@@ -140,6 +140,20 @@ def _derive_global_batch(args: Any) -> None:
             config.pop("train_batch_size", None)
 
 
+def _refuse_deepspeed_disagreements(args: Any) -> None:
+    """transformers lists each DeepSpeed JSON value that disagrees with the arguments as it fills the ``"auto"``s,
+    and raises the list only once training starts (a traceback on every rank): refused here, at set-up, in one
+    line. ``train_batch_size`` is left to mtk's own check (TrainingArguments counts every process, mtk the
+    data-parallel replicas)."""
+    listed = getattr(getattr(args, "hf_deepspeed_config", None), "mismatches", None) or []
+    found = [line.strip().removeprefix("- ") for line in listed if "train_batch_size" not in line]
+    if found:
+        raise ConfigError(
+            f"the DeepSpeed JSON disagrees with TrainingArguments ({'; '.join(found)}): give the same values, or "
+            'leave them to the arguments with "auto"'
+        )
+
+
 def _deepspeed_processes_on_cpu(args: Any) -> None:
     """DeepSpeed on a machine without an accelerator joins the processes with gloo (as ``mtk.Accelerator`` does);
     TrainingArguments' own set-up would ask for DeepSpeed's default backend and see a single process. The state
@@ -173,6 +187,7 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing):
     processing_class: Any
     lr_scheduler: Any
     hp_search_backend: Any
+    eval_dataset: Any
     _counting_tokens: bool = False
     _peft_config: Any = None  # a LoraConfig taken from peft_config= by the TRL trainers
     _peft_model: Any = None  # the PeftModel of mtk's adapters on the converted model
@@ -195,6 +210,7 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing):
         elif self.args.deepspeed_plugin is not None:  # accelerate's YAML names the JSON
             _fill_launchers_deepspeed_config(self.args)
             _derive_global_batch(self.args)
+        _refuse_deepspeed_disagreements(self.args)
         _ = self.args.device  # set up before the Accelerator: TrainingArguments resets accelerate's state there
         with _in_trainer_module(Accelerator=_mtk_accelerator):
             super().create_accelerator_and_postprocess()  # type: ignore[misc]
@@ -304,6 +320,8 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing):
         (a scheduler's preemption), SIGINT or SIGHUP save ``checkpoint-N`` at the next step's end on every rank,
         say so in one line, and end the process (status 0, as mtk's scripts): code after ``train()`` would treat
         the stopped run as finished. A second signal stops at once (:class:`~mtk.training.signals.ExitSignal`)."""
+        if self.args.eval_on_start and self.eval_dataset is None:  # (transformers raises it after set-up, as a bug)
+            raise ConfigError("eval_on_start needs an eval_dataset: give one (--eval_data) or leave eval_on_start off")
         resume_from_checkpoint = claim_output_dir(
             self.args.output_dir, resume_from_checkpoint, main_process=self.accelerator.is_main_process
         )

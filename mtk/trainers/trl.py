@@ -149,17 +149,60 @@ def _refuse_unverified(args: Any, trainer: str) -> None:
             raise ConfigError(f"{type(args).__name__}.{name}=True with mtk.trainers.{trainer}: {why}; leave it off")
 
 
-def _check_loss_types(args: Any) -> None:
-    """``DPOConfig.loss_type``: TRL checks the names only inside the first step's loss (a ``ValueError`` traceback
-    on every rank, after the model was loaded and the data prepared), so each is checked first against the values
-    its field documents (none found: nothing is refused here)."""
-    field = {f.name: f for f in dataclasses.fields(args)}.get("loss_type") if dataclasses.is_dataclass(args) else None
-    allowed = re.findall(r"`'(\w+)'`", field.metadata.get("help", "")) if field is not None else []
-    given = args.loss_type if isinstance(args.loss_type, (list, tuple)) else [args.loss_type]
-    unknown = [name for name in given if name not in allowed]
-    if allowed and unknown:
+def _check_documented_choices(args: Any) -> None:
+    """``DPOConfig.loss_type`` and ``f_divergence_type``: TRL checks the names only inside the first step's loss (a
+    ``ValueError`` traceback on every rank, after the model was loaded and the data prepared), so each is checked
+    first against the values its field's help lists before its first full stop (none found: nothing is refused)."""
+    fields = {f.name: f for f in dataclasses.fields(args)} if dataclasses.is_dataclass(args) else {}
+    for name, what in (("loss_type", "a loss"), ("f_divergence_type", "an f-divergence")):
+        if name not in fields:
+            continue
+        listed = fields[name].metadata.get("help", "").split("Possible values are:")[-1].split(". ")[0]
+        allowed = re.findall(r"`'?(\w+)'?`", listed)
+        value = getattr(args, name)
+        given = value if isinstance(value, (list, tuple)) else [value]
+        unknown = [choice for choice in given if choice not in allowed]
+        if allowed and unknown:
+            wrong = f"{type(args).__name__}.{name} {unknown[0]!r}"
+            raise ConfigError(f"{wrong} is not {what} TRL knows; use one of {allowed}")
+
+
+def _check_sft_columns(dataset: Any, which: str, config: Any, formatted: bool) -> None:
+    """Rows SFTTrainer can read, checked before TRL reads them: tokenized rows (``input_ids``) when
+    ``dataset_kwargs`` skips TRL's preparation (TRL's was a ``ValueError`` about the model's forward once training
+    began); otherwise ``messages``, ``prompt`` or the ``dataset_text_field`` column (TRL's was a ``KeyError``).
+    A ``formatting_func`` makes its own text; a dict of evaluation sets is checked set by set."""
+    if isinstance(dataset, dict):
+        for name, part in dataset.items():
+            _check_sft_columns(part, f"{which}[{name!r}]", config, formatted)
+        return
+    columns = getattr(dataset, "column_names", None)  # (an iterable dataset may not know its columns)
+    if not columns or formatted:
+        return
+    skipping = bool((getattr(config, "dataset_kwargs", None) or {}).get("skip_prepare_dataset"))
+    if skipping and "input_ids" not in columns:
+        raise DataError(
+            f"SFTConfig.dataset_kwargs skip_prepare_dataset=True needs tokenized rows ('input_ids'), but {which} has "
+            f"{', '.join(columns)}; leave it unset and TRL tokenizes them"
+        )
+    text_field = getattr(config, "dataset_text_field", "text")
+    if not skipping and not {"input_ids", "messages", "prompt", text_field} & set(columns):
+        raise DataError(
+            f"SFTTrainer's {which} has no {text_field!r} column (SFTConfig.dataset_text_field) and no 'messages' or "
+            f"'prompt' (it has {', '.join(columns)}); name a column of the rows"
+        )
+
+
+def _check_template_path(config: Any) -> None:
+    """``SFTConfig.chat_template_path`` that is neither a file nor a folder: one line naming it (TRL then read it as
+    a Hub repository id, and failed with the Hub's ``OSError``). A name that could be a repository is left to TRL."""
+    template = getattr(config, "chat_template_path", None)
+    if template is None or Path(template).exists():
+        return
+    if template.endswith((".jinja", ".j2")) or template.startswith((".", "/", "~")) or template.count("/") > 1:
         raise ConfigError(
-            f"{type(args).__name__}.loss_type {unknown[0]!r} is not a loss TRL knows; use one of {allowed}"
+            f"SFTConfig.chat_template_path={template!r}: no such file or folder; give a .jinja template file or a "
+            "tokenizer's folder"
         )
 
 
@@ -170,9 +213,13 @@ class SFTTrainer(ParallelTrainerMixin, trl.SFTTrainer):
         self._peft_config = take_peft_config(args, kwargs, "SFTTrainer")
         config = _argument(args, kwargs, "args", 1)
         _refuse_unverified(config, "SFTTrainer")
+        _check_template_path(config)
         _refuse_cloned_template(_argument(args, kwargs, "model", 0), config)
+        formatted = _argument(args, kwargs, "formatting_func", 14) is not None
         for name, position in (("train_dataset", 3), ("eval_dataset", 4)):
-            _check_conversations(_argument(args, kwargs, name, position), name, ("messages", "prompt", "completion"))
+            dataset = _argument(args, kwargs, name, position)
+            _check_conversations(dataset, name, ("messages", "prompt", "completion"))
+            _check_sft_columns(dataset, name, config, formatted)
         self._path_loader = PathLoader(self, trl_sft.create_model_from_path)
         with trl_loading(trl_sft, self._path_loader), chat_template_refusals("SFTTrainer's data"):
             super().__init__(*args, **kwargs)
@@ -209,7 +256,7 @@ class DPOTrainer(ParallelTrainerMixin, trl.DPOTrainer):
         self._peft_config = take_peft_config(args, kwargs, "DPOTrainer")
         _refuse_unverified(_argument(args, kwargs, "args", 2), "DPOTrainer")  # (model, ref_model, args, ...)
         if _argument(args, kwargs, "args", 2) is not None:
-            _check_loss_types(_argument(args, kwargs, "args", 2))
+            _check_documented_choices(_argument(args, kwargs, "args", 2))
         _check_preference_columns(_argument(args, kwargs, "train_dataset", 4), "train_dataset")
         _check_preference_columns(_argument(args, kwargs, "eval_dataset", 5), "eval_dataset")
         for name, position in (("train_dataset", 4), ("eval_dataset", 5)):

@@ -152,9 +152,16 @@ def test_trl_examples_run_as_documented_and_save_a_model(tmp_path, script, confi
         (["--optim", "galore_adamw"], "You need to install `galore_torch` in order to use GaLore optimizers"),
         (["--weight_decay=nan"], "TrainingArguments.weight_decay=nan: must be a finite number"),
         (["--output_dir", "{file}"], "is an existing file: checkpoints and the model are saved into a folder"),
+        (["--lr_scheduler_type", "warmup_stable_decay"], "missing 1 required positional argument: 'num_decay_steps'"),
+        (["--deepspeed", "{folder}"], "[Errno 21] Is a directory: '{folder}'"),
+        (["--data", "{broken}"], "could not be read as json (Trailing data"),
+        (["--eval_on_start", "True"], "eval_on_start needs an eval_dataset"),
     ],
-    ids=["unknown flag", "eval without data", "optimizer not installed", "nan", "output_dir a file"],
-)
+    ids=[
+        "unknown flag", "eval without data", "optimizer not installed", "nan", "output_dir a file",
+        "a scheduler's setting left out", "deepspeed a folder", "data not JSON", "eval_on_start without data",
+    ],
+)  # fmt: skip
 def test_a_setting_the_trl_examples_libraries_refuse_is_one_line(tmp_path, args, message):
     """What transformers, TRL or torch refuse while sft.py sets up (parsing, the arguments, the trainer, its
     optimizer) and what mtk refuses in the arguments: one ``sft.py: error:`` line, exit status 2, no traceback.
@@ -165,7 +172,11 @@ def test_a_setting_the_trl_examples_libraries_refuse_is_one_line(tmp_path, args,
         pytest.skip("galore_torch is installed here")
     taken = tmp_path / "file"
     taken.write_text("kept")
-    args = [str(taken) if arg == "{file}" else arg for arg in args]
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "a"}\n{not json\n')
+    names = {"{file}": str(taken), "{folder}": str(tmp_path), "{broken}": str(broken)}
+    args = [names.get(arg, arg) for arg in args]
+    message = message.replace("{folder}", str(tmp_path))
     command = [sys.executable, "examples/sft.py", "--max_steps", "2", "--output_dir", str(tmp_path / "run"), *args]
     done = run_command(command, cwd=ROOT, timeout=600)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]

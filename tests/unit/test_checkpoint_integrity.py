@@ -643,20 +643,6 @@ def test_metadata_naming_a_base_model_of_another_shape_is_refused(saved, trained
         assert "is not valid mtk checkpoint metadata (base_model " in message, message
 
 
-def test_a_dpo_loss_type_trl_does_not_know_is_one_line_before_training():
-    """``dpo.py --loss_type bogus`` ended in TRL's ValueError traceback on every rank at the first step."""
-    import trl
-
-    from mtk.errors import ConfigError
-    from mtk.trainers.trl import _check_loss_types
-
-    config = trl.DPOConfig(output_dir="unused", loss_type=["sigmoid", "sft"], use_cpu=True, bf16=False)
-    _check_loss_types(config)
-    config.loss_type = ["sigmoid", "bogus"]
-    with pytest.raises(ConfigError, match=r"loss_type 'bogus' is not a loss TRL knows; use one of \['sigmoid'"):
-        _check_loss_types(config)
-
-
 def test_metadata_that_lists_no_files_is_refused(saved, trained, tmp_path, capsys):
     _rewrite_metadata(saved, lambda meta: meta.update(files={}))
     for message in _refusals(saved, trained, tmp_path, capsys):

@@ -283,3 +283,78 @@ def test_resume_from_checkpoint_a_word_that_names_a_folder_says_it_was_read_as_t
     unlock_output_dir(str(out))
     assert claim_output_dir(str(out), None, main_process=True) is None  # (no earlier checkpoint: a fresh run)
     unlock_output_dir(str(out))
+
+
+def test_dpo_choices_trl_does_not_know_are_one_line_before_training():
+    """``dpo.py --loss_type bogus`` or ``--f_divergence_type bogus`` ended in TRL's ValueError traceback on every
+    rank at the first step: each is checked against the values its field documents."""
+    import trl
+
+    from mtk.trainers.trl import _check_documented_choices
+
+    config = trl.DPOConfig(output_dir="unused", loss_type=["sigmoid", "sft"], use_cpu=True, bf16=False)
+    _check_documented_choices(config)
+    config.loss_type = ["sigmoid", "bogus"]
+    with pytest.raises(ConfigError, match=r"loss_type 'bogus' is not a loss TRL knows; use one of \['sigmoid'"):
+        _check_documented_choices(config)
+    config.loss_type = ["sigmoid"]
+    config.f_divergence_type = "js_divergence"
+    _check_documented_choices(config)
+    config.f_divergence_type = "bogus"
+    allowed = r"use one of \['reverse_kl', 'forward_kl', 'js_divergence', 'alpha_divergence'\]$"
+    with pytest.raises(ConfigError, match=r"f_divergence_type 'bogus' is not an f-divergence TRL knows; " + allowed):
+        _check_documented_choices(config)
+
+
+def test_sft_rows_and_template_paths_trl_cannot_read_are_one_line_before_it_reads_them(tmp_path):
+    """A ``dataset_text_field`` the rows lack (TRL: ``KeyError``), ``skip_prepare_dataset`` on rows that are not
+    tokenized (TRL: a ``ValueError`` once training began), a ``chat_template_path`` that is neither a file nor a
+    folder (TRL read it as a Hub repository: ``OSError``)."""
+    import trl
+    from datasets import Dataset
+
+    from mtk.errors import DataError
+    from mtk.trainers.trl import _check_sft_columns, _check_template_path
+
+    config = trl.SFTConfig(output_dir="unused", use_cpu=True, bf16=False, dataset_text_field="body")
+    text = Dataset.from_dict({"text": ["a b", "c d"]})
+    with pytest.raises(DataError, match=r"train_dataset has no 'body' column \(SFTConfig.dataset_text_field\)"):
+        _check_sft_columns(text, "train_dataset", config, formatted=False)
+    _check_sft_columns(text, "train_dataset", config, formatted=True)  # a formatting_func makes its own text
+    _check_sft_columns(Dataset.from_dict({"body": ["a"]}), "train_dataset", config, formatted=False)
+    _check_sft_columns(Dataset.from_dict({"prompt": ["a"], "completion": ["b"]}), "x", config, formatted=False)
+    config.dataset_kwargs = {"skip_prepare_dataset": True}
+    with pytest.raises(DataError, match=r"skip_prepare_dataset=True needs tokenized rows \('input_ids'\)"):
+        _check_sft_columns(Dataset.from_dict({"body": ["a"]}), "train_dataset", config, formatted=False)
+    _check_sft_columns(Dataset.from_dict({"input_ids": [[1, 2]]}), "train_dataset", config, formatted=False)
+
+    for missing in (str(tmp_path / "nope.jinja"), "./templates", str(tmp_path / "a" / "b")):
+        config.chat_template_path = missing
+        with pytest.raises(ConfigError, match="chat_template_path=.*: no such file or folder"):
+            _check_template_path(config)
+    for present_or_repository in (str(tmp_path), "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        config.chat_template_path = present_or_repository
+        _check_template_path(config)
+
+
+def test_a_deepspeed_json_that_disagrees_with_the_arguments_is_one_line_at_set_up():
+    """transformers lists the disagreements as it fills the JSON's "auto"s and raised them only when training began
+    (a ValueError traceback on every rank); the global batch is left to mtk's own check (it counts DP replicas)."""
+    from types import SimpleNamespace
+
+    from mtk.trainers.base import _refuse_deepspeed_disagreements
+
+    listed = [
+        "- ds train_batch_size=16 vs hf train_batch_size=8",
+        "- ds gradient_accumulation_steps=4 vs hf gradient_accumulation_steps=1",
+        "- ds gradient_clipping=0.01 vs hf max_grad_norm=1.0",
+    ]
+    args = SimpleNamespace(hf_deepspeed_config=SimpleNamespace(mismatches=listed))
+    said = (
+        r"the DeepSpeed JSON disagrees with TrainingArguments \(ds gradient_accumulation_steps=4 vs hf "
+        r"gradient_accumulation_steps=1; ds gradient_clipping=0.01 vs hf max_grad_norm=1.0\): give the same values"
+    )
+    with pytest.raises(ConfigError, match=said):
+        _refuse_deepspeed_disagreements(args)
+    _refuse_deepspeed_disagreements(SimpleNamespace(hf_deepspeed_config=SimpleNamespace(mismatches=listed[:1])))
+    _refuse_deepspeed_disagreements(SimpleNamespace(hf_deepspeed_config=None))
