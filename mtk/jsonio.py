@@ -24,11 +24,18 @@ def loads(text: str | bytes) -> Any:
         problem = "nested too deeply to parse"
         if isinstance(err, _DuplicateKey):
             problem = f"key {err.args[0]!r} is given twice"
-        raise json.JSONDecodeError(problem, document[:80], 0) from None
+        raise _WholeDocumentError(problem, document[:80], 0) from None
 
 
 class _DuplicateKey(Exception):
     pass
+
+
+class _WholeDocumentError(json.JSONDecodeError):
+    """Malformed as a whole, at no one position: its text is the problem alone (not "line 1 column 1")."""
+
+    def __str__(self) -> str:
+        return self.msg
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -407,3 +407,18 @@ def test_deepspeeds_legacy_boolean_zero_optimization_is_accepted(tmp_path):
     path.write_text(json.dumps({MB: 2, "zero_optimization": True, "bf16": {"enabled": False}}))
     config, _ = deepspeed_config(path, 1)
     assert config["zero_optimization"] is True
+
+
+def test_a_key_given_twice_is_one_line_on_both_launch_paths(tmp_path, monkeypatch):
+    """``"zero_optimization"`` twice: accelerate's reader (Python's) kept the last block and finetune.py trained
+    ZeRO-0 without a word, where the Trainer path and run.py refused it. The line names the key, not a position."""
+    from mtk.integrations.accelerate.deepspeed import check_launcher_sections
+
+    path = tmp_path / "ds.json"
+    path.write_text(f'{{"{MB}": 2, "zero_optimization": {{"stage": 2}}, "zero_optimization": {{"stage": 0}}}}')
+    with pytest.raises(ConfigError, match=r"key 'zero_optimization' is given twice") as err:
+        deepspeed_config(path, 1)
+    assert "line 1 column" not in str(err.value)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+    with pytest.raises(ConfigError, match=rf"DeepSpeed config {re.escape(str(path))}: key 'zero_optimization' is "):
+        check_launcher_sections()

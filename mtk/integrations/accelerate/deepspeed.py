@@ -54,7 +54,9 @@ def check_launcher_sections() -> list[str]:
         return []
     try:
         raw = jsonio.loads(Path(path).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        if isinstance(err, json.JSONDecodeError) and "given twice" in err.msg:  # accelerate would keep the last
+            raise ConfigError(f"DeepSpeed config {path}: {err.msg}; give each key once") from None
         return []
     if not isinstance(raw, dict):
         return []
