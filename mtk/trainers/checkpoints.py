@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import transformers.trainer as hf_trainer
+from tqdm.auto import tqdm
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_last_checkpoint, sort_checkpoints
 
@@ -177,6 +178,16 @@ class TrainerCheckpointing:
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """Checked now (one line if it is not a complete mtk checkpoint); loaded once the model is prepared."""
         read_verified(resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best ``checkpoint-N`` read back through mtk's reader (resharded to this
+        layout), its whole state as the run stood at that step, as transformers loads a DeepSpeed run's. transformers'
+        own looks for ``model.safetensors`` in the folder, which mtk's checkpoint does not hold: it logged that it
+        could not find the best model and kept the last step's weights, which ``save_model`` then wrote."""
+        best = self.state.best_model_checkpoint
+        if self.accelerator.is_main_process:  # (below the Trainer's progress bar, not appended to it)
+            tqdm.write(f"mtk: loading the best model from {best} (score: {self.state.best_metric})")
+        self.accelerator.load_state(best)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Weights, optimizer, scheduler, scaler and RNG from mtk's checkpoint, resharded to this layout."""

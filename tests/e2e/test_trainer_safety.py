@@ -138,3 +138,27 @@ def test_push_to_hub_pushes_what_transformers_pushes_without_the_runs_files(tmp_
     env = {**os.environ, "MTK_HUB_LOG": str(log), "MTK_HUB_FAIL": "create"}
     offline = run_command([sys.executable, HUB, *flags, "--output_dir", str(tmp_path / "offline")], cwd=ROOT, env=env)
     _one_line(offline, "push_to_hub: creating the Hub repository me/tiny failed (ConnectError: [Errno -2] Name or")
+
+
+def test_load_best_model_at_end_loads_the_best_checkpoint(tmp_path):
+    """``load_best_model_at_end``: transformers looked for ``model.safetensors`` in the best ``checkpoint-N``, which
+    mtk's checkpoint does not hold, said it could not find it (advising ``save_on_each_node``, which mtk refuses)
+    and kept the last weights, which ``save_model`` wrote. The best checkpoint (here the first: the highest
+    evaluation loss counts as best) is now read back through mtk's reader, and the saved model is its weights."""
+    from safetensors.torch import load_file
+
+    data = "examples/data/instructions.jsonl"
+    out = tmp_path / "out"
+    best = ("--load_best_model_at_end", "True", "--metric_for_best_model", "loss", "--greater_is_better", "True")
+    steps = ("--max_steps", "3", "--eval_strategy", "steps", "--eval_steps", "1", "--save_steps", "1")
+    done = _sft(out, *steps, *best, "--eval_data", data, "--per_device_eval_batch_size", "4")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["best_model_checkpoint"] == str(out / "checkpoint-1"), state
+    assert f"mtk: loading the best model from {out / 'checkpoint-1'}" in done.stdout, done.stdout[-2000:]
+    final = load_file(out / "model.safetensors")
+    for checkpoint, equal in (("checkpoint-1", True), ("checkpoint-3", False)):
+        saved = load_file(out / checkpoint / "model" / "tp00-pp00.safetensors")
+        common = sorted(set(final) & set(saved))
+        assert len(common) == len(final), (sorted(final), sorted(saved))
+        assert all(final[name].equal(saved[name]) for name in common) == equal, checkpoint
