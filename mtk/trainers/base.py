@@ -49,7 +49,7 @@ from mtk.trainers.arguments import check_training_arguments, clipping_report, re
 from mtk.trainers.checkpoints import TrainerCheckpointing, claim_output_dir, written_checkpoints
 from mtk.trainers.hub import TrainerHub
 from mtk.trainers.model_path import PathLoader
-from mtk.trainers.signals import SaveAndStopOnSignal
+from mtk.trainers.signals import EvaluationStopsOnSignal, SaveAndStopOnSignal
 from mtk.training.signals import ExitSignal
 
 __all__ = ["ParallelTrainerMixin"]
@@ -78,10 +78,12 @@ def _saving_on_signals(trainer: Any) -> Iterator[SaveAndStopOnSignal | None]:
     exit_signal = ExitSignal(trainer.accelerator.device, resume_hint=RESUME_HINT)
     stop = SaveAndStopOnSignal(exit_signal)
     trainer.add_callback(stop)
+    trainer._signal_stop = stop  # (its evaluations stop on a signal too: EvaluationStopsOnSignal)
     try:
         yield stop
     finally:
         trainer.remove_callback(stop)
+        trainer._signal_stop = None
         if stop.stopped_at is None:  # (a stopped run ends now: a duplicate delivery of its signal stays a duplicate)
             exit_signal.restore()
     if exit_signal.received and stop.stopped_at is None:  # it came after the last step: the caller's handler has it
@@ -172,7 +174,7 @@ def _deepspeed_processes_on_cpu(args: Any) -> None:
     args.__dict__.pop("_setup_devices", None)
 
 
-class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing):
+class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSignal):
     """Put before transformers' or TRL's trainer class: ``class Trainer(ParallelTrainerMixin, transformers.Trainer)``.
 
     See the module docstring for what it changes and why.

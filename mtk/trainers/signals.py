@@ -9,13 +9,15 @@ continues exactly.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
 from mtk.training.signals import ExitSignal
 
-__all__ = ["SaveAndStopOnSignal"]
+__all__ = ["EvaluationStopsOnSignal", "SaveAndStopOnSignal"]
 
 
 class SaveAndStopOnSignal(TrainerCallback):
@@ -44,3 +46,72 @@ class SaveAndStopOnSignal(TrainerCallback):
             control.should_save = False
             control.should_evaluate = False
         return control
+
+
+class _EvaluationStopped(Exception):
+    """Raised out of an evaluation's loader when a signal arrived: the evaluation ends there, unlogged."""
+
+
+class _StopsOnSignal:
+    """An evaluation's data loader that ends the evaluation when any rank received a signal, asked before each
+    batch (a collective: accelerate's loaders give every rank the same number of batches)."""
+
+    def __init__(self, loader: Any, exit_signal: ExitSignal) -> None:
+        self._loader = loader
+        self._exit_signal = exit_signal
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self._loader:
+            if self._exit_signal.requested():
+                raise _EvaluationStopped
+            yield batch
+
+
+class EvaluationStopsOnSignal:
+    """The evaluation hooks of :class:`~mtk.trainers.base.ParallelTrainerMixin`: a signal during an evaluation
+    inside ``train()`` ends it after the batch it arrived in, unlogged (its metrics would cover part of the set),
+    and the step is saved at once, as mtk's scripts do. transformers ran the whole evaluation, logged it and
+    trained one more step before the save (71 s after a SIGTERM in a 77-s evaluation: past a scheduler's grace
+    time). Outside ``train()`` (``evaluate()`` called by a script) evaluations run as transformers' do."""
+
+    control: Any
+    state: Any
+    accelerator: Any
+    model: Any
+    _signal_stop: SaveAndStopOnSignal | None = None
+    _evaluation_stopped: bool = False
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        loader = super().get_eval_dataloader(eval_dataset)  # type: ignore[misc]
+        return loader if self._signal_stop is None else _StopsOnSignal(loader, self._signal_stop.exit_signal)
+
+    def _evaluate(self, trial: Any, ignore_keys_for_eval: Any, skip_scheduler: bool = False) -> dict[str, float]:
+        self._evaluation_stopped = False
+        try:
+            return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler)  # type: ignore[misc]
+        except _EvaluationStopped:
+            assert self._signal_stop is not None
+            self._evaluation_stopped = True
+            self.control.should_save = self.control.should_training_stop = True
+            self._signal_stop.stopped_at = self.state.global_step
+            self.model.train()  # (the evaluation left it in eval mode: TRL's log would read its partial metrics)
+            partial = getattr(self, "_metrics", None)  # TRL's per-mode accumulators
+            if isinstance(partial, dict) and hasattr(partial.get("eval"), "clear"):
+                partial["eval"].clear()
+            if self.accelerator.is_main_process:
+                step, name = self.state.global_step, self._signal_stop.signal_name
+                tqdm.write(f"mtk: {name}: the evaluation at step {step} stopped early, not logged")
+            return {}
+
+    def _determine_best_metric(self, metrics: dict[str, float], trial: Any) -> bool:
+        """transformers'; after an evaluation a signal cut short there are no metrics: the best stays as it was,
+        and under ``save_strategy="best"`` the save the signal asks for still happens."""
+        if self._evaluation_stopped:
+            return bool(self.control.should_save)
+        return super()._determine_best_metric(metrics, trial)  # type: ignore[misc]

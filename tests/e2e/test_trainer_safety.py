@@ -162,3 +162,32 @@ def test_load_best_model_at_end_loads_the_best_checkpoint(tmp_path):
         common = sorted(set(final) & set(saved))
         assert len(common) == len(final), (sorted(final), sorted(saved))
         assert all(final[name].equal(saved[name]) for name in common) == equal, checkpoint
+
+
+def test_sigterm_during_a_trainer_evaluation_stops_it_and_saves_that_step(tmp_path):
+    """SIGTERM while the Trainer evaluates (a long evaluation set): the evaluation ends after the batch it arrived
+    in, unlogged, and the step is saved at once, status 0. transformers ran the whole evaluation, logged it and
+    trained one more step first (71 s after the signal for a 77-s evaluation: past a scheduler's grace time)."""
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps({"text": f"row {i} of a long evaluation"}) + "\n" for i in range(20000)))
+    out = tmp_path / "out"
+    steps = ("--max_steps", "50", "--logging_steps", "1", "--eval_strategy", "steps", "--eval_steps", "2")
+    evaluation = ("--eval_data", str(data), "--per_device_eval_batch_size", "1")
+    command = [*SFT, "--output_dir", str(out), *steps, *evaluation]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert process.stdout is not None
+    seen = ""
+    for line in process.stdout:  # step 2's log comes just before its evaluation starts
+        seen += line
+        if "'loss'" in line and seen.count("'loss'") == 2:
+            break
+    time.sleep(1.0)
+    process.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    seen += process.communicate(timeout=300)[0]
+    assert process.returncode == 0 and "Traceback" not in seen, seen[-3000:]
+    assert time.monotonic() - signalled < 30, "the evaluation was not cut short"
+    assert "mtk: SIGTERM: the evaluation at step 2 stopped early, not logged" in seen, seen[-3000:]
+    assert "eval_loss" not in seen
+    read_verified(out / "checkpoint-2")
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"]
