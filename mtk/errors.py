@@ -65,8 +65,11 @@ _HINTS = {
     "Some specified arguments are not used by the HfArgumentParser": "check the spelling; --help lists the options",
     # accelerate, where a launcher's variables (ACCELERATE_USE_DEEPSPEED, WORLD_SIZE) are set without a launcher
     "Default process group has not been initialized": (  # (python script.py --deepspeed X.json too)
-        f"DeepSpeed started without a launcher, or a launcher's variable is set by hand: {_LAUNCHER}"
+        "a process group was asked for without a launcher (DeepSpeed, a ddp_backend, or a launcher's variable set "
+        f"by hand): {_LAUNCHER}"
     ),
+    "Unexpected UTF-8 BOM": "a JSON file given (--deepspeed, a config) starts with a byte-order mark; save it as "
+    "UTF-8 without one",
     "Tried to launch on distributed with multinode": f"WORLD_SIZE is set without a launcher: {_LAUNCHER}",
 }
 

@@ -266,6 +266,13 @@ def check_sections(config: dict[str, Any], where: str | Path) -> None:
         )
     for key in _PARAMS_SECTIONS:
         _check_params(config.get(key), key, where)
+    zero = config.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):  # DeepSpeed read "auto" as stage 0, unsaid
+        raise ConfigError(
+            f'{where}: "zero_optimization.stage" is {json.dumps(stage)}; write the number 0, 1, 2 or 3, without '
+            "quotes (nothing fills it from the arguments)"
+        )
     clipping = config.get("gradient_clipping")  # DeepSpeed takes <= 0 as none: -1 turned clipping off unsaid
     if isinstance(clipping, (int, float)) and not isinstance(clipping, bool) and not 0 <= clipping < math.inf:
         raise ConfigError(f'{where}: "gradient_clipping": {clipping} must be a finite number >= 0 (0: none)')

@@ -275,7 +275,7 @@ def test_run_py_without_the_launcher_is_one_process(reference, tmp_path):
 
 @pytest.mark.parametrize(
     ("variable", "hint"),
-    [("ACCELERATE_USE_DEEPSPEED", "a launcher's variable is set by hand"), ("WORLD_SIZE", "WORLD_SIZE is set")],
+    [("ACCELERATE_USE_DEEPSPEED", "a launcher's variable set by hand"), ("WORLD_SIZE", "WORLD_SIZE is set")],
 )
 def test_a_launchers_variable_set_by_hand_is_one_line(tmp_path, variable, hint):
     """``ACCELERATE_USE_DEEPSPEED=true`` or ``WORLD_SIZE=2`` exported before a plain ``python finetune.py``:

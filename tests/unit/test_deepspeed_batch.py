@@ -422,3 +422,11 @@ def test_a_key_given_twice_is_one_line_on_both_launch_paths(tmp_path, monkeypatc
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
     with pytest.raises(ConfigError, match=rf"DeepSpeed config {re.escape(str(path))}: key 'zero_optimization' is "):
         check_launcher_sections()
+
+
+@pytest.mark.parametrize("stage", ["auto", "2", 4, -1, True])
+def test_a_zero_stage_that_is_not_a_number_from_0_to_3_is_one_line(tmp_path, monkeypatch, stage):
+    """``"stage": "auto"`` (nothing fills it) trained as ZeRO-0 without a word: DeepSpeed reads it as 0."""
+    message = f'"zero_optimization.stage" is {json.dumps(stage)}; write the number 0, 1, 2 or 3, without quotes'
+    config = {MB: 2, "zero_optimization": {"stage": stage}}
+    _refused_on_both_launch_paths(tmp_path / "ds.json", config, re.escape(message), monkeypatch)
