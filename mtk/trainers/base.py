@@ -41,6 +41,7 @@ import transformers.trainer as hf_trainer
 from mtk import jsonio
 from mtk.errors import ConfigError, library_refusals
 from mtk.integrations.accelerate import Accelerator
+from mtk.integrations.deepspeed_sections import check_sections, idle_sections
 from mtk.parallel.state import default_device
 from mtk.pipeline.engine import PipelineModel
 from mtk.rules.lm_head import logits_mode
@@ -125,13 +126,30 @@ def _fill_launchers_deepspeed_config(args: Any) -> None:
     args.hf_deepspeed_config = plugin.hf_ds_config  # (the Trainer then does not fill them again)
 
 
+def _given_deepspeed_json(args: Any) -> dict[str, Any]:
+    """The DeepSpeed JSON as the user wrote it (``TrainingArguments.deepspeed``, a file or a dict, else the file
+    accelerate's YAML names), before transformers filled its ``"auto"``s."""
+    given = args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or {}
+    if isinstance(given, str):
+        given = jsonio.loads(Path(given).read_text())
+    return given if isinstance(given, dict) else {}
+
+
+def _check_deepspeed_json(args: Any) -> list[str]:
+    """``TrainingArguments.deepspeed`` checked as the launchers' JSONs are (keys DeepSpeed reads, sections of the
+    right type, a ZeRO stage of 0-3: ``"stage": true`` trained as ZeRO-1 unsaid); the lines about sections nothing
+    acts on. The file accelerate's YAML names is checked where mtk's Accelerator is made."""
+    where = args.deepspeed if isinstance(args.deepspeed, str) else "TrainingArguments.deepspeed"
+    given = _given_deepspeed_json(args)
+    check_sections(given, where)
+    return idle_sections(given, where)
+
+
 def _derive_global_batch(args: Any) -> None:
     """An ``"auto"`` ``train_batch_size`` is left for mtk to derive. transformers fills it with world size x
     micro-batch x accumulation when the arguments are made, before any layout is known; under TP and PP only the
     data-parallel replicas multiply the batch, which mtk's DeepSpeed set-up derives from the other two fields."""
-    given = args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or {}
-    if isinstance(given, str):
-        given = jsonio.loads(Path(given).read_text())
+    given = _given_deepspeed_json(args)
     if given.get("train_batch_size", "auto") != "auto":
         return  # the user's number: mtk checks it against the layout (one line if it disagrees)
     for config in (
@@ -149,6 +167,7 @@ def _refuse_deepspeed_disagreements(args: Any) -> None:
     data-parallel replicas)."""
     listed = getattr(getattr(args, "hf_deepspeed_config", None), "mismatches", None) or []
     found = [line.strip().removeprefix("- ") for line in listed if "train_batch_size" not in line]
+    listed.clear()  # (transformers would raise its global-batch one, counted over every process, when training starts)
     if found:
         raise ConfigError(
             f"the DeepSpeed JSON disagrees with TrainingArguments ({'; '.join(found)}): give the same values, or "
@@ -205,7 +224,9 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
             self.args.__dict__.pop("_setup_devices", None)  # (a cached_property: set up again, with use_cpu)
             if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) == 0:
                 print("mtk: no accelerator on this machine: TrainingArguments.use_cpu set to True (gloo)")
+        idle: list[str] = []
         if self.args.deepspeed:
+            idle = _check_deepspeed_json(self.args)
             _derive_global_batch(self.args)
             if default_device().type == "cpu":
                 _deepspeed_processes_on_cpu(self.args)
@@ -217,7 +238,7 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
         with _in_trainer_module(Accelerator=_mtk_accelerator):
             super().create_accelerator_and_postprocess()  # type: ignore[misc]
         self.accelerator.settings, recompute = recompute_settings(self.args, self.accelerator.settings)
-        for line in (recompute, clipping_report(self.args, self.accelerator.settings)):
+        for line in (*idle, recompute, clipping_report(self.args, self.accelerator.settings)):
             if line:
                 self.accelerator.print(line)
         if self.model is not None:

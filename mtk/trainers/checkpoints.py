@@ -156,8 +156,8 @@ class TrainerCheckpointing:
         saved_best = (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
         if self.args.save_strategy in saved_best and self.state.best_global_step:
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-            if os.path.exists(best):
-                self.state.best_model_checkpoint = best
+            if self.state.best_global_step == self.state.global_step or os.path.exists(best):
+                self.state.best_model_checkpoint = best  # (this step's: written below, the state inside it)
         for callback in [*self.callback_handler.callbacks, self.control]:
             if isinstance(callback, ExportableState):
                 name, state = type(callback).__name__, callback.state()

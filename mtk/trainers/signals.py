@@ -9,12 +9,14 @@ continues exactly.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
+from mtk.errors import ConfigError
 from mtk.training.signals import ExitSignal
 
 __all__ = ["EvaluationStopsOnSignal", "SaveAndStopOnSignal"]
@@ -94,7 +96,8 @@ class EvaluationStopsOnSignal:
     def _evaluate(self, trial: Any, ignore_keys_for_eval: Any, skip_scheduler: bool = False) -> dict[str, float]:
         self._evaluation_stopped = False
         try:
-            return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler)  # type: ignore[misc]
+            with _metric_refusals():
+                return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler)  # type: ignore[misc]
         except _EvaluationStopped:
             assert self._signal_stop is not None
             self._evaluation_stopped = True
@@ -114,4 +117,18 @@ class EvaluationStopsOnSignal:
         and under ``save_strategy="best"`` the save the signal asks for still happens."""
         if self._evaluation_stopped:
             return bool(self.control.should_save)
-        return super()._determine_best_metric(metrics, trial)  # type: ignore[misc]
+        with _metric_refusals():
+            return super()._determine_best_metric(metrics, trial)  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def _metric_refusals() -> Iterator[None]:
+    """``metric_for_best_model`` naming no metric the evaluation returns: transformers' ``KeyError`` (raised after
+    the first evaluation, as a traceback on every rank) as one line, its own message."""
+    try:
+        yield
+    except KeyError as err:
+        message = str(err.args[0]) if err.args else ""
+        if "metric_for_best_model" not in message:
+            raise
+        raise ConfigError(message.split(". Please")[0]) from err

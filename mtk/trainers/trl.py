@@ -179,7 +179,11 @@ def _check_sft_columns(dataset: Any, which: str, config: Any, formatted: bool) -
     columns = getattr(dataset, "column_names", None)  # (an iterable dataset may not know its columns)
     if not columns or formatted:
         return
-    skipping = bool((getattr(config, "dataset_kwargs", None) or {}).get("skip_prepare_dataset"))
+    kwargs = getattr(config, "dataset_kwargs", None) or {}
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"SFTConfig.dataset_kwargs must be a JSON mapping, e.g. {{\"skip_prepare_dataset\": true}}, "
+                          f"not {str(kwargs)[:60]!r}")  # fmt: skip
+    skipping = bool(kwargs.get("skip_prepare_dataset"))
     if skipping and "input_ids" not in columns:
         raise DataError(
             f"SFTConfig.dataset_kwargs skip_prepare_dataset=True needs tokenized rows ('input_ids'), but {which} has "

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from mtk.checkpoint.integrity import read_verified
 from tests.e2e.launch import ROOT, accelerate_launch, run_command
 
@@ -140,25 +142,35 @@ def test_push_to_hub_pushes_what_transformers_pushes_without_the_runs_files(tmp_
     _one_line(offline, "push_to_hub: creating the Hub repository me/tiny failed (ConnectError: [Errno -2] Name or")
 
 
-def test_load_best_model_at_end_loads_the_best_checkpoint(tmp_path):
+@pytest.mark.parametrize(
+    "greater, strategy, best_step",
+    [("True", "steps", 1), ("False", "steps", 3), ("False", "best", 3)],
+    ids=["the first step best", "the last step best", "save_strategy best"],
+)
+def test_load_best_model_at_end_loads_the_best_checkpoint(tmp_path, greater, strategy, best_step):
     """``load_best_model_at_end``: transformers looked for ``model.safetensors`` in the best ``checkpoint-N``, which
     mtk's checkpoint does not hold, said it could not find it (advising ``save_on_each_node``, which mtk refuses)
-    and kept the last weights, which ``save_model`` wrote. The best checkpoint (here the first: the highest
-    evaluation loss counts as best) is now read back through mtk's reader, and the saved model is its weights."""
+    and kept the last weights, which ``save_model`` wrote. The best checkpoint is now read back through mtk's
+    reader, and the saved model is its weights; the step being saved can be the best (it was taken for the one
+    before: the state was written before the folder existed). The evaluation loss falls, so with
+    ``greater_is_better`` the first step is the best."""
     from safetensors.torch import load_file
 
     data = "examples/data/instructions.jsonl"
     out = tmp_path / "out"
-    best = ("--load_best_model_at_end", "True", "--metric_for_best_model", "loss", "--greater_is_better", "True")
+    best = ("--load_best_model_at_end", "True", "--metric_for_best_model", "loss", "--greater_is_better", greater)
     steps = ("--max_steps", "3", "--eval_strategy", "steps", "--eval_steps", "1", "--save_steps", "1")
-    done = _sft(out, *steps, *best, "--eval_data", data, "--per_device_eval_batch_size", "4")
+    evaluation = ("--eval_data", data, "--per_device_eval_batch_size", "4")
+    done = _sft(out, *steps, "--save_strategy", strategy, *best, *evaluation)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
-    assert state["best_model_checkpoint"] == str(out / "checkpoint-1"), state
-    assert f"mtk: loading the best model from {out / 'checkpoint-1'}" in done.stdout, done.stdout[-2000:]
+    newest = max(out.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+    state = json.loads((newest / "trainer_state.json").read_text())
+    assert state["best_model_checkpoint"] == str(out / f"checkpoint-{best_step}"), state
+    assert f"mtk: loading the best model from {out / f'checkpoint-{best_step}'}" in done.stdout, done.stdout[-2000:]
     final = load_file(out / "model.safetensors")
-    for checkpoint, equal in (("checkpoint-1", True), ("checkpoint-3", False)):
-        saved = load_file(out / checkpoint / "model" / "tp00-pp00.safetensors")
+    for checkpoint in sorted(out.glob("checkpoint-*")):
+        equal = checkpoint.name == f"checkpoint-{best_step}"
+        saved = load_file(checkpoint / "model" / "tp00-pp00.safetensors")
         common = sorted(set(final) & set(saved))
         assert len(common) == len(final), (sorted(final), sorted(saved))
         assert all(final[name].equal(saved[name]) for name in common) == equal, checkpoint

@@ -323,6 +323,9 @@ def test_sft_rows_and_template_paths_trl_cannot_read_are_one_line_before_it_read
     _check_sft_columns(text, "train_dataset", config, formatted=True)  # a formatting_func makes its own text
     _check_sft_columns(Dataset.from_dict({"body": ["a"]}), "train_dataset", config, formatted=False)
     _check_sft_columns(Dataset.from_dict({"prompt": ["a"], "completion": ["b"]}), "x", config, formatted=False)
+    config.dataset_kwargs = [1, 2]
+    with pytest.raises(ConfigError, match=r"SFTConfig.dataset_kwargs must be a JSON mapping"):
+        _check_sft_columns(text, "train_dataset", config, formatted=False)
     config.dataset_kwargs = {"skip_prepare_dataset": True}
     with pytest.raises(DataError, match=r"skip_prepare_dataset=True needs tokenized rows \('input_ids'\)"):
         _check_sft_columns(Dataset.from_dict({"body": ["a"]}), "train_dataset", config, formatted=False)
@@ -356,5 +359,39 @@ def test_a_deepspeed_json_that_disagrees_with_the_arguments_is_one_line_at_set_u
     )
     with pytest.raises(ConfigError, match=said):
         _refuse_deepspeed_disagreements(args)
-    _refuse_deepspeed_disagreements(SimpleNamespace(hf_deepspeed_config=SimpleNamespace(mismatches=listed[:1])))
+    global_batch = listed[:1]  # counted over every process by transformers, over the DP replicas by mtk
+    _refuse_deepspeed_disagreements(SimpleNamespace(hf_deepspeed_config=SimpleNamespace(mismatches=global_batch)))
+    assert global_batch == []  # (transformers raised it when training started: a valid explicit batch refused)
     _refuse_deepspeed_disagreements(SimpleNamespace(hf_deepspeed_config=None))
+
+
+def test_the_trainers_deepspeed_json_is_checked_as_the_launchers_are(tmp_path):
+    """``TrainingArguments.deepspeed`` (a file or a dict): a ZeRO stage that is not a number 0-3 (``true`` trained
+    as ZeRO-1 without a word), a key DeepSpeed does not read; a section nothing acts on is said."""
+    import json
+    from types import SimpleNamespace
+
+    from mtk.trainers.base import _check_deepspeed_json
+
+    with pytest.raises(ConfigError, match=r'TrainingArguments.deepspeed: "zero_optimization.stage" is true; write'):
+        _check_deepspeed_json(SimpleNamespace(deepspeed={"zero_optimization": {"stage": True}}))
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "zero_optimisation": {"stage": 3}}))
+    with pytest.raises(ConfigError, match="zero_optimisation"):
+        _check_deepspeed_json(SimpleNamespace(deepspeed=str(path)))
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "activation_checkpointing": {"profile": True}}))
+    said = _check_deepspeed_json(SimpleNamespace(deepspeed=str(path)))
+    assert len(said) == 1 and '"activation_checkpointing" configures deepspeed.checkpointing' in said[0]
+
+
+def test_a_metric_for_best_model_no_evaluation_returns_is_one_line():
+    """transformers' ``KeyError`` after the first evaluation (a traceback on every rank), as its own first sentence;
+    other ``KeyError``s stay bugs."""
+    from mtk.trainers.signals import _metric_refusals
+
+    said = "The `metric_for_best_model` training argument is set to 'eval_nonsense', which is not found"
+    with pytest.raises(ConfigError, match=re.escape(said)) as err, _metric_refusals():
+        raise KeyError(f"{said} in the evaluation metrics. Please ensure that the `compute_metrics` function ...")
+    assert "Please" not in str(err.value)
+    with pytest.raises(KeyError), _metric_refusals():
+        raise KeyError("input_ids")
