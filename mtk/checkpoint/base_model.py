@@ -22,12 +22,35 @@ from mtk.errors import CheckpointError
 from mtk.parallel.fsdp import counted_here, local
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.parameters import param_info
-from mtk.parallel.record import is_peft_model
+from mtk.parallel.record import adapter_configs, is_peft_model
 from mtk.parallel.state import ParallelState
 
-__all__ = ["base_record", "check_base", "checkpointed_parameters", "differs", "fingerprint"]
+__all__ = ["base_record", "check_adapter_settings", "check_base", "checkpointed_parameters", "differs", "fingerprint"]
 
 TOLERANCE = 1e-9
+
+# The settings of a PEFT LoRA config that decide what the adapters compute or which weights train. A resume with
+# another value trains another model from the resumed step on without a shape to disagree (lora_alpha 8 -> 32
+# rescales every update): mtk's scripts guard their --lora_* flags, this guards any PEFT config (the Trainer's
+# peft_config, a user's get_peft_model) against what the checkpoint records.
+_ADAPTER_SETTINGS = (
+    "r",
+    "lora_alpha",
+    "use_rslora",
+    "lora_dropout",
+    "target_modules",
+    "target_parameters",
+    "exclude_modules",
+    "layers_to_transform",
+    "layers_pattern",
+    "rank_pattern",
+    "alpha_pattern",
+    "bias",
+    "lora_bias",
+    "modules_to_save",
+    "use_dora",
+    "fan_in_fan_out",
+)
 
 
 def checkpointed_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
@@ -114,3 +137,24 @@ def check_base(directory: str, saved: dict[str, Any] | None, model: nn.Module, p
             f"({saved['fingerprint']['elements']} weights, sum {saved['fingerprint']['sum']:.9g}); this run's base "
             f"has {current['elements']} weights, sum {current['sum']:.9g}: resume on the base it was trained on"
         )
+
+
+def check_adapter_settings(directory: str, saved: dict[str, Any] | None, model: nn.Module) -> None:
+    """One line when this run's adapters differ from the ones ``directory`` recorded (their names, or a setting of
+    :data:`_ADAPTER_SETTINGS`); nothing when either side has none (:func:`check_base` says that)."""
+    if not saved or not is_peft_model(model):
+        return
+    current = adapter_configs(model)
+    if sorted(saved) != sorted(current):
+        raise CheckpointError(
+            f"{directory} holds the adapters {sorted(saved)}, this run has {sorted(current)}: resume with the same"
+        )
+    for name, record in current.items():
+        for key in _ADAPTER_SETTINGS:
+            before, now = saved[name].get(key), record.get(key)
+            if before != now:
+                raise CheckpointError(
+                    f"this run changes {key} {before!r} -> {now!r} of the adapter {name!r} from the checkpoint it "
+                    f"resumes ({directory}), which would train another model from there; resume with the "
+                    "checkpoint's LoRA settings, or start a new run from its merged weights (mtk export --merge)"
+                )

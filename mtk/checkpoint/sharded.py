@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtk.checkpoint.atomic import atomic_dir, write_synced
-from mtk.checkpoint.base_model import base_record, check_base, checkpointed_parameters
+from mtk.checkpoint.base_model import base_record, check_adapter_settings, check_base, checkpointed_parameters
 from mtk.checkpoint.counts import (
     check_learning_rates,
     check_optimizer_steps,
@@ -234,6 +234,7 @@ def load_checkpoint(
     paths = CheckpointPaths(directory)
     saved = meta.topology
     check_base(str(directory), meta.base_model, model, parallel)  # collective
+    check_adapter_settings(str(directory), meta.model.get("adapters"), model)
     # every rank loads all of the distributed optimizer's state, then keeps its own share; a rank holding experts
     # spread over EP reads its own experts (one tensor at a time, through the resharding reader)
     spread = _saves_spread_experts(model, parallel)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtk import jsonio
-from mtk.checkpoint.base_model import check_base
+from mtk.checkpoint.base_model import check_adapter_settings, check_base
 from mtk.checkpoint.counts import (
     check_engine_state,
     check_learning_rates,
@@ -322,6 +322,7 @@ def load_deepspeed_checkpoint(
     if meta.engine != "deepspeed":
         raise CheckpointError(f"{directory} was not written by the DeepSpeed engine; resume it with the same engine")
     check_base(str(directory), meta.base_model, engine.module, parallel)  # collective
+    check_adapter_settings(str(directory), meta.model.get("adapters"), engine.module)
     layout = (parallel.tp_size, parallel.pp_size, parallel.dp_size, parallel.cp_size, engine.zero_optimization_stage())
     experts = (parallel.ep_size, parallel.etp_size) == (saved.ep_size, saved.etp_size)  # DeepSpeed's groups by EP
     same = (saved.tp_size, saved.pp_size, saved.dp_size, saved.cp_size, meta.zero_stage) == layout and experts

@@ -94,6 +94,21 @@ def test_resume_from_a_lora_checkpoint_is_exact(runs):
     assert all(torch.equal(saved[0][name], saved[1][name]) for name in saved[1])
 
 
+def test_resuming_with_other_lora_settings_is_one_line(runs, chat_setup, tmp_path):
+    """``checkpoint-2`` (lora_alpha 8) resumed with ``lora_alpha=32``: the adapters have the same shapes, so it
+    trained another model from step 3 without a word (mtk's scripts guarded their flags, nothing the Trainer's
+    ``peft_config``). Each rank refuses it before loading anything, naming the setting."""
+    from tests.e2e.launch import accelerate_launch
+    from tests.e2e.test_trl import _inputs
+
+    resume = ("--resume_from_checkpoint", str(runs / "sft" / "checkpoint-2"))
+    args = ["sft", "--trainer", "mtk", *_inputs(chat_setup), "--output_dir", str(tmp_path / "out"), *LORA, *resume]
+    launch = accelerate_launch("tests/e2e/trl_script.py", "tp2", *args, "--lora_alpha", "32", check=False)
+    assert launch.returncode != 0 and "Traceback" not in launch.stderr.split("ChildFailedError")[0], launch.stderr
+    said = "this run changes lora_alpha 8 -> 32.0 of the adapter 'default' from the checkpoint it resumes"
+    assert said in launch.stderr, launch.stderr[-3000:]
+
+
 def test_a_peft_model_is_refused_in_one_line(chat_setup, tmp_path):
     """A ``PeftModel`` wraps layers mtk has not converted: refused before TRL loads or prepares anything."""
     from peft import LoraConfig, get_peft_model

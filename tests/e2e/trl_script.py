@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--max_steps", type=int, default=4)
     parser.add_argument("--packing", action="store_true")
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--lora_alpha", type=float, default=8, help="with --lora")
     parser.add_argument("--dropout", action="store_true", help="DPOConfig(disable_dropout=False)")
     parser.add_argument("--examples", type=int, default=48)
     parser.add_argument("--save_steps", type=int, help="write checkpoint-N every N steps (default: none)")
@@ -81,7 +82,7 @@ def main() -> None:
     if args.lora:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+        peft_config = LoraConfig(r=4, lora_alpha=args.lora_alpha, target_modules=["q_proj", "v_proj", "up_proj"])
     if args.task == "sft":
         train = Dataset.from_list([{"messages": c} for c in chats(args.data)[: args.examples]])
         evaluation = Dataset.from_list([{"messages": c} for c in chats(args.eval_data)[:12]])

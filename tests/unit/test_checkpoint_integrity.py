@@ -1497,3 +1497,30 @@ def test_base_lrs_beside_groups_without_their_initial_lr_are_refused(tmp_path, t
     _rewrite_metadata(directory, lambda meta: meta["files"].update(records))
     with pytest.raises(CheckpointError, match=r"base learning rates \[0.03\] are not the \[None\]"):
         load_checkpoint(directory, parallel, model, [optimizer], [scheduler])
+
+
+def test_adapter_settings_that_differ_from_the_checkpoints_are_one_line():
+    """Any PEFT config (the Trainer's ``peft_config``, a user's ``get_peft_model``), not only mtk's scripts'
+    ``--lora_*`` flags: a setting that changes what the adapters compute, or other adapter names, is refused."""
+    from peft import LoraConfig, get_peft_model
+
+    from mtk.checkpoint.base_model import check_adapter_settings
+    from mtk.models import build_model
+    from mtk.parallel.record import adapter_configs
+
+    model = get_peft_model(build_model("tiny-llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    saved = adapter_configs(model)
+    check_adapter_settings("ckpt", saved, model)
+    check_adapter_settings("ckpt", None, model)  # (a full model's checkpoint: check_base says so)
+    model.peft_config["default"].lora_alpha = 32
+    with pytest.raises(CheckpointError, match=r"changes lora_alpha 8 -> 32 of the adapter 'default' from the check"):
+        check_adapter_settings("ckpt", saved, model)
+    model.peft_config["default"].lora_alpha = 8
+    model.peft_config["default"].use_rslora = True
+    with pytest.raises(CheckpointError, match=r"changes use_rslora False -> True"):
+        check_adapter_settings("ckpt", saved, model)
+    model.peft_config["default"].use_rslora = False
+    model.peft_config["default"].inference_mode = True  # (not a training setting)
+    check_adapter_settings("ckpt", saved, model)
+    with pytest.raises(CheckpointError, match=r"holds the adapters \['other'\], this run has \['default'\]"):
+        check_adapter_settings("ckpt", {"other": saved["default"]}, model)
