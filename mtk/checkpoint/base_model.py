@@ -42,6 +42,7 @@ _ADAPTER_SETTINGS = (
     "target_parameters",
     "exclude_modules",
     "layers_to_transform",
+    "layer_replication",
     "layers_pattern",
     "rank_pattern",
     "alpha_pattern",

@@ -272,8 +272,10 @@ class ResumeGuard:
     absent_from_older_checkpoints = True
     # the scripts' options that decide which data comes next
     DATA_OPTIONS = ("model", "tokenizer", "data", "seq_len", "max_length", "seed", "packing", "loss_on")
-    # the options that decide what the trained adapters are
-    MODEL_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_target_parameters", "base_dtype")
+    # the options that decide what the trained model is (the adapters' settings are compared as PEFT configs, on
+    # every path: mtk.checkpoint.base_model.check_adapter_settings; --lora_* flags compared as typed refused the
+    # same adapters written another way, --lora_targets v_proj,q_proj against q_proj,v_proj)
+    MODEL_OPTIONS = ("base_dtype",)
     _PATHS = ("model", "tokenizer", "data")
     _CONTENTS = "data_contents"  # not an option: the digest of --data's files
     _MODEL_CONFIG = "model_config"  # not an option: --model's config.json as it was (a directory's, or the file)

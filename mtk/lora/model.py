@@ -90,7 +90,13 @@ def _resolve_targets(model: nn.Module, config: Any, report) -> Any:
     valid = f"the tensor-parallel linears are {', '.join(suffixes)} (or all-linear)"
     record = parallelized(model)
     stage = record.stage if record else None
-    matched = [(n, m) for n, m in model.named_modules() if n and check_target_module_exists(config, n) is True]
+    if getattr(config, "layer_replication", None):
+        raise ConfigError(
+            "LoRA layer_replication is not supported by mtk: PEFT copies decoder layers that share their base "
+            "weights, which tensor-parallel layers cannot be copied as (nor merged exports hold); leave it unset"
+        )
+    # (PEFT answers True for a list's match and an re.Match for a regular expression's)
+    matched = [(n, m) for n, m in model.named_modules() if n and check_target_module_exists(config, n)]
     if not matched:
         where = f" on pipeline stage {stage.stage}" if stage else ""
         raise ConfigError(f"LoRA targets {shown} match no module{where}; {valid}")

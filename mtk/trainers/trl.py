@@ -321,3 +321,9 @@ def _check_dpo_pipeline(trainer: Any) -> None:
             "a MoE router loss (output_router_logits) with DPO at pp > 1: the pipeline backpropagates the "
             "log-probabilities' part of the loss only; use pp = 1"
         )
+    if trainer._peft_config is not None:  # (TRL's reference pass calls the PEFT model itself: one stage, no pipeline)
+        raise ConfigError(
+            "DPOTrainer with peft_config at pp > 1: TRL computes the reference by calling the adapters' model with "
+            "them disabled, outside the pipeline, which mtk has not wired yet; use pp = 1 (TP and DP work), or "
+            "train without peft_config"
+        )

@@ -317,6 +317,15 @@ def _bad_target_messages(rank: int, world_size: int) -> list[str]:
             messages.append("accepted")
         except ConfigError as err:
             messages.append(str(err))
+    for targets, extra in [
+        (r".*\.(q_proj|v_proj)", {}),  # PEFT's regular expression (an re.Match, not True): the same as the list
+        (["q_proj"], {"layer_replication": [[0, 1], [0, 1]]}),  # PEFT copies layers sharing their base weights
+    ]:
+        try:
+            get_peft_model(parallelize(build_model("tiny-llama", seed=0), state), _config(targets, **extra))
+            messages.append("accepted")
+        except ConfigError as err:
+            messages.append(str(err))
     return messages
 
 
@@ -330,6 +339,8 @@ def test_bad_targets_are_one_line_each():
     assert messages[5] == "accepted"  # whole factors, each rank its slice (tests/distributed/test_expert_parallel.py)
     assert "modules_to_save lm_head: lm_head is a tensor-parallel" in messages[6], messages[6]
     assert "target_parameters mlp.experts.gate_proj match no parameter" in messages[7], messages[7]
+    assert messages[8] == "accepted", messages[8]
+    assert "LoRA layer_replication is not supported by mtk" in messages[9], messages[9]
     assert all("\n" not in m for m in messages)
 
 

@@ -828,9 +828,10 @@ def test_storage_errors_of_any_library_are_one_line_and_keep_older_checkpoints(
 
 
 def test_a_resume_must_keep_the_options_that_decide_the_data_and_the_adapters(tmp_path):
-    """--lora_alpha (or any --lora_* option) changed on resume is refused like a changed --seq_len, and so are
-    --tokenizer and classify.py's --max_length; a model path written another way (``dir/``, ``./dir``) is the same
-    model."""
+    """An option the guard holds changed on resume is refused like a changed --seq_len (--tokenizer, classify.py's
+    --max_length); a model path written another way (``dir/``, ``./dir``) is the same model. The scripts' --lora_*
+    flags are no longer held as typed (``v_proj,q_proj`` is ``q_proj,v_proj``): the adapters' PEFT configs are
+    compared on every path (test_adapter_settings_that_differ_from_the_checkpoints_are_one_line)."""
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     saved = ResumeGuard(model=f"{model_dir}/", seq_len=128, lora_r=8, lora_alpha=16.0).state_dict()

@@ -395,3 +395,17 @@ def test_a_metric_for_best_model_no_evaluation_returns_is_one_line():
     assert "Please" not in str(err.value)
     with pytest.raises(KeyError), _metric_refusals():
         raise KeyError("input_ids")
+
+
+def test_dpo_with_peft_config_at_pp_above_1_is_one_line():
+    """TRL's reference pass calls the adapters' model itself with them disabled, outside mtk's pipeline: every
+    worker failed in TRL's forward ('OnOtherStage' has no weight). Refused once the trainer is built."""
+    from types import SimpleNamespace
+
+    from mtk.trainers.trl import _check_dpo_pipeline
+
+    trainer = SimpleNamespace(args=SimpleNamespace(disable_dropout=True), aux_loss_enabled=False, _peft_config=None)
+    _check_dpo_pipeline(trainer)
+    trainer._peft_config = object()
+    with pytest.raises(ConfigError, match=r"DPOTrainer with peft_config at pp > 1: .* use pp = 1 \(TP and DP work\)"):
+        _check_dpo_pipeline(trainer)
