@@ -11,6 +11,7 @@ when the counts are equal and the sums agree to 1e-9 of their scale (the order o
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -150,12 +151,25 @@ def check_adapter_settings(directory: str, saved: dict[str, Any] | None, model: 
         raise CheckpointError(
             f"{directory} holds the adapters {sorted(saved)}, this run has {sorted(current)}: resume with the same"
         )
+    names = [name for name, _ in cast(Any, model).get_base_model().named_modules()]
     for name, record in current.items():
         for key in _ADAPTER_SETTINGS:
             before, now = saved[name].get(key), record.get(key)
+            if key == "target_modules" and _selected(before, names) == _selected(now, names):
+                continue  # the same modules named another way (a regular expression, a list)
             if before != now:
                 raise CheckpointError(
                     f"this run changes {key} {before!r} -> {now!r} of the adapter {name!r} from the checkpoint it "
                     f"resumes ({directory}), which would train another model from there; resume with the "
                     "checkpoint's LoRA settings, or start a new run from its merged weights (mtk export --merge)"
                 )
+
+
+def _selected(targets: Any, names: list[str]) -> set[str] | None:
+    """The module names ``target_modules`` selects, as PEFT matches them (a string: a regular expression of the
+    whole name; a list: names or name suffixes); ``None`` for another kind of value."""
+    if isinstance(targets, str):
+        return {name for name in names if re.fullmatch(targets, name)}
+    if isinstance(targets, list):
+        return {name for name in names if name in targets or any(name.endswith(f".{t}") for t in targets)}
+    return None

@@ -1525,3 +1525,8 @@ def test_adapter_settings_that_differ_from_the_checkpoints_are_one_line():
     check_adapter_settings("ckpt", saved, model)
     with pytest.raises(CheckpointError, match=r"holds the adapters \['other'\], this run has \['default'\]"):
         check_adapter_settings("ckpt", {"other": saved["default"]}, model)
+    model.peft_config["default"].target_modules = r".*\.q_proj"  # the same modules, named by PEFT's regex
+    check_adapter_settings("ckpt", saved, model)
+    model.peft_config["default"].target_modules = r".*\.(q_proj|v_proj)"  # more modules
+    with pytest.raises(CheckpointError, match=r"changes target_modules \['q_proj'\] -> "):
+        check_adapter_settings("ckpt", saved, model)
