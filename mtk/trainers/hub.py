@@ -94,7 +94,10 @@ class TrainerHub:
 
     def push_to_hub(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' (``save_model`` into the output directory on every rank, the upload on the main process),
-        without the run's files; one line if the upload fails (the saved model stays in the output directory)."""
+        without the run's files; one line if the upload fails (the saved model stays in the output directory).
+        The checkpoints' background pushes are waited for first (as transformers does next), so a last one that
+        failed is said too."""
+        cast(Any, self)._finish_current_push()
         self._say_failed_pushes()
         hint = f"the model is saved in {self.args.output_dir}: upload it later (hf upload REPO {self.args.output_dir})"
         with _reaching_the_hub(f"uploading {self.args.output_dir}", hint):
