@@ -109,9 +109,19 @@ def library_refusals() -> Iterator[None]:
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         message = lines[0] if lines else type(err).__name__
         hint = next((hint for start, hint in _HINTS.items() if message.startswith(start)), None)
+        if isinstance(err, OSError) and hint is None and err.errno is not None:
+            hint = _PATH_HINTS.get(err.errno)
         if isinstance(err, TypeError) and "required" in message:
             hint = "give it in lr_scheduler_kwargs (a JSON mapping), or optim_args for the optimizer"
         raise ConfigError(f"{message.rstrip('.')}; {hint}" if hint else message) from err
+
+
+# what to do about a path given that is not what the setting takes (a library's OSError names only the path)
+_PATH_HINTS = {
+    errno.EISDIR: "a folder was given where a file is wanted: give the file's path",
+    errno.ENOENT: "check the path (relative paths are read from the folder the run starts in)",
+    errno.ENOTDIR: "a part of the path is a file, not a folder: check the path",
+}
 
 
 # what a file system says of a name it cannot use, whichever path the user gave (Python's Path.is_file() and

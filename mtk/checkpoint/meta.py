@@ -93,6 +93,8 @@ def _check_types(values: dict[str, Any]) -> None:
     iterations = data.get("dataloader_iterations", [])
     if not isinstance(iterations, list) or not all(_is_count(i) for i in iterations):
         raise TypeError(f"data.dataloader_iterations {iterations!r} is not a list of counts (one per DataLoader)")
+    if not isinstance(data.get("stream", {}), dict):
+        raise TypeError(f"data.stream {data['stream']!r} is not a JSON object (what identifies the training rows)")
     counts = values.get("counts", {})
     for key in ("optimizer_steps", "fewest_optimizer_steps"):
         steps = counts.get(key)

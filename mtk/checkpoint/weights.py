@@ -68,6 +68,12 @@ def save_weights(model: nn.Module, path: Path, piece: Piece | None = None, *, la
     save_file(tensors, str(path), metadata={"mtk_specs": json.dumps(specs), **({KEY: label} if label else {})})
 
 
+OTHER_SHAPES = (
+    "the checkpoint was written for a model of other shapes (another --model, number of labels or LoRA rank): "
+    "resume it with the model and settings it was written with"
+)
+
+
 def load_weights(model: nn.Module, path: Path) -> None:
     """This rank's shard file at the layout it was saved at, each tensor as is. The file's own record of which part
     of each tensor it holds (``mtk_specs``) must be this rank's: TP ranks' files of one tensor have the same shape,
@@ -82,7 +88,8 @@ def load_weights(model: nn.Module, path: Path) -> None:
         for name, param in params.items():
             if tensors[name].shape != param.shape:
                 raise CheckpointError(
-                    f"{path}: {name} has shape {tuple(tensors[name].shape)}, model has {tuple(param.shape)}"
+                    f"{path}: {name} has shape {tuple(tensors[name].shape)}, model has {tuple(param.shape)}; "
+                    f"{OTHER_SHAPES}"
                 )
             _check_dtype(f"{path}: {name}", tensors[name], param)
             if recorded is not None:
@@ -178,10 +185,14 @@ def reshard_weights(model: nn.Module, reader) -> None:
             if layout is not None:  # this EP rank's experts: [E, ...] -> [E/ep, ...], then its TP shard
                 whole = reader.full_shapes.get(source)
                 if whole is not None and tuple(whole) != tuple(shape):
-                    raise CheckpointError(f"{name}: checkpoint has shape {tuple(whole)}, this model {tuple(shape)}")
+                    raise CheckpointError(
+                        f"{name}: checkpoint has shape {tuple(whole)}, this model {tuple(shape)}; {OTHER_SHAPES}"
+                    )
                 shape = layout.own_shape(tuple(shape))
             full = own_part(model, name, reader.full(source, rows=rows), rows)
             if tuple(full.shape) != tuple(shape):
-                raise CheckpointError(f"{name}: checkpoint has shape {tuple(full.shape)}, this model {tuple(shape)}")
+                raise CheckpointError(
+                    f"{name}: checkpoint has shape {tuple(full.shape)}, this model {tuple(shape)}; {OTHER_SHAPES}"
+                )
             _check_dtype(f"{reader.directory}: {name}", full, param)
             copy_into(param, take_shard(spec, shape, full.__getitem__))

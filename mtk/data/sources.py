@@ -17,7 +17,7 @@ from mtk import jsonio
 from mtk.data.json_depth import check_json_depth
 from mtk.errors import DataError
 
-__all__ = ["COMPRESSIONS", "FORMATS", "data_fingerprint", "load_data"]
+__all__ = ["COMPRESSIONS", "FORMATS", "data_fingerprint", "load_data", "rows_digest"]
 
 # file suffix -> the ``datasets`` builder that reads it
 FORMATS = {
@@ -112,12 +112,47 @@ def data_fingerprint(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def rows_digest(dataset: Dataset) -> str:
+    """SHA-256 of a dataset's rows as a trainer reads them (after its tokenizing, truncating and packing), in
+    their order: Arrow IPC batches of the rows (an index mapping of ``select``/``shuffle`` applied), so the same
+    rows give the same digest on every rank and machine, and other data or other preprocessing settings another.
+    Linear in the data's size (hundreds of MB a second), computed once a run."""
+    digest = hashlib.sha256()
+    for table in dataset.with_format("arrow").iter(batch_size=8192):  # pa.Table of up to 8192 rows
+        # (chunks and schema metadata differ with how the rows are stored: one chunk of the values alone)
+        batch = table.replace_schema_metadata(None).combine_chunks()
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, batch.schema) as writer:
+            writer.write_table(batch)
+        digest.update(sink.getvalue())
+    return digest.hexdigest()
+
+
 def _root_cause(err: BaseException) -> str:
     root = err
     while root.__cause__ is not None or root.__context__ is not None:  # the parser's own message
         root = root.__cause__ or root.__context__  # type: ignore[assignment]
     text = str(root).strip()
     return text.splitlines()[0] if text else type(root).__name__
+
+
+def _which_file(kind: str | None, files: list[Path], err: BaseException) -> str:
+    """Why a folder's files could not be read together, naming the file: the first that cannot be read alone, or
+    the first whose columns differ from the first file's (datasets reads a folder as one table and says only
+    "Couldn't cast")."""
+    first: tuple[Path, dict[str, str]] | None = None
+    for file in files:
+        try:
+            with _quiet_datasets():
+                part = load_dataset(kind, data_files=[str(file)], split="train")
+        except Exception as own:
+            return f"{file.name}: {_root_cause(own)}"
+        columns = {name: str(feature) for name, feature in part.features.items()}
+        if first is None:
+            first = (file, columns)
+        elif columns != first[1]:
+            return f"{file.name} has columns {columns}, {first[0].name} has {first[1]}: give files of one schema"
+    return _root_cause(err)
 
 
 def load_data(path: str | Path, option: str = "--data") -> Dataset:
@@ -153,8 +188,9 @@ def load_data(path: str | Path, option: str = "--data") -> Dataset:
             with _quiet_datasets():
                 dataset = load_dataset(kind, data_files=[str(p) for p in files], split="train")
         except Exception as err:  # datasets' own errors (malformed JSON, ...), as one line
+            cause = _root_cause(err) if len(files) == 1 else _which_file(kind, files, err)
             raise DataError(
-                f"{option} {path} could not be read as {kind} ({_root_cause(err)}); check the file's format"
+                f"{option} {path} could not be read as {kind} ({cause}); check the file's format"
             ) from None
     if len(dataset) == 0:
         raise DataError(f"{option} {path} has no rows")

@@ -87,7 +87,7 @@ def _resolve_targets(model: nn.Module, config: Any, report) -> Any:
         report(f"mtk: LoRA all-linear = the tensor-parallel linears {', '.join(suffixes)}{left_out}")
     targets = [] if isinstance(config.target_modules, str) else sorted(config.target_modules)
     shown = config.target_modules if isinstance(config.target_modules, str) else ",".join(targets)
-    valid = f"the tensor-parallel linears are {', '.join(suffixes)} (or all-linear)"
+    valid = f"LoRA adapts the tensor-parallel linears {', '.join(suffixes)} (or all-linear)"
     record = parallelized(model)
     stage = record.stage if record else None
     if getattr(config, "layer_replication", None):
@@ -104,13 +104,15 @@ def _resolve_targets(model: nn.Module, config: Any, report) -> Any:
     for name, module in matched:
         if _linear_kind(module) == "split" and module is not head:
             continue
+        train_whole = ""
         if module is head:
             what = "the vocabulary-parallel output head"
         elif _linear_kind(module) == "whole":
             what = f"a {type(module).__name__} mtk keeps whole (replicated over TP)"
+            train_whole = "; to train it, name it in a PEFT config's modules_to_save instead"
         else:
             what = f"a {type(module).__name__}, not a linear layer"
-        raise ConfigError(f"LoRA target {name} is {what}; target {valid}, and train it with modules_to_save instead")
+        raise ConfigError(f"LoRA target {name} is {what}: leave it out of the targets; {valid}{train_whole}")
     names = [n for n, _ in matched]
     unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
     if unmatched and stage is None:  # with pp > 1 a target may live on another stage

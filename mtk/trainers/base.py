@@ -349,6 +349,7 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
             self.args.output_dir, resume_from_checkpoint, main_process=self.accelerator.is_main_process
         )
         self.accelerator.checkpoint_tokenizer = self._saveable_tokenizer()
+        self._record_data_stream(resume_from_checkpoint)  # (a resume on other rows is one line)
         skipping, sorting = self.accelerator.skip_first_batches, written_checkpoints
         with (
             _saving_on_signals(self) as stop,

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import datasets
 import transformers.trainer as hf_trainer
 from tqdm.auto import tqdm
 from transformers.trainer_callback import ExportableState
@@ -21,6 +22,7 @@ from mtk.checkpoint.lock import lock_output_dir
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.resume import check_output_place, on_main_process
 from mtk.checkpoint.rng import rng_state, set_rng_state
+from mtk.data.sources import rows_digest
 from mtk.errors import CheckpointError, ConfigError
 from mtk.integrations.accelerate import Accelerator
 from mtk.integrations.accelerate.save import save_pretrained
@@ -139,6 +141,7 @@ class TrainerCheckpointing:
     control: Any
     callback_handler: Any
     processing_class: Any
+    train_dataset: Any
     hp_search_backend: Any
     _resumed_rng: dict[str, Any] | None = None
 
@@ -174,6 +177,50 @@ class TrainerCheckpointing:
 
     def _write_trainer_state(self, directory: Path) -> None:
         self.state.save_to_json(str(directory / hf_trainer.TRAINER_STATE_NAME))
+
+    def _record_data_stream(self, checkpoint: str | None) -> None:
+        """Record in each checkpoint what decides the rows its data position counts through, and check a resumed
+        run's against it: the training rows as the trainer reads them (after its tokenizing, truncating and
+        packing: :func:`~mtk.data.sources.rows_digest`) and the settings of their order. The Trainer resumes by
+        skipping the checkpoint's number of batches of whatever data this run has: other data, another
+        ``max_length`` or ``packing``, another seed would skip other rows and train on a stream the checkpoint never
+        saw, without a word. ``ignore_data_skip`` (start the data from its beginning) is the way to resume on
+        other data. A dataset that is not a ``datasets.Dataset`` (an iterable one, a torch one) records nothing."""
+        dataset, args = self.train_dataset, self.args
+        if not isinstance(dataset, datasets.Dataset) or (checkpoint is None and args.save_strategy == "no"):
+            return
+        stream = {
+            "rows": len(dataset),
+            "digest": rows_digest(dataset),
+            "order_seed": args.data_seed if args.data_seed is not None else args.seed,
+            "train_sampling_strategy": str(args.train_sampling_strategy),
+            "dataloader_drop_last": args.dataloader_drop_last,
+        }
+        self.accelerator.data_stream = stream
+        recorded = read_verified(checkpoint).data.get("stream") if checkpoint is not None else None
+        if recorded is None or args.ignore_data_skip:  # (a checkpoint from before mtk recorded it: unchecked)
+            return
+        advice = (
+            "resume with the data and settings it was trained with, or set ignore_data_skip to train this run's data "
+            "from its start"
+        )
+        if (recorded.get("rows"), recorded.get("digest")) != (stream["rows"], stream["digest"]):
+            raise CheckpointError(
+                f"this run's training rows ({stream['rows']}) are not those of the checkpoint it resumes "
+                f"({checkpoint}: {recorded.get('rows')}), after the trainer's preprocessing (other data, or another "
+                f"max_length, packing, template, ...): its data position would skip other rows; {advice}"
+            )
+        shown = {"order_seed": "the data order's seed (data_seed, else seed)"}
+        changed = [
+            f"{shown.get(key, key)} {recorded[key]} -> {new}"
+            for key, new in stream.items()
+            if recorded.get(key, new) != new
+        ]
+        if changed:
+            raise CheckpointError(
+                f"this run changes {', '.join(changed)} of the checkpoint it resumes ({checkpoint}), which decide "
+                f"the order of the rows its data position counts through; {advice}"
+            )
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """Checked now (one line if it is not a complete mtk checkpoint); loaded once the model is prepared."""

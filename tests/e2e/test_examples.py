@@ -153,7 +153,7 @@ def test_trl_examples_run_as_documented_and_save_a_model(tmp_path, script, confi
         (["--weight_decay=nan"], "TrainingArguments.weight_decay=nan: must be a finite number"),
         (["--output_dir", "{file}"], "is an existing file: checkpoints and the model are saved into a folder"),
         (["--lr_scheduler_type", "warmup_stable_decay"], "missing 1 required positional argument: 'num_decay_steps'"),
-        (["--deepspeed", "{folder}"], "[Errno 21] Is a directory: '{folder}'"),
+        (["--deepspeed", "{folder}"], "Is a directory: '{folder}'; a folder was given where a file is wanted"),
         (["--data", "{broken}"], "could not be read as json (Trailing data"),
         (["--eval_on_start", "True"], "eval_on_start needs an eval_dataset"),
     ],

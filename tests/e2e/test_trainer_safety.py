@@ -66,6 +66,22 @@ def test_a_trainer_run_keeps_what_was_in_its_output_dir(llama_tp1, tmp_path):
     _one_line(mistaken, f"not a checkpoint-N the Trainer wrote (its newest checkpoint is {run / 'checkpoint-4'})")
 
 
+def test_a_resume_on_other_training_rows_is_one_line_unless_the_data_skip_is_ignored(tmp_path):
+    """The Trainer resumes by skipping the checkpoint's number of batches of whatever data the run has: rows
+    truncated at another ``max_length`` (the same file) or another order's seed would skip other rows, unsaid.
+    Each is one line naming what changed; ``ignore_data_skip`` (the data from its start) resumes on them."""
+    run = tmp_path / "run"
+    assert _sft(run, "--max_steps", "2", "--save_steps", "2").returncode == 0
+    resume = ("--max_steps", "3", "--resume_from_checkpoint", "True")
+    _one_line(_sft(run, *resume, "--max_length", "12"), "are not those of the checkpoint it resumes")
+    reordered = _sft(run, *resume, "--data_seed", "7")
+    _one_line(reordered, "this run changes the data order's seed (data_seed, else seed) 42 -> 7 of the checkpoint")
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2"]
+    other = _sft(run, *resume, "--max_length", "12", "--ignore_data_skip", "True")
+    assert other.returncode == 0 and (run / "checkpoint-3").is_dir(), other.stderr[-2000:]
+    assert read_verified(run / "checkpoint-3").data["stream"]["order_seed"] == 42
+
+
 def test_sigterm_saves_a_trainer_run_at_the_next_step_and_ends_it(tmp_path):
     """SIGTERM (a scheduler's preemption) to a running sft.py: ``checkpoint-N`` of the step it reached, complete,
     one line saying so, status 0 (before, the process died at once: status 143, no line, the steps since the last

@@ -129,6 +129,20 @@ def test_local_sources_folder_parquet_and_save_to_disk(tmp_path, capsys):
     assert "Failed to load JSON" not in capsys.readouterr().err, "datasets' own ERROR line is not repeated"
 
 
+def test_a_folder_that_cannot_be_read_names_the_file(tmp_path):
+    """datasets reads a folder as one table and says only "Couldn't cast" of files whose columns differ: the line
+    names the file that differs from the first, or the one that cannot be read alone."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(json.dumps({"text": TEXTS[0]}) + "\n")
+    (folder / "b.jsonl").write_text(json.dumps({"text": 5, "label": 1}) + "\n")
+    with pytest.raises(DataError, match="b.jsonl has columns .*'label'.*, a.jsonl has .*give files of one schema"):
+        load_data(folder)
+    (folder / "b.jsonl").write_text('{"text": "fine"}\n{broken\n')
+    with pytest.raises(DataError, match=r"could not be read as json \(b.jsonl: "):
+        load_data(folder)
+
+
 def test_bytes_that_are_not_utf8_are_one_line_naming_the_row(tmp_path):
     for name, data in (("bad.jsonl", b'{"text": "ok"}\n{"text": "\xff"}\n'), ("bad.txt", b"ok\n\xff\xfe\n")):
         (tmp_path / name).write_bytes(data)

@@ -176,3 +176,15 @@ def test_a_keyword_a_setting_passes_on_is_one_line_and_other_type_errors_are_bug
         schedule(1, **{"warmup": 3})  # type: ignore[misc]
     with pytest.raises(TypeError), library_refusals():
         len(5)  # type: ignore[arg-type]
+
+
+def test_a_path_that_is_not_what_a_setting_takes_says_what_to_do(tmp_path):
+    """A library opening a folder given for a file (``--deepspeed DIR``), or a path that is not there, names only
+    the path: the line adds what to do about it."""
+    from mtk.errors import ConfigError, library_refusals
+
+    with pytest.raises(ConfigError, match="Is a directory.*a folder was given where a file is wanted"):
+        with library_refusals():
+            open(tmp_path)
+    with pytest.raises(ConfigError, match="No such file or directory.*check the path"), library_refusals():
+        open(tmp_path / "absent.json")

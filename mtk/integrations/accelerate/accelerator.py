@@ -202,6 +202,9 @@ class Accelerator(
         self.micro_batches_seen = 0  # micro-batches each replica has consumed
         self.completed_steps = 0  # optimizer steps
         self.checkpoint_tokenizer = None  # saved into <checkpoint>/tokenizer, so `mtk export` ships it
+        # What identifies the rows the data position counts through (a trainer's: its data's digest, the order's
+        # seed), recorded in each checkpoint's data position; None: nothing recorded.
+        self.data_stream: dict[str, Any] | None = None
         # What a pipelined model backpropagates per batch, times its loss: None is accelerate's 1 / accumulation
         # steps; a trainer that scales the loss itself (transformers' Trainer: token counts, DP size) sets it.
         self.pipeline_loss_factor: float | None = None

@@ -54,6 +54,7 @@ class ShardedCheckpointing(_Host):
     micro_batches_seen: int
     completed_steps: int
     checkpoint_tokenizer: Any
+    data_stream: dict[str, Any] | None
     _deepspeed_engine: Any
 
     def _checkpoint_parts(self):
@@ -93,6 +94,7 @@ class ShardedCheckpointing(_Host):
             **data_position(self.micro_batches_seen, self._samples_per_micro_batch()),
             "accelerate_step": self.step,
             "dataloader_iterations": [getattr(dl, "iteration", 0) for dl in self._dataloaders],
+            **({"stream": self.data_stream} if self.data_stream is not None else {}),
         }
         writers = [
             *([self._write_tokenizer] if self.checkpoint_tokenizer is not None else []),
