@@ -10,6 +10,7 @@ mtk's scripts do) and ends the run with a line saying how to continue.
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,8 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from mtk.checkpoint.integrity import read_verified
+from mtk.checkpoint.integrity import file_checksum, read_verified
 from tests.e2e.launch import ROOT, accelerate_launch, run_command
 
 SFT = [sys.executable, "examples/sft.py"]
@@ -77,8 +79,18 @@ def test_a_resume_on_other_training_rows_is_one_line_unless_the_data_skip_is_ign
     reordered = _sft(run, *resume, "--data_seed", "7")
     _one_line(reordered, "this run changes the data order's seed (data_seed, else seed) 42 -> 7 of the checkpoint")
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2"]
-    other = _sft(run, *resume, "--max_length", "12", "--ignore_data_skip", "True")
+    crafted = tmp_path / "crafted" / "checkpoint-2"  # the Trainer's scheduler (not prepared: a registered object)
+    shutil.copytree(run / "checkpoint-2", crafted)
+    scheduler = crafted / "custom_checkpoint_0.pt"
+    torch.save({**torch.load(scheduler, weights_only=True), "last_epoch": -7, "_step_count": -6}, scheduler)
+    meta = json.loads((crafted / "metadata.json").read_text())
+    meta["files"][scheduler.name] = {"bytes": scheduler.stat().st_size, "xxh3_128": file_checksum(scheduler)}
+    (crafted / "metadata.json").write_text(json.dumps(meta))
+    _one_line(_sft(tmp_path / "other", "--resume_from_checkpoint", str(crafted)), "'last_epoch' is -7")
+
+    other = _sft(run, *resume, "--max_length", "12", "--ignore_data_skip", "True", "--learning_rate", "5e-4")
     assert other.returncode == 0 and (run / "checkpoint-3").is_dir(), other.stderr[-2000:]
+    assert "mtk: the checkpoint's learning rate [0.001, 0.001] is restored over this run's [0.0005" in other.stdout
     assert read_verified(run / "checkpoint-3").data["stream"]["order_seed"] == 42
 
 

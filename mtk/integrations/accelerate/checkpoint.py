@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mtk.checkpoint.optimizer_checks import check_scheduler_state
 from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.checkpoint.resume import data_position, rescaled_position
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
@@ -192,7 +193,10 @@ class ShardedCheckpointing(_Host):
                     f"register_for_checkpointing than this run registers ({len(self._custom_objects)})"
                 )
             with reading(path):
-                obj.load_state_dict(torch.load(path, weights_only=True))
+                saved = torch.load(path, weights_only=True)
+                if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):  # (the Trainer's: it is not prepared)
+                    check_scheduler_state(obj.state_dict(), saved, obj.optimizer)
+                obj.load_state_dict(saved)
 
     def _rescale_schedulers(self, saved_dp: int) -> None:
         """Prepared schedulers step once per DP replica per optimizer step: after a DP change their
