@@ -36,11 +36,13 @@ from mtk.args import (
     add_safety_arguments,
     collective_timeout,
     directory,
+    non_negative_int,
     positive_float,
     positive_int,
     seed,
 )
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
+from mtk.config import RunSettings
 from mtk.data import ByteTokenizer, add_tokenizer_argument, load_data, pad_id_of, tokenizer_for
 from mtk.errors import DataError
 from mtk.integrations.accelerate.save import check_no_shards_to_clean
@@ -62,7 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--eval_data", help="evaluation rows (default: a fifth of --data, held out)")
     parser.add_argument("--max_steps", type=positive_int, default=200)
-    parser.add_argument("--save_every", type=positive_int, default=50)
+    parser.add_argument(
+        "--save_every", type=non_negative_int, default=50, help="save_state every N steps (0: only at the end)"
+    )
     parser.add_argument("--output_dir", type=directory, default="ckpts/classify")
     add_resume_arguments(parser, example="ckpts/classify/step_150")
     parser.add_argument("--seed", type=seed, default=0)
@@ -70,7 +74,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch_size", type=positive_int, default=16)
     parser.add_argument("--grad_accum", type=positive_int, default=1)
     parser.add_argument("--max_length", type=positive_int, default=64)
-    parser.add_argument("--max_grad_norm", type=positive_float, default=1.0)
+    parser.add_argument(
+        "--max_grad_norm",
+        type=positive_float,
+        help="default: megatron_lm_gradient_clipping, else a DeepSpeed config's gradient_clipping, else 1.0",
+    )
     add_safety_arguments(parser)
     return parser.parse_args(argv)
 
@@ -168,6 +176,7 @@ def main(argv=None) -> None:
         # shuffle order as a function of (seed, epoch): resume is exact whatever else used the RNGs
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=collective_timeout(args))],
+        run_settings=RunSettings.from_env(gradient_clipping=args.max_grad_norm),  # (DeepSpeed clips by it too)
     )
     set_seed(args.seed)
     tokenizer = tokenizer_for(args.model, args.tokenizer, resolve_config(args.model).vocab_size)
@@ -222,6 +231,7 @@ def main(argv=None) -> None:
         accelerator.print(f"mtk: {resume} is at step {step}, --max_steps is {args.max_steps}: nothing left to do")
         accelerator.end_training()
         return
+    max_grad_norm = accelerator.settings.gradient_clipping or 1.0
     exit_signal = ExitSignal(accelerator.device)  # SIGTERM/SIGINT: save at the next step boundary and exit
     stopped = False
     model.train()
@@ -234,7 +244,7 @@ def main(argv=None) -> None:
                 accelerator.backward(outputs.loss)
                 finite = True
                 if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
                     finite = check_finite(grad_norm, step + 1, skip=args.skip_nonfinite)  # global norm: all agree
                 if finite:
                     optimizer.step()
@@ -247,7 +257,8 @@ def main(argv=None) -> None:
             if step % 10 == 0:
                 accelerator.print(f"step {step} loss {loss!r}")
             stopped = exit_signal.requested()  # agreed over all ranks
-            if step % args.save_every == 0 or stopped:
+            due = step % args.save_every == 0 if args.save_every else step >= args.max_steps
+            if due or stopped:
                 accelerator.save_state(f"{args.output_dir}/step_{step}")
             if stopped:
                 accelerator.print(

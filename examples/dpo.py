@@ -29,6 +29,7 @@ import torch
 from datasets import Dataset
 from trl import DPOConfig, TrlParser
 
+from mtk.checkpoint.resume import check_output_place
 from mtk.data.sources import load_data
 from mtk.data.tokenizers import directory_tokenizer
 from mtk.errors import library_refusals
@@ -64,6 +65,7 @@ def main() -> None:
         parser.set_defaults(per_device_train_batch_size=8, max_length=256)
         script, config = parser.parse_args_and_config()
         if script.data:
+            check_output_place(config.output_dir, script.data)  # (not among the data files)
             dataset = load_data(script.data, "--data")
         else:
             dataset = made_up_pairs(HERE / "data" / "instructions.jsonl")

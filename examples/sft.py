@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from trl import SFTConfig, TrlParser
 
+from mtk.checkpoint.resume import check_output_place
 from mtk.data.sources import load_data
 from mtk.data.tokenizers import directory_tokenizer
 from mtk.errors import library_refusals
@@ -72,6 +73,7 @@ def main() -> None:
         parser.set_defaults(bf16=torch.cuda.is_available(), dataloader_pin_memory=torch.cuda.is_available())
         parser.set_defaults(per_device_train_batch_size=8, max_length=256)
         script, config = parser.parse_args_and_config()
+        check_output_place(config.output_dir, script.data)  # (not among the data files)
         train = load_data(script.data, "--data")
         evaluation = load_data(script.eval_data, "--eval_data") if script.eval_data else None
         if script.model_name_or_path:  # (each file read alone: TRL takes an eval file in another of its formats)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +43,7 @@ def _quiet_datasets() -> Iterator[None]:
 
 
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")  # datasets decompresses these by their suffix
+_DECOMPRESSORS = {".zst": "zstandard", ".lz4": "lz4"}  # the packages datasets needs for them (not its dependencies)
 
 
 def _kind(path: Path) -> str | None:
@@ -50,6 +52,18 @@ def _kind(path: Path) -> str | None:
     if suffixes and suffixes[-1] in COMPRESSIONS:
         suffixes = suffixes[:-1]
     return FORMATS.get(suffixes[-1]) if suffixes else None
+
+
+def _check_decompressors(files: list[Path], path: Path, option: str) -> None:
+    """One line where a file's compression needs a package that is not installed: datasets says only that the
+    compression type is "not supported", which reads as a broken file."""
+    for file in files:
+        package = _DECOMPRESSORS.get(file.suffix.lower())
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise DataError(
+                f"{option} {path}: {file.name} is {file.suffix.lower()[1:]}-compressed, which datasets reads with the "
+                f"{package} package, not installed here: pip install {package} (or decompress the file)"
+            )
 
 
 def _data_files(path: Path, option: str) -> list[Path]:
@@ -181,6 +195,7 @@ def load_data(path: str | Path, option: str = "--data") -> Dataset:
         kind = kinds.pop()
         if all(p.stat().st_size == 0 for p in files):
             raise DataError(f"{option} {path} is empty; give it at least one row")
+        _check_decompressors(files, path, option)
         if kind == "json":  # pyarrow's reader dies of SIGSEGV, without a line, on rows nested too deeply
             for file in files:
                 check_json_depth(file, option)

@@ -143,6 +143,11 @@ def split_for_context(
     valid = torch.ones(b, seq, dtype=torch.bool, device=device) if mask is None else mask.bool()
     labels = batch.get("labels")
     shifted = batch.get("shift_labels")
+    if labels is not None and labels.shape != input_ids.shape:
+        raise ConfigError(
+            f"context parallelism cuts token labels shaped as input_ids {tuple(input_ids.shape)}; these are "
+            f"{tuple(labels.shape)} (one per row: a sequence-level task): use cp = 1"
+        )
     if shifted is None and labels is not None:
         shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]  # [b, S]: token t predicts t + 1
     mine = balanced_indices(seq, group_rank(group), group_size(group), device)
@@ -361,6 +366,13 @@ def attach_context_parallel(
     only), so each rank backpropagates its share. A second call with the same group changes nothing."""
     if comm not in COMM_TYPES:
         raise ConfigError(f"cp_comm_type {comm!r} is unknown; use one of {COMM_TYPES}")
+    both_ways = next((n for n, m in model.named_modules() if getattr(m, "is_causal", None) is False), None)
+    if both_ways is not None:  # (an encoder: BERT's self-attention)
+        kind = type(model.get_submodule(both_ways)).__name__
+        raise ConfigError(
+            f"{type(model).__name__}: {both_ways} ({kind}) attends both ways; mtk's context-parallel attention is "
+            "causal (decoders): use cp = 1 for this model"
+        )
     whole_router_loss(model)
     cp = group_size(group)
     split = ContextSplit(group, comm, math.lcm(2 * cp, cp * sequence_split), average)

@@ -27,6 +27,7 @@ its processes:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -131,7 +132,10 @@ def _given_deepspeed_json(args: Any) -> dict[str, Any]:
     accelerate's YAML names), before transformers filled its ``"auto"``s."""
     given = args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or {}
     if isinstance(given, str):
-        given = jsonio.loads(Path(given).read_text())
+        try:
+            given = jsonio.loads(Path(given).read_text())
+        except json.JSONDecodeError as err:  # (transformers read the file already, keeping the last of two keys)
+            raise ConfigError(f"DeepSpeed config {given}: {err.msg}; give each key once") from None
     return given if isinstance(given, dict) else {}
 
 
@@ -158,6 +162,23 @@ def _derive_global_batch(args: Any) -> None:
     ):
         if isinstance(config, dict):
             config.pop("train_batch_size", None)
+
+
+def _refuse_replaced_choices(args: Any) -> None:
+    """A DeepSpeed JSON's ``"optimizer"`` or ``"scheduler"`` block replaces the Trainer's own (transformers builds
+    DeepSpeed's from it): an ``optim`` or ``lr_scheduler_type`` set to other than its default beside one was trained
+    as the JSON's, without a word. One line, naming both."""
+    given = _given_deepspeed_json(args)
+    fields = type(args).__dataclass_fields__
+    for block, name in (("optimizer", "optim"), ("scheduler", "lr_scheduler_type")):
+        chosen = getattr(getattr(args, name), "value", getattr(args, name))
+        default = getattr(fields[name].default, "value", fields[name].default)
+        if isinstance(given.get(block), dict) and chosen != default:
+            kind = given[block].get("type", "its")
+            raise ConfigError(
+                f'the DeepSpeed JSON\'s "{block}" block ({kind}) replaces TrainingArguments.{name}={chosen}, which '
+                f'would not run: remove the block to train with {chosen}, or leave {name} at its default'
+            )
 
 
 def _refuse_deepspeed_disagreements(args: Any) -> None:
@@ -234,6 +255,8 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
             _fill_launchers_deepspeed_config(self.args)
             _derive_global_batch(self.args)
         _refuse_deepspeed_disagreements(self.args)
+        if self.args.deepspeed or self.args.deepspeed_plugin is not None:
+            _refuse_replaced_choices(self.args)
         _ = self.args.device  # set up before the Accelerator: TrainingArguments resets accelerate's state there
         with _in_trainer_module(Accelerator=_mtk_accelerator):
             super().create_accelerator_and_postprocess()  # type: ignore[misc]

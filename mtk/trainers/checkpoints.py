@@ -77,8 +77,11 @@ def claim_output_dir(output_dir: str, resume: str | bool | None, *, main_process
                 "replace or rotate away; continue it with resume_from_checkpoint (True, or the path of its newest "
                 "checkpoint-N), or pass another output_dir"
             )
+        _refuse_a_model_there(folder)
         return None
     checkpoint = Path(str(resume))
+    if folder.resolve() not in checkpoint.resolve().parents:  # (a model there is the lineage's own last save)
+        _refuse_a_model_there(folder)
     has_state = (checkpoint / hf_trainer.TRAINER_STATE_NAME).is_file()
     has_metadata = CheckpointPaths(checkpoint).metadata.is_file()
     if has_state and not has_metadata:
@@ -103,6 +106,24 @@ def claim_output_dir(output_dir: str, resume: str | bool | None, *, main_process
             "folder, or True for the newest in output_dir"
         )
     return str(checkpoint)
+
+
+def _refuse_a_model_there(folder: Path) -> None:
+    """One line where ``folder`` already holds a model (a base model given as ``output_dir`` too, an earlier run's
+    save) that is not this run's lineage's: ``save_model`` writes the trained model into ``output_dir`` by the same
+    file names, which would replace it."""
+    if not folder.is_dir():
+        return
+    found = sorted(
+        entry.name
+        for entry in folder.iterdir()
+        if entry.name in ("config.json", "adapter_config.json") or entry.name.endswith((".safetensors", ".bin"))
+    )
+    if found:
+        raise CheckpointError(
+            f"output_dir {folder} already holds a model ({', '.join(found[:3])}), which this run's save_model would "
+            "replace: pass another output_dir (or move those files out)"
+        )
 
 
 def written_checkpoints(output_dir: str, *args: Any, **kwargs: Any) -> list[str]:

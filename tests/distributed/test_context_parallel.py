@@ -163,6 +163,14 @@ def _refusals(rank: int, cp: int) -> dict:
         model(inputs_embeds=torch.zeros(1, 8, 64))
     except ConfigError as error:
         errors["embeds"] = str(error)
+    try:  # a sequence-level label per row (classify.py's)
+        split_for_context({"input_ids": torch.zeros(2, 32, dtype=torch.long), "labels": torch.zeros(2)}, group)
+    except ConfigError as error:
+        errors["row labels"] = str(error)
+    try:
+        attach_context_parallel(build_model("tiny-bert", seed=0), group)
+    except ConfigError as error:
+        errors["encoder"] = str(error)
     return errors
 
 
@@ -172,3 +180,5 @@ def test_what_context_parallelism_cannot_take_is_one_line():
     assert "carries no split batch" in errors["unsplit"]
     assert "splits input_ids along the sequence; this call passes none" in errors["embeds"]
     assert "cp_comm_type 'allgather' is unknown; use one of ('p2p', 'a2a')" in errors["comm"]
+    assert "these are (2,) (one per row: a sequence-level task): use cp = 1" in errors["row labels"]
+    assert "attends both ways; mtk's context-parallel attention is causal (decoders): use cp = 1" in errors["encoder"]

@@ -23,6 +23,7 @@ from tests.e2e.launch import (
     assert_same_losses,
     deepspeed_run,
     logged,
+    one_line_error,
     run_command,
     step_losses,
 )
@@ -399,3 +400,35 @@ def test_a_deepspeed_resume_that_changes_the_data_stream_is_one_line(zero2_run, 
     lines = [line for line in out.stderr.splitlines() if line.startswith("run.py: error: ")]
     assert out.returncode != 0 and len(lines) == 1, out.stderr[-2000:]
     assert "this run changes --seq_len 128 -> 64 from the checkpoint it resumes" in lines[0]
+
+
+def test_max_grad_norm_reaches_deepspeed_through_accelerate(reference, tmp_path):
+    """finetune.py --max_grad_norm under accelerate's DeepSpeed config: DeepSpeed clips by it inside its step
+    (accelerate filled the JSON's "auto" with 1.0, and the flag, given to a clip_grad_norm_ that only returns
+    DeepSpeed's norm, was dropped unsaid). ZeRO-2 at DP 2 logs the losses of plain DP 2 at the same clipping, which
+    are not those clipped at 1.0; a JSON stating another clipping is one line."""
+    config = json.loads((ROOT / "ds_configs" / "accelerate_zero2_tp2.json").read_text())
+    del config["mtk"]  # (TP 1)
+    yaml = (
+        (ROOT / "accelerate_configs" / "tp2_dp2_zero2.yaml")
+        .read_text()
+        .replace("num_processes: 4", "num_processes: 2")
+    )
+    for name, clipping in (("auto", "auto"), ("stated", 1.0)):
+        write_json(tmp_path / f"{name}.json", **{**config, "gradient_clipping": clipping})
+        (tmp_path / f"{name}.yaml").write_text(
+            yaml.replace("ds_configs/accelerate_zero2_tp2.json", str(tmp_path / f"{name}.json"))
+        )
+    clipped = ("--max_steps", "3", "--max_grad_norm", "0.05")
+    runs = {
+        "zero": accelerate_launch(
+            "finetune.py", str(tmp_path / "auto.yaml"), *clipped, "--output_dir", str(tmp_path / "z")
+        ),
+        "plain": accelerate_launch("finetune.py", "tp1_dp2", *clipped, "--output_dir", str(tmp_path / "p")),
+    }
+    zero, plain = (step_losses(out) for out in runs.values())
+    assert_same_losses(zero, plain, range(1, 4), "ZeRO-2 DP 2 at --max_grad_norm 0.05")
+    assert abs(plain[3] - reference[3]) > 1e-3 * abs(reference[3]), (plain, reference)  # the clipping acted
+    stated = accelerate_launch("finetune.py", str(tmp_path / "stated.yaml"), *clipped, "--output_dir",
+                               str(tmp_path / "s"), check=False)  # fmt: skip
+    one_line_error(stated, '"gradient_clipping": 1.0 disagrees with this run\'s gradient clipping 0.05')

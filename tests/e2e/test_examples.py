@@ -156,10 +156,12 @@ def test_trl_examples_run_as_documented_and_save_a_model(tmp_path, script, confi
         (["--deepspeed", "{folder}"], "Is a directory: '{folder}'; a folder was given where a file is wanted"),
         (["--data", "{broken}"], "could not be read as json (Trailing data"),
         (["--eval_on_start", "True"], "eval_on_start needs an eval_dataset"),
+        (["--data", "{folder}", "--output_dir", "{folder}"], "is inside the --data folder {folder}; the run would"),
     ],
     ids=[
         "unknown flag", "eval without data", "optimizer not installed", "nan", "output_dir a file",
         "a scheduler's setting left out", "deepspeed a folder", "data not JSON", "eval_on_start without data",
+        "output_dir the data folder",
     ],
 )  # fmt: skip
 def test_a_setting_the_trl_examples_libraries_refuse_is_one_line(tmp_path, args, message):

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from mtk.checkpoint.integrity import file_checksum, read_verified
+from mtk.spawn import free_port
 from tests.e2e.launch import ROOT, accelerate_launch, run_command
 
 SFT = [sys.executable, "examples/sft.py"]
@@ -45,6 +46,12 @@ def test_a_trainer_run_keeps_what_was_in_its_output_dir(llama_tp1, tmp_path):
     (mine / "notes.txt").write_text("mine")
     _one_line(_sft(tmp_path / "out", "--max_steps", "2"), "already holds checkpoint-0 of an earlier run")
     assert (mine / "notes.txt").read_text() == "mine"
+    model_dir = tmp_path / "base"  # a model given as the output_dir too: save_model would replace its files
+    model_dir.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (model_dir / name).write_text("mine")
+    _one_line(_sft(model_dir, "--max_steps", "2"), "already holds a model (config.json, model.safetensors), which")
+    assert [(model_dir / name).read_text() for name in ("config.json", "model.safetensors")] == ["mine", "mine"]
 
     run = tmp_path / "run"
     rotating = ("--save_steps", "1", "--save_total_limit", "1")
@@ -92,6 +99,35 @@ def test_a_resume_on_other_training_rows_is_one_line_unless_the_data_skip_is_ign
     assert other.returncode == 0 and (run / "checkpoint-3").is_dir(), other.stderr[-2000:]
     assert "mtk: the checkpoint's learning rate [0.001, 0.001] is restored over this run's [0.0005" in other.stdout
     assert read_verified(run / "checkpoint-3").data["stream"]["order_seed"] == 42
+
+
+@pytest.mark.parametrize(
+    "block, flag, said",
+    [
+        (
+            '"optimizer": {"type": "Adam", "params": {"lr": "auto"}}',
+            ("--optim", "sgd"),
+            '"optimizer" block (Adam) replaces TrainingArguments.optim=sgd, which would not run',
+        ),
+        (
+            '"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}',
+            ("--lr_scheduler_type", "cosine"),
+            '"scheduler" block (WarmupLR) replaces TrainingArguments.lr_scheduler_type=cosine, which would not run',
+        ),
+        ('"zero_optimization": {"stage": 3}', (), "ds.json: key 'zero_optimization' is given twice; give each key"),
+    ],
+    ids=["optimizer", "scheduler", "a key given twice"],
+)
+def test_a_deepspeed_json_the_trainer_would_misread_is_one_line(tmp_path, block, flag, said):
+    """transformers builds DeepSpeed's optimizer or scheduler from the JSON's block in place of the Trainer's own:
+    ``--optim sgd`` trained Adam, ``--lr_scheduler_type cosine`` WarmupLR's constant rate, without a word; and it
+    reads a key given twice as its last value (the line named no file)."""
+    config = tmp_path / "ds.json"
+    config.write_text(f'{{"zero_optimization": {{"stage": 2}}, "train_micro_batch_size_per_gpu": "auto", {block}}}')
+    launch = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "examples/sft.py"]
+    done = run_command([*launch, "--output_dir", str(tmp_path / "o"), "--deepspeed", str(config), *flag], cwd=ROOT)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("sft.py: error: ")]
+    assert done.returncode != 0 and len(errors) == 1 and said in errors[0], done.stderr[-2000:]
 
 
 def test_sigterm_saves_a_trainer_run_at_the_next_step_and_ends_it(tmp_path):

@@ -143,6 +143,18 @@ def test_a_folder_that_cannot_be_read_names_the_file(tmp_path):
         load_data(folder)
 
 
+def test_a_compression_whose_package_is_missing_says_to_install_it(tmp_path, monkeypatch):
+    """datasets reads .zst and .lz4 files only with packages it does not depend on, and says "Compression type zstd
+    not supported" without them, which reads as a broken file."""
+    import importlib.util
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "zstandard" else found(name))
+    (tmp_path / "rows.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd")
+    with pytest.raises(DataError, match="rows.jsonl.zst is zst-compressed, .* pip install zstandard"):
+        load_data(tmp_path / "rows.jsonl.zst")
+
+
 def test_bytes_that_are_not_utf8_are_one_line_naming_the_row(tmp_path):
     for name, data in (("bad.jsonl", b'{"text": "ok"}\n{"text": "\xff"}\n'), ("bad.txt", b"ok\n\xff\xfe\n")):
         (tmp_path / name).write_bytes(data)

@@ -430,3 +430,28 @@ def test_a_zero_stage_that_is_not_a_number_from_0_to_3_is_one_line(tmp_path, mon
     message = f'"zero_optimization.stage" is {json.dumps(stage)}; write the number 0, 1, 2 or 3, without quotes'
     config = {MB: 2, "zero_optimization": {"stage": stage}}
     _refused_on_both_launch_paths(tmp_path / "ds.json", config, re.escape(message), monkeypatch)
+
+
+def test_a_scripts_gradient_clipping_reaches_deepspeed_or_is_one_line():
+    """DeepSpeed clips inside its step by its config's ``gradient_clipping``, and accelerate's ``clip_grad_norm_``
+    returns its norm: a script's ``--max_grad_norm`` was dropped unsaid (accelerate filled "auto" with 1.0). It is
+    written where the config leaves the field to others, a number that differs is one line, and a run without its
+    own takes the config's."""
+    from mtk.config import RunSettings
+    from mtk.integrations.accelerate.deepspeed import reconcile_gradient_clipping
+
+    for given in ({"gradient_clipping": "auto"}, {}):
+        config = dict(given)
+        assert (
+            reconcile_gradient_clipping(config, RunSettings(gradient_clipping=0.01), "ds.json").gradient_clipping
+            == 0.01
+        )
+        assert config["gradient_clipping"] == 0.01
+        untouched = dict(given)
+        assert reconcile_gradient_clipping(untouched, RunSettings(), "ds.json") == RunSettings()
+        assert untouched == given  # (accelerate fills its 1.0, which the scripts clip by when they have none)
+    assert reconcile_gradient_clipping({"gradient_clipping": 0.5}, RunSettings(), "x").gradient_clipping == 0.5
+    assert reconcile_gradient_clipping({"gradient_clipping": 0.5}, RunSettings(gradient_clipping=0.5), "x")
+    with pytest.raises(ConfigError, match=r'ds.json: "gradient_clipping": 1.0 disagrees with this run\'s gradient '
+                       r"clipping 0.01 \(--max_grad_norm, else megatron_lm_gradient_clipping\)"):  # fmt: skip
+        reconcile_gradient_clipping({"gradient_clipping": 1.0}, RunSettings(gradient_clipping=0.01), "ds.json")

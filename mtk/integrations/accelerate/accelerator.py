@@ -31,6 +31,7 @@ from mtk.integrations.accelerate.deepspeed import (
     check_launcher_sections,
     deepspeed_initialize_with_mpu,
     reconcile_accelerate_batch,
+    reconcile_gradient_clipping,
     refuse_two_optimizers,
     replace_accelerated_schedulers,
     user_batch_fields,
@@ -178,6 +179,10 @@ class Accelerator(
         if self.uses_deepspeed:  # as the user's JSON states them (accelerate's plugin has filled in some)
             passed_in = any(kwargs.get(key) is not None for key in ("deepspeed_plugin", "deepspeed_plugins"))
             self.deepspeed_batch_fields = user_batch_fields(self.state.deepspeed_plugin, from_launcher=not passed_in)
+            if run_settings is not None:  # a script's own clipping (--max_grad_norm) reaches DeepSpeed's step
+                self.settings = reconcile_gradient_clipping(
+                    self.state.deepspeed_plugin.deepspeed_config, self.settings, self.deepspeed_batch_fields[1]
+                )
         config = resolve_topology(parallel_config, ds_config)
         self.parallel = ParallelState.build(
             config.tp_size,
@@ -202,6 +207,7 @@ class Accelerator(
         self.micro_batches_seen = 0  # micro-batches each replica has consumed
         self.completed_steps = 0  # optimizer steps
         self.checkpoint_tokenizer = None  # saved into <checkpoint>/tokenizer, so `mtk export` ships it
+        self._clipping_reported = False  # (under DeepSpeed: a clip_grad_norm_ max_norm the engine does not use)
         # What identifies the rows the data position counts through (a trainer's: its data's digest, the order's
         # seed), recorded in each checkpoint's data position; None: nothing recorded.
         self.data_stream: dict[str, Any] | None = None
@@ -395,7 +401,15 @@ class Accelerator(
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm of the whole (unsplit) model's gradient; returns that norm."""
         if self.uses_deepspeed:  # DeepSpeed clipped (its "gradient_clipping", TP-aware through the mpu) in step
-            norm = self._deepspeed_engine.get_global_grad_norm() if self._deepspeed_engine is not None else None
+            engine = self._deepspeed_engine
+            if engine is not None and not self._clipping_reported and float(engine.gradient_clipping()) != max_norm:
+                self._clipping_reported = True  # (accelerate drops max_norm here without a word)
+                self.print(
+                    f"mtk: DeepSpeed clips gradients inside its step by its config's gradient_clipping "
+                    f"{engine.gradient_clipping()}; clip_grad_norm_'s max_norm {max_norm} is not used (set "
+                    '"gradient_clipping" in the DeepSpeed config instead)'
+                )
+            norm = engine.get_global_grad_norm() if engine is not None else None
             return torch.tensor(float(norm) if norm is not None else float("nan"))
         self.unscale_gradients()
         return clip_grad_norm_tp_(list(parameters), max_norm, self.parallel, norm_type)

@@ -7,6 +7,7 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from mtk import jsonio
+from mtk.config import RunSettings
 from mtk.errors import ConfigError
 from mtk.integrations.accelerate.scheduler import DataParallelScheduler
 from mtk.integrations.deepspeed import check_precision, check_sections, initialization_cleanup, partition_over_replicas
@@ -37,6 +39,7 @@ __all__ = [
     "check_launcher_sections",
     "deepspeed_initialize_with_mpu",
     "reconcile_accelerate_batch",
+    "reconcile_gradient_clipping",
     "refuse_two_optimizers",
     "replace_accelerated_schedulers",
     "user_batch_fields",
@@ -81,6 +84,30 @@ def user_batch_fields(plugin, from_launcher: bool = True) -> tuple[dict[str, Any
             return {key: raw[key] for key in BATCH_FIELDS if key in raw}, path
     config = plugin.deepspeed_config
     return {key: config[key] for key in BATCH_FIELDS if key in config}, "the DeepSpeed config"
+
+
+def reconcile_gradient_clipping(config: dict[str, Any], settings: RunSettings, where: str) -> RunSettings:
+    """Under DeepSpeed the engine clips inside its step by the config's ``gradient_clipping``, and accelerate's
+    ``clip_grad_norm_`` only returns the norm: a script's own value (``RunSettings.gradient_clipping``: its
+    ``--max_grad_norm``, else ``megatron_lm_gradient_clipping``) was dropped without a word. It is written into a
+    ``config`` that leaves the field ``"auto"`` or out (accelerate would fill 1.0); a number there that differs is
+    one line; with no value of the run's, the settings take the config's, so the script clips by the same one.
+    Returns the settings."""
+    given = config.get("gradient_clipping")  # (accelerate's YAML gradient_clipping already filled into an "auto")
+    mine = settings.gradient_clipping or None
+    if given in (None, "auto"):
+        if mine is not None:
+            config["gradient_clipping"] = mine
+        return settings
+    if mine is None:
+        return replace(settings, gradient_clipping=float(given))
+    if float(given) != mine:
+        raise ConfigError(
+            f'{where}: "gradient_clipping": {given} disagrees with this run\'s gradient clipping {mine} '
+            "(--max_grad_norm, else megatron_lm_gradient_clipping), and DeepSpeed clips by its config inside its "
+            'step: give the same value, or "auto" in the config to take the run\'s'
+        )
+    return settings
 
 
 def reconcile_accelerate_batch(accelerator, args: tuple, explicit_accumulation: int | None) -> None:
