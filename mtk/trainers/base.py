@@ -177,7 +177,7 @@ def _refuse_replaced_choices(args: Any) -> None:
             kind = given[block].get("type", "its")
             raise ConfigError(
                 f'the DeepSpeed JSON\'s "{block}" block ({kind}) replaces TrainingArguments.{name}={chosen}, which '
-                f'would not run: remove the block to train with {chosen}, or leave {name} at its default'
+                f"would not run: remove the block to train with {chosen}, or leave {name} at its default"
             )
 
 

@@ -100,7 +100,8 @@ def test_classify_refuses_before_training_a_model_folder_whose_shards_its_save_w
 
 def test_classification_of_a_local_bert_with_its_tokenizer_and_named_labels(tmp_path):
     """The real-model path without a download: a BERT directory (an encoder without a head, as
-    all-MiniLM-L6-v2 ships) with a BPE tokenizer, labels as names in .jsonl files, held-out --eval_data."""
+    all-MiniLM-L6-v2 ships) with a BPE tokenizer, labels as names in .jsonl files, held-out --eval_data; saved
+    only at the end (--save_every 0, as finetune.py takes it)."""
     import csv
     import json
     import re
@@ -122,7 +123,7 @@ def test_classification_of_a_local_bert_with_its_tokenizer_and_named_labels(tmp_
         (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
     out = accelerate_launch(
         "classify.py", "tp2", "--model", str(tmp_path / "bert"), "--data", str(tmp_path / "train.jsonl"),
-        "--eval_data", str(tmp_path / "eval.jsonl"), "--max_steps", "60", "--save_every", "60",
+        "--eval_data", str(tmp_path / "eval.jsonl"), "--max_steps", "60", "--save_every", "0",
         "--output_dir", str(tmp_path / "run"),
     )  # fmt: skip
     text = out.stdout + out.stderr
@@ -130,6 +131,7 @@ def test_classification_of_a_local_bert_with_its_tokenizer_and_named_labels(tmp_
     assert float(re.search(r"eval accuracy (\S+)", text).group(1)) > 0.8, text[-2000:]
     saved = AutoConfig.from_pretrained(tmp_path / "run" / "model")
     assert saved.id2label == {0: "negative", 1: "positive"}
+    assert [p.name for p in (tmp_path / "run").glob("step_*")] == ["step_60"]  # --save_every 0: at the end only
 
 
 @pytest.mark.parametrize(

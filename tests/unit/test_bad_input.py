@@ -75,7 +75,7 @@ SCRIPT_CASES = [
     ("run", ["--deepspeed_config", "x.json", "--loss_on", "prompt"], "argument --loss_on: invalid choice: 'prompt'"),
     ("classify", ["--distributed_timeout_minutes", "inf"], "argument --distributed_timeout_minutes: must be a finite"),
     ("classify", ["--max_grad_norm", "0"], "argument --max_grad_norm: must be greater than 0, got 0"),
-    ("classify", ["--save_every", "0"], "argument --save_every: must be a positive integer, got 0"),
+    ("classify", ["--save_every", "-1"], "argument --save_every: must be 0 or more, got -1"),
     ("classify", ["--max_length", "0"], "argument --max_length: must be a positive integer, got 0"),
     ("classify", ["--batch_size", "-1"], "argument --batch_size: must be a positive integer, got -1"),
     ("classify", ["--lr", "nan"], "argument --lr: must be a finite fp32 number, got nan"),
