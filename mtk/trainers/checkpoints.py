@@ -19,6 +19,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_
 
 from mtk.checkpoint.integrity import read_verified
 from mtk.checkpoint.lock import lock_output_dir
+from mtk.checkpoint.meta import read_metadata
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.resume import check_output_place, on_main_process
 from mtk.checkpoint.rng import rng_state, set_rng_state
@@ -218,7 +219,8 @@ class TrainerCheckpointing:
             "dataloader_drop_last": args.dataloader_drop_last,
         }
         self.accelerator.data_stream = stream
-        recorded = read_verified(checkpoint).data.get("stream") if checkpoint is not None else None
+        # (its metadata alone: the files are verified as the checkpoint is loaded)
+        recorded = read_metadata(checkpoint).data.get("stream") if checkpoint is not None else None
         if recorded is None or args.ignore_data_skip:  # (a checkpoint from before mtk recorded it: unchecked)
             return
         advice = (
