@@ -81,7 +81,7 @@ def claim_output_dir(output_dir: str, resume: str | bool | None, *, main_process
         _refuse_a_model_there(folder)
         return None
     checkpoint = Path(str(resume))
-    if folder.resolve() not in checkpoint.resolve().parents:  # (a model there is the lineage's own last save)
+    if checkpoint.resolve().parent != folder.resolve():  # (a model beside its checkpoint-N is the lineage's save)
         _refuse_a_model_there(folder)
     has_state = (checkpoint / hf_trainer.TRAINER_STATE_NAME).is_file()
     has_metadata = CheckpointPaths(checkpoint).metadata.is_file()
@@ -214,6 +214,10 @@ class TrainerCheckpointing:
         stream = {
             "rows": len(dataset),
             "digest": rows_digest(dataset),
+            # rows per optimizer step: the Trainer skips the checkpoint's steps x accumulation batches of this size
+            "global_batch": args.per_device_train_batch_size
+            * args.gradient_accumulation_steps
+            * self.accelerator.parallel.dp_size,
             "order_seed": args.data_seed if args.data_seed is not None else args.seed,
             "train_sampling_strategy": str(args.train_sampling_strategy),
             "dataloader_drop_last": args.dataloader_drop_last,
@@ -233,7 +237,11 @@ class TrainerCheckpointing:
                 f"({checkpoint}: {recorded.get('rows')}), after the trainer's preprocessing (other data, or another "
                 f"max_length, packing, template, ...): its data position would skip other rows; {advice}"
             )
-        shown = {"order_seed": "the data order's seed (data_seed, else seed)"}
+        shown = {
+            "order_seed": "the data order's seed (data_seed, else seed)",
+            "global_batch": "the global batch (per_device_train_batch_size x gradient_accumulation_steps x "
+            "data-parallel replicas)",
+        }
         changed = [
             f"{shown.get(key, key)} {recorded[key]} -> {new}"
             for key, new in stream.items()
@@ -242,7 +250,7 @@ class TrainerCheckpointing:
         if changed:
             raise CheckpointError(
                 f"this run changes {', '.join(changed)} of the checkpoint it resumes ({checkpoint}), which decide "
-                f"the order of the rows its data position counts through; {advice}"
+                f"which rows its data position counts through; {advice}"
             )
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:

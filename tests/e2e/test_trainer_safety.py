@@ -73,6 +73,9 @@ def test_a_trainer_run_keeps_what_was_in_its_output_dir(llama_tp1, tmp_path):
     _one_line(refused, "is an mtk checkpoint of a training script (finetune.py, run.py: no trainer_state.json)")
     mistaken = _sft(tmp_path / "other", "--resume_from_checkpoint", str(run))  # the output_dir, not its checkpoint
     _one_line(mistaken, f"not a checkpoint-N the Trainer wrote (its newest checkpoint is {run / 'checkpoint-4'})")
+    shutil.copytree(run / "checkpoint-4", model_dir / "run1" / "checkpoint-4")  # another output_dir inside it
+    nested = _sft(model_dir, "--max_steps", "5", "--resume_from_checkpoint", str(model_dir / "run1" / "checkpoint-4"))
+    _one_line(nested, "already holds a model (config.json, model.safetensors), which")
 
 
 def test_a_resume_on_other_training_rows_is_one_line_unless_the_data_skip_is_ignored(tmp_path):
@@ -85,6 +88,13 @@ def test_a_resume_on_other_training_rows_is_one_line_unless_the_data_skip_is_ign
     _one_line(_sft(run, *resume, "--max_length", "12"), "are not those of the checkpoint it resumes")
     reordered = _sft(run, *resume, "--data_seed", "7")
     _one_line(reordered, "this run changes the data order's seed (data_seed, else seed) 42 -> 7 of the checkpoint")
+    halved = _sft(run, *resume, "--per_device_train_batch_size", "4")  # steps x accumulation batches of 4 skipped
+    _one_line(halved, "gradient_accumulation_steps x data-parallel replicas) 8 -> 4 of the checkpoint")
+    regrouped = ("--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2")  # the same 8 rows a step
+    again = _sft(
+        tmp_path / "regrouped", "--max_steps", "3", "--resume_from_checkpoint", str(run / "checkpoint-2"), *regrouped
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2"]
     crafted = tmp_path / "crafted" / "checkpoint-2"  # the Trainer's scheduler (not prepared: a registered object)
     shutil.copytree(run / "checkpoint-2", crafted)
