@@ -44,9 +44,9 @@ from mtk.args import (
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, start_point
 from mtk.config import RunSettings
 from mtk.data import ByteTokenizer, add_tokenizer_argument, load_data, pad_id_of, tokenizer_for
-from mtk.errors import DataError
+from mtk.errors import ConfigError, DataError
 from mtk.integrations.accelerate.save import check_no_shards_to_clean
-from mtk.models import build_model, resolve_config
+from mtk.models import auto_class_for, build_model, resolve_config
 from mtk.parallel.grad_norm import check_finite
 from mtk.rules import check_tp_size
 from mtk.training.entry import run_main
@@ -204,6 +204,11 @@ def main(argv=None) -> None:
         )
         accelerator.checkpoint_tokenizer = tokenizer  # checkpoints (and `mtk export`) carry it
     else:
+        if auto_class_for(config) is not AutoModelForSequenceClassification:  # (a built-in causal LM: tiny-llama)
+            raise ConfigError(
+                f"--model {args.model} is a built-in {config.model_type} causal LM, which classify.py does not train: "
+                "give tiny-bert, or a local HF directory of a model with a sequence-classification head"
+            )
         config.num_labels, config.id2label = len(ids), names
         config.label2id = {v: k for k, v in names.items()}
         model = build_model(config, seed=args.seed)

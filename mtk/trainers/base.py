@@ -109,6 +109,12 @@ def _in_trainer_module(**names: Any) -> Iterator[None]:
             setattr(hf_trainer, name, value)
 
 
+def _loaded_by_mtk(*args: Any, **kwargs: Any) -> None:
+    """transformers' ``deepspeed_load_checkpoint`` under mtk: DeepSpeed's state is in mtk's checkpoint
+    (``checkpoint-N/deepspeed/``), which ``_load_optimizer_and_scheduler`` loads with the rest (one line for a
+    checkpoint another engine wrote); transformers looked for ``global_step*`` folders beside it and raised."""
+
+
 def _fill_launchers_deepspeed_config(args: Any) -> None:
     """DeepSpeed from accelerate's YAML (no ``deepspeed=`` argument): transformers fills the JSON's ``"auto"`` values
     from the arguments only once the Trainer's Accelerator exists (``propagate_args_to_deepspeed``), but mtk's
@@ -376,7 +382,9 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
         skipping, sorting = self.accelerator.skip_first_batches, written_checkpoints
         with (
             _saving_on_signals(self) as stop,
-            _in_trainer_module(skip_first_batches=skipping, sort_checkpoints=sorting),
+            _in_trainer_module(
+                skip_first_batches=skipping, sort_checkpoints=sorting, deepspeed_load_checkpoint=_loaded_by_mtk
+            ),
         ):
             result = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
         if stop is not None and stop.stopped_at is not None:

@@ -98,6 +98,16 @@ def test_classify_refuses_before_training_a_model_folder_whose_shards_its_save_w
     assert theirs.read_bytes() == b"someone's" and not list(tmp_path.glob("step_*"))
 
 
+def test_classify_refuses_a_built_in_causal_lm_in_one_line(tmp_path):
+    """A built-in decoder name (tiny-llama) built a causal LM, whose loss took the per-row labels: a traceback."""
+    from tests.e2e.launch import one_line_error
+
+    out = accelerate_launch("classify.py", "tp1", "--model", "tiny-llama", "--output_dir", str(tmp_path), check=False)
+    one_line_error(
+        out, "--model tiny-llama is a built-in llama causal LM, which classify.py does not train", prog="classify.py"
+    )
+
+
 def test_classification_of_a_local_bert_with_its_tokenizer_and_named_labels(tmp_path):
     """The real-model path without a download: a BERT directory (an encoder without a head, as
     all-MiniLM-L6-v2 ships) with a BPE tokenizer, labels as names in .jsonl files, held-out --eval_data; saved

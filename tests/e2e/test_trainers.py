@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from mtk.checkpoint.integrity import read_verified
 from mtk.spawn import free_port
 from mtk.testing import assert_close_rel
-from tests.e2e.launch import ROOT, accelerate_launch, run_command
+from tests.e2e.launch import ROOT, accelerate_launch, one_line_error, run_command
 
 SCRIPT = "tests/e2e/trainer_script.py"
 LOGGED = ("loss", "grad_norm", "learning_rate", "eval_loss", "eval_accuracy")
@@ -139,12 +139,11 @@ def test_resume_from_checkpoint_n_continues_exactly(reference, tp2_run, tmp_path
         ("tp2_dp2", {}, (), 2),
         ("tp2_pp2", {}, (), 1),
         ("tp1_pp2", {"MTK_PIPELINE_SCHEDULE": "interleaved", "MTK_VIRTUAL_STAGES": "2"}, (), 1),
-        ("tp2_dp2_zero2", {}, ("--deepspeed", "ds_configs/accelerate_zero2_tp2.json"), 2),
         ("tp2_dp2_zero2", {}, ("--deepspeed", "ds_configs/accelerate_zero3_tp2.json"), 2),
         ("tp2_dp2_zero2", {}, (), 2),  # the JSON the YAML names: its "auto"s filled before mtk reads them
     ],
     ids=[
-        "tp2_dp2", "tp2_pp2", "pp2_interleaved", "deepspeed_zero2_tp2_dp2", "deepspeed_zero3_tp2_dp2",
+        "tp2_dp2", "tp2_pp2", "pp2_interleaved", "deepspeed_zero3_tp2_dp2",
         "deepspeed_zero2_from_the_yaml",
     ],
 )  # fmt: skip
@@ -162,6 +161,22 @@ def test_layouts_log_the_trainers_numbers(reference, tmp_path, config, env, args
         assert sorted(saved) == sorted(theirs)
         for name in theirs:
             assert_close_rel(saved[name], theirs[name], f"saved {name}", tol=1e-4)  # after 4 AdamW steps in fp32
+
+
+def test_a_deepspeed_checkpoint_n_resumes_exactly_and_one_of_another_engine_is_one_line(reference, tp2_run, tmp_path):
+    """ZeRO-2 over DP at TP 2 (TrainingArguments.deepspeed): transformers' DP=2 numbers; its checkpoint-2 (DeepSpeed's
+    state inside mtk's checkpoint) resumed under the same engine continues them (transformers looked for DeepSpeed's
+    folders beside it and raised); a checkpoint-2 written without DeepSpeed, resumed under it (the same 8 rows a
+    step), is one line."""
+    history, _ = reference[2]
+    zero2 = ("--deepspeed", "ds_configs/accelerate_zero2_tp2.json")
+    assert_same_history(_mtk_run("tp2_dp2_zero2", tmp_path / "a", *zero2, "--save_steps", "2"), history, "ZeRO-2")
+    resumed = _mtk_run("tp2_dp2_zero2", tmp_path / "b", *zero2, "--resume", str(tmp_path / "a" / "checkpoint-2"))
+    assert_same_history(resumed, history, "ZeRO-2 resumed under ZeRO-2", steps={3, 4})
+    plain = str(tp2_run / "checkpoint-2")
+    args = ("--trainer", "mtk", "--output_dir", str(tmp_path / "c"), *zero2, "--resume", plain, "--grad_accum", "1")
+    other = accelerate_launch(SCRIPT, "tp2_dp2_zero2", *args, check=False)
+    one_line_error(other, f"{plain} was not written by the DeepSpeed engine", prog="trainer_script.py")
 
 
 def test_zero3_at_tp1_dp2_logs_the_trainers_numbers_and_saves_the_model(reference, tmp_path):
