@@ -98,6 +98,11 @@ def claim_output_dir(output_dir: str, resume: str | bool | None, *, main_process
             f"weights (mtk export {checkpoint} DIR, then model=DIR)"
         )
     if not has_metadata:
+        if not checkpoint.exists():
+            raise CheckpointError(
+                f"resume_from_checkpoint={resume} does not exist; give a checkpoint-N folder, or True for the newest "
+                "in output_dir"
+            )
         newest = get_last_checkpoint(str(checkpoint)) if checkpoint.is_dir() else None
         hint = f" (its newest checkpoint is {newest})" if newest else ""
         if str(resume).lower() in ("true", "false", "none"):  # a folder of that name exists: the word is a path
@@ -237,6 +242,10 @@ class TrainerCheckpointing:
                 f"({checkpoint}: {recorded.get('rows')}), after the trainer's preprocessing (other data, or another "
                 f"max_length, packing, template, ...): its data position would skip other rows; {advice}"
             )
+        if stream["train_sampling_strategy"] == "sequential":  # (no seed draws the order)
+            recorded = {**recorded, "order_seed": stream["order_seed"]}
+        if stream["rows"] % stream["global_batch"] == 0:  # (nothing to drop)
+            recorded = {**recorded, "dataloader_drop_last": stream["dataloader_drop_last"]}
         shown = {
             "order_seed": "the data order's seed (data_seed, else seed)",
             "global_batch": "the global batch (per_device_train_batch_size x gradient_accumulation_steps x "

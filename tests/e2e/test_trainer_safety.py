@@ -73,6 +73,8 @@ def test_a_trainer_run_keeps_what_was_in_its_output_dir(llama_tp1, tmp_path):
     _one_line(refused, "is an mtk checkpoint of a training script (finetune.py, run.py: no trainer_state.json)")
     mistaken = _sft(tmp_path / "other", "--resume_from_checkpoint", str(run))  # the output_dir, not its checkpoint
     _one_line(mistaken, f"not a checkpoint-N the Trainer wrote (its newest checkpoint is {run / 'checkpoint-4'})")
+    absent = _sft(tmp_path / "other", "--resume_from_checkpoint", str(run / "checkpoint-99"))
+    _one_line(absent, f"resume_from_checkpoint={run / 'checkpoint-99'} does not exist; give a checkpoint-N folder")
     shutil.copytree(run / "checkpoint-4", model_dir / "run1" / "checkpoint-4")  # another output_dir inside it
     nested = _sft(model_dir, "--max_steps", "5", "--resume_from_checkpoint", str(model_dir / "run1" / "checkpoint-4"))
     _one_line(nested, "already holds a model (config.json, model.safetensors), which")
