@@ -122,9 +122,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
-    for name in ("tp", "pp", "dp", "cp", "ep", "batch", "seq", "steps"):
-        if getattr(args, name) < 1:
-            raise MtkError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    for name in ("tp", "pp", "dp", "cp", "ep", "batch", "seq", "steps", "rounds", "micro_batches", "virtual_stages"):
+        value = getattr(args, name)
+        if value is not None and value < 1:  # (None: rounds and micro_batches left to their defaults)
+            raise MtkError(f"--{name} must be at least 1, got {value}")
     if not args.timeout > 0:  # (NaN fails too)
         raise MtkError(f"--timeout must be a number of seconds > 0, got {args.timeout}")
     if args.fork_workers and torch.accelerator.is_available():

@@ -471,6 +471,12 @@ def initialization_cleanup(where: str) -> Iterator[None]:
         if isinstance(err, AssertionError | ValueError) or unexpected:
             message = " ".join(str(err).split()) or type(err).__name__
             raise ConfigError(f"{where}: DeepSpeed refused the config: {message}") from None
+        if isinstance(err, RuntimeError) and str(err).startswith("Unable to JIT load the"):  # an op this machine lacks
+            message = " ".join(str(err).split()).removesuffix(" None")
+            raise ConfigError(
+                f"{where}: DeepSpeed cannot build an op the config needs on this machine ({message}); change the "
+                "setting that needs it (offload to nvme needs the async_io op and libaio: offload to cpu instead)"
+            ) from None
         raise
 
 

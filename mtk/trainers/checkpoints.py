@@ -114,6 +114,26 @@ def claim_output_dir(output_dir: str, resume: str | bool | None, *, main_process
     return str(checkpoint)
 
 
+# What save_model writes into output_dir beside the weights (*.safetensors; *.bin a PEFT or older save's): the
+# model's and generation configs, PEFT's adapter config, and the tokenizer's files of every kind transformers saves.
+_SAVED_NAMES = (
+    "config.json",
+    "generation_config.json",
+    "adapter_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+)
+
+
 def _refuse_a_model_there(folder: Path) -> None:
     """One line where ``folder`` already holds a model (a base model given as ``output_dir`` too, an earlier run's
     save) that is not this run's lineage's: ``save_model`` writes the trained model into ``output_dir`` by the same
@@ -123,12 +143,12 @@ def _refuse_a_model_there(folder: Path) -> None:
     found = sorted(
         entry.name
         for entry in folder.iterdir()
-        if entry.name in ("config.json", "adapter_config.json") or entry.name.endswith((".safetensors", ".bin"))
+        if entry.name in _SAVED_NAMES or entry.name.endswith((".safetensors", ".bin"))
     )
     if found:
         raise CheckpointError(
-            f"output_dir {folder} already holds a model ({', '.join(found[:3])}), which this run's save_model would "
-            "replace: pass another output_dir (or move those files out)"
+            f"output_dir {folder} already holds a model or tokenizer ({', '.join(found[:3])}), which this run's "
+            "save_model would replace: pass another output_dir (or move those files out)"
         )
 
 
@@ -236,6 +256,18 @@ class TrainerCheckpointing:
             "resume with the data and settings it was trained with, or set ignore_data_skip to train this run's data "
             "from its start"
         )
+        seedable = getattr(args.accelerator_config, "use_seedable_sampler", True)
+        unseeded = {
+            "group_by_length": "train_sampling_strategy group_by_length (transformers' LengthGroupedSampler)",
+            "random": None if seedable else "accelerator_config use_seedable_sampler false (torch's RandomSampler)",
+        }.get(stream["train_sampling_strategy"])
+        if unseeded is not None:
+            raise CheckpointError(
+                f"{unseeded} draws the data order from the global random state when an epoch starts, which a resumed "
+                f"run does not reproduce: resuming {checkpoint} at its data position would train on other rows; set "
+                f"ignore_data_skip to train the data from its start, or resume a run trained with seedable random "
+                f"sampling (the default)"
+            )
         if (recorded.get("rows"), recorded.get("digest")) != (stream["rows"], stream["digest"]):
             raise CheckpointError(
                 f"this run's training rows ({stream['rows']}) are not those of the checkpoint it resumes "

@@ -50,8 +50,16 @@ def test_a_trainer_run_keeps_what_was_in_its_output_dir(llama_tp1, tmp_path):
     model_dir.mkdir()
     for name in ("config.json", "model.safetensors"):
         (model_dir / name).write_text("mine")
-    _one_line(_sft(model_dir, "--max_steps", "2"), "already holds a model (config.json, model.safetensors), which")
+    _one_line(
+        _sft(model_dir, "--max_steps", "2"),
+        "already holds a model or tokenizer (config.json, model.safetensors), which",
+    )
     assert [(model_dir / name).read_text() for name in ("config.json", "model.safetensors")] == ["mine", "mine"]
+    tokenizer_dir = tmp_path / "tokenizer"  # a tokenizer alone: save_model writes its files too
+    tokenizer_dir.mkdir()
+    (tokenizer_dir / "tokenizer.json").write_text("mine")
+    _one_line(_sft(tokenizer_dir, "--max_steps", "2"), "already holds a model or tokenizer (tokenizer.json)")
+    assert (tokenizer_dir / "tokenizer.json").read_text() == "mine"
 
     run = tmp_path / "run"
     rotating = ("--save_steps", "1", "--save_total_limit", "1")
@@ -77,7 +85,7 @@ def test_a_trainer_run_keeps_what_was_in_its_output_dir(llama_tp1, tmp_path):
     _one_line(absent, f"resume_from_checkpoint={run / 'checkpoint-99'} does not exist; give a checkpoint-N folder")
     shutil.copytree(run / "checkpoint-4", model_dir / "run1" / "checkpoint-4")  # another output_dir inside it
     nested = _sft(model_dir, "--max_steps", "5", "--resume_from_checkpoint", str(model_dir / "run1" / "checkpoint-4"))
-    _one_line(nested, "already holds a model (config.json, model.safetensors), which")
+    _one_line(nested, "already holds a model or tokenizer (config.json, model.safetensors), which")
 
 
 def test_a_resume_on_other_training_rows_is_one_line_unless_the_data_skip_is_ignored(tmp_path):
@@ -106,6 +114,18 @@ def test_a_resume_on_other_training_rows_is_one_line_unless_the_data_skip_is_ign
     meta["files"][scheduler.name] = {"bytes": scheduler.stat().st_size, "xxh3_128": file_checksum(scheduler)}
     (crafted / "metadata.json").write_text(json.dumps(meta))
     _one_line(_sft(tmp_path / "other", "--resume_from_checkpoint", str(crafted)), "'last_epoch' is -7")
+
+    (tmp_path / "unseeded.json").write_text('{"use_seedable_sampler": false}')
+    for order, said in (
+        (("--train_sampling_strategy", "group_by_length"), "group_by_length (transformers' LengthGroupedSampler)"),
+        (
+            ("--accelerator_config", str(tmp_path / "unseeded.json")),
+            "use_seedable_sampler false (torch's RandomSampler)",
+        ),
+    ):  # orders drawn from the global random state when an epoch starts: not reproduced by a resume
+        unseeded = tmp_path / order[0].removeprefix("--")
+        assert _sft(unseeded, "--max_steps", "2", "--save_steps", "2", *order).returncode == 0
+        _one_line(_sft(unseeded, *resume, *order), f"{said} draws the data order from the global random state")
 
     other = _sft(run, *resume, "--max_length", "12", "--ignore_data_skip", "True", "--learning_rate", "5e-4")
     assert other.returncode == 0 and (run / "checkpoint-3").is_dir(), other.stderr[-2000:]

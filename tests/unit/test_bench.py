@@ -114,6 +114,8 @@ def test_report_has_ratios_memory_and_collectives(tmp_path):
         (["--cp", "2", "--tp", "2", "--sequence_parallel", "--seq", "20"], "cuts --seq into 8 equal chunks"),
         (["--cp", "8", "--cp_comm_type", "a2a", "--seq", "64"], "splits each TP rank's 4 heads over --cp 8: use p2p"),
         (["--cp", "0"], "--cp must be at least 1, got 0"),
+        (["--rounds", "-1"], "--rounds must be at least 1, got -1"),  # (ran the launch check, then a traceback)
+        (["--micro_batches", "0"], "--micro_batches must be at least 1, got 0"),
     ],
 )
 def test_context_parallel_bench_input_is_one_line(argv, message, capsys):

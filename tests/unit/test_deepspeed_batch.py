@@ -184,6 +184,22 @@ def test_an_optimizer_param_the_optimizer_does_not_take_is_one_line():
             raise TypeError("unsupported operand type(s)")
 
 
+def test_an_op_deepspeed_cannot_build_on_this_machine_is_one_line():
+    """Offload to nvme needs DeepSpeed's async_io op, which it builds at initialize: on a machine without it, its
+    RuntimeError was a traceback on every rank. Any other RuntimeError stays a bug's traceback."""
+    unbuildable = (
+        "Unable to JIT load the async_io op due to it not being compatible due to hardware/software issue. None"
+    )
+    with pytest.raises(
+        ConfigError, match=r"^ds.json: DeepSpeed cannot build an op .*async_io.*offload to cpu instead"
+    ):
+        with initialization_cleanup("ds.json"):
+            raise RuntimeError(unbuildable)
+    with pytest.raises(RuntimeError, match="something else"):
+        with initialization_cleanup("ds.json"):
+            raise RuntimeError("something else")
+
+
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
 @pytest.mark.parametrize(
     "error", [AssertionError("Micro batch size per gpu: 0 has to be greater than 0"), OSError("x")]
