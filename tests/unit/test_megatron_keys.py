@@ -113,6 +113,8 @@ def test_the_launchers_config_file_is_read_from_its_command_line(tmp_path):
     default = config_file_from_argv(["accelerate", "launch", "t.py", "--config_file", "not-ours.yaml"], cwd)
     assert default is not None and default.name == "default_config.yaml", "the script's own flag is not the launcher's"
     assert config_file_from_argv(["python", "-m", "torch.distributed.run", "t.py"], cwd) is None
+    for start in (["python", "-m", "accelerate.commands.launch"], ["/usr/bin/python3", "/usr/bin/accelerate-launch"]):
+        assert config_file_from_argv([*start, "--config_file", "a.yaml", "t.py"], cwd) == cwd / "a.yaml", start
 
 
 def test_a_misspelt_key_in_the_yaml_is_refused_by_name(tmp_path):
@@ -126,11 +128,23 @@ def test_a_misspelt_key_in_the_yaml_is_refused_by_name(tmp_path):
     good = "megatron_lm_config:\n  megatron_lm_tp_degree: 2\n  megatron_lm_sequence_parallelism: true\n"
     config.write_text("distributed_type: MEGATRON_LM\n" + good)
     check_launcher_keys(config)  # every key known: nothing to say
-    for kind in ("MULTI_CPU\n", "MULTI_GPU\n", ""):  # accelerate exports the block for MEGATRON_LM only
+    for kind in ("MULTI_CPU\n", "MULTI_GPU\n", "DEEPSPEED\n", ""):  # accelerate exports it for MEGATRON_LM only
         config.write_text(f"distributed_type: {kind}" + good if kind else good)
         with pytest.raises(ConfigError, match="a megatron_lm_config block with distributed_type .*drop the block"):
             check_launcher_keys(config)
     check_launcher_keys(None)  # no launcher seen (torchrun, another OS): the environment check alone
+
+
+def test_the_launchers_yaml_is_checked_whatever_its_distributed_type(tmp_path, monkeypatch):
+    """A DEEPSPEED YAML with a megatron_lm_config block trained at TP 1 without a word: accelerate exports no
+    MEGATRON_LM_* variable for it, so the check of the launcher's YAML must not wait for one."""
+    import mtk.integrations.accelerate.megatron_keys as megatron_keys
+
+    config = tmp_path / "ds.yaml"
+    config.write_text("distributed_type: DEEPSPEED\nmegatron_lm_config:\n  megatron_lm_tp_degree: 2\n")
+    monkeypatch.setattr(megatron_keys, "launcher_config_file", lambda: config)
+    with pytest.raises(ConfigError, match='distributed_type DEEPSPEED, which makes accelerate drop the block.*"mtk"'):
+        check_megatron_environment({}, [].append)
 
 
 def test_every_parallelism_config_and_fsdp_key_accelerate_exports_is_known():

@@ -66,10 +66,21 @@ def accelerate_block_keys(block: str) -> list[str] | None:
     return sorted(options | read)
 
 
+def _starts_launch(argv: Sequence[str], i: int) -> bool:
+    """Whether ``argv[i]`` is where accelerate's launcher begins reading its options, however it was started:
+    ``accelerate launch``, ``python -m accelerate.commands.launch``, or the ``accelerate-launch`` entry point."""
+    arg = argv[i]
+    if arg == "launch":
+        return i > 0 and "accelerate" in argv[i - 1]
+    if arg == "accelerate.commands.launch":
+        return i > 0 and argv[i - 1] == "-m"
+    return Path(arg).name == "accelerate-launch"
+
+
 def config_file_from_argv(argv: Sequence[str], cwd: Path) -> Path | None:
     """The config file of an ``accelerate launch`` command line (its default when none is given), or ``None``
     when ``argv`` is not ``accelerate launch``."""
-    launch = next((i for i, arg in enumerate(argv) if arg == "launch" and i and "accelerate" in argv[i - 1]), None)
+    launch = next((i for i, arg in enumerate(argv) if _starts_launch(argv, i)), None)
     if launch is None:
         return None
     options = argv[launch + 1 :]
@@ -161,7 +172,8 @@ def check_launcher_keys(config_file: Path | None, known: Sequence[str] | None = 
     if block and kind.upper() != "MEGATRON_LM":  # accelerate exports the block only for MEGATRON_LM
         raise ConfigError(
             f"{config_file}: a megatron_lm_config block with distributed_type {kind or 'unset'}, which makes "
-            "accelerate drop the block without a word; set distributed_type: MEGATRON_LM, or remove the block"
+            "accelerate drop the block without a word; set distributed_type: MEGATRON_LM, or remove the block (under "
+            'DEEPSPEED the TP, CP and EP sizes go in the DeepSpeed JSON\'s "mtk" block)'
         )
     known = list(known if known is not None else accelerate_megatron_keys())
     for key in block:

@@ -118,8 +118,10 @@ def check_megatron_environment(env: Mapping[str, str], report: Callable[[str], N
         raise ConfigError(
             f"megatron_lm_attention_backend: {backend!r} is unknown; use one of {list(ATTENTION_BACKENDS)}"
         )
+    # the launcher's YAML whatever its distributed_type: a megatron_lm_config block beside DEEPSPEED or FSDP is
+    # dropped by accelerate as a misspelt key is
+    check_launcher_keys(launcher_config_file())
     if env.get("ACCELERATE_USE_MEGATRON_LM", "").lower() == "true":
-        check_launcher_keys(launcher_config_file())
         sizes = [env.get(PREFIX + key, "1").strip() for key in ("TP_DEGREE", "PP_DEGREE", "CONTEXT_PARALLEL_SIZE")]
         spread = env.get(PREFIX + "EXPERT_MODEL_PARALLEL_SIZE", "1").strip()
         if sizes == ["1", "1", "1"] and spread in ("", "1"):  # (CP or EP alone split the work too)
