@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,13 @@ def _refusals(args: Any) -> list[str]:
             f"TrainingArguments.fsdp={args.fsdp!r}: mtk shards its TP model with FSDP2 over data parallelism from "
             "accelerate's parallelism_config (TrainingArguments.parallelism_config=ParallelismConfig(tp_size=..., "
             "dp_shard_size=...), or accelerate_configs/tp2_fsdp2.yaml); remove fsdp"
+        )
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1  # (args.world_size would set up the devices now)
+    if str(getattr(args, "train_sampling_strategy", "random")) == "batch_rebalance" and launched:
+        problems.append(
+            "TrainingArguments.train_sampling_strategy=batch_rebalance: its sampler splits each step's rows over "
+            "every process, where mtk's tensor-, pipeline- and context-parallel ranks share one replica's rows (at "
+            "TP 2 it trained half of them); use random (the default) or group_by_length"
         )
     if getattr(args, "torch_compile", False):
         problems.append(

@@ -242,7 +242,7 @@ class TrainerCheckpointing:
             # rows per optimizer step: the Trainer skips the checkpoint's steps x accumulation batches of this size
             "global_batch": args.per_device_train_batch_size
             * args.gradient_accumulation_steps
-            * self.accelerator.parallel.dp_size,
+            * (1 if self.accelerator.split_batches else self.accelerator.parallel.dp_size),  # (split: the whole)
             "order_seed": args.data_seed if args.data_seed is not None else args.seed,
             "train_sampling_strategy": str(args.train_sampling_strategy),
             "dataloader_drop_last": args.dataloader_drop_last,
@@ -281,7 +281,7 @@ class TrainerCheckpointing:
         shown = {
             "order_seed": "the data order's seed (data_seed, else seed)",
             "global_batch": "the global batch (per_device_train_batch_size x gradient_accumulation_steps x "
-            "data-parallel replicas)",
+            "data-parallel replicas, unless split_batches)",
         }
         changed = [
             f"{shown.get(key, key)} {recorded[key]} -> {new}"

@@ -22,7 +22,7 @@ import torch
 
 from mtk.checkpoint.integrity import file_checksum, read_verified
 from mtk.spawn import free_port
-from tests.e2e.launch import ROOT, accelerate_launch, run_command
+from tests.e2e.launch import ROOT, accelerate_launch, one_line_error, run_command
 
 SFT = [sys.executable, "examples/sft.py"]
 HUB = "tests/e2e/hub_script.py"
@@ -99,7 +99,7 @@ def test_a_resume_on_other_training_rows_is_one_line_unless_the_data_skip_is_ign
     reordered = _sft(run, *resume, "--data_seed", "7")
     _one_line(reordered, "this run changes the data order's seed (data_seed, else seed) 42 -> 7 of the checkpoint")
     halved = _sft(run, *resume, "--per_device_train_batch_size", "4")  # steps x accumulation batches of 4 skipped
-    _one_line(halved, "gradient_accumulation_steps x data-parallel replicas) 8 -> 4 of the checkpoint")
+    _one_line(halved, "x data-parallel replicas, unless split_batches) 8 -> 4 of the checkpoint")
     regrouped = ("--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2")  # the same 8 rows a step
     again = _sft(
         tmp_path / "regrouped", "--max_steps", "3", "--resume_from_checkpoint", str(run / "checkpoint-2"), *regrouped
@@ -160,6 +160,25 @@ def test_a_deepspeed_json_the_trainer_would_misread_is_one_line(tmp_path, block,
     done = run_command([*launch, "--output_dir", str(tmp_path / "o"), "--deepspeed", str(config), *flag], cwd=ROOT)
     errors = [line for line in done.stderr.splitlines() if line.startswith("sft.py: error: ")]
     assert done.returncode != 0 and len(errors) == 1 and said in errors[0], done.stderr[-2000:]
+
+
+def test_how_a_data_parallel_trainer_run_takes_its_rows_is_kept_on_resume_or_refused(tmp_path):
+    """Over two data-parallel replicas: ``split_batches`` makes per_device_train_batch_size the global batch (the
+    resume guard recorded twice it, and took a resume without it that trains other rows); ``batch_rebalance``'s
+    sampler splits rows over every process, where mtk's TP ranks share a replica's (at TP 2 it trained half)."""
+    (tmp_path / "split.json").write_text('{"split_batches": true}')
+    split = ("--max_steps", "2", "--save_steps", "2", "--accelerator_config", str(tmp_path / "split.json"))
+    assert accelerate_launch("sft.py", "tp1_dp2", "--output_dir", str(tmp_path / "split"), *split).returncode == 0
+    whole = accelerate_launch(
+        "sft.py", "tp1_dp2", "--output_dir", str(tmp_path / "whole"), "--max_steps", "3",
+        "--resume_from_checkpoint", str(tmp_path / "split" / "checkpoint-2"), check=False,
+    )  # fmt: skip
+    one_line_error(whole, "unless split_batches) 8 -> 16 of the checkpoint", prog="sft.py")
+    launch = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "examples/sft.py"]
+    rebalanced = run_command(
+        [*launch, "--output_dir", str(tmp_path / "r"), "--train_sampling_strategy", "batch_rebalance"], cwd=ROOT
+    )
+    one_line_error(rebalanced, "train_sampling_strategy=batch_rebalance: its sampler splits", prog="sft.py")
 
 
 def test_sigterm_saves_a_trainer_run_at_the_next_step_and_ends_it(tmp_path):
