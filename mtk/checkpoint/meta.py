@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,13 +216,26 @@ class CheckpointMeta:
             ) from None
 
 
+def _newest_checkpoint_inside(folder: Path) -> Path | None:
+    """The newest complete ``step_N`` / ``checkpoint-N`` directly in ``folder`` (a run's output directory given
+    where one of its checkpoints was meant), else ``None``."""
+    found = []
+    for entry in folder.iterdir():
+        match = re.fullmatch(r"(?:step_|checkpoint-)(\d+)", entry.name)
+        if match and CheckpointPaths(entry).metadata.is_file():
+            found.append((int(match[1]), entry))
+    return max(found)[1] if found else None
+
+
 def read_metadata(directory: str | Path) -> CheckpointMeta:
     """The metadata of a complete checkpoint; a clear error for anything else."""
     paths = CheckpointPaths(Path(directory))
+    if paths.root.exists() and not paths.root.is_dir():
+        raise CheckpointError(f"{paths.root} is a file, not a checkpoint directory; give a checkpoint's folder")
     if not paths.root.is_dir():
         raise CheckpointError(f"checkpoint directory {paths.root} does not exist")
     if not paths.metadata.is_file():
-        raise CheckpointError(
-            f"{paths.root} is not a complete mtk checkpoint (no metadata.json; an interrupted save?)"
-        )
+        inside = _newest_checkpoint_inside(paths.root)
+        hint = f"; it is a run's folder: its newest checkpoint is {inside}" if inside else " (an interrupted save?)"
+        raise CheckpointError(f"{paths.root} is not a complete mtk checkpoint (no metadata.json){hint}")
     return CheckpointMeta.from_json(paths.metadata.read_text(), paths.metadata)

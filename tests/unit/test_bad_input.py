@@ -227,6 +227,8 @@ def test_cli_options(checkpoint, tmp_path, capsys):
         (["export", str(checkpoint), str(tmp_path / "o"), "--max_shard_size", "big"], "mtk export", "is not a size"),
         (["export", str(tmp_path), str(tmp_path / "o")], "mtk export", "is not a complete mtk checkpoint"),
         (["verify-checkpoint", str(tmp_path / "nowhere")], "mtk verify-checkpoint", "does not exist"),
+        (["verify-checkpoint", str(tmp_path / "a_file")], "mtk verify-checkpoint", "a_file is a file, not a"),
+        (["export", str(checkpoint.parent), str(tmp_path / "o")], "mtk export", f"newest checkpoint is {checkpoint}"),
         (["no-such-command"], "mtk", "invalid choice: 'no-such-command'"),
         (["bench", "--memory", "--dtype", "bf16"], "mtk bench", "--memory holds the run against mtk plan"),
         (["bench", "--dp", "2", "--tp", "2", "--compare"], "mtk bench", "over the same replicas: use --tp 1"),
