@@ -228,11 +228,13 @@ class TrainerCheckpointing:
     def _record_data_stream(self, checkpoint: str | None) -> None:
         """Record in each checkpoint what decides the rows its data position counts through, and check a resumed
         run's against it: the training rows as the trainer reads them (after its tokenizing, truncating and
-        packing: :func:`~mtk.data.sources.rows_digest`) and the settings of their order. The Trainer resumes by
-        skipping the checkpoint's number of batches of whatever data this run has: other data, another
-        ``max_length`` or ``packing``, another seed would skip other rows and train on a stream the checkpoint never
-        saw, without a word. ``ignore_data_skip`` (start the data from its beginning) is the way to resume on
-        other data. A dataset that is not a ``datasets.Dataset`` (an iterable one, a torch one) records nothing."""
+        packing: :func:`~mtk.data.sources.rows_digest`), the global batch and the settings of their order. The
+        Trainer resumes by skipping the checkpoint's steps x accumulation batches of whatever data this run has:
+        other data, another ``max_length`` or ``packing``, another global batch or seed would skip other rows and
+        train on a stream the checkpoint never saw, without a word; an order drawn from the global random state
+        when an epoch starts (``group_by_length``, an unseeded sampler) is not reproduced by a resume at all.
+        ``ignore_data_skip`` (start the data from its beginning) is the way to resume on other data. A dataset that
+        is not a ``datasets.Dataset`` (an iterable one, a torch one) records nothing."""
         dataset, args = self.train_dataset, self.args
         if not isinstance(dataset, datasets.Dataset) or (checkpoint is None and args.save_strategy == "no"):
             return
