@@ -443,10 +443,16 @@ def remove_shm_buffers_at_exit() -> None:
         for path in _shm_buffers(rank):
             path.unlink(missing_ok=True)
 
+    exiting: list[bool] = []
+
     def exit_on_sigterm(signum: int, frame: Any) -> None:
+        if exiting:  # inside an exit handler a SystemExit is printed as an ignored exception's traceback
+            remove()
+            os._exit(128 + signum)
         raise SystemExit(128 + signum)
 
     atexit.register(remove)
+    atexit.register(lambda: exiting.append(True))  # (exit handlers run last-registered first: this one before all)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, exit_on_sigterm)
 

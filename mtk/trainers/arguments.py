@@ -33,9 +33,9 @@ def _refusals(args: Any) -> list[str]:
     launched = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1  # (args.world_size would set up the devices now)
     if str(getattr(args, "train_sampling_strategy", "random")) == "batch_rebalance" and launched:
         problems.append(
-            "TrainingArguments.train_sampling_strategy=batch_rebalance: its sampler splits each step's rows over "
-            "every process, where mtk's tensor-, pipeline- and context-parallel ranks share one replica's rows (at "
-            "TP 2 it trained half of them); use random (the default) or group_by_length"
+            "TrainingArguments.train_sampling_strategy=batch_rebalance is not supported by mtk's Trainer in a "
+            "launched run yet: its sampler assigns each step's rows per process, which mtk's loaders do not follow "
+            "(at TP 2 it trained half of them); use random (the default) or group_by_length"
         )
     if getattr(args, "torch_compile", False):
         problems.append(

@@ -248,6 +248,8 @@ class TrainerCheckpointing:
             "order_seed": args.data_seed if args.data_seed is not None else args.seed,
             "train_sampling_strategy": str(args.train_sampling_strategy),
             "dataloader_drop_last": args.dataloader_drop_last,
+            # (an unseeded order cannot be continued by a seeded one either)
+            "seedable_sampler": bool(getattr(args.accelerator_config, "use_seedable_sampler", True)),
         }
         self.accelerator.data_stream = stream
         # (its metadata alone: the files are verified as the checkpoint is loaded)
@@ -258,7 +260,7 @@ class TrainerCheckpointing:
             "resume with the data and settings it was trained with, or set ignore_data_skip to train this run's data "
             "from its start"
         )
-        seedable = getattr(args.accelerator_config, "use_seedable_sampler", True)
+        seedable = stream["seedable_sampler"] and recorded.get("seedable_sampler", True)
         unseeded = {
             "group_by_length": "train_sampling_strategy group_by_length (transformers' LengthGroupedSampler)",
             "random": None if seedable else "accelerator_config use_seedable_sampler false (torch's RandomSampler)",
