@@ -471,3 +471,17 @@ def test_a_scripts_gradient_clipping_reaches_deepspeed_or_is_one_line():
     with pytest.raises(ConfigError, match=r'ds.json: "gradient_clipping": 1.0 disagrees with this run\'s gradient '
                        r"clipping 0.01 \(--max_grad_norm, else megatron_lm_gradient_clipping\)"):  # fmt: skip
         reconcile_gradient_clipping({"gradient_clipping": 1.0}, RunSettings(gradient_clipping=0.01), "ds.json")
+
+
+def test_a_sigterm_while_the_exit_handlers_run_exits_at_once_without_a_traceback():
+    """A launcher stopping the ranks of a failed job can deliver SIGTERM while a rank's exit handlers run: the
+    handler's ``SystemExit`` was printed there as an ignored exception's traceback (the exit status then 0)."""
+    script = (
+        "import atexit, os, signal\n"
+        "os.environ['RANK'] = '0'\n"
+        "atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))  # (runs after mtk's, registered later)\n"
+        "from mtk.integrations.deepspeed import remove_shm_buffers_at_exit\n"
+        "remove_shm_buffers_at_exit()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 128 + signal.SIGTERM and "Traceback" not in done.stderr, done.stderr[-2000:]
