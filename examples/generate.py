@@ -21,17 +21,20 @@ from mtk.args import positive_int
 from mtk.data.formats import chat_template_refusals
 from mtk.data.tokenizers import directory_tokenizer
 from mtk.errors import CheckpointError, DataError
-from mtk.models import resolve_config
+from mtk.models import ModelSpecError, causal_lm_refusal, resolve_config
 from mtk.training.entry import run_main
 
 
 def check_model_directory(directory: str) -> None:
     """What transformers would refuse in a traceback, as one line: no such directory, an mtk training checkpoint
-    (export it first), a config that needs custom code or weights that are only pickles."""
+    (export it first), a config that needs custom code or weights that are only pickles, a model that is not a
+    causal LM (transformers would generate from a randomly initialized head, exit 0)."""
     path = Path(directory)
     if (path / "metadata.json").is_file():
         raise CheckpointError(f"{path} is an mtk training checkpoint; export it first: mtk export {path} <out_dir>")
-    resolve_config(str(path))  # a missing directory, custom code (auto_map), pickle-only weights: one line
+    refusal = causal_lm_refusal(resolve_config(str(path)))  # (missing, custom code, pickle-only weights: one line)
+    if refusal:
+        raise ModelSpecError(f"{path}: {refusal}; give the directory of a causal language model (a decoder)")
 
 
 def main(argv: list[str] | None = None) -> None:

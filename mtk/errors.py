@@ -71,6 +71,9 @@ _HINTS = {
     "Unexpected UTF-8 BOM": "a JSON file given (--deepspeed, a config) starts with a byte-order mark; save it as "
     "UTF-8 without one",
     "Tried to launch on distributed with multinode": f"WORLD_SIZE is set without a launcher: {_LAUNCHER}",
+    # transformers' TrainingArguments, before mtk sees them (mtk sets use_cpu itself only for the other runs)
+    "Your setup doesn't support bf16/gpu": "this machine has no accelerator: add --use_cpu True (bf16 autocast "
+    "on the CPU), or leave bf16 off",
 }
 
 

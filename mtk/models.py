@@ -47,6 +47,7 @@ __all__ = [
     "auto_class_for",
     "builtin_config",
     "build_model",
+    "causal_lm_refusal",
     "check_config_values",
     "check_seq_len",
     "check_weights",
@@ -351,7 +352,7 @@ def _check_buildable(config: PretrainedConfig, path: Path) -> None:
     try:
         one_layer = with_layers(config, 1)
         one_layer.pad_token_id = config.pad_token_id  # the embedding's padding index: past the vocabulary, refused
-        with torch.device("meta"):
+        with torch.device("meta"), whole_parameters():  # (not in ZeRO-3's zero.Init: it refused a valid config)
             auto_class.from_config(one_layer)
     except (
         KeyError,
@@ -398,13 +399,13 @@ def check_weights(directory: Path) -> None:
         )
 
 
-def check_seq_len(config: PretrainedConfig, seq_len: int) -> None:
-    """Refuse (one line) a sequence longer than the model's positions (GPT-2 would fail deep in its forward,
-    rotary models would silently run past what they were trained on)."""
+def check_seq_len(config: PretrainedConfig, seq_len: int, flag: str = "--seq_len") -> None:
+    """Refuse (one line, naming the ``flag`` that set it) a sequence longer than the model's positions (GPT-2
+    would fail deep in its forward, rotary models would silently run past what they were trained on)."""
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if limit is not None and seq_len > limit:
         raise ModelSpecError(
-            f"--seq_len {seq_len} is longer than the model's {limit} positions (max_position_embeddings); "
+            f"{flag} {seq_len} is longer than the model's {limit} positions (max_position_embeddings); "
             f"use at most {limit}"
         )
 
@@ -452,6 +453,18 @@ def auto_class_for(config: PretrainedConfig):
     if getattr(config, "model_type", None) == "bert":
         return AutoModelForSequenceClassification
     return AutoModelForCausalLM
+
+
+def causal_lm_refusal(config: PretrainedConfig) -> str | None:
+    """Why ``config`` is not a model that predicts the next token, or None. transformers builds a causal LM class
+    for a BERT (``BertLMHeadModel``) or for a base model's directory all the same, with a randomly initialized
+    head and, for an encoder, attention both ways: it generates or measures something meaningless, exit 0."""
+    if auto_class_for(config) is not AutoModelForCausalLM:
+        return f"{config.model_type} is an encoder (its attention looks both ways)"
+    names = getattr(config, "architectures", None) or []
+    if names and not any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in names):
+        return f"its config names {', '.join(names)}, which has no causal language-model head"
+    return None
 
 
 def build_model(spec: str | PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:

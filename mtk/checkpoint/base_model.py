@@ -4,8 +4,9 @@ A LoRA checkpoint (``step_N`` of a ``PeftModel``) stores only the trainable para
 another base would silently train a different model. The fingerprint is a function of the base's full weights
 only, not of the layout that computes it: the frozen parameters' count, full element count, and the fp64 sums of
 their elements, magnitudes and squares, each rank adding its shard (vocabulary padding adds zeros; a copy held by
-several TP ranks adds ``1 / copies`` each; another stage's copy of a tied embedding adds nothing; experts spread
-over EP are added by the first of the ranks holding each: every expert once). Two bases agree
+several TP ranks adds ``1 / copies`` each; FSDP2's and ZeRO-3's pieces of a shard add once each; another stage's
+copy of a tied embedding adds nothing; experts spread over EP are added by the first of the ranks holding each:
+every expert once). Two bases agree
 when the counts are equal and the sums agree to 1e-9 of their scale (the order of additions differs by layout).
 """
 
@@ -76,15 +77,17 @@ def fingerprint(model: nn.Module, parallel: ParallelState | None = None) -> dict
         info = param_info(param)
         if (param.requires_grad and parallel is not None) or info.pipeline_duplicate:
             continue
+        zero3 = hasattr(param, "ds_tensor")  # partitioned over the replicas by DeepSpeed: each piece counts once
         if parallel is not None and info.expert_parallel:  # this EP rank's experts: their first holder counts them
             if parallel.expert_replica_ranks[0] != parallel.rank:
                 continue
-        elif not counted_here(param, replica_rank):  # one replica counts (FSDP2: each piece of the first, once)
+        elif not zero3 and not counted_here(param, replica_rank):  # one replica (FSDP2: each piece of the first)
             continue
         shape, spec = full_shape_and_spec(model, name)
         if spec.is_replicated and not first:
             continue
-        values = local(param.detach()).to(device, torch.float64)  # [shard, or this rank's piece of it]
+        held = cast(Any, param).ds_tensor if zero3 else local(param)  # (ZeRO-3's piece is zero-padded: adds 0)
+        values = held.detach().to(device, torch.float64)  # [shard, or this rank's piece of it]
         weight = 1.0 if spec.is_replicated else 1.0 / info.tp_replicas
         if replica_rank == 0:  # the parameter itself is counted once, whatever splits it
             totals[0] += float(first)

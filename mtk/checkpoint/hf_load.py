@@ -28,7 +28,7 @@ from mtk.checkpoint.hf_conversion import converted_tensors
 from mtk.checkpoint.safetensors_slices import open_safetensors
 from mtk.convert import parallelize
 from mtk.errors import CheckpointError
-from mtk.models import ModelSpecError, auto_class_for, check_weights, resolve_config
+from mtk.models import ModelSpecError, auto_class_for, check_weights, resolve_config, whole_parameters
 from mtk.parallel.expert_parallel import own_expert_rows, spread_experts
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.grads import sum_grad_over_tp
@@ -111,7 +111,7 @@ def empty_model(
         raise ModelSpecError(f"model directory {directory} does not exist")
     config = config or resolve_config(str(directory))
     options = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    with init_empty_weights(include_buffers=False):
+    with init_empty_weights(include_buffers=False), whole_parameters():  # (ZeRO-3's zero.Init partitioned it)
         model = auto_class_for(config).from_config(config, dtype=dtype or getattr(config, "dtype", None), **options)
     model.tie_weights()  # init_empty_weights re-creates each registered parameter, which unties shared ones
     if model.can_generate() and (directory / GENERATION_CONFIG_NAME).is_file():

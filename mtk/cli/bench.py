@@ -15,7 +15,7 @@ from mtk.bench.runner import predicted_for, run_bench
 from mtk.checkpoint.export import check_writable_beside
 from mtk.config import PIPELINE_SCHEDULES, RECOMPUTE_GRANULARITIES, check_expert_tp_size, check_schedule
 from mtk.errors import ConfigError, MtkError
-from mtk.models import DTYPES, num_layers, resolve_config
+from mtk.models import DTYPES, causal_lm_refusal, check_seq_len, num_layers, resolve_config
 from mtk.parallel.layout import Layout
 from mtk.parallel.state import default_device
 from mtk.pipeline.balance import stage_layer_counts
@@ -132,9 +132,10 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         raise MtkError("--fork_workers starts CPU workers (gloo); this machine has an accelerator: leave it off")
     config = resolve_config(args.model)  # one clear line for an unknown name or a missing directory
     check_tp_size(config, args.tp)
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if positions and args.seq > positions:
-        raise MtkError(f"--seq {args.seq} is longer than the model's {positions} positions; use at most {positions}")
+    refusal = causal_lm_refusal(config)
+    if refusal:
+        raise MtkError(f"--model {args.model}: {refusal}; mtk bench measures causal language models (decoders)")
+    check_seq_len(config, args.seq, "--seq")
     if args.json:
         json_path = Path(args.json)
         if json_path.is_symlink() and not json_path.exists() or json_path.is_dir():  # (a loop, a folder)

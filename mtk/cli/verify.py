@@ -11,7 +11,7 @@ import transformers
 from mtk.args import positive_float, positive_int, seed
 from mtk.config import check_expert_tp_size
 from mtk.errors import MtkError, allocation_failure
-from mtk.models import resolve_config
+from mtk.models import check_seq_len, resolve_config
 from mtk.planner.shapes import expert_parallel_refusal
 from mtk.rules import check_tp_size
 from mtk.spawn import DistributedTestError, run_distributed
@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         raise MtkError(f"--ep {args.ep}: {refusal}; use --ep 1 or a divisor of the experts")
     # Fail fast, in one line, before any process starts: unknown name, missing directory, bad tp.
     check_tp_size(resolve_config(args.model), args.tp)
+    check_seq_len(resolve_config(args.model), args.seq, "--seq")  # (GPT-2 failed in every worker's forward)
     check_expert_tp_size(args.etp, args.tp)
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
     layout = f"tp={args.tp}" + (f" ep={args.ep}" if args.ep > 1 else "") + (f" etp={args.etp}" if args.etp else "")

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from mtk.errors import ConfigError
+from mtk.models import whole_parameters
 from mtk.parallel.expert_parallel import spread_layout
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.record import hf_model
@@ -48,7 +49,7 @@ def _adapted_layers(model: nn.Module, config: Any, adapter_name: str) -> list[La
     from peft.tuners.lora.layer import ParamWrapper
 
     hf: Any = hf_model(model)
-    with torch.device("meta"):
+    with torch.device("meta"), whole_parameters():  # (under ZeRO-3's zero.Init it failed initializing a buffer)
         skeleton = type(hf)._from_config(hf.config)
     with torch.random.fork_rng(devices=[]):  # PEFT draws while it builds the copy: not from this run's generator
         adapted = peft.get_peft_model(skeleton, copy.deepcopy(config), adapter_name=adapter_name)

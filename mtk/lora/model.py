@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtk.errors import ConfigError
+from mtk.models import whole_parameters
 from mtk.parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardedModule
 from mtk.parallel.record import adapter_configs, hf_model, is_peft_model, parallelized
 
@@ -53,7 +54,7 @@ def _check_target_parameters(model: nn.Module, config: Any) -> None:
     record = parallelized(model)
     if unmatched and record is not None and record.stage is not None:  # another stage's: the whole model's names
         hf: Any = hf_model(model)
-        with torch.device("meta"):
+        with torch.device("meta"), whole_parameters():
             names = [name for name, _ in type(hf)._from_config(hf.config).named_parameters()]
         unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
     if unmatched:

@@ -32,7 +32,7 @@ from transformers import PretrainedConfig
 
 from mtk.config import RunSettings
 from mtk.errors import ConfigError, UnsupportedModelError
-from mtk.models import auto_class_for, num_layers, with_layers
+from mtk.models import auto_class_for, num_layers, whole_parameters, with_layers
 
 __all__ = ["asked_layers", "head_layers", "head_weight", "layer_counts", "rank_layers", "stage_layer_counts"]
 
@@ -108,7 +108,7 @@ def head_weight(config: PretrainedConfig) -> float:
 @functools.lru_cache(maxsize=16)
 def _head_weight(config_class: Any, config_json: str) -> float:
     config = with_layers(config_class.from_dict(json.loads(config_json)), 1)
-    with torch.device("meta"):
+    with torch.device("meta"), whole_parameters():
         model = auto_class_for(config).from_config(config)
     head = model.get_output_embeddings()
     if head is None:

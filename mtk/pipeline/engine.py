@@ -100,6 +100,8 @@ class PipelineModel(nn.Module):
         self.info: StageInfo = record.stage
         self.sequence_parallel = record.sequence_parallel and parallel.tp_size > 1
         self.num_micro_batches = num_micro_batches
+        self._micro_count = num_micro_batches  # this call's: fewer for a batch they do not divide
+        self._reported_sizes: set[int] = set()
         self.schedule = schedule
         v = self.info.virtual_stages
         if schedule == "interleaved" and v == 1:
@@ -180,7 +182,10 @@ class PipelineModel(nn.Module):
         length = whole + extra  # of the rows per-position outputs come back as
         if weights is not None:  # [b, s'] as the fused head's log_probs (s' <= s), padded as the batch was
             batch["token_weights"] = F.pad(weights, (0, extra)) if extra else weights
-        micro = split_micro_batches(batch, self.num_micro_batches)
+        group = self.parallel.pp_size if self.schedule == "interleaved" else 1
+        micro = split_micro_batches(batch, self.num_micro_batches, group)  # (fewer for a last, partial batch)
+        self._micro_count = len(micro)
+        self._report_fewer_micro_batches(len(batch["input_ids"]))
         if num_items is not None:
             for chunk in micro:
                 chunk["num_items_in_batch"] = num_items / len(micro)
@@ -191,6 +196,19 @@ class PipelineModel(nn.Module):
             outputs = [self._fused_outputs.pop(i) for i in sorted(self._fused_outputs)]
             return trim_output(fused_output(outputs, loss, self.parallel), extra, length)
         return CausalLMOutputWithPast(loss=loss)
+
+    def _report_fewer_micro_batches(self, size: int) -> None:
+        """Say once per batch size that ``num_micro_batches`` does not divide it (the schedule ran fewer)."""
+        if self._micro_count == self.num_micro_batches or size in self._reported_sizes:
+            return
+        self._reported_sizes.add(size)
+        if self.parallel.rank == 0:
+            print(
+                f"mtk: a batch of {size} sequences runs as {self._micro_count} micro-batches of "
+                f"{size // self._micro_count}: megatron_lm_num_micro_batches = {self.num_micro_batches} does not "
+                f"divide it (the same loss and gradients; a multiple of {self.num_micro_batches} runs all of them)",
+                flush=True,
+            )
 
     @staticmethod
     def _split_for_context(
@@ -311,7 +329,7 @@ class PipelineModel(nn.Module):
                         f"token_weights of shape {tuple(weights.shape)} for log_probs of shape "
                         f"{tuple(outputs.log_probs.shape)}: pass one weight per log-probability the head returns"
                     )
-                loss = (outputs.log_probs * weights).sum() * self.num_micro_batches
+                loss = (outputs.log_probs * weights).sum() * self._micro_count
             if loss is None:
                 raise ConfigError("the last pipeline stage computed no loss; pass labels")
             return loss

@@ -193,7 +193,8 @@ def _refuse_deepspeed_disagreements(args: Any) -> None:
     line. ``train_batch_size`` is left to mtk's own check (TrainingArguments counts every process, mtk the
     data-parallel replicas)."""
     listed = getattr(getattr(args, "hf_deepspeed_config", None), "mismatches", None) or []
-    found = [line.strip().removeprefix("- ") for line in listed if "train_batch_size" not in line]
+    found = [line.strip().removeprefix("- ") for line in listed]
+    found = [line for line in found if not line.startswith("ds train_batch_size=")]  # (not the micro-batch's)
     listed.clear()  # (transformers would raise its global-batch one, counted over every process, when training starts)
     if found:
         raise ConfigError(

@@ -85,11 +85,21 @@ def claim_output_dir(output_dir: str, resume: str | bool | None, *, main_process
         _refuse_a_model_there(folder)
     has_state = (checkpoint / hf_trainer.TRAINER_STATE_NAME).is_file()
     has_metadata = CheckpointPaths(checkpoint).metadata.is_file()
+    if has_state and not has_metadata and not _hf_weights(checkpoint):  # (mtk keeps its shards under model/)
+        raise CheckpointError(
+            f"{checkpoint} is incomplete: it has trainer_state.json but no metadata.json (an interrupted save, or a "
+            f"file removed); resume an earlier checkpoint-N (resume_from_checkpoint=<its path>)"
+        )
     if has_state and not has_metadata:
         raise CheckpointError(
             f"{checkpoint} is a checkpoint of transformers' own Trainer (no mtk metadata.json), which holds one "
             "process's view of the model and optimizer: start from its weights (model=<its directory>) instead of "
             "resuming it"
+        )
+    if has_metadata and not has_state and hf_trainer.TRAINER_STATE_NAME in read_metadata(checkpoint).files:
+        raise CheckpointError(
+            f"{checkpoint} is incomplete: the trainer_state.json its metadata.json lists is missing; resume an "
+            f"earlier checkpoint-N (resume_from_checkpoint=<its path>)"
         )
     if has_metadata and not has_state:
         raise CheckpointError(
@@ -112,6 +122,11 @@ def claim_output_dir(output_dir: str, resume: str | bool | None, *, main_process
             "folder, or True for the newest in output_dir"
         )
     return str(checkpoint)
+
+
+def _hf_weights(folder: Path) -> bool:
+    """Whether ``folder`` holds weights as transformers' own Trainer saves them (beside its trainer_state.json)."""
+    return any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
 
 
 # What save_model writes into output_dir beside the weights (*.safetensors; *.bin a PEFT or older save's): the

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mtk.checkpoint.integrity import read_verified
 from tests.e2e.launch import accelerate_launch, one_line_error, run_command
@@ -169,11 +170,12 @@ def test_trl_examples_run_as_documented_and_save_a_model(tmp_path, script, confi
         (["--data", "{broken}"], "could not be read as json (Trailing data"),
         (["--eval_on_start", "True"], "eval_on_start needs an eval_dataset"),
         (["--data", "{folder}", "--output_dir", "{folder}"], "is inside the --data folder {folder}; the run would"),
+        (["--bf16", "True"], "to train the model on CPU; this machine has no accelerator: add --use_cpu True (bf16"),
     ],
     ids=[
         "unknown flag", "eval without data", "optimizer not installed", "nan", "output_dir a file",
         "a scheduler's setting left out", "deepspeed a folder", "data not JSON", "eval_on_start without data",
-        "output_dir the data folder",
+        "output_dir the data folder", "bf16 without an accelerator",
     ],
 )  # fmt: skip
 def test_a_setting_the_trl_examples_libraries_refuse_is_one_line(tmp_path, args, message):
@@ -184,6 +186,8 @@ def test_a_setting_the_trl_examples_libraries_refuse_is_one_line(tmp_path, args,
 
     if "galore_adamw" in args and importlib.util.find_spec("galore_torch") is not None:
         pytest.skip("galore_torch is installed here")
+    if "--bf16" in args and torch.accelerator.is_available():
+        pytest.skip("this machine has an accelerator: bf16 runs")
     taken = tmp_path / "file"
     taken.write_text("kept")
     broken = tmp_path / "broken.jsonl"

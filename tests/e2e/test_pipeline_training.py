@@ -94,14 +94,19 @@ def test_export_and_save_pretrained_of_a_pipeline_run(runs, tmp_path):
         assert_close_rel(saved(ids).logits, expected, "save_pretrained of tp2_pp2 vs exported tp1")
 
 
-def test_bad_pipeline_input_is_one_clear_line(tmp_path, monkeypatch):
+def test_a_batch_the_micro_batches_do_not_divide_runs_fewer_of_them_exactly_and_says_so(tmp_path):
+    """Batch 6 at 4 micro-batches (or a data set's last, partial batch, which the Trainer keeps) runs as 3
+    micro-batches of 2, said once; it stopped the run mid-way (at the last batch, with no checkpoint of the steps
+    before). Equal micro-batches keep the single-process losses."""
+    args = ("--max_steps", "2", "--batch_size", "6")
+    tp1 = finetune("tp1", tmp_path / "tp1", *args)
+    out = accelerate_launch("finetune.py", "tp1_pp2", *MODEL, "--output_dir", str(tmp_path / "pp2"), *args)
+    said = "mtk: a batch of 6 sequences runs as 3 micro-batches of 2: megatron_lm_num_micro_batches = 4 does not"
+    assert out.stdout.count(said) == 1, out.stdout[-3000:]
+    assert_same_losses(step_losses(out), tp1, [1, 2], "batch 6 as 3 micro-batches")
 
-    out = accelerate_launch("finetune.py", "tp1_pp2", "--batch_size", "6", "--output_dir", str(tmp_path), check=False)
-    one_line_error(
-        out,
-        "a batch of 6 sequences does not split into megatron_lm_num_micro_batches = 4; "
-        "use a batch size that is a multiple of 4",
-    )
+
+def test_bad_pipeline_input_is_one_clear_line(tmp_path, monkeypatch):
     monkeypatch.setenv("MTK_PIPELINE_LAYERS", "2,1")
     out = accelerate_launch("finetune.py", "tp1_pp2", "--output_dir", str(tmp_path), check=False)
     one_line_error(
@@ -208,8 +213,12 @@ def test_bad_interleaved_input_is_one_clear_line(four_layers, tmp_path):
     base = ("finetune.py", "tp1_pp2", "--model", str(model), "--output_dir", str(tmp_path))
     out = accelerate_launch(*base, "--pipeline_schedule", "interleaved", check=False)
     one_line_error(out, "the interleaved schedule needs virtual_stages >= 2 (model chunks per pipeline rank), e.g. 2")
-    out = accelerate_launch(*base, *INTERLEAVED, "--batch_size", "6", "--pipeline_layers", "1,1,1,1", check=False)
-    one_line_error(out, "a batch of 6 sequences does not split into megatron_lm_num_micro_batches = 4")
+    out = accelerate_launch(*base, *INTERLEAVED, "--batch_size", "3", "--pipeline_layers", "1,1,1,1", check=False)
+    one_line_error(
+        out,
+        "a batch of 3 sequences does not split into megatron_lm_num_micro_batches = 4, nor into fewer equal "
+        "micro-batches in groups of pp = 2 (the interleaved schedule's); use a batch size that is a multiple of 4",
+    )
     out = accelerate_launch(*base, "--virtual_stages", "2", check=False)
     one_line_error(out, "virtual_stages = 2 needs the interleaved schedule (pipeline_schedule interleaved)")
     out = accelerate_launch(*base, *INTERLEAVED, "--pipeline_layers", "3,1", check=False)

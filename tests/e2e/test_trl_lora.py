@@ -94,6 +94,22 @@ def test_resume_from_a_lora_checkpoint_is_exact(runs):
     assert all(torch.equal(saved[0][name], saved[1][name]) for name in saved[1])
 
 
+def test_lora_under_zero3_logs_trls_numbers_and_resumes_exactly(chat_setup, tmp_path):
+    """LoRA on ``model=`` a directory under ZeRO-3 (TrainingArguments.deepspeed) at TP2 x DP2: TRL's numbers on two
+    plain processes, and checkpoint-2 resumed gives the same steps 3 and 4 bit for bit. The directory's meta-device
+    builds ran inside DeepSpeed's ``zero.Init`` (a refusal, then a traceback), and the frozen base's fingerprint
+    read ZeRO-3's empty placeholders (sum 0: a valid resume refused as another base)."""
+    zero3 = ("--deepspeed", "ds_configs/accelerate_zero3_tp2.json")
+    expected = _trl_run("sft", chat_setup, tmp_path / "trl", 2, *LORA)
+    ours = _mtk_run("sft", "tp2_dp2_zero2", chat_setup, tmp_path / "run", *LORA, *zero3, *SAVED)
+    assert_trl_numbers(ours, expected, "LoRA sft zero3 tp2_dp2")
+    resume = ("--resume_from_checkpoint", str(tmp_path / "run" / "checkpoint-2"))
+    resumed = _mtk_run("sft", "tp2_dp2_zero2", chat_setup, tmp_path / "resumed", *LORA, *zero3, *resume)
+    later = [[e.get("loss"), e.get("grad_norm")] for e in ours if e.get("step") in (3, 4) and "loss" in e]
+    assert len(later) == 2
+    assert [[e.get("loss"), e.get("grad_norm")] for e in resumed if e.get("step") in (3, 4) and "loss" in e] == later
+
+
 def test_resuming_with_other_lora_settings_is_one_line(runs, chat_setup, tmp_path):
     """``checkpoint-2`` (lora_alpha 8) resumed with ``lora_alpha=32``: the adapters have the same shapes, so it
     trained another model from step 3 without a word (mtk's scripts guarded their flags, nothing the Trainer's

@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--save_steps", type=int, help="write checkpoint-N every N steps (default: none)")
     parser.add_argument("--resume_from_checkpoint", help="resume from this checkpoint-N directory")
     parser.add_argument("--save_model", help="trainer.save_model() into this directory after training")
+    parser.add_argument("--deepspeed", help="a DeepSpeed JSON (TrainingArguments.deepspeed)")
     args = parser.parse_args()
     if args.trainer == "mtk":
         from mtk.trainers import DPOTrainer, SFTTrainer
@@ -77,6 +78,7 @@ def main() -> None:
         disable_tqdm=True,
         seed=0,
         bf16=False,  # TRL's default is bf16; the comparison is fp32
+        deepspeed=args.deepspeed,
     )
     peft_config = None
     if args.lora:

@@ -198,9 +198,12 @@ def test_crafted_shard_specs_are_one_line_in_export(checkpoint, tmp_path, capsys
 
 
 def test_cli_options(checkpoint, tmp_path, capsys):
-    from transformers import T5Config
+    from transformers import BertConfig, T5Config
 
     T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16).save_pretrained(tmp_path / "t5")
+    BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2).save_pretrained(
+        tmp_path / "bert"
+    )
     (tmp_path / "a_file").write_text("mine")
     pickled = tmp_path / "pickled"  # a pickle under the safetensors name: transformers' SafetensorError traceback
     resolve_config("tiny-llama").save_pretrained(pickled)
@@ -216,6 +219,9 @@ def test_cli_options(checkpoint, tmp_path, capsys):
         (["verify", "--model", "tiny-llama", "--tp", "0"], "mtk", "argument --tp: must be a positive integer, got 0"),
         (["verify", "--model", "tiny-llama", "--tolerance", "nan"], "mtk", "argument --tolerance: must be a finite"),
         (["verify", "--model", "tiny-llama", "--seq", "0"], "mtk", "argument --seq: must be a positive integer"),
+        (["verify", "--model", "tiny-gpt2", "--seq", "600"], "mtk verify", "--seq 600 is longer than the model's 256"),
+        (["bench", "--model", "tiny-gpt2", "--seq", "600"], "mtk bench", "--seq 600 is longer than the model's 256"),
+        (["bench", "--model", str(tmp_path / "bert")], "mtk bench", "bert is an encoder (its attention looks both"),
         (["topology", "--world", "100000000", "--tp", "2"], "mtk topology", "lists every rank of every group, up to"),
         (["bench", "--json", "/proc/nope.json"], "mtk bench", "cannot write /proc/nope.json"),
         (["bench", "--timeout", "-5"], "mtk bench", "--timeout must be a number of seconds > 0, got -5.0"),
@@ -485,12 +491,21 @@ def test_generate_on_a_directory_it_cannot_use_is_one_line(checkpoint, tmp_path,
     """generate.py ran transformers directly: a training checkpoint, a directory without a tokenizer or one that is
     not there ended in AutoTokenizer's traceback, and a tokenizer with custom code made transformers ask whether to
     run it (sft.py and dpo.py load theirs through the same mtk.data.tokenizers.directory_tokenizer)."""
+    from transformers import BertConfig
+
     no_tokenizer, custom = tmp_path / "hf", tmp_path / "custom"
     resolve_config("tiny-llama").save_pretrained(no_tokenizer)
     resolve_config("tiny-llama").save_pretrained(custom)
     (custom / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["tok.Mine", None]}}))
+    encoder, base = tmp_path / "bert", tmp_path / "base"  # transformers generated from a random head, exit 0
+    BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2).save_pretrained(encoder)
+    base_config = resolve_config("tiny-llama")
+    base_config.architectures = ["LlamaModel"]
+    base_config.save_pretrained(base)
     cases = [
         (checkpoint, "is an mtk training checkpoint; export it first: mtk export"),
+        (encoder, "bert is an encoder (its attention looks both ways); give the directory of a causal language"),
+        (base, "its config names LlamaModel, which has no causal language-model head; give the directory of a"),
         (no_tokenizer, "has no tokenizer (tokenizer.json or tokenizer_config.json)"),
         (tmp_path / "nowhere", "is neither a built-in config"),
         (custom, "its tokenizer needs the custom code its auto_map names"),  # transformers asked, and ran it on 'y'

@@ -285,6 +285,36 @@ def test_resume_from_checkpoint_a_word_that_names_a_folder_says_it_was_read_as_t
     unlock_output_dir(str(out))
 
 
+def test_an_incomplete_checkpoint_n_is_called_incomplete_on_resume(tmp_path):
+    """A checkpoint-N missing its metadata.json or its listed trainer_state.json was named a checkpoint of
+    transformers' own Trainer (to start from weights it does not hold) or of a training script: it is incomplete."""
+    from mtk.checkpoint.lock import unlock_output_dir
+    from mtk.checkpoint.meta import CheckpointMeta
+    from mtk.errors import CheckpointError
+    from mtk.parallel.layout import Layout
+    from mtk.trainers.checkpoints import claim_output_dir
+
+    out = tmp_path / "out"
+    no_metadata, no_state, transformers_own = out / "checkpoint-2", out / "checkpoint-4", out / "checkpoint-6"
+    for folder in (no_metadata, transformers_own):
+        folder.mkdir(parents=True)
+        (folder / "trainer_state.json").write_text("{}")
+    (transformers_own / "model.safetensors").write_bytes(b"")
+    no_state.mkdir()
+    meta = CheckpointMeta(step=4, topology=Layout(world_size=1, tp_size=1, pp_size=1))
+    meta.files = {"trainer_state.json": {"bytes": 2, "xxh3_128": "0" * 32}}
+    (no_state / "metadata.json").write_text(meta.to_json())
+    cases = [
+        (no_metadata, "checkpoint-2 is incomplete: it has trainer_state.json but no metadata.json (an interrupted"),
+        (no_state, "checkpoint-4 is incomplete: the trainer_state.json its metadata.json lists is missing; resume"),
+        (transformers_own, "checkpoint-6 is a checkpoint of transformers' own Trainer (no mtk metadata.json)"),
+    ]
+    for checkpoint, said in cases:
+        with pytest.raises(CheckpointError, match=re.escape(said)):
+            claim_output_dir(str(out), str(checkpoint), main_process=True)
+        unlock_output_dir(str(out))
+
+
 def test_dpo_choices_trl_does_not_know_are_one_line_before_training():
     """``dpo.py --loss_type bogus`` or ``--f_divergence_type bogus`` ended in TRL's ValueError traceback on every
     rank at the first step: each is checked against the values its field documents."""
@@ -342,7 +372,8 @@ def test_sft_rows_and_template_paths_trl_cannot_read_are_one_line_before_it_read
 
 def test_a_deepspeed_json_that_disagrees_with_the_arguments_is_one_line_at_set_up():
     """transformers lists the disagreements as it fills the JSON's "auto"s and raised them only when training began
-    (a ValueError traceback on every rank); the global batch is left to mtk's own check (it counts DP replicas)."""
+    (a ValueError traceback on every rank); the global batch is left to mtk's own check (it counts DP replicas),
+    and only it: a disagreeing micro-batch (its line names per_device_train_batch_size) ran the arguments' one."""
     from types import SimpleNamespace
 
     from mtk.trainers.base import _refuse_deepspeed_disagreements
@@ -351,11 +382,13 @@ def test_a_deepspeed_json_that_disagrees_with_the_arguments_is_one_line_at_set_u
         "- ds train_batch_size=16 vs hf train_batch_size=8",
         "- ds gradient_accumulation_steps=4 vs hf gradient_accumulation_steps=1",
         "- ds gradient_clipping=0.01 vs hf max_grad_norm=1.0",
+        "- ds train_micro_batch_size_per_gpu=2 vs hf per_device_train_batch_size=4",  # (not the global batch's line)
     ]
     args = SimpleNamespace(hf_deepspeed_config=SimpleNamespace(mismatches=listed))
     said = (
         r"the DeepSpeed JSON disagrees with TrainingArguments \(ds gradient_accumulation_steps=4 vs hf "
-        r"gradient_accumulation_steps=1; ds gradient_clipping=0.01 vs hf max_grad_norm=1.0\): give the same values"
+        r"gradient_accumulation_steps=1; ds gradient_clipping=0.01 vs hf max_grad_norm=1.0; "
+        r"ds train_micro_batch_size_per_gpu=2 vs hf per_device_train_batch_size=4\): give the same values"
     )
     with pytest.raises(ConfigError, match=said):
         _refuse_deepspeed_disagreements(args)
