@@ -94,9 +94,9 @@ class ContextShard:
         """Rows, as a ``[b, ...]`` tensor's ``len``: a pipeline cuts micro-batches of shards as of tensors."""
         return self.positions.shape[0]
 
-    def chunk(self, count: int) -> list[ContextShard]:
-        """``count`` shards of consecutive rows (``torch.chunk``'s split)."""
-        pieces = zip(*(t.chunk(count) for t in (self.positions, self.documents, self.valid)))
+    def tensor_split(self, count: int) -> list[ContextShard]:
+        """``count`` shards of consecutive rows (``torch.tensor_split``'s split: sizes that differ by at most one)."""
+        pieces = zip(*(t.tensor_split(count) for t in (self.positions, self.documents, self.valid)))
         return [dataclasses.replace(self, positions=p, documents=d, valid=v) for p, d, v in pieces]
 
 

@@ -19,27 +19,34 @@ __all__ = ["fused_output", "split_micro_batches", "token_mean_loss"]
 FUSED_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")  # TRL's, [b, s']
 
 
-def split_micro_batches(batch: dict[str, Any], count: int, group: int = 1) -> list[dict[str, Any]]:
+def split_micro_batches(
+    batch: dict[str, Any], count: int, group: int = 1, *, token_weighted: bool = False
+) -> list[dict[str, Any]]:
     """Cut every tensor of ``batch`` (or a context-parallel split's :class:`~mtk.parallel.context.ContextShard`,
     which chunks as one) into ``count`` equal chunks along the batch dimension.
 
     A batch that ``count`` does not divide (a data set's last, partial batch: the Trainer keeps it, as a single
-    process trains it) is cut into the most equal chunks that divide it, fewer than ``count``, in a multiple of
-    ``group`` (the interleaved schedule's pp); the caller reports it. Equal chunks keep every loss exact: a
-    token-weighted one counts its tokens, and a mean over rows is the mean of equal chunks' means."""
+    process trains it) is cut into fewer chunks, in a multiple of ``group`` (the interleaved schedule's pp); the
+    caller reports it. The most equal chunks that divide it keep every loss exact (a mean over rows is the mean of
+    equal chunks' means). Where none does, a ``token_weighted`` loss (summed over tokens and divided by the batch's
+    count, or weights on the log-probabilities) is exact over chunks of any size: sizes that differ by one."""
     sizes = {len(t) for t in batch.values()}
     if len(sizes) != 1:
         raise ConfigError(f"pipeline inputs disagree on the batch size: { {k: len(t) for k, t in batch.items()} }")
     size = sizes.pop()
-    fits = [n for n in range(min(count, size), 0, -1) if size % n == 0 and n % group == 0]
-    if not fits:
+    counts = [n for n in range(min(count, size), 0, -1) if n % group == 0]
+    equal = [n for n in counts if size % n == 0]
+    pieces = equal[0] if equal else counts[0] if counts and token_weighted else None
+    if pieces is None:
         raise ConfigError(
             f"a batch of {size} sequences does not split into megatron_lm_num_micro_batches = {count}, nor into "
-            f"fewer equal micro-batches in groups of pp = {group} (the interleaved schedule's); use a batch size "
-            f"that is a multiple of {count} (a last, partial batch: drop it, dataloader_drop_last=True)"
+            f"fewer micro-batches in groups of pp = {group} (the interleaved schedule's"
+            + ("" if counts else f": fewer sequences than {group}")
+            + f"); use a batch size that is a multiple of {count} (a last, partial batch: drop it, "
+            "dataloader_drop_last=True)"
         )
-    chunks = {k: t.chunk(fits[0]) for k, t in batch.items()}
-    return [{k: c[i] for k, c in chunks.items()} for i in range(fits[0])]
+    chunks = {k: t.tensor_split(pieces) for k, t in batch.items()}
+    return [{k: c[i] for k, c in chunks.items()} for i in range(pieces)]
 
 
 def token_mean_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> bool:

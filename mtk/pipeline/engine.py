@@ -183,7 +183,8 @@ class PipelineModel(nn.Module):
         if weights is not None:  # [b, s'] as the fused head's log_probs (s' <= s), padded as the batch was
             batch["token_weights"] = F.pad(weights, (0, extra)) if extra else weights
         group = self.parallel.pp_size if self.schedule == "interleaved" else 1
-        micro = split_micro_batches(batch, self.num_micro_batches, group)  # (fewer for a last, partial batch)
+        weighted = num_items is not None or weights is not None
+        micro = split_micro_batches(batch, self.num_micro_batches, group, token_weighted=weighted)  # (see there)
         self._micro_count = len(micro)
         self._report_fewer_micro_batches(len(batch["input_ids"]))
         if num_items is not None:
@@ -203,10 +204,12 @@ class PipelineModel(nn.Module):
             return
         self._reported_sizes.add(size)
         if self.parallel.rank == 0:
+            rows = size // self._micro_count
+            each = f"{rows}" if size % self._micro_count == 0 else f"{rows} or {rows + 1}"
             print(
-                f"mtk: a batch of {size} sequences runs as {self._micro_count} micro-batches of "
-                f"{size // self._micro_count}: megatron_lm_num_micro_batches = {self.num_micro_batches} does not "
-                f"divide it (the same loss and gradients; a multiple of {self.num_micro_batches} runs all of them)",
+                f"mtk: a batch of {size} sequences runs as {self._micro_count} micro-batches of {each}: "
+                f"megatron_lm_num_micro_batches = {self.num_micro_batches} does not divide it (the same loss and "
+                f"gradients; a multiple of {self.num_micro_batches} runs all of them)",
                 flush=True,
             )
 
