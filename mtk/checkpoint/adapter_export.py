@@ -24,7 +24,7 @@ from mtk.checkpoint.integrity import read_verified
 from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.reader import ShardedCheckpointReader
 from mtk.errors import CheckpointError
-from mtk.models import DTYPES
+from mtk.models import DTYPES, resolve_config
 
 __all__ = ["export_adapter", "export_merged"]
 
@@ -65,7 +65,9 @@ def _meta_peft_model(meta: CheckpointMeta) -> Any:
     return model
 
 
-def _write_adapters(checkpoint: str | Path, meta: CheckpointMeta, out: Path, verify: bool) -> None:
+def _write_adapters(
+    checkpoint: str | Path, meta: CheckpointMeta, out: Path, verify: bool, dtype: str | None = None
+) -> None:
     from peft import get_peft_model_state_dict
 
     model = _meta_peft_model(meta)
@@ -81,6 +83,8 @@ def _write_adapters(checkpoint: str | Path, meta: CheckpointMeta, out: Path, ver
         if sorted(tensors) != sorted(expected):
             missing = sorted(set(expected) - set(tensors))[:3]
             raise CheckpointError(f"{checkpoint}: adapter {name!r} lacks {missing}; it is not this model's checkpoint")
+        if dtype is not None:  # (--dtype: the adapters' floating-point tensors cast, as a full export's weights)
+            tensors = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in tensors.items()}
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(target / ADAPTER_FILE), {"format": "pt"})
         config.save_pretrained(str(target))
         if verify:
@@ -89,13 +93,18 @@ def _write_adapters(checkpoint: str | Path, meta: CheckpointMeta, out: Path, ver
                 raise CheckpointError(f"verification failed: {target / ADAPTER_FILE} differs from the checkpoint")
 
 
-def export_adapter(checkpoint: str | Path, out_dir: str | Path, *, verify: bool = True) -> Path:
-    """A PEFT adapter directory from an adapter-only checkpoint; returns it."""
+def export_adapter(
+    checkpoint: str | Path, out_dir: str | Path, *, dtype: str | None = None, verify: bool = True
+) -> Path:
+    """A PEFT adapter directory from an adapter-only checkpoint (floating-point tensors cast to ``dtype``); returns
+    it."""
     meta = _adapter_meta(checkpoint)
     out = Path(out_dir)
     check_new_directory(out, checkpoint)
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
     with staged_directory(out) as tmp:
-        _write_adapters(checkpoint, meta, tmp, verify)
+        _write_adapters(checkpoint, meta, tmp, verify, dtype)
         copy_tokenizer(checkpoint, meta, tmp)
     return out
 
@@ -111,6 +120,24 @@ def _base_directory(meta: CheckpointMeta, base: str | Path | None) -> Path:
         raise CheckpointError(f"--base {directory} is not a directory")
     safetensors_index(directory)  # a model directory's own checks: safetensors only, every shard inside it
     return directory
+
+
+# what decides a base's architecture and sizes: a base that differs in one is another model (and building the
+# checkpoint's class from another family's config took that class's default sizes: a 7B Llama from GPT-2's)
+_SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size")
+
+
+def _check_base_config(meta: CheckpointMeta, directory: Path, checkpoint: str | Path) -> None:
+    """One line, before any weight is read, when ``directory``'s config is not the one the adapters trained on."""
+    recorded = meta.model.get("config") or {}
+    found = resolve_config(str(directory)).to_dict()
+    fields = [k for k in _SHAPE_FIELDS if k in recorded and k in found and found[k] != recorded[k]]
+    differ = [f"{k} {found[k]} there, {recorded[k]} trained" for k in fields]
+    if differ:
+        raise CheckpointError(
+            f"{directory} is not the base the adapters in {checkpoint} were trained on (its config differs: "
+            f"{'; '.join(differ)}); pass --base the directory the run loaded"
+        )
 
 
 def export_merged(
@@ -131,6 +158,7 @@ def export_merged(
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
     directory = _base_directory(meta, base)
+    _check_base_config(meta, directory, checkpoint)
     try:
         model = _hf_class(meta).from_pretrained(directory, dtype=torch.float32, use_safetensors=True)
     except OSError as err:  # transformers' word for a directory it cannot read a model from

@@ -26,6 +26,7 @@ import transformers
 from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
+from transformers.utils import GENERATION_CONFIG_NAME
 
 from mtk import jsonio
 from mtk.checkpoint.atomic import fsync_dir, fsync_tree, refuse_link, storage_reason
@@ -40,6 +41,7 @@ from mtk.models import DTYPES, check_config_values
 __all__ = [
     "DTYPES",
     "check_new_directory",
+    "copy_generation_config",
     "copy_tokenizer",
     "drop_auto_map",
     "export_checkpoint",
@@ -283,6 +285,7 @@ def export_checkpoint(
             config.dtype = torch_dtype
         config.save_pretrained(tmp)
         copy_tokenizer(checkpoint, meta, tmp)
+        copy_generation_config(checkpoint, meta, tmp)
         if verify:
             _verify(tmp, meta, reader, torch_dtype)
     return out
@@ -313,6 +316,13 @@ def copy_tokenizer(checkpoint: str | Path, meta: CheckpointMeta, out: Path) -> N
         shutil.copy2(contained(root, name), target)
         if target.suffix == ".json":
             drop_auto_map(target)
+
+
+def copy_generation_config(checkpoint: str | Path, meta: CheckpointMeta, out: Path) -> None:
+    """The run's ``generation_config.json`` (eos ids, sampling defaults), where the checkpoint lists one (saves
+    before it recorded none: the export goes without, as it did)."""
+    if GENERATION_CONFIG_NAME in meta.files:
+        shutil.copy2(contained(Path(checkpoint), GENERATION_CONFIG_NAME), out / GENERATION_CONFIG_NAME)
 
 
 def drop_auto_map(path: Path) -> None:

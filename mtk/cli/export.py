@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("checkpoint", help="checkpoint directory written by save_state, e.g. ckpts/step_150")
     parser.add_argument("out", help="new directory for the HF model")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point weights (default: as trained)")
-    parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors file (default 5GB)")
+    parser.add_argument("--max_shard_size", help="largest safetensors file (default 5GB; not with --adapter)")
     parser.add_argument("--no_verify", action="store_true", help="skip reloading and comparing the result")
     lora = parser.add_mutually_exclusive_group()
     lora.add_argument(
@@ -38,8 +38,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.base and not args.merge:
         raise ConfigError("--base is the model --merge merges into; add --merge")
+    if args.adapter and args.max_shard_size is not None:
+        raise ConfigError(
+            "--max_shard_size with --adapter: a PEFT adapter directory is one adapter_model.safetensors (PEFT reads "
+            "no shards); drop it"
+        )
+    max_shard_size = args.max_shard_size or "5GB"
     if args.adapter:
-        out = export_adapter(args.checkpoint, args.out, verify=not args.no_verify)
+        out = export_adapter(args.checkpoint, args.out, dtype=args.dtype, verify=not args.no_verify)
         print(f"mtk export: wrote the PEFT adapter directory {out}")
         return 0
     if args.merge:
@@ -48,13 +54,13 @@ def run(args: argparse.Namespace) -> int:
             args.out,
             base=args.base,
             dtype=args.dtype,
-            max_shard_size=args.max_shard_size,
+            max_shard_size=max_shard_size,
             verify=not args.no_verify,
         )
         print(f"mtk export: wrote {out}, the base with the adapters merged in")
         return 0
     out = export_checkpoint(
-        args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, verify=not args.no_verify
+        args.checkpoint, args.out, dtype=args.dtype, max_shard_size=max_shard_size, verify=not args.no_verify
     )
     print(f"mtk export: wrote {out}" + ("" if args.no_verify else " (reloaded with from_pretrained and verified)"))
     return 0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import datasets
 import pyarrow as pa
-from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+from datasets import Dataset, DatasetDict, Value, load_dataset, load_from_disk
 
 from mtk import jsonio
 from mtk.data.json_depth import check_json_depth
@@ -173,6 +173,7 @@ def load_data(path: str | Path, option: str = "--data") -> Dataset:
     """The rows of a local file, a folder of files of one kind, or a ``save_to_disk`` folder (its
     ``train`` split when it holds several). Anything unreadable is a :class:`DataError` naming ``option``."""
     path = Path(path)
+    kind: str | None = None
     if _saved_dataset(path):
         try:
             saved = load_from_disk(str(path))
@@ -199,9 +200,10 @@ def load_data(path: str | Path, option: str = "--data") -> Dataset:
         if kind == "json":  # pyarrow's reader dies of SIGSEGV, without a line, on rows nested too deeply
             for file in files:
                 check_json_depth(file, option)
+        options = {"converters": dict.fromkeys(CSV_TEXT_COLUMNS, str)} if kind == "csv" else {}
         try:
             with _quiet_datasets():
-                dataset = load_dataset(kind, data_files=[str(p) for p in files], split="train")
+                dataset = load_dataset(kind, data_files=[str(p) for p in files], split="train", **options)
         except Exception as err:  # datasets' own errors (malformed JSON, ...), as one line
             cause = _root_cause(err) if len(files) == 1 else _which_file(kind, files, err)
             raise DataError(
@@ -210,6 +212,27 @@ def load_data(path: str | Path, option: str = "--data") -> Dataset:
     if len(dataset) == 0:
         raise DataError(f"{option} {path} has no rows")
     _check_text(dataset, path, option)
+    return _csv_text_columns(dataset) if kind == "csv" else dataset
+
+
+# A CSV cell has no type and no null: a text column is text even where every cell looks like a number ("42" read as
+# the integer 42), and an empty cell is the empty string, as {"text": ""} is in JSON lines (read as None, then refused)
+CSV_TEXT_COLUMNS = ("text", "prompt", "completion")
+
+
+def _csv_text_columns(dataset: Dataset) -> Dataset:
+    """The text columns of a CSV (read through ``str``: "42" stays text) with empty cells as ``""``, typed
+    ``large_string`` as datasets types a CSV's text column (the rows' digest, which a resume compares, depends
+    on it)."""
+    columns = [name for name in CSV_TEXT_COLUMNS if name in dataset.column_names]
+    if any(None in dataset[name] for name in columns):
+        dataset = dataset.map(
+            lambda batch: {name: ["" if cell is None else cell for cell in batch[name]] for name in columns},
+            batched=True,
+        )
+    for name in columns:
+        if dataset.features[name] != Value("large_string"):
+            dataset = dataset.cast_column(name, Value("large_string"))
     return dataset
 
 

@@ -22,7 +22,7 @@ from mtk.models import whole_parameters
 from mtk.parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardedModule
 from mtk.parallel.record import adapter_configs, hf_model, is_peft_model, parallelized
 
-__all__ = ["adapter_configs", "get_peft_model", "hf_model", "is_peft_model", "split_linear_names"]
+__all__ = ["adapter_configs", "get_peft_model", "hf_model", "is_peft_model", "split_linear_names", "whole_peft_model"]
 
 ALL_LINEAR = "all-linear"
 
@@ -178,4 +178,45 @@ def get_peft_model(
         if isinstance(module, ParallelLoraLinear):
             module.rng = record.rng
     draw_expert_factors(peft_model, adapter_name, config.init_lora_weights, getattr(config, SEED_ATTRIBUTE))
+    if record.stage is not None and record.pp_size > 1:
+        _save_every_stage(peft_model)
     return peft_model
+
+
+def whole_peft_model(peft_model: nn.Module) -> Any:
+    """The ``PeftModel`` of ``peft_model``'s whole HF model on the meta device (no memory): every layer adapted as
+    the run adapted its own, under PEFT's names. PEFT saves the adapters of the layers it finds in the model it is
+    called on, and a pipeline stage holds only its own layers."""
+    import peft
+
+    hf: Any = hf_model(peft_model)
+    with torch.device("meta"), whole_parameters():
+        skeleton = type(hf)._from_config(hf.config)
+    whole: Any = None
+    for name, config in cast(Any, peft_model).peft_config.items():
+        with torch.random.fork_rng(devices=[]):  # PEFT draws as it builds: not from this run's generator
+            if whole is None:
+                whole = peft.get_peft_model(skeleton, copy.deepcopy(config), adapter_name=name)
+            else:
+                whole.add_adapter(name, copy.deepcopy(config))
+        whole.peft_config[name].base_model_name_or_path = config.base_model_name_or_path
+    return whole
+
+
+def _save_every_stage(peft_model: nn.Module) -> None:
+    """A pipeline stage's ``save_pretrained(dir, state_dict=accelerator.get_state_dict(model))`` (PEFT's idiom, and
+    mtk's ``--save_model``) saves through :func:`whole_peft_model`: the gathered state holds every stage's adapters,
+    and the stage's own ``PeftModel`` wrote its stage's only (PEFT loaded the rest at their initial values, unsaid).
+    Without a ``state_dict`` a stage has only its own adapters to give: one line."""
+
+    def save_pretrained(save_directory: str, *args: Any, state_dict: Any = None, **kwargs: Any) -> None:
+        if state_dict is None:
+            raise ConfigError(
+                "at pp > 1 a rank's PeftModel holds only its pipeline stage's adapters: pass "
+                "state_dict=accelerator.get_state_dict(model), which gathers every stage's"
+            )
+        if not state_dict:  # another rank's share of the gathered state (empty): the main process writes
+            return
+        whole_peft_model(peft_model).save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
+
+    setattr(peft_model, "save_pretrained", save_pretrained)  # noqa: B010  (this instance only)

@@ -170,6 +170,13 @@ def _derive_global_batch(args: Any) -> None:
             config.pop("train_batch_size", None)
 
 
+# what evaluation returns when a pipeline runs the model: its loss, which the last stage computes and broadcasts
+_PIPELINE_LOSS_ONLY = (
+    "with pp > 1 the pipelined model returns its loss only, not logits, which compute_metrics and predict() need: "
+    "evaluate without compute_metrics (evaluate() gives eval_loss), or at pp = 1"
+)
+
+
 def _refuse_replaced_choices(args: Any) -> None:
     """A DeepSpeed JSON's ``"optimizer"`` or ``"scheduler"`` block replaces the Trainer's own (transformers builds
     DeepSpeed's from it): an ``optim`` or ``lr_scheduler_type`` set to other than its default beside one was trained
@@ -233,6 +240,7 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
     state: Any
     control: Any
     callback_handler: Any
+    compute_metrics: Any
     processing_class: Any
     lr_scheduler: Any
     hp_search_backend: Any
@@ -358,10 +366,7 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
         if prediction_loss_only:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)  # type: ignore[misc]
         if isinstance(model, PipelineModel):
-            raise ConfigError(
-                "with pp > 1 evaluation computes the loss only, and compute_metrics needs the logits: evaluate "
-                "without compute_metrics (or at pp = 1)"
-            )
+            raise ConfigError(_PIPELINE_LOSS_ONLY)
         with logits_mode(self.model, "full"):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)  # type: ignore[misc]
 
@@ -375,6 +380,9 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
         the stopped run as finished. A second signal stops at once (:class:`~mtk.training.signals.ExitSignal`)."""
         if self.args.eval_on_start and self.eval_dataset is None:  # (transformers raises it after set-up, as a bug)
             raise ConfigError("eval_on_start needs an eval_dataset: give one (--eval_data) or leave eval_on_start off")
+        evaluates = str(getattr(self.args.eval_strategy, "value", self.args.eval_strategy)) != "no"
+        if self.compute_metrics is not None and self.accelerator.parallel.pp_size > 1 and evaluates:
+            raise ConfigError(_PIPELINE_LOSS_ONLY)  # (here, not at the first evaluation, after steps were trained)
         resume_from_checkpoint = claim_output_dir(
             self.args.output_dir, resume_from_checkpoint, main_process=self.accelerator.is_main_process
         )

@@ -105,7 +105,13 @@ def _local_model_with_tokenizer(directory: Path) -> None:
 
 
 def test_local_directory_with_tokenizer_through_training_and_export(tmp_path):
+    """The directory's tokenizer and generation config (two eos ids, sampling at temperature 0.6) come out of the
+    export: the config alone made a model that generated greedily and stopped at one eos."""
+    from transformers import GenerationConfig
+
     _local_model_with_tokenizer(tmp_path / "local")
+    generation = GenerationConfig(eos_token_id=[1, 5], do_sample=True, temperature=0.6, pad_token_id=2)
+    generation.save_pretrained(tmp_path / "local")
     losses = finetune(
         "tp2", tmp_path / "run", "--model", str(tmp_path / "local"), "--max_steps", "8", "--seq_len", "32"
     )
@@ -119,3 +125,5 @@ def test_local_directory_with_tokenizer_through_training_and_export(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     ids = tokenizer("the cat walks to the river .", return_tensors="pt").input_ids
     assert model(ids).logits.shape[-1] == tokenizer.vocab_size
+    exported = model.generation_config
+    assert (exported.eos_token_id, exported.do_sample, exported.temperature) == ([1, 5], True, 0.6)

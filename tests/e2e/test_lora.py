@@ -92,6 +92,22 @@ def test_tp2_cp2_logs_the_tp1_losses_and_saves_the_same_adapters(lora_tp1, tmp_p
         assert_close_rel(saved[name], tensor, f"{name} saved after TP=2 x CP=2", tol=1e-4)  # see above
 
 
+def test_tp2_pp2_logs_the_tp1_losses_and_saves_every_stages_adapters(lora_tp1, tmp_path_factory, chat_setup):
+    """tp2_pp2.yaml: each rank's PeftModel holds its stage's layers; save_pretrained of the gathered state wrote
+    only the first stage's adapters (PEFT keeps the layers it finds), which PEFT loaded without a word."""
+    from safetensors.torch import load_file
+
+    from mtk.testing import assert_close_rel
+
+    run = _lora_run(tmp_path_factory, chat_setup, "tp2_pp2")
+    assert_same_losses(run.losses, lora_tp1.losses, range(1, 7), "LoRA TP=2 x PP=2 vs TP=1")
+    saved = load_file(str(run.dir / "saved" / "adapter_model.safetensors"))
+    reference = load_file(str(lora_tp1.dir / "saved" / "adapter_model.safetensors"))
+    assert sorted(saved) == sorted(reference)
+    for name, tensor in reference.items():
+        assert_close_rel(saved[name], tensor, f"{name} saved after TP=2 x PP=2", tol=1e-4)  # see above
+
+
 def _bytes(directory: Path) -> int:
     return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
 
@@ -157,6 +173,24 @@ def test_export_adapter_loads_with_peft(tmp_path, lora_tp2, chat_setup):
 
         assert_close_rel(merged(input_ids=ids).logits, model(input_ids=ids).logits, "merged vs PEFT logits")
     assert (tmp_path / "merged" / "tokenizer_config.json").is_file()  # the run's tokenizer travels along
+    # --dtype casts the adapters (it was accepted and ignored); --max_shard_size has nothing to shard: one line
+    step = str(lora_tp2.dir / "step_6")
+    assert _mtk("export", step, str(tmp_path / "bf16"), "--adapter", "--dtype", "bf16").returncode == 0
+    cast = load_file(str(tmp_path / "bf16" / "adapter_model.safetensors"))
+    assert sorted(cast) == sorted(saved) and all(cast[k].equal(saved[k].to(torch.bfloat16)) for k in saved)
+    sharded = _mtk("export", step, str(tmp_path / "sharded"), "--adapter", "--max_shard_size", "1KB")
+    assert sharded.returncode == 2 and "--max_shard_size with --adapter: a PEFT adapter directory is one" in (
+        sharded.stderr
+    )
+    assert not (tmp_path / "sharded").exists()
+    # --base another architecture: the checkpoint's class was built from its config (a default-size 7B Llama from
+    # GPT-2's: killed for memory) before the fingerprint could refuse it; its config is compared first, one line
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
+    other = _mtk("export", step, str(tmp_path / "other"), "--merge", "--base", str(tmp_path / "gpt2"))
+    assert other.returncode == 2 and "is not the base the adapters in" in other.stderr, other.stderr[-2000:]
+    assert "(its config differs: model_type gpt2 there, llama trained" in other.stderr
 
 
 @pytest.mark.parametrize(

@@ -255,3 +255,12 @@ def test_a_refused_training_argument_is_one_line(tmp_path):
     errors = [line for line in done.stderr.splitlines() if line.startswith("refused.py: error:")]
     expected = "TrainingArguments.torch_compile=True: mtk's parallel layers are not compiled yet; leave it off"
     assert errors == [f"refused.py: error: {expected}"], done.stderr[-2000:]
+
+
+def test_compute_metrics_at_pp_is_one_line_before_training(tmp_path):
+    """A pipelined model returns its loss only: compute_metrics (which needs the logits) was refused at the first
+    evaluation, after the steps before it had trained, and named compute_metrics for predict() too."""
+    args = ("--trainer", "mtk", "--output_dir", str(tmp_path / "run"), "--metrics")
+    out = accelerate_launch(SCRIPT, "tp1_pp2", *args, check=False)
+    one_line_error(out, "with pp > 1 the pipelined model returns its loss only, not logits", prog="trainer_script.py")
+    assert "'loss'" not in out.stdout + out.stderr and not list((tmp_path / "run").glob("checkpoint-*"))

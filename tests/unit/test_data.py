@@ -348,3 +348,14 @@ def test_a_template_refusal_where_trl_or_generation_renders_is_one_line(tokenize
     with pytest.raises(DataError, match=r"^SFTTrainer's data: the tokenizer's chat template refuses a conversation"):
         with chat_template_refusals("SFTTrainer's data"):
             chat.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+
+
+def test_a_csv_text_column_is_text_whatever_its_cells_look_like(tmp_path):
+    """A CSV has no types and no null: an empty text cell was read as None and refused ("'text' must be a string,
+    got None") where {"text": ""} in JSON lines trains, and a text column of numbers was read as integers. Both
+    are text; the label column keeps its type."""
+    (tmp_path / "rows.csv").write_text('text,label\nhello,1\n,0\n42,1\n"",0\n')
+    rows = load_data(tmp_path / "rows.csv")
+    assert rows["text"] == ["hello", "", "42", ""] and rows["label"] == [1, 0, 1, 0]
+    (tmp_path / "plain.csv").write_text("text,label\nhello,1\nworld,0\n")
+    assert str(load_data(tmp_path / "plain.csv").features["text"]) == "Value('large_string')"  # as datasets reads it

@@ -25,6 +25,7 @@ from mtk.errors import CheckpointError, ConfigError
 from mtk.integrations.accelerate.shuffle import replay_shuffles
 from mtk.integrations.deepspeed import load_deepspeed_checkpoint, save_deepspeed_checkpoint
 from mtk.parallel.fsdp import reshard
+from mtk.parallel.record import hf_model
 from mtk.parallel.state import ParallelState
 
 if TYPE_CHECKING:  # the mixin is checked as part of accelerate's Accelerator
@@ -99,6 +100,7 @@ class ShardedCheckpointing(_Host):
         }
         writers = [
             *([self._write_tokenizer] if self.checkpoint_tokenizer is not None else []),
+            self._write_generation_config,
             self._write_custom_objects,
             *writers,
         ]
@@ -143,6 +145,14 @@ class ShardedCheckpointing(_Host):
     def _write_custom_objects(self, directory: Path) -> None:
         for i, obj in enumerate(self._custom_objects):  # accelerate's register_for_checkpointing
             torch.save(obj.state_dict(), CheckpointPaths(directory).custom_object(i))
+
+    def _write_generation_config(self, directory: Path) -> None:
+        """The model's ``generation_config.json`` (its eos ids, sampling defaults), which ``mtk export`` copies: the
+        export's config alone would make a model that generates with transformers' defaults."""
+        model: Any = hf_model(self._checkpoint_parts()[0])
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and model.can_generate():
+            generation.save_pretrained(str(directory))
 
     def _write_tokenizer(self, directory: Path) -> None:
         self.checkpoint_tokenizer.save_pretrained(str(CheckpointPaths(directory).tokenizer))
