@@ -225,7 +225,7 @@ def _csv_text_columns(dataset: Dataset) -> Dataset:
     ``large_string`` as datasets types a CSV's text column (the rows' digest, which a resume compares, depends
     on it)."""
     columns = [name for name in CSV_TEXT_COLUMNS if name in dataset.column_names]
-    if any(None in dataset[name] for name in columns):
+    if any(dataset.data.column(name).null_count for name in columns):  # (Arrow's count: no rows read)
         dataset = dataset.map(
             lambda batch: {name: ["" if cell is None else cell for cell in batch[name]] for name in columns},
             batched=True,
