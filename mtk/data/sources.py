@@ -200,7 +200,7 @@ def load_data(path: str | Path, option: str = "--data") -> Dataset:
         if kind == "json":  # pyarrow's reader dies of SIGSEGV, without a line, on rows nested too deeply
             for file in files:
                 check_json_depth(file, option)
-        options = {"converters": dict.fromkeys(CSV_TEXT_COLUMNS, str)} if kind == "csv" else {}
+        options = _csv_options(files[0]) if kind == "csv" else {}
         try:
             with _quiet_datasets():
                 dataset = load_dataset(kind, data_files=[str(p) for p in files], split="train", **options)
@@ -216,8 +216,28 @@ def load_data(path: str | Path, option: str = "--data") -> Dataset:
 
 
 # A CSV cell has no type and no null: a text column is text even where every cell looks like a number ("42" read as
-# the integer 42), and an empty cell is the empty string, as {"text": ""} is in JSON lines (read as None, then refused)
+# the integer 42) or like pandas' missing values ("NA", "None", "null": read as None), and an empty cell is the
+# empty string, as {"text": ""} is in JSON lines (read as None, then refused)
 CSV_TEXT_COLUMNS = ("text", "prompt", "completion")
+# pandas' default missing-value strings (read_csv's documented list), kept for every other column (an empty label)
+_PANDAS_MISSING = ["", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN",
+                   "<NA>", "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"]  # fmt: skip
+
+
+def _csv_options(file: Path) -> dict[str, object]:
+    """pandas' options (through ``datasets``) that read a CSV's text columns as the text they hold: through ``str``,
+    with no missing-value strings; the other columns as pandas reads them. The header is the first file's."""
+    import pandas as pd
+
+    try:
+        header = list(pd.read_csv(file, nrows=0).columns)
+    except Exception:  # (unreadable: datasets' own reading says why, in one line)
+        return {}
+    return {
+        "converters": {name: str for name in CSV_TEXT_COLUMNS if name in header},
+        "keep_default_na": False,
+        "na_values": {name: _PANDAS_MISSING for name in header if name not in CSV_TEXT_COLUMNS},
+    }
 
 
 def _csv_text_columns(dataset: Dataset) -> Dataset:

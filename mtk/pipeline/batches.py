@@ -12,9 +12,10 @@ import torch.distributed as dist
 from torch import nn
 
 from mtk.config import ConfigError
+from mtk.data import IGNORE_INDEX
 from mtk.parallel.state import ParallelState
 
-__all__ = ["fused_output", "split_micro_batches", "token_mean_loss"]
+__all__ = ["fused_output", "split_micro_batches", "token_mean_loss", "with_ignored_rows"]
 
 FUSED_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")  # TRL's, [b, s']
 
@@ -47,6 +48,21 @@ def split_micro_batches(
         )
     chunks = {k: t.tensor_split(pieces) for k, t in batch.items()}
     return [{k: c[i] for k, c in chunks.items()} for i in range(pieces)]
+
+
+def with_ignored_rows(batch: dict[str, Any], rows: int) -> dict[str, Any]:
+    """``batch`` with its last row copied ``rows`` times, the copies' labels ignored and their token weights 0: no
+    loss, no gradient, and a loss divided by the batch's own token count unchanged. The interleaved schedule sends
+    micro-batches in groups of pp; a batch with fewer rows (a last, partial one) gets rows that count for nothing."""
+    padded: dict[str, Any] = {}
+    for name, tensor in batch.items():
+        copies = tensor[-1:].expand(rows, *tensor.shape[1:])  # [rows, ...]
+        if name in ("labels", "shift_labels"):
+            copies = torch.full_like(copies, IGNORE_INDEX)
+        elif name == "token_weights":
+            copies = torch.zeros_like(copies)
+        padded[name] = torch.cat([tensor, copies])  # [b + rows, ...]
+    return padded
 
 
 def token_mean_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> bool:

@@ -40,7 +40,7 @@ from mtk.parallel.record import hf_model, parallelized
 from mtk.parallel.router_loss import carrying
 from mtk.parallel.sequence_padding import pad_batch, trim_output
 from mtk.parallel.state import ParallelState
-from mtk.pipeline.batches import fused_output, split_micro_batches, token_mean_loss
+from mtk.pipeline.batches import FUSED_FIELDS, fused_output, split_micro_batches, token_mean_loss, with_ignored_rows
 from mtk.pipeline.message import StageMessage
 from mtk.pipeline.p2p import Posted, StageLink
 from mtk.pipeline.routing import record_outputs_of_every_chunk, router_shape, stage_routing_sums
@@ -184,9 +184,13 @@ class PipelineModel(nn.Module):
             batch["token_weights"] = F.pad(weights, (0, extra)) if extra else weights
         group = self.parallel.pp_size if self.schedule == "interleaved" else 1
         weighted = num_items is not None or weights is not None
+        rows = len(batch["input_ids"])
+        copied = group - rows if weighted and rows < group and split is None and not self._router_experts else 0
+        if copied:  # (a routing loss would count the copies; a context split's shards are not rows to copy)
+            batch = with_ignored_rows(batch, copied)
         micro = split_micro_batches(batch, self.num_micro_batches, group, token_weighted=weighted)  # (see there)
         self._micro_count = len(micro)
-        self._report_fewer_micro_batches(len(batch["input_ids"]))
+        self._report_fewer_micro_batches(rows, copied)
         if num_items is not None:
             for chunk in micro:
                 chunk["num_items_in_batch"] = num_items / len(micro)
@@ -195,19 +199,26 @@ class PipelineModel(nn.Module):
         loss = self._broadcast_loss(losses)
         if self._fused:
             outputs = [self._fused_outputs.pop(i) for i in sorted(self._fused_outputs)]
-            return trim_output(fused_output(outputs, loss, self.parallel), extra, length)
+            output = trim_output(fused_output(outputs, loss, self.parallel), extra, length)
+            for name in FUSED_FIELDS if copied else ():  # [b + copied, s'] -> [b, s']
+                if isinstance(getattr(output, name, None), torch.Tensor):
+                    setattr(output, name, getattr(output, name)[:rows])
+            return output
         return CausalLMOutputWithPast(loss=loss)
 
-    def _report_fewer_micro_batches(self, size: int) -> None:
-        """Say once per batch size that ``num_micro_batches`` does not divide it (the schedule ran fewer)."""
+    def _report_fewer_micro_batches(self, size: int, copied: int = 0) -> None:
+        """Say once per batch size that ``num_micro_batches`` does not divide it (the schedule ran fewer), or that
+        the interleaved schedule ran it with ``copied`` rows that count for nothing."""
         if self._micro_count == self.num_micro_batches or size in self._reported_sizes:
             return
         self._reported_sizes.add(size)
         if self.parallel.rank == 0:
-            rows = size // self._micro_count
-            each = f"{rows}" if size % self._micro_count == 0 else f"{rows} or {rows + 1}"
+            total = size + copied
+            rows = total // self._micro_count
+            each = f"{rows}" if total % self._micro_count == 0 else f"{rows} or {rows + 1}"
+            copies = f", with {copied} row(s) copied and ignored (no loss, no gradient)" if copied else ""
             print(
-                f"mtk: a batch of {size} sequences runs as {self._micro_count} micro-batches of {each}: "
+                f"mtk: a batch of {size} sequences runs as {self._micro_count} micro-batches of {each}{copies}: "
                 f"megatron_lm_num_micro_batches = {self.num_micro_batches} does not divide it (the same loss and "
                 f"gradients; a multiple of {self.num_micro_batches} runs all of them)",
                 flush=True,

@@ -103,3 +103,44 @@ def test_a_labelled_checkpoint_without_its_resume_guard_is_refused(tmp_path):
     (checkpoint / "metadata.json").write_text(json.dumps(meta))
     said = run_distributed(_guarded, world_size=1, args=(str(checkpoint), 7))[0]
     assert "holds no custom_checkpoint_0.pt" in said, said
+
+
+def _save_with_generation(rank, world_size, checkpoint):
+    """A tiny causal LM whose generation config was changed to one transformers' strict save refuses (a
+    temperature without sampling): save_state, then the generation config the checkpoint holds."""
+    import json
+    from pathlib import Path
+
+    from mtk import Accelerator
+    from mtk.models import build_model
+
+    accelerator = Accelerator()
+    model = build_model("tiny-llama")
+    model.generation_config.temperature = 0.7  # generate() warns; GenerationConfig.save_pretrained raised
+    model.generation_config.eos_token_id = [2, 5]
+    model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    accelerator.save_state(checkpoint)
+    return json.loads((Path(checkpoint) / "generation_config.json").read_text())
+
+
+def test_a_checkpoint_keeps_the_models_generation_config_as_set(tmp_path):
+    """Each checkpoint saves the model's generation_config.json (mtk export copies it), written as the model holds
+    it: the first save_state of a model whose config transformers' strict save refuses was a traceback, and
+    nothing was saved."""
+    saved = run_distributed(_save_with_generation, world_size=1, args=(str(tmp_path / "step"),))[0]
+    assert saved["temperature"] == 0.7 and saved["eos_token_id"] == [2, 5]
+
+
+def _hook_installed(rank, world_size):
+    import sys
+
+    from mtk import Accelerator
+
+    Accelerator()
+    return bool(getattr(sys.excepthook, "_mtk", False))
+
+
+def test_an_own_loop_reports_mtk_errors_in_one_line():
+    """A user's own loop (mtk.Accelerator, not mtk's scripts or trainers): an mtk error that reaches the top was a
+    traceback on every rank; the Accelerator installs the scripts' one-line report (other errors keep Python's)."""
+    assert run_distributed(_hook_installed, world_size=1) == [True]

@@ -352,10 +352,11 @@ def test_a_template_refusal_where_trl_or_generation_renders_is_one_line(tokenize
 
 def test_a_csv_text_column_is_text_whatever_its_cells_look_like(tmp_path):
     """A CSV has no types and no null: an empty text cell was read as None and refused ("'text' must be a string,
-    got None") where {"text": ""} in JSON lines trains, and a text column of numbers was read as integers. Both
-    are text; the label column keeps its type."""
-    (tmp_path / "rows.csv").write_text('text,label\nhello,1\n,0\n42,1\n"",0\n')
+    got None") where {"text": ""} in JSON lines trains, a text column of numbers was read as integers, and the words
+    pandas takes for missing values ("NA", "None") as None. All are text; the label column keeps its type."""
+    (tmp_path / "rows.csv").write_text('text,label\nhello,1\n,0\n42,1\n"",0\nNA,1\nNone,0\nnull,\n')
     rows = load_data(tmp_path / "rows.csv")
-    assert rows["text"] == ["hello", "", "42", ""] and rows["label"] == [1, 0, 1, 0]
+    assert rows["text"] == ["hello", "", "42", "", "NA", "None", "null"]  # (pandas read the last three as missing)
+    assert rows["label"] == [1, 0, 1, 0, 1, 0, None]  # an empty label is still missing (classify.py: one line)
     (tmp_path / "plain.csv").write_text("text,label\nhello,1\nworld,0\n")
     assert str(load_data(tmp_path / "plain.csv").features["text"]) == "Value('large_string')"  # as datasets reads it

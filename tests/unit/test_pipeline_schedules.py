@@ -158,3 +158,23 @@ def test_layers_are_split_evenly_unless_asked():
         stage_layer_counts(2, 4)
     with pytest.raises(UnsupportedModelError, match="summing to the model's 4 layers"):
         stage_layer_counts(4, 2, (2, 1))
+
+
+def test_a_batch_the_micro_batches_do_not_divide_splits_as_the_loss_allows():
+    """Equal chunks where they exist; at the interleaved schedule (groups of pp) chunks one row apart for a
+    token-weighted loss, one line for a mean of micro-batch means; copies of the last row count for nothing."""
+    import pytest
+    import torch
+
+    from mtk.errors import ConfigError
+    from mtk.pipeline.batches import split_micro_batches, with_ignored_rows
+
+    batch = {"input_ids": torch.arange(12).reshape(6, 2), "labels": torch.arange(12).reshape(6, 2)}
+    assert [len(c["input_ids"]) for c in split_micro_batches(batch, 4)] == [2, 2, 2]
+    three = {k: v[:3] for k, v in batch.items()}
+    assert [len(c["input_ids"]) for c in split_micro_batches(three, 4, 2, token_weighted=True)] == [2, 1]
+    with pytest.raises(ConfigError, match="does not split into megatron_lm_num_micro_batches = 4, nor into fewer"):
+        split_micro_batches(three, 4, 2)
+    one = with_ignored_rows({**{k: v[:1] for k, v in batch.items()}, "token_weights": torch.ones(1, 2)}, 1)
+    assert one["input_ids"].tolist() == [[0, 1], [0, 1]] and one["labels"].tolist() == [[0, 1], [-100, -100]]
+    assert one["token_weights"].tolist() == [[1.0, 1.0], [0.0, 0.0]]

@@ -14,6 +14,7 @@ plugin (NVIDIA's Megatron-LM package) is not used.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -63,6 +64,7 @@ from mtk.parallel.grads import sum_tp_shared_grads_at_step, sync_sequence_parall
 from mtk.parallel.optimizer_updates import check_elementwise_update, checked_additions
 from mtk.parallel.state import ParallelState, default_device
 from mtk.pipeline.engine import PipelineModel
+from mtk.training.entry import report_mtk_errors
 
 __all__ = ["Accelerator", "DataParallelScheduler"]
 
@@ -94,6 +96,8 @@ class Accelerator(
         run_settings: RunSettings | None = None,
         **kwargs,
     ) -> None:
+        # a user's own loop: an mtk error that reaches the top is one line over the ranks, as in mtk's scripts
+        report_mtk_errors(os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "mtk")
         reports: list[str] = []  # said once accelerate's state exists (on the main process)
         # accelerate's ND layout: its tp_size is mtk's TP, its dp_shard/dp_replicate sizes FSDP2 over mtk's DP
         parallel_config, self.sharding = sharding_from_accelerate(

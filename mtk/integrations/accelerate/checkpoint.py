@@ -151,8 +151,8 @@ class ShardedCheckpointing(_Host):
         export's config alone would make a model that generates with transformers' defaults."""
         model: Any = hf_model(self._checkpoint_parts()[0])
         generation = getattr(model, "generation_config", None)
-        if generation is not None and model.can_generate():
-            generation.save_pretrained(str(directory))
+        if generation is not None and model.can_generate():  # as set: save_pretrained's strict check would refuse
+            generation.to_json_file(str(directory / "generation_config.json"))  # a value generate() only warns of
 
     def _write_tokenizer(self, directory: Path) -> None:
         self.checkpoint_tokenizer.save_pretrained(str(CheckpointPaths(directory).tokenizer))
