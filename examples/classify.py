@@ -222,6 +222,13 @@ def main(argv=None) -> None:
     )
     eval_loader = DataLoader(test, batch_size=args.batch_size, collate_fn=collate)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    if len(train_loader) == 0:  # (the partial batch is dropped: no step, and the epoch arithmetic divided by 0)
+        replicas = accelerator.parallel.dp_size
+        raise DataError(
+            f"--data has {len(train)} training rows, fewer than one batch of --batch_size {args.batch_size}"
+            + (f" on each of {replicas} data-parallel replicas" if replicas > 1 else "")
+            + "; use a smaller --batch_size or more rows"
+        )
     accelerator.init_trackers("runs")
 
     resume = start_point(args, main_process=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)

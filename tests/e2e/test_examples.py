@@ -109,6 +109,21 @@ def test_classify_refuses_a_built_in_causal_lm_in_one_line(tmp_path):
     )
 
 
+def test_classify_with_fewer_rows_than_a_batch_is_one_line(tmp_path):
+    """4 training rows at --batch_size 16 (the loader drops a partial batch): no batch at all, and the epoch
+    arithmetic divided by zero (a traceback). One line, before training, nothing written."""
+    from tests.e2e.launch import one_line_error
+
+    data = tmp_path / "rows.csv"
+    data.write_text("text,label\na b,0\nc d,1\ne f,0\ng h,1\n")
+    common = ("--data", str(data), "--eval_data", str(data), "--output_dir", str(tmp_path / "out"))
+    out = accelerate_launch("classify.py", "tp1", *common, check=False)
+    one_line_error(
+        out, "--data has 4 training rows, fewer than one batch of --batch_size 16; use a smaller", prog="classify.py"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def test_classification_of_a_local_bert_with_its_tokenizer_and_named_labels(tmp_path):
     """The real-model path without a download: a BERT directory (an encoder without a head, as
     all-MiniLM-L6-v2 ships) with a BPE tokenizer, labels as names in .jsonl files, held-out --eval_data; saved
