@@ -77,35 +77,22 @@ def test_fsdp2_shards_the_frozen_base_and_logs_the_tp1_losses(lora_tp1, tmp_path
         assert_close_rel(saved[name], tensor, f"{name} saved after TP=2 x FSDP2", tol=1e-4)
 
 
-def test_tp2_cp2_logs_the_tp1_losses_and_saves_the_same_adapters(lora_tp1, tmp_path_factory, chat_setup):
-    """tp2_cp2.yaml: PEFT's adapters on the TP layers of a model whose rows split over CP = 2."""
+@pytest.mark.parametrize("config", ["tp2_cp2", "tp2_pp2"])
+def test_tp2_cp2_and_pp2_log_the_tp1_losses_and_save_the_same_adapters(lora_tp1, tmp_path_factory, chat_setup, config):
+    """tp2_cp2.yaml: PEFT's adapters on the TP layers of a model whose rows split over CP = 2. tp2_pp2.yaml: each
+    rank's PeftModel holds its stage's layers; save_pretrained of the gathered state wrote only the first stage's
+    adapters (PEFT keeps the layers it finds), which PEFT loaded without a word."""
     from safetensors.torch import load_file
 
     from mtk.testing import assert_close_rel
 
-    run = _lora_run(tmp_path_factory, chat_setup, "tp2_cp2")
-    assert_same_losses(run.losses, lora_tp1.losses, range(1, 7), "LoRA TP=2 x CP=2 vs TP=1")
+    run = _lora_run(tmp_path_factory, chat_setup, config)
+    assert_same_losses(run.losses, lora_tp1.losses, range(1, 7), f"LoRA {config} vs TP=1")
     saved = load_file(str(run.dir / "saved" / "adapter_model.safetensors"))
     reference = load_file(str(lora_tp1.dir / "saved" / "adapter_model.safetensors"))
     assert sorted(saved) == sorted(reference)
     for name, tensor in reference.items():
-        assert_close_rel(saved[name], tensor, f"{name} saved after TP=2 x CP=2", tol=1e-4)  # see above
-
-
-def test_tp2_pp2_logs_the_tp1_losses_and_saves_every_stages_adapters(lora_tp1, tmp_path_factory, chat_setup):
-    """tp2_pp2.yaml: each rank's PeftModel holds its stage's layers; save_pretrained of the gathered state wrote
-    only the first stage's adapters (PEFT keeps the layers it finds), which PEFT loaded without a word."""
-    from safetensors.torch import load_file
-
-    from mtk.testing import assert_close_rel
-
-    run = _lora_run(tmp_path_factory, chat_setup, "tp2_pp2")
-    assert_same_losses(run.losses, lora_tp1.losses, range(1, 7), "LoRA TP=2 x PP=2 vs TP=1")
-    saved = load_file(str(run.dir / "saved" / "adapter_model.safetensors"))
-    reference = load_file(str(lora_tp1.dir / "saved" / "adapter_model.safetensors"))
-    assert sorted(saved) == sorted(reference)
-    for name, tensor in reference.items():
-        assert_close_rel(saved[name], tensor, f"{name} saved after TP=2 x PP=2", tol=1e-4)  # see above
+        assert_close_rel(saved[name], tensor, f"{name} saved after {config}", tol=1e-4)  # see above
 
 
 def _bytes(directory: Path) -> int:
