@@ -83,25 +83,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def label_ids(train: Dataset, evaluation: Dataset) -> dict[Any, int]:
-    """Label (a name or an id) -> id: names in sorted order, ids as they are (0..K-1)."""
-    for name, rows in (("--data", train), ("--eval_data", evaluation)):
-        missing = {"text", "label"} - set(rows.column_names)
-        if missing:
-            raise DataError(f"{name} has columns {rows.column_names}; classification needs 'text' and 'label'")
-    for name, rows in (("--data", train), ("--eval_data", evaluation)):
-        labels = rows["label"]
-        for row, label in enumerate(labels):  # 0-based, as mtk.data names rows; first the missing ones: a CSV
-            # column with an empty cell reads as floats, and row 0's 1.0 would be named instead of the empty row
-            if label is None or (isinstance(label, str) and not label.strip()) or label != label:  # NaN
-                raise DataError(f"{name} row {row} has no label; every row needs one")
-        for row, label in enumerate(labels):
-            if isinstance(label, float) or isinstance(label, bool) or not isinstance(label, (int, str)):
-                raise DataError(f"{name} row {row} has label {label!r}; labels are names or integer ids 0..K-1")
+def check_rows(rows: Dataset, name: str) -> None:
+    """Every row of a file as read (row numbers are the file's, before any split) has a text and a label."""
+    missing = {"text", "label"} - set(rows.column_names)
+    if missing:
+        raise DataError(f"{name} has columns {rows.column_names}; classification needs 'text' and 'label'")
+    labels = rows["label"]
+    for row, label in enumerate(labels):  # 0-based, as mtk.data names rows; first the missing ones: a CSV
+        # column with an empty cell reads as floats, and row 0's 1.0 would be named instead of the empty row
+        if label is None or (isinstance(label, str) and not label.strip()) or label != label:  # NaN
+            raise DataError(f"{name} row {row} has no label; every row needs one")
+    for row, label in enumerate(labels):
+        if isinstance(label, float) or isinstance(label, bool) or not isinstance(label, (int, str)):
+            raise DataError(f"{name} row {row} has label {label!r}; labels are names or integer ids 0..K-1")
+
+
+def label_ids(train: Dataset, evaluation: Dataset, held_out: str = "--eval_data") -> dict[Any, int]:
+    """Label (a name or an id) -> id: names in sorted order, ids as they are (0..K-1). ``held_out``: what the
+    evaluation rows are called (the file's option, or the part of --data held out)."""
     unseen = sorted(set(evaluation["label"]) - set(train["label"]), key=str)
     if unseen:  # a class the head would hold but training never shows it
         raise DataError(
-            f"--eval_data has label {unseen[0]!r}, which no training row has; every evaluation label must be one the "
+            f"{held_out} has label {unseen[0]!r}, which no training row has; every evaluation label must be one the "
             "training data has"
         )
     values = set(train["label"]) | set(evaluation["label"])
@@ -181,12 +184,16 @@ def main(argv=None) -> None:
     set_seed(args.seed)
     tokenizer = tokenizer_for(args.model, args.tokenizer, resolve_config(args.model).vocab_size)
     raw = load_data(args.data)
+    check_rows(raw, "--data")
+    held_out = "--eval_data"
     if args.eval_data:
-        train_rows, eval_rows = raw, load_data(args.eval_data, "--eval_data")
+        train_rows, eval_rows = raw, load_data(args.eval_data, held_out)
+        check_rows(eval_rows, held_out)
     else:
         split = raw.train_test_split(test_size=0.2, seed=args.seed)
         train_rows, eval_rows = split["train"], split["test"]
-    ids = label_ids(train_rows, eval_rows)
+        held_out = "the fifth of --data held out for evaluation (no --eval_data)"
+    ids = label_ids(train_rows, eval_rows, held_out)
     options = dict(tokenizer=tokenizer, max_length=args.max_length, ids=ids)
     train = train_rows.map(encode, batched=True, remove_columns=train_rows.column_names, fn_kwargs=options)
     test = eval_rows.map(encode, batched=True, remove_columns=eval_rows.column_names, fn_kwargs=options)

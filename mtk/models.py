@@ -461,8 +461,11 @@ def causal_lm_refusal(config: PretrainedConfig) -> str | None:
     head and, for an encoder, attention both ways: it generates or measures something meaningless, exit 0."""
     if auto_class_for(config) is not AutoModelForCausalLM:
         return f"{config.model_type} is an encoder (its attention looks both ways)"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    heads = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())  # (Gemma 3's is a ...ForConditionalGeneration)
     names = getattr(config, "architectures", None) or []
-    if names and not any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in names):
+    if names and not any(name in heads or name.endswith(("ForCausalLM", "LMHeadModel")) for name in names):
         return f"its config names {', '.join(names)}, which has no causal language-model head"
     return None
 

@@ -18,7 +18,13 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from mtk.checkpoint.base_model import differs, fingerprint
-from mtk.checkpoint.export import check_new_directory, copy_tokenizer, drop_auto_map, staged_directory
+from mtk.checkpoint.export import (
+    check_new_directory,
+    copy_generation_config,
+    copy_tokenizer,
+    drop_auto_map,
+    staged_directory,
+)
 from mtk.checkpoint.hf_load import safetensors_index
 from mtk.checkpoint.integrity import read_verified
 from mtk.checkpoint.meta import CheckpointMeta
@@ -182,6 +188,7 @@ def export_merged(
         merged.save_pretrained(tmp, max_shard_size=max_shard_size)
         drop_auto_map(tmp / "config.json")
         copy_tokenizer(checkpoint, meta, tmp)
+        copy_generation_config(checkpoint, meta, tmp)  # the run's, over the base's
         if verify:
             reloaded = _hf_class(meta).from_pretrained(tmp, dtype=DTYPES[dtype] if dtype else torch.float32)
             state, expected = reloaded.state_dict(), merged.state_dict()

@@ -24,6 +24,7 @@ from mtk.errors import CheckpointError
 from mtk.parallel.fsdp import counted_here, local
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.parameters import param_info
+from mtk.parallel.pieces import Piece, flat_piece
 from mtk.parallel.record import adapter_configs, is_peft_model
 from mtk.parallel.state import ParallelState
 
@@ -86,7 +87,7 @@ def fingerprint(model: nn.Module, parallel: ParallelState | None = None) -> dict
         shape, spec = full_shape_and_spec(model, name)
         if spec.is_replicated and not first:
             continue
-        held = cast(Any, param).ds_tensor if zero3 else local(param)  # (ZeRO-3's piece is zero-padded: adds 0)
+        held = _zero3_elements(param) if zero3 else local(param)
         values = held.detach().to(device, torch.float64)  # [shard, or this rank's piece of it]
         weight = 1.0 if spec.is_replicated else 1.0 / info.tp_replicas
         if replica_rank == 0:  # the parameter itself is counted once, whatever splits it
@@ -97,6 +98,15 @@ def fingerprint(model: nn.Module, parallel: ParallelState | None = None) -> dict
         dist.all_reduce(totals)
     count, elements, total, absolute, squares = totals.tolist()
     return {"parameters": int(count), "elements": int(elements), "sum": total, "sum_abs": absolute, "sum_sq": squares}
+
+
+def _zero3_elements(param: nn.Parameter) -> torch.Tensor:
+    """This rank's elements of a ZeRO-3 parameter: DeepSpeed's piece without its padding, which is allocated with
+    ``torch.empty`` and never written for a frozen parameter (any bytes, NaN too, on the last rank's tail and on a
+    rank whose piece starts past the end)."""
+    group = cast(Any, param).ds_process_group
+    found = flat_piece(param, Piece(dist.get_rank(group=group), dist.get_world_size(group=group)))
+    return found[0] if found else cast(Any, param).ds_tensor[:0]  # [this rank's elements]
 
 
 def base_record(model: nn.Module, parallel: ParallelState) -> dict[str, Any] | None:

@@ -11,7 +11,7 @@ import transformers
 from mtk.args import positive_float, positive_int, seed
 from mtk.config import check_expert_tp_size
 from mtk.errors import MtkError, allocation_failure
-from mtk.models import check_seq_len, resolve_config
+from mtk.models import auto_class_for, check_seq_len, resolve_config
 from mtk.planner.shapes import expert_parallel_refusal
 from mtk.rules import check_tp_size
 from mtk.spawn import DistributedTestError, run_distributed
@@ -103,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
     # Fail fast, in one line, before any process starts: unknown name, missing directory, bad tp.
     check_tp_size(resolve_config(args.model), args.tp)
     check_seq_len(resolve_config(args.model), args.seq, "--seq")  # (GPT-2 failed in every worker's forward)
+    if args.seq < 2 and auto_class_for(resolve_config(args.model)) is transformers.AutoModelForCausalLM:  # (NaN)
+        raise MtkError("--seq 1: a causal LM's row of one token has no next token to predict (no loss); use 2 or more")
     check_expert_tp_size(args.etp, args.tp)
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
     layout = f"tp={args.tp}" + (f" ep={args.ep}" if args.ep > 1 else "") + (f" etp={args.etp}" if args.etp else "")

@@ -205,6 +205,8 @@ def load_data(path: str | Path, option: str = "--data") -> Dataset:
             with _quiet_datasets():
                 dataset = load_dataset(kind, data_files=[str(p) for p in files], split="train", **options)
         except Exception as err:  # datasets' own errors (malformed JSON, ...), as one line
+            if "corresponds to no data" in str(err):  # (its word for files of no rows: a CSV of a header alone)
+                raise DataError(f"{option} {path} has no rows") from None
             cause = _root_cause(err) if len(files) == 1 else _which_file(kind, files, err)
             raise DataError(
                 f"{option} {path} could not be read as {kind} ({cause}); check the file's format"
@@ -218,7 +220,7 @@ def load_data(path: str | Path, option: str = "--data") -> Dataset:
 # A CSV cell has no type and no null: a text column is text even where every cell looks like a number ("42" read as
 # the integer 42) or like pandas' missing values ("NA", "None", "null": read as None), and an empty cell is the
 # empty string, as {"text": ""} is in JSON lines (read as None, then refused)
-CSV_TEXT_COLUMNS = ("text", "prompt", "completion")
+CSV_TEXT_COLUMNS = ("text", "prompt", "completion", "chosen", "rejected")  # (the last two: preference pairs)
 # pandas' default missing-value strings (read_csv's documented list), kept for every other column (an empty label)
 _PANDAS_MISSING = ["", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN",
                    "<NA>", "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"]  # fmt: skip

@@ -75,10 +75,11 @@ def _resolve_targets(model: nn.Module, config: Any, report) -> Any:
     if getattr(config, "target_parameters", None) and not config.target_modules:
         _refuse_split_modules_to_save(model, config)
         return config  # PEFT's parameter targets alone (their names checked above)
+    record = parallelized(model)
     split = split_linear_names(model)
-    suffixes = sorted({name.rpartition(".")[2] for name in split})
+    suffixes = sorted(_on_every_stage({name.rpartition(".")[2] for name in split}, record))
     if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
-        whole = sorted(n for n, m in model.named_modules() if _linear_kind(m) == "whole")
+        whole = sorted(_on_every_stage({n for n, m in model.named_modules() if _linear_kind(m) == "whole"}, record))
         config.target_modules = set(suffixes)
         # a whole linear sharing a split one's name (BERT's pooler.dense): excluded by its full name
         clashes = [n for n in whole if n.rpartition(".")[2] in config.target_modules]
@@ -89,7 +90,6 @@ def _resolve_targets(model: nn.Module, config: Any, report) -> Any:
     targets = [] if isinstance(config.target_modules, str) else sorted(config.target_modules)
     shown = config.target_modules if isinstance(config.target_modules, str) else ",".join(targets)
     valid = f"LoRA adapts the tensor-parallel linears {', '.join(suffixes)} (or all-linear)"
-    record = parallelized(model)
     stage = record.stage if record else None
     if getattr(config, "layer_replication", None):
         raise ConfigError(
@@ -120,6 +120,17 @@ def _resolve_targets(model: nn.Module, config: Any, report) -> Any:
         raise ConfigError(f"LoRA target(s) {', '.join(unmatched)} match no module; {valid}")
     _refuse_split_modules_to_save(model, config)
     return config
+
+
+def _on_every_stage(names: set[str], record: Any) -> set[str]:
+    """``names`` of every pipeline stage's modules (collective at pp > 1): the stages of a model whose layers differ
+    (a hybrid's attention kinds, MoE layers after dense ones) hold different linears, and the main process's
+    ``all-linear`` alone, saved as the adapters' config, would leave the other stages' adapters unloaded."""
+    if record is None or record.stage is None or record.pp_size == 1 or not dist.is_initialized():
+        return names
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(names))
+    return set().union(*gathered)
 
 
 def _refuse_split_modules_to_save(model: nn.Module, config: Any) -> None:

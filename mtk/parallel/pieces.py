@@ -3,9 +3,9 @@
 Two engines split a TP shard again over the DP ranks. FSDP2 splits dim 0 as ``torch.chunk`` does
 (``ceil(rows / count)`` rows per piece, the last ones shorter or empty) and keeps each piece as a ``DTensor``;
 DeepSpeed's ZeRO-3 flattens the tensor and gives each rank ``ceil(numel / count)`` elements of it
-(``param.ds_tensor``, zero-padded at the end). Either way a piece is one contiguous run of the row-major shard's
-elements, so a checkpoint stores it flat with its ``[start, stop)`` and the shard's shape, and a reader joins
-the runs back (:mod:`mtk.checkpoint.reader`) whatever split wrote them.
+(``param.ds_tensor``, padded at the end with bytes never written for a frozen parameter). Either way a piece is one
+contiguous run of the row-major shard's elements, so a checkpoint stores it flat with its ``[start, stop)`` and the
+shard's shape, and a reader joins the runs back (:mod:`mtk.checkpoint.reader`) whatever split wrote them.
 """
 
 from __future__ import annotations

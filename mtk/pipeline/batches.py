@@ -21,23 +21,28 @@ FUSED_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_t
 
 
 def split_micro_batches(
-    batch: dict[str, Any], count: int, group: int = 1, *, token_weighted: bool = False
+    batch: dict[str, Any], count: int, group: int = 1, *, token_weighted: bool = False, any_sizes: bool = False
 ) -> list[dict[str, Any]]:
     """Cut every tensor of ``batch`` (or a context-parallel split's :class:`~mtk.parallel.context.ContextShard`,
     which chunks as one) into ``count`` equal chunks along the batch dimension.
 
     A batch that ``count`` does not divide (a data set's last, partial batch: the Trainer keeps it, as a single
-    process trains it) is cut into fewer chunks, in a multiple of ``group`` (the interleaved schedule's pp); the
-    caller reports it. The most equal chunks that divide it keep every loss exact (a mean over rows is the mean of
-    equal chunks' means). Where none does, a ``token_weighted`` loss (summed over tokens and divided by the batch's
-    count, or weights on the log-probabilities) is exact over chunks of any size: sizes that differ by one."""
+    process trains it) is cut otherwise; the caller reports fewer chunks. A ``token_weighted`` loss (summed over
+    tokens and divided by the batch's count, or weights on the log-probabilities) is exact over chunks of any size,
+    so with ``any_sizes`` it keeps ``count`` chunks (sizes that differ by one: 61 rows in 8 are 8 chunks of 7 or 8,
+    not one of 61, which would hold 8 times a step's activations). Otherwise the most equal chunks that divide it,
+    in a multiple of ``group`` (the interleaved schedule's pp), keep every loss exact (a mean over rows is the mean
+    of equal chunks' means); where none does, a ``token_weighted`` loss takes chunks that differ by one."""
     sizes = {len(t) for t in batch.values()}
     if len(sizes) != 1:
         raise ConfigError(f"pipeline inputs disagree on the batch size: { {k: len(t) for k, t in batch.items()} }")
     size = sizes.pop()
     counts = [n for n in range(min(count, size), 0, -1) if n % group == 0]
     equal = [n for n in counts if size % n == 0]
-    pieces = equal[0] if equal else counts[0] if counts and token_weighted else None
+    if counts and token_weighted and any_sizes:
+        pieces: int | None = counts[0]
+    else:
+        pieces = equal[0] if equal else counts[0] if counts and token_weighted else None
     if pieces is None:
         raise ConfigError(
             f"a batch of {size} sequences does not split into megatron_lm_num_micro_batches = {count}, nor into "

@@ -188,7 +188,10 @@ class PipelineModel(nn.Module):
         copied = group - rows if weighted and rows < group and split is None and not self._router_experts else 0
         if copied:  # (a routing loss would count the copies; a context split's shards are not rows to copy)
             batch = with_ignored_rows(batch, copied)
-        micro = split_micro_batches(batch, self.num_micro_batches, group, token_weighted=weighted)  # (see there)
+        routed = self._router_experts  # (each micro-batch its own routing term: the partition is part of the loss)
+        micro = split_micro_batches(
+            batch, self.num_micro_batches, group, token_weighted=weighted, any_sizes=not routed
+        )  # (see there)
         self._micro_count = len(micro)
         self._report_fewer_micro_batches(rows, copied)
         if num_items is not None:

@@ -381,7 +381,8 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
         if self.args.eval_on_start and self.eval_dataset is None:  # (transformers raises it after set-up, as a bug)
             raise ConfigError("eval_on_start needs an eval_dataset: give one (--eval_data) or leave eval_on_start off")
         evaluates = str(getattr(self.args.eval_strategy, "value", self.args.eval_strategy)) != "no"
-        if self.compute_metrics is not None and self.accelerator.parallel.pp_size > 1 and evaluates:
+        logits = evaluates and not self.args.prediction_loss_only  # (loss only: transformers never asks for logits)
+        if self.compute_metrics is not None and self.accelerator.parallel.pp_size > 1 and logits:
             raise ConfigError(_PIPELINE_LOSS_ONLY)  # (here, not at the first evaluation, after steps were trained)
         resume_from_checkpoint = claim_output_dir(
             self.args.output_dir, resume_from_checkpoint, main_process=self.accelerator.is_main_process

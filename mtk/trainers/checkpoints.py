@@ -125,8 +125,10 @@ def claim_output_dir(output_dir: str, resume: str | bool | None, *, main_process
 
 
 def _hf_weights(folder: Path) -> bool:
-    """Whether ``folder`` holds weights as transformers' own Trainer saves them (beside its trainer_state.json)."""
-    return any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
+    """Whether ``folder`` holds weights as transformers' own Trainer saves them (beside its trainer_state.json):
+    files, or under ZeRO-3 only DeepSpeed's ``global_stepN/`` and under FSDP ``pytorch_model_fsdp_0/``."""
+    patterns = ("*.safetensors", "*.bin", "global_step*/", "pytorch_model_fsdp_*")
+    return any(any(folder.glob(pattern)) for pattern in patterns)
 
 
 # What save_model writes into output_dir beside the weights (*.safetensors; *.bin a PEFT or older save's): the

@@ -83,28 +83,37 @@ def _run(main: Callable[[], None], prog: str) -> None:
         if _speaks_for_all():
             tqdm.write(f"{prog}: interrupted (SIGINT); stopped without saving", file=sys.stderr)
         sys.exit(130)  # the shell's status for a program that SIGINT stopped
-    except MtkError as err:
-        _report(prog, str(err), str(err))
-        sys.exit(2)
     except Exception as err:
-        unusable = unusable_name(err)
-        if unusable is not None:
-            _report(prog, str(unusable), str(unusable))
-            sys.exit(2)
-        memory = out_of_memory(err)
-        if memory is not None:
-            _report(prog, memory, memory)
-            sys.exit(1)
-        detail = peer_failure(err)
-        if detail is None:
+        line = _error_line(err)
+        if line is None:
             raise
-        _report(
-            prog,
-            f"a collective failed ({detail}): another rank exited or stopped answering (its error, if "
-            f"any, is above); collectives wait {_timeout_text()} for a peer",
-            key="peer failure",
-        )
-        sys.exit(1)
+        message, key, status = line
+        _report(prog, message, key)
+        sys.exit(status)
+
+
+def _error_line(err: BaseException) -> tuple[str, str, int] | None:
+    """``err`` as ``(one line, the key it is reported once under, exit status)``: mtk's refusals and a name that
+    cannot be used (2), an allocation that failed and a collective whose peer died or hung (1); ``None`` for
+    anything else (a bug: its traceback)."""
+    if isinstance(err, MtkError):
+        return str(err), str(err), 2
+    if not isinstance(err, Exception):
+        return None
+    unusable = unusable_name(err)
+    if unusable is not None:
+        return str(unusable), str(unusable), 2
+    memory = out_of_memory(err)
+    if memory is not None:
+        return memory, memory, 1
+    detail = peer_failure(err)
+    if detail is None:
+        return None
+    message = (
+        f"a collective failed ({detail}): another rank exited or stopped answering (its error, if any, is above); "
+        f"collectives wait {_timeout_text()} for a peer"
+    )
+    return message, "peer failure", 1
 
 
 def out_of_memory(err: BaseException) -> str | None:
@@ -140,18 +149,21 @@ def _leave(code: int) -> None:
 
 
 def report_mtk_errors(prog: str) -> None:
-    """For a script whose ``main`` mtk does not run (a user's Trainer or TRL script): an mtk error that reaches the
-    top is ``<prog>: error: <message>``, reported once over the ranks as :func:`run_main` does, without a
-    traceback; any other exception keeps Python's report. The exit status is Python's for an uncaught error (1)."""
+    """For a script whose ``main`` mtk does not run (a user's Trainer or TRL script, an own loop): an mtk error that
+    reaches the top is ``<prog>: error: <message>``, reported once over the ranks as :func:`run_main` does, without
+    a traceback, and so are an allocation that failed and a collective whose peer exited (the rank that waited on
+    the one that raised: its traceback went through mtk's collectives); any other exception keeps Python's
+    report. The exit status is Python's for an uncaught error (1)."""
     previous = sys.excepthook
     if getattr(previous, "_mtk", False):
         return
 
     def hook(kind, value, trace):
-        if isinstance(value, MtkError):
-            _report(prog, str(value), str(value))
-        else:
+        line = _error_line(value)
+        if line is None:
             previous(kind, value, trace)
+        else:
+            _report(prog, line[0], line[1])
 
     hook._mtk = True  # type: ignore[attr-defined]
     sys.excepthook = hook

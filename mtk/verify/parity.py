@@ -96,13 +96,22 @@ def _batch(config, batch: int, seq: int, seed: int) -> dict[str, Any]:
 
 
 def _models(spec: str | PretrainedConfig, parallel: ParallelState, dtype: torch.dtype, seed: int):
+    """The HF reference and its parallel counterpart. A directory's parallel model is read slice by slice, as
+    training reads it; an encoder saved without its classification head (``BertModel``, as classify.py takes) has
+    no head to read: its parallel model is the reference's copy, whose fresh head is drawn from ``seed`` on every
+    rank alike."""
     if isinstance(spec, str) and Path(spec).is_dir():
         config = resolve_config(spec)
+        kind = auto_class_for(config)
+        torch.manual_seed(seed)  # (a head the directory lacks starts from it)
         try:
-            reference = auto_class_for(config).from_pretrained(spec, dtype=dtype, use_safetensors=True)
+            reference = kind.from_pretrained(spec, dtype=dtype, use_safetensors=True)
         except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # a damaged or foreign weights file
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise CheckpointError(f"{spec}: transformers cannot load its weights ({first[:200]})") from None
+        names = getattr(config, "architectures", None) or []
+        if kind.__name__.endswith("SequenceClassification") and not any("Classification" in n for n in names):
+            return reference.eval(), parallelize(copy.deepcopy(reference), parallel).eval()
         return reference.eval(), load_pretrained_tp(spec, parallel, dtype=dtype).eval()
     reference = build_model(spec, seed=seed, dtype=dtype).eval()
     return reference, parallelize(copy.deepcopy(reference), parallel).eval()

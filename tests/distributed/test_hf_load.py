@@ -132,6 +132,19 @@ def test_loaded_tp_shared_norms_get_exact_gradients(tmp_path):
         assert result.num_params > 0
 
 
+def test_verify_of_an_encoder_saved_without_its_classification_head(tmp_path):
+    """A BERT saved as ``BertModel`` (all-MiniLM-L6-v2; classify.py starts its head fresh) was refused by verify
+    (no tensor for 'classifier.weight'): the head starts from the seed on both sides, on every rank alike."""
+    from transformers import BertModel
+
+    from mtk.verify import verify_worker
+
+    BertModel(build_model("tiny-bert", seed=2).config).save_pretrained(tmp_path)
+    for result in run_distributed(verify_worker, world_size=2, args=(str(tmp_path), "fp32", 2, 16, 0)):
+        assert not result.error and result.model_class == "BertForSequenceClassification", result.error
+        assert max(result.logits, result.loss, result.grads) <= 1e-5, (result.grads, result.worst_param)
+
+
 def _load_stage(rank: int, world_size: int, directory: str, tp: int) -> dict:
     from mtk.pipeline.engine import PipelineModel
 

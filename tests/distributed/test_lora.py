@@ -377,3 +377,34 @@ def _peft_start_checks(rank: int, world_size: int, tp: int, pp: int) -> int:
 def test_adapters_can_start_where_peft_starts_on_one_process(tp, pp):
     counts = run_distributed(_peft_start_checks, world_size=tp * pp, args=(tp, pp))
     assert all(count > 0 for count in counts)
+
+
+def _hybrid_stage_save(rank: int, world_size: int, root: str) -> list[str]:
+    """Qwen3-Next at PP 2: stage 0 holds three linear-attention layers, stage 1 the full-attention one, so the
+    stages hold different linears. ``all-linear`` was each stage's own, and the main process's (without q/k/v/o)
+    became the saved adapter config: PEFT loaded the saved full-attention adapters of stage 1 as nothing."""
+    from peft import PeftModel
+
+    from mtk.verify.sweep import tiny_config
+
+    state = ParallelState.build(tp_size=1, pp_size=world_size)
+    config = tiny_config("qwen3_next")
+    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    hf = build_model(config, seed=0).eval()
+    cut = parallelize(copy.deepcopy(hf), state, pipeline_layers=(3, 1))
+    model = get_peft_model(cut, _config("all-linear"), report=lambda line: None)
+    full = gather_state_dict(model, state)
+    model.save_pretrained(root, state_dict=full)
+    targets = sorted(model.peft_config["default"].target_modules)
+    if rank == 0:
+        loaded = dict(PeftModel.from_pretrained(hf, root).named_parameters())
+        saved = {k: v for k, v in full.items() if ".lora_" in k}
+        assert any(".self_attn.q_proj." in k for k in saved)
+        for name, tensor in saved.items():
+            assert torch.equal(loaded[name], tensor), name
+    return targets
+
+
+def test_all_linear_names_every_stages_linears_and_the_saved_adapters_load(tmp_path):
+    targets = run_distributed(_hybrid_stage_save, world_size=2, args=(str(tmp_path),))
+    assert targets[0] == targets[1] and {"q_proj", "in_proj_qkvz"} <= set(targets[0]), targets

@@ -160,6 +160,8 @@ def test_export_adapter_loads_with_peft(tmp_path, lora_tp2, chat_setup):
 
         assert_close_rel(merged(input_ids=ids).logits, model(input_ids=ids).logits, "merged vs PEFT logits")
     assert (tmp_path / "merged" / "tokenizer_config.json").is_file()  # the run's tokenizer travels along
+    run_generation = (lora_tp2.dir / "step_6" / "generation_config.json").read_text()  # the run's, not the base's
+    assert (tmp_path / "merged" / "generation_config.json").read_text() == run_generation
     # --dtype casts the adapters (it was accepted and ignored); --max_shard_size has nothing to shard: one line
     step = str(lora_tp2.dir / "step_6")
     assert _mtk("export", step, str(tmp_path / "bf16"), "--adapter", "--dtype", "bf16").returncode == 0

@@ -259,8 +259,13 @@ def test_a_refused_training_argument_is_one_line(tmp_path):
 
 def test_compute_metrics_at_pp_is_one_line_before_training(tmp_path):
     """A pipelined model returns its loss only: compute_metrics (which needs the logits) was refused at the first
-    evaluation, after the steps before it had trained, and named compute_metrics for predict() too."""
+    evaluation, after the steps before it had trained, and named compute_metrics for predict() too. With
+    prediction_loss_only transformers never asks for the logits nor calls compute_metrics: that run trains."""
     args = ("--trainer", "mtk", "--output_dir", str(tmp_path / "run"), "--metrics")
     out = accelerate_launch(SCRIPT, "tp1_pp2", *args, check=False)
     one_line_error(out, "with pp > 1 the pipelined model returns its loss only, not logits", prog="trainer_script.py")
     assert "'loss'" not in out.stdout + out.stderr and not list((tmp_path / "run").glob("checkpoint-*"))
+    loss_only = ("--trainer", "mtk", "--output_dir", str(tmp_path / "loss_only"), "--metrics", "--loss_only")
+    accelerate_launch(SCRIPT, "tp1_pp2", *loss_only, "--max_steps", "2")
+    history = json.loads((tmp_path / "loss_only" / "log_history.json").read_text())
+    assert [entry["step"] for entry in history if "eval_loss" in entry] == [2], history

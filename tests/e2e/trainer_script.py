@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--save_model", action="store_true")
     parser.add_argument("--deepspeed", default=None, help="a DeepSpeed JSON (TrainingArguments.deepspeed)")
     parser.add_argument("--metrics", action="store_true", help="evaluate token accuracy from the logits too")
+    parser.add_argument("--loss_only", action="store_true", help="TrainingArguments.prediction_loss_only")
     parser.add_argument("--moe", action="store_true", help="a tiny Qwen3-MoE instead of the tiny Llama")
     args = parser.parse_args()
     if args.trainer == "mtk":
@@ -113,6 +114,7 @@ def main() -> None:
         disable_tqdm=True,
         seed=0,
         deepspeed=args.deepspeed,
+        prediction_loss_only=args.loss_only,
     )
     trainer = Trainer(
         model=moe_model() if args.moe else model(),

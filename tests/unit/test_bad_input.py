@@ -19,7 +19,7 @@ from mtk.checkpoint.sharded import save_checkpoint
 from mtk.cli.main import main as mtk_main
 from mtk.convert import parallelize
 from mtk.errors import DataError
-from mtk.models import ModelSpecError, build_model, resolve_config
+from mtk.models import ModelSpecError, build_model, causal_lm_refusal, resolve_config
 from mtk.parallel import ParallelState
 from mtk.training.entry import run_main
 from mtk.verify.sweep import tiny_config
@@ -220,6 +220,7 @@ def test_cli_options(checkpoint, tmp_path, capsys):
         (["verify", "--model", "tiny-llama", "--tolerance", "nan"], "mtk", "argument --tolerance: must be a finite"),
         (["verify", "--model", "tiny-llama", "--seq", "0"], "mtk", "argument --seq: must be a positive integer"),
         (["verify", "--model", "tiny-gpt2", "--seq", "600"], "mtk verify", "--seq 600 is longer than the model's 256"),
+        (["verify", "--model", "tiny-llama", "--seq", "1"], "mtk verify", "--seq 1: a causal LM's row of one token"),
         (["bench", "--model", "tiny-gpt2", "--seq", "600"], "mtk bench", "--seq 600 is longer than the model's 256"),
         (["bench", "--model", str(tmp_path / "bert")], "mtk bench", "bert is an encoder (its attention looks both"),
         (["topology", "--world", "100000000", "--tp", "2"], "mtk topology", "lists every rank of every group, up to"),
@@ -425,7 +426,22 @@ def test_classification_labels_are_checked(labels, message):
 
     train = Dataset.from_dict({"text": ["a", "b", "c"], "label": labels})
     with pytest.raises(DataError, match=re.escape(message)):
+        EXAMPLES["classify"].check_rows(train, "--data")
         EXAMPLES["classify"].label_ids(train, train)
+
+
+def test_a_missing_label_is_named_by_its_row_in_the_file_when_a_fifth_is_held_out(tmp_path, capsys):
+    """Without --eval_data the labels were checked after the shuffled split: row 7 of the file was named "--data
+    row 1", or "--eval_data row 0" (an option not given)."""
+    rows = "".join(f"t{i},{'' if i == 7 else i % 2}\n" for i in range(10))
+    (tmp_path / "rows.csv").write_text("text,label\n" + rows)
+    options = ["--data", str(tmp_path / "rows.csv"), "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_:
+        run_main(partial(EXAMPLES["classify"].main, options), "classify.py")
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "classify.py: error: --data row 7 has no label; every row needs one"
+    )
 
 
 def test_label_ids_with_a_few_gaps_are_classes():
@@ -472,6 +488,23 @@ def test_model_directories_that_need_code_or_hold_pickles_are_one_line(tmp_path)
         resolve_config(str(invalid))
 
 
+def test_a_generation_config_transformers_cannot_read_is_one_line(tmp_path):
+    """A model directory's generation_config.json that is not JSON, not an object, or a value transformers'
+    validation refuses was a traceback on every rank (transformers' from_pretrained drops the first silently)."""
+    from mtk.checkpoint.hf_load import empty_model
+
+    build_model("tiny-llama").save_pretrained(tmp_path)
+    cases = [
+        ('{"eos_token_id": [2', r"generation_config.json is not valid JSON \(Expecting"),
+        ("[1, 2]", "generation_config.json holds a JSON list, not an object of settings; fix it or remove it"),
+        ('{"max_new_tokens": 0}', "generation_config.json: `max_new_tokens` must be greater than 0, but is 0; fix"),
+    ]
+    for text, message in cases:
+        (tmp_path / "generation_config.json").write_text(text)
+        with pytest.raises(ModelSpecError, match=message):
+            empty_model(tmp_path)
+
+
 def test_a_model_index_that_names_a_file_outside_its_directory_is_one_line(tmp_path):
     """A model directory's safetensors index is data: a shard name with a path (``../x.safetensors``) was read from
     wherever it pointed; HF writes shard names beside the index, and anything else is refused before a read."""
@@ -515,6 +548,9 @@ def test_generate_on_a_directory_it_cannot_use_is_one_line(checkpoint, tmp_path,
             run_main(partial(EXAMPLES["generate"].main, [str(directory), "--prompt", "hi"]), "generate.py")
         assert exit_.value.code == 2
         _one_line(capsys.readouterr().err, "generate.py", message)
+    gemma3 = resolve_config("tiny-llama")  # transformers' causal-LM mapping names Gemma 3's multimodal class
+    gemma3.architectures = ["Gemma3ForConditionalGeneration"]
+    assert causal_lm_refusal(gemma3) is None
 
 
 def test_generate_with_a_chat_template_that_leaves_the_sandbox_is_one_line(tmp_path, capsys, monkeypatch):

@@ -1530,3 +1530,23 @@ def test_adapter_settings_that_differ_from_the_checkpoints_are_one_line():
     model.peft_config["default"].target_modules = r".*\.(q_proj|v_proj)"  # more modules
     with pytest.raises(CheckpointError, match=r"changes target_modules \['q_proj'\] -> "):
         check_adapter_settings("ckpt", saved, model)
+
+
+def test_a_zero3_base_fingerprint_leaves_deepspeeds_unwritten_padding_out(monkeypatch):
+    """DeepSpeed allocates a ZeRO-3 piece with ``torch.empty`` and never writes a frozen parameter's padding: a
+    fingerprint that summed it changed from process to process (a resume refused as "another base"), and NaN there
+    made every comparison pass."""
+    import torch.distributed as dist
+
+    from mtk.checkpoint import base_model
+
+    param = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    param.ds_shape, param.ds_numel, param.ds_process_group = (5,), 5, None  # 5 elements over 2 ranks: 3 + 2
+    param.ds_tensor = torch.tensor([3.0, 4.0, float("nan")])  # rank 1's piece: elements 3, 4 and padding
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    assert base_model._zero3_elements(param).tolist() == [3.0, 4.0]
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)  # 2 per rank: rank 3 starts past the end
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 3)
+    param.ds_tensor = torch.tensor([float("nan"), float("nan")])
+    assert len(base_model._zero3_elements(param)) == 0

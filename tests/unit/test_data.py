@@ -360,3 +360,9 @@ def test_a_csv_text_column_is_text_whatever_its_cells_look_like(tmp_path):
     assert rows["label"] == [1, 0, 1, 0, 1, 0, None]  # an empty label is still missing (classify.py: one line)
     (tmp_path / "plain.csv").write_text("text,label\nhello,1\nworld,0\n")
     assert str(load_data(tmp_path / "plain.csv").features["text"]) == "Value('large_string')"  # as datasets reads it
+    (tmp_path / "pairs.csv").write_text("prompt,chosen,rejected\nQ?,42,NA\nR?,None,\n")  # dpo.py's columns
+    pairs = load_data(tmp_path / "pairs.csv")
+    assert (pairs["chosen"], pairs["rejected"]) == (["42", "None"], ["NA", ""])
+    (tmp_path / "header.csv").write_text("text,label\n")  # datasets: 'Instruction "train" corresponds to no data!'
+    with pytest.raises(DataError, match=r"header.csv has no rows$"):
+        load_data(tmp_path / "header.csv")

@@ -43,6 +43,26 @@ def test_a_lost_peer_is_one_line_and_status_1(capsys):
     assert len(err.splitlines()) == 1
 
 
+def test_an_own_loops_hook_names_a_lost_peer_in_one_line(capsys, monkeypatch):
+    """A user's own loop (the Accelerator's excepthook): a rank that waited in one of mtk's collectives on a peer
+    that raised printed a traceback through mtk's code, where the scripts say it in one line; a bug keeps its
+    traceback."""
+    import sys
+
+    from mtk.training.entry import report_mtk_errors
+
+    seen: list[BaseException] = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, trace: seen.append(value))
+    report_mtk_errors("loop.py")
+    sys.excepthook(RuntimeError, RuntimeError(CLOSED), None)
+    err = capsys.readouterr().err
+    assert err.startswith("loop.py: error: a collective failed (Connection closed by peer [127.0.0.1]:10125)"), err
+    assert len(err.splitlines()) == 1 and not seen
+    bug = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    sys.excepthook(RuntimeError, bug, None)
+    assert seen == [bug] and not capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "error",
     [

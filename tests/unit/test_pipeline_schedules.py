@@ -161,7 +161,8 @@ def test_layers_are_split_evenly_unless_asked():
 
 
 def test_a_batch_the_micro_batches_do_not_divide_splits_as_the_loss_allows():
-    """Equal chunks where they exist; at the interleaved schedule (groups of pp) chunks one row apart for a
+    """Equal chunks where they exist; a token-weighted loss free to take any sizes keeps the count (61 rows in 8 are
+    not one micro-batch of 61); at the interleaved schedule (groups of pp) chunks one row apart for a
     token-weighted loss, one line for a mean of micro-batch means; copies of the last row count for nothing."""
     import pytest
     import torch
@@ -171,6 +172,17 @@ def test_a_batch_the_micro_batches_do_not_divide_splits_as_the_loss_allows():
 
     batch = {"input_ids": torch.arange(12).reshape(6, 2), "labels": torch.arange(12).reshape(6, 2)}
     assert [len(c["input_ids"]) for c in split_micro_batches(batch, 4)] == [2, 2, 2]
+    assert [len(c["input_ids"]) for c in split_micro_batches(batch, 4, token_weighted=True, any_sizes=True)] == [
+        2,
+        2,
+        1,
+        1,
+    ]
+    prime = {"input_ids": torch.zeros(61, 2)}
+    assert [len(c["input_ids"]) for c in split_micro_batches(prime, 8)] == [61]  # (a mean of means: equal only)
+    assert [len(c["input_ids"]) for c in split_micro_batches(prime, 8, token_weighted=True, any_sizes=True)] == [
+        8
+    ] * 5 + [7] * 3
     three = {k: v[:3] for k, v in batch.items()}
     assert [len(c["input_ids"]) for c in split_micro_batches(three, 4, 2, token_weighted=True)] == [2, 1]
     with pytest.raises(ConfigError, match="does not split into megatron_lm_num_micro_batches = 4, nor into fewer"):

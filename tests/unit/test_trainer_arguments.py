@@ -296,10 +296,12 @@ def test_an_incomplete_checkpoint_n_is_called_incomplete_on_resume(tmp_path):
 
     out = tmp_path / "out"
     no_metadata, no_state, transformers_own = out / "checkpoint-2", out / "checkpoint-4", out / "checkpoint-6"
-    for folder in (no_metadata, transformers_own):
+    zero3_own = out / "checkpoint-8"  # transformers' Trainer under ZeRO-3: the weights in DeepSpeed's folder only
+    for folder in (no_metadata, transformers_own, zero3_own):
         folder.mkdir(parents=True)
         (folder / "trainer_state.json").write_text("{}")
     (transformers_own / "model.safetensors").write_bytes(b"")
+    (zero3_own / "global_step8").mkdir()
     no_state.mkdir()
     meta = CheckpointMeta(step=4, topology=Layout(world_size=1, tp_size=1, pp_size=1))
     meta.files = {"trainer_state.json": {"bytes": 2, "xxh3_128": "0" * 32}}
@@ -308,6 +310,7 @@ def test_an_incomplete_checkpoint_n_is_called_incomplete_on_resume(tmp_path):
         (no_metadata, "checkpoint-2 is incomplete: it has trainer_state.json but no metadata.json (an interrupted"),
         (no_state, "checkpoint-4 is incomplete: the trainer_state.json its metadata.json lists is missing; resume"),
         (transformers_own, "checkpoint-6 is a checkpoint of transformers' own Trainer (no mtk metadata.json)"),
+        (zero3_own, "checkpoint-8 is a checkpoint of transformers' own Trainer (no mtk metadata.json)"),
     ]
     for checkpoint, said in cases:
         with pytest.raises(CheckpointError, match=re.escape(said)):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtk.checkpoint.export import check_new_directory, staged_directory
-from mtk.errors import CheckpointError
+from mtk.errors import CheckpointError, MtkError
 
 __all__ = ["check_no_shards_to_clean", "check_target", "save_pretrained"]
 
@@ -88,14 +88,19 @@ def save_pretrained(accelerator: Any, model: nn.Module, directory: str | Path, t
 
 def _on_main_process(accelerator: Any, job: Callable[[], None]) -> None:
     """Run ``job`` on the main process (the one that writes) and raise its error on every rank (collective), so no
-    rank waits in a collective another left (a folder only some nodes can see or write)."""
+    rank waits in a collective another left (a folder only some nodes can see or write). An error that is not
+    mtk's (a bug, PEFT's) keeps its traceback on the main process; the others say where it is."""
     problem: list[str | None] = [None]
+    failed: Exception | None = None
     if accelerator.is_main_process:
         try:
             job()
-        except CheckpointError as err:
-            problem = [str(err)]
+        except Exception as err:  # (every kind: the other ranks would wait in the broadcast below until timeout)
+            failed = err
+            problem = [str(err) if isinstance(err, MtkError) else f"the main process failed to write: {err!r}"]
     if dist.is_initialized():
         dist.broadcast_object_list(problem, src=0)  # rank 0 of the world is accelerate's main process
+    if failed is not None:
+        raise failed
     if problem[0] is not None:
         raise CheckpointError(problem[0])
