@@ -94,6 +94,12 @@ class PipelineModel(nn.Module):
         record = parallelized(module)
         if record is None or record.stage is None or record.pp_size != parallel.pp_size:
             raise ConfigError(f"PipelineModel needs a model cut by mtk.parallelize for pp = {parallel.pp_size}")
+        kind = type(hf_model(module)).__name__
+        if kind.endswith("ForSequenceClassification"):  # (its loss was another, exit 0: Llama's 0.961 for 0.9996)
+            raise ConfigError(
+                f"{kind} at pp > 1: its head pools each row at its last token that is not padding, found from the "
+                "input_ids, which the last stage does not receive (it pooled the padding); use pp = 1"
+            )
         # an MoE loss's load-balancing term: each stage's routing sums travel with its hidden states
         whole_router_loss(hf_model(module), "pipeline parallelism")
         self._router_experts, self._router_top_k = router_shape(hf_model(module))
@@ -170,8 +176,12 @@ class PipelineModel(nn.Module):
         if "input_ids" not in batch:
             raise ConfigError("a pipelined model takes input_ids (every stage derives shapes from them)")
         extra, whole = 0, batch["input_ids"].shape[1]
-        if num_items is None and weights is None and token_mean_loss(hf_model(self.module), batch):
+        token_mean = token_mean_loss(hf_model(self.module), batch)
+        if num_items is None and weights is None and token_mean:
             num_items = loss_tokens(batch)
+        # a loss any grouping of the rows leaves exact: the count is the one HF's token mean divides by (the Trainer
+        # passes it to a classifier too, whose loss is a mean over rows), or weights on the log-probabilities
+        weighted = weights is not None or (num_items is not None and token_mean)
         split = context_parallel_of(self.module)
         if split is not None:  # this CP rank's tokens of every row, cut before the micro-batches
             batch, num_items, extra = self._split_for_context(split, batch, num_items)
@@ -183,7 +193,6 @@ class PipelineModel(nn.Module):
         if weights is not None:  # [b, s'] as the fused head's log_probs (s' <= s), padded as the batch was
             batch["token_weights"] = F.pad(weights, (0, extra)) if extra else weights
         group = self.parallel.pp_size if self.schedule == "interleaved" else 1
-        weighted = num_items is not None or weights is not None
         rows = len(batch["input_ids"])
         copied = group - rows if weighted and rows < group and split is None and not self._router_experts else 0
         if copied:  # (a routing loss would count the copies; a context split's shards are not rows to copy)

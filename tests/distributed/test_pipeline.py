@@ -224,3 +224,27 @@ def _overlap_vs_blocking(rank, world_size, name, micro_batches, schedule, virtua
 def test_overlapped_data_parallel_reduction_equals_the_blocking_one(name, schedule, virtual):
     results = run_distributed(_overlap_vs_blocking, world_size=4, args=(name, 2, schedule, virtual), timeout=300)
     assert all(r["launched"] >= 1 for r in results), "the reduction started inside backward"
+
+
+def _sequence_classifier_at_pp(rank: int, world_size: int) -> str:
+    from transformers import LlamaForSequenceClassification
+
+    from mtk.errors import ConfigError
+
+    state = ParallelState.build(tp_size=1, pp_size=world_size)
+    config = builtin_config("tiny-llama")
+    config.num_labels, config.pad_token_id = 3, 0
+    cut = parallelize(LlamaForSequenceClassification(config), state)
+    try:
+        PipelineModel(cut, state, num_micro_batches=2)
+    except ConfigError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_a_decoder_sequence_classifier_at_pp_is_one_line():
+    """HF's decoder classifiers pool each row at its last token that is not padding, found from the input_ids; the
+    last stage receives hidden states, so HF pooled the last position, padding included: the loss was another (0.961
+    for one process's 0.9996 on rows with padding), exit 0."""
+    said = run_distributed(_sequence_classifier_at_pp, world_size=2)
+    assert all(s.startswith("LlamaForSequenceClassification at pp > 1: its head pools each row") for s in said), said
