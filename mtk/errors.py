@@ -60,7 +60,10 @@ class TrainingError(MtkError):
 
 
 # What to do, added to a library's refusal that does not say it (matched by the start of its first line).
-_LAUNCHER = "start the run with accelerate launch, torchrun or deepspeed, or unset the launcher's variables"
+_LAUNCHER = (
+    "start the run with accelerate launch, torchrun or deepspeed, or unset the launcher's variables (accelerate "
+    "launch without a config file or --multi_gpu starts one plain process on a machine without GPUs)"
+)
 _HINTS = {
     "Some specified arguments are not used by the HfArgumentParser": "check the spelling; --help lists the options",
     # accelerate, where a launcher's variables (ACCELERATE_USE_DEEPSPEED, WORLD_SIZE) are set without a launcher

@@ -25,6 +25,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     BertConfig,
+    GenerationConfig,
     GPT2Config,
     LlamaConfig,
     MistralConfig,
@@ -313,7 +314,29 @@ def resolve_config(spec: str | PretrainedConfig) -> PretrainedConfig:
             f"with a config.json, nor a config .json file"
         )
     check_weights(path)
-    return _config_from(path)
+    config = _config_from(path)
+    if (path / "generation_config.json").is_file() and auto_class_for(config) is AutoModelForCausalLM:
+        generation_config_of(path)  # (here for every entry point: generate.py and export's --base load through HF)
+    return config
+
+
+def generation_config_of(directory: Path) -> GenerationConfig:
+    """The directory's ``generation_config.json``, or one line: malformed JSON (which ``from_pretrained`` drops
+    silently, so a run would save and export transformers' defaults, and generate.py generate with them), JSON that is
+    no object, or a value transformers' validation refuses (its traceback)."""
+    path = directory / "generation_config.json"
+    try:
+        record = jsonio.loads(path.read_bytes())
+    except (OSError, ValueError) as err:  # (json's errors are ValueErrors, undecodable bytes too)
+        raise ModelSpecError(f"{path} is not valid JSON ({err}); fix it or remove it") from None
+    if not isinstance(record, dict):
+        kind = type(record).__name__
+        raise ModelSpecError(f"{path} holds a JSON {kind}, not an object of settings; fix it or remove it")
+    try:
+        return GenerationConfig.from_pretrained(directory)
+    except (OSError, ValueError, TypeError) as err:
+        reason = str(err).splitlines()[0].rstrip(".") if str(err) else type(err).__name__
+        raise ModelSpecError(f"{path}: {reason}; fix it or remove it") from None
 
 
 def _config_from(path: Path) -> PretrainedConfig:

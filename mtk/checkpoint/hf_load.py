@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from accelerate import init_empty_weights
 from torch import nn
-from transformers import GenerationConfig, PretrainedConfig
+from transformers import PretrainedConfig
 from transformers.utils import GENERATION_CONFIG_NAME
 
 from mtk import jsonio
@@ -28,7 +28,14 @@ from mtk.checkpoint.hf_conversion import converted_tensors
 from mtk.checkpoint.safetensors_slices import open_safetensors
 from mtk.convert import parallelize
 from mtk.errors import CheckpointError
-from mtk.models import ModelSpecError, auto_class_for, check_weights, resolve_config, whole_parameters
+from mtk.models import (
+    ModelSpecError,
+    auto_class_for,
+    check_weights,
+    generation_config_of,
+    resolve_config,
+    whole_parameters,
+)
 from mtk.parallel.expert_parallel import own_expert_rows, spread_experts
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.grads import sum_grad_over_tp
@@ -115,27 +122,8 @@ def empty_model(
         model = auto_class_for(config).from_config(config, dtype=dtype or getattr(config, "dtype", None), **options)
     model.tie_weights()  # init_empty_weights re-creates each registered parameter, which unties shared ones
     if model.can_generate() and (directory / GENERATION_CONFIG_NAME).is_file():
-        model.generation_config = _generation_config(directory)
+        model.generation_config = generation_config_of(directory)
     return model
-
-
-def _generation_config(directory: Path) -> GenerationConfig:
-    """The directory's generation config, or one line: malformed JSON (which ``from_pretrained`` drops silently, so
-    the run would save and export transformers' defaults in its place), JSON that is no object, or a value
-    transformers' validation refuses (its traceback)."""
-    path = directory / GENERATION_CONFIG_NAME
-    try:
-        record = jsonio.loads(path.read_bytes())
-    except (OSError, ValueError) as err:  # (json's errors are ValueErrors, undecodable bytes too)
-        raise ModelSpecError(f"{path} is not valid JSON ({err}); fix it or remove it") from None
-    if not isinstance(record, dict):
-        kind = type(record).__name__
-        raise ModelSpecError(f"{path} holds a JSON {kind}, not an object of settings; fix it or remove it")
-    try:
-        return GenerationConfig.from_pretrained(directory)
-    except (OSError, ValueError, TypeError) as err:
-        reason = str(err).splitlines()[0].rstrip(".") if str(err) else type(err).__name__
-        raise ModelSpecError(f"{path}: {reason}; fix it or remove it") from None
 
 
 def load_slices(model: nn.Module, directory: str | Path, parallel: ParallelState) -> None:

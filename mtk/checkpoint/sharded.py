@@ -228,8 +228,8 @@ def load_checkpoint(
     if meta.engine is not None:  # its optimizer state is the engine's own, which this loader does not read
         raise CheckpointError(
             f"{directory} was written by the {meta.engine} engine (its optimizer state is in {meta.engine}/); resume "
-            f"it under {meta.engine} (run.py, or an accelerate config with distributed_type: DEEPSPEED), or take its "
-            "weights with `mtk export`"
+            f"it under {meta.engine} (a Trainer or TRL script: --deepspeed with its JSON; run.py; or an accelerate "
+            "config with distributed_type: DEEPSPEED), or take its weights with `mtk export`"
         )
     paths = CheckpointPaths(directory)
     saved = meta.topology

@@ -144,3 +144,39 @@ def test_an_own_loop_reports_mtk_errors_in_one_line():
     """A user's own loop (mtk.Accelerator, not mtk's scripts or trainers): an mtk error that reaches the top was a
     traceback on every rank; the Accelerator installs the scripts' one-line report (other errors keep Python's)."""
     assert run_distributed(_hook_installed, world_size=1) == [True]
+
+
+def _resume_with_a_longer_schedule(rank, world_size, checkpoint):
+    """4 steps of a linear decay to 0 at step 4, saved; resumed with the decay stretched to step 6 (a longer
+    --max_steps): the learning rate of step 5 is the new schedule's, as an uninterrupted 6-step run's."""
+    from mtk import Accelerator
+    from mtk.models import build_model
+
+    def run(steps: int, resume: bool) -> tuple[float, float]:
+        accelerator = Accelerator()
+        model = build_model("tiny-llama")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / steps))
+        model, optimizer, schedule = accelerator.prepare(model, optimizer, schedule)
+        if resume:
+            accelerator.load_state(checkpoint)
+        else:
+            for _ in range(4):
+                optimizer.step()
+                schedule.step()
+            accelerator.save_state(checkpoint)
+        return optimizer.param_groups[0]["lr"], schedule.get_last_lr()[0]
+
+    saved = run(4, resume=False)
+    same = run(4, resume=True)
+    longer = run(6, resume=True)
+    return [saved, same, longer]
+
+
+def test_a_resume_with_a_longer_schedule_steps_at_its_rate(tmp_path):
+    """The optimizer restored the old schedule's last rate (0), which LambdaLR's load_state_dict left: the first
+    resumed step of a longer run moved nothing (transformers' Trainer does the same)."""
+    checkpoint = str(tmp_path / "step_4")
+    saved, same, longer = run_distributed(_resume_with_a_longer_schedule, world_size=1, args=(checkpoint,))[0]
+    assert saved == same == (0.0, 0.0)
+    assert longer == (1e-3 * (1 - 4 / 6),) * 2

@@ -535,7 +535,11 @@ def test_generate_on_a_directory_it_cannot_use_is_one_line(checkpoint, tmp_path,
     base_config = resolve_config("tiny-llama")
     base_config.architectures = ["LlamaModel"]
     base_config.save_pretrained(base)
+    broken = tmp_path / "broken"  # transformers dropped a malformed generation config: generated with its defaults
+    resolve_config("tiny-llama").save_pretrained(broken)
+    (broken / "generation_config.json").write_text('{"eos_token_id": [2, 5],}')
     cases = [
+        (broken, "generation_config.json is not valid JSON (Expecting property name enclosed in double quotes"),
         (checkpoint, "is an mtk training checkpoint; export it first: mtk export"),
         (encoder, "bert is an encoder (its attention looks both ways); give the directory of a causal language"),
         (base, "its config names LlamaModel, which has no causal language-model head; give the directory of a"),

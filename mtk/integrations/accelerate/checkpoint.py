@@ -207,6 +207,24 @@ class ShardedCheckpointing(_Host):
                 if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):  # (the Trainer's: it is not prepared)
                     check_scheduler_state(obj.state_dict(), saved, obj.optimizer)
                 obj.load_state_dict(saved)
+        self._follow_the_schedules()
+
+    def _follow_the_schedules(self) -> None:
+        """Each ``LambdaLR``'s learning rate as this run's schedule gives it at the restored position. The optimizer
+        restores the saved run's rate, which ``LambdaLR.load_state_dict`` leaves: a resume with a longer
+        ``--max_steps`` (``--resume ckpts/step_60 --max_steps 120``) ran its first step at the old schedule's last
+        value (0 for a linear decay), moving nothing while Adam's moments advanced. Where the schedule is the saved
+        one this is the value restored, bit for bit (the same product)."""
+        prepared = [getattr(s, "scheduler", s) for s in self._schedulers]
+        registered = [o for o in self._custom_objects if isinstance(o, torch.optim.lr_scheduler.LRScheduler)]
+        for scheduler in {id(s): s for s in prepared + registered}.values():
+            if type(scheduler) is not torch.optim.lr_scheduler.LambdaLR:  # (others' rates depend on their past)
+                continue
+            position = scheduler.last_epoch
+            rates = [base * factor(position) for factor, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
+            for group, rate in zip(scheduler.optimizer.param_groups, rates):
+                group["lr"] = rate
+            scheduler._last_lr = rates
 
     def _rescale_schedulers(self, saved_dp: int) -> None:
         """Prepared schedulers step once per DP replica per optimizer step: after a DP change their
