@@ -478,17 +478,22 @@ def auto_class_for(config: PretrainedConfig):
     return AutoModelForCausalLM
 
 
+def is_causal_lm_class(name: str) -> bool:
+    """Whether the model class ``name`` predicts the next token: transformers' causal-LM classes (Gemma 3's is a
+    ``...ForConditionalGeneration``) and any ``...ForCausalLM`` or ``...LMHeadModel``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() or name.endswith(("ForCausalLM", "LMHeadModel"))
+
+
 def causal_lm_refusal(config: PretrainedConfig) -> str | None:
     """Why ``config`` is not a model that predicts the next token, or None. transformers builds a causal LM class
     for a BERT (``BertLMHeadModel``) or for a base model's directory all the same, with a randomly initialized
     head and, for an encoder, attention both ways: it generates or measures something meaningless, exit 0."""
     if auto_class_for(config) is not AutoModelForCausalLM:
         return f"{config.model_type} is an encoder (its attention looks both ways)"
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    heads = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())  # (Gemma 3's is a ...ForConditionalGeneration)
     names = getattr(config, "architectures", None) or []
-    if names and not any(name in heads or name.endswith(("ForCausalLM", "LMHeadModel")) for name in names):
+    if names and not any(is_causal_lm_class(name) for name in names):
         return f"its config names {', '.join(names)}, which has no causal language-model head"
     return None
 

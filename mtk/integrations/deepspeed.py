@@ -42,6 +42,7 @@ from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.reader import ShardedCheckpointReader
 from mtk.checkpoint.rng import restore_rng
+from mtk.checkpoint.schedules import follow_the_schedule
 from mtk.checkpoint.sharded import load_schedulers, restore_streams, save_checkpoint
 from mtk.checkpoint.weights import reshard_weights
 from mtk.config import ConfigError
@@ -361,6 +362,8 @@ def load_deepspeed_checkpoint(
         else:
             schedulers = [engine.lr_scheduler]
     load_schedulers(paths, list(schedulers), meta.counts)
+    for scheduler in [*schedulers, engine.lr_scheduler]:  # (run.py's is the engine's)
+        follow_the_schedule(scheduler)
     meta.rng = restore_rng(paths, meta, parallel)
     restore_streams(engine.module, meta, parallel)  # the per-TP-rank dropout stream
     return meta

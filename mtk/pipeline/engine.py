@@ -30,6 +30,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from mtk.config import ConfigError, check_schedule
 from mtk.data.batching import loss_tokens
+from mtk.models import is_causal_lm_class
 from mtk.parallel.context import SPLIT_INPUTS, ContextSplit, context_parallel_of, whole_router_loss
 from mtk.parallel.expert_parallel import is_expert_parallel
 from mtk.parallel.fsdp import local
@@ -95,10 +96,11 @@ class PipelineModel(nn.Module):
         if record is None or record.stage is None or record.pp_size != parallel.pp_size:
             raise ConfigError(f"PipelineModel needs a model cut by mtk.parallelize for pp = {parallel.pp_size}")
         kind = type(hf_model(module)).__name__
-        if kind.endswith("ForSequenceClassification"):  # (its loss was another, exit 0: Llama's 0.961 for 0.9996)
+        if not is_causal_lm_class(kind):  # (each trained on another loss, exit 0)
             raise ConfigError(
-                f"{kind} at pp > 1: its head pools each row at its last token that is not padding, found from the "
-                "input_ids, which the last stage does not receive (it pooled the padding); use pp = 1"
+                f"{kind} at pp > 1: the pipeline trains causal language models (a ...ForCausalLM); a sequence "
+                "classifier pools each row at its last token that is not padding, found from the input_ids the last "
+                "stage does not receive, and a token classifier's loss is each micro-batch's mean; use pp = 1"
             )
         # an MoE loss's load-balancing term: each stage's routing sums travel with its hidden states
         whole_router_loss(hf_model(module), "pipeline parallelism")

@@ -1550,3 +1550,23 @@ def test_a_zero3_base_fingerprint_leaves_deepspeeds_unwritten_padding_out(monkey
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 3)
     param.ds_tensor = torch.tensor([float("nan"), float("nan")])
     assert len(base_model._zero3_elements(param)) == 0
+
+
+def test_a_restored_schedule_sets_its_rate_at_its_position_tensor_rates_in_place():
+    """A ``LambdaLR`` restored at position 4 of a schedule now 6 steps long: its rate is the new schedule's (the
+    optimizer restored the old one's last, 0); a tensor rate (captured, fused) is changed in place; other schedulers
+    (their rate depends on their past) stay as restored."""
+    from mtk.checkpoint.schedules import follow_the_schedule
+
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([weight], lr=torch.tensor(0.1))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / 6)
+    captured = optimizer.param_groups[0]["lr"].fill_(0.0)  # the old schedule's last rate, as the optimizer restored
+    schedule.last_epoch = 4
+    follow_the_schedule(schedule)
+    assert optimizer.param_groups[0]["lr"] is captured and captured.item() == pytest.approx(0.1 * (1 - 4 / 6))
+    assert schedule.get_last_lr()[0].item() == captured.item()
+    step = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([weight], lr=0.5), step_size=1)
+    step.optimizer.param_groups[0]["lr"] = 0.25
+    follow_the_schedule(step)
+    assert step.optimizer.param_groups[0]["lr"] == 0.25

@@ -20,6 +20,7 @@ import torch
 from mtk.checkpoint.optimizer_checks import check_scheduler_state
 from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.checkpoint.resume import data_position, rescaled_position
+from mtk.checkpoint.schedules import follow_the_schedule
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.errors import CheckpointError, ConfigError
 from mtk.integrations.accelerate.shuffle import replay_shuffles
@@ -210,25 +211,16 @@ class ShardedCheckpointing(_Host):
         self._follow_the_schedules()
 
     def _follow_the_schedules(self) -> None:
-        """Each ``LambdaLR``'s learning rate as this run's schedule gives it at the restored position. The optimizer
-        restores the saved run's rate, which ``LambdaLR.load_state_dict`` leaves: a resume with a longer
-        ``--max_steps`` (``--resume ckpts/step_60 --max_steps 120``) ran its first step at the old schedule's last
-        value (0 for a linear decay), moving nothing while Adam's moments advanced. Where the schedule is the saved
-        one this is the value restored, bit for bit (the same product)."""
-        prepared = [getattr(s, "scheduler", s) for s in self._schedulers]
+        """Each schedule's rate at its restored position, as this run's schedule gives it
+        (:mod:`mtk.checkpoint.schedules`): the prepared ones and those registered for checkpointing (the
+        Trainer's)."""
         registered = [o for o in self._custom_objects if isinstance(o, torch.optim.lr_scheduler.LRScheduler)]
-        for scheduler in {id(s): s for s in prepared + registered}.values():
-            if type(scheduler) is not torch.optim.lr_scheduler.LambdaLR:  # (others' rates depend on their past)
-                continue
-            position = scheduler.last_epoch
-            rates = [base * factor(position) for factor, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
-            for group, rate in zip(scheduler.optimizer.param_groups, rates):
-                group["lr"] = rate
-            scheduler._last_lr = rates
+        for scheduler in [*self._schedulers, *registered]:
+            follow_the_schedule(scheduler)
 
     def _rescale_schedulers(self, saved_dp: int) -> None:
         """Prepared schedulers step once per DP replica per optimizer step: after a DP change their
-        position is converted to this run's units (the learning rate itself is restored exactly)."""
+        position is converted to this run's units (the rate then follows from it: :meth:`_follow_the_schedules`)."""
         if saved_dp == self.parallel.dp_size:
             return
         for prepared in self._schedulers:
