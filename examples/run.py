@@ -23,6 +23,7 @@ if __name__ == "__main__":  # Ctrl-C while the libraries below load (seconds): s
 
 import argparse
 import contextlib
+import functools
 import os
 import time
 from pathlib import Path
@@ -46,6 +47,7 @@ from mtk.args import (
     positive_int,
     seed,
 )
+from mtk.checkpoint.extras import write_generation_config, write_tokenizer
 from mtk.checkpoint.resume import ResumeGuard, add_resume_arguments, data_position, rescaled_position, start_point
 from mtk.config import CP_COMM_TYPES, RunSettings
 from mtk.convert import parallelize
@@ -283,6 +285,9 @@ def main(argv=None) -> None:
     tokenizer = tokenizer_for(args.model, args.tokenizer, model.config.vocab_size)
     data, sampler, loader = build_data(args, parallel, tokenizer, micro, accum)
     resume = start_point(args, main_process=parallel.rank == 0, barrier=dist.barrier)
+    writers = [functools.partial(write_generation_config, engine.module)]  # what `mtk export` ships with the weights
+    if Path(args.model).is_dir() or args.tokenizer:
+        writers.append(functools.partial(write_tokenizer, tokenizer))
 
     def position(micro_batches: int) -> dict:
         """What a checkpoint records of the data: where the stream is, and what decides the stream."""
@@ -332,7 +337,7 @@ def main(argv=None) -> None:
         every=args.eval_every,
     )
     boundary = StepBoundary(
-        lambda path: save_deepspeed_checkpoint(path, engine, parallel, position(micro_batches)),
+        lambda path: save_deepspeed_checkpoint(path, engine, parallel, position(micro_batches), writers=writers),
         args.output_dir,
         args.save_every,
         args.max_steps,

@@ -115,8 +115,19 @@ def gather_state_dict(
     if not main:
         return {}
     for name, target in aliases.items():
-        full[name] = full[target]
+        full[name] = full[_under_prefix(target, name, full)]
     return full
+
+
+def _under_prefix(target: str, name: str, full: dict[str, torch.Tensor]) -> str:
+    """``target`` (a pipeline duplicate's HF name for the tensor it copies: ``transformer.wte.weight``) under the
+    prefix ``name`` has in this state dict (a ``PeftModel``'s ``base_model.model.``), as gathered."""
+    parts = name.split(".")
+    for cut in range(len(parts)):
+        key = ".".join([*parts[:cut], target])
+        if key in full:
+            return key
+    raise KeyError(f"{name} copies {target}, which the gathered state holds under no prefix of {name}")
 
 
 def _collect_stages(full: dict, aliases: dict, parallel: ParallelState) -> tuple[dict, dict]:

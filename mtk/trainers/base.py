@@ -177,6 +177,24 @@ _PIPELINE_LOSS_ONLY = (
 )
 
 
+def _refuse_a_checkpoint_past_max_steps(checkpoint: str | None, max_steps: int) -> None:
+    """transformers' loop checks ``max_steps`` only after a step: a resume from ``checkpoint-4`` with ``max_steps``
+    3 (or 4) trained a fifth step, wrote ``checkpoint-5``, and the script's ``save_model`` replaced the final model
+    with it, exit 0. mtk's scripts say there is nothing left to do; a Trainer would then save weights it never
+    loaded, so it is one line."""
+    if checkpoint is None or max_steps <= 0:
+        return
+    try:
+        step = json.loads((Path(checkpoint) / hf_trainer.TRAINER_STATE_NAME).read_text()).get("global_step")
+    except (OSError, ValueError, AttributeError):  # (its checks, where the resume reads it, say what is wrong)
+        return
+    if isinstance(step, int) and step >= max_steps:
+        raise ConfigError(
+            f"{checkpoint} is at step {step} and max_steps is {max_steps}: nothing is left to train (transformers' "
+            "loop would train one step past it and save that); give a larger max_steps to continue"
+        )
+
+
 def _refuse_replaced_choices(args: Any) -> None:
     """A DeepSpeed JSON's ``"optimizer"`` or ``"scheduler"`` block replaces the Trainer's own (transformers builds
     DeepSpeed's from it): an ``optim`` or ``lr_scheduler_type`` set to other than its default beside one was trained
@@ -387,6 +405,7 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
         resume_from_checkpoint = claim_output_dir(
             self.args.output_dir, resume_from_checkpoint, main_process=self.accelerator.is_main_process
         )
+        _refuse_a_checkpoint_past_max_steps(resume_from_checkpoint, self.args.max_steps)
         self.accelerator.checkpoint_tokenizer = self._saveable_tokenizer()
         self._record_data_stream(resume_from_checkpoint)  # (a resume on other rows is one line)
         skipping, sorting = self.accelerator.skip_first_batches, written_checkpoints

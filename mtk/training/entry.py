@@ -92,7 +92,7 @@ def _run(main: Callable[[], None], prog: str) -> None:
         sys.exit(status)
 
 
-def _error_line(err: BaseException) -> tuple[str, str, int] | None:
+def _error_line(err: BaseException, scripts: bool = True) -> tuple[str, str, int] | None:
     """``err`` as ``(one line, the key it is reported once under, exit status)``: mtk's refusals and a name that
     cannot be used (2), an allocation that failed and a collective whose peer died or hung (1); ``None`` for
     anything else (a bug: its traceback)."""
@@ -103,7 +103,7 @@ def _error_line(err: BaseException) -> tuple[str, str, int] | None:
     unusable = unusable_name(err)
     if unusable is not None:
         return str(unusable), str(unusable), 2
-    memory = out_of_memory(err)
+    memory = out_of_memory(err, scripts)
     if memory is not None:
         return memory, memory, 1
     detail = peer_failure(err)
@@ -116,14 +116,15 @@ def _error_line(err: BaseException) -> tuple[str, str, int] | None:
     return message, "peer failure", 1
 
 
-def out_of_memory(err: BaseException) -> str | None:
+_SMALLER = "recompute, or more ranks (mtk plan estimates a layout's memory per rank)"
+
+
+def out_of_memory(err: BaseException, scripts: bool = True) -> str | None:
     """``err`` as one line where an allocation failed (a device's ``OutOfMemoryError``, the CPU allocator's
-    refusal): what was asked for and what to change; ``None`` for anything else."""
-    found = allocation_failure(
-        err,
-        "use a smaller --batch_size, --seq_len or --lora_r, recompute, or more ranks (mtk plan estimates a layout's "
-        "memory per rank)",
-    )
+    refusal): what was asked for and what to change (the scripts' flags, or in a user's own script the quantities
+    they set); ``None`` for anything else."""
+    smaller = "--batch_size, --seq_len or --lora_r" if scripts else "batch, sequence length or LoRA rank"
+    found = allocation_failure(err, f"use a smaller {smaller}, {_SMALLER}")
     return None if found is None else str(found)
 
 
@@ -159,7 +160,7 @@ def report_mtk_errors(prog: str) -> None:
         return
 
     def hook(kind, value, trace):
-        line = _error_line(value)
+        line = _error_line(value, scripts=False)
         if line is None:
             previous(kind, value, trace)
         else:
@@ -191,12 +192,16 @@ _PEER_LOST = (
 
 
 def peer_failure(err: Exception) -> str | None:
-    """The gist of a collective's error when a peer died or hung, else ``None`` (a bug: keep the traceback)."""
+    """The gist of a collective's error when a peer died or hung, else ``None`` (a bug: keep the traceback). gloo's
+    errors are plain ``RuntimeError``s, known by their words only where there are peers: a process alone (or one
+    before its process group) whose own code failed with "Connection reset by peer" (a download) keeps its
+    traceback."""
     import torch.distributed as dist
 
     text = str(err).strip()
+    peers = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1  # (a process alone has none)
     if not isinstance(err, dist.DistError) and not (
-        isinstance(err, RuntimeError) and any(sign in text for sign in _PEER_LOST)
+        peers and isinstance(err, RuntimeError) and any(sign in text for sign in _PEER_LOST)
     ):
         return None
     first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(err).__name__)  # "[pair.cc:553] "

@@ -120,13 +120,18 @@ def _save_with_generation(rank, world_size, checkpoint):
     model.generation_config.eos_token_id = [2, 5]
     model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     accelerator.save_state(checkpoint)
-    return json.loads((Path(checkpoint) / "generation_config.json").read_text())
+    saved = json.loads((Path(checkpoint) / "generation_config.json").read_text())
+    from mtk.integrations.accelerate.save import save_pretrained  # (the Trainers' save_model, --save_model)
+
+    save_pretrained(accelerator, model, Path(checkpoint).parent / "final")
+    assert json.loads((Path(checkpoint).parent / "final" / "generation_config.json").read_text()) == saved
+    return saved
 
 
 def test_a_checkpoint_keeps_the_models_generation_config_as_set(tmp_path):
     """Each checkpoint saves the model's generation_config.json (mtk export copies it), written as the model holds
     it: the first save_state of a model whose config transformers' strict save refuses was a traceback, and
-    nothing was saved."""
+    nothing was saved; the final save_model (sft.py, dpo.py) was the same traceback after the whole run."""
     saved = run_distributed(_save_with_generation, world_size=1, args=(str(tmp_path / "step"),))[0]
     assert saved["temperature"] == 0.7 and saved["eos_token_id"] == [2, 5]
 

@@ -174,6 +174,7 @@ def test_resume_and_export_a_deepspeed_checkpoint(zero2_run, tmp_path):
         assert_close_rel(resumed[step], uninterrupted[step], f"loss at step {step} after resume")
     out = run_command(["mtk", "export", str(out_dir / "step_6"), str(tmp_path / "hf")], timeout=600)
     assert out.returncode == 0 and "verified" in out.stdout, out.stderr[-2000:]
+    assert (tmp_path / "hf" / "generation_config.json").is_file()  # run.py's checkpoints kept none: eos ids lost
     # ZeRO-2's flat partitions resume at their own layout only (ZeRO-3's at another TP or DP size: above)
     out = deepspeed_run(
         2, "zero2", "--tp", "1", "--batch_size", "8", "--max_steps", "6", "--output_dir", str(tmp_path / "moved"),

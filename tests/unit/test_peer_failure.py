@@ -14,7 +14,23 @@ CLOSED = (
 )
 
 
-def test_the_gist_of_a_lost_peer():
+@pytest.fixture
+def peers(monkeypatch):
+    """A process group of 2 (gloo's lost-peer errors are plain RuntimeErrors, known by their words where there are
+    peers)."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+
+
+def test_a_process_alone_keeps_its_own_connection_errors_traceback():
+    """A user's download that failed with "Connection reset by peer" in a single process was blamed on a peer rank
+    and lost its traceback."""
+    assert peer_failure(RuntimeError("fetching s3://b/shard-7 failed: [Errno 104] Connection reset by peer")) is None
+
+
+def test_the_gist_of_a_lost_peer(peers):
     assert peer_failure(RuntimeError(CLOSED)) == "Connection closed by peer [127.0.0.1]:10125"
     timed_out = "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete"
     assert peer_failure(RuntimeError(timed_out)) == "Timed out waiting 3000ms for recv operation to complete"
@@ -31,7 +47,7 @@ def test_other_errors_keep_their_traceback():
         run_main(main, "train.py")
 
 
-def test_a_lost_peer_is_one_line_and_status_1(capsys):
+def test_a_lost_peer_is_one_line_and_status_1(capsys, peers):
     def main() -> None:
         raise RuntimeError(CLOSED)
 
@@ -43,7 +59,7 @@ def test_a_lost_peer_is_one_line_and_status_1(capsys):
     assert len(err.splitlines()) == 1
 
 
-def test_an_own_loops_hook_names_a_lost_peer_in_one_line(capsys, monkeypatch):
+def test_an_own_loops_hook_names_a_lost_peer_in_one_line(capsys, monkeypatch, peers):
     """A user's own loop (the Accelerator's excepthook): a rank that waited in one of mtk's collectives on a peer
     that raised printed a traceback through mtk's code, where the scripts say it in one line; a bug keeps its
     traceback."""

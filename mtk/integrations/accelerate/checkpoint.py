@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mtk.checkpoint.extras import write_generation_config, write_tokenizer
 from mtk.checkpoint.optimizer_checks import check_scheduler_state
 from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.checkpoint.resume import data_position, rescaled_position
@@ -26,7 +27,6 @@ from mtk.errors import CheckpointError, ConfigError
 from mtk.integrations.accelerate.shuffle import replay_shuffles
 from mtk.integrations.deepspeed import load_deepspeed_checkpoint, save_deepspeed_checkpoint
 from mtk.parallel.fsdp import reshard
-from mtk.parallel.record import hf_model
 from mtk.parallel.state import ParallelState
 
 if TYPE_CHECKING:  # the mixin is checked as part of accelerate's Accelerator
@@ -148,15 +148,10 @@ class ShardedCheckpointing(_Host):
             torch.save(obj.state_dict(), CheckpointPaths(directory).custom_object(i))
 
     def _write_generation_config(self, directory: Path) -> None:
-        """The model's ``generation_config.json`` (its eos ids, sampling defaults), which ``mtk export`` copies: the
-        export's config alone would make a model that generates with transformers' defaults."""
-        model: Any = hf_model(self._checkpoint_parts()[0])
-        generation = getattr(model, "generation_config", None)
-        if generation is not None and model.can_generate():  # as set: save_pretrained's strict check would refuse
-            generation.to_json_file(str(directory / "generation_config.json"))  # a value generate() only warns of
+        write_generation_config(self._checkpoint_parts()[0], directory)
 
     def _write_tokenizer(self, directory: Path) -> None:
-        self.checkpoint_tokenizer.save_pretrained(str(CheckpointPaths(directory).tokenizer))
+        write_tokenizer(self.checkpoint_tokenizer, directory)
 
     def _samples_per_micro_batch(self) -> int | None:
         """Samples one micro-batch step consumes over all DP replicas (the first prepared loader's)."""

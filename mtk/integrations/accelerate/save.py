@@ -9,8 +9,9 @@ renamed into place when complete, and whatever goes wrong is one line on every r
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch import nn
 
 from mtk.checkpoint.export import check_new_directory, staged_directory
 from mtk.errors import CheckpointError, MtkError
+from mtk.parallel.record import hf_model
 
 __all__ = ["check_no_shards_to_clean", "check_target", "save_pretrained"]
 
@@ -77,13 +79,39 @@ def save_pretrained(accelerator: Any, model: nn.Module, directory: str | Path, t
     state = accelerator.get_state_dict(model)  # collective
 
     def write() -> None:
-        with staged_directory(out) as tmp:
+        with staged_directory(out) as tmp, generation_config_as_set(accelerator.unwrap_model(model)):
             accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)
             if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
                 tokenizer.save_pretrained(tmp)
 
     _on_main_process(accelerator, write)
     return out
+
+
+@contextlib.contextmanager
+def generation_config_as_set(model: nn.Module) -> Iterator[None]:
+    """``model``'s generation config written as it is set while ``save_pretrained`` runs: transformers' save validates
+    it strictly and refuses a greedy config that names a temperature or top_p (``do_sample`` false beside them),
+    which loading only warns of and many published models ship; the run would have trained to its end and then
+    saved no model (mtk's checkpoints write it the same way)."""
+    hf: Any = hf_model(model)
+    generation = getattr(hf, "generation_config", None)
+    if generation is None:
+        yield
+        return
+    hf.generation_config = _WrittenAsSet(generation)  # (save_pretrained only calls its save_pretrained)
+    try:
+        yield
+    finally:
+        hf.generation_config = generation
+
+
+class _WrittenAsSet:
+    def __init__(self, generation: Any) -> None:
+        self.generation = generation
+
+    def save_pretrained(self, directory: str | Path, *args: Any, **kwargs: Any) -> None:
+        self.generation.to_json_file(str(Path(directory) / "generation_config.json"))
 
 
 def _on_main_process(accelerator: Any, job: Callable[[], None]) -> None:
