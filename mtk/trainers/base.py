@@ -179,19 +179,20 @@ _PIPELINE_LOSS_ONLY = (
 
 def _refuse_a_checkpoint_past_max_steps(checkpoint: str | None, max_steps: int) -> None:
     """transformers' loop checks ``max_steps`` only after a step: a resume from ``checkpoint-4`` with ``max_steps``
-    3 (or 4) trained a fifth step, wrote ``checkpoint-5``, and the script's ``save_model`` replaced the final model
-    with it, exit 0. mtk's scripts say there is nothing left to do; a Trainer would then save weights it never
-    loaded, so it is one line."""
+    3 trained a fifth step, wrote ``checkpoint-5``, and the script's ``save_model`` replaced the final model with it,
+    exit 0. A Trainer that trained nothing would then save weights it never loaded, so it is one line. A checkpoint
+    at ``max_steps`` itself (a requeued job that had finished) is left to transformers' loop, which trains nothing
+    where ``max_steps`` ends an epoch and one step more otherwise."""
     if checkpoint is None or max_steps <= 0:
         return
     try:
         step = json.loads((Path(checkpoint) / hf_trainer.TRAINER_STATE_NAME).read_text()).get("global_step")
     except (OSError, ValueError, AttributeError):  # (its checks, where the resume reads it, say what is wrong)
         return
-    if isinstance(step, int) and step >= max_steps:
+    if isinstance(step, int) and step > max_steps:
         raise ConfigError(
-            f"{checkpoint} is at step {step} and max_steps is {max_steps}: nothing is left to train (transformers' "
-            "loop would train one step past it and save that); give a larger max_steps to continue"
+            f"{checkpoint} is at step {step}, past max_steps {max_steps}: nothing is left to train (transformers' "
+            "loop would train one step more and save that); give a larger max_steps to continue"
         )
 
 

@@ -193,13 +193,14 @@ _PEER_LOST = (
 
 def peer_failure(err: Exception) -> str | None:
     """The gist of a collective's error when a peer died or hung, else ``None`` (a bug: keep the traceback). gloo's
-    errors are plain ``RuntimeError``s, known by their words only where there are peers: a process alone (or one
-    before its process group) whose own code failed with "Connection reset by peer" (a download) keeps its
-    traceback."""
+    errors are plain ``RuntimeError``s, known by their words only where there are peers (a launched job of several
+    processes, its group made or already destroyed): a process alone whose own code failed with "Connection reset by
+    peer" (a download) keeps its traceback."""
     import torch.distributed as dist
 
     text = str(err).strip()
-    peers = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1  # (a process alone has none)
+    world = os.environ.get("WORLD_SIZE", "1").strip()  # (the launcher's: the group may be gone, or not yet made)
+    peers = (world.isdecimal() and int(world) > 1) or (dist.is_initialized() and dist.get_world_size() > 1)
     if not isinstance(err, dist.DistError) and not (
         peers and isinstance(err, RuntimeError) and any(sign in text for sign in _PEER_LOST)
     ):
