@@ -84,7 +84,7 @@ def _run(main: Callable[[], None], prog: str) -> None:
             tqdm.write(f"{prog}: interrupted (SIGINT); stopped without saving", file=sys.stderr)
         sys.exit(130)  # the shell's status for a program that SIGINT stopped
     except Exception as err:
-        line = _error_line(err)
+        line = _error_line(err, _SMALLER_BY_SCRIPT.get(prog, _SMALLER_BY_SCRIPT["finetune.py"]))
         if line is None:
             raise
         message, key, status = line
@@ -92,10 +92,10 @@ def _run(main: Callable[[], None], prog: str) -> None:
         sys.exit(status)
 
 
-def _error_line(err: BaseException, scripts: bool = True) -> tuple[str, str, int] | None:
+def _error_line(err: BaseException, smaller: str) -> tuple[str, str, int] | None:
     """``err`` as ``(one line, the key it is reported once under, exit status)``: mtk's refusals and a name that
-    cannot be used (2), an allocation that failed and a collective whose peer died or hung (1); ``None`` for
-    anything else (a bug: its traceback)."""
+    cannot be used (2), an allocation that failed (naming the ``smaller`` settings to lower) and a collective whose
+    peer died or hung (1); ``None`` for anything else (a bug: its traceback)."""
     if isinstance(err, MtkError):
         return str(err), str(err), 2
     if not isinstance(err, Exception):
@@ -103,7 +103,7 @@ def _error_line(err: BaseException, scripts: bool = True) -> tuple[str, str, int
     unusable = unusable_name(err)
     if unusable is not None:
         return str(unusable), str(unusable), 2
-    memory = out_of_memory(err, scripts)
+    memory = out_of_memory(err, smaller)
     if memory is not None:
         return memory, memory, 1
     detail = peer_failure(err)
@@ -116,15 +116,23 @@ def _error_line(err: BaseException, scripts: bool = True) -> tuple[str, str, int
     return message, "peer failure", 1
 
 
-_SMALLER = "recompute, or more ranks (mtk plan estimates a layout's memory per rank)"
+# what each script calls the settings that set its memory (a user's own script: the quantities themselves)
+_SMALLER_BY_SCRIPT = {
+    "finetune.py": "--batch_size, --seq_len or --lora_r",
+    "run.py": "--batch_size, --seq_len or --lora_r",
+    "classify.py": "--batch_size or --max_length",
+    "sft.py": "--per_device_train_batch_size, --max_length or the LoRA rank",
+    "dpo.py": "--per_device_train_batch_size, --max_length or the LoRA rank",
+}
+_OWN_SCRIPT = "batch, sequence length or LoRA rank"
 
 
-def out_of_memory(err: BaseException, scripts: bool = True) -> str | None:
+def out_of_memory(err: BaseException, smaller: str = _SMALLER_BY_SCRIPT["finetune.py"]) -> str | None:
     """``err`` as one line where an allocation failed (a device's ``OutOfMemoryError``, the CPU allocator's
-    refusal): what was asked for and what to change (the scripts' flags, or in a user's own script the quantities
-    they set); ``None`` for anything else."""
-    smaller = "--batch_size, --seq_len or --lora_r" if scripts else "batch, sequence length or LoRA rank"
-    found = allocation_failure(err, f"use a smaller {smaller}, {_SMALLER}")
+    refusal): what was asked for and what to change (``smaller``: the script's settings); ``None`` for anything
+    else."""
+    remedy = f"use a smaller {smaller}, recompute, or more ranks (mtk plan estimates a layout's memory per rank)"
+    found = allocation_failure(err, remedy)
     return None if found is None else str(found)
 
 
@@ -160,7 +168,7 @@ def report_mtk_errors(prog: str) -> None:
         return
 
     def hook(kind, value, trace):
-        line = _error_line(value, scripts=False)
+        line = _error_line(value, _OWN_SCRIPT)
         if line is None:
             previous(kind, value, trace)
         else:

@@ -103,6 +103,9 @@ def test_an_allocation_that_fails_is_one_line_and_status_1(capsys, error):
     err = capsys.readouterr().err
     assert err.startswith("train.py: error: out of memory (") and "use a smaller --batch_size" in err, err
     assert len(err.splitlines()) == 1
+    with pytest.raises(SystemExit):  # each script's own names for what sets its memory
+        run_main(main, "sft.py")
+    assert "use a smaller --per_device_train_batch_size, --max_length or the LoRA rank" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
