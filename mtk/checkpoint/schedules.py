@@ -3,7 +3,7 @@
 An optimizer restores the saved run's learning rate, and ``LambdaLR.load_state_dict`` restores its position and
 leaves that rate: a resume with a longer ``--max_steps`` (``--resume ckpts/step_60 --max_steps 120``) ran its first
 step at the old schedule's last value (0 for a linear decay), moving nothing while Adam's moments advanced
-(transformers' Trainer still does). Where the schedule is the saved one, its rate is the restored one bit for bit:
+(transformers' Trainer still does; DeepSpeed's schedulers, restored by position alone, did the same). Where the schedule is the saved one, its rate is the restored one bit for bit:
 the same product ``base_lr * factor(position)`` that ``LambdaLR`` computed when it stepped there.
 """
 
@@ -18,8 +18,14 @@ __all__ = ["follow_the_schedule"]
 
 def follow_the_schedule(scheduler: Any) -> None:
     """Set each group's rate from ``scheduler``'s schedule at its position: a ``LambdaLR`` (accelerate's wrapper's
-    too); any other scheduler's rate depends on its past rates, and stays as restored."""
+    too) or one of DeepSpeed's (a JSON's ``"scheduler"`` block under the Trainer: ``WarmupDecayLR`` with
+    ``total_num_steps`` from this run's ``max_steps``); any other scheduler's rate depends on its past rates, and
+    stays as restored."""
     scheduler = getattr(scheduler, "scheduler", scheduler)  # (accelerate's AcceleratedScheduler)
+    if type(scheduler).__module__ == "deepspeed.runtime.lr_schedules":
+        if scheduler.last_batch_iteration >= 0:  # each of them sets its rates (and momenta) from the position alone
+            scheduler.step(scheduler.last_batch_iteration)
+        return
     if type(scheduler) is not torch.optim.lr_scheduler.LambdaLR:
         return
     position = scheduler.last_epoch

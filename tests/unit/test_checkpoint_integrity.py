@@ -1570,3 +1570,38 @@ def test_a_restored_schedule_sets_its_rate_at_its_position_tensor_rates_in_place
     step.optimizer.param_groups[0]["lr"] = 0.25
     follow_the_schedule(step)
     assert step.optimizer.param_groups[0]["lr"] == 0.25
+
+
+@pytest.mark.parametrize("kind", ["WarmupDecayLR", "WarmupCosineLR", "OneCycle"])
+def test_a_restored_deepspeed_schedule_sets_its_rate_at_its_position(kind):
+    """A DeepSpeed JSON scheduler (the Trainer's) restored after 4 steps of a run now 12 steps long ran its first step
+    at the 6-step run's rate (DeepSpeed restores the position alone): it is this run's schedule's now, and bit for bit
+    the restored one where the schedule is unchanged."""
+    from deepspeed.runtime import lr_schedules
+
+    from mtk.checkpoint.schedules import follow_the_schedule
+
+    def schedule(total: int) -> object:
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+        if kind == "OneCycle":
+            return lr_schedules.OneCycle(optimizer, 1e-4, 1e-3, cycle_first_step_size=total)
+        return getattr(lr_schedules, kind)(optimizer, total_num_steps=total, warmup_num_steps=2)
+
+    def rate(scheduler: object) -> float:
+        return scheduler.optimizer.param_groups[0]["lr"]
+
+    saved = schedule(6)
+    for _ in range(4):
+        saved.step()
+    for total, expected in ((6, rate(saved)), (12, None)):
+        resumed = schedule(total)
+        resumed.optimizer.load_state_dict(saved.optimizer.state_dict())
+        resumed.load_state_dict(saved.state_dict())
+        follow_the_schedule(resumed)
+        if expected is None:
+            fresh = schedule(total)
+            for _ in range(4):
+                fresh.step()
+            expected = rate(fresh)
+            assert expected != rate(saved)
+        assert rate(resumed) == expected
