@@ -21,8 +21,6 @@ from mtk.parallel.state import group_timeout
 
 __all__ = ["out_of_memory", "peer_failure", "report_mtk_errors", "run_main"]
 
-_failed = False  # the script stopped on an exception (a SystemExit included): see _end_cleanly
-
 
 def _rank() -> int:
     """This process's rank as a launcher exported it (0 without one, or where ``RANK`` holds no number)."""
@@ -77,27 +75,21 @@ def run_main(main: Callable[[], None], prog: str) -> None:
 
 
 def _run(main: Callable[[], None], prog: str) -> None:
-    global _failed
     if threading.current_thread() is threading.main_thread():  # a script stopped Ctrl-C quietly while it imported
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         main()
     except KeyboardInterrupt:  # Ctrl-C before the script's ExitSignal took over (start-up): no traceback
-        _failed = True  # (every exit but a finished one leaves the process groups to the teardown: _end_cleanly)
         if _speaks_for_all():
             tqdm.write(f"{prog}: interrupted (SIGINT); stopped without saving", file=sys.stderr)
         sys.exit(130)  # the shell's status for a program that SIGINT stopped
     except Exception as err:
-        _failed = True
         line = _error_line(err, _SMALLER_BY_SCRIPT.get(prog, _SMALLER_BY_SCRIPT["finetune.py"]))
         if line is None:
             raise
         message, key, status = line
         _report(prog, message, key)
         sys.exit(status)
-    except BaseException:  # a SystemExit of the script's own
-        _failed = True
-        raise
 
 
 def _error_line(err: BaseException, smaller: str) -> tuple[str, str, int] | None:
@@ -176,8 +168,6 @@ def report_mtk_errors(prog: str) -> None:
         return
 
     def hook(kind, value, trace):
-        global _failed
-        _failed = True
         line = _error_line(value, _OWN_SCRIPT)
         if line is None:
             previous(kind, value, trace)
@@ -186,22 +176,6 @@ def report_mtk_errors(prog: str) -> None:
 
     hook._mtk = True  # type: ignore[attr-defined]
     sys.excepthook = hook
-    atexit.register(_end_cleanly)
-
-
-def _end_cleanly() -> None:
-    """At exit of a script that finished (an own loop, a user's Trainer script): destroy the process groups while
-    the interpreter is whole. The groups that modules still reference (every TP layer, every pipeline stage holds
-    its own) would otherwise be freed in its teardown, where a gloo worker thread can abort the process that
-    finished ("terminate called without an active exception", exit status -6: a finished run's launcher reports
-    a failure); :func:`run_main` avoids the teardown instead (:func:`_leave`). Destroying joins the groups' worker
-    threads; after a failure it is left to the teardown, since a worker may still wait on a peer there."""
-    import torch.distributed as dist
-
-    if _failed or not dist.is_available() or not dist.is_initialized():
-        return
-    with contextlib.suppress(Exception):  # (a backend that failed to shut down: the teardown's, as before)
-        dist.destroy_process_group()
 
 
 def _report(prog: str, message: str, key: str) -> None:

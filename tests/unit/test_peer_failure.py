@@ -228,32 +228,3 @@ def test_a_path_that_is_not_what_a_setting_takes_says_what_to_do(tmp_path):
             open(tmp_path)
     with pytest.raises(ConfigError, match="No such file or directory.*check the path"), library_refusals():
         open(tmp_path / "absent.json")
-
-
-@pytest.mark.parametrize(
-    "body, left",
-    [("pass", False), ("raise ValueError('a bug')", True)],
-    ids=["finished", "failed"],
-)
-def test_an_own_loop_that_finished_destroys_its_groups_before_the_teardown(tmp_path, body, left):
-    """An own loop at PP finished and printed its losses, then a rank aborted in the interpreter's teardown (a gloo
-    worker thread freeing a tensor there: exit status -6, so the launcher called the run failed). The Accelerator's
-    hook destroys the process groups at exit while the interpreter is whole; after a failure it leaves them."""
-    import os
-    import subprocess
-    import sys
-
-    script = tmp_path / "loop.py"
-    script.write_text(
-        "import atexit\n"
-        "import torch.distributed as dist\n"
-        "atexit.register(lambda: print('groups left', dist.is_initialized(), flush=True))  # runs after mtk's\n"
-        "from mtk.training.entry import report_mtk_errors\n"
-        "report_mtk_errors('loop.py')\n"
-        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, world_size=1)\n"
-        "dist.new_group([0])\n"
-        f"{body}\n"
-    )
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=os.environ)
-    assert done.returncode == (1 if left else 0), done.stderr
-    assert f"groups left {left}" in done.stdout, (done.stdout, done.stderr)
