@@ -3,8 +3,9 @@
 An optimizer restores the saved run's learning rate, and ``LambdaLR.load_state_dict`` restores its position and
 leaves that rate: a resume with a longer ``--max_steps`` (``--resume ckpts/step_60 --max_steps 120``) ran its first
 step at the old schedule's last value (0 for a linear decay), moving nothing while Adam's moments advanced
-(transformers' Trainer still does; DeepSpeed's schedulers, restored by position alone, did the same). Where the schedule is the saved one, its rate is the restored one bit for bit:
-the same product ``base_lr * factor(position)`` that ``LambdaLR`` computed when it stepped there.
+(transformers' Trainer still does; DeepSpeed's schedulers, restored by position alone, did the same). Where the
+schedule is the saved one, its rate is the restored one bit for bit: the same product ``base_lr * factor(position)``
+that ``LambdaLR`` computed when it stepped there.
 """
 
 from __future__ import annotations

@@ -1605,3 +1605,43 @@ def test_a_restored_deepspeed_schedule_sets_its_rate_at_its_position(kind):
             expected = rate(fresh)
             assert expected != rate(saved)
         assert rate(resumed) == expected
+
+
+def test_a_dp_change_rescales_each_schedulers_own_position_and_leaves_deepspeeds_engine_alone():
+    """At another DP size a prepared scheduler's position is converted (accelerate steps it once per replica); one
+    that DeepSpeed's engine steps (once per optimizer step) raised an AttributeError on ``last_epoch`` at a ZeRO-3
+    resume at another DP and would have been wrong to convert; DeepSpeed's scheduler classes count from -1."""
+    from types import SimpleNamespace
+
+    from accelerate.scheduler import AcceleratedScheduler
+    from accelerate.utils import DeepSpeedSchedulerWrapper
+    from deepspeed.runtime.lr_schedules import WarmupDecayLR
+
+    from mtk.integrations.accelerate.checkpoint import ShardedCheckpointing
+
+    def optimizer() -> torch.optim.Optimizer:
+        return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+
+    def stepped(scheduler, steps: int):
+        for _ in range(steps):
+            scheduler.step()
+        return scheduler
+
+    lambda_lr = stepped(torch.optim.lr_scheduler.LambdaLR(optimizer(), lambda step: 1.0), 6)
+    warmup = stepped(WarmupDecayLR(optimizer(), total_num_steps=20), 6)
+    engines = stepped(WarmupDecayLR(optimizer(), total_num_steps=20), 6)
+    prepared = [
+        AcceleratedScheduler(lambda_lr, lambda_lr.optimizer),
+        AcceleratedScheduler(warmup, warmup.optimizer),
+        DeepSpeedSchedulerWrapper(engines, engines.optimizer),
+    ]
+    host = SimpleNamespace(parallel=SimpleNamespace(dp_size=1), _schedulers=prepared)
+    ShardedCheckpointing._rescale_schedulers(host, saved_dp=2)  # type: ignore[arg-type]
+    assert lambda_lr.last_epoch == 3 and lambda_lr._step_count == 4
+    assert warmup.last_batch_iteration == 2  # 3 steps taken
+    assert engines.last_batch_iteration == 5  # as restored
+    with pytest.raises(CheckpointError, match="has no position mtk can convert from the checkpoint's dp=2"):
+        ShardedCheckpointing._rescale_schedulers(
+            SimpleNamespace(parallel=SimpleNamespace(dp_size=1), _schedulers=[AcceleratedScheduler(object(), [])]),
+            saved_dp=2,
+        )  # type: ignore[arg-type]

@@ -215,11 +215,26 @@ class ShardedCheckpointing(_Host):
 
     def _rescale_schedulers(self, saved_dp: int) -> None:
         """Prepared schedulers step once per DP replica per optimizer step: after a DP change their
-        position is converted to this run's units (the rate then follows from it: :meth:`_follow_the_schedules`)."""
+        position is converted to this run's units (the rate then follows from it: :meth:`_follow_the_schedules`).
+        A DeepSpeed engine steps its scheduler once per optimizer step, whatever the DP size: left as restored."""
+        from accelerate.utils import DeepSpeedSchedulerWrapper
+
         if saved_dp == self.parallel.dp_size:
             return
         for prepared in self._schedulers:
+            if isinstance(prepared, DeepSpeedSchedulerWrapper):
+                continue
             if prepared.step_with_optimizer and not prepared.split_batches:
                 inner = prepared.scheduler
-                inner.last_epoch = inner.last_epoch * self.parallel.dp_size // saved_dp
-                inner._step_count = inner.last_epoch + 1
+                if hasattr(inner, "last_epoch"):  # torch's: the steps taken
+                    inner.last_epoch = inner.last_epoch * self.parallel.dp_size // saved_dp
+                    inner._step_count = inner.last_epoch + 1
+                elif hasattr(inner, "last_batch_iteration"):  # DeepSpeed's on a torch optimizer: the steps taken - 1
+                    steps = inner.last_batch_iteration + 1
+                    inner.last_batch_iteration = steps * self.parallel.dp_size // saved_dp - 1
+                else:
+                    raise CheckpointError(
+                        f"the scheduler {type(inner).__name__} has no position mtk can convert from the checkpoint's "
+                        f"dp={saved_dp} to this run's dp={self.parallel.dp_size} (accelerate steps it once per DP "
+                        f"replica): resume at dp={saved_dp}, or prepare it with step_scheduler_with_optimizer=False"
+                    )
