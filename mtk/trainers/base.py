@@ -180,9 +180,9 @@ _PIPELINE_LOSS_ONLY = (
 def _refuse_a_checkpoint_past_max_steps(checkpoint: str | None, max_steps: int) -> None:
     """transformers' loop checks ``max_steps`` only after a step: a resume from ``checkpoint-4`` with ``max_steps``
     3 trained a fifth step, wrote ``checkpoint-5``, and the script's ``save_model`` replaced the final model with it,
-    exit 0. A Trainer that trained nothing would then save weights it never loaded, so it is one line. A checkpoint
-    at ``max_steps`` itself (a requeued job that had finished) is left to transformers' loop, which trains nothing
-    where ``max_steps`` ends an epoch and one step more otherwise."""
+    exit 0. A Trainer that trained nothing would then save the checkpoint's weights as the final model of a shorter
+    run, so it is one line. A checkpoint at ``max_steps`` itself (a requeued job that had finished) trains nothing
+    and exits as the finished run did (``TrainerCheckpointing._init_training_state``)."""
     if checkpoint is None or max_steps <= 0:
         return
     try:

@@ -315,6 +315,25 @@ class TrainerCheckpointing:
                 f"which rows its data position counts through; {advice}"
             )
 
+    def _init_training_state(
+        self, max_steps: int, steps_per_epoch: int, epochs: int, checkpoint: str | None, trial: Any
+    ) -> tuple[int, int]:
+        """The Trainer's, and a checkpoint at ``max_steps`` (a requeued job that had finished) trains nothing: the
+        loop checks ``max_steps`` only after a step, so where ``max_steps`` does not end an epoch it trained a step
+        more, wrote ``checkpoint-N+1`` and the script's ``save_model`` replaced the final model with it, exit 0. The
+        checkpoint is still loaded, so what the script saves after ``train()`` is the finished run's model."""
+        position = super()._init_training_state(  # type: ignore[misc]
+            max_steps, steps_per_epoch, epochs, checkpoint, trial
+        )
+        if checkpoint is None or self.state.global_step < max_steps:
+            return position
+        if self.accelerator.is_main_process:
+            tqdm.write(
+                f"mtk: {checkpoint} is at step {self.state.global_step}, max_steps {max_steps}: "
+                "nothing is left to train"
+            )
+        return epochs, 0  # (the loop runs no epoch)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """Checked now (one line if it is not a complete mtk checkpoint); loaded once the model is prepared."""
         read_verified(resume_from_checkpoint)

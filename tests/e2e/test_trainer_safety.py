@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from mtk.checkpoint.integrity import file_checksum, read_verified
 from mtk.spawn import free_port
@@ -78,6 +79,12 @@ def test_a_trainer_run_keeps_what_was_in_its_output_dir(llama_tp1, tmp_path):
     continued = _sft(run, "--max_steps", "4", *rotating, "--resume_from_checkpoint", "True")  # as the lines advise
     assert continued.returncode == 0, continued.stderr[-2000:]
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-0", "checkpoint-4"]
+    finished = load_file(run / "model.safetensors")
+    requeued = _sft(run, "--max_steps", "4", *rotating, "--resume_from_checkpoint", "True")  # the job that finished
+    assert requeued.returncode == 0 and "max_steps 4: nothing is left to train" in requeued.stdout, requeued.stderr
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-0", "checkpoint-4"]  # (no 5th step)
+    final = load_file(run / "model.safetensors")
+    assert final.keys() == finished.keys() and all(torch.equal(final[k], finished[k]) for k in final)
     script_checkpoint = str(llama_tp1.dir / "step_3")
     refused = _sft(tmp_path / "other", "--resume_from_checkpoint", script_checkpoint)
     _one_line(refused, "is an mtk checkpoint of a training script (finetune.py, run.py: no trainer_state.json)")

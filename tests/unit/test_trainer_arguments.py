@@ -458,7 +458,7 @@ def test_a_resume_from_a_checkpoint_past_max_steps_is_one_line(tmp_path):
     (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
     with pytest.raises(ConfigError, match="checkpoint-4 is at step 4, past max_steps 3: nothing is left to train"):
         _refuse_a_checkpoint_past_max_steps(str(checkpoint), 3)
-    _refuse_a_checkpoint_past_max_steps(str(checkpoint), 4)  # (a requeued job that finished: transformers' loop)
+    _refuse_a_checkpoint_past_max_steps(str(checkpoint), 4)  # (a requeued job that finished: trains nothing)
     _refuse_a_checkpoint_past_max_steps(str(checkpoint), 6)
     _refuse_a_checkpoint_past_max_steps(str(checkpoint), -1)  # (num_train_epochs decides: its loop ends in time)
     _refuse_a_checkpoint_past_max_steps(None, 3)
