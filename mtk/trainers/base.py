@@ -271,6 +271,13 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
 
     # ------------------------------------------------------------------------------ accelerator and model
     def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's, with mtk's Accelerator. A setting the libraries refuse while the processes are joined (a
+        DeepSpeed JSON in a script started without a launcher) is one line (:func:`mtk.errors.library_refusals`),
+        as in the example scripts: a user's own script does not build its trainer inside that block."""
+        with library_refusals():
+            self._create_accelerator()
+
+    def _create_accelerator(self) -> None:
         check_training_arguments(self.args)
         if default_device().type == "cpu" and not self.args.use_cpu and not self.args.deepspeed:
             # Without use_cpu, TrainingArguments' device set-up on a machine without an accelerator sees one

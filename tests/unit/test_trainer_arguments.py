@@ -462,3 +462,29 @@ def test_a_resume_from_a_checkpoint_past_max_steps_is_one_line(tmp_path):
     _refuse_a_checkpoint_past_max_steps(str(checkpoint), 6)
     _refuse_a_checkpoint_past_max_steps(str(checkpoint), -1)  # (num_train_epochs decides: its loop ends in time)
     _refuse_a_checkpoint_past_max_steps(None, 3)
+
+
+def test_a_users_trainer_script_with_a_deepspeed_json_and_no_launcher_is_one_line(tmp_path):
+    """``python my_trainer.py`` with ``TrainingArguments(deepspeed=...)`` on a machine without an accelerator: a
+    traceback from mtk's set-up of the processes, where sft.py says the same in one line."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "zero2.json").write_text('{"zero_optimization": {"stage": 2}}')
+    script = tmp_path / "my_trainer.py"
+    script.write_text(
+        "from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments\n"
+        "from mtk.trainers import Trainer\n"
+        "config = LlamaConfig(vocab_size=64, hidden_size=16, num_attention_heads=2, num_key_value_heads=2,\n"
+        "                     intermediate_size=32, num_hidden_layers=1)\n"
+        f"args = TrainingArguments(output_dir={str(tmp_path / 'out')!r}, report_to=[],\n"
+        f"                         deepspeed={str(tmp_path / 'zero2.json')!r})\n"
+        "Trainer(model=LlamaForCausalLM(config), args=args)\n"
+    )
+    environment = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=environment)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("my_trainer.py: error: Default process group has not been initialized"), line
+    assert "a process group was asked for without a launcher" in line
