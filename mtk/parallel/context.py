@@ -74,6 +74,7 @@ KEYWORD = "mtk_context"  # the forward keyword carrying a ContextShard to every 
 _PER_TOKEN = ("logits", "hidden_states")  # per-position outputs of every token; the others are label-aligned
 _ATTACHED = "_mtk_context_parallel"  # the ContextSplit of a model attach_context_parallel converted
 SPLIT_INPUTS = ("input_ids", "labels", "shift_labels", "attention_mask", "position_ids")  # [b, S] each, cut
+_CACHE_KEYWORDS = ("cache", "past_key_values")  # a decoding call's KV cache (transformers 5.2x's name, the older one)
 COMM_TYPES = CP_COMM_TYPES
 
 
@@ -252,12 +253,21 @@ class ContextSplit:
 
 
 class _SplitInputs:
-    """Forward pre-hook: the whole batch a caller passes becomes this CP rank's part (:class:`ContextSplit`)."""
+    """Forward pre-hook: the whole batch a caller passes becomes this CP rank's part (:class:`ContextSplit`).
 
-    def __init__(self, split: ContextSplit) -> None:
+    A call with a KV cache (``generate``'s, which passes one from its first step: a cut prompt would
+    leave each rank's cache with its own tokens only) runs whole on every rank with the model's own attention
+    (``unsplit``), masks included; the next call without a cache is split and context-parallel again."""
+
+    def __init__(self, split: ContextSplit, unsplit: str) -> None:
         self.split = split
+        self.unsplit = unsplit
 
     def __call__(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        decoding = KEYWORD not in kwargs and any(kwargs.get(name) is not None for name in _CACHE_KEYWORDS)
+        _attend_with(module, self.unsplit if decoding else ATTENTION)
+        if decoding:
+            return None
         if KEYWORD in kwargs:
             set_active(kwargs[KEYWORD])
             return None  # split already (a pipeline splits before it cuts micro-batches)
@@ -274,6 +284,12 @@ class _SplitInputs:
         local = self.split(tensors, kwargs.pop("num_items_in_batch", None))
         set_active(local[KEYWORD])  # the router's load-balancing loss sums over the group (mtk.parallel.router_loss)
         return (), {**kwargs, **local}
+
+
+def _attend_with(model: Any, implementation: str) -> None:
+    """``model``'s attention implementation for this call (set only where it changes: a check per call)."""
+    if model.config._attn_implementation != implementation:
+        model.set_attn_implementation(implementation)
 
 
 def _whole_outputs(module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
@@ -381,8 +397,9 @@ def attach_context_parallel(
         if attached != split:
             raise ConfigError("the model is context-parallel over another group already; build it anew for this one")
         return
+    unsplit = model.config._attn_implementation or "sdpa"  # (the model's own: decoding with a KV cache runs whole)
     use_context_attention(model)
-    model.register_forward_pre_hook(_SplitInputs(split), with_kwargs=True)
+    model.register_forward_pre_hook(_SplitInputs(split, unsplit), with_kwargs=True)
     model.register_forward_hook(_whole_outputs, with_kwargs=True)
     setattr(model, _ATTACHED, split)
 

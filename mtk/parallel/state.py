@@ -22,7 +22,7 @@ import torch.distributed.distributed_c10d as c10d
 from mtk.config import ParallelConfig, check_expert_tp_size
 from mtk.parallel.layout import Layout, LayoutError
 
-__all__ = ["ParallelState", "default_device", "group_timeout", "init_distributed", "new_group"]
+__all__ = ["ParallelState", "default_device", "group_timeout", "groups_made", "init_distributed", "new_group"]
 
 _KINDS = ("tp", "dp", "pp", "mp", "embedding")
 _CONTEXT_KINDS = ("cp", "replica")  # created only at cp > 1 (at cp = 1 the replica group is the DP group)
@@ -34,6 +34,11 @@ _EXPERT_KINDS = ("ep", "expert_replica")  # created only at ep > 1 (at ep = 1 th
 # last collective needs the GIL to free it: the script hangs as its ``main`` returns (pytorch#56297; seen about once
 # in seven 2-process runs of plain accelerate). Keeping a Python owner makes the Reducer never the last.
 _CREATED: list[dist.ProcessGroup] = []
+
+
+def groups_made() -> bool:
+    """Whether this process made a process group (its threads live until the process ends)."""
+    return bool(_CREATED) or (dist.is_available() and dist.is_initialized())
 
 
 def new_group(ranks: list[int], device: torch.device) -> dist.ProcessGroup:

@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from mtk.errors import MtkError, allocation_failure, unusable_name
-from mtk.parallel.state import group_timeout
+from mtk.parallel.state import group_timeout, groups_made
 
 __all__ = ["out_of_memory", "peer_failure", "report_mtk_errors", "run_main"]
 
@@ -70,8 +70,9 @@ def run_main(main: Callable[[], None], prog: str) -> None:
     the interpreter's teardown (:func:`_leave`).
     """
     _run(main, prog)  # an error exits as Python does: slower, which gives a peer time to print its line first
-    if _launched_worker(prog):
+    if _launched_worker(prog, main):
         _leave(0)
+    _let_collectives_settle()  # (a caller that goes on, or ends through the teardown)
 
 
 def _run(main: Callable[[], None], prog: str) -> None:
@@ -136,9 +137,11 @@ def out_of_memory(err: BaseException, smaller: str = _SMALLER_BY_SCRIPT["finetun
     return None if found is None else str(found)
 
 
-def _launched_worker(prog: str) -> bool:
-    """Whether this process is a launcher's worker running the script ``prog`` (not a test calling ``run_main``)."""
-    return "LOCAL_RANK" in os.environ and Path(sys.argv[0]).name == prog
+def _launched_worker(prog: str, main: Callable[[], None]) -> bool:
+    """Whether this process is a launcher's worker running the script ``prog``, or whose ``main`` the script itself
+    defines (a user's script that names itself otherwise), not a test calling ``run_main``."""
+    own = getattr(main, "__module__", None) == "__main__"
+    return "LOCAL_RANK" in os.environ and (Path(sys.argv[0]).name == prog or own)
 
 
 def _leave(code: int) -> None:
@@ -150,6 +153,7 @@ def _leave(code: int) -> None:
     exit status -6) after a run that finished and saved everything. Seen about once per full test run (some 200
     launches of 4 to 8 processes on 2 cores). An error exit keeps Python's slower teardown: the first rank to fail
     exits, the launcher stops the others, and a rank that claimed the error's line needs that time to print it."""
+    atexit.unregister(_let_collectives_settle)  # (no teardown follows)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -176,6 +180,25 @@ def report_mtk_errors(prog: str) -> None:
 
     hook._mtk = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+    atexit.register(_let_collectives_settle)
+
+
+# How long an ending process waits for the process groups' threads to free the last collective's tensors: they need
+# a moment of the GIL, which a busy machine may not give them before the interpreter's teardown begins.
+_SETTLE_S = 0.2
+
+
+def _let_collectives_settle() -> None:
+    """At exit of a script whose ``main`` mtk does not run (an own loop, a user's Trainer script), before the
+    interpreter's teardown: a gloo worker thread destroys a collective's work after the caller's wait returned, and
+    where that frees a tensor Python has let go of, it takes the GIL; in the teardown that ends the thread inside C++
+    code and aborts the process ("terminate called without an active exception", exit status -6) after a run that
+    finished: 2 in 3 launches of an own loop that generates at TP 2, whose last collective is an all-gather of
+    views. Waiting here, the GIL released, lets the threads finish. (:func:`run_main` skips the teardown instead:
+    :func:`_leave`; nothing frees the groups' threads sooner, since gloo's groups join them only when the last
+    reference, which every TP layer holds, is gone.)"""
+    if groups_made():
+        time.sleep(_SETTLE_S)
 
 
 def _report(prog: str, message: str, key: str) -> None:

@@ -135,6 +135,15 @@ def _attached_checks(rank: int, cp: int) -> None:
     with torch.no_grad():  # evaluation: the whole rows' logits, in order, without the split's padding (30 -> 32)
         cut = {k: v[:, :30] for k, v in _batch("padded").items()}
         assert_close_rel(model(**cut).logits, reference(**cut, use_cache=False).logits, "attached logits")
+        # generate (a KV cache from its first call) runs whole, masks and all: a traceback in ring attention before;
+        # rows of 7 and 4 tokens, left-padded as generate expects
+        prompt = batch["input_ids"][:2, :7].clone()
+        mask = torch.ones_like(prompt)
+        prompt[1, :3], mask[1, :3] = 0, 0
+        greedy = {"attention_mask": mask, "max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+        expected = reference.generate(input_ids=prompt, **greedy)
+        assert torch.equal(model.generate(input_ids=prompt, **greedy), expected), "attached generate"
+        assert_close_rel(model(**cut).logits, reference(**cut, use_cache=False).logits, "split again after generate")
 
 
 def test_a_model_attached_to_a_cp_group_splits_whole_batches_itself():
