@@ -34,7 +34,7 @@ from mtk.errors import ConfigError
 from mtk.parallel.comm import Group, gather_from_sequence, group_size, scatter_to_sequence
 from mtk.parallel.parameters import param_info, set_param_info
 from mtk.parallel.random import DEFAULT_STREAM, TP_SEED_OFFSET, TP_STREAM, ForkAround, RNGStreams
-from mtk.parallel.sequence_padding import pad_batch, trim_output
+from mtk.parallel.sequence_padding import carries_cache, pad_batch, trim_output
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.stages import SkipLayer
 from mtk.rules.base import RuleSet, UnsupportedModelError, compile_pattern
@@ -110,6 +110,12 @@ class _PadSequence:
         self._added: list[tuple[int, int]] = []  # (positions added, padded length) per forward in progress
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if carries_cache(kwargs):  # (its 1-token steps padded: the pads' keys and values went into the cache)
+            raise ConfigError(
+                f"{type(module).__name__} runs with sequence parallelism, which cuts each call's tokens over the TP "
+                "ranks; a call with a KV cache (generate's) cannot be cut: generate with use_cache=False, or turn "
+                "sequence parallelism off"
+            )
         inputs = kwargs
         if args:  # positional (model(ids)): by name, as pad_batch reads them
             named = dict(self.signature.bind_partial(*args, **kwargs).arguments)

@@ -52,7 +52,7 @@ from mtk.parallel.router_loss import (
     router_loss_in_loss,
     set_active,
 )
-from mtk.parallel.sequence_padding import PER_POSITION, pad_batch
+from mtk.parallel.sequence_padding import PER_POSITION, carries_cache, pad_batch
 
 __all__ = [
     "router_loss_refusal",
@@ -74,7 +74,6 @@ KEYWORD = "mtk_context"  # the forward keyword carrying a ContextShard to every 
 _PER_TOKEN = ("logits", "hidden_states")  # per-position outputs of every token; the others are label-aligned
 _ATTACHED = "_mtk_context_parallel"  # the ContextSplit of a model attach_context_parallel converted
 SPLIT_INPUTS = ("input_ids", "labels", "shift_labels", "attention_mask", "position_ids")  # [b, S] each, cut
-_CACHE_KEYWORDS = ("cache", "past_key_values")  # a decoding call's KV cache (transformers 5.2x's name, the older one)
 COMM_TYPES = CP_COMM_TYPES
 
 
@@ -257,14 +256,14 @@ class _SplitInputs:
 
     A call with a KV cache (``generate``'s, which passes one from its first step: a cut prompt would
     leave each rank's cache with its own tokens only) runs whole on every rank with the model's own attention
-    (``unsplit``), masks included; the next call without a cache is split and context-parallel again."""
+    (``unsplit``), masks included, for that call only (:func:`_context_attention_again`)."""
 
     def __init__(self, split: ContextSplit, unsplit: str) -> None:
         self.split = split
         self.unsplit = unsplit
 
     def __call__(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
-        decoding = KEYWORD not in kwargs and any(kwargs.get(name) is not None for name in _CACHE_KEYWORDS)
+        decoding = KEYWORD not in kwargs and carries_cache(kwargs)
         _attend_with(module, self.unsplit if decoding else ATTENTION)
         if decoding:
             return None
@@ -290,6 +289,13 @@ def _attend_with(model: Any, implementation: str) -> None:
     """``model``'s attention implementation for this call (set only where it changes: a check per call)."""
     if model.config._attn_implementation != implementation:
         model.set_attn_implementation(implementation)
+
+
+def _context_attention_again(module: Any, args: tuple, output: Any) -> None:
+    """Forward hook (run even when the call raised): a decoding call's own attention ends with it, so that nothing
+    later runs the model's layers unsplit-style on a split batch (a recomputed layer in backward, a call to a
+    submodule)."""
+    _attend_with(module, ATTENTION)
 
 
 def _whole_outputs(module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
@@ -401,6 +407,7 @@ def attach_context_parallel(
     use_context_attention(model)
     model.register_forward_pre_hook(_SplitInputs(split, unsplit), with_kwargs=True)
     model.register_forward_hook(_whole_outputs, with_kwargs=True)
+    model.register_forward_hook(_context_attention_again, always_call=True)
     setattr(model, _ATTACHED, split)
 
 

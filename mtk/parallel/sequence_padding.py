@@ -18,13 +18,22 @@ import torch.nn.functional as F
 from mtk.data.formats import IGNORE_INDEX
 from mtk.errors import ConfigError
 
-__all__ = ["PER_POSITION", "pad_batch", "trim_output"]
+__all__ = ["PER_POSITION", "carries_cache", "pad_batch", "trim_output"]
+
+# The keywords of a forward's KV cache (a decoding call's: generate passes one from the prompt on): transformers 5.2x's
+# name and the older one.
+CACHE_KEYWORDS = ("cache", "past_key_values")
 
 _FILL = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 0}
 # What a forward returns per position, trimmed back: HF's logits and hidden states, TRL's fused-head fields.
 PER_POSITION = (
     "logits", "hidden_states", "log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask",
 )  # fmt: skip
+
+
+def carries_cache(kwargs: dict[str, Any]) -> bool:
+    """Whether a forward's keyword arguments carry a KV cache (a decoding call)."""
+    return any(kwargs.get(name) is not None for name in CACHE_KEYWORDS)
 
 
 def pad_batch(

@@ -276,6 +276,8 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
         as in the example scripts: a user's own script does not build its trainer inside that block."""
         with library_refusals():
             self._create_accelerator()
+        if self.model is not None:  # (mtk's own work: an error there is a bug, with its traceback)
+            self._parallelize(self.model)
 
     def _create_accelerator(self) -> None:
         check_training_arguments(self.args)
@@ -305,8 +307,6 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
         for line in (*idle, recompute, clipping_report(self.args, self.accelerator.settings)):
             if line:
                 self.accelerator.print(line)
-        if self.model is not None:
-            self._parallelize(self.model)
 
     def _parallelize(self, model: Any) -> Any:
         """``model`` converted in place; with a ``peft_config`` (mtk's TRL trainers), the ``PeftModel`` of mtk's

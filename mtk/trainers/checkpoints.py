@@ -327,6 +327,11 @@ class TrainerCheckpointing:
         )
         if checkpoint is None or self.state.global_step < max_steps:
             return position
+        if self.state.global_step > max_steps:  # (max_steps from the epochs: what train() could not check before)
+            raise ConfigError(
+                f"{checkpoint} is at step {self.state.global_step}, past this run's {max_steps} steps "
+                f"({self.args.num_train_epochs:g} epochs): nothing is left to train; give more epochs or max_steps"
+            )
         if self.accelerator.is_main_process:
             tqdm.write(
                 f"mtk: {checkpoint} is at step {self.state.global_step}, max_steps {max_steps}: "

@@ -70,9 +70,9 @@ def run_main(main: Callable[[], None], prog: str) -> None:
     the interpreter's teardown (:func:`_leave`).
     """
     _run(main, prog)  # an error exits as Python does: slower, which gives a peer time to print its line first
-    if _launched_worker(prog, main):
+    if _launched_worker(prog):
         _leave(0)
-    _let_collectives_settle()  # (a caller that goes on, or ends through the teardown)
+    _let_collectives_settle()  # (a caller that goes on, or ends through the teardown: a script named otherwise)
 
 
 def _run(main: Callable[[], None], prog: str) -> None:
@@ -137,11 +137,10 @@ def out_of_memory(err: BaseException, smaller: str = _SMALLER_BY_SCRIPT["finetun
     return None if found is None else str(found)
 
 
-def _launched_worker(prog: str, main: Callable[[], None]) -> bool:
-    """Whether this process is a launcher's worker running the script ``prog``, or whose ``main`` the script itself
-    defines (a user's script that names itself otherwise), not a test calling ``run_main``."""
-    own = getattr(main, "__module__", None) == "__main__"
-    return "LOCAL_RANK" in os.environ and (Path(sys.argv[0]).name == prog or own)
+def _launched_worker(prog: str) -> bool:
+    """Whether this process is a launcher's worker running the script ``prog`` (not a test calling ``run_main``, nor
+    a script that goes on after it: those wait for the groups' threads instead, :func:`_let_collectives_settle`)."""
+    return "LOCAL_RANK" in os.environ and Path(sys.argv[0]).name == prog
 
 
 def _leave(code: int) -> None:

@@ -14,7 +14,7 @@ from mtk.convert import parallelize
 from mtk.errors import ConfigError
 from mtk.models import build_model
 from mtk.parallel import ParallelState
-from mtk.parallel.context import attach_context_parallel, split_for_context, use_context_attention
+from mtk.parallel.context import ATTENTION, attach_context_parallel, split_for_context, use_context_attention
 from mtk.parallel.gather import iter_full_tensors
 from mtk.parallel.grads import sync_sequence_parallel_grads
 from mtk.testing import assert_close_rel, run_distributed
@@ -143,6 +143,7 @@ def _attached_checks(rank: int, cp: int) -> None:
         greedy = {"attention_mask": mask, "max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
         expected = reference.generate(input_ids=prompt, **greedy)
         assert torch.equal(model.generate(input_ids=prompt, **greedy), expected), "attached generate"
+        assert model.config._attn_implementation == ATTENTION  # (only the decoding calls ran the model's own)
         assert_close_rel(model(**cut).logits, reference(**cut, use_cache=False).logits, "split again after generate")
 
 

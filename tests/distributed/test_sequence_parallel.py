@@ -108,3 +108,25 @@ def _four_d_mask(rank: int, world_size: int) -> str:
 def test_an_indivisible_length_with_a_4d_mask_is_one_line():
     message = run_distributed(_four_d_mask, world_size=2)[0]
     assert "4-d attention mask and 7 positions" in message and "multiple of 2" in message
+
+
+def _generate(rank: int, world_size: int) -> str:
+    state = ParallelState.build(tp_size=world_size)
+    reference = build_model("tiny-llama", seed=0).eval()
+    model = parallelize(copy.deepcopy(reference), state, sequence_parallel=True).eval()
+    prompt = torch.arange(3, 10).reshape(1, 7)  # 7 positions: padded to 8 inside
+    greedy = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    expected = reference.generate(input_ids=prompt, **greedy)
+    assert torch.equal(model.generate(input_ids=prompt, use_cache=False, **greedy), expected)
+    try:
+        model.generate(input_ids=prompt, **greedy)
+    except ConfigError as error:
+        return str(error)
+    return ""
+
+
+def test_generate_under_sequence_parallelism_without_a_cache_equals_hf_and_with_one_is_one_line():
+    """The decoding steps of generate's KV cache were padded to the TP size, the pads' keys and values went into the
+    cache and the mask no longer matched it: other tokens, without an error."""
+    message = run_distributed(_generate, world_size=2)[0]
+    assert "runs with sequence parallelism" in message and "generate with use_cache=False" in message, message

@@ -488,3 +488,29 @@ def test_a_users_trainer_script_with_a_deepspeed_json_and_no_launcher_is_one_lin
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("my_trainer.py: error: Default process group has not been initialized"), line
     assert "a process group was asked for without a launcher" in line
+
+
+def test_a_resumed_trainer_at_its_last_step_trains_nothing_and_past_it_is_one_line(capsys):
+    """transformers' loop checks max_steps only after a step: resumed at max_steps it trained one more and the
+    script's save replaced the final model. At the last step no epoch runs; past it (max_steps from the epochs,
+    which train() cannot check before the loop resolves them) is one line."""
+    from types import SimpleNamespace
+
+    from mtk.trainers.checkpoints import TrainerCheckpointing
+
+    class Loop:
+        def _init_training_state(self, max_steps, steps_per_epoch, epochs, checkpoint, trial):
+            return 1, 2  # (transformers': epochs trained, batches to skip)
+
+    class Resumed(TrainerCheckpointing, Loop):
+        def __init__(self, step: int) -> None:
+            self.state = SimpleNamespace(global_step=step)
+            self.args = SimpleNamespace(num_train_epochs=2.0)
+            self.accelerator = SimpleNamespace(is_main_process=True)
+
+    assert Resumed(6)._init_training_state(8, 4, 2, "run/checkpoint-6", None) == (1, 2)
+    assert Resumed(8)._init_training_state(8, 4, 2, None, None) == (1, 2)  # (a fresh run)
+    assert Resumed(8)._init_training_state(8, 4, 2, "run/checkpoint-8", None) == (2, 0)
+    assert "mtk: run/checkpoint-8 is at step 8, max_steps 8: nothing is left to train" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"checkpoint-9 is at step 9, past this run's 8 steps \(2 epochs\)"):
+        Resumed(9)._init_training_state(8, 4, 2, "run/checkpoint-9", None)
