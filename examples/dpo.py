@@ -34,6 +34,7 @@ from mtk.data.sources import load_data
 from mtk.data.tokenizers import directory_tokenizer
 from mtk.errors import library_refusals
 from mtk.trainers import DPOTrainer
+from mtk.trainers.arguments import epochs_over_a_default_step_count
 from mtk.training.entry import run_main
 
 HERE = Path(__file__).resolve().parent
@@ -64,6 +65,7 @@ def main() -> None:
         parser.set_defaults(bf16=torch.cuda.is_available(), dataloader_pin_memory=torch.cuda.is_available())
         parser.set_defaults(per_device_train_batch_size=8, max_length=256)
         script, config = parser.parse_args_and_config()
+        epochs_over_a_default_step_count(config)  # (--num_train_epochs alone: the epochs, not max_steps=20)
         if script.data:
             check_output_place(config.output_dir, script.data)  # (not among the data files)
             dataset = load_data(script.data, "--data")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 from mtk.config import RunSettings
 from mtk.errors import ConfigError
 
-__all__ = ["check_training_arguments", "clipping_report", "recompute_settings"]
+__all__ = ["check_training_arguments", "clipping_report", "epochs_over_a_default_step_count", "recompute_settings"]
 
 
 def _refusals(args: Any) -> list[str]:
@@ -178,3 +179,24 @@ def recompute_settings(args: Any, settings: RunSettings) -> tuple[RunSettings, s
         "mtk: TrainingArguments.gradient_checkpointing runs as mtk's full recompute of every block (which also "
         "restores the tensor-parallel dropout stream); transformers' checkpointing is not used"
     )
+
+
+def _given(name: str, argv: list[str]) -> bool:
+    """Whether a TrlParser command line sets ``name``: as a flag, or in the YAML ``--config`` it reads."""
+    if any(arg == f"--{name}" or arg.startswith(f"--{name}=") for arg in argv):
+        return True
+    if "--config" not in argv or argv.index("--config") + 1 >= len(argv):
+        return False
+    import yaml
+
+    with open(argv[argv.index("--config") + 1]) as file:  # (TrlParser has read it already: it is a mapping)
+        return name in (yaml.safe_load(file) or {})
+
+
+def epochs_over_a_default_step_count(config: Any, argv: list[str] | None = None) -> None:
+    """An example script's default ``max_steps`` (a short first run) yields to ``num_train_epochs`` the user gives
+    without ``max_steps``: transformers lets a positive ``max_steps`` win, so ``--num_train_epochs 10`` trained the
+    default 40 steps, without a word."""
+    argv = sys.argv[1:] if argv is None else argv
+    if _given("num_train_epochs", argv) and not _given("max_steps", argv):
+        config.max_steps = -1

@@ -514,3 +514,28 @@ def test_a_resumed_trainer_at_its_last_step_trains_nothing_and_past_it_is_one_li
     assert "mtk: run/checkpoint-8 is at step 8, max_steps 8: nothing is left to train" in capsys.readouterr().out
     with pytest.raises(ConfigError, match=r"checkpoint-9 is at step 9, past this run's 8 steps \(2 epochs\)"):
         Resumed(9)._init_training_state(8, 4, 2, "run/checkpoint-9", None)
+
+
+def test_num_train_epochs_alone_replaces_an_example_scripts_default_step_count(tmp_path):
+    """sft.py and dpo.py default max_steps to a short run; transformers lets a positive max_steps win, so
+    ``--num_train_epochs 10`` trained 40 steps (sft.py: 4.4 epochs), without a word."""
+    from types import SimpleNamespace
+
+    from mtk.trainers.arguments import epochs_over_a_default_step_count
+
+    def steps(argv: list[str]) -> int:
+        config = SimpleNamespace(max_steps=40)
+        epochs_over_a_default_step_count(config, argv)
+        return config.max_steps
+
+    yaml_epochs = tmp_path / "epochs.yaml"
+    yaml_epochs.write_text("num_train_epochs: 10\n")
+    yaml_both = tmp_path / "both.yaml"
+    yaml_both.write_text("num_train_epochs: 10\nmax_steps: 7\n")
+    assert steps([]) == 40
+    assert steps(["--num_train_epochs", "10"]) == -1
+    assert steps(["--num_train_epochs=10"]) == -1
+    assert steps(["--num_train_epochs", "10", "--max_steps", "40"]) == 40  # (given: it wins, as transformers has it)
+    assert steps(["--config", str(yaml_epochs)]) == -1
+    assert steps(["--config", str(yaml_both)]) == 40
+    assert steps(["--config", str(yaml_epochs), "--max_steps", "40"]) == 40
