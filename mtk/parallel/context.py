@@ -89,6 +89,7 @@ class ContextShard:
     row_length: int | None = None  # the caller's row length, before padding for the split
     caller_shifted: bool = False  # the caller passed shift_labels: label-aligned outputs keep every position
     average: bool = True  # the CP ranks' gradients are averaged (else summed: ContextSplit.average)
+    logits_to_keep: int | torch.Tensor = 0  # the caller's: applied to the whole rows' logits (0: every position)
 
     def __len__(self) -> int:
         """Rows, as a ``[b, ...]`` tensor's ``len``: a pipeline cuts micro-batches of shards as of tensors."""
@@ -280,7 +281,9 @@ class _SplitInputs:
         tensors: dict[str, torch.Tensor] = {k: kwargs.pop(k) for k in SPLIT_INPUTS if kwargs.get(k) is not None}
         for k in SPLIT_INPUTS:
             kwargs.pop(k, None)
+        keep = kwargs.pop("logits_to_keep", 0)  # (of the whole rows: HF's would keep each rank's last positions)
         local = self.split(tensors, kwargs.pop("num_items_in_batch", None))
+        local[KEYWORD].logits_to_keep = keep
         set_active(local[KEYWORD])  # the router's load-balancing loss sums over the group (mtk.parallel.router_loss)
         return (), {**kwargs, **local}
 
@@ -325,6 +328,9 @@ def _whole_outputs(module: Any, args: tuple, kwargs: dict[str, Any], output: Any
             output[key] = whole_rows(value, shard)[:, :keep]
         elif isinstance(value, tuple) and all(isinstance(v, torch.Tensor) for v in value):
             output[key] = tuple(whole_rows(v, shard) for v in value)
+    kept, logits = shard.logits_to_keep, getattr(output, "logits", None)
+    if (not isinstance(kept, int) or kept) and isinstance(logits, torch.Tensor) and any(logits.stride()):
+        output["logits"] = logits[:, slice(-kept, None) if isinstance(kept, int) else kept]  # HF's own slicing
     return output
 
 

@@ -144,6 +144,13 @@ def _attached_checks(rank: int, cp: int) -> None:
         expected = reference.generate(input_ids=prompt, **greedy)
         assert torch.equal(model.generate(input_ids=prompt, **greedy), expected), "attached generate"
         assert model.config._attn_implementation == ATTENTION  # (only the decoding calls ran the model's own)
+        # logits_to_keep (generate's without a cache) is of the whole rows: each rank returned its own last positions
+        assert torch.equal(model.generate(input_ids=prompt, use_cache=False, **greedy), expected), "no cache"
+        unlabelled = {k: v for k, v in cut.items() if k != "labels"}
+        for keep in (1, 3, torch.tensor([0, 5])):
+            kept = model(**unlabelled, logits_to_keep=keep).logits
+            expected_kept = reference(**unlabelled, use_cache=False, logits_to_keep=keep).logits
+            assert_close_rel(kept, expected_kept, f"logits_to_keep {keep}")
         assert_close_rel(model(**cut).logits, reference(**cut, use_cache=False).logits, "split again after generate")
 
 
