@@ -115,6 +115,21 @@ def _loaded_by_mtk(*args: Any, **kwargs: Any) -> None:
     checkpoint another engine wrote); transformers looked for ``global_step*`` folders beside it and raised."""
 
 
+def _deepspeed_init_in_one_line(*args: Any, **kwargs: Any) -> Any:
+    """transformers' ``deepspeed_init`` (from ``train()``, once the step count is known), whose refusal of a JSON
+    value that disagrees with the arguments (a scheduler's ``warmup_num_steps``, ``total_num_steps``) is one line,
+    as the disagreements mtk finds before training are: it was transformers' traceback on every rank."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    try:
+        return hf_deepspeed.deepspeed_init(*args, **kwargs)
+    except ValueError as err:
+        lines = [line.strip() for line in str(err).splitlines()]
+        if not lines or not lines[0].startswith("Please correct the following DeepSpeed config values"):
+            raise
+        raise _disagreement([line.removeprefix("- ") for line in lines[1:] if line.startswith("- ")]) from err
+
+
 def _fill_launchers_deepspeed_config(args: Any) -> None:
     """DeepSpeed from accelerate's YAML (no ``deepspeed=`` argument): transformers fills the JSON's ``"auto"`` values
     from the arguments only once the Trainer's Accelerator exists (``propagate_args_to_deepspeed``), but mtk's
@@ -223,10 +238,14 @@ def _refuse_deepspeed_disagreements(args: Any) -> None:
     found = [line for line in found if not line.startswith("ds train_batch_size=")]  # (not the micro-batch's)
     listed.clear()  # (transformers would raise its global-batch one, counted over every process, when training starts)
     if found:
-        raise ConfigError(
-            f"the DeepSpeed JSON disagrees with TrainingArguments ({'; '.join(found)}): give the same values, or "
-            'leave them to the arguments with "auto"'
-        )
+        raise _disagreement(found)
+
+
+def _disagreement(found: list[str]) -> ConfigError:
+    return ConfigError(
+        f"the DeepSpeed JSON disagrees with TrainingArguments ({'; '.join(found)}): give the same values, or "
+        'leave them to the arguments with "auto"'
+    )
 
 
 def _deepspeed_processes_on_cpu(args: Any) -> None:
@@ -420,7 +439,10 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
         with (
             _saving_on_signals(self) as stop,
             _in_trainer_module(
-                skip_first_batches=skipping, sort_checkpoints=sorting, deepspeed_load_checkpoint=_loaded_by_mtk
+                skip_first_batches=skipping,
+                sort_checkpoints=sorting,
+                deepspeed_load_checkpoint=_loaded_by_mtk,
+                deepspeed_init=_deepspeed_init_in_one_line,
             ),
         ):
             result = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]

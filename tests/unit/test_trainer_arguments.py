@@ -539,3 +539,28 @@ def test_num_train_epochs_alone_replaces_an_example_scripts_default_step_count(t
     assert steps(["--config", str(yaml_epochs)]) == -1
     assert steps(["--config", str(yaml_both)]) == 40
     assert steps(["--config", str(yaml_epochs), "--max_steps", "40"]) == 40
+
+
+def test_a_deepspeed_value_transformers_refuses_once_training_starts_is_one_line(monkeypatch):
+    """A DeepSpeed JSON's scheduler ``warmup_num_steps`` 3 beside ``warmup_steps`` 1: transformers checks the
+    step-count fields in ``deepspeed_init``, from ``train()``, and its ValueError was a traceback on every rank."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    from mtk.trainers.base import _deepspeed_init_in_one_line
+
+    def refuses(*args, **kwargs):
+        raise ValueError(
+            "Please correct the following DeepSpeed config values that mismatch TrainingArguments values:\n"
+            "- ds scheduler.params.warmup_num_steps=3 vs hf warmup_steps=1\n"
+            "The easiest method is to set these DeepSpeed config values to 'auto'."
+        )
+
+    monkeypatch.setattr(hf_deepspeed, "deepspeed_init", refuses)
+    said = r"\(ds scheduler.params.warmup_num_steps=3 vs hf warmup_steps=1\): give the same values"
+    with pytest.raises(ConfigError, match=said):
+        _deepspeed_init_in_one_line(None, num_training_steps=4)
+    monkeypatch.setattr(hf_deepspeed, "deepspeed_init", lambda *a, **k: (_ for _ in ()).throw(ValueError("a bug")))
+    with pytest.raises(ValueError, match="a bug"):  # (anything else keeps its traceback)
+        _deepspeed_init_in_one_line(None, num_training_steps=4)
+    monkeypatch.setattr(hf_deepspeed, "deepspeed_init", lambda *a, **k: ("optimizer", "scheduler"))
+    assert _deepspeed_init_in_one_line(None, num_training_steps=4) == ("optimizer", "scheduler")
