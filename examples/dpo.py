@@ -65,7 +65,7 @@ def main() -> None:
         parser.set_defaults(bf16=torch.cuda.is_available(), dataloader_pin_memory=torch.cuda.is_available())
         parser.set_defaults(per_device_train_batch_size=8, max_length=256)
         script, config = parser.parse_args_and_config()
-        epochs_over_a_default_step_count(config)  # (--num_train_epochs alone: the epochs, not max_steps=20)
+        epochs_over_a_default_step_count(parser, config)  # (--num_train_epochs alone: the epochs, not max_steps=20)
         if script.data:
             check_output_place(config.output_dir, script.data)  # (not among the data files)
             dataset = load_data(script.data, "--data")

@@ -74,7 +74,7 @@ def main() -> None:
         parser.set_defaults(bf16=torch.cuda.is_available(), dataloader_pin_memory=torch.cuda.is_available())
         parser.set_defaults(per_device_train_batch_size=8, max_length=256)
         script, config = parser.parse_args_and_config()
-        epochs_over_a_default_step_count(config)  # (--num_train_epochs alone: the epochs, not max_steps=40)
+        epochs_over_a_default_step_count(parser, config)  # (--num_train_epochs alone: the epochs, not max_steps=40)
         check_output_place(config.output_dir, script.data)  # (not among the data files)
         train = load_data(script.data, "--data")
         evaluation = load_data(script.eval_data, "--eval_data") if script.eval_data else None

@@ -34,7 +34,7 @@ from mtk.errors import ConfigError
 from mtk.parallel.comm import Group, gather_from_sequence, group_size, scatter_to_sequence
 from mtk.parallel.parameters import param_info, set_param_info
 from mtk.parallel.random import DEFAULT_STREAM, TP_SEED_OFFSET, TP_STREAM, ForkAround, RNGStreams
-from mtk.parallel.sequence_padding import carries_cache, pad_batch, trim_output
+from mtk.parallel.sequence_padding import carries_cache, keep_logits, pad_batch, pop_logits_to_keep, trim_output
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.stages import SkipLayer
 from mtk.rules.base import RuleSet, UnsupportedModelError, compile_pattern
@@ -107,7 +107,8 @@ class _PadSequence:
         self.pad_token_id = getattr(config, "pad_token_id", None)
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.causal = type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-        self._added: list[tuple[int, int]] = []  # (positions added, padded length) per forward in progress
+        # (positions added, padded length, the caller's logits_to_keep) per forward in progress
+        self._added: list[tuple[int, int, int | torch.Tensor]] = []
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if carries_cache(kwargs):  # (its 1-token steps padded: the pads' keys and values went into the cache)
@@ -123,12 +124,13 @@ class _PadSequence:
             inputs = {**named, **(named.pop(rest[0], {}) if rest else {})}
         padded, extra = pad_batch(inputs, self.tp_size, self.pad_token_id, self.max_positions, self.causal)
         shape = padded.get("input_ids", padded.get("inputs_embeds"))
-        self._added.append((extra, shape.shape[1] if shape is not None else 0))
+        kept = pop_logits_to_keep(padded) if extra else 0  # (the model's last positions would be the pads)
+        self._added.append((extra, shape.shape[1] if shape is not None else 0, kept))
         return ((), padded) if extra else (args, kwargs)
 
     def after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        extra, padded_length = self._added.pop()
-        return trim_output(output, extra, padded_length)
+        extra, padded_length, kept = self._added.pop()
+        return keep_logits(trim_output(output, extra, padded_length), kept)
 
 
 class _GatherSequence:

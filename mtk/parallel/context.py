@@ -52,7 +52,7 @@ from mtk.parallel.router_loss import (
     router_loss_in_loss,
     set_active,
 )
-from mtk.parallel.sequence_padding import PER_POSITION, carries_cache, pad_batch
+from mtk.parallel.sequence_padding import PER_POSITION, carries_cache, keep_logits, pad_batch, pop_logits_to_keep
 
 __all__ = [
     "router_loss_refusal",
@@ -281,9 +281,9 @@ class _SplitInputs:
         tensors: dict[str, torch.Tensor] = {k: kwargs.pop(k) for k in SPLIT_INPUTS if kwargs.get(k) is not None}
         for k in SPLIT_INPUTS:
             kwargs.pop(k, None)
-        keep = kwargs.pop("logits_to_keep", 0)  # (of the whole rows: HF's would keep each rank's last positions)
+        kept = pop_logits_to_keep(kwargs)  # (of the whole rows: HF's would keep each rank's last positions)
         local = self.split(tensors, kwargs.pop("num_items_in_batch", None))
-        local[KEYWORD].logits_to_keep = keep
+        local[KEYWORD].logits_to_keep = kept
         set_active(local[KEYWORD])  # the router's load-balancing loss sums over the group (mtk.parallel.router_loss)
         return (), {**kwargs, **local}
 
@@ -328,10 +328,7 @@ def _whole_outputs(module: Any, args: tuple, kwargs: dict[str, Any], output: Any
             output[key] = whole_rows(value, shard)[:, :keep]
         elif isinstance(value, tuple) and all(isinstance(v, torch.Tensor) for v in value):
             output[key] = tuple(whole_rows(v, shard) for v in value)
-    kept, logits = shard.logits_to_keep, getattr(output, "logits", None)
-    if (not isinstance(kept, int) or kept) and isinstance(logits, torch.Tensor) and any(logits.stride()):
-        output["logits"] = logits[:, slice(-kept, None) if isinstance(kept, int) else kept]  # HF's own slicing
-    return output
+    return keep_logits(output, shard.logits_to_keep)
 
 
 def whole_rows(local: torch.Tensor, shard: ContextShard) -> torch.Tensor:
@@ -411,7 +408,9 @@ def attach_context_parallel(
         return
     unsplit = model.config._attn_implementation or "sdpa"  # (the model's own: decoding with a KV cache runs whole)
     use_context_attention(model)
-    model.register_forward_pre_hook(_SplitInputs(split, unsplit), with_kwargs=True)
+    # before sequence parallelism's padding (a hook of the conversion): the split pads to a multiple of cp x tp
+    # itself, and what it gathers back has the caller's length (SP's padding would have stayed in it)
+    model.register_forward_pre_hook(_SplitInputs(split, unsplit), with_kwargs=True, prepend=True)
     model.register_forward_hook(_whole_outputs, with_kwargs=True)
     model.register_forward_hook(_context_attention_again, always_call=True)
     setattr(model, _ATTACHED, split)

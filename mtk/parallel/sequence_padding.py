@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from mtk.data.formats import IGNORE_INDEX
 from mtk.errors import ConfigError
 
-__all__ = ["PER_POSITION", "carries_cache", "pad_batch", "trim_output"]
+__all__ = ["PER_POSITION", "carries_cache", "keep_logits", "pad_batch", "pop_logits_to_keep", "trim_output"]
 
 # The keywords of a forward's KV cache (a decoding call's: generate passes one from the prompt on): transformers 5.2x's
 # name and the older one.
@@ -34,6 +34,33 @@ PER_POSITION = (
 def carries_cache(kwargs: dict[str, Any]) -> bool:
     """Whether a forward's keyword arguments carry a KV cache (a decoding call)."""
     return any(kwargs.get(name) is not None for name in CACHE_KEYWORDS)
+
+
+def pop_logits_to_keep(kwargs: dict[str, Any]) -> int | torch.Tensor:
+    """A forward's ``logits_to_keep`` (transformers < 4.50: ``num_logits_to_keep``), taken out of ``kwargs``: a hook
+    that changes the positions a call sees applies it to the logits of the caller's positions (:func:`keep_logits`);
+    the model would keep its own last positions, an appended pad's or another rank's. 0 keeps every position."""
+    kept: int | torch.Tensor = 0
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in kwargs:
+            kept = kwargs.pop(name)
+    return kept
+
+
+def keep_logits(output: Any, kept: int | torch.Tensor) -> Any:
+    """``output`` with its logits cut to ``kept`` (:func:`pop_logits_to_keep`) as HF's head cuts its hidden states:
+    the last ``kept`` positions, the positions a tensor names, a boolean mask's; a chunked loss's stand-in
+    (which holds nothing) stays."""
+    logits = getattr(output, "logits", None)
+    if isinstance(kept, int) and kept == 0 or not isinstance(logits, torch.Tensor) or not any(logits.stride()):
+        return output
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep
+    except ImportError:  # (transformers < 5: an int or a 1-d tensor of positions)
+        output["logits"] = logits[:, slice(-kept, None) if isinstance(kept, int) else kept]
+    else:
+        output["logits"] = slice_logits_to_keep(logits, kept)
+    return output
 
 
 def pad_batch(

@@ -9,6 +9,7 @@ line naming what to use instead, rather than accepted and silently wrong.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
@@ -181,22 +182,27 @@ def recompute_settings(args: Any, settings: RunSettings) -> tuple[RunSettings, s
     )
 
 
-def _given(name: str, argv: list[str]) -> bool:
-    """Whether a TrlParser command line sets ``name``: as a flag, or in the YAML ``--config`` it reads."""
-    if any(arg == f"--{name}" or arg.startswith(f"--{name}=") for arg in argv):
-        return True
-    if "--config" not in argv or argv.index("--config") + 1 >= len(argv):
-        return False
-    import yaml
-
-    with open(argv[argv.index("--config") + 1]) as file:  # (TrlParser has read it already: it is a mapping)
-        return name in (yaml.safe_load(file) or {})
-
-
-def epochs_over_a_default_step_count(config: Any, argv: list[str] | None = None) -> None:
+def epochs_over_a_default_step_count(parser: Any, config: Any, argv: list[str] | None = None) -> None:
     """An example script's default ``max_steps`` (a short first run) yields to ``num_train_epochs`` the user gives
     without ``max_steps``: transformers lets a positive ``max_steps`` win, so ``--num_train_epochs 10`` trained the
-    default 40 steps, without a word."""
-    argv = sys.argv[1:] if argv is None else argv
-    if _given("num_train_epochs", argv) and not _given("max_steps", argv):
+    default 40 steps, without a word. "Given" is the parser's own reading (``--num-train-epochs``, an abbreviation)
+    of the command line, or a key of the YAML ``--config`` TrlParser read."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    in_yaml: set[str] = set()
+    if "--config" in argv:
+        at = argv.index("--config")
+        path = argv[at + 1] if at + 1 < len(argv) else None
+        del argv[at : at + 2]
+        if path is not None:
+            import yaml
+
+            with open(path) as file:  # (TrlParser has read it already: a mapping)
+                in_yaml = set(yaml.safe_load(file) or {})
+    unset = object()  # argparse leaves a value the namespace holds unless the command line sets it
+    found, _ = parser.parse_known_args(argv, argparse.Namespace(num_train_epochs=unset, max_steps=unset))
+
+    def given(name: str) -> bool:
+        return getattr(found, name) is not unset or name in in_yaml
+
+    if given("num_train_epochs") and not given("max_steps"):
         config.max_steps = -1

@@ -101,6 +101,15 @@ def _tensor_and_context_checks(rank: int, world_size: int, kind: str, comm: str)
     scale = max(p.grad.abs().max().item() for p in ref_grads.values())
     for param_name, grad in iter_full_tensors(model, state.tp_group, grads=True):
         assert_close_rel(grad, ref_grads[param_name].grad, f"tp2 x cp2 grad of {param_name}", scale_floor=1e-6 * scale)
+    # attached (the Accelerator's way) to a converted model: the split comes before SP's padding, so a row of 30
+    # positions returns 30 (SP's pad was gathered back with the rest: 31 for 30), and logits_to_keep is the row's
+    attached = parallelize(copy.deepcopy(reference), state, sequence_parallel=True)
+    attach_context_parallel(attached, cp_group, comm, sequence_split=2)
+    cut = {k: v[:, :30] for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        for kept in (0, 1, torch.tensor([[0, 29], [3, 4]])):
+            logits = attached(**cut, logits_to_keep=kept).logits
+            assert_close_rel(logits, reference(**cut, use_cache=False, logits_to_keep=kept).logits, f"kept {kept}")
 
 
 @pytest.mark.parametrize("kind,comm", [("packed", "p2p"), ("padded", "a2a")])
@@ -147,7 +156,7 @@ def _attached_checks(rank: int, cp: int) -> None:
         # logits_to_keep (generate's without a cache) is of the whole rows: each rank returned its own last positions
         assert torch.equal(model.generate(input_ids=prompt, use_cache=False, **greedy), expected), "no cache"
         unlabelled = {k: v for k, v in cut.items() if k != "labels"}
-        for keep in (1, 3, torch.tensor([0, 5])):
+        for keep in (1, 3, torch.tensor([0, 5]), torch.tensor([[0, 5], [2, 29]]), cut["attention_mask"].bool()):
             kept = model(**unlabelled, logits_to_keep=keep).logits
             expected_kept = reference(**unlabelled, use_cache=False, logits_to_keep=keep).logits
             assert_close_rel(kept, expected_kept, f"logits_to_keep {keep}")

@@ -118,6 +118,10 @@ def _generate(rank: int, world_size: int) -> str:
     greedy = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
     expected = reference.generate(input_ids=prompt, **greedy)
     assert torch.equal(model.generate(input_ids=prompt, use_cache=False, **greedy), expected)
+    with torch.no_grad():  # the caller's last positions, not the pad's (what generate without a cache asks)
+        for kept in (1, 2, torch.tensor([0, 6])):
+            logits = model(input_ids=prompt, logits_to_keep=kept).logits
+            assert_close_rel(logits, reference(input_ids=prompt, logits_to_keep=kept).logits, f"logits_to_keep {kept}")
     try:
         model.generate(input_ids=prompt, **greedy)
     except ConfigError as error:

@@ -521,11 +521,16 @@ def test_num_train_epochs_alone_replaces_an_example_scripts_default_step_count(t
     ``--num_train_epochs 10`` trained 40 steps (sft.py: 4.4 epochs), without a word."""
     from types import SimpleNamespace
 
+    from trl import SFTConfig, TrlParser
+
     from mtk.trainers.arguments import epochs_over_a_default_step_count
+
+    parser = TrlParser((SFTConfig,))
+    parser.set_defaults(max_steps=40)
 
     def steps(argv: list[str]) -> int:
         config = SimpleNamespace(max_steps=40)
-        epochs_over_a_default_step_count(config, argv)
+        epochs_over_a_default_step_count(parser, config, argv)
         return config.max_steps
 
     yaml_epochs = tmp_path / "epochs.yaml"
@@ -539,6 +544,9 @@ def test_num_train_epochs_alone_replaces_an_example_scripts_default_step_count(t
     assert steps(["--config", str(yaml_epochs)]) == -1
     assert steps(["--config", str(yaml_both)]) == 40
     assert steps(["--config", str(yaml_epochs), "--max_steps", "40"]) == 40
+    assert steps(["--num-train-epochs", "10"]) == -1  # (the parser's other spellings)
+    assert steps(["--num_train_epochs", "3", "--max-steps", "100"]) == 40
+    assert steps(["--num_train_ep", "3"]) == -1
 
 
 def test_a_deepspeed_value_transformers_refuses_once_training_starts_is_one_line(monkeypatch):
