@@ -122,11 +122,15 @@ class _PadSequence:
             named = dict(self.signature.bind_partial(*args, **kwargs).arguments)
             rest = [p.name for p in self.signature.parameters.values() if p.kind is p.VAR_KEYWORD]
             inputs = {**named, **(named.pop(rest[0], {}) if rest else {})}
+        inputs = dict(inputs)
+        kept = pop_logits_to_keep(inputs)  # (of the caller's positions: a mask [b, s] is not padded)
         padded, extra = pad_batch(inputs, self.tp_size, self.pad_token_id, self.max_positions, self.causal)
         shape = padded.get("input_ids", padded.get("inputs_embeds"))
-        kept = pop_logits_to_keep(padded) if extra else 0  # (the model's last positions would be the pads)
-        self._added.append((extra, shape.shape[1] if shape is not None else 0, kept))
-        return ((), padded) if extra else (args, kwargs)
+        if not extra:  # (the call as it came: the model keeps its own positions)
+            self._added.append((0, 0, 0))
+            return args, kwargs
+        self._added.append((extra, shape.shape[1] if shape is not None else 0, kept))  # (the pads would be kept)
+        return (), padded
 
     def after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         extra, padded_length, kept = self._added.pop()

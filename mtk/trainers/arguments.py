@@ -21,7 +21,13 @@ from typing import Any
 from mtk.config import RunSettings
 from mtk.errors import ConfigError
 
-__all__ = ["check_training_arguments", "clipping_report", "epochs_over_a_default_step_count", "recompute_settings"]
+__all__ = [
+    "check_training_arguments",
+    "clipping_report",
+    "epochs_over_a_default_step_count",
+    "recompute_settings",
+    "refuse_null_settings",
+]
 
 
 def _refusals(args: Any) -> list[str]:
@@ -182,22 +188,46 @@ def recompute_settings(args: Any, settings: RunSettings) -> tuple[RunSettings, s
     )
 
 
+def _config_file_values(argv: list[str]) -> dict[str, Any]:
+    """The mapping of the YAML ``--config`` a TrlParser command line names (empty without one)."""
+    if "--config" not in argv or argv.index("--config") + 1 >= len(argv):
+        return {}
+    import yaml
+
+    with open(argv[argv.index("--config") + 1]) as file:  # (TrlParser reads it too, and says what is wrong)
+        values = yaml.safe_load(file)
+    return values if isinstance(values, dict) else {}
+
+
+def refuse_null_settings(parser: Any, argv: list[str] | None = None) -> None:
+    """A ``--config`` YAML key set to ``null`` whose field has a value by default (``max_steps: null``): the
+    arguments' own checks compared None with a number, a ``TypeError`` traceback. One line naming the keys."""
+    values = _config_file_values(list(sys.argv[1:] if argv is None else argv))
+    nulls = {name for name, value in values.items() if value is None}
+    valued = {
+        field.name
+        for kind in parser.dataclass_types
+        for field in dataclasses.fields(kind)
+        if field.default is not None  # (a field whose default is None takes null)
+    }
+    refused = sorted(nulls & valued)
+    if refused:
+        raise ConfigError(
+            f"--config sets {', '.join(refused)} to null, which takes a value: give one, or leave the key out for "
+            "the default"
+        )
+
+
 def epochs_over_a_default_step_count(parser: Any, config: Any, argv: list[str] | None = None) -> None:
     """An example script's default ``max_steps`` (a short first run) yields to ``num_train_epochs`` the user gives
     without ``max_steps``: transformers lets a positive ``max_steps`` win, so ``--num_train_epochs 10`` trained the
     default 40 steps, without a word. "Given" is the parser's own reading (``--num-train-epochs``, an abbreviation)
     of the command line, or a key of the YAML ``--config`` TrlParser read."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    in_yaml: set[str] = set()
+    in_yaml = set(_config_file_values(argv))
     if "--config" in argv:
         at = argv.index("--config")
-        path = argv[at + 1] if at + 1 < len(argv) else None
         del argv[at : at + 2]
-        if path is not None:
-            import yaml
-
-            with open(path) as file:  # (TrlParser has read it already: a mapping)
-                in_yaml = set(yaml.safe_load(file) or {})
     unset = object()  # argparse leaves a value the namespace holds unless the command line sets it
     found, _ = parser.parse_known_args(argv, argparse.Namespace(num_train_epochs=unset, max_steps=unset))
 

@@ -115,16 +115,22 @@ def _loaded_by_mtk(*args: Any, **kwargs: Any) -> None:
     checkpoint another engine wrote); transformers looked for ``global_step*`` folders beside it and raised."""
 
 
-def _deepspeed_init_in_one_line(*args: Any, **kwargs: Any) -> Any:
-    """transformers' ``deepspeed_init`` (from ``train()``, once the step count is known), whose refusal of a JSON
-    value that disagrees with the arguments (a scheduler's ``warmup_num_steps``, ``total_num_steps``) is one line,
-    as the disagreements mtk finds before training are: it was transformers' traceback on every rank."""
+def _deepspeed_init_in_one_line(trainer: Any, num_training_steps: int, inference: bool = False) -> Any:
+    """transformers' ``deepspeed_init``: from ``train()`` once the step count is known, and from an evaluation
+    before any training (``inference``). Its refusals are one line, as the disagreements mtk finds before training
+    are (they were transformers' traceback on every rank): a JSON value that disagrees with the arguments (a
+    scheduler's ``warmup_num_steps``), and an evaluation before training under ZeRO-1/2."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
     try:
-        return hf_deepspeed.deepspeed_init(*args, **kwargs)
+        return hf_deepspeed.deepspeed_init(trainer, num_training_steps=num_training_steps, inference=inference)
     except ValueError as err:
         lines = [line.strip() for line in str(err).splitlines()]
+        if lines and lines[0].startswith("ZeRO inference only makes sense with ZeRO Stage 3"):
+            raise ConfigError(
+                "evaluate() or predict() before train() under DeepSpeed runs ZeRO inference, which transformers "
+                "allows at ZeRO stage 3 only: train first, or evaluate under stage 3"
+            ) from err
         if not lines or not lines[0].startswith("Please correct the following DeepSpeed config values"):
             raise
         raise _disagreement([line.removeprefix("- ") for line in lines[1:] if line.startswith("- ")]) from err
@@ -284,6 +290,7 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
     hp_search_backend: Any
     eval_dataset: Any
     _counting_tokens: bool = False
+    _deepspeed_for_inference: bool = False  # an evaluation before train() set DeepSpeed up for inference
     _peft_config: Any = None  # a LoraConfig taken from peft_config= by the TRL trainers
     _peft_model: Any = None  # the PeftModel of mtk's adapters on the converted model
     _path_loader: PathLoader | None = None  # TRL's model loading by path, for mtk's TRL trainers
@@ -403,6 +410,16 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
             return wrapped
         return super()._wrap_model(model, training, dataloader)  # type: ignore[misc]
 
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's; an evaluation before any training sets DeepSpeed up through mtk's
+        :func:`_deepspeed_init_in_one_line` too, for inference (see :meth:`train`)."""
+        before = getattr(self, "deepspeed", None)
+        with _in_trainer_module(deepspeed_init=_deepspeed_init_in_one_line):
+            result = super().evaluation_loop(*args, **kwargs)  # type: ignore[misc]
+        if before is None and getattr(self, "deepspeed", None) is not None:
+            self._deepspeed_for_inference = True
+        return result
+
     def prediction_step(
         self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None
     ) -> Any:
@@ -423,6 +440,12 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
         (a scheduler's preemption), SIGINT or SIGHUP save ``checkpoint-N`` at the next step's end on every rank,
         say so in one line, and end the process (status 0, as mtk's scripts): code after ``train()`` would treat
         the stopped run as finished. A second signal stops at once (:class:`~mtk.training.signals.ExitSignal`)."""
+        if self._deepspeed_for_inference:
+            raise ConfigError(
+                "train() after evaluate() or predict() under DeepSpeed: transformers set DeepSpeed up for inference "
+                "(the JSON's optimizer removed, its step counts filled for none); call train() first (eval_on_start "
+                "evaluates before the first step), or build another Trainer to train"
+            )
         if self.args.eval_on_start and self.eval_dataset is None:  # (transformers raises it after set-up, as a bug)
             raise ConfigError("eval_on_start needs an eval_dataset: give one (--eval_data) or leave eval_on_start off")
         evaluates = str(getattr(self.args.eval_strategy, "value", self.args.eval_strategy)) != "no"

@@ -330,7 +330,8 @@ class TrainerCheckpointing:
         if self.state.global_step > max_steps:  # (max_steps from the epochs: what train() could not check before)
             raise ConfigError(
                 f"{checkpoint} is at step {self.state.global_step}, past this run's {max_steps} steps "
-                f"({self.args.num_train_epochs:g} epochs): nothing is left to train; give more epochs or max_steps"
+                f"(num_train_epochs {self.args.num_train_epochs:g}): nothing is left to train; give more epochs or "
+                "max_steps"
             )
         if self.accelerator.is_main_process:
             tqdm.write(

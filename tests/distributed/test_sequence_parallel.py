@@ -119,7 +119,9 @@ def _generate(rank: int, world_size: int) -> str:
     expected = reference.generate(input_ids=prompt, **greedy)
     assert torch.equal(model.generate(input_ids=prompt, use_cache=False, **greedy), expected)
     with torch.no_grad():  # the caller's last positions, not the pad's (what generate without a cache asks)
-        for kept in (1, 2, torch.tensor([0, 6])):
+        mask = torch.zeros(1, 7, dtype=torch.bool)
+        mask[0, [1, 5]] = True
+        for kept in (1, 2, torch.tensor([0, 6]), torch.tensor([[2, 6]]), mask):
             logits = model(input_ids=prompt, logits_to_keep=kept).logits
             assert_close_rel(logits, reference(input_ids=prompt, logits_to_keep=kept).logits, f"logits_to_keep {kept}")
     try:

@@ -512,7 +512,8 @@ def test_a_resumed_trainer_at_its_last_step_trains_nothing_and_past_it_is_one_li
     assert Resumed(8)._init_training_state(8, 4, 2, None, None) == (1, 2)  # (a fresh run)
     assert Resumed(8)._init_training_state(8, 4, 2, "run/checkpoint-8", None) == (2, 0)
     assert "mtk: run/checkpoint-8 is at step 8, max_steps 8: nothing is left to train" in capsys.readouterr().out
-    with pytest.raises(ConfigError, match=r"checkpoint-9 is at step 9, past this run's 8 steps \(2 epochs\)"):
+    past = r"checkpoint-9 is at step 9, past this run's 8 steps \(num_train_epochs 2\)"
+    with pytest.raises(ConfigError, match=past):
         Resumed(9)._init_training_state(8, 4, 2, "run/checkpoint-9", None)
 
 
@@ -551,10 +552,17 @@ def test_num_train_epochs_alone_replaces_an_example_scripts_default_step_count(t
 
 def test_a_deepspeed_value_transformers_refuses_once_training_starts_is_one_line(monkeypatch):
     """A DeepSpeed JSON's scheduler ``warmup_num_steps`` 3 beside ``warmup_steps`` 1: transformers checks the
-    step-count fields in ``deepspeed_init``, from ``train()``, and its ValueError was a traceback on every rank."""
+    step-count fields in ``deepspeed_init``, from ``train()``, and its ValueError was a traceback on every rank; so
+    was an evaluation before training under ZeRO-2."""
+    from types import SimpleNamespace
+
     from transformers.integrations import deepspeed as hf_deepspeed
 
     from mtk.trainers.base import _deepspeed_init_in_one_line
+
+    json_config = {"optimizer": {"type": "AdamW"}, "scheduler": {"params": {"total_num_steps": "auto"}}}
+    plugin = SimpleNamespace(hf_ds_config=SimpleNamespace(config=json_config))
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
 
     def refuses(*args, **kwargs):
         raise ValueError(
@@ -566,9 +574,31 @@ def test_a_deepspeed_value_transformers_refuses_once_training_starts_is_one_line
     monkeypatch.setattr(hf_deepspeed, "deepspeed_init", refuses)
     said = r"\(ds scheduler.params.warmup_num_steps=3 vs hf warmup_steps=1\): give the same values"
     with pytest.raises(ConfigError, match=said):
-        _deepspeed_init_in_one_line(None, num_training_steps=4)
+        _deepspeed_init_in_one_line(trainer, num_training_steps=4)
+
+    def zero2(*args, **kwargs):
+        raise ValueError("ZeRO inference only makes sense with ZeRO Stage 3 - please adjust your config")
+
+    monkeypatch.setattr(hf_deepspeed, "deepspeed_init", zero2)
+    with pytest.raises(ConfigError, match=r"evaluate\(\) or predict\(\) before train\(\) under DeepSpeed"):
+        _deepspeed_init_in_one_line(trainer, num_training_steps=0, inference=True)
     monkeypatch.setattr(hf_deepspeed, "deepspeed_init", lambda *a, **k: (_ for _ in ()).throw(ValueError("a bug")))
     with pytest.raises(ValueError, match="a bug"):  # (anything else keeps its traceback)
-        _deepspeed_init_in_one_line(None, num_training_steps=4)
-    monkeypatch.setattr(hf_deepspeed, "deepspeed_init", lambda *a, **k: ("optimizer", "scheduler"))
-    assert _deepspeed_init_in_one_line(None, num_training_steps=4) == ("optimizer", "scheduler")
+        _deepspeed_init_in_one_line(trainer, num_training_steps=4)
+
+
+def test_a_null_in_the_config_yaml_for_a_setting_that_takes_a_value_is_one_line(tmp_path):
+    """``max_steps: null`` in sft.py's ``--config``: the arguments' own checks compared None with a number (a
+    TypeError traceback); a field whose default is None takes null."""
+    from trl import SFTConfig, TrlParser
+
+    from mtk.trainers.arguments import refuse_null_settings
+
+    parser = TrlParser((SFTConfig,))
+    config = tmp_path / "c.yaml"
+    config.write_text("num_train_epochs: 1\nmax_steps: null\neval_steps: null\n")
+    with pytest.raises(ConfigError, match="--config sets max_steps to null, which takes a value"):
+        refuse_null_settings(parser, ["--config", str(config)])
+    config.write_text("eval_steps: null\n")
+    refuse_null_settings(parser, ["--config", str(config)])
+    refuse_null_settings(parser, [])
