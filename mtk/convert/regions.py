@@ -133,6 +133,8 @@ class _PadSequence:
         return (), padded
 
     def after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if not self._added:  # (an earlier pre-hook refused the call: this one never ran)
+            return output
         extra, padded_length, kept = self._added.pop()
         return keep_logits(trim_output(output, extra, padded_length), kept)
 

@@ -14,6 +14,7 @@ import dataclasses
 import math
 import os
 import sys
+import typing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -202,20 +203,34 @@ def _config_file_values(argv: list[str]) -> dict[str, Any]:
 def refuse_null_settings(parser: Any, argv: list[str] | None = None) -> None:
     """A ``--config`` YAML key set to ``null`` whose field has a value by default (``max_steps: null``): the
     arguments' own checks compared None with a number, a ``TypeError`` traceback. One line naming the keys."""
-    values = _config_file_values(list(sys.argv[1:] if argv is None else argv))
-    nulls = {name for name, value in values.items() if value is None}
-    valued = {
+    argv = list(sys.argv[1:] if argv is None else argv)
+    nulls = {name for name, value in _config_file_values(argv).items() if value is None}
+    if not nulls:
+        return
+    without_none = {
         field.name
         for kind in parser.dataclass_types
         for field in dataclasses.fields(kind)
-        if field.default is not None  # (a field whose default is None takes null)
+        if field.init and type(None) not in typing.get_args(typing.get_type_hints(kind).get(field.name))
     }
-    refused = sorted(nulls & valued)
+    refused = sorted(name for name in nulls & without_none if not _on_the_command_line(parser, argv, name))
     if refused:
         raise ConfigError(
             f"--config sets {', '.join(refused)} to null, which takes a value: give one, or leave the key out for "
             "the default"
         )
+
+
+def _on_the_command_line(parser: Any, argv: list[str], name: str) -> bool:
+    """Whether ``argv`` (without its ``--config``) sets ``name``, in any spelling the parser takes: argparse leaves a
+    value the namespace holds unless the command line sets it."""
+    argv = list(argv)
+    if "--config" in argv:
+        at = argv.index("--config")
+        del argv[at : at + 2]
+    unset = object()
+    found, _ = parser.parse_known_args(argv, argparse.Namespace(**{name: unset}))
+    return getattr(found, name) is not unset
 
 
 def epochs_over_a_default_step_count(parser: Any, config: Any, argv: list[str] | None = None) -> None:
@@ -225,14 +240,9 @@ def epochs_over_a_default_step_count(parser: Any, config: Any, argv: list[str] |
     of the command line, or a key of the YAML ``--config`` TrlParser read."""
     argv = list(sys.argv[1:] if argv is None else argv)
     in_yaml = set(_config_file_values(argv))
-    if "--config" in argv:
-        at = argv.index("--config")
-        del argv[at : at + 2]
-    unset = object()  # argparse leaves a value the namespace holds unless the command line sets it
-    found, _ = parser.parse_known_args(argv, argparse.Namespace(num_train_epochs=unset, max_steps=unset))
 
     def given(name: str) -> bool:
-        return getattr(found, name) is not unset or name in in_yaml
+        return name in in_yaml or _on_the_command_line(parser, argv, name)
 
     if given("num_train_epochs") and not given("max_steps"):
         config.max_steps = -1

@@ -122,6 +122,8 @@ def _deepspeed_init_in_one_line(trainer: Any, num_training_steps: int, inference
     scheduler's ``warmup_num_steps``), and an evaluation before training under ZeRO-1/2."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
+    if inference:  # (its set-up changes the JSON first, whatever follows: train() is refused after it)
+        trainer._deepspeed_for_inference = True
     try:
         return hf_deepspeed.deepspeed_init(trainer, num_training_steps=num_training_steps, inference=inference)
     except ValueError as err:
@@ -413,12 +415,8 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's; an evaluation before any training sets DeepSpeed up through mtk's
         :func:`_deepspeed_init_in_one_line` too, for inference (see :meth:`train`)."""
-        before = getattr(self, "deepspeed", None)
         with _in_trainer_module(deepspeed_init=_deepspeed_init_in_one_line):
-            result = super().evaluation_loop(*args, **kwargs)  # type: ignore[misc]
-        if before is None and getattr(self, "deepspeed", None) is not None:
-            self._deepspeed_for_inference = True
-        return result
+            return super().evaluation_loop(*args, **kwargs)  # type: ignore[misc]
 
     def prediction_step(
         self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None

@@ -34,3 +34,12 @@ def test_same_seed_same_model_at_any_tp_size():
 def test_extra_repr_shows_full_shape_and_rank():
     text = repr(ColumnParallelLinear(4, 8, tp_group=None, output_sizes=[4, 4]))
     assert "out_features=8 (local 8)" in text and "tp_rank=0/1" in text and "output_sizes=[4, 4]" in text
+
+
+def test_sequence_parallel_padding_after_a_call_another_hook_refused_returns_the_output():
+    """CP's split runs before SP's padding: where it refused the call, SP's always-called post-hook popped an empty
+    list (torch's warning beside mtk's one line)."""
+    from mtk.convert.regions import _PadSequence
+
+    pad = _PadSequence(torch.nn.Linear(2, 2), tp_size=2)
+    assert pad.after(torch.nn.Linear(2, 2), (), {}, None) is None

@@ -582,6 +582,7 @@ def test_a_deepspeed_value_transformers_refuses_once_training_starts_is_one_line
     monkeypatch.setattr(hf_deepspeed, "deepspeed_init", zero2)
     with pytest.raises(ConfigError, match=r"evaluate\(\) or predict\(\) before train\(\) under DeepSpeed"):
         _deepspeed_init_in_one_line(trainer, num_training_steps=0, inference=True)
+    assert trainer._deepspeed_for_inference  # (the set-up changed the JSON before it refused: train() is refused)
     monkeypatch.setattr(hf_deepspeed, "deepspeed_init", lambda *a, **k: (_ for _ in ()).throw(ValueError("a bug")))
     with pytest.raises(ValueError, match="a bug"):  # (anything else keeps its traceback)
         _deepspeed_init_in_one_line(trainer, num_training_steps=4)
@@ -589,7 +590,8 @@ def test_a_deepspeed_value_transformers_refuses_once_training_starts_is_one_line
 
 def test_a_null_in_the_config_yaml_for_a_setting_that_takes_a_value_is_one_line(tmp_path):
     """``max_steps: null`` in sft.py's ``--config``: the arguments' own checks compared None with a number (a
-    TypeError traceback); a field whose default is None takes null."""
+    TypeError traceback); a field whose type takes None takes null (SFTConfig's ``max_length: null`` is no
+    truncation), and a flag given beside it wins."""
     from trl import SFTConfig, TrlParser
 
     from mtk.trainers.arguments import refuse_null_settings
@@ -599,6 +601,8 @@ def test_a_null_in_the_config_yaml_for_a_setting_that_takes_a_value_is_one_line(
     config.write_text("num_train_epochs: 1\nmax_steps: null\neval_steps: null\n")
     with pytest.raises(ConfigError, match="--config sets max_steps to null, which takes a value"):
         refuse_null_settings(parser, ["--config", str(config)])
-    config.write_text("eval_steps: null\n")
+    config.write_text("eval_steps: null\nmax_length: null\npad_to_multiple_of: null\n")  # (None means something)
     refuse_null_settings(parser, ["--config", str(config)])
     refuse_null_settings(parser, [])
+    config.write_text("max_steps: null\n")
+    refuse_null_settings(parser, ["--config", str(config), "--max-steps", "5"])  # (the command line wins)
