@@ -90,6 +90,7 @@ class ContextShard:
     caller_shifted: bool = False  # the caller passed shift_labels: label-aligned outputs keep every position
     average: bool = True  # the CP ranks' gradients are averaged (else summed: ContextSplit.average)
     logits_to_keep: int | torch.Tensor = 0  # the caller's: applied to the whole rows' logits (0: every position)
+    as_tuple: bool = False  # the caller asked for return_dict=False: the whole outputs as a tuple
 
     def __len__(self) -> int:
         """Rows, as a ``[b, ...]`` tensor's ``len``: a pipeline cuts micro-batches of shards as of tensors."""
@@ -282,8 +283,10 @@ class _SplitInputs:
         for k in SPLIT_INPUTS:
             kwargs.pop(k, None)
         kept = pop_logits_to_keep(kwargs)  # (of the whole rows: HF's would keep each rank's last positions)
+        as_tuple = kwargs.pop("return_dict", None) is False  # (gathered by name: a ModelOutput, a tuple after)
         local = self.split(tensors, kwargs.pop("num_items_in_batch", None))
         local[KEYWORD].logits_to_keep = kept
+        local[KEYWORD].as_tuple = as_tuple
         set_active(local[KEYWORD])  # the router's load-balancing loss sums over the group (mtk.parallel.router_loss)
         return (), {**kwargs, **local}
 
@@ -328,7 +331,8 @@ def _whole_outputs(module: Any, args: tuple, kwargs: dict[str, Any], output: Any
             output[key] = whole_rows(value, shard)[:, :keep]
         elif isinstance(value, tuple) and all(isinstance(v, torch.Tensor) for v in value):
             output[key] = tuple(whole_rows(v, shard) for v in value)
-    return keep_logits(output, shard.logits_to_keep)
+    output = keep_logits(output, shard.logits_to_keep)
+    return output.to_tuple() if shard.as_tuple else output
 
 
 def whole_rows(local: torch.Tensor, shard: ContextShard) -> torch.Tensor:

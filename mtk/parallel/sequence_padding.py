@@ -103,6 +103,9 @@ def pad_batch(
         )
     if not causal and mask is None:  # [b, s]: every given position is real
         batch = {**batch, "attention_mask": torch.ones(rows, length, dtype=torch.long, device=inputs.device)}
+    positions = batch.get("position_ids")
+    if isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[0] == 1 and rows > 1:
+        batch = {**batch, "position_ids": positions.expand(rows, -1)}  # [1, s] -> [b, s]: HF broadcasts them
     padded = dict(batch)
     for key, value in batch.items():
         if not (isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (rows, length)):

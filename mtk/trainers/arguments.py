@@ -191,13 +191,22 @@ def recompute_settings(args: Any, settings: RunSettings) -> tuple[RunSettings, s
 
 def _config_file_values(argv: list[str]) -> dict[str, Any]:
     """The mapping of the YAML ``--config`` a TrlParser command line names (empty without one)."""
-    if "--config" not in argv or argv.index("--config") + 1 >= len(argv):
+    if "--config" not in argv:
         return {}
+    if argv.index("--config") + 1 >= len(argv):
+        raise ConfigError("--config needs the path of a YAML file after it")
     import yaml
 
-    with open(argv[argv.index("--config") + 1]) as file:  # (TrlParser reads it too, and says what is wrong)
-        values = yaml.safe_load(file)
-    return values if isinstance(values, dict) else {}
+    path = argv[argv.index("--config") + 1]
+    with open(path) as file:  # (a file that is missing: one line, as library_refusals words it)
+        try:
+            values = yaml.safe_load(file)
+        except yaml.YAMLError as err:
+            where = getattr(err, "problem_mark", None)
+            at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+            problem = getattr(err, "problem", None) or err
+            raise ConfigError(f"--config {path} is not valid YAML{at}: {problem}") from err
+    return values if isinstance(values, dict) else {}  # (TrlParser says what is wrong with another value)
 
 
 def refuse_null_settings(parser: Any, argv: list[str] | None = None) -> None:

@@ -438,6 +438,12 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
         (a scheduler's preemption), SIGINT or SIGHUP save ``checkpoint-N`` at the next step's end on every rank,
         say so in one line, and end the process (status 0, as mtk's scripts): code after ``train()`` would treat
         the stopped run as finished. A second signal stops at once (:class:`~mtk.training.signals.ExitSignal`)."""
+        if getattr(self, "deepspeed", None) is not None and not self._deepspeed_for_inference:
+            raise ConfigError(
+                "train() a second time under DeepSpeed: its engine, optimizer and scheduler are set up once per "
+                "Trainer (a second set-up failed in accelerate's register_for_checkpointing): build another Trainer "
+                f"to go on ({RESUME_HINT})"
+            )
         if self._deepspeed_for_inference:
             raise ConfigError(
                 "train() after evaluate() or predict() under DeepSpeed: transformers set DeepSpeed up for inference "

@@ -156,6 +156,8 @@ def _attached_checks(rank: int, cp: int) -> None:
         # logits_to_keep (generate's without a cache) is of the whole rows: each rank returned its own last positions
         assert torch.equal(model.generate(input_ids=prompt, use_cache=False, **greedy), expected), "no cache"
         unlabelled = {k: v for k, v in cut.items() if k != "labels"}
+        as_tuple = model(**unlabelled, return_dict=False)[0]  # (gathered by name: each rank's own positions before)
+        assert_close_rel(as_tuple, reference(**unlabelled, use_cache=False).logits, "return_dict=False")
         for keep in (1, 3, torch.tensor([0, 5]), torch.tensor([[0, 5], [2, 29]]), cut["attention_mask"].bool()):
             kept = model(**unlabelled, logits_to_keep=keep).logits
             expected_kept = reference(**unlabelled, use_cache=False, logits_to_keep=keep).logits

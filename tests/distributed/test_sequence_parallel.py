@@ -124,6 +124,10 @@ def _generate(rank: int, world_size: int) -> str:
         for kept in (1, 2, torch.tensor([0, 6]), torch.tensor([[2, 6]]), mask):
             logits = model(input_ids=prompt, logits_to_keep=kept).logits
             assert_close_rel(logits, reference(input_ids=prompt, logits_to_keep=kept).logits, f"logits_to_keep {kept}")
+        # a tuple (trimmed by name: it kept the pad's column), and [1, s] position ids for two rows (broadcast)
+        two, positions = torch.arange(3, 17).reshape(2, 7), torch.arange(7)[None]
+        expected_logits = reference(input_ids=two, position_ids=positions).logits
+        assert_close_rel(model(input_ids=two, position_ids=positions, return_dict=False)[0], expected_logits, "tuple")
     try:
         model.generate(input_ids=prompt, **greedy)
     except ConfigError as error:

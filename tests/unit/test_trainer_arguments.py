@@ -606,3 +606,29 @@ def test_a_null_in_the_config_yaml_for_a_setting_that_takes_a_value_is_one_line(
     refuse_null_settings(parser, [])
     config.write_text("max_steps: null\n")
     refuse_null_settings(parser, ["--config", str(config), "--max-steps", "5"])  # (the command line wins)
+
+
+def test_a_broken_config_yaml_and_a_dangling_config_flag_are_one_line(tmp_path):
+    """A YAML syntax error in sft.py's ``--config`` was yaml's traceback from mtk's reading of it."""
+    from mtk.trainers.arguments import _config_file_values
+
+    broken = tmp_path / "c.yaml"
+    broken.write_text("max_steps: [3\n")
+    with pytest.raises(ConfigError, match=r"c.yaml is not valid YAML \(line 2, column 1\)"):
+        _config_file_values(["--config", str(broken)])
+    with pytest.raises(ConfigError, match="--config needs the path of a YAML file after it"):
+        _config_file_values(["--max_steps", "3", "--config"])
+
+
+def test_train_a_second_time_under_deepspeed_is_one_line():
+    """A second train() under DeepSpeed died in accelerate's register_for_checkpointing on every rank."""
+    from types import SimpleNamespace
+
+    from mtk.trainers.base import ParallelTrainerMixin
+
+    trained = SimpleNamespace(deepspeed=object(), _deepspeed_for_inference=False)
+    with pytest.raises(ConfigError, match=r"train\(\) a second time under DeepSpeed"):
+        ParallelTrainerMixin.train(trained)  # type: ignore[arg-type]
+    evaluated = SimpleNamespace(deepspeed=object(), _deepspeed_for_inference=True)
+    with pytest.raises(ConfigError, match=r"train\(\) after evaluate\(\) or predict\(\) under DeepSpeed"):
+        ParallelTrainerMixin.train(evaluated)  # type: ignore[arg-type]
