@@ -210,8 +210,9 @@ def _config_file_values(argv: list[str]) -> dict[str, Any]:
 
 
 def refuse_null_settings(parser: Any, argv: list[str] | None = None) -> None:
-    """A ``--config`` YAML key set to ``null`` whose field has a value by default (``max_steps: null``): the
-    arguments' own checks compared None with a number, a ``TypeError`` traceback. One line naming the keys."""
+    """A ``--config`` YAML key set to ``null`` whose field's type takes no None (``max_steps: null``) and that no
+    flag overrides: the arguments' own checks compared None with a number, a ``TypeError`` traceback. One line
+    naming the keys; a null where None means something (SFTConfig's ``max_length``: no truncation) stays."""
     argv = list(sys.argv[1:] if argv is None else argv)
     nulls = {name for name, value in _config_file_values(argv).items() if value is None}
     if not nulls:
