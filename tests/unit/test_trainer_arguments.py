@@ -258,11 +258,11 @@ def test_zero3_named_by_the_launchers_yaml_points_to_the_trainers_own_argument()
     from types import SimpleNamespace
 
     from mtk.errors import ConfigError
-    from mtk.trainers.base import _fill_launchers_deepspeed_config
+    from mtk.trainers.deepspeed_setup import fill_launchers_deepspeed_config
 
     plugin = SimpleNamespace(hf_ds_config=SimpleNamespace(config={"zero_optimization": {"stage": 3}}))
     with pytest.raises(ConfigError, match=r"ZeRO-3 named by accelerate's YAML .* \(TrainingArguments.deepspeed"):
-        _fill_launchers_deepspeed_config(SimpleNamespace(deepspeed_plugin=plugin))
+        fill_launchers_deepspeed_config(SimpleNamespace(deepspeed_plugin=plugin))
 
 
 @pytest.mark.parametrize("word", ["True", "true", "False"])
@@ -380,7 +380,7 @@ def test_a_deepspeed_json_that_disagrees_with_the_arguments_is_one_line_at_set_u
     and only it: a disagreeing micro-batch (its line names per_device_train_batch_size) ran the arguments' one."""
     from types import SimpleNamespace
 
-    from mtk.trainers.base import _refuse_deepspeed_disagreements
+    from mtk.trainers.deepspeed_setup import refuse_deepspeed_disagreements
 
     listed = [
         "- ds train_batch_size=16 vs hf train_batch_size=8",
@@ -395,11 +395,11 @@ def test_a_deepspeed_json_that_disagrees_with_the_arguments_is_one_line_at_set_u
         r"ds train_micro_batch_size_per_gpu=2 vs hf per_device_train_batch_size=4\): give the same values"
     )
     with pytest.raises(ConfigError, match=said):
-        _refuse_deepspeed_disagreements(args)
+        refuse_deepspeed_disagreements(args)
     global_batch = listed[:1]  # counted over every process by transformers, over the DP replicas by mtk
-    _refuse_deepspeed_disagreements(SimpleNamespace(hf_deepspeed_config=SimpleNamespace(mismatches=global_batch)))
+    refuse_deepspeed_disagreements(SimpleNamespace(hf_deepspeed_config=SimpleNamespace(mismatches=global_batch)))
     assert global_batch == []  # (transformers raised it when training started: a valid explicit batch refused)
-    _refuse_deepspeed_disagreements(SimpleNamespace(hf_deepspeed_config=None))
+    refuse_deepspeed_disagreements(SimpleNamespace(hf_deepspeed_config=None))
 
 
 def test_the_trainers_deepspeed_json_is_checked_as_the_launchers_are(tmp_path):
@@ -408,16 +408,16 @@ def test_the_trainers_deepspeed_json_is_checked_as_the_launchers_are(tmp_path):
     import json
     from types import SimpleNamespace
 
-    from mtk.trainers.base import _check_deepspeed_json
+    from mtk.trainers.deepspeed_setup import check_deepspeed_json
 
     with pytest.raises(ConfigError, match=r'TrainingArguments.deepspeed: "zero_optimization.stage" is true; write'):
-        _check_deepspeed_json(SimpleNamespace(deepspeed={"zero_optimization": {"stage": True}}))
+        check_deepspeed_json(SimpleNamespace(deepspeed={"zero_optimization": {"stage": True}}))
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "zero_optimisation": {"stage": 3}}))
     with pytest.raises(ConfigError, match="zero_optimisation"):
-        _check_deepspeed_json(SimpleNamespace(deepspeed=str(path)))
+        check_deepspeed_json(SimpleNamespace(deepspeed=str(path)))
     path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "activation_checkpointing": {"profile": True}}))
-    said = _check_deepspeed_json(SimpleNamespace(deepspeed=str(path)))
+    said = check_deepspeed_json(SimpleNamespace(deepspeed=str(path)))
     assert len(said) == 1 and '"activation_checkpointing" configures deepspeed.checkpointing' in said[0]
 
 
@@ -558,7 +558,7 @@ def test_a_deepspeed_value_transformers_refuses_once_training_starts_is_one_line
 
     from transformers.integrations import deepspeed as hf_deepspeed
 
-    from mtk.trainers.base import _deepspeed_init_in_one_line
+    from mtk.trainers.deepspeed_setup import deepspeed_init_in_one_line
 
     json_config = {"optimizer": {"type": "AdamW"}, "scheduler": {"params": {"total_num_steps": "auto"}}}
     plugin = SimpleNamespace(hf_ds_config=SimpleNamespace(config=json_config))
@@ -574,18 +574,18 @@ def test_a_deepspeed_value_transformers_refuses_once_training_starts_is_one_line
     monkeypatch.setattr(hf_deepspeed, "deepspeed_init", refuses)
     said = r"\(ds scheduler.params.warmup_num_steps=3 vs hf warmup_steps=1\): give the same values"
     with pytest.raises(ConfigError, match=said):
-        _deepspeed_init_in_one_line(trainer, num_training_steps=4)
+        deepspeed_init_in_one_line(trainer, num_training_steps=4)
 
     def zero2(*args, **kwargs):
         raise ValueError("ZeRO inference only makes sense with ZeRO Stage 3 - please adjust your config")
 
     monkeypatch.setattr(hf_deepspeed, "deepspeed_init", zero2)
     with pytest.raises(ConfigError, match=r"evaluate\(\) or predict\(\) before train\(\) under DeepSpeed"):
-        _deepspeed_init_in_one_line(trainer, num_training_steps=0, inference=True)
+        deepspeed_init_in_one_line(trainer, num_training_steps=0, inference=True)
     assert trainer._deepspeed_for_inference  # (the set-up changed the JSON before it refused: train() is refused)
     monkeypatch.setattr(hf_deepspeed, "deepspeed_init", lambda *a, **k: (_ for _ in ()).throw(ValueError("a bug")))
     with pytest.raises(ValueError, match="a bug"):  # (anything else keeps its traceback)
-        _deepspeed_init_in_one_line(trainer, num_training_steps=4)
+        deepspeed_init_in_one_line(trainer, num_training_steps=4)
 
 
 def test_a_null_in_the_config_yaml_for_a_setting_that_takes_a_value_is_one_line(tmp_path):
