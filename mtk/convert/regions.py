@@ -30,11 +30,19 @@ import torch
 from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from mtk.convert.whole_outputs import attach_whole_outputs
 from mtk.errors import ConfigError
 from mtk.parallel.comm import Group, gather_from_sequence, group_size, scatter_to_sequence
 from mtk.parallel.parameters import param_info, set_param_info
 from mtk.parallel.random import DEFAULT_STREAM, TP_SEED_OFFSET, TP_STREAM, ForkAround, RNGStreams
-from mtk.parallel.sequence_padding import carries_cache, keep_logits, pad_batch, pop_logits_to_keep, trim_output
+from mtk.parallel.sequence_padding import (
+    carries_cache,
+    keep_logits,
+    named_arguments,
+    pad_batch,
+    pop_logits_to_keep,
+    trim_output,
+)
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.stages import SkipLayer
 from mtk.rules.base import RuleSet, UnsupportedModelError, compile_pattern
@@ -111,18 +119,14 @@ class _PadSequence:
         self._added: list[tuple[int, int, int | torch.Tensor, bool]] = []  # (and whether it asked for a tuple)
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if carries_cache(kwargs):  # (its 1-token steps padded: the pads' keys and values went into the cache)
+        # positional (model(ids)): by name, as pad_batch reads them
+        inputs = named_arguments(self.signature, args, kwargs) if args else dict(kwargs)
+        if carries_cache(inputs):  # (its 1-token steps padded: the pads' keys and values went into the cache)
             raise ConfigError(
                 f"{type(module).__name__} runs with sequence parallelism, which cuts each call's tokens over the TP "
                 "ranks; a call with a KV cache (generate's) cannot be cut: generate with use_cache=False, or turn "
                 "sequence parallelism off"
             )
-        inputs = kwargs
-        if args:  # positional (model(ids)): by name, as pad_batch reads them
-            named = dict(self.signature.bind_partial(*args, **kwargs).arguments)
-            rest = [p.name for p in self.signature.parameters.values() if p.kind is p.VAR_KEYWORD]
-            inputs = {**named, **(named.pop(rest[0], {}) if rest else {})}
-        inputs = dict(inputs)
         kept = pop_logits_to_keep(inputs)  # (of the caller's positions: a mask [b, s] is not padded)
         padded, extra = pad_batch(inputs, self.tp_size, self.pad_token_id, self.max_positions, self.causal)
         shape = padded.get("input_ids", padded.get("inputs_embeds"))
@@ -178,6 +182,7 @@ def apply_regions(
     if parallel.tp_size == 1:
         return streams
     blocks = local_blocks(model, rule_set)
+    attach_whole_outputs(model, parallel.tp_group, sequence_parallel)  # (before the padding's trim: whole values)
     if sequence_parallel:
         if not blocks:
             raise UnsupportedModelError(

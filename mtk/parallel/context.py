@@ -30,6 +30,7 @@ over DP is unchanged.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface, create_masks_for_generate
 
 from mtk.config import CP_COMM_TYPES
 from mtk.data.formats import IGNORE_INDEX
@@ -52,7 +53,14 @@ from mtk.parallel.router_loss import (
     router_loss_in_loss,
     set_active,
 )
-from mtk.parallel.sequence_padding import PER_POSITION, carries_cache, keep_logits, pad_batch, pop_logits_to_keep
+from mtk.parallel.sequence_padding import (
+    PER_POSITION,
+    carries_cache,
+    keep_logits,
+    named_arguments,
+    pad_batch,
+    pop_logits_to_keep,
+)
 
 __all__ = [
     "router_loss_refusal",
@@ -140,7 +148,8 @@ def split_for_context(
     device = input_ids.device
     position_ids = batch.get("position_ids")
     if position_ids is None:
-        position_ids = torch.arange(seq, device=device).expand(b, seq)
+        position_ids = torch.arange(seq, device=device)
+    position_ids = position_ids.expand(b, seq)  # ([1, S] or [S] for every row, as transformers broadcasts them)
     mask = batch.get("attention_mask")
     valid = torch.ones(b, seq, dtype=torch.bool, device=device) if mask is None else mask.bool()
     labels = batch.get("labels")
@@ -260,20 +269,21 @@ class _SplitInputs:
     leave each rank's cache with its own tokens only) runs whole on every rank with the model's own attention
     (``unsplit``), masks included, for that call only (:func:`_context_attention_again`)."""
 
-    def __init__(self, split: ContextSplit, unsplit: str) -> None:
+    def __init__(self, split: ContextSplit, unsplit: str, signature: inspect.Signature) -> None:
         self.split = split
         self.unsplit = unsplit
+        self.signature = signature
 
     def __call__(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        if args:  # (model(ids, mask): every positional argument, by name)
+            kwargs = named_arguments(self.signature, args, kwargs)
         decoding = KEYWORD not in kwargs and carries_cache(kwargs)
         _attend_with(module, self.unsplit if decoding else ATTENTION)
         if decoding:
-            return None
+            return (), kwargs
         if KEYWORD in kwargs:
             set_active(kwargs[KEYWORD])
-            return None  # split already (a pipeline splits before it cuts micro-batches)
-        if args:
-            kwargs = {"input_ids": args[0], **kwargs}
+            return (), kwargs  # split already (a pipeline splits before it cuts micro-batches)
         if kwargs.get("input_ids") is None:
             raise ConfigError(
                 f"{type(module).__name__} is context-parallel and splits input_ids along the sequence; this call "
@@ -295,6 +305,26 @@ def _attend_with(model: Any, implementation: str) -> None:
     """``model``'s attention implementation for this call (set only where it changes: a check per call)."""
     if model.config._attn_implementation != implementation:
         model.set_attn_implementation(implementation)
+
+
+class _OwnAttentionMasks:
+    """A context-parallel model's ``create_masks_for_generate`` (generate looks it up on the model). A compiled
+    cache's masks are built in ``prepare_inputs_for_generation``, before the decoding call and outside it, by the
+    mask function of the model's attention implementation: :data:`ATTENTION`'s builds none (a split call attends by
+    its shard), which left a left-padded batch unmasked. They are built as the model's own attention would build
+    them, which the decoding call then runs with."""
+
+    def __init__(self, model: Any, unsplit: str) -> None:
+        self.model = model
+        self.unsplit = unsplit
+        self.build = getattr(model, "create_masks_for_generate", create_masks_for_generate)  # (a model's own first)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _attend_with(self.model, self.unsplit)
+        try:
+            return self.build(*args, **kwargs)
+        finally:
+            _attend_with(self.model, ATTENTION)
 
 
 def _context_attention_again(module: Any, args: tuple, output: Any) -> None:
@@ -414,9 +444,11 @@ def attach_context_parallel(
     use_context_attention(model)
     # before sequence parallelism's padding (a hook of the conversion): the split pads to a multiple of cp x tp
     # itself, and what it gathers back has the caller's length (SP's padding would have stayed in it)
-    model.register_forward_pre_hook(_SplitInputs(split, unsplit), with_kwargs=True, prepend=True)
+    split_inputs = _SplitInputs(split, unsplit, inspect.signature(model.forward))
+    model.register_forward_pre_hook(split_inputs, with_kwargs=True, prepend=True)
     model.register_forward_hook(_whole_outputs, with_kwargs=True)
     model.register_forward_hook(_context_attention_again, always_call=True)
+    model.create_masks_for_generate = _OwnAttentionMasks(model, unsplit)
     setattr(model, _ATTACHED, split)
 
 

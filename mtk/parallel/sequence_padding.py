@@ -10,6 +10,7 @@ not counted by ``num_items_in_batch``); their attention mask is 0. Megatron asks
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -18,7 +19,15 @@ import torch.nn.functional as F
 from mtk.data.formats import IGNORE_INDEX
 from mtk.errors import ConfigError
 
-__all__ = ["PER_POSITION", "carries_cache", "keep_logits", "pad_batch", "pop_logits_to_keep", "trim_output"]
+__all__ = [
+    "PER_POSITION",
+    "carries_cache",
+    "keep_logits",
+    "named_arguments",
+    "pad_batch",
+    "pop_logits_to_keep",
+    "trim_output",
+]
 
 # The keywords of a forward's KV cache (a decoding call's: generate passes one from the prompt on): transformers 5.2x's
 # name and the older one.
@@ -29,6 +38,17 @@ _FILL = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask":
 PER_POSITION = (
     "logits", "hidden_states", "log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask",
 )  # fmt: skip
+
+
+def named_arguments(signature: inspect.Signature, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A forward's arguments by name (``model(ids, mask)`` read as ``input_ids=ids, attention_mask=mask``), for a
+    hook that changes a call's positions: every positional one counts. What a ``**kwargs`` parameter gathers stands
+    beside the named ones, as the caller passed it."""
+    named = dict(signature.bind_partial(*args, **kwargs).arguments)
+    for parameter in signature.parameters.values():
+        if parameter.kind is parameter.VAR_KEYWORD:
+            named.update(named.pop(parameter.name, {}))
+    return named
 
 
 def carries_cache(kwargs: dict[str, Any]) -> bool:

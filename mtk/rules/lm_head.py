@@ -165,10 +165,17 @@ class LogitsGatherHook:
             return output[:index] + (gather_logits(output[index], self.head),) + output[index + 1 :]
         if getattr(output, "logits", None) is not None:
             if self.mode == "auto" and has_labels:
-                output.logits = None
+                return _without_logits(output)
             else:
                 output.logits = gather_logits(output.logits, self.head)
         return output
+
+
+def _without_logits(output: Any) -> Any:
+    """``output`` (a ``ModelOutput``) as HF builds it with ``logits=None``. Setting the attribute to ``None``
+    leaves the field's entry, which ``output["logits"]``, ``output[1]`` and ``to_tuple()`` go on reading: a
+    vocabulary shard, or the chunked loss's stand-in of uninitialized memory."""
+    return type(output)(**{key: value for key, value in output.items() if key != "logits"})
 
 
 _HOOK = "_mtk_logits_hook"  # the converted model's LogitsGatherHook, for logits_mode

@@ -110,6 +110,14 @@ def _tensor_and_context_checks(rank: int, world_size: int, kind: str, comm: str)
         for kept in (0, 1, torch.tensor([[0, 29], [3, 4]])):
             logits = attached(**cut, logits_to_keep=kept).logits
             assert_close_rel(logits, reference(**cut, use_cache=False, logits_to_keep=kept).logits, f"kept {kept}")
+        # every state between the blocks, whole: SP's own positions were gathered over CP as if whole rows (a
+        # refusal at most lengths, other positions at the rest)
+        for length in (30, 28, 25):
+            part = {k: v[:, :length] for k, v in cut.items()}
+            states = attached(**part, output_hidden_states=True).hidden_states
+            expected = reference(**part, use_cache=False, output_hidden_states=True).hidden_states
+            for layer, (mine, theirs) in enumerate(zip(states, expected, strict=True)):
+                assert_close_rel(mine, theirs, f"hidden states {layer} of rows of {length}")
 
 
 @pytest.mark.parametrize("kind,comm", [("packed", "p2p"), ("padded", "a2a")])
@@ -153,6 +161,12 @@ def _attached_checks(rank: int, cp: int) -> None:
         expected = reference.generate(input_ids=prompt, **greedy)
         assert torch.equal(model.generate(input_ids=prompt, **greedy), expected), "attached generate"
         assert model.config._attn_implementation == ATTENTION  # (only the decoding calls ran the model's own)
+        # a compiled cache's masks are built before each call, by the model's own attention's mask function
+        # (ATTENTION's builds none: the left-padded row attended to its pads)
+        static = {**greedy, "cache_implementation": "static"}
+        expected_static = reference.generate(input_ids=prompt, **static)
+        assert torch.equal(model.generate(input_ids=prompt, **static), expected_static), "static cache"
+        assert model.config._attn_implementation == ATTENTION
         # logits_to_keep (generate's without a cache) is of the whole rows: each rank returned its own last positions
         assert torch.equal(model.generate(input_ids=prompt, use_cache=False, **greedy), expected), "no cache"
         unlabelled = {k: v for k, v in cut.items() if k != "labels"}
@@ -163,6 +177,12 @@ def _attached_checks(rank: int, cp: int) -> None:
             expected_kept = reference(**unlabelled, use_cache=False, logits_to_keep=keep).logits
             assert_close_rel(kept, expected_kept, f"logits_to_keep {keep}")
         assert_close_rel(model(**cut).logits, reference(**cut, use_cache=False).logits, "split again after generate")
+        # positional arguments all count (the mask was dropped); [1, S] positions for every row, at a length the
+        # split does not pad (a shape error in the attention before)
+        positional = model(cut["input_ids"], cut["attention_mask"]).logits
+        assert_close_rel(positional, reference(**unlabelled, use_cache=False).logits, "positional mask")
+        shared = {"input_ids": batch["input_ids"], "position_ids": torch.arange(SEQ)[None]}
+        assert_close_rel(model(**shared).logits, reference(**shared, use_cache=False).logits, "[1, S] positions")
 
 
 def test_a_model_attached_to_a_cp_group_splits_whole_batches_itself():

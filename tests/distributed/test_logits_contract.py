@@ -34,6 +34,9 @@ def _contract(rank: int, world_size: int) -> None:
         assert_close_rel(plain.logits, expected.logits, "logits without labels")
         with_labels = model(input_ids=ids, labels=ids)
         assert with_labels.logits is None  # auto: the loss alone, never half a vocabulary
+        # nor by key, index or tuple (the field's entry stayed when only the attribute was set to None)
+        assert "logits" not in with_labels and len(with_labels.to_tuple()) == 2  # (loss, cache)
+        assert not isinstance(with_labels[1], torch.Tensor)
         assert_close_rel(with_labels.loss, expected.loss, "loss")
         as_tuple = model(input_ids=ids, labels=ids, return_dict=False)
         assert len(as_tuple) == len(reference(input_ids=ids, labels=ids, return_dict=False)) - 1
@@ -46,6 +49,26 @@ def _contract(rank: int, world_size: int) -> None:
         assert shard.shape == (2, 11, 102 // world_size)
         assert_close_rel(shard[..., : min(VOCAB - 51 * rank, 51)], expected.logits[..., 51 * rank : 51 * (rank + 1)],
                          "this rank's columns")  # fmt: skip
+
+
+def _whole_heads(rank: int, world_size: int) -> None:
+    """output_attentions: every head's weights (each rank's own heads before), with and without return_dict."""
+    reference, model = _model(), _model()
+    for m in (reference, model):
+        m.set_attn_implementation("eager")  # (the implementation that returns its weights)
+    parallelize(model, ParallelState.build(tp_size=world_size))
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(input_ids=ids, output_attentions=True).attentions
+        for got in (model(input_ids=ids, output_attentions=True).attentions,
+                    model(ids, output_attentions=True, return_dict=False)[-1]):  # fmt: skip
+            assert len(got) == len(expected) == 2
+            for layer, (mine, theirs) in enumerate(zip(got, expected)):
+                assert_close_rel(mine, theirs, f"attention weights of layer {layer}")
+
+
+def test_attention_weights_are_every_heads():
+    run_distributed(_whole_heads, world_size=2)
 
 
 def test_logits_are_full_or_none_never_a_shard():

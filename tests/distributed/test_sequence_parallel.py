@@ -50,6 +50,13 @@ def _sequence_parallel_checks(
     with torch.no_grad():
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
     assert_close_rel(logits, ref_out.logits, f"{name} logits")
+    with torch.no_grad():  # the states between the blocks: every position (each rank's own before), and the last
+        unlabelled = {k: v for k, v in batch.items() if k != "labels"}
+        states = model(**unlabelled, output_hidden_states=True).hidden_states
+        expected_states = reference(**unlabelled, output_hidden_states=True).hidden_states
+    assert len(states) == len(expected_states)
+    for layer, (mine, theirs) in enumerate(zip(states, expected_states)):
+        assert_close_rel(mine, theirs, f"{name} hidden states {layer}")
 
     ref_grads = dict(reference.named_parameters())
     grad_scale = max(p.grad.abs().max().item() for p in ref_grads.values())

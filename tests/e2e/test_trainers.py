@@ -179,6 +179,21 @@ def test_a_deepspeed_checkpoint_n_resumes_exactly_and_one_of_another_engine_is_o
     one_line_error(other, f"{plain} was not written by the DeepSpeed engine", prog="trainer_script.py")
 
 
+def test_a_hyperparameter_search_under_deepspeed_sets_each_trial_up_anew(reference, tmp_path):
+    """transformers' hyperparameter_search with DeepSpeed (ZeRO-2 over DP at TP 2): each trial builds its model
+    (model_init) and its engine again; every trial, the same run here, logs transformers' DP=2 numbers. mtk's
+    refusal of a second train() under DeepSpeed refused the second trial before."""
+    history, _ = reference[2]
+    args = ("--deepspeed", "ds_configs/accelerate_zero2_tp2.json", "--search", "2", "--eval_steps", "0")
+    launch = accelerate_launch(SCRIPT, "tp2_dp2_zero2", "--trainer", "mtk", "--output_dir", str(tmp_path), *args)
+    assert "Traceback" not in launch.stderr, launch.stderr[-3000:]
+    trials = json.loads((tmp_path / "trials.json").read_text())
+    assert len(trials) == 2
+    for number, trial in enumerate(trials):
+        logged = [entry for entry in history if "eval_loss" not in entry]
+        assert_same_history(trial, logged, f"trial {number}", steps={1, 2, 3, 4})
+
+
 def test_zero3_at_tp1_dp2_logs_the_trainers_numbers_and_saves_the_model(reference, tmp_path):
     """transformers' ZeRO-3 JSON of "auto"s with no "mtk" block at TP1 x DP2, every parameter partitioned over
     both ranks (no persistence threshold: DeepSpeed keeps parameters under 100k elements whole by default);

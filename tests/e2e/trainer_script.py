@@ -76,6 +76,38 @@ def token_accuracy(prediction) -> dict[str, float]:
     return {"accuracy": ((predicted == target) & counted).sum().item() / counted.sum().item()}
 
 
+class TrialHistories(transformers.TrainerCallback):
+    """Each trial's ``log_history`` (the Trainer's state is the last trial's only)."""
+
+    def __init__(self) -> None:
+        self.histories: list[list[dict]] = []
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.histories.append(list(state.log_history))
+
+
+def search_trials(trainer_class, training: TrainingArguments, args) -> None:
+    """``hyperparameter_search`` over one learning rate (each trial the same run): ``trials.json`` holds every
+    trial's history."""
+    histories = TrialHistories()
+    trainer = trainer_class(
+        model_init=lambda trial=None: model(),
+        args=training,
+        data_collator=collate,
+        train_dataset=examples(48, seed=1),
+        eval_dataset=examples(12, seed=2),
+        callbacks=[histories],
+    )
+    trainer.hyperparameter_search(
+        hp_space=lambda trial: {"learning_rate": trial.suggest_categorical("learning_rate", [1e-2])},
+        backend="optuna",
+        n_trials=args.search,
+        direction="minimize",
+    )
+    if trainer.is_world_process_zero():
+        Path(args.output_dir, "trials.json").write_text(json.dumps(histories.histories))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=["hf", "mtk"], required=True)
@@ -90,6 +122,7 @@ def main() -> None:
     parser.add_argument("--metrics", action="store_true", help="evaluate token accuracy from the logits too")
     parser.add_argument("--loss_only", action="store_true", help="TrainingArguments.prediction_loss_only")
     parser.add_argument("--moe", action="store_true", help="a tiny Qwen3-MoE instead of the tiny Llama")
+    parser.add_argument("--search", type=int, default=0, help="hyperparameter_search (optuna) of this many trials")
     args = parser.parse_args()
     if args.trainer == "mtk":
         from mtk.trainers import Trainer
@@ -116,6 +149,9 @@ def main() -> None:
         deepspeed=args.deepspeed,
         prediction_loss_only=args.loss_only,
     )
+    if args.search:  # each trial builds its model again (model_init) and sets its engine up again
+        search_trials(Trainer, training, args)
+        return
     trainer = Trainer(
         model=moe_model() if args.moe else model(),
         args=training,
