@@ -250,6 +250,9 @@ class ContextSplit:
         share (see the module docstring); where they are summed, its share.
         ``row_length``: the length per-position outputs are gathered back to (default: the caller's)."""
         length = tensors["input_ids"].shape[1]
+        if "attention_mask" not in tensors and length % self.multiple:  # (the appended positions marked invalid:
+            # the router's load-balancing loss counts the valid tokens, and the unsplit model had no pads)
+            tensors = {**tensors, "attention_mask": torch.ones_like(tensors["input_ids"])}
         padded, _ = pad_batch(tensors, self.multiple, reason="context parallelism")
         local, count = split_for_context(padded, self.group, self.comm)
         shard = local[KEYWORD]
@@ -361,8 +364,23 @@ def _whole_outputs(module: Any, args: tuple, kwargs: dict[str, Any], output: Any
             output[key] = whole_rows(value, shard)[:, :keep]
         elif isinstance(value, tuple) and all(isinstance(v, torch.Tensor) for v in value):
             output[key] = tuple(whole_rows(v, shard) for v in value)
+    routers = getattr(output, "router_logits", None)
+    if isinstance(routers, tuple) and routers and all(isinstance(r, torch.Tensor) for r in routers):
+        output["router_logits"] = tuple(_whole_router_logits(r, shard) for r in routers)
     output = keep_logits(output, shard.logits_to_keep)
     return output.to_tuple() if shard.as_tuple else output
+
+
+def _whole_router_logits(local: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+    """An MoE layer's router logits of this rank's tokens (``[b * s/cp, E]``, flattened row by row as HF's MoE
+    blocks return them, or ``[b, s/cp, E]``) -> the whole rows' (``[b * S, E]`` / ``[b, S, E]``)."""
+    rows, local_length = shard.positions.shape
+    if local.dim() == 3 and tuple(local.shape[:2]) == (rows, local_length):
+        return whole_rows(local, shard)
+    if local.dim() != 2 or local.shape[0] != rows * local_length:
+        return local  # (not per token of this call)
+    whole = whole_rows(local.reshape(rows, local_length, -1), shard)  # [b, S, E]
+    return whole.reshape(-1, whole.shape[-1])  # [b * S, E]
 
 
 def whole_rows(local: torch.Tensor, shard: ContextShard) -> torch.Tensor:
@@ -407,7 +425,8 @@ def whole_router_loss(model: Any, parallelism: str = "context parallelism") -> N
     (:func:`~mtk.parallel.router_loss.replace_load_balancing_loss`), or refuse it in one line."""
     config = getattr(model, "config", None)
     refusal = router_loss_refusal(config, parallelism)
-    if refusal is None and router_loss_in_loss(config) and not replace_load_balancing_loss(model):
+    # (replaced even where the config leaves the term out: a call may ask for it, output_router_logits=True)
+    if refusal is None and not replace_load_balancing_loss(model) and router_loss_in_loss(config):
         refusal = _needs_loss_function(type(model).__name__, parallelism)
     if refusal is not None:
         raise UnsupportedModelError(refusal)

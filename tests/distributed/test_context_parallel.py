@@ -189,6 +189,34 @@ def test_a_model_attached_to_a_cp_group_splits_whole_batches_itself():
     run_distributed(_attached_checks, world_size=2)
 
 
+def _router_checks(rank: int, cp: int) -> None:
+    """An MoE model's load-balancing term over the whole rows, at a length the split pads and without a mask (the
+    appended positions were counted as tokens), also where only the call asks for it; its router logits are the
+    whole rows' (each rank's own tokens before)."""
+    reference = build_model("tiny-qwen3-moe", seed=0).eval()
+    reference.config.output_router_logits = False  # (the call asks for the term: output_router_logits=True)
+    model = copy.deepcopy(reference)
+    attach_context_parallel(model, dist.group.WORLD, "p2p")
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(2))
+    asked = {"input_ids": ids, "labels": ids, "output_router_logits": True}
+    expected = reference(**asked, use_cache=False)
+    expected.loss.backward()
+    out = model(**asked)
+    out.loss.backward()
+    assert_close_rel(out.loss.detach(), expected.loss, "loss with the load-balancing term")
+    for layer, (mine, theirs) in enumerate(zip(out.router_logits, expected.router_logits, strict=True)):
+        assert_close_rel(mine.detach(), theirs.detach(), f"router logits of layer {layer}")
+    grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        grad = param.grad.clone()
+        dist.all_reduce(grad)
+        assert_close_rel(grad / cp, grads[name].grad, f"grad of {name}", scale_floor=1e-6)
+
+
+def test_an_moe_models_router_term_and_logits_are_the_whole_rows():
+    run_distributed(_router_checks, world_size=2)
+
+
 def _refusals(rank: int, cp: int) -> dict:
     group = dist.group.WORLD
     errors = {}
