@@ -287,6 +287,11 @@ class _SplitInputs:
         if KEYWORD in kwargs:
             set_active(kwargs[KEYWORD])
             return (), kwargs  # split already (a pipeline splits before it cuts micro-batches)
+        if kwargs.get("output_attentions", getattr(module.config, "output_attentions", False)):
+            raise ConfigError(
+                f"{type(module).__name__} is context-parallel: its attention over the split rows computes no "
+                "attention weights to return (output_attentions); leave it unset, or use cp = 1"
+            )
         if kwargs.get("input_ids") is None:
             raise ConfigError(
                 f"{type(module).__name__} is context-parallel and splits input_ids along the sequence; this call "

@@ -177,6 +177,8 @@ def _attached_checks(rank: int, cp: int) -> None:
             expected_kept = reference(**unlabelled, use_cache=False, logits_to_keep=keep).logits
             assert_close_rel(kept, expected_kept, f"logits_to_keep {keep}")
         assert_close_rel(model(**cut).logits, reference(**cut, use_cache=False).logits, "split again after generate")
+        with pytest.raises(ConfigError, match="computes no attention weights"):  # (a tuple of None before)
+            model(**cut, output_attentions=True)
         # positional arguments all count (the mask was dropped); [1, S] positions for every row, at a length the
         # split does not pad (a shape error in the attention before)
         positional = model(cut["input_ids"], cut["attention_mask"]).logits
