@@ -31,7 +31,8 @@ class _WholeOutputs:
         self.group, self.size, self.sequence_parallel = group, group_size(group), sequence_parallel
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
-        given = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        given = kwargs.get("input_ids")
+        given = kwargs.get("inputs_embeds") if given is None else given
         if given is None and args and isinstance(args[0], torch.Tensor):
             given = args[0]
         length = given.shape[1] if isinstance(given, torch.Tensor) and given.dim() >= 2 else None

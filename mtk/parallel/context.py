@@ -367,8 +367,9 @@ def _whole_outputs(module: Any, args: tuple, kwargs: dict[str, Any], output: Any
         keep = length if key in _PER_TOKEN or shard.caller_shifted else length - 1
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == local and any(value.stride()):
             output[key] = whole_rows(value, shard)[:, :keep]
-        elif isinstance(value, tuple) and all(isinstance(v, torch.Tensor) for v in value):
-            output[key] = tuple(whole_rows(v, shard) for v in value)
+        elif isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
+            # (a layer output_hidden_states=[i] did not select is None)
+            output[key] = tuple(whole_rows(v, shard) if isinstance(v, torch.Tensor) else v for v in value)
     routers = getattr(output, "router_logits", None)
     if isinstance(routers, tuple) and routers and all(isinstance(r, torch.Tensor) for r in routers):
         output["router_logits"] = tuple(_whole_router_logits(r, shard) for r in routers)

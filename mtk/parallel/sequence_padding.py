@@ -147,9 +147,16 @@ def trim_output(output: Any, extra: int, padded_length: int) -> Any:
     if extra == 0 or output is None:
         return output
 
-    def trimmed(value: torch.Tensor) -> torch.Tensor:
+    def trimmed(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):  # (a layer output_hidden_states=[i] did not select: None)
+            return value
         per_position = value.dim() >= 2 and value.shape[1] in (padded_length, padded_length - 1)
         return value[:, : value.shape[1] - extra] if per_position else value  # [b, s' - extra, ...]
+
+    def trimmed_weights(value: Any) -> Any:  # [b, h, q, k] attention weights: queries and keys
+        if not (isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[-2:] == (padded_length,) * 2):
+            return value
+        return value[:, :, : padded_length - extra, : padded_length - extra]
 
     for name in PER_POSITION:
         value = getattr(output, name, None)
@@ -157,4 +164,7 @@ def trim_output(output: Any, extra: int, padded_length: int) -> Any:
             setattr(output, name, trimmed(value))
         elif isinstance(value, tuple):
             setattr(output, name, tuple(trimmed(v) for v in value))
+    weights = getattr(output, "attentions", None)
+    if isinstance(weights, tuple):
+        output["attentions"] = tuple(trimmed_weights(v) for v in weights)
     return output

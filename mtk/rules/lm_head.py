@@ -18,6 +18,7 @@ to this rank's ``[..., V_padded/tp]`` columns, for code that reduces over the vo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -175,7 +176,12 @@ def _without_logits(output: Any) -> Any:
     """``output`` (a ``ModelOutput``) as HF builds it with ``logits=None``. Setting the attribute to ``None``
     leaves the field's entry, which ``output["logits"]``, ``output[1]`` and ``to_tuple()`` go on reading: a
     vocabulary shard, or the chunked loss's stand-in of uninitialized memory."""
-    return type(output)(**{key: value for key, value in output.items() if key != "logits"})
+    fields = {field.name for field in dataclasses.fields(output)}
+    rebuilt = type(output)(**{key: value for key, value in output.items() if key in fields and key != "logits"})
+    for key, value in output.items():  # (an entry a hook added that is no field: kept as it was)
+        if key not in fields:
+            rebuilt[key] = value
+    return rebuilt
 
 
 _HOOK = "_mtk_logits_hook"  # the converted model's LogitsGatherHook, for logits_mode

@@ -311,7 +311,9 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
         (a scheduler's preemption), SIGINT or SIGHUP save ``checkpoint-N`` at the next step's end on every rank,
         say so in one line, and end the process (status 0, as mtk's scripts): code after ``train()`` would treat
         the stopped run as finished. A second signal stops at once (:class:`~mtk.training.signals.ExitSignal`)."""
-        searching = self.hp_search_backend is not None  # (each trial sets DeepSpeed up again: _hp_search_setup)
+        trial = kwargs.get("trial", args[0] if args else None)
+        # a search's trial sets DeepSpeed up again (transformers' _hp_search_setup, which asks for both)
+        searching = self.hp_search_backend is not None and trial is not None
         if getattr(self, "deepspeed", None) is not None and not self._deepspeed_for_inference and not searching:
             raise ConfigError(
                 "train() a second time under DeepSpeed: its engine, optimizer and scheduler are set up once per "

@@ -4,6 +4,7 @@
 full logits; ``shard``: the documented opt-in to this rank's columns; ``logits_mode`` switches for a block.
 """
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -51,12 +52,13 @@ def _contract(rank: int, world_size: int) -> None:
                          "this rank's columns")  # fmt: skip
 
 
-def _whole_heads(rank: int, world_size: int) -> None:
-    """output_attentions: every head's weights (each rank's own heads before), with and without return_dict."""
+def _whole_heads(rank: int, world_size: int, sequence_parallel: bool) -> None:
+    """output_attentions: every head's weights (each rank's own heads before), with and without return_dict;
+    under sequence parallelism at a length it pads, without the pad's query and key (11 positions, not 12)."""
     reference, model = _model(), _model()
     for m in (reference, model):
         m.set_attn_implementation("eager")  # (the implementation that returns its weights)
-    parallelize(model, ParallelState.build(tp_size=world_size))
+    parallelize(model, ParallelState.build(tp_size=world_size), sequence_parallel=sequence_parallel)
     ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(input_ids=ids, output_attentions=True).attentions
@@ -65,10 +67,20 @@ def _whole_heads(rank: int, world_size: int) -> None:
             assert len(got) == len(expected) == 2
             for layer, (mine, theirs) in enumerate(zip(got, expected)):
                 assert_close_rel(mine, theirs, f"attention weights of layer {layer}")
+        if sequence_parallel:  # the states between the blocks, whole, from embeddings too; a selection's None kept
+            embeds = reference.get_input_embeddings()(ids[:, :10])
+            got = model(inputs_embeds=embeds, output_hidden_states=True).hidden_states
+            want = reference(inputs_embeds=embeds, output_hidden_states=True).hidden_states
+            for layer, (mine, theirs) in enumerate(zip(got, want, strict=True)):
+                assert_close_rel(mine, theirs, f"hidden states {layer} from embeddings")
+            chosen = model(input_ids=ids, output_hidden_states=[1]).hidden_states
+            assert chosen[0] is None and chosen[2] is None
+            assert_close_rel(chosen[1], reference(input_ids=ids, output_hidden_states=True).hidden_states[1], "[1]")
 
 
-def test_attention_weights_are_every_heads():
-    run_distributed(_whole_heads, world_size=2)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_attention_weights_are_every_heads(sequence_parallel):
+    run_distributed(_whole_heads, world_size=2, args=(sequence_parallel,))
 
 
 def test_logits_are_full_or_none_never_a_shard():
