@@ -120,7 +120,8 @@ def _tensor_and_context_checks(rank: int, world_size: int, kind: str, comm: str)
                 assert_close_rel(mine, theirs, f"hidden states {layer} of rows of {length}")
         chosen = attached(**cut, output_hidden_states=[1]).hidden_states  # (each rank's own positions before)
         assert chosen[0] is None
-        assert_close_rel(chosen[1], reference(**cut, use_cache=False, output_hidden_states=True).hidden_states[1], "[1]")
+        every = reference(**cut, use_cache=False, output_hidden_states=True).hidden_states
+        assert_close_rel(chosen[1], every[1], "output_hidden_states=[1]")
 
 
 @pytest.mark.parametrize("kind,comm", [("packed", "p2p"), ("padded", "a2a")])
