@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from mtk.convert.regions import apply_regions
+from mtk.convert.whole_outputs import answer_as_asked
 from mtk.parallel.expert_parallel import spread_experts
 from mtk.parallel.record import Parallelized, attach
 from mtk.parallel.state import ParallelState
@@ -77,5 +78,6 @@ def parallelize(
     stage = split_stages(model, parallel, rule_set, pipeline_layers, virtual_stages) if parallel.pp_size > 1 else None
     chunks = stage.chunks if stage is not None and stage.virtual_stages > 1 else ()
     rng = apply_regions(model, rule_set, parallel, sequence_parallel=sequence_parallel, chunks=chunks)
+    answer_as_asked(model)  # (the hooks above read outputs by name; a caller's tuple is made last)
     attach(model, Parallelized(rule_set, parallel.tp_size, stage, sequence_parallel, rng))
     return model

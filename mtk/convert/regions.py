@@ -41,6 +41,7 @@ from mtk.parallel.sequence_padding import (
     named_arguments,
     pad_batch,
     pop_logits_to_keep,
+    row_inputs,
     trim_output,
 )
 from mtk.parallel.state import ParallelState
@@ -116,7 +117,7 @@ class _PadSequence:
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.causal = type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
         # (positions added, padded length, the caller's logits_to_keep) per forward in progress
-        self._added: list[tuple[int, int, int | torch.Tensor, bool]] = []  # (and whether it asked for a tuple)
+        self._added: list[tuple[int, int, int | torch.Tensor]] = []
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         # positional (model(ids)): by name, as pad_batch reads them
@@ -129,21 +130,18 @@ class _PadSequence:
             )
         kept = pop_logits_to_keep(inputs)  # (of the caller's positions: a mask [b, s] is not padded)
         padded, extra = pad_batch(inputs, self.tp_size, self.pad_token_id, self.max_positions, self.causal)
-        shape = padded.get("input_ids", padded.get("inputs_embeds"))
         if not extra:  # (the call as it came: the model keeps its own positions)
-            self._added.append((0, 0, 0, False))
+            self._added.append((0, 0, 0))
             return args, kwargs
-        as_tuple = padded.get("return_dict") is False  # (trimmed by name: a ModelOutput, made a tuple after)
-        padded["return_dict"] = True
-        self._added.append((extra, shape.shape[1] if shape is not None else 0, kept, as_tuple))
+        # (trimmed by name: the call returns a ModelOutput, the caller's tuple made after, mtk.convert.whole_outputs)
+        self._added.append((extra, row_inputs(padded).shape[1], kept))
         return (), padded
 
     def after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if not self._added:  # (an earlier pre-hook refused the call: this one never ran)
             return output
-        extra, padded_length, kept, as_tuple = self._added.pop()
-        output = keep_logits(trim_output(output, extra, padded_length), kept)
-        return output.to_tuple() if as_tuple and output is not None else output
+        extra, padded_length, kept = self._added.pop()
+        return keep_logits(trim_output(output, extra, padded_length), kept)
 
 
 class _GatherSequence:

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from mtk.parallel.comm import Group, gather_from_sequence, group_size
+from mtk.parallel.sequence_padding import row_inputs
 
-__all__ = ["attach_whole_outputs"]
+__all__ = ["answer_as_asked", "attach_whole_outputs"]
 
 
 class _WholeOutputs:
@@ -31,8 +32,7 @@ class _WholeOutputs:
         self.group, self.size, self.sequence_parallel = group, group_size(group), sequence_parallel
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
-        given = kwargs.get("input_ids")
-        given = kwargs.get("inputs_embeds") if given is None else given
+        given = row_inputs(kwargs)
         if given is None and args and isinstance(args[0], torch.Tensor):
             given = args[0]
         length = given.shape[1] if isinstance(given, torch.Tensor) and given.dim() >= 2 else None
@@ -61,6 +61,37 @@ class _WholeOutputs:
         if value.dim() == 3 and sharded:
             return gather_from_sequence(value, self.group, dim=1, partial_grad=False)  # [b, s/tp, h] -> [b, s, h]
         return value
+
+
+class _AsAsked:
+    """The converted model's hooks read what a call returns by name (HF's tuples put the logits at another index
+    beside an MoE's ``aux_loss``, and drop what is ``None``): every call runs with ``return_dict=True``, and the
+    caller's tuple (``return_dict=False``) is made from the finished ``ModelOutput``, as HF makes it
+    (``to_tuple``: what is ``None``, the logits a call with labels leaves out, is not in it). Its pre-hook runs
+    first, its forward hook last (context parallelism's, attached later, pops ``return_dict`` before and makes its
+    own tuple after)."""
+
+    def __init__(self) -> None:
+        self._asked: list[bool] = []  # per call in progress: whether its caller asked for a tuple
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        as_tuple = kwargs.get("return_dict") is False
+        self._asked.append(as_tuple)
+        return (args, {**kwargs, "return_dict": True}) if as_tuple else None
+
+    def after(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
+        if not self._asked:  # (the call failed before the pre-hook ran)
+            return output
+        as_tuple = self._asked.pop()
+        return output.to_tuple() if as_tuple and hasattr(output, "to_tuple") else output
+
+
+def answer_as_asked(model: nn.Module) -> None:
+    """Run every call of the converted ``model`` with ``return_dict=True`` and give a caller that asked for a
+    tuple its tuple at the end (:class:`_AsAsked`). Call after every other hook of the conversion is registered."""
+    hooks = _AsAsked()
+    model.register_forward_pre_hook(hooks.before, with_kwargs=True, prepend=True)
+    model.register_forward_hook(hooks.after, with_kwargs=True, always_call=True)
 
 
 def attach_whole_outputs(model: nn.Module, group: Group, sequence_parallel: bool) -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "named_arguments",
     "pad_batch",
     "pop_logits_to_keep",
+    "row_inputs",
     "trim_output",
 ]
 
@@ -49,6 +50,13 @@ def named_arguments(signature: inspect.Signature, args: tuple, kwargs: dict[str,
         if parameter.kind is parameter.VAR_KEYWORD:
             named.update(named.pop(parameter.name, {}))
     return named
+
+
+def row_inputs(kwargs: dict[str, Any]) -> Any:
+    """A forward's ``[b, s, ...]`` inputs: ``input_ids``, else ``inputs_embeds`` (``input_ids=None`` beside
+    embeddings, as ``generate`` passes them, is no input)."""
+    given = kwargs.get("input_ids")
+    return kwargs.get("inputs_embeds") if given is None else given
 
 
 def carries_cache(kwargs: dict[str, Any]) -> bool:
@@ -97,7 +105,7 @@ def pad_batch(
     ``causal``: no position attends to a later one, so the appended ones need no mask; otherwise (an encoder) a
     batch without ``attention_mask`` gets one that hides them, and ``pad_token_id`` must say what they hold (a
     sequence classifier finds each row's last real token by it). ``reason``: what needs the multiple, for messages."""
-    inputs = batch.get("input_ids", batch.get("inputs_embeds"))
+    inputs = row_inputs(batch)
     if inputs is None or multiple <= 1:
         return batch, 0
     rows, length = inputs.shape[:2]

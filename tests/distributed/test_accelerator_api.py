@@ -261,3 +261,22 @@ def _summed_once_per_step(rank: int, world_size: int) -> int:
 def test_gradients_summed_over_tp_once_per_step_count_each_micro_batch_once():
     counts = run_distributed(_summed_once_per_step, world_size=2)
     assert counts[0] == counts[1] > 0
+
+
+def _peft_before_prepare(rank: int, world_size: int) -> None:
+    import pytest
+    from peft import LoraConfig, get_peft_model
+
+    from mtk import Accelerator, ConfigError, ParallelConfig
+    from mtk.models import build_model
+
+    accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=world_size))
+    model = get_peft_model(build_model("tiny-llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ConfigError, match=r"convert the base model first.*mtk\.lora\.get_peft_model"):
+        accelerator.prepare(model)
+
+
+def test_a_model_given_to_peft_before_prepare_is_one_line_naming_the_order_that_works():
+    """PEFT's adapters wrap the layers the conversion replaces: one line naming mtk.lora.get_peft_model on the
+    converted model ("q_proj is a Linear; a linear rule needs nn.Linear or Conv1D" before)."""
+    run_distributed(_peft_before_prepare, world_size=2)

@@ -4,11 +4,14 @@
 full logits; ``shard``: the documented opt-in to this rank's columns; ``logits_mode`` switches for a block.
 """
 
+import copy
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mtk.convert import parallelize
+from mtk.models import build_model
 from mtk.parallel import ParallelState
 from mtk.rules.lm_head import logits_mode
 from mtk.testing import assert_close_rel, run_distributed
@@ -68,11 +71,12 @@ def _whole_heads(rank: int, world_size: int, sequence_parallel: bool) -> None:
             for layer, (mine, theirs) in enumerate(zip(got, expected)):
                 assert_close_rel(mine, theirs, f"attention weights of layer {layer}")
         if sequence_parallel:  # the states between the blocks, whole, from embeddings too; a selection's None kept
-            embeds = reference.get_input_embeddings()(ids[:, :10])
-            got = model(inputs_embeds=embeds, output_hidden_states=True).hidden_states
-            want = reference(inputs_embeds=embeds, output_hidden_states=True).hidden_states
-            for layer, (mine, theirs) in enumerate(zip(got, want, strict=True)):
-                assert_close_rel(mine, theirs, f"hidden states {layer} from embeddings")
+            for length in (10, 11):  # (input_ids=None beside them, as generate passes: no length, no padding)
+                embeds = reference.get_input_embeddings()(ids[:, :length])
+                got = model(input_ids=None, inputs_embeds=embeds, output_hidden_states=True).hidden_states
+                want = reference(inputs_embeds=embeds, output_hidden_states=True).hidden_states
+                for layer, (mine, theirs) in enumerate(zip(got, want, strict=True)):
+                    assert_close_rel(mine, theirs, f"hidden states {layer} from embeddings, {length} positions")
             chosen = model(input_ids=ids, output_hidden_states=[1]).hidden_states
             assert chosen[0] is None and chosen[2] is None
             assert_close_rel(chosen[1], reference(input_ids=ids, output_hidden_states=True).hidden_states[1], "[1]")
@@ -81,6 +85,31 @@ def _whole_heads(rank: int, world_size: int, sequence_parallel: bool) -> None:
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_attention_weights_are_every_heads(sequence_parallel):
     run_distributed(_whole_heads, world_size=2, args=(sequence_parallel,))
+
+
+def _moe_tuples(rank: int, world_size: int) -> None:
+    """return_dict=False on an MoE model, whose tuple holds aux_loss before the logits: HF's tuple in HF's order,
+    without the logits where labels are given (index 1 was taken as the logits: aux_loss dropped and the vocabulary
+    shard kept, or a traceback without labels)."""
+    reference = build_model("tiny-qwen3-moe", seed=0).eval()
+    model = parallelize(copy.deepcopy(reference), ParallelState.build(tp_size=world_size))
+    ids = torch.randint(0, 200, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for labels in (None, ids):
+            expected = reference(input_ids=ids, labels=labels, output_router_logits=True)
+            names = [key for key in expected if not (key == "logits" and labels is not None)]
+            got = model(input_ids=ids, labels=labels, output_router_logits=True, return_dict=False)
+            assert len(got) == len(names), (names, [type(v).__name__ for v in got])
+            for name, value in zip(names, got):
+                if isinstance(value, torch.Tensor):
+                    assert_close_rel(value, expected[name], f"{name} (labels: {labels is not None})")
+                elif name == "router_logits":
+                    for mine, theirs in zip(value, expected[name], strict=True):
+                        assert_close_rel(mine, theirs, "router logits")
+
+
+def test_an_moe_models_tuple_is_hfs_by_name():
+    run_distributed(_moe_tuples, world_size=2)
 
 
 def test_logits_are_full_or_none_never_a_shard():

@@ -20,7 +20,7 @@ from mtk.integrations.accelerate.megatron_keys import act_on_model
 from mtk.integrations.deepspeed import sums_over_context_parallel
 from mtk.parallel.consistency import agree_rng, agree_weights
 from mtk.parallel.context import attach_context_parallel, context_parallel_of
-from mtk.parallel.record import parallelized
+from mtk.parallel.record import is_peft_model, parallelized
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.engine import PipelineModel
 from mtk.rules import replace_trl_fused_head
@@ -76,6 +76,12 @@ class ModelConversion(_Host):
             self._context_parallel(model)
             replace_trl_fused_head(model)  # trl's add_fused_lm_head after the conversion (TRL's trainers' __init__)
             return self._pipelined(model), {}
+        if is_peft_model(model):  # (PEFT's layers wrap the ones the conversion replaces, at any layout)
+            raise ConfigError(
+                "prepare(PeftModel): PEFT's adapters wrap layers mtk has not converted; convert the base model "
+                "first, then add the adapters to its parallel layers: model = mtk.lora.get_peft_model("
+                "accelerator.parallelize(model), lora_config) (or peft_config= to mtk's TRL trainers)"
+            )
         if not getattr(model, _AGREED, False):  # prepare() converts, then accelerate's prepare_model comes here again
             self._agree(model)
             setattr(model, _AGREED, True)
