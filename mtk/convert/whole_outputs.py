@@ -75,7 +75,8 @@ class _AsAsked:
         self._asked: list[bool] = []  # per call in progress: whether its caller asked for a tuple
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
-        as_tuple = kwargs.get("return_dict") is False
+        asked = kwargs.get("return_dict")  # (None: the config's choice)
+        as_tuple = (getattr(getattr(module, "config", None), "return_dict", True) if asked is None else asked) is False
         self._asked.append(as_tuple)
         return (args, {**kwargs, "return_dict": True}) if as_tuple else None
 

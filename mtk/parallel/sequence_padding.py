@@ -124,7 +124,13 @@ def pad_batch(
             f"{what}: {length} positions would be padded to {length + extra}, "
             f"past the model's {max_positions}; use at most {max_positions - max_positions % multiple} positions"
         )
-    if not causal and pad_token_id is None and "input_ids" in batch:
+    if not causal and batch.get("input_ids") is None:  # (embeddings alone: no pad id tells HF where a row ends)
+        raise ConfigError(
+            f"{what} with inputs_embeds alone and {length} positions: a model that is not a causal LM reads a row's "
+            "last position by its pad ids (a sequence classifier's pooled token), and without input_ids that "
+            f"would be an appended one; pass input_ids, or embeddings of a multiple of {multiple} positions"
+        )
+    if not causal and pad_token_id is None:
         raise ConfigError(
             f"{what} with {length} positions: mtk pads an encoder's batch with "
             f"the model's pad_token_id, which is not set; set config.pad_token_id or pad to a multiple of {multiple}"

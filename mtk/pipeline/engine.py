@@ -168,6 +168,7 @@ class PipelineModel(nn.Module):
         # batch's summed loss / num_items_in_batch, as one call on the whole batch would return. A caller that
         # passes no count gets the batch's own (HF's token mean over the whole batch, not a mean of m means).
         num_items = kwargs.pop("num_items_in_batch", None)
+        as_tuple = self._take_flags(kwargs)
         batch = {
             "input_ids": input_ids,
             "labels": labels,
@@ -217,8 +218,31 @@ class PipelineModel(nn.Module):
             for name in FUSED_FIELDS if copied else ():  # [b + copied, s'] -> [b, s']
                 if isinstance(getattr(output, name, None), torch.Tensor):
                     setattr(output, name, getattr(output, name)[:rows])
-            return output
-        return CausalLMOutputWithPast(loss=loss)
+        else:
+            output = CausalLMOutputWithPast(loss=loss)
+        return output.to_tuple() if as_tuple else output
+
+    def _take_flags(self, kwargs: dict[str, Any]) -> bool:
+        """The call's keywords that are no per-row tensor, taken out of ``kwargs`` (each micro-batch is cut from
+        tensors): whether the caller asked for a tuple (``return_dict=False``). What the pipeline cannot return is
+        one line: the hidden states and attention weights stay on their stages."""
+        as_tuple = kwargs.pop("return_dict", None) is False
+        for name in [k for k, v in kwargs.items() if v is not None and not isinstance(v, torch.Tensor)]:
+            value = kwargs.pop(name)
+            if name in ("output_hidden_states", "output_attentions") and value:
+                raise ConfigError(
+                    f"{name}={value!r} with a pipelined model: it returns the loss (and TRL's fused head's per-token "
+                    "fields); the states and attention weights stay on the stages that computed them: use pp = 1"
+                )
+            if name in ("output_hidden_states", "output_attentions", "logits_to_keep") and not value:
+                continue  # (asks for nothing: the pipeline returns no logits to keep)
+            if name == "output_router_logits" and bool(value) == bool(getattr(self.config, name, False)):
+                continue  # (the config's own choice: the stages carry the load-balancing term by it)
+            raise ConfigError(
+                f"{name}={value!r} with a pipelined model, which cuts each call's per-row tensors into micro-batches "
+                "and acts on no other keyword: leave it unset (the config's setting holds), or use pp = 1"
+            )
+        return as_tuple
 
     def _report_fewer_micro_batches(self, size: int, copied: int = 0) -> None:
         """Say once per batch size that ``num_micro_batches`` does not divide it (the schedule ran fewer), or that

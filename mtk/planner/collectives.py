@@ -210,7 +210,8 @@ def predict_context_collectives(
     ``recompute`` (full or selective: the attention reruns in backward either way): the forward's again. Each of
     the ``losses`` forward calls with a loss then all-reduces its fp32 value (every CP rank returns the batch's) and,
     with ``router_experts`` (E of an MoE model whose loss has the router's load-balancing term), first its ``2E + 1``
-    fp32 sums (mtk.parallel.router_loss).
+    fp32 sums (mtk.parallel.router_loss); such a call returns its router logits too, each layer's ``[b·s/cp, E]``
+    all-gathered into the whole rows'.
     """
     counts: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
@@ -222,6 +223,9 @@ def predict_context_collectives(
     nbytes["all_reduce"] += 4 * losses + (4 * (2 * router_experts + 1) * losses if router_experts else 0)
     counts["all_gather"] += num_layers * forwards
     nbytes["all_gather"] += num_layers * forwards * 3 * batch * local * 8
+    if router_experts:
+        counts["all_gather"] += losses * num_layers
+        nbytes["all_gather"] += losses * num_layers * batch * local * router_experts * element_size
     if comm == "p2p":
         block = batch * kv_heads * local * 2 * head_dim
         hops, back = cp_size - 1, 2 * cp_size - 1

@@ -313,7 +313,7 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
         the stopped run as finished. A second signal stops at once (:class:`~mtk.training.signals.ExitSignal`)."""
         trial = kwargs.get("trial", args[0] if args else None)
         # a search's trial sets DeepSpeed up again (transformers' _hp_search_setup, which asks for both)
-        searching = self.hp_search_backend is not None and trial is not None
+        searching = getattr(self, "hp_search_backend", None) is not None and trial is not None
         if getattr(self, "deepspeed", None) is not None and not self._deepspeed_for_inference and not searching:
             raise ConfigError(
                 "train() a second time under DeepSpeed: its engine, optimizer and scheduler are set up once per "

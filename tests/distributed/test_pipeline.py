@@ -15,6 +15,7 @@ from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
 from mtk.config import RunSettings
 from mtk.convert import parallelize
+from mtk.errors import ConfigError
 from mtk.models import build_model, builtin_config
 from mtk.parallel import ParallelState
 from mtk.parallel.gather import gather_state_dict, iter_full_tensors
@@ -126,6 +127,12 @@ def _pipeline_checks(
 
     with torch.no_grad():  # forward-only schedule: the same loss, nothing held
         eval_loss = pipe(**local).loss
+        # a tuple where one is asked for, flags that ask for nothing pass; the states are refused in one line (each
+        # was a TypeError where the micro-batches are cut)
+        as_tuple = pipe(**local, return_dict=False, output_hidden_states=False, logits_to_keep=0)
+        assert len(as_tuple) == 1 and torch.equal(as_tuple[0], eval_loss)
+        with pytest.raises(ConfigError, match="output_hidden_states=True with a pipelined model"):
+            pipe(**local, output_hidden_states=True)
     assert_close_rel(eval_loss, loss, f"{name} eval loss")
 
     full = gather_state_dict(model, state)

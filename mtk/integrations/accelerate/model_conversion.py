@@ -76,12 +76,7 @@ class ModelConversion(_Host):
             self._context_parallel(model)
             replace_trl_fused_head(model)  # trl's add_fused_lm_head after the conversion (TRL's trainers' __init__)
             return self._pipelined(model), {}
-        if is_peft_model(model):  # (PEFT's layers wrap the ones the conversion replaces, at any layout)
-            raise ConfigError(
-                "prepare(PeftModel): PEFT's adapters wrap layers mtk has not converted; convert the base model "
-                "first, then add the adapters to its parallel layers: model = mtk.lora.get_peft_model("
-                "accelerator.parallelize(model), lora_config) (or peft_config= to mtk's TRL trainers)"
-            )
+        _refuse_unconverted_peft_model(model, "prepare")
         if not getattr(model, _AGREED, False):  # prepare() converts, then accelerate's prepare_model comes here again
             self._agree(model)
             setattr(model, _AGREED, True)
@@ -109,6 +104,7 @@ class ModelConversion(_Host):
         """
         if parallelized(model) is not None:
             return model
+        _refuse_unconverted_peft_model(model, "parallelize")
         if checkpoint is None:
             self._agree(model)
         else:
@@ -161,3 +157,14 @@ class ModelConversion(_Host):
         if self.parallel.pp_size == 1:
             return model
         return PipelineModel(model, self.parallel, self.settings.num_micro_batches, self.settings.pipeline_schedule)
+
+
+def _refuse_unconverted_peft_model(model: nn.Module, method: str) -> None:
+    """PEFT's adapters wrap the layers the conversion replaces (at any layout): one line naming the order that
+    works."""
+    if is_peft_model(model):
+        raise ConfigError(
+            f"{method}(PeftModel): PEFT's adapters wrap layers mtk has not converted; convert the base model first, "
+            "then add the adapters to its parallel layers: model = mtk.lora.get_peft_model("
+            "accelerator.parallelize(model), lora_config) (or peft_config= to mtk's TRL trainers)"
+        )
