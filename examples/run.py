@@ -83,7 +83,7 @@ from mtk.parallel.context import attach_context_parallel
 from mtk.parallel.grad_norm import check_finite
 from mtk.parallel.placement import placement
 from mtk.parallel.recompute import enable_recompute
-from mtk.parallel.record import parallelized
+from mtk.parallel.record import hf_model, parallelized
 from mtk.parallel.state import ParallelState
 from mtk.rules import check_tp_size
 from mtk.training.boundary import StepBoundary
@@ -211,7 +211,7 @@ def build_engine(args: argparse.Namespace, parallel: ParallelState) -> tuple[Any
         model = get_peft_model(model, lora, report=print if parallel.rank == 0 else lambda line: None)
     if parallel.cp_size > 1:  # each batch split over CP; ZeRO 0-2 sum the CP ranks' gradients, ZeRO-3 averages them
         average = not sums_over_context_parallel(ds_config)
-        attach_context_parallel(model, parallel.cp_group, settings.cp_comm_type, average=average)
+        attach_context_parallel(hf_model(model), parallel.cp_group, settings.cp_comm_type, average=average)
 
     def lr_schedule(optimizer):  # DeepSpeed steps it once per optimizer step
         return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_linear(args.warmup_steps, args.max_steps))

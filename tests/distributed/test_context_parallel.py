@@ -264,3 +264,33 @@ def test_what_context_parallelism_cannot_take_is_one_line():
     assert "cp_comm_type 'allgather' is unknown; use one of ('p2p', 'a2a')" in errors["comm"]
     assert "these are (2,) (one per row: a sequence-level task): use cp = 1" in errors["row labels"]
     assert "attends both ways; mtk's context-parallel attention is causal (decoders): use cp = 1" in errors["encoder"]
+
+
+def _lora_generate(rank: int, cp: int) -> None:
+    """LoRA (mtk.lora on the converted model) under mtk.Accelerator at CP 2: the PeftModel's generate calls the
+    transformers model inside it, which is the one split (it met the split attention unsplit before: one line)."""
+    from peft import LoraConfig
+    from peft import get_peft_model as peft_get_peft_model
+
+    from mtk import Accelerator, ParallelConfig
+    from mtk.lora import get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    reference = peft_get_peft_model(build_model("tiny-llama", seed=0), config).eval()
+    accelerator = Accelerator(parallel_config=ParallelConfig(cp_size=cp))
+    model = accelerator.prepare(get_peft_model(accelerator.parallelize(build_model("tiny-llama", seed=0)), config))
+    model = accelerator.unwrap_model(model).eval()
+    prompt = torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(prompt)
+    prompt[1, :3], mask[1, :3] = 0, 0
+    greedy = {"attention_mask": mask, "max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        assert_close_rel(model(input_ids=prompt, attention_mask=mask).logits,
+                         reference(input_ids=prompt, attention_mask=mask).logits, "LoRA logits")  # fmt: skip
+        expected = reference.generate(input_ids=prompt, **greedy)
+        for cached in (True, False):
+            assert torch.equal(model.generate(input_ids=prompt, use_cache=cached, **greedy), expected), cached
+
+
+def test_a_lora_model_at_cp_generates_one_process_tokens():
+    run_distributed(_lora_generate, world_size=2)

@@ -20,7 +20,7 @@ from mtk.integrations.accelerate.megatron_keys import act_on_model
 from mtk.integrations.deepspeed import sums_over_context_parallel
 from mtk.parallel.consistency import agree_rng, agree_weights
 from mtk.parallel.context import attach_context_parallel, context_parallel_of
-from mtk.parallel.record import is_peft_model, parallelized
+from mtk.parallel.record import hf_model, is_peft_model, parallelized
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.engine import PipelineModel
 from mtk.rules import replace_trl_fused_head
@@ -129,7 +129,9 @@ class ModelConversion(_Host):
         average = not self.uses_deepspeed or not sums_over_context_parallel(
             self.state.deepspeed_plugin.deepspeed_config
         )
-        attach_context_parallel(model, self.parallel.cp_group, self.settings.cp_comm_type, sequence_split, average)
+        # on the transformers model inside a PeftModel (whose forward calls it): its generate calls it too
+        attached = hf_model(model)
+        attach_context_parallel(attached, self.parallel.cp_group, self.settings.cp_comm_type, sequence_split, average)
         if os.environ.get("MEGATRON_LM_ATTENTION_BACKEND", "auto").strip().lower() not in ("", "auto"):
             self.print(
                 f"mtk: context parallelism (cp = {self.parallel.cp_size}) attends with its own "
