@@ -18,6 +18,8 @@ import argparse
 from pathlib import Path
 
 from mtk.args import positive_int
+from mtk.checkpoint.hf_load import safetensors_index
+from mtk.checkpoint.safetensors_slices import open_safetensors
 from mtk.data.formats import chat_template_refusals
 from mtk.data.tokenizers import directory_tokenizer
 from mtk.errors import CheckpointError, DataError
@@ -32,7 +34,12 @@ def check_model_directory(directory: str) -> None:
     path = Path(directory)
     if (path / "metadata.json").is_file():
         raise CheckpointError(f"{path} is an mtk training checkpoint; export it first: mtk export {path} <out_dir>")
-    refusal = causal_lm_refusal(resolve_config(str(path)))  # (missing, custom code, pickle-only weights: one line)
+    if not (path / "config.json").is_file():  # (built-in configs have no weights nor tokenizer to answer with)
+        raise ModelSpecError(
+            f"model {directory!r} is not a model directory (no config.json there); give a local HF directory with "
+            "weights and a tokenizer, e.g. what mtk export wrote"
+        )
+    refusal = causal_lm_refusal(resolve_config(str(path)))  # (custom code, pickle-only weights: one line)
     if refusal:
         raise ModelSpecError(f"{path}: {refusal}; give the directory of a causal language model (a decoder)")
 
@@ -51,6 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = directory_tokenizer(args.model, "model")  # none there, or one that needs custom code: one line
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{args.model}'s tokenizer has no chat template; give a directory whose tokenizer has one")
+    for weights in set(safetensors_index(args.model).values()):  # (truncated: safetensors' traceback in loading)
+        with open_safetensors(weights):
+            pass
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, use_safetensors=True).eval()
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, create_masks_for_generate
 
 from mtk.config import CP_COMM_TYPES
@@ -54,6 +54,7 @@ from mtk.parallel.router_loss import (
     set_active,
 )
 from mtk.parallel.sequence_padding import (
+    CACHE_KEYWORDS,
     PER_POSITION,
     carries_cache,
     keep_logits,
@@ -68,6 +69,7 @@ __all__ = [
     "KEYWORD",
     "ContextShard",
     "ContextSplit",
+    "SplitCallCache",
     "attach_context_parallel",
     "balanced_indices",
     "context_parallel_of",
@@ -99,6 +101,7 @@ class ContextShard:
     average: bool = True  # the CP ranks' gradients are averaged (else summed: ContextSplit.average)
     logits_to_keep: int | torch.Tensor = 0  # the caller's: applied to the whole rows' logits (0: every position)
     as_tuple: bool = False  # the caller asked for return_dict=False: the whole outputs as a tuple
+    cache_stand_in: bool = False  # one process would return a cache: a SplitCallCache takes its place
 
     def __len__(self) -> int:
         """Rows, as a ``[b, ...]`` tensor's ``len``: a pipeline cuts micro-batches of shards as of tensors."""
@@ -280,9 +283,14 @@ class _SplitInputs:
     def __call__(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
         if args:  # (model(ids, mask): every positional argument, by name)
             kwargs = named_arguments(self.signature, args, kwargs)
-        decoding = KEYWORD not in kwargs and carries_cache(kwargs)
+        # a call with a cache, or one without gradients that asks for one (a hand-written decoding loop's prefill)
+        asked_cache = kwargs.get("use_cache")
+        decoding = KEYWORD not in kwargs and (
+            carries_cache(kwargs) or (asked_cache is True and not torch.is_grad_enabled())
+        )
         _attend_with(module, self.unsplit if decoding else ATTENTION)
         if decoding:
+            _refuse_split_call_cache(module, kwargs)
             return (), kwargs
         if KEYWORD in kwargs:
             set_active(kwargs[KEYWORD])
@@ -301,12 +309,35 @@ class _SplitInputs:
         for k in SPLIT_INPUTS:
             kwargs.pop(k, None)
         kept = pop_logits_to_keep(kwargs)  # (of the whole rows: HF's would keep each rank's last positions)
-        as_tuple = kwargs.pop("return_dict", None) is False  # (gathered by name: a ModelOutput, a tuple after)
+        asked = kwargs.pop("return_dict", None)  # (gathered by name: a ModelOutput, a tuple after)
+        as_tuple = (getattr(module.config, "return_dict", True) if asked is None else asked) is False
+        kwargs.pop("use_cache", None)  # (the split's own: False)
         local = self.split(tensors, kwargs.pop("num_items_in_batch", None))
+        local["return_dict"] = True
         local[KEYWORD].logits_to_keep = kept
         local[KEYWORD].as_tuple = as_tuple
+        # where one process would return a cache: one that holds no keys, refused if a call is given it
+        returns_cache = getattr(module.config, "use_cache", False) if asked_cache is None else asked_cache
+        local[KEYWORD].cache_stand_in = bool(returns_cache)
         set_active(local[KEYWORD])  # the router's load-balancing loss sums over the group (mtk.parallel.router_loss)
         return (), {**kwargs, **local}
+
+
+class SplitCallCache(DynamicCache):
+    """The cache a split call returns where one process would return one (``use_cache``, the config's default):
+    it holds no keys (each CP rank computed its own positions' only, and gathering them would hold the whole rows'
+    keys on every rank), and a call given it is one line instead of decoding from nothing. A call without
+    gradients that asks for a cache (``use_cache=True``) runs whole and returns the whole rows' cache; ``generate``
+    runs its cached calls whole."""
+
+
+def _refuse_split_call_cache(module: Any, kwargs: dict[str, Any]) -> None:
+    if any(isinstance(kwargs.get(name), SplitCallCache) for name in CACHE_KEYWORDS):
+        raise ConfigError(
+            f"{type(module).__name__} is context-parallel: the cache given to this call came from a call split over "
+            "the CP ranks, which keeps no keys; make the first call with use_cache=True (under torch.no_grad() it "
+            "runs whole and returns the whole rows' cache), or decode with generate()"
+        )
 
 
 def _attend_with(model: Any, implementation: str) -> None:
@@ -374,7 +405,19 @@ def _whole_outputs(module: Any, args: tuple, kwargs: dict[str, Any], output: Any
     if isinstance(routers, tuple) and routers and all(isinstance(r, torch.Tensor) for r in routers):
         output["router_logits"] = tuple(_whole_router_logits(r, shard) for r in routers)
     output = keep_logits(output, shard.logits_to_keep)
+    if shard.cache_stand_in:
+        output = _with_cache_stand_in(output)
     return output.to_tuple() if shard.as_tuple else output
+
+
+def _with_cache_stand_in(output: Any) -> Any:
+    """``output`` (a ``ModelOutput``) with a :class:`SplitCallCache` where one process's has its cache, rebuilt so
+    that the field keeps HF's place in the tuple."""
+    fields = {field.name for field in dataclasses.fields(output)} if dataclasses.is_dataclass(output) else set()
+    name = next((n for n in CACHE_KEYWORDS if n in fields), None)
+    if name is None or output.get(name) is not None:
+        return output
+    return type(output)(**{**dict(output), name: SplitCallCache()})
 
 
 def _whole_router_logits(local: torch.Tensor, shard: ContextShard) -> torch.Tensor:

@@ -14,7 +14,13 @@ from mtk.convert import parallelize
 from mtk.errors import ConfigError
 from mtk.models import build_model
 from mtk.parallel import ParallelState
-from mtk.parallel.context import ATTENTION, attach_context_parallel, split_for_context, use_context_attention
+from mtk.parallel.context import (
+    ATTENTION,
+    SplitCallCache,
+    attach_context_parallel,
+    split_for_context,
+    use_context_attention,
+)
 from mtk.parallel.gather import iter_full_tensors
 from mtk.parallel.grads import sync_sequence_parallel_grads
 from mtk.testing import assert_close_rel, run_distributed
@@ -183,6 +189,21 @@ def _attached_checks(rank: int, cp: int) -> None:
         assert_close_rel(model(**cut).logits, reference(**cut, use_cache=False).logits, "split again after generate")
         with pytest.raises(ConfigError, match="computes no attention weights"):  # (a tuple of None before)
             model(**cut, output_attentions=True)
+        # a hand-written decoding loop: a prefill that asks for a cache runs whole and returns the whole rows' (the
+        # split call's was none, and the loop decoded other tokens); one that leaves it to the config is split and
+        # returns a stand-in holding no keys, refused if a call is given it
+        cache = model(input_ids=prompt, attention_mask=mask, use_cache=True).past_key_values
+        step = torch.tensor([[5], [7]])
+        grown = torch.cat([mask, torch.ones_like(step)], dim=1)
+        mine = model(input_ids=step, attention_mask=grown, past_key_values=cache).logits
+        theirs_cache = reference(input_ids=prompt, attention_mask=mask, use_cache=True).past_key_values
+        assert_close_rel(mine, reference(input_ids=step, attention_mask=grown, past_key_values=theirs_cache).logits,
+                         "decoding from a prefill's cache")  # fmt: skip
+        default = model(**unlabelled)
+        assert isinstance(default.past_key_values, SplitCallCache)
+        assert [type(v).__name__ for v in model(**unlabelled, return_dict=False)] == ["Tensor", "SplitCallCache"]
+        with pytest.raises(ConfigError, match="came from a call split over the CP ranks"):
+            model(input_ids=step, past_key_values=default.past_key_values)
         # positional arguments all count (the mask was dropped); [1, S] positions for every row, at a length the
         # split does not pad (a shape error in the attention before)
         positional = model(cut["input_ids"], cut["attention_mask"]).logits

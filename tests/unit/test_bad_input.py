@@ -538,13 +538,23 @@ def test_generate_on_a_directory_it_cannot_use_is_one_line(checkpoint, tmp_path,
     broken = tmp_path / "broken"  # transformers dropped a malformed generation config: generated with its defaults
     resolve_config("tiny-llama").save_pretrained(broken)
     (broken / "generation_config.json").write_text('{"eos_token_id": [2, 5],}')
+    truncated = tmp_path / "truncated"  # a model whose weights file was cut short (a copy interrupted)
+    from mtk.testing import train_chat_tokenizer
+
+    build_model("tiny-llama", seed=0).save_pretrained(truncated)
+    train_chat_tokenizer(["a river runs by the mill"] * 20).save_pretrained(truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4096])
+    capsys.readouterr()  # (the save's progress bar)
     cases = [
         (broken, "generation_config.json is not valid JSON (Expecting property name enclosed in double quotes"),
         (checkpoint, "is an mtk training checkpoint; export it first: mtk export"),
         (encoder, "bert is an encoder (its attention looks both ways); give the directory of a causal language"),
         (base, "its config names LlamaModel, which has no causal language-model head; give the directory of a"),
         (no_tokenizer, "has no tokenizer (tokenizer.json or tokenizer_config.json)"),
-        (tmp_path / "nowhere", "is neither a built-in config"),
+        (tmp_path / "nowhere", "is not a model directory (no config.json there)"),
+        ("tiny-llama", "'tiny-llama' is not a model directory"),  # (a built-in config: no weights, no tokenizer)
+        (truncated, "model.safetensors is not a readable safetensors file"),  # (safetensors' traceback before)
         (custom, "its tokenizer needs the custom code its auto_map names"),  # transformers asked, and ran it on 'y'
     ]
     for directory, message in cases:
