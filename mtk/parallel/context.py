@@ -45,6 +45,7 @@ from mtk.data.formats import IGNORE_INDEX
 from mtk.errors import ConfigError, UnsupportedModelError
 from mtk.parallel.a2a_attention import all_to_all_attention
 from mtk.parallel.comm import Group, all_reduce, gather_from_sequence, group_rank, group_size
+from mtk.parallel.model_outputs import rebuilt_output
 from mtk.parallel.recompute import never_saved
 from mtk.parallel.ring_attention import ring_attention
 from mtk.parallel.router_loss import (
@@ -291,6 +292,11 @@ class _SplitInputs:
         _attend_with(module, self.unsplit if decoding else ATTENTION)
         if decoding:
             _refuse_split_call_cache(module, kwargs)
+            if module.training and torch.is_grad_enabled():  # (whole on every rank: gradients cp times the share)
+                raise ConfigError(
+                    f"{type(module).__name__} is context-parallel: a training call that carries a KV cache (a "
+                    "prefix's keys, PEFT's prefix tuning) cannot be split over the CP ranks; use cp = 1"
+                )
             return (), kwargs
         if KEYWORD in kwargs:
             set_active(kwargs[KEYWORD])
@@ -417,7 +423,7 @@ def _with_cache_stand_in(output: Any) -> Any:
     name = next((n for n in CACHE_KEYWORDS if n in fields), None)
     if name is None or output.get(name) is not None:
         return output
-    return type(output)(**{**dict(output), name: SplitCallCache()})
+    return rebuilt_output(output, **{name: SplitCallCache()})
 
 
 def _whole_router_logits(local: torch.Tensor, shard: ContextShard) -> torch.Tensor:

@@ -18,7 +18,6 @@ to this rank's ``[..., V_padded/tp]`` columns, for code that reduces over the vo
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,6 +30,7 @@ from mtk.parallel.chunked_loss import chunked_vocab_parallel_cross_entropy
 from mtk.parallel.comm import gather_from_tp
 from mtk.parallel.layers import ColumnParallelLinear
 from mtk.parallel.loss import vocab_parallel_cross_entropy
+from mtk.parallel.model_outputs import rebuilt_output
 from mtk.parallel.vocab_head import VocabParallelHead
 
 __all__ = [
@@ -166,22 +166,10 @@ class LogitsGatherHook:
             return output[:index] + (gather_logits(output[index], self.head),) + output[index + 1 :]
         if getattr(output, "logits", None) is not None:
             if self.mode == "auto" and has_labels:
-                return _without_logits(output)
+                return rebuilt_output(output, logits=None)  # (the entry too, as HF builds it)
             else:
                 output.logits = gather_logits(output.logits, self.head)
         return output
-
-
-def _without_logits(output: Any) -> Any:
-    """``output`` (a ``ModelOutput``) as HF builds it with ``logits=None``. Setting the attribute to ``None``
-    leaves the field's entry, which ``output["logits"]``, ``output[1]`` and ``to_tuple()`` go on reading: a
-    vocabulary shard, or the chunked loss's stand-in of uninitialized memory."""
-    fields = {field.name for field in dataclasses.fields(output)}
-    rebuilt = type(output)(**{key: value for key, value in output.items() if key in fields and key != "logits"})
-    for key, value in output.items():  # (an entry a hook added that is no field: kept as it was)
-        if key not in fields:
-            rebuilt[key] = value
-    return rebuilt
 
 
 _HOOK = "_mtk_logits_hook"  # the converted model's LogitsGatherHook, for logits_mode

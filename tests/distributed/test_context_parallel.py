@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from transformers import DynamicCache
 
 from mtk.convert import parallelize
 from mtk.errors import ConfigError
@@ -210,6 +211,9 @@ def _attached_checks(rank: int, cp: int) -> None:
         assert_close_rel(positional, reference(**unlabelled, use_cache=False).logits, "positional mask")
         shared = {"input_ids": batch["input_ids"], "position_ids": torch.arange(SEQ)[None]}
         assert_close_rel(model(**shared).logits, reference(**shared, use_cache=False).logits, "[1, S] positions")
+    model.train()  # a training call that carries a cache (a prefix's keys) would run whole with gradients
+    with pytest.raises(ConfigError, match="a training call that carries a KV cache"):
+        model(input_ids=prompt[:, :1], past_key_values=DynamicCache())
 
 
 def test_a_model_attached_to_a_cp_group_splits_whole_batches_itself():
