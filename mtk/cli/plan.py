@@ -10,7 +10,7 @@ from mtk.args import positive_int
 from mtk.config import CP_COMM_TYPES
 from mtk.errors import ConfigError, MtkError
 from mtk.models import check_seq_len, num_layers, resolve_config
-from mtk.parallel.context import router_loss_refusal
+from mtk.parallel.router_loss import router_loss_refusal
 from mtk.planner.cluster import INFINIBAND_GBPS, NVLINK_GBPS, PEAK_TFLOPS, Cluster, parse_bytes
 from mtk.planner.search import Estimate, Request, context_parallel_refusal, plan, valid_tp_sizes
 from mtk.planner.shapes import expert_parallel_refusal, moe_layers

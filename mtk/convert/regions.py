@@ -141,6 +141,9 @@ class _PadSequence:
         if not self._added:  # (an earlier pre-hook refused the call: this one never ran)
             return output
         extra, padded_length, kept = self._added.pop()
+        cache: Any = getattr(output, "cache", None) if extra else None
+        if hasattr(cache, "crop") and cache.get_seq_length() == padded_length:  # (the pads' keys and values out)
+            cache.crop(-extra)  # (transformers 5.2x: a negative count removes that many)
         return keep_logits(trim_output(output, extra, padded_length), kept)
 
 

@@ -39,21 +39,17 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, create_masks_for_generate
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from mtk.config import CP_COMM_TYPES
 from mtk.data.formats import IGNORE_INDEX
-from mtk.errors import ConfigError, UnsupportedModelError
+from mtk.errors import ConfigError
 from mtk.parallel.a2a_attention import all_to_all_attention
 from mtk.parallel.comm import Group, all_reduce, gather_from_sequence, group_rank, group_size
 from mtk.parallel.model_outputs import rebuilt_output
 from mtk.parallel.recompute import never_saved
 from mtk.parallel.ring_attention import ring_attention
-from mtk.parallel.router_loss import (
-    has_router_loss_function,
-    replace_load_balancing_loss,
-    router_loss_in_loss,
-    set_active,
-)
+from mtk.parallel.router_loss import set_active, whole_router_loss
 from mtk.parallel.sequence_padding import (
     CACHE_KEYWORDS,
     PER_POSITION,
@@ -65,7 +61,6 @@ from mtk.parallel.sequence_padding import (
 )
 
 __all__ = [
-    "router_loss_refusal",
     "ATTENTION",
     "KEYWORD",
     "ContextShard",
@@ -76,7 +71,6 @@ __all__ = [
     "context_parallel_of",
     "split_for_context",
     "use_context_attention",
-    "whole_router_loss",
     "whole_rows",
 ]
 
@@ -158,11 +152,7 @@ def split_for_context(
     valid = torch.ones(b, seq, dtype=torch.bool, device=device) if mask is None else mask.bool()
     labels = batch.get("labels")
     shifted = batch.get("shift_labels")
-    if labels is not None and labels.shape != input_ids.shape:
-        raise ConfigError(
-            f"context parallelism cuts token labels shaped as input_ids {tuple(input_ids.shape)}; these are "
-            f"{tuple(labels.shape)} (one per row: a sequence-level task): use cp = 1"
-        )
+    _check_token_labels(input_ids, labels)
     if shifted is None and labels is not None:
         shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]  # [b, S]: token t predicts t + 1
     mine = balanced_indices(seq, group_rank(group), group_size(group), device)
@@ -184,6 +174,14 @@ def split_for_context(
         local["labels"] = local["shift_labels"] = shifted[:, mine]
         count = (shifted != IGNORE_INDEX).sum()
     return local, count
+
+
+def _check_token_labels(input_ids: torch.Tensor, labels: torch.Tensor | None) -> None:
+    if labels is not None and labels.shape != input_ids.shape:
+        raise ConfigError(
+            f"context parallelism cuts token labels shaped as input_ids {tuple(input_ids.shape)}; these are "
+            f"{tuple(labels.shape)} (one per row: a sequence-level task): use cp = 1"
+        )
 
 
 def _context_attention(
@@ -254,6 +252,7 @@ class ContextSplit:
         share (see the module docstring); where they are summed, its share.
         ``row_length``: the length per-position outputs are gathered back to (default: the caller's)."""
         length = tensors["input_ids"].shape[1]
+        _check_token_labels(tensors["input_ids"], tensors.get("labels"))  # (the caller's shapes, before the padding)
         if "attention_mask" not in tensors and length % self.multiple:  # (the appended positions marked invalid:
             # the router's load-balancing loss counts the valid tokens, and the unsplit model had no pads)
             tensors = {**tensors, "attention_mask": torch.ones_like(tensors["input_ids"])}
@@ -286,13 +285,12 @@ class _SplitInputs:
             kwargs = named_arguments(self.signature, args, kwargs)
         # a call with a cache, or one without gradients that asks for one (a hand-written decoding loop's prefill)
         asked_cache = kwargs.get("use_cache")
-        decoding = KEYWORD not in kwargs and (
-            carries_cache(kwargs) or (asked_cache is True and not torch.is_grad_enabled())
-        )
+        training = module.training and torch.is_grad_enabled()
+        decoding = KEYWORD not in kwargs and (carries_cache(kwargs) or (asked_cache is True and not training))
         _attend_with(module, self.unsplit if decoding else ATTENTION)
         if decoding:
             _refuse_split_call_cache(module, kwargs)
-            if module.training and torch.is_grad_enabled():  # (whole on every rank: gradients cp times the share)
+            if training:  # (whole on every rank: gradients cp times the share where the CP ranks' are summed)
                 raise ConfigError(
                     f"{type(module).__name__} is context-parallel: a training call that carries a KV cache (a "
                     "prefix's keys, PEFT's prefix tuning) cannot be split over the CP ranks; use cp = 1"
@@ -332,17 +330,17 @@ class _SplitInputs:
 class SplitCallCache(DynamicCache):
     """The cache a split call returns where one process would return one (``use_cache``, the config's default):
     it holds no keys (each CP rank computed its own positions' only, and gathering them would hold the whole rows'
-    keys on every rank), and a call given it is one line instead of decoding from nothing. A call without
-    gradients that asks for a cache (``use_cache=True``) runs whole and returns the whole rows' cache; ``generate``
-    runs its cached calls whole."""
+    keys on every rank), and a call given it is one line instead of decoding from nothing. A call that is not
+    training (eval mode, or without gradients) and asks for a cache (``use_cache=True``) runs whole and returns the
+    whole rows' cache; ``generate`` runs its cached calls whole."""
 
 
 def _refuse_split_call_cache(module: Any, kwargs: dict[str, Any]) -> None:
     if any(isinstance(kwargs.get(name), SplitCallCache) for name in CACHE_KEYWORDS):
         raise ConfigError(
             f"{type(module).__name__} is context-parallel: the cache given to this call came from a call split over "
-            "the CP ranks, which keeps no keys; make the first call with use_cache=True (under torch.no_grad() it "
-            "runs whole and returns the whole rows' cache), or decode with generate()"
+            "the CP ranks, which keeps no keys; make the first call with use_cache=True in eval mode (it runs whole "
+            "and returns the whole rows' cache), or decode with generate()"
         )
 
 
@@ -450,43 +448,6 @@ def whole_rows(local: torch.Tensor, shard: ContextShard) -> torch.Tensor:
     return gathered.index_select(1, torch.argsort(order)[: shard.row_length or seq])  # [b, S, ...] in row order
 
 
-ROUTER_LOSS_LIMITS = {
-    # parallelism -> what else to do
-    "context parallelism": "train without CP",
-    "pipeline parallelism": "use pp = 1",
-}
-
-
-def router_loss_refusal(config: Any, parallelism: str = "context parallelism") -> str | None:
-    """Why ``parallelism`` cannot run ``config``'s MoE loss (``None``: it can). The router's load-balancing loss
-    multiplies two means over the tokens and layers of the call: summed over a CP group and carried through a
-    pipeline's stages (:mod:`mtk.parallel.router_loss`) wherever the model's modeling code computes it with
-    transformers' ``load_balancing_loss_func`` (every MoE model transformers ships)."""
-    if router_loss_in_loss(config) and not has_router_loss_function(config):
-        return _needs_loss_function(config.model_type, parallelism)
-    return None
-
-
-def _needs_loss_function(what: str, parallelism: str) -> str:
-    return (
-        f"{what}: {parallelism} with the router's load-balancing loss in the loss needs transformers' "
-        f"load_balancing_loss_func in the model's modeling code, which it has not; set output_router_logits to "
-        f"false in the model's config, or {ROUTER_LOSS_LIMITS[parallelism]}"
-    )
-
-
-def whole_router_loss(model: Any, parallelism: str = "context parallelism") -> None:
-    """Make ``model``'s load-balancing loss (if its loss has one) the whole call's under ``parallelism``
-    (:func:`~mtk.parallel.router_loss.replace_load_balancing_loss`), or refuse it in one line."""
-    config = getattr(model, "config", None)
-    refusal = router_loss_refusal(config, parallelism)
-    # (replaced even where the config leaves the term out: a call may ask for it, output_router_logits=True)
-    if refusal is None and not replace_load_balancing_loss(model) and router_loss_in_loss(config):
-        refusal = _needs_loss_function(type(model).__name__, parallelism)
-    if refusal is not None:
-        raise UnsupportedModelError(refusal)
-
-
 def attach_context_parallel(
     model: Any, group: Group, comm: str = "p2p", sequence_split: int = 1, average: bool = True
 ) -> None:
@@ -507,6 +468,12 @@ def attach_context_parallel(
             "causal (decoders): use cp = 1 for this model"
         )
     whole_router_loss(model)
+    if type(model).__name__ not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():  # (a head over whole rows)
+        raise ConfigError(
+            f"{type(model).__name__} is not a causal language model: context parallelism gathers a causal LM's "
+            "per-position outputs back into whole rows, and this model's head reads positions of the whole row "
+            "(a classifier's pooled token, a base model's states): use cp = 1 for this model"
+        )
     cp = group_size(group)
     split = ContextSplit(group, comm, math.lcm(2 * cp, cp * sequence_split), average)
     attached = context_parallel_of(model)

@@ -20,7 +20,8 @@ expert gets and its mean router probability. Both are sums divided by one count,
 
 While neither applies, the function is transformers' own. :func:`replace_load_balancing_loss` puts
 :func:`load_balancing_loss` in its place in the model's modeling modules; mtk's own callers (TRL's fused head) call
-it directly.
+it directly. :func:`whole_router_loss` does so for a model under CP or a pipeline, or refuses in one line a model
+whose modeling code computes the term some other way (:func:`router_loss_refusal`, which the planner asks too).
 """
 
 from __future__ import annotations
@@ -36,20 +37,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from mtk.errors import ConfigError
+from mtk.errors import ConfigError, UnsupportedModelError
 from mtk.parallel.comm import all_reduce, group_size
 
 if TYPE_CHECKING:
     from mtk.parallel.context import ContextShard
 
 __all__ = [
+    "ROUTER_LOSS_LIMITS",
     "carrying",
     "has_router_loss_function",
     "load_balancing_loss",
     "replace_load_balancing_loss",
     "router_loss_in_loss",
+    "router_loss_refusal",
     "routing_sums",
     "set_active",
+    "whole_router_loss",
 ]
 
 _FUNCTION = "load_balancing_loss_func"
@@ -187,3 +191,40 @@ def _balance(sums: torch.Tensor, num_experts: int, shard: ContextShard | None) -
     scale = group_size(shard.group) if shard.average else 1  # as the split's token loss: cp x this rank's share
     whole = probabilities * scale + (total_probabilities - probabilities.detach() * scale)  # value: the group's sum
     return torch.sum((total_choices / total_rows) * (whole / total_rows)) * num_experts
+
+
+ROUTER_LOSS_LIMITS = {
+    # parallelism -> what else to do
+    "context parallelism": "train without CP",
+    "pipeline parallelism": "use pp = 1",
+}
+
+
+def router_loss_refusal(config: Any, parallelism: str = "context parallelism") -> str | None:
+    """Why ``parallelism`` cannot run ``config``'s MoE loss (``None``: it can). The router's load-balancing loss
+    multiplies two means over the tokens and layers of the call: summed over a CP group and carried through a
+    pipeline's stages (:mod:`mtk.parallel.router_loss`) wherever the model's modeling code computes it with
+    transformers' ``load_balancing_loss_func`` (every MoE model transformers ships)."""
+    if router_loss_in_loss(config) and not has_router_loss_function(config):
+        return _needs_loss_function(config.model_type, parallelism)
+    return None
+
+
+def _needs_loss_function(what: str, parallelism: str) -> str:
+    return (
+        f"{what}: {parallelism} with the router's load-balancing loss in the loss needs transformers' "
+        f"load_balancing_loss_func in the model's modeling code, which it has not; set output_router_logits to "
+        f"false in the model's config, or {ROUTER_LOSS_LIMITS[parallelism]}"
+    )
+
+
+def whole_router_loss(model: Any, parallelism: str = "context parallelism") -> None:
+    """Make ``model``'s load-balancing loss (if its loss has one) the whole call's under ``parallelism``
+    (:func:`~mtk.parallel.router_loss.replace_load_balancing_loss`), or refuse it in one line."""
+    config = getattr(model, "config", None)
+    refusal = router_loss_refusal(config, parallelism)
+    # (replaced even where the config leaves the term out: a call may ask for it, output_router_logits=True)
+    if refusal is None and not replace_load_balancing_loss(model) and router_loss_in_loss(config):
+        refusal = _needs_loss_function(type(model).__name__, parallelism)
+    if refusal is not None:
+        raise UnsupportedModelError(refusal)

@@ -31,14 +31,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from mtk.config import ConfigError, check_schedule
 from mtk.data.batching import loss_tokens
 from mtk.models import is_causal_lm_class
-from mtk.parallel.context import SPLIT_INPUTS, ContextSplit, context_parallel_of, whole_router_loss
+from mtk.parallel.context import SPLIT_INPUTS, ContextSplit, context_parallel_of
 from mtk.parallel.expert_parallel import is_expert_parallel
 from mtk.parallel.fsdp import local
 from mtk.parallel.grads import all_reduce_coalesced
 from mtk.parallel.overlap import OverlappedReduction
 from mtk.parallel.parameters import param_info
 from mtk.parallel.record import hf_model, parallelized
-from mtk.parallel.router_loss import carrying
+from mtk.parallel.router_loss import carrying, whole_router_loss
 from mtk.parallel.sequence_padding import pad_batch, trim_output
 from mtk.parallel.state import ParallelState
 from mtk.pipeline.batches import FUSED_FIELDS, fused_output, split_micro_batches, token_mean_loss, with_ignored_rows

@@ -6,7 +6,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from mtk.models import attention_heads
-from mtk.parallel.context import router_loss_refusal
+from mtk.parallel.router_loss import router_loss_refusal
 from mtk.planner.collectives import Predicted, predict_context_collectives
 from mtk.planner.layouts import Candidate, Request
 from mtk.planner.shapes import router_experts

@@ -27,9 +27,9 @@ from transformers import PretrainedConfig
 from mtk.config import check_schedule
 from mtk.errors import MtkError
 from mtk.models import element_size, num_layers
-from mtk.parallel.context import router_loss_refusal
 from mtk.parallel.layout import Layout
 from mtk.parallel.overlap import gradient_buckets
+from mtk.parallel.router_loss import router_loss_refusal
 from mtk.pipeline.balance import head_weight, layer_counts, rank_layers
 from mtk.pipeline.schedules import bubble_overhead
 from mtk.planner.collectives import predict_collectives

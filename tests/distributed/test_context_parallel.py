@@ -17,6 +17,7 @@ from mtk.models import build_model
 from mtk.parallel import ParallelState
 from mtk.parallel.context import (
     ATTENTION,
+    ContextSplit,
     SplitCallCache,
     attach_context_parallel,
     split_for_context,
@@ -211,6 +212,8 @@ def _attached_checks(rank: int, cp: int) -> None:
         assert_close_rel(positional, reference(**unlabelled, use_cache=False).logits, "positional mask")
         shared = {"input_ids": batch["input_ids"], "position_ids": torch.arange(SEQ)[None]}
         assert_close_rel(model(**shared).logits, reference(**shared, use_cache=False).logits, "[1, S] positions")
+    # in eval mode with gradients on (a decoding loop without no_grad): the whole rows' cache too (a stand-in before)
+    assert not isinstance(model(input_ids=prompt, attention_mask=mask, use_cache=True).past_key_values, SplitCallCache)
     model.train()  # a training call that carries a cache (a prefix's keys) would run whole with gradients
     with pytest.raises(ConfigError, match="a training call that carries a KV cache"):
         model(input_ids=prompt[:, :1], past_key_values=DynamicCache())
@@ -278,6 +281,18 @@ def _refusals(rank: int, cp: int) -> dict:
         attach_context_parallel(build_model("tiny-bert", seed=0), group)
     except ConfigError as error:
         errors["encoder"] = str(error)
+    from transformers import LlamaForSequenceClassification
+
+    from mtk.models import builtin_config
+
+    try:  # (its pooled token was found in each rank's own positions: other logits, exit 0)
+        attach_context_parallel(LlamaForSequenceClassification(builtin_config("tiny-llama")), group)
+    except ConfigError as error:
+        errors["classifier"] = str(error)
+    try:  # (the caller's shapes: the padded ones, (2, 32), were quoted)
+        ContextSplit(group, "p2p", 4)({"input_ids": torch.zeros(2, 30, dtype=torch.long), "labels": torch.zeros(2)})
+    except ConfigError as error:
+        errors["row labels, padded"] = str(error)
     return errors
 
 
@@ -289,6 +304,8 @@ def test_what_context_parallelism_cannot_take_is_one_line():
     assert "cp_comm_type 'allgather' is unknown; use one of ('p2p', 'a2a')" in errors["comm"]
     assert "these are (2,) (one per row: a sequence-level task): use cp = 1" in errors["row labels"]
     assert "attends both ways; mtk's context-parallel attention is causal (decoders): use cp = 1" in errors["encoder"]
+    assert "LlamaForSequenceClassification is not a causal language model" in errors["classifier"]
+    assert "shaped as input_ids (2, 30); these are (2,)" in errors["row labels, padded"]
 
 
 def _lora_generate(rank: int, cp: int) -> None:

@@ -135,6 +135,8 @@ def _generate(rank: int, world_size: int) -> str:
         two, positions = torch.arange(3, 17).reshape(2, 7), torch.arange(7)[None]
         expected_logits = reference(input_ids=two, position_ids=positions).logits
         assert_close_rel(model(input_ids=two, position_ids=positions, return_dict=False)[0], expected_logits, "tuple")
+        # a cache of the caller's 7 positions, not of the padded 8 (its reuse is refused below)
+        assert model(input_ids=prompt, use_cache=True).past_key_values.get_seq_length() == 7
     try:
         model.generate(input_ids=prompt, **greedy)
     except ConfigError as error:

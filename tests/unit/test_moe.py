@@ -5,8 +5,9 @@ import pytest
 
 from mtk.errors import UnsupportedModelError
 from mtk.models import build_model, builtin_config
-from mtk.parallel.context import attach_context_parallel, router_loss_refusal, whole_router_loss
+from mtk.parallel.context import attach_context_parallel
 from mtk.parallel.expert_parallel import spread_experts
+from mtk.parallel.router_loss import router_loss_refusal, whole_router_loss
 
 
 def test_context_and_pipeline_parallelism_take_the_routers_load_balancing_loss_where_they_can_sum_it():
