@@ -143,7 +143,10 @@ class _PadSequence:
         extra, padded_length, kept = self._added.pop()
         cache: Any = getattr(output, "cache", None) if extra else None
         if hasattr(cache, "crop") and cache.get_seq_length() == padded_length:  # (the pads' keys and values out)
-            cache.crop(-extra)  # (transformers 5.2x: a negative count removes that many)
+            try:
+                cache.crop(-extra)  # (a negative count removes that many)
+            except (RuntimeError, ValueError):  # (sliding-window and linear-attention layers keep no positions to
+                pass  # cut: the cache stays padded; a call given it is refused, as under SP any cached call is)
         return keep_logits(trim_output(output, extra, padded_length), kept)
 
 

@@ -39,11 +39,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, create_masks_for_generate
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from mtk.config import CP_COMM_TYPES
 from mtk.data.formats import IGNORE_INDEX
 from mtk.errors import ConfigError
+from mtk.models import is_causal_lm_class
 from mtk.parallel.a2a_attention import all_to_all_attention
 from mtk.parallel.comm import Group, all_reduce, gather_from_sequence, group_rank, group_size
 from mtk.parallel.model_outputs import rebuilt_output
@@ -468,7 +468,7 @@ def attach_context_parallel(
             "causal (decoders): use cp = 1 for this model"
         )
     whole_router_loss(model)
-    if type(model).__name__ not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():  # (a head over whole rows)
+    if not is_causal_lm_class(type(model).__name__):  # (a head over whole rows)
         raise ConfigError(
             f"{type(model).__name__} is not a causal language model: context parallelism gathers a causal LM's "
             "per-position outputs back into whole rows, and this model's head reads positions of the whole row "

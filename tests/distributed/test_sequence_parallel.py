@@ -10,10 +10,11 @@ import copy
 
 import pytest
 import torch
+from transformers import MistralConfig, MistralForCausalLM
 
 from mtk.convert import parallelize
 from mtk.errors import ConfigError
-from mtk.models import build_model
+from mtk.models import build_model, builtin_config
 from mtk.parallel import ParallelState
 from mtk.parallel.collective_count import count_collectives
 from mtk.parallel.gather import iter_full_tensors
@@ -137,6 +138,12 @@ def _generate(rank: int, world_size: int) -> str:
         assert_close_rel(model(input_ids=two, position_ids=positions, return_dict=False)[0], expected_logits, "tuple")
         # a cache of the caller's 7 positions, not of the padded 8 (its reuse is refused below)
         assert model(input_ids=prompt, use_cache=True).past_key_values.get_seq_length() == 7
+        # a sliding window's layers keep no positions to cut: that cache stays padded (crop raised before)
+        window = {**builtin_config("tiny-mistral").to_dict(), "sliding_window": 4}
+        windowed_reference = MistralForCausalLM(MistralConfig(**window))
+        windowed = parallelize(copy.deepcopy(windowed_reference.eval()), state, sequence_parallel=True).eval()
+        assert_close_rel(windowed(input_ids=prompt, use_cache=True).logits,
+                         windowed_reference(input_ids=prompt).logits, "sliding window")  # fmt: skip
     try:
         model.generate(input_ids=prompt, **greedy)
     except ConfigError as error:
