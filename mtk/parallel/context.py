@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, DynamicCache
+from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, create_masks_for_generate
 
 from mtk.config import CP_COMM_TYPES
@@ -46,12 +46,11 @@ from mtk.errors import ConfigError
 from mtk.models import is_causal_lm_class
 from mtk.parallel.a2a_attention import all_to_all_attention
 from mtk.parallel.comm import Group, all_reduce, gather_from_sequence, group_rank, group_size
-from mtk.parallel.model_outputs import rebuilt_output
+from mtk.parallel.model_outputs import scaled_gradients
 from mtk.parallel.recompute import never_saved
 from mtk.parallel.ring_attention import ring_attention
 from mtk.parallel.router_loss import set_active, whole_router_loss
 from mtk.parallel.sequence_padding import (
-    CACHE_KEYWORDS,
     PER_POSITION,
     carries_cache,
     keep_logits,
@@ -59,6 +58,7 @@ from mtk.parallel.sequence_padding import (
     pad_batch,
     pop_logits_to_keep,
 )
+from mtk.parallel.split_call_cache import SplitCallCache, refuse_split_call_cache, with_cache_stand_in
 
 __all__ = [
     "ATTENTION",
@@ -279,6 +279,7 @@ class _SplitInputs:
         self.split = split
         self.unsplit = unsplit
         self.signature = signature
+        self.whole_share: float | None = None  # (a whole call's gradient share: whole_call_gradients)
 
     def __call__(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
         if args:  # (model(ids, mask): every positional argument, by name)
@@ -288,8 +289,10 @@ class _SplitInputs:
         training = module.training and torch.is_grad_enabled()
         decoding = KEYWORD not in kwargs and (carries_cache(kwargs) or (asked_cache is True and not training))
         _attend_with(module, self.unsplit if decoding else ATTENTION)
+        summed = torch.is_grad_enabled() and not self.split.average  # (DeepSpeed sums the CP ranks' gradients)
+        self.whole_share = 1 / group_size(self.split.group) if decoding and summed else None
         if decoding:
-            _refuse_split_call_cache(module, kwargs)
+            refuse_split_call_cache(module, kwargs)
             if training:  # (whole on every rank: gradients cp times the share where the CP ranks' are summed)
                 raise ConfigError(
                     f"{type(module).__name__} is context-parallel: a training call that carries a KV cache (a "
@@ -326,22 +329,11 @@ class _SplitInputs:
         set_active(local[KEYWORD])  # the router's load-balancing loss sums over the group (mtk.parallel.router_loss)
         return (), {**kwargs, **local}
 
-
-class SplitCallCache(DynamicCache):
-    """The cache a split call returns where one process would return one (``use_cache``, the config's default):
-    it holds no keys (each CP rank computed its own positions' only, and gathering them would hold the whole rows'
-    keys on every rank), and a call given it is one line instead of decoding from nothing. A call that is not
-    training (eval mode, or without gradients) and asks for a cache (``use_cache=True``) runs whole and returns the
-    whole rows' cache; ``generate`` runs its cached calls whole."""
-
-
-def _refuse_split_call_cache(module: Any, kwargs: dict[str, Any]) -> None:
-    if any(isinstance(kwargs.get(name), SplitCallCache) for name in CACHE_KEYWORDS):
-        raise ConfigError(
-            f"{type(module).__name__} is context-parallel: the cache given to this call came from a call split over "
-            "the CP ranks, which keeps no keys; make the first call with use_cache=True in eval mode (it runs whole "
-            "and returns the whole rows' cache), or decode with generate()"
-        )
+    def whole_call_gradients(self, module: Any, args: tuple, output: Any) -> Any:
+        """Forward hook: a whole call with gradients on, where the CP ranks' gradients are summed, passes back
+        ``1/cp`` of each output's gradient (every rank computed the whole rows': their sum is one process's)."""
+        share, self.whole_share = self.whole_share, None
+        return output if share is None else scaled_gradients(output, share)
 
 
 def _attend_with(model: Any, implementation: str) -> None:
@@ -410,18 +402,8 @@ def _whole_outputs(module: Any, args: tuple, kwargs: dict[str, Any], output: Any
         output["router_logits"] = tuple(_whole_router_logits(r, shard) for r in routers)
     output = keep_logits(output, shard.logits_to_keep)
     if shard.cache_stand_in:
-        output = _with_cache_stand_in(output)
+        output = with_cache_stand_in(output)
     return output.to_tuple() if shard.as_tuple else output
-
-
-def _with_cache_stand_in(output: Any) -> Any:
-    """``output`` (a ``ModelOutput``) with a :class:`SplitCallCache` where one process's has its cache, rebuilt so
-    that the field keeps HF's place in the tuple."""
-    fields = {field.name for field in dataclasses.fields(output)} if dataclasses.is_dataclass(output) else set()
-    name = next((n for n in CACHE_KEYWORDS if n in fields), None)
-    if name is None or output.get(name) is not None:
-        return output
-    return rebuilt_output(output, **{name: SplitCallCache()})
 
 
 def _whole_router_logits(local: torch.Tensor, shard: ContextShard) -> torch.Tensor:
@@ -488,6 +470,7 @@ def attach_context_parallel(
     split_inputs = _SplitInputs(split, unsplit, inspect.signature(model.forward))
     model.register_forward_pre_hook(split_inputs, with_kwargs=True, prepend=True)
     model.register_forward_hook(_whole_outputs, with_kwargs=True)
+    model.register_forward_hook(split_inputs.whole_call_gradients)
     model.register_forward_hook(_context_attention_again, always_call=True)
     model.create_masks_for_generate = _OwnAttentionMasks(model, unsplit)
     setattr(model, _ATTACHED, split)

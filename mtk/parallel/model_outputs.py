@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["rebuilt_output"]
+import torch
+
+__all__ = ["rebuilt_output", "scaled_gradients"]
 
 
 def rebuilt_output(output: Any, **changes: Any) -> Any:
@@ -23,3 +25,36 @@ def rebuilt_output(output: Any, **changes: Any) -> Any:
         if key not in fields:
             rebuilt[key] = value
     return rebuilt
+
+
+class _ScaledGradient(torch.autograd.Function):
+    """The same tensor forward; its gradient times ``factor`` backward."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def scaled_gradients(output: Any, factor: float) -> Any:
+    """``output`` (a ``ModelOutput`` or a tuple) whose tensors pass ``factor`` times their gradient back.
+
+    Every tensor the caller receives becomes a new node of the graph, so a loss built from several of them (the
+    logits and a hidden state before them) scales each path once; a cache object is left as it is."""
+
+    def scaled(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            return _ScaledGradient.apply(value, factor)
+        if isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
+            return tuple(scaled(v) for v in value)
+        return value
+
+    if isinstance(output, tuple):
+        return tuple(scaled(value) for value in output)
+    for key, value in list(output.items()):
+        output[key] = scaled(value)
+    return output

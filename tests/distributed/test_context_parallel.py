@@ -214,6 +214,26 @@ def _attached_checks(rank: int, cp: int) -> None:
         assert_close_rel(model(**shared).logits, reference(**shared, use_cache=False).logits, "[1, S] positions")
     # in eval mode with gradients on (a decoding loop without no_grad): the whole rows' cache too (a stand-in before)
     assert not isinstance(model(input_ids=prompt, attention_mask=mask, use_cache=True).past_key_values, SplitCallCache)
+    # that call runs whole, so every rank computes the whole rows' gradients: averaged over the group they are one
+    # process's, and where the CP ranks' gradients are summed (DeepSpeed's reduction: attached with average=False)
+    # each rank passes back 1/cp of them (cp times one process's before); a loss of two outputs scales each once
+    whole = {**_batch("padded"), "use_cache": True}
+    expected = reference(**whole)
+    reference.zero_grad()
+    (expected.loss + expected.logits.mean()).backward()
+    summed = build_model("tiny-llama", seed=0).eval()
+    attach_context_parallel(summed, group, "a2a", average=False)
+    grads = dict(reference.named_parameters())
+    for attached, average in ((model, True), (summed, False)):
+        attached.zero_grad()
+        out = attached(**whole)
+        (out.loss + out.logits.mean()).backward()
+        assert_close_rel(out.loss.detach(), expected.loss, f"whole call's loss (average {average})")
+        for param_name, param in attached.named_parameters():
+            grad = param.grad.clone()
+            dist.all_reduce(grad, group=group)
+            grad /= dist.get_world_size(group) if average else 1
+            assert_close_rel(grad, grads[param_name].grad, f"whole call's grad of {param_name}", scale_floor=1e-6)
     model.train()  # a training call that carries a cache (a prefix's keys) would run whole with gradients
     with pytest.raises(ConfigError, match="a training call that carries a KV cache"):
         model(input_ids=prompt[:, :1], past_key_values=DynamicCache())
