@@ -7,6 +7,10 @@ the whole tensor's update, cut. One that reads statistics across a tensor is not
 Apollo's projections, Shampoo's and Muon's matrix roots and orthogonalizations, L-BFGS's history would each be
 the shard's, and training would differ from one process without a word (Adafactor at TP 2: 1e-2 relative on the
 weights after three steps). Megatron-Core offers only elementwise optimizers next to TP for this reason.
+
+An optimizer that keeps its state quantized (bitsandbytes' and torchao's 8-bit and 4-bit AdamW, Lion, RMSprop)
+scales each block of the flattened tensor by the block's largest value: a shard's blocks hold other elements than
+the whole tensor's, so its update differs too, although bitsandbytes names the class ``AdamW``.
 """
 
 from __future__ import annotations
@@ -36,8 +40,11 @@ ELEMENTWISE = (
 )
 # optimizers (by class name, whichever package defines them) whose update reads a whole tensor
 WHOLE_TENSOR = (
-    "adafactor", "lbfgs", "sparseadam", "lamb", "lars", "galore", "apollo", "lomo", "shampoo", "muon", "soap"
+    "adafactor", "lbfgs", "sparseadam", "lamb", "lars", "galore", "apollo", "lomo", "shampoo", "muon", "soap",
+    "stableadamw", "onebit", "zerooneadam",
 )  # fmt: skip
+# class names of optimizers whose state is quantized in blocks (bitsandbytes' AdamW8bit, torchao's AdamW4bit, ...)
+QUANTIZED_STATE = ("8bit", "4bit", "fp8")
 
 
 # DeepSpeed's JSON optimizer types (and accelerate's, through it) that update each element on their own
@@ -61,7 +68,23 @@ def check_elementwise_update(
         return
     if name is None and type(optimizer) in ELEMENTWISE:
         return
+    if name is None and _quantized_state(optimizer):
+        raise ConfigError(
+            f"{type(optimizer).__module__}.{type(optimizer).__name__} keeps its state quantized in blocks of each "
+            "flattened tensor (8-bit or 4-bit state), and under tensor parallelism (or FSDP2) each rank holds a "
+            "shard of some: its blocks hold other elements than one process's, and it would train differently. Use "
+            "a 32-bit optimizer (TrainingArguments --optim adamw_torch), or TP 1 without FSDP2"
+        )
     check_named_update(name or type(optimizer).__name__, report)
+
+
+def _quantized_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` keeps quantized state: a low-bit class name, or bitsandbytes' ``optim_bits`` below 32
+    (transformers' ``--optim adamw_8bit`` builds ``bitsandbytes.optim.AdamW(optim_bits=8)``)."""
+    if any(word in type(optimizer).__name__.lower() for word in QUANTIZED_STATE):
+        return True
+    bits = getattr(getattr(optimizer, "args", None), "optim_bits", 32)
+    return type(optimizer).__module__.startswith("bitsandbytes") and isinstance(bits, int) and bits < 32
 
 
 def checked_additions(

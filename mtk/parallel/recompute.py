@@ -109,7 +109,12 @@ def enable_recompute(model: nn.Module, settings: RunSettings, streams: RNGStream
             "turn megatron_lm_recompute_activations / --gradient_checkpointing off for this model"
         )
     selective = granularity == "selective"
-    cast(Any, model).activation_checkpointing_enable(
+    enable = cast(Any, model).activation_checkpointing_enable
+    if "gradient_checkpointing_enable" in vars(model) and hasattr(model, "_activation_checkpointing_enable"):
+        # the model's own, past a wrapper set on the instance that replaces the context_fn (TRL's selective
+        # checkpointing in SFTTrainer): mtk's context restores the tensor-parallel dropout stream
+        enable = cast(Any, model)._activation_checkpointing_enable
+    enable(
         activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": partial(_contexts, streams, selective)}
     )
     blocks = _blocks(model)

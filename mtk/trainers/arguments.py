@@ -26,6 +26,7 @@ __all__ = [
     "check_training_arguments",
     "clipping_report",
     "epochs_over_a_default_step_count",
+    "jit_checkpoint_report",
     "recompute_settings",
     "refuse_null_settings",
 ]
@@ -68,16 +69,6 @@ def _refusals(args: Any) -> list[str]:
     if getattr(args, "save_on_each_node", False):
         problems.append(
             "TrainingArguments.save_on_each_node=True: each rank writes its own shard of one checkpoint; leave it off"
-        )
-    if getattr(args, "enable_jit_checkpoint", False):
-        problems.append(
-            "TrainingArguments.enable_jit_checkpoint=True: mtk saves on SIGTERM at the next step boundary on its own "
-            "terms only in its scripts; leave it off"
-        )
-    if getattr(args, "label_smoothing_factor", 0.0):
-        problems.append(
-            "TrainingArguments.label_smoothing_factor: label smoothing needs the full logits on every rank, which "
-            "mtk's vocab-parallel head never builds; set it to 0"
         )
     if getattr(args, "n_gpu", 1) > 1:
         problems.append(
@@ -177,16 +168,42 @@ def recompute_settings(args: Any, settings: RunSettings) -> tuple[RunSettings, s
     args.gradient_checkpointing = False
     if hasattr(args, "activation_checkpointing"):
         args.activation_checkpointing = False
+    unused = _unused_checkpointing_kwargs(args)
     if settings.recompute_activations or settings.recompute_granularity is not None:
         return settings, (
             "mtk: TrainingArguments.gradient_checkpointing is replaced by the accelerate config's recompute "
-            f"(megatron_lm_recompute_granularity={settings.recompute_granularity or 'selective'})"
+            f"(megatron_lm_recompute_granularity={settings.recompute_granularity or 'selective'}){unused}"
         )
     settings = replace(settings, recompute_activations=True, recompute_granularity="full", recompute_method="uniform")
     return settings, (
         "mtk: TrainingArguments.gradient_checkpointing runs as mtk's full recompute of every block (which also "
-        "restores the tensor-parallel dropout stream); transformers' checkpointing is not used"
+        f"restores the tensor-parallel dropout stream); transformers' checkpointing is not used{unused}"
     )
+
+
+def jit_checkpoint_report(args: Any) -> str | None:
+    """``enable_jit_checkpoint`` (a checkpoint when SIGTERM arrives) is what mtk's trainers do on every signal
+    already, each rank saving its shards at the end of the step it is in; transformers' own handler, which one
+    process would run at a moment of its choosing, is not installed. The line saying so."""
+    if not getattr(args, "enable_jit_checkpoint", False):
+        return None
+    args.enable_jit_checkpoint = False
+    return (
+        "mtk: TrainingArguments.enable_jit_checkpoint: mtk's trainers save checkpoint-N on SIGTERM (and SIGINT, "
+        "SIGHUP) at the end of the step every rank is in; transformers' just-in-time handler is not installed"
+    )
+
+
+def _unused_checkpointing_kwargs(args: Any) -> str:
+    """The part of the recompute line naming the checkpointing keyword arguments mtk's recompute does not take
+    (TRL's ``selective``, ``every_n_layers``, ``offload``, a reentrant checkpoint); mtk's is non-reentrant."""
+    unused = []
+    for field_name in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
+        given = getattr(args, field_name, None) or {}
+        keys = sorted(key for key, value in given.items() if (key, value) != ("use_reentrant", False))
+        if keys:
+            unused.append(f"{field_name} {', '.join(keys)}")
+    return f"; {' and '.join(unused)} not used" if unused else ""
 
 
 def _config_file_values(argv: list[str]) -> dict[str, Any]:

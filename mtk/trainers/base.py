@@ -44,7 +44,12 @@ from mtk.parallel.state import default_device
 from mtk.pipeline.engine import PipelineModel
 from mtk.rules.lm_head import logits_mode
 from mtk.trainers.adapters import add_adapters, refuse_peft_model
-from mtk.trainers.arguments import check_training_arguments, clipping_report, recompute_settings
+from mtk.trainers.arguments import (
+    check_training_arguments,
+    clipping_report,
+    jit_checkpoint_report,
+    recompute_settings,
+)
 from mtk.trainers.checkpoints import TrainerCheckpointing, claim_output_dir, written_checkpoints
 from mtk.trainers.deepspeed_setup import (
     check_deepspeed_json,
@@ -147,6 +152,29 @@ def _refuse_a_checkpoint_past_max_steps(checkpoint: str | None, max_steps: int) 
         )
 
 
+def _refuse_for_the_layout(args: Any, parallel: Any) -> None:
+    """What the arguments ask that this layout cannot do, in one line before anything is built.
+
+    ``label_smoothing_factor`` with pp > 1: the pipeline backpropagates its own loss inside its forward.
+    ``auto_find_batch_size`` halves a process's batch where that process ran out of memory; the ranks of one
+    replica (TP, PP, CP, the EP exchange) compute one batch together, and one of them retrying alone would leave the
+    others waiting in a collective."""
+    if getattr(args, "label_smoothing_factor", 0.0) and parallel.pp_size > 1:
+        raise ConfigError(
+            f"TrainingArguments.label_smoothing_factor={args.label_smoothing_factor} with pp > 1: the pipeline "
+            "computes and backpropagates the model's own loss inside its forward; set it to 0, or use pp = 1 (TP, "
+            "CP and DP smooth over the whole logits)"
+        )
+    sizes = {"tp": parallel.tp_size, "pp": parallel.pp_size, "cp": parallel.cp_size, "ep": parallel.ep_size}
+    if getattr(args, "auto_find_batch_size", False) and max(sizes.values()) > 1:
+        layout = ", ".join(f"{name} {size}" for name, size in sizes.items() if size > 1)
+        raise ConfigError(
+            f"TrainingArguments.auto_find_batch_size=True at {layout}: it halves the batch of the process that ran "
+            "out of memory, and the ranks that compute one batch together would wait for it in a collective; set "
+            "per_device_train_batch_size yourself (mtk plan estimates the memory), or turn it off"
+        )
+
+
 class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSignal):
     """Put before transformers' or TRL's trainer class: ``class Trainer(ParallelTrainerMixin, transformers.Trainer)``.
 
@@ -204,8 +232,10 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
         _ = self.args.device  # set up before the Accelerator: TrainingArguments resets accelerate's state there
         with _in_trainer_module(Accelerator=_mtk_accelerator):
             super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        _refuse_for_the_layout(self.args, self.accelerator.parallel)
         self.accelerator.settings, recompute = recompute_settings(self.args, self.accelerator.settings)
-        for line in (*idle, recompute, clipping_report(self.args, self.accelerator.settings)):
+        replaced = (recompute, clipping_report(self.args, self.accelerator.settings), jit_checkpoint_report(self.args))
+        for line in (*idle, *replaced):
             if line:
                 self.accelerator.print(line)
 
@@ -263,8 +293,8 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
         trainer: Any = self
         if trainer.compute_loss_func is not None or trainer.label_smoother is not None:
             raise ConfigError(
-                "with pp > 1 the loss is computed and backpropagated inside the pipeline: compute_loss_func and "
-                "label smoothing are not supported there"
+                "Trainer(compute_loss_func=...) with pp > 1: the pipeline computes and backpropagates the model's own "
+                "loss inside its forward; leave compute_loss_func unset, or use pp = 1"
             )
         factor = 1.0
         token_weighted = trainer.model_accepts_loss_kwargs and num_items_in_batch is not None

@@ -73,7 +73,7 @@ def _given_deepspeed_json(args: Any) -> dict[str, Any]:
     given = args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or {}
     if isinstance(given, str):
         try:
-            given = jsonio.loads(Path(given).read_text())
+            given = jsonio.read(Path(given))
         except json.JSONDecodeError as err:  # (transformers read the file already, keeping the last of two keys)
             raise ConfigError(f"DeepSpeed config {given}: {err.msg}; give each key once") from None
     return given if isinstance(given, dict) else {}

@@ -307,6 +307,17 @@ class DPOTrainer(ParallelTrainerMixin, trl.DPOTrainer):
         return (detached, result[1]) if return_outputs else detached
 
 
+def _numeric_dropouts(model: Any) -> list[str]:
+    """Dropout probabilities above 0 that modules keep as numbers (``LlamaAttention.attention_dropout=0.1``), which
+    TRL's ``disable_dropout`` leaves on: it zeroes ``nn.Dropout`` modules only."""
+    found = []
+    for module in model.modules() if isinstance(model, torch.nn.Module) else ():
+        for name, value in vars(module).items():
+            if ("dropout" in name or "pdrop" in name) and isinstance(value, float) and value > 0:
+                found.append(f"{type(module).__name__}.{name}={value}")
+    return found
+
+
 def _check_dpo_pipeline(trainer: Any) -> None:
     """What the two-pass pipeline gradient (:meth:`DPOTrainer._compute_loss`) needs: the same forward twice
     (no dropout: the passes draw differently) and a loss of the log-probabilities alone (no MoE router loss)."""
@@ -315,6 +326,14 @@ def _check_dpo_pipeline(trainer: Any) -> None:
             "DPOConfig.disable_dropout=False with pp > 1: mtk's pipeline DPO runs each policy forward twice (its "
             "log-probabilities, then the gradient), which dropout would make differ; keep disable_dropout=True or "
             "use pp = 1"
+        )
+    left_on = _numeric_dropouts(getattr(trainer, "model", None))
+    if left_on:
+        raise ConfigError(
+            f"DPOConfig.disable_dropout=True leaves {left_on[0]} on (TRL zeroes nn.Dropout modules; attention "
+            "draws with the probability it keeps), and mtk's pipeline DPO at pp > 1 runs each policy forward twice, "
+            "which that dropout would make differ; set it to 0 in the model's config (attention_dropout), or use "
+            "pp = 1"
         )
     if trainer.aux_loss_enabled:
         raise ConfigError(

@@ -41,8 +41,13 @@ def _hf_run(out_dir: Path, processes: int, *extra: str) -> list[dict]:
     return _history(out_dir)
 
 
-def _mtk_run(config: str, out_dir: Path, *args: str, env: dict | None = None) -> list[dict]:
-    launch = accelerate_launch(SCRIPT, config, "--trainer", "mtk", "--output_dir", str(out_dir), *args, env=env)
+def _mtk_run(config: str, out_dir: Path, *args: str, env: dict | None = None, processes: int = 0) -> list[dict]:
+    """mtk's Trainer under ``accelerate launch`` (``processes``: the launcher's ``--num_processes`` over the YAML's,
+    the layout's DP size growing with it)."""
+    launcher_args = ("--num_processes", str(processes)) if processes else ()
+    launch = accelerate_launch(
+        SCRIPT, config, "--trainer", "mtk", "--output_dir", str(out_dir), *args, env=env, launcher_args=launcher_args
+    )
     assert "Traceback" not in launch.stderr, launch.stderr[-3000:]
     return _history(out_dir)
 
@@ -102,6 +107,14 @@ def test_tp2_cp2_logs_the_trainers_numbers_with_metrics_on_whole_rows(reference,
         assert_close_rel(saved[name], theirs[name], f"saved {name}")
 
 
+def test_label_smoothing_at_tp2_cp2_logs_the_trainers_numbers(tmp_path):
+    """label_smoothing_factor: the Trainer takes the labels out and smooths over the logits the model returns, which
+    are the whole vocabulary's and the whole rows' under mtk (it was refused, as if only a shard were there)."""
+    smoothing = ("--label_smoothing", "0.1", "--eval_steps", "0")
+    history = _hf_run(tmp_path / "hf", 1, *smoothing)
+    assert_same_history(_mtk_run("tp2_cp2", tmp_path / "mtk", *smoothing), history, "label smoothing at TP=2 x CP=2")
+
+
 def test_checkpoint_n_is_a_verified_mtk_checkpoint_with_the_trainer_state_inside(tp2_run):
     checkpoint = tp2_run / "checkpoint-2"
     meta = read_verified(checkpoint)
@@ -141,10 +154,11 @@ def test_resume_from_checkpoint_n_continues_exactly(reference, tp2_run, tmp_path
         ("tp1_pp2", {"MTK_PIPELINE_SCHEDULE": "interleaved", "MTK_VIRTUAL_STAGES": "2"}, (), 1),
         ("tp2_dp2_zero2", {}, ("--deepspeed", "ds_configs/accelerate_zero3_tp2.json"), 2),
         ("tp2_dp2_zero2", {}, (), 2),  # the JSON the YAML names: its "auto"s filled before mtk reads them
+        ("tp1_pp2", {}, (), 2),  # 4 processes: PP 2 x DP 2 (the pipeline's loss factor over DP replicas)
     ],
     ids=[
         "tp2_dp2", "tp2_pp2", "pp2_interleaved", "deepspeed_zero3_tp2_dp2",
-        "deepspeed_zero2_from_the_yaml",
+        "deepspeed_zero2_from_the_yaml", "pp2_dp2",
     ],
 )  # fmt: skip
 def test_layouts_log_the_trainers_numbers(reference, tmp_path, config, env, args, dp):
@@ -154,8 +168,10 @@ def test_layouts_log_the_trainers_numbers(reference, tmp_path, config, env, args
     writes the single-process Trainer's model."""
     history, hf_dir = reference[dp]
     zero3 = "zero3" in "".join(args)
-    ours = _mtk_run(config, tmp_path / "run", *args, *(["--save_model"] if zero3 else []), env={**os.environ, **env})
-    assert_same_history(ours, history, config + (" interleaved" if env else ""))
+    processes = 4 if config == "tp1_pp2" and dp == 2 else 0
+    saving = ["--save_model"] if zero3 else []
+    ours = _mtk_run(config, tmp_path / "run", *args, *saving, env={**os.environ, **env}, processes=processes)
+    assert_same_history(ours, history, config + (" interleaved" if env else "") + (f" dp {dp}" if processes else ""))
     if zero3:
         saved, theirs = (load_file(d / "final" / "model.safetensors") for d in (tmp_path / "run", hf_dir))
         assert sorted(saved) == sorted(theirs)

@@ -123,6 +123,7 @@ def main() -> None:
     parser.add_argument("--loss_only", action="store_true", help="TrainingArguments.prediction_loss_only")
     parser.add_argument("--moe", action="store_true", help="a tiny Qwen3-MoE instead of the tiny Llama")
     parser.add_argument("--search", type=int, default=0, help="hyperparameter_search (optuna) of this many trials")
+    parser.add_argument("--label_smoothing", type=float, default=0.0, help="TrainingArguments.label_smoothing_factor")
     args = parser.parse_args()
     if args.trainer == "mtk":
         from mtk.trainers import Trainer
@@ -148,6 +149,7 @@ def main() -> None:
         seed=0,
         deepspeed=args.deepspeed,
         prediction_loss_only=args.loss_only,
+        label_smoothing_factor=args.label_smoothing,
     )
     if args.search:  # each trial builds its model again (model_init) and sets its engine up again
         search_trials(Trainer, training, args)

@@ -13,7 +13,12 @@ import mtk.trainers
 from mtk.config import RunSettings
 from mtk.errors import ConfigError
 from mtk.models import build_model
-from mtk.trainers.arguments import check_training_arguments, clipping_report, recompute_settings
+from mtk.trainers.arguments import (
+    check_training_arguments,
+    clipping_report,
+    jit_checkpoint_report,
+    recompute_settings,
+)
 from mtk.trainers.model_path import local_directory, model_init, take_reference_directory
 
 
@@ -28,8 +33,6 @@ def _args(tmp_path, **fields) -> TrainingArguments:
         ({"neftune_noise_alpha": 5.0}, "TrainingArguments.neftune_noise_alpha"),
         ({"save_only_model": True}, "TrainingArguments.save_only_model=True"),
         ({"save_on_each_node": True}, "TrainingArguments.save_on_each_node=True"),
-        ({"label_smoothing_factor": 0.1}, "TrainingArguments.label_smoothing_factor"),
-        ({"enable_jit_checkpoint": True}, "TrainingArguments.enable_jit_checkpoint=True"),
         ({"per_device_train_batch_size": 0}, "TrainingArguments.per_device_train_batch_size=0: must be a positive"),
         ({"gradient_accumulation_steps": 0}, "TrainingArguments.gradient_accumulation_steps=0: must be a positive"),
         ({"learning_rate": float("nan")}, "TrainingArguments.learning_rate=nan: must be a finite number"),
@@ -120,6 +123,40 @@ def test_gradient_checkpointing_runs_as_mtks_recompute_and_the_launchers_wins(tm
     settings, line = recompute_settings(args, launcher)
     assert settings == launcher and "replaced by the accelerate config's recompute" in line
     assert recompute_settings(_args(tmp_path), RunSettings()) == (RunSettings(), None)
+    # the checkpointing kwargs mtk's recompute does not take are named (TRL's selective, offload); its
+    # non-reentrant checkpoint is what use_reentrant=False asks for
+    args = _args(tmp_path, gradient_checkpointing=True)
+    args.gradient_checkpointing_kwargs = {"selective": True, "use_reentrant": False, "offload": True}
+    _, line = recompute_settings(args, RunSettings())
+    assert line.endswith("; gradient_checkpointing_kwargs offload, selective not used"), line
+    args = _args(tmp_path, gradient_checkpointing=True)
+    args.gradient_checkpointing_kwargs = {"use_reentrant": False}
+    assert recompute_settings(args, RunSettings())[1].endswith("transformers' checkpointing is not used")
+
+
+def test_jit_checkpointing_is_what_mtk_does_on_a_signal_and_is_reported(tmp_path):
+    args = _args(tmp_path, enable_jit_checkpoint=True)
+    check_training_arguments(args)  # (refused before: mtk saves on SIGTERM in its trainers too)
+    line = jit_checkpoint_report(args)
+    assert not args.enable_jit_checkpoint and "transformers' just-in-time handler is not installed" in line
+    assert jit_checkpoint_report(_args(tmp_path)) is None
+
+
+def test_a_batch_size_search_and_smoothing_at_pp_are_one_line():
+    from types import SimpleNamespace
+
+    from mtk.trainers.base import _refuse_for_the_layout
+
+    searching = SimpleNamespace(auto_find_batch_size=True)
+    _refuse_for_the_layout(searching, SimpleNamespace(tp_size=1, pp_size=1, cp_size=1, ep_size=1))
+    layout = SimpleNamespace(tp_size=2, pp_size=2, cp_size=1, ep_size=1)
+    _refuse_for_the_layout(SimpleNamespace(auto_find_batch_size=False), layout)
+    with pytest.raises(ConfigError, match=r"^TrainingArguments\.auto_find_batch_size=True at tp 2, pp 2: "):
+        _refuse_for_the_layout(searching, layout)
+    smoothing = SimpleNamespace(label_smoothing_factor=0.1)
+    _refuse_for_the_layout(smoothing, SimpleNamespace(tp_size=2, pp_size=1, cp_size=2, ep_size=1))  # (exact there)
+    with pytest.raises(ConfigError, match=r"^TrainingArguments\.label_smoothing_factor=0\.1 with pp > 1: "):
+        _refuse_for_the_layout(smoothing, layout)
 
 
 def test_a_different_launcher_clipping_is_reported_as_unused(tmp_path):
@@ -445,6 +482,24 @@ def test_dpo_with_peft_config_at_pp_above_1_is_one_line():
     _check_dpo_pipeline(trainer)
     trainer._peft_config = object()
     with pytest.raises(ConfigError, match=r"DPOTrainer with peft_config at pp > 1: .* use pp = 1 \(TP and DP work\)"):
+        _check_dpo_pipeline(trainer)
+
+
+def test_dpo_at_pp_above_1_with_attention_dropout_left_on_is_one_line():
+    """TRL's disable_dropout zeroes nn.Dropout modules; Llama's attention draws with its attention_dropout number,
+    so the pipeline's two passes (log-probabilities, then the gradient) drew different masks: wrong weights."""
+    from types import SimpleNamespace
+
+    from mtk.models import build_model
+    from mtk.trainers.trl import _check_dpo_pipeline
+
+    model = build_model("tiny-llama", seed=0)
+    trainer = SimpleNamespace(args=SimpleNamespace(disable_dropout=True), aux_loss_enabled=False, _peft_config=None)
+    trainer.model = model
+    _check_dpo_pipeline(trainer)  # (attention_dropout 0)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    with pytest.raises(ConfigError, match=r"leaves LlamaAttention\.attention_dropout=0\.1 on .* or use pp = 1$"):
         _check_dpo_pipeline(trainer)
 
 
