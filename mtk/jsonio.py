@@ -10,13 +10,26 @@ under one name can alias another tensor's bytes past every shape check.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
-__all__ = ["loads"]
+__all__ = ["loads", "read"]
+
+
+def read(path: str | Path) -> Any:
+    """The JSON document in the file ``path`` (:func:`loads`): bytes that are not text are malformed JSON too (a
+    ``json.JSONDecodeError``, where ``read_text`` raised ``UnicodeDecodeError`` before any reader's parse)."""
+    return loads(Path(path).read_bytes())
 
 
 def loads(text: str | bytes) -> Any:
-    """``json.loads``; nesting too deep to parse, or a key given twice in one object, is a ``json.JSONDecodeError``."""
+    """``json.loads``; nesting too deep to parse, a key given twice in one object, or bytes that are not UTF-8 (nor
+    the UTF-16 or UTF-32 JSON allows) is a ``json.JSONDecodeError``."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode(json.detect_encoding(text))
+        except UnicodeDecodeError as err:
+            raise _WholeDocumentError(f"not text: byte {err.start} is not {err.encoding}", "", 0) from None
     try:
         return json.loads(text, object_pairs_hook=_unique_keys)
     except (RecursionError, _DuplicateKey) as err:

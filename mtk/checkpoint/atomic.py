@@ -12,15 +12,16 @@ with a clear error instead of being deleted.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from safetensors import SafetensorError
 
+from mtk import jsonio
 from mtk.errors import CheckpointError
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "atomic_dir",
     "check_ours",
     "check_replaceable",
+    "foreign_metadata",
     "fsync_dir",
     "fsync_tree",
     "incomplete_path",
@@ -90,11 +92,15 @@ def storage_reason(err: BaseException) -> str | None:
 
 def check_replaceable(final: Path) -> None:
     """``final`` may be replaced only if it is empty or a checkpoint (mtk's metadata.json is in it) holding nothing
-    its metadata does not list (a user's notes put into it would go with it), and not a link."""
+    its metadata does not list (a user's notes put into it would go with it), and not a link. A ``metadata.json``
+    is mtk's when it names an mtk checkpoint format: another tool's file of that name (a ``step_3/`` of an
+    evaluation harness) was taken for one, and ``--overwrite`` removed the folder with everything in it."""
     refuse_link(final)
-    if final.exists() and not (final.is_dir() and (not any(final.iterdir()) or (final / "metadata.json").is_file())):
+    if final.exists() and not (final.is_dir() and (not any(final.iterdir()) or _mtk_metadata(final) is not None)):
+        why = " (its metadata.json is not an mtk checkpoint's)" if (final / "metadata.json").exists() else ""
         raise CheckpointError(
-            f"{final} exists and is not an mtk checkpoint; mtk will not replace it, save to another directory"
+            f"{final} exists and is not an mtk checkpoint{why}; mtk will not replace it: move it away, or save to "
+            "another directory"
         )
     unlisted = unlisted_files(final) if final.is_dir() else []
     if unlisted:
@@ -108,14 +114,35 @@ def check_replaceable(final: Path) -> None:
 def unlisted_files(folder: Path) -> list[str]:
     """Files under checkpoint ``folder`` that its metadata's file list leaves out, sorted; none for a checkpoint
     that lists no files (format 1) or whose metadata cannot be read (those are read, and refused, elsewhere)."""
-    try:
-        listed = json.loads((folder / "metadata.json").read_text()).get("files")
-    except (OSError, ValueError, AttributeError):
-        return []
+    listed = (_mtk_metadata(folder) or {}).get("files")
     if not isinstance(listed, dict) or not listed:
         return []
     found = (path.relative_to(folder).as_posix() for path in folder.rglob("*") if not path.is_dir())
     return sorted(name for name in found if name != "metadata.json" and name not in listed)
+
+
+def _mtk_metadata(folder: Path) -> dict[str, Any] | None:
+    """``folder``'s ``metadata.json`` where it is mtk checkpoint metadata (a JSON object naming an
+    ``mtk-checkpoint/N`` format), else ``None``."""
+    try:
+        record = jsonio.read(folder / "metadata.json")
+    except (OSError, ValueError):
+        return None
+    return record if _names_mtk_format(record) else None
+
+
+def _names_mtk_format(record: Any) -> bool:
+    return isinstance(record, dict) and str(record.get("format", "")).startswith("mtk-checkpoint/")
+
+
+def foreign_metadata(folder: Path) -> bool:
+    """Whether ``folder`` holds a readable ``metadata.json`` that is not an mtk checkpoint's (another tool's file of
+    that name): no checkpoint of mtk's, to list, resume or remove. Damaged metadata is not foreign: reading the
+    checkpoint says what is wrong with it."""
+    try:
+        return not _names_mtk_format(jsonio.read(folder / "metadata.json"))
+    except (OSError, ValueError):
+        return False
 
 
 def fsync_dir(path: Path) -> None:

@@ -119,7 +119,13 @@ def base_record(model: nn.Module, parallel: ParallelState) -> dict[str, Any] | N
         "name_or_path": getattr(config, "_name_or_path", "") or getattr(config, "model_type", ""),
         "peft_type": str(next(iter(cast(Any, model).peft_config.values())).peft_type.value),
         "fingerprint": fingerprint(model, parallel),
+        "dtype": _frozen_dtypes(model),
     }
+
+
+def _frozen_dtypes(model: nn.Module) -> str:
+    """The dtypes the frozen base is held in (``--base_dtype``): ``"torch.bfloat16"``, or several joined."""
+    return ",".join(sorted({str(p.dtype) for p in model.parameters() if not p.requires_grad}))
 
 
 def differs(saved: dict[str, float], current: dict[str, float]) -> bool:
@@ -146,6 +152,12 @@ def check_base(directory: str, saved: dict[str, Any] | None, model: nn.Module, p
             "options, or `mtk export --merge` it for a full model"
         )
     current = fingerprint(model, parallel)
+    dtype = _frozen_dtypes(model)
+    if saved.get("dtype", dtype) != dtype:  # (checkpoints before the dtype was recorded: the sums say it)
+        raise CheckpointError(
+            f"{directory} holds adapters trained on the base {saved['name_or_path']!r} held in {saved['dtype']}; "
+            f"this run holds it in {dtype} (--base_dtype): resume with the base in the dtype it was trained in"
+        )
     if differs(saved["fingerprint"], current):
         raise CheckpointError(
             f"{directory} holds adapters trained on the base {saved['name_or_path']!r} "

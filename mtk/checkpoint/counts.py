@@ -262,7 +262,7 @@ def check_saved_counts(directory: str | Path, meta: CheckpointMeta) -> None:
                             found.extend(step_bounds(file.get_tensor(key)))
             elif name.endswith(".json"):  # steps kept as numbers (Adafactor's)
                 with reading(paths.root / name):
-                    state = jsonio.loads((paths.root / name).read_text())["state"]
+                    state = jsonio.read(paths.root / name)["state"]
                     if not isinstance(state, dict):
                         raise TypeError("state is not an object")
                     for fields in state.values():
@@ -279,7 +279,7 @@ def check_saved_counts(directory: str | Path, meta: CheckpointMeta) -> None:
         number = int(match[1] or 0)
         numbers.add(number)
         with reading(paths.root / name):
-            mine = learning_rates(jsonio.loads((paths.root / name).read_text())["param_groups"])
+            mine = learning_rates(jsonio.read(paths.root / name)["param_groups"])
         expected = rates[number] if number < len(rates) else None
         if "learning_rates" in recorded and mine != expected:
             raise CheckpointError(
@@ -320,7 +320,7 @@ def _check_scheduler_started(paths: CheckpointPaths, meta: CheckpointMeta) -> No
         return
     scheduler, groups = paths.scheduler(0), paths.root / groups_files[0]
     with reading(groups):
-        param_groups = jsonio.loads(groups.read_text())["param_groups"]
+        param_groups = jsonio.read(groups)["param_groups"]
     if not (isinstance(param_groups, list) and all(isinstance(group, dict) for group in param_groups)):
         return  # (its shape is the optimizer checks' to name)
     with reading(scheduler):  # named as resume names it

@@ -36,7 +36,7 @@ from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.checkpoint.reader import ShardedCheckpointReader
 from mtk.errors import CheckpointError, ModelSpecError
-from mtk.models import DTYPES, check_config_values
+from mtk.models import DTYPES, check_config_values, generation_config_of
 
 __all__ = [
     "DTYPES",
@@ -275,6 +275,8 @@ def export_checkpoint(
     torch_dtype = DTYPES.get(dtype) if dtype else None
     limit = parse_size(max_shard_size)
     config = recorded_config(checkpoint, meta)
+    if GENERATION_CONFIG_NAME in meta.files:
+        checked_generation_config(checkpoint, meta)  # (before the merge writes anything)
     with ShardedCheckpointReader(checkpoint, meta) as reader:
         reader.check_complete(optimizer=False)  # every tensor whole, from the headers: one line, not a merge's error
         reader.check_replicas_agree(optimizer=False)  # one tensor, whichever TP rank's copy is read
@@ -322,13 +324,22 @@ def copy_generation_config(checkpoint: str | Path, meta: CheckpointMeta, out: Pa
     """The run's ``generation_config.json`` (eos ids, sampling defaults), where the checkpoint lists one (saves
     before it recorded none: the export goes without, as it did)."""
     if GENERATION_CONFIG_NAME in meta.files:
-        shutil.copy2(contained(Path(checkpoint), GENERATION_CONFIG_NAME), out / GENERATION_CONFIG_NAME)
+        shutil.copy2(checked_generation_config(checkpoint, meta), out / GENERATION_CONFIG_NAME)
+
+
+def checked_generation_config(checkpoint: str | Path, meta: CheckpointMeta) -> Path:
+    """The checkpoint's ``generation_config.json``, checked as a model directory's is: one transformers cannot load
+    (a crafted file, its checksum rewritten with it) is one line, not transformers' traceback in the export's
+    reload."""
+    source = contained(Path(checkpoint), GENERATION_CONFIG_NAME)
+    generation_config_of(source.parent)
+    return source
 
 
 def drop_auto_map(path: Path) -> None:
     """Remove ``auto_map`` (custom code to import) from a config or tokenizer config JSON written by an export."""
     try:
-        record = jsonio.loads(path.read_text())
+        record = jsonio.read(path)
     except (OSError, ValueError):
         return
     if isinstance(record, dict) and "auto_map" in record:

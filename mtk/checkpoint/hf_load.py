@@ -54,7 +54,7 @@ def safetensors_index(directory: str | Path) -> dict[str, Path]:
     directory = Path(directory)
     if (directory / INDEX_FILE).is_file():
         try:
-            weight_map = jsonio.loads((directory / INDEX_FILE).read_text())["weight_map"]
+            weight_map = jsonio.read(directory / INDEX_FILE)["weight_map"]
         except (json.JSONDecodeError, KeyError) as err:
             raise CheckpointError(f"{directory / INDEX_FILE} is not a valid safetensors index ({err})") from None
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):

@@ -54,14 +54,16 @@ _T = TypeVar("_T")
 
 
 def list_files(root: Path) -> list[str]:
-    """Every regular file under ``root`` but the metadata (and mtk's in-progress marker), as sorted POSIX
-    paths relative to it. Symbolic links are not followed (:func:`links` names them)."""
+    """Every file under ``root`` but the metadata (and mtk's in-progress marker), as sorted POSIX paths relative
+    to it: regular ones and any other kind but directories (a FIFO, a socket or a device is no file of a checkpoint,
+    and is then refused as unlisted rather than passed over). Symbolic links are not followed (:func:`links` names
+    them)."""
     skip = {_METADATA, MARKER}
     files = []
     for directory, _, names in os.walk(root):  # never descends into a linked directory
         for name in names:
             path = Path(directory) / name
-            if name not in skip and path.is_file() and not path.is_symlink():
+            if name not in skip and not path.is_symlink() and not path.is_dir():
                 files.append(path.relative_to(root).as_posix())
     return sorted(files)
 

@@ -75,7 +75,7 @@ def file_label(path: Path, kind: str) -> str | None:
             except Exception as err:  # safetensors raises its own types for a damaged header
                 raise ValueError(f"not a readable safetensors file: {err}") from None
         elif kind == "json":
-            record = jsonio.loads(path.read_text())
+            record = jsonio.read(path)
             found = record.get(KEY) if isinstance(record, dict) else None
         else:
             state = torch.load(path, weights_only=True, map_location="cpu")

@@ -131,6 +131,7 @@ def _check_base_model(base: Any) -> None:
         and isinstance(base.get("peft_type"), str)
         and isinstance(record, dict)
         and all(type(record.get(key)) in (int, float) for key in _FINGERPRINT)
+        and isinstance(base.get("dtype", ""), str)
     ):
         raise TypeError(
             f"base_model {base!r} is neither null nor {{'name_or_path': <str>, 'peft_type': <str>, 'fingerprint': "
@@ -195,7 +196,7 @@ class CheckpointMeta:
         return json.dumps(record, indent=1, default=str)
 
     @classmethod
-    def from_json(cls, text: str, where: Path) -> CheckpointMeta:
+    def from_json(cls, text: str | bytes, where: Path) -> CheckpointMeta:
         """Parse ``metadata.json``; one clear line for anything that is not this format's metadata."""
         try:
             record = jsonio.loads(text)
@@ -238,4 +239,4 @@ def read_metadata(directory: str | Path) -> CheckpointMeta:
         inside = _newest_checkpoint_inside(paths.root)
         hint = f"; it is a run's folder: its newest checkpoint is {inside}" if inside else " (an interrupted save?)"
         raise CheckpointError(f"{paths.root} is not a complete mtk checkpoint (no metadata.json){hint}")
-    return CheckpointMeta.from_json(paths.metadata.read_text(), paths.metadata)
+    return CheckpointMeta.from_json(paths.metadata.read_bytes(), paths.metadata)  # (bytes: not UTF-8 is damage)

@@ -105,7 +105,7 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Pat
 def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, stem: Path) -> None:
     names = _param_names(model, optimizer)
     tensors = read_safetensors(stem.with_suffix(".safetensors"))
-    meta = jsonio.loads(stem.with_suffix(".json").read_text())
+    meta = jsonio.read(stem.with_suffix(".json"))
     _check_own_file(stem.with_suffix(".safetensors"), _header(stem.with_suffix(".safetensors")).get(OWN_FILE), stem)
     _check_own_file(stem.with_suffix(".json"), meta.get(OWN_FILE) if isinstance(meta, dict) else None, stem)
     index = {name: i for i, name in enumerate(names)}
@@ -241,7 +241,7 @@ def check_settings_agree(paths: CheckpointPaths, tp_size: int, pp_size: int, opt
             for tp in range(tp_size):
                 path = paths.optimizer(tp, stage, index).with_suffix(".json")
                 with reading(path):
-                    groups = jsonio.loads(path.read_text())["param_groups"]
+                    groups = jsonio.read(path)["param_groups"]
                     if not isinstance(groups, list) or not all(isinstance(group, dict) for group in groups):
                         raise TypeError("param_groups is not a list of objects")
                     settings.append([{k: v for k, v in group.items() if k != "params"} for group in groups])
@@ -262,7 +262,7 @@ def check_listed_parameters(paths: CheckpointPaths, names: list[str], held: dict
     for name in names:
         path = paths.root / name
         with reading(path):
-            record = jsonio.loads(path.read_text())
+            record = jsonio.read(path)
             groups = record["param_groups"]
             if not isinstance(groups, list) or not all(isinstance(group, dict) for group in groups):
                 raise TypeError("param_groups is not a list of objects")
@@ -286,7 +286,7 @@ def saved_optimizer_groups(paths: CheckpointPaths, pp_size: int) -> dict:
     for stage in range(pp_size):
         path = paths.optimizer(0, stage).with_suffix(".json")
         with reading(path):
-            meta = jsonio.loads(path.read_text())
+            meta = jsonio.read(path)
             merged["param_groups"] = merged["param_groups"] or meta["param_groups"]
             merged["state"].update(meta["state"])
     return merged

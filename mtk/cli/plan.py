@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from mtk.args import positive_int
 from mtk.config import CP_COMM_TYPES
@@ -125,8 +126,8 @@ def request_from_args(args: argparse.Namespace) -> Request:
     check_seq_len(config, args.seq_len)
     for name in ("peak_tflops", "intra_node_gbps", "inter_node_gbps"):
         value = getattr(args, name)
-        if value is not None and not value > 0:
-            raise ConfigError(f"--{name} must be a positive number, got {value}")
+        if value is not None and not 0 < value < math.inf:  # (inf: every step 0 s long)
+            raise ConfigError(f"--{name} must be a positive finite number, got {value}")
     if args.gpus > LARGEST_CLUSTER:  # every layout's degrees are searched (and --cp/--ep auto lists each size)
         raise ConfigError(f"--gpus {args.gpus}: mtk plan weighs clusters of up to {LARGEST_CLUSTER} GPUs")
     if args.global_batch > LARGEST_BATCH:  # each schedule is walked micro-batch by micro-batch

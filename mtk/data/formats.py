@@ -216,6 +216,11 @@ def tokenize_examples(
     truncated = sum(tokenized["mtk_truncated"])
     learnable = tokenized.filter(lambda flags: flags, input_columns="mtk_learnable", batched=False)
     dropped = len(tokenized) - len(learnable)
+    if len(learnable) == 0 and kind == "text":  # (--loss_on masks nothing in plain text: its advice was no help)
+        raise DataError(
+            f"{source}: no row has a token to predict after its first (every 'text' is empty, or --seq_len "
+            f"{seq_len} keeps one token); nothing to learn from: give rows with text"
+        )
     if len(learnable) == 0:
         raise DataError(
             f"{source}: every example has its labels masked (loss on {loss_on}); nothing to learn from "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,7 +106,7 @@ def _read_files(path: Path) -> list[Path]:
     files = []
     for state in sorted([path / "state.json", *path.glob("*/state.json")]):
         if state.is_file():
-            listed = jsonio.loads(state.read_text()).get("_data_files", [])
+            listed = jsonio.read(state).get("_data_files", [])
             files += [state.parent / entry["filename"] for entry in listed]
     return files
 
@@ -169,6 +170,24 @@ def _which_file(kind: str | None, files: list[Path], err: BaseException) -> str:
     return _root_cause(err)
 
 
+def _first_malformed_line(files: list[Path]) -> str | None:
+    """The first line of the JSON lines ``files`` that is no JSON document (or gives a key twice, which Python's
+    reader takes the last of and pyarrow's calls "Trailing data"), named by file and line; ``None`` when each line
+    parses (the problem is elsewhere: mixed types, a ``.json`` array)."""
+    for file in files:
+        if file.suffix.lower() != ".jsonl":
+            continue
+        with open(file, "rb") as lines:
+            for number, line in enumerate(lines, start=1):
+                if line.strip():
+                    try:
+                        jsonio.loads(line)
+                    except json.JSONDecodeError as err:  # (its own "line 1 column 9" is of the one line)
+                        where = f", column {err.colno}" if type(err) is json.JSONDecodeError else ""
+                        return f"{file.name} line {number}{where}: {err.msg}"
+    return None
+
+
 def load_data(path: str | Path, option: str = "--data") -> Dataset:
     """The rows of a local file, a folder of files of one kind, or a ``save_to_disk`` folder (its
     ``train`` split when it holds several). Anything unreadable is a :class:`DataError` naming ``option``."""
@@ -207,7 +226,8 @@ def load_data(path: str | Path, option: str = "--data") -> Dataset:
         except Exception as err:  # datasets' own errors (malformed JSON, ...), as one line
             if "corresponds to no data" in str(err):  # (its word for files of no rows: a CSV of a header alone)
                 raise DataError(f"{option} {path} has no rows") from None
-            cause = _root_cause(err) if len(files) == 1 else _which_file(kind, files, err)
+            cause = _first_malformed_line(files) if kind == "json" else None
+            cause = cause or (_root_cause(err) if len(files) == 1 else _which_file(kind, files, err))
             raise DataError(
                 f"{option} {path} could not be read as {kind} ({cause}); check the file's format"
             ) from None

@@ -103,7 +103,7 @@ def _hf_tokenizer(source: Path, option: str, vocab_size: int | None) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        record = jsonio.loads((source / "tokenizer_config.json").read_text())
+        record = jsonio.read(source / "tokenizer_config.json")
     except (OSError, ValueError):
         record = {}
     if isinstance(record, dict) and record.get("auto_map"):

@@ -115,7 +115,7 @@ def deepspeed_config(
     if not path.is_file():
         raise ConfigError(f"--deepspeed_config {path} does not exist")
     try:
-        config = jsonio.loads(path.read_text())
+        config = jsonio.read(path)
     except json.JSONDecodeError as err:
         raise ConfigError(f"--deepspeed_config {path} is not valid JSON ({err})") from None
     if not isinstance(config, dict):

@@ -124,7 +124,7 @@ def load_at_another_layout(directory: str | Path, engine, meta: CheckpointMeta, 
             "start over); resume at the checkpoint's layout, or train in bf16"
         )
     with reading(groups_file):
-        saved_groups = jsonio.loads(groups_file.read_text())["param_groups"]
+        saved_groups = jsonio.read(groups_file)["param_groups"]
         rates = [float(group["lr"]) for group in saved_groups]
     if len(saved_groups) != len(inner.param_groups):
         raise CheckpointError(

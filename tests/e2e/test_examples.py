@@ -182,7 +182,7 @@ def test_trl_examples_run_as_documented_and_save_a_model(tmp_path, script, confi
         (["--output_dir", "{file}"], "is an existing file: checkpoints and the model are saved into a folder"),
         (["--lr_scheduler_type", "warmup_stable_decay"], "missing 1 required positional argument: 'num_decay_steps'"),
         (["--deepspeed", "{folder}"], "Is a directory: '{folder}'; a folder was given where a file is wanted"),
-        (["--data", "{broken}"], "could not be read as json (Trailing data"),
+        (["--data", "{broken}"], "could not be read as json (broken.jsonl line 2, column 2: Expecting property name"),
         (["--eval_on_start", "True"], "eval_on_start needs an eval_dataset"),
         (["--data", "{folder}", "--output_dir", "{folder}"], "is inside the --data folder {folder}; the run would"),
         (["--bf16", "True"], "to train the model on CPU; this machine has no accelerator: add --use_cpu True (bf16"),

@@ -8,6 +8,7 @@ launch (layouts, damaged shards on one rank, resume) are in tests/e2e and tests/
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 from functools import partial
@@ -160,6 +161,8 @@ CHECKPOINT_DAMAGE = [
     (_metadata(""), "is not valid mtk checkpoint metadata"),
     (_metadata('{"format": "mtk-checkpoint/2", "st'), "is not valid mtk checkpoint metadata"),
     (_metadata("[1, 2]"), "is not valid mtk checkpoint metadata (not a JSON object)"),
+    # a flipped high bit: not UTF-8 (read_text's UnicodeDecodeError was a traceback in verify, export and resume)
+    (lambda d: (d / "metadata.json").write_bytes(b'{"format": "mtk-\xeda"}'), "(not text: byte 16 is not utf-8)"),
     (_metadata('{"format": "mtk-checkpoint/9"}'), "has format 'mtk-checkpoint/9', expected"),
     (_meta_field(topology={"tp": 2}), "is not valid mtk checkpoint metadata"),
     # crafted metadata of the right format but the wrong types: one line, not a reader's traceback
@@ -174,6 +177,7 @@ CHECKPOINT_DAMAGE = [
     (lambda d: (d / "rng" / "rank00000.pt").unlink(), "rng/rank00000.pt is missing"),
     (lambda d: (d / "model" / "tp00-pp00.safetensors").write_bytes(b"garbage"), "has 7 bytes, the checkpoint"),
     (lambda d: (d / "stray.bin").write_bytes(b"x"), "stray.bin is not part of the checkpoint"),
+    (lambda d: os.mkfifo(d / "extra.pt"), "extra.pt is not part of the checkpoint"),  # (passed over: "ok")
 ]
 
 
@@ -185,6 +189,22 @@ def test_damaged_checkpoints(checkpoint, tmp_path, capsys, command, damage, mess
     argv = [command, str(directory)] + ([str(tmp_path / "hf")] if command == "export" else [])
     assert mtk_main(argv) == 2
     _one_line(capsys.readouterr().err, f"mtk {command}", message)
+    assert not list(tmp_path.glob("hf*")), "nothing written"
+
+
+def test_a_crafted_generation_config_is_one_line_in_export(checkpoint, tmp_path, capsys):
+    """A generation_config.json transformers cannot load, its checksum rewritten with it: the export's reload died
+    in transformers' TypeError; it is checked as a model directory's is, before anything is written."""
+    from mtk.checkpoint.integrity import file_checksum
+
+    directory = _copy(checkpoint, tmp_path)
+    config = directory / "generation_config.json"
+    config.write_text("[]")
+    files = json.loads((directory / "metadata.json").read_text())["files"]
+    _meta_field(files={**files, config.name: {"bytes": 2, "xxh3_128": file_checksum(config)}})(directory)
+    assert mtk_main(["verify-checkpoint", str(directory)]) == 0  # (its checksum is right)
+    assert mtk_main(["export", str(directory), str(tmp_path / "hf")]) == 2
+    _one_line(capsys.readouterr().err, "mtk export", "generation_config.json holds a JSON list, not an object")
     assert not list(tmp_path.glob("hf*")), "nothing written"
 
 

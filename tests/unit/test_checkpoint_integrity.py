@@ -293,6 +293,25 @@ def test_a_users_file_inside_a_checkpoint_stops_its_replacement_and_overwrite(tm
     assert remove_checkpoints(tmp_path) == ["step_2"]
 
 
+def test_a_step_folder_with_another_tools_metadata_is_never_removed(tmp_path):
+    """A metadata.json is mtk's when it names an mtk checkpoint format: an evaluation harness's step_3/ holding its
+    own metadata.json was removed by --overwrite with every file in it."""
+    from mtk.checkpoint.atomic import check_replaceable
+    from mtk.checkpoint.resume import complete_checkpoints, remove_checkpoints
+
+    theirs = tmp_path / "step_3"
+    theirs.mkdir()
+    (theirs / "metadata.json").write_text('{"tool": "my-eval-harness", "step": 3}')
+    (theirs / "results.csv").write_text("accuracy,0.91")
+    assert complete_checkpoints(tmp_path) == [] and remove_checkpoints(tmp_path) == []  # (no checkpoint of mtk's)
+    with pytest.raises(CheckpointError, match=r"step_3 exists and is not an mtk checkpoint \(its metadata.json is "):
+        check_replaceable(theirs)  # (a save there, and a start with it ahead of the run: one line)
+    (theirs / "metadata.json").write_bytes(b'{"format": "mtk-checkpoint/2", "\xff')  # (damaged: not ours to judge)
+    with pytest.raises(CheckpointError, match="is not an mtk checkpoint"):
+        remove_checkpoints(tmp_path)
+    assert (theirs / "results.csv").read_text() == "accuracy,0.91"
+
+
 def test_a_leftover_of_an_interrupted_save_is_cleaned_at_the_next_save(tmp_path, trained):
     parallel, model, optimizer = trained
     for name in ("step_4.incomplete", "step_9.incomplete", "step_2.old"):  # this save's, a later one's (crash,

@@ -99,8 +99,18 @@ def test_long_examples_are_truncated_and_unlearnable_ones_dropped_and_counted(to
         ({"messages": [[]]}, "row 0: 'messages' must be a non-empty list"),
         ({"text": [None]}, "row 0: 'text' must be a string"),
         ({"messages": [[{"role": "user", "content": "no answer"}]]}, "every example has its labels masked"),
+        ({"text": ["", ""]}, "no row has a token to predict after its first"),  # (--loss_on)
     ],
-    ids=["no-known-column", "prompt-alone", "unknown-role", "no-content", "empty-chat", "null-text", "all-masked"],
+    ids=[
+        "no-known-column",
+        "prompt-alone",
+        "unknown-role",
+        "no-content",
+        "empty-chat",
+        "null-text",
+        "all-masked",
+        "empty-texts",
+    ],  # fmt: skip
 )
 def test_bad_rows_are_one_line(tokenizer, rows, message):
     with pytest.raises(DataError, match=message.replace("?", r"\?").replace("[", r"\[").replace("]", r"\]")):
@@ -139,7 +149,11 @@ def test_a_folder_that_cannot_be_read_names_the_file(tmp_path):
     with pytest.raises(DataError, match="b.jsonl has columns .*'label'.*, a.jsonl has .*give files of one schema"):
         load_data(folder)
     (folder / "b.jsonl").write_text('{"text": "fine"}\n{broken\n')
-    with pytest.raises(DataError, match=r"could not be read as json \(b.jsonl: "):
+    with pytest.raises(DataError, match=r"could not be read as json \(b.jsonl line 2, column 2: Expecting property"):
+        load_data(folder)
+    # a key given twice: Python's reader keeps the last, pyarrow's said "Trailing data at position 31"
+    (folder / "b.jsonl").write_text('{"text": "fine"}\n{"text": "a b c", "text": "d e f"}\n')
+    with pytest.raises(DataError, match=r"could not be read as json \(b.jsonl line 2: key 'text' is given twice\)"):
         load_data(folder)
 
 

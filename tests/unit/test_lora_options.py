@@ -58,3 +58,27 @@ def test_bad_values_are_refused_while_parsing(argv):
 def test_base_dtype():
     assert base_dtype(_parse("--lora_r", "4", "--base_dtype", "bf16")) is torch.bfloat16
     assert base_dtype(_parse("--lora_r", "4")) is torch.float32
+
+
+def test_a_lora_resume_with_the_base_in_another_dtype_names_it():
+    """--base_dtype changed on resume: the base's sums differ too, and the line said "trained on the base 'llama'
+    (..., sum 310.312578); this run's base has ... sum 310.320916", as if another model had been given."""
+    from peft import LoraConfig
+
+    from mtk.checkpoint.base_model import base_record, check_base
+    from mtk.convert import parallelize
+    from mtk.errors import CheckpointError
+    from mtk.lora import get_peft_model
+    from mtk.models import build_model
+    from mtk.parallel import ParallelState
+
+    parallel = ParallelState.build()
+    config = LoraConfig(r=4, target_modules=["q_proj"])
+    model = get_peft_model(parallelize(build_model("tiny-llama", seed=0), parallel), config, report=lambda line: None)
+    saved = base_record(model, parallel)
+    check_base("step_2", saved, model, parallel)
+    for param in model.parameters():
+        if not param.requires_grad:
+            param.data = param.data.to(torch.bfloat16)
+    with pytest.raises(CheckpointError, match=r"in torch\.float32; this run holds it in torch\.bfloat16 \(--base"):
+        check_base("step_2", saved, model, parallel)

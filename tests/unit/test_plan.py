@@ -196,6 +196,8 @@ def test_lora_keeps_a_frozen_bf16_base_and_fp32_adapters(capsys):
         (["--global_batch", "3", "--tp", "2", "--pp", "1"], "no layout of 8 GPUs divides --global_batch 3"),
         (["--cp", "3"], "--cp 3 needs --seq_len a multiple of 6 (each rank takes 2 of 6 equal chunks)"),
         (["--cp", "two"], "argument --cp: 'two' is not a positive integer or 'auto'"),
+        (["--peak_tflops", "inf"], "--peak_tflops must be a positive finite number, got inf"),  # (steps of 0 s)
+        (["--intra_node_gbps", "0"], "--intra_node_gbps must be a positive finite number, got 0.0"),
     ],
 )
 def test_refusals_are_one_line(argv, message, capsys):

@@ -56,7 +56,7 @@ def check_launcher_sections() -> list[str]:
     if not path or not Path(path).is_file():
         return []
     try:
-        raw = jsonio.loads(Path(path).read_text())
+        raw = jsonio.read(Path(path))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         if isinstance(err, json.JSONDecodeError) and "given twice" in err.msg:  # accelerate would keep the last
             raise ConfigError(f"DeepSpeed config {path}: {err.msg}; give each key once") from None
@@ -77,7 +77,7 @@ def user_batch_fields(plugin, from_launcher: bool = True) -> tuple[dict[str, Any
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if from_launcher else None
     if path and Path(path).is_file():
         try:
-            raw = jsonio.loads(Path(path).read_text())
+            raw = jsonio.read(Path(path))
         except json.JSONDecodeError:
             raw = None
         if isinstance(raw, dict):
