@@ -19,7 +19,11 @@ __all__ = ["loads", "read"]
 def read(path: str | Path) -> Any:
     """The JSON document in the file ``path`` (:func:`loads`): bytes that are not text are malformed JSON too (a
     ``json.JSONDecodeError``, where ``read_text`` raised ``UnicodeDecodeError`` before any reader's parse)."""
-    return loads(Path(path).read_bytes())
+    path = Path(path)
+    if path.exists() and not path.is_file():  # (a FIFO blocks the read; a directory is an OSError of its own)
+        if not path.is_dir():
+            raise _WholeDocumentError("no regular file (a FIFO, socket or device)", "", 0)
+    return loads(path.read_bytes())
 
 
 def loads(text: str | bytes) -> Any:

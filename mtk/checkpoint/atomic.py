@@ -29,7 +29,7 @@ __all__ = [
     "atomic_dir",
     "check_ours",
     "check_replaceable",
-    "foreign_metadata",
+    "holds_checkpoint",
     "fsync_dir",
     "fsync_tree",
     "incomplete_path",
@@ -97,7 +97,13 @@ def check_replaceable(final: Path) -> None:
     evaluation harness) was taken for one, and ``--overwrite`` removed the folder with everything in it."""
     refuse_link(final)
     if final.exists() and not (final.is_dir() and (not any(final.iterdir()) or _mtk_metadata(final) is not None)):
-        why = " (its metadata.json is not an mtk checkpoint's)" if (final / "metadata.json").exists() else ""
+        if holds_checkpoint(final):  # (damaged: mtk cannot tell from it what the folder holds)
+            raise CheckpointError(
+                f"{final}/metadata.json cannot be read as mtk checkpoint metadata (damaged), so mtk cannot tell what "
+                "the folder holds and will not remove it: if it is a checkpoint of yours you no longer want, remove "
+                "it yourself; else move it away, or save to another directory"
+            )
+        why = " (its metadata.json is another tool's)" if (final / "metadata.json").exists() else ""
         raise CheckpointError(
             f"{final} exists and is not an mtk checkpoint{why}; mtk will not replace it: move it away, or save to "
             "another directory"
@@ -122,10 +128,13 @@ def unlisted_files(folder: Path) -> list[str]:
 
 
 def _mtk_metadata(folder: Path) -> dict[str, Any] | None:
-    """``folder``'s ``metadata.json`` where it is mtk checkpoint metadata (a JSON object naming an
-    ``mtk-checkpoint/N`` format), else ``None``."""
+    """``folder``'s ``metadata.json`` where it is mtk checkpoint metadata (a regular file holding a JSON object
+    that names an ``mtk-checkpoint/N`` format), else ``None``."""
+    path = folder / "metadata.json"
+    if path.is_symlink() or not path.is_file():  # (a FIFO would block the read)
+        return None
     try:
-        record = jsonio.read(folder / "metadata.json")
+        record = jsonio.read(path)
     except (OSError, ValueError):
         return None
     return record if _names_mtk_format(record) else None
@@ -135,14 +144,18 @@ def _names_mtk_format(record: Any) -> bool:
     return isinstance(record, dict) and str(record.get("format", "")).startswith("mtk-checkpoint/")
 
 
-def foreign_metadata(folder: Path) -> bool:
-    """Whether ``folder`` holds a readable ``metadata.json`` that is not an mtk checkpoint's (another tool's file of
-    that name): no checkpoint of mtk's, to list, resume or remove. Damaged metadata is not foreign: reading the
-    checkpoint says what is wrong with it."""
-    try:
-        return not _names_mtk_format(jsonio.read(folder / "metadata.json"))
-    except (OSError, ValueError):
+def holds_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds a complete checkpoint of mtk's, to list, resume, rotate or remove: its
+    ``metadata.json`` is a regular file, not a link, and not another tool's file of that name (readable JSON that
+    names no mtk format: an evaluation harness's ``step_3/``). Damaged metadata still counts: reading the checkpoint
+    says what is wrong with it (and nothing removes it)."""
+    path = folder / "metadata.json"
+    if path.is_symlink() or not path.is_file():
         return False
+    try:
+        return _names_mtk_format(jsonio.read(path))
+    except (OSError, ValueError):
+        return True
 
 
 def fsync_dir(path: Path) -> None:

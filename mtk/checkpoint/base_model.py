@@ -124,8 +124,14 @@ def base_record(model: nn.Module, parallel: ParallelState) -> dict[str, Any] | N
 
 
 def _frozen_dtypes(model: nn.Module) -> str:
-    """The dtypes the frozen base is held in (``--base_dtype``): ``"torch.bfloat16"``, or several joined."""
-    return ",".join(sorted({str(p.dtype) for p in model.parameters() if not p.requires_grad}))
+    """The dtypes the frozen base is held in (``--base_dtype``) over every rank: ``"torch.bfloat16"``, or several
+    joined (a stage may keep a module in fp32). Collective where a process group exists."""
+    held: set[str] = {str(p.dtype) for p in model.parameters() if not p.requires_grad}
+    if dist.is_initialized():
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(held))
+        held = {dtype for part in gathered for dtype in part}
+    return ",".join(sorted(held))
 
 
 def differs(saved: dict[str, float], current: dict[str, float]) -> bool:
@@ -155,8 +161,8 @@ def check_base(directory: str, saved: dict[str, Any] | None, model: nn.Module, p
     dtype = _frozen_dtypes(model)
     if saved.get("dtype", dtype) != dtype:  # (checkpoints before the dtype was recorded: the sums say it)
         raise CheckpointError(
-            f"{directory} holds adapters trained on the base {saved['name_or_path']!r} held in {saved['dtype']}; "
-            f"this run holds it in {dtype} (--base_dtype): resume with the base in the dtype it was trained in"
+            f"{directory} holds adapters trained on the base {saved['name_or_path']!r} held in {saved['dtype']!r}; "
+            f"this run holds it in {dtype!r} (--base_dtype): resume with the base in the dtype it was trained in"
         )
     if differs(saved["fingerprint"], current):
         raise CheckpointError(

@@ -54,18 +54,30 @@ _T = TypeVar("_T")
 
 
 def list_files(root: Path) -> list[str]:
-    """Every file under ``root`` but the metadata (and mtk's in-progress marker), as sorted POSIX paths relative
-    to it: regular ones and any other kind but directories (a FIFO, a socket or a device is no file of a checkpoint,
-    and is then refused as unlisted rather than passed over). Symbolic links are not followed (:func:`links` names
-    them)."""
+    """Every regular file under ``root`` but the metadata (and mtk's in-progress marker), as sorted POSIX
+    paths relative to it. Symbolic links are not followed (:func:`links` names them), nor is anything else that is
+    no regular file read (:func:`special_files` names it)."""
     skip = {_METADATA, MARKER}
     files = []
     for directory, _, names in os.walk(root):  # never descends into a linked directory
         for name in names:
             path = Path(directory) / name
-            if name not in skip and not path.is_symlink() and not path.is_dir():
+            if name not in skip and path.is_file() and not path.is_symlink():
                 files.append(path.relative_to(root).as_posix())
     return sorted(files)
+
+
+def special_files(root: Path) -> list[str]:
+    """What under ``root`` is neither a directory, a regular file nor a link (a FIFO, a socket, a device), relative
+    to it: no file of a checkpoint, refused without being opened (opening a FIFO blocks), where it was passed over
+    as no file at all."""
+    found = []
+    for directory, _, names in os.walk(root):
+        for name in names:
+            path = Path(directory) / name
+            if not path.is_symlink() and not path.is_file() and not path.is_dir():
+                found.append(path.relative_to(root).as_posix())
+    return sorted(found)
 
 
 def links(root: Path) -> list[str]:
@@ -223,15 +235,18 @@ def verify_files(
     A file the checkpoint does not list (a shard of another layout copied in) is a problem too.
     """
     root = Path(root)
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    special = [f"{root / name} is no regular file (a FIFO, socket or device); a checkpoint holds only its own files"
+               for name in special_files(root)] if first else []  # fmt: skip
     if listed is not None:  # no record to check against: only the labels of ``listed``
         mine = [p for p in _each(lambda name: label_problem(root, name, label), _share(listed)) if p]
-        return [problem for part in _gather(mine) for problem in part]
+        return [problem for part in _gather(mine + special) for problem in part]
     names = sorted(recorded)
     mine = [p for p in _each(lambda name: _problem(root, name, recorded[name], label), _share(names)) if p]
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if first:
         mine += [f"{root / name} is not part of the checkpoint" for name in list_files(root) if name not in recorded]
         mine += [f"{root / name} is a symbolic link; a checkpoint holds only its own files" for name in links(root)]
-    return [problem for part in _gather(mine) for problem in part]
+    return [problem for part in _gather(mine + special) for problem in part]
 
 
 def _unlisted_weights(meta: CheckpointMeta) -> list[str]:

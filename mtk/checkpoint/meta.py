@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mtk import jsonio
+from mtk.checkpoint.atomic import holds_checkpoint
 from mtk.checkpoint.paths import CheckpointPaths
 from mtk.errors import CheckpointError, LayoutError
 from mtk.parallel.layout import Layout
@@ -223,7 +224,7 @@ def _newest_checkpoint_inside(folder: Path) -> Path | None:
     found = []
     for entry in folder.iterdir():
         match = re.fullmatch(r"(?:step_|checkpoint-)(\d+)", entry.name)
-        if match and CheckpointPaths(entry).metadata.is_file():
+        if match and holds_checkpoint(entry):
             found.append((int(match[1]), entry))
     return max(found)[1] if found else None
 

@@ -20,10 +20,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mtk.checkpoint.atomic import check_ours, check_replaceable, foreign_metadata, refuse_link
+from mtk.checkpoint.atomic import check_ours, check_replaceable, holds_checkpoint, refuse_link
 from mtk.checkpoint.lock import lock_output_dir
 from mtk.checkpoint.meta import read_metadata
-from mtk.checkpoint.paths import CheckpointPaths
 from mtk.data.sources import data_fingerprint
 from mtk.data.tokenizers import tokenizer_source
 from mtk.errors import CheckpointError
@@ -53,9 +52,7 @@ def complete_checkpoints(root: str | Path, prefix: str = "step") -> list[tuple[i
     found = [
         (int(match[1]), folder)
         for folder in root.iterdir()
-        if (match := pattern.fullmatch(folder.name))
-        and CheckpointPaths(folder).metadata.is_file()
-        and not foreign_metadata(folder)  # (another tool's step_3/metadata.json; refused ahead of a save)
+        if (match := pattern.fullmatch(folder.name)) and holds_checkpoint(folder)
     ]
     return sorted(found)
 

@@ -180,8 +180,8 @@ def _first_malformed_line(files: list[Path]) -> str | None:
         with open(file, "rb") as lines:
             for number, line in enumerate(lines, start=1):
                 if line.strip():
-                    try:
-                        jsonio.loads(line)
+                    try:  # (bytes that are not UTF-8 pyarrow takes: not what failed)
+                        jsonio.loads(line.decode("utf-8", errors="surrogateescape"))
                     except json.JSONDecodeError as err:  # (its own "line 1 column 9" is of the one line)
                         where = f", column {err.colno}" if type(err) is json.JSONDecodeError else ""
                         return f"{file.name} line {number}{where}: {err.msg}"

@@ -46,7 +46,7 @@ from mtk.errors import ConfigError
 from mtk.models import is_causal_lm_class
 from mtk.parallel.a2a_attention import all_to_all_attention
 from mtk.parallel.comm import Group, all_reduce, gather_from_sequence, group_rank, group_size
-from mtk.parallel.model_outputs import scaled_gradients
+from mtk.parallel.model_outputs import zero_gradients
 from mtk.parallel.recompute import never_saved
 from mtk.parallel.ring_attention import ring_attention
 from mtk.parallel.router_loss import set_active, whole_router_loss
@@ -279,7 +279,7 @@ class _SplitInputs:
         self.split = split
         self.unsplit = unsplit
         self.signature = signature
-        self.whole_share: float | None = None  # (a whole call's gradient share: whole_call_gradients)
+        self.silenced = False  # (a whole call's gradient is this rank's to drop: whole_call_gradients)
 
     def __call__(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
         if args:  # (model(ids, mask): every positional argument, by name)
@@ -290,7 +290,7 @@ class _SplitInputs:
         decoding = KEYWORD not in kwargs and (carries_cache(kwargs) or (asked_cache is True and not training))
         _attend_with(module, self.unsplit if decoding else ATTENTION)
         summed = torch.is_grad_enabled() and not self.split.average  # (DeepSpeed sums the CP ranks' gradients)
-        self.whole_share = 1 / group_size(self.split.group) if decoding and summed else None
+        self.silenced = decoding and summed and group_rank(self.split.group) != 0
         if decoding:
             refuse_split_call_cache(module, kwargs)
             if training:  # (whole on every rank: gradients cp times the share where the CP ranks' are summed)
@@ -330,10 +330,11 @@ class _SplitInputs:
         return (), {**kwargs, **local}
 
     def whole_call_gradients(self, module: Any, args: tuple, output: Any) -> Any:
-        """Forward hook: a whole call with gradients on, where the CP ranks' gradients are summed, passes back
-        ``1/cp`` of each output's gradient (every rank computed the whole rows': their sum is one process's)."""
-        share, self.whole_share = self.whole_share, None
-        return output if share is None else scaled_gradients(output, share)
+        """Forward hook: a whole call with gradients on, where the CP ranks' gradients are summed, passes back its
+        gradient on the group's first rank only (every rank computed the whole rows': the sum of ``cp`` of them was
+        ``cp`` times one process's)."""
+        silenced, self.silenced = self.silenced, False
+        return zero_gradients(output) if silenced else output
 
 
 def _attend_with(model: Any, implementation: str) -> None:
@@ -449,13 +450,13 @@ def attach_context_parallel(
             f"{type(model).__name__}: {both_ways} ({kind}) attends both ways; mtk's context-parallel attention is "
             "causal (decoders): use cp = 1 for this model"
         )
-    whole_router_loss(model)
     if not is_causal_lm_class(type(model).__name__):  # (a head over whole rows)
         raise ConfigError(
             f"{type(model).__name__} is not a causal language model: context parallelism gathers a causal LM's "
             "per-position outputs back into whole rows, and this model's head reads positions of the whole row "
             "(a classifier's pooled token, a base model's states): use cp = 1 for this model"
         )
+    whole_router_loss(model)  # (after the refusals: a refused model's modeling module is left as it was)
     cp = group_size(group)
     split = ContextSplit(group, comm, math.lcm(2 * cp, cp * sequence_split), average)
     attached = context_parallel_of(model)

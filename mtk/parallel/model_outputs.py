@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["rebuilt_output", "scaled_gradients"]
+__all__ = ["rebuilt_output", "zero_gradients"]
 
 
 def rebuilt_output(output: Any, **changes: Any) -> Any:
@@ -27,34 +27,23 @@ def rebuilt_output(output: Any, **changes: Any) -> Any:
     return rebuilt
 
 
-class _ScaledGradient(torch.autograd.Function):
-    """The same tensor forward; its gradient times ``factor`` backward."""
+def zero_gradients(output: Any) -> Any:
+    """``output`` (a ``ModelOutput`` or a tuple), its tensors made to pass back a zero gradient.
 
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, factor: float) -> torch.Tensor:
-        ctx.factor = factor
-        return tensor.view_as(tensor)
+    A hook on each tensor (and on the tensor it is a view of) replaces its gradient by zeros. Zero is the same
+    however often it is applied, so a loss built from several outputs (the logits and a hidden state before them)
+    passes nothing back on any path, and an in-place change of an output afterwards (``out.loss /= steps``, which
+    rebases a view onto its base) keeps it so. The tensors themselves stay as they are (no copy)."""
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.factor, None
+    def silence(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            for tensor in (value, value._base):
+                if tensor is not None and tensor.requires_grad:
+                    tensor.register_hook(torch.zeros_like)
+        elif isinstance(value, tuple):
+            for item in value:
+                silence(item)
 
-
-def scaled_gradients(output: Any, factor: float) -> Any:
-    """``output`` (a ``ModelOutput`` or a tuple) whose tensors pass ``factor`` times their gradient back.
-
-    Every tensor the caller receives becomes a new node of the graph, so a loss built from several of them (the
-    logits and a hidden state before them) scales each path once; a cache object is left as it is."""
-
-    def scaled(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            return _ScaledGradient.apply(value, factor)
-        if isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
-            return tuple(scaled(v) for v in value)
-        return value
-
-    if isinstance(output, tuple):
-        return tuple(scaled(value) for value in output)
-    for key, value in list(output.items()):
-        output[key] = scaled(value)
+    for value in output if isinstance(output, tuple) else output.values():
+        silence(value)
     return output

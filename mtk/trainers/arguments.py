@@ -197,9 +197,13 @@ def jit_checkpoint_report(args: Any) -> str | None:
 def _unused_checkpointing_kwargs(args: Any) -> str:
     """The part of the recompute line naming the checkpointing keyword arguments mtk's recompute does not take
     (TRL's ``selective``, ``every_n_layers``, ``offload``, a reentrant checkpoint); mtk's is non-reentrant."""
-    unused = []
+    unused: list[str] = []
+    seen: list[Any] = []
     for field_name in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
         given = getattr(args, field_name, None) or {}
+        if any(given == other for other in seen):  # (transformers 5 keeps one dict under both names)
+            continue
+        seen.append(given)
         keys = sorted(key for key, value in given.items() if (key, value) != ("use_reentrant", False))
         if keys:
             unused.append(f"{field_name} {', '.join(keys)}")

@@ -293,8 +293,8 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
         trainer: Any = self
         if trainer.compute_loss_func is not None or trainer.label_smoother is not None:
             raise ConfigError(
-                "Trainer(compute_loss_func=...) with pp > 1: the pipeline computes and backpropagates the model's own "
-                "loss inside its forward; leave compute_loss_func unset, or use pp = 1"
+                "Trainer(compute_loss_func=...) or label smoothing with pp > 1: the pipeline computes and "
+                "backpropagates the model's own loss inside its forward; leave them unset, or use pp = 1"
             )
         factor = 1.0
         token_weighted = trainer.model_accepts_loss_kwargs and num_items_in_batch is not None

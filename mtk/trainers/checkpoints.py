@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_last_checkpoint, sort_checkpoints
 
+from mtk.checkpoint.atomic import holds_checkpoint
 from mtk.checkpoint.integrity import read_verified
 from mtk.checkpoint.lock import lock_output_dir
 from mtk.checkpoint.meta import read_metadata
@@ -177,7 +178,7 @@ def written_checkpoints(output_dir: str, *args: Any, **kwargs: Any) -> list[str]
     return [
         folder
         for folder in sort_checkpoints(output_dir, *args, **kwargs)
-        if not Path(folder).is_symlink() and CheckpointPaths(Path(folder)).metadata.is_file()
+        if not Path(folder).is_symlink() and holds_checkpoint(Path(folder))
     ]
 
 

@@ -216,7 +216,8 @@ def _attached_checks(rank: int, cp: int) -> None:
     assert not isinstance(model(input_ids=prompt, attention_mask=mask, use_cache=True).past_key_values, SplitCallCache)
     # that call runs whole, so every rank computes the whole rows' gradients: averaged over the group they are one
     # process's, and where the CP ranks' gradients are summed (DeepSpeed's reduction: attached with average=False)
-    # each rank passes back 1/cp of them (cp times one process's before); a loss of two outputs scales each once
+    # only the group's first rank passes them back (cp times one process's before): on every path of a loss of two
+    # outputs, and after an in-place change of an output
     whole = {**_batch("padded"), "use_cache": True}
     expected = reference(**whole)
     reference.zero_grad()
@@ -227,8 +228,9 @@ def _attached_checks(rank: int, cp: int) -> None:
     for attached, average in ((model, True), (summed, False)):
         attached.zero_grad()
         out = attached(**whole)
-        (out.loss + out.logits.mean()).backward()
-        assert_close_rel(out.loss.detach(), expected.loss, f"whole call's loss (average {average})")
+        out.loss.div_(2)  # (an in-place change: a custom Function's view raised here)
+        (2 * out.loss + out.logits.mean()).backward()
+        assert_close_rel(2 * out.loss.detach(), expected.loss, f"whole call's loss (average {average})")
         for param_name, param in attached.named_parameters():
             grad = param.grad.clone()
             dist.all_reduce(grad, group=group)

@@ -304,12 +304,19 @@ def test_a_step_folder_with_another_tools_metadata_is_never_removed(tmp_path):
     (theirs / "metadata.json").write_text('{"tool": "my-eval-harness", "step": 3}')
     (theirs / "results.csv").write_text("accuracy,0.91")
     assert complete_checkpoints(tmp_path) == [] and remove_checkpoints(tmp_path) == []  # (no checkpoint of mtk's)
-    with pytest.raises(CheckpointError, match=r"step_3 exists and is not an mtk checkpoint \(its metadata.json is "):
+    with pytest.raises(CheckpointError, match=r"step_3 exists and is not an mtk checkpoint \(its metadata.json is an"):
         check_replaceable(theirs)  # (a save there, and a start with it ahead of the run: one line)
-    (theirs / "metadata.json").write_bytes(b'{"format": "mtk-checkpoint/2", "\xff')  # (damaged: not ours to judge)
-    with pytest.raises(CheckpointError, match="is not an mtk checkpoint"):
+    # damaged: still listed (reading it says what is wrong), but nothing removes what cannot be told to be mtk's
+    (theirs / "metadata.json").write_bytes(b'{"format": "mtk-checkpoint/2", "\xff')
+    assert [folder for _, folder in complete_checkpoints(tmp_path)] == [theirs]
+    with pytest.raises(CheckpointError, match=r"step_3/metadata.json cannot be read as mtk checkpoint metadata \(dam"):
         remove_checkpoints(tmp_path)
     assert (theirs / "results.csv").read_text() == "accuracy,0.91"
+    (theirs / "metadata.json").unlink()
+    os.mkfifo(theirs / "metadata.json")  # (read, it blocked the main process and every rank with it)
+    assert complete_checkpoints(tmp_path) == []
+    with pytest.raises(CheckpointError, match="step_3 exists and is not an mtk checkpoint"):
+        check_replaceable(theirs)
 
 
 def test_a_leftover_of_an_interrupted_save_is_cleaned_at_the_next_save(tmp_path, trained):
@@ -1664,3 +1671,20 @@ def test_a_dp_change_rescales_each_schedulers_own_position_and_leaves_deepspeeds
             SimpleNamespace(parallel=SimpleNamespace(dp_size=1), _schedulers=[AcceleratedScheduler(object(), [])]),
             saved_dp=2,
         )  # type: ignore[arg-type]
+
+
+def test_a_fifo_in_a_checkpoint_is_refused_without_being_opened(tmp_path):
+    """Opening a FIFO blocks until someone writes to it: a format-1 checkpoint's labels were read from every file
+    found (a hang of every rank), a format-2 one passed it over as no file ("ok")."""
+    from mtk import jsonio
+    from mtk.checkpoint.integrity import list_files, verify_files
+
+    (tmp_path / "optimizer").mkdir()
+    fifo = tmp_path / "optimizer" / "tp00-pp00.json"
+    os.mkfifo(fifo)
+    assert list_files(tmp_path) == []
+    expected = [f"{fifo} is no regular file (a FIFO, socket or device); a checkpoint holds only its own files"]
+    assert verify_files(tmp_path, {}, None, listed=list_files(tmp_path)) == expected
+    assert verify_files(tmp_path, {}, None) == expected
+    with pytest.raises(ValueError, match="no regular file"):
+        jsonio.read(fifo)

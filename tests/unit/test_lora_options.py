@@ -80,5 +80,5 @@ def test_a_lora_resume_with_the_base_in_another_dtype_names_it():
     for param in model.parameters():
         if not param.requires_grad:
             param.data = param.data.to(torch.bfloat16)
-    with pytest.raises(CheckpointError, match=r"in torch\.float32; this run holds it in torch\.bfloat16 \(--base"):
+    with pytest.raises(CheckpointError, match=r"in 'torch\.float32'; this run holds it in 'torch\.bfloat16' \(--base"):
         check_base("step_2", saved, model, parallel)

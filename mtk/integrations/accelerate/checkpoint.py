@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mtk.checkpoint.atomic import holds_checkpoint
 from mtk.checkpoint.extras import write_generation_config, write_tokenizer
 from mtk.checkpoint.optimizer_checks import check_scheduler_state
 from mtk.checkpoint.paths import CheckpointPaths, reading
@@ -45,7 +46,7 @@ def _automatic_checkpoints(root: Path) -> Iterator[tuple[int, Path]]:
         return
     for folder in root.iterdir():
         match = _AUTOMATIC_NAME.fullmatch(folder.name)
-        if match and CheckpointPaths(folder).metadata.is_file():
+        if match and holds_checkpoint(folder):
             yield int(match[1]), folder
 
 
