@@ -40,6 +40,7 @@ import transformers.trainer as hf_trainer
 
 from mtk.errors import ConfigError, library_refusals
 from mtk.integrations.accelerate import Accelerator
+from mtk.parallel.record import hf_model
 from mtk.parallel.state import default_device
 from mtk.pipeline.engine import PipelineModel
 from mtk.rules.lm_head import logits_mode
@@ -62,6 +63,7 @@ from mtk.trainers.deepspeed_setup import (
 )
 from mtk.trainers.hub import TrainerHub
 from mtk.trainers.model_path import PathLoader
+from mtk.trainers.positions import check_batch_positions, learned_position_limit
 from mtk.trainers.signals import EvaluationStopsOnSignal, SaveAndStopOnSignal
 from mtk.training.signals import ExitSignal
 
@@ -175,6 +177,9 @@ def _refuse_for_the_layout(args: Any, parallel: Any) -> None:
         )
 
 
+_UNSET = object()  # (an attribute not looked up yet)
+
+
 class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSignal):
     """Put before transformers' or TRL's trainer class: ``class Trainer(ParallelTrainerMixin, transformers.Trainer)``.
 
@@ -197,6 +202,7 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
     _peft_config: Any = None  # a LoraConfig taken from peft_config= by the TRL trainers
     _peft_model: Any = None  # the PeftModel of mtk's adapters on the converted model
     _path_loader: PathLoader | None = None  # TRL's model loading by path, for mtk's TRL trainers
+    _position_limit: Any = _UNSET  # the model's learned positions (None: no table), once looked up
 
     # ------------------------------------------------------------------------------ accelerator and model
     def create_accelerator_and_postprocess(self) -> None:
@@ -283,7 +289,16 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
             self._counting_tokens = False
 
     # ---------------------------------------------------------------------------------------- training
+    def _check_positions(self, inputs: dict[str, Any]) -> None:
+        """A batch past the model's learned positions is one line (:mod:`mtk.trainers.positions`)."""
+        if self._position_limit is _UNSET:  # (collective, once: a pipeline's first stage alone holds the table)
+            model = self.accelerator.unwrap_model(self.model)
+            stage = model.module if isinstance(model, PipelineModel) else model  # (this rank's stage of the model)
+            self._position_limit = learned_position_limit(hf_model(stage))
+        check_batch_positions(inputs, self._position_limit, self.args)
+
     def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        self._check_positions(inputs)
         if isinstance(model, PipelineModel):
             self.accelerator.pipeline_loss_factor = self._pipeline_loss_factor(num_items_in_batch)
         return super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
@@ -326,6 +341,7 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
     ) -> Any:
         """The Trainer's, with the full logits when the evaluation asks for them (``compute_metrics``): a
         forward with labels otherwise returns none under TP (:mod:`mtk.rules.lm_head`)."""
+        self._check_positions(inputs)
         if prediction_loss_only:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)  # type: ignore[misc]
         if isinstance(model, PipelineModel):
