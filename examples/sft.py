@@ -32,7 +32,7 @@ from mtk.data.sources import load_data
 from mtk.data.tokenizers import directory_tokenizer
 from mtk.errors import library_refusals
 from mtk.trainers import SFTTrainer
-from mtk.trainers.arguments import epochs_over_a_default_step_count, refuse_null_settings
+from mtk.trainers.arguments import check_deepspeed_file, epochs_over_a_default_step_count, refuse_null_settings
 from mtk.training.entry import run_main
 
 HERE = Path(__file__).resolve().parent
@@ -74,6 +74,7 @@ def main() -> None:
         parser.set_defaults(bf16=torch.cuda.is_available(), dataloader_pin_memory=torch.cuda.is_available())
         parser.set_defaults(per_device_train_batch_size=8, max_length=256)
         refuse_null_settings(parser)  # (a null the arguments' checks would compare with a number)
+        check_deepspeed_file()  # (a file that is not JSON: named, before transformers reads it)
         script, config = parser.parse_args_and_config()
         epochs_over_a_default_step_count(parser, config)  # (--num_train_epochs alone: the epochs, not max_steps=40)
         check_output_place(config.output_dir, script.data)  # (not among the data files)

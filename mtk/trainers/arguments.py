@@ -19,11 +19,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from mtk import jsonio
 from mtk.config import RunSettings
 from mtk.errors import ConfigError
 
 __all__ = [
     "check_training_arguments",
+    "check_deepspeed_file",
     "clipping_report",
     "epochs_over_a_default_step_count",
     "jit_checkpoint_report",
@@ -250,6 +252,26 @@ def refuse_null_settings(parser: Any, argv: list[str] | None = None) -> None:
             f"--config sets {', '.join(refused)} to null, which takes a value: give one, or leave the key out for "
             "the default"
         )
+
+
+def check_deepspeed_file(argv: list[str] | None = None) -> None:
+    """The DeepSpeed JSON a TrlParser command line names (``--deepspeed FILE``, or its YAML ``--config``'s
+    ``deepspeed``), read before transformers reads it while the arguments are made: a file that is not JSON was its
+    parser's words alone ("Expecting value: line 1 column 22", "'utf-8' codec can't decode byte 0xff"), naming no
+    file. One line naming it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    given: Any = _config_file_values(argv).get("deepspeed")
+    for at, word in enumerate(argv):
+        if word == "--deepspeed" and at + 1 < len(argv):
+            given = argv[at + 1]
+        elif word.startswith("--deepspeed="):
+            given = word.split("=", 1)[1]
+    if not isinstance(given, str) or not Path(given).is_file():
+        return  # (a dict, or a path transformers refuses in its own words)
+    try:
+        jsonio.read(given)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--deepspeed {given} is not valid JSON ({err}); fix the file") from None
 
 
 def _on_the_command_line(parser: Any, argv: list[str], name: str) -> bool:

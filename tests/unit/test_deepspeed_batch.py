@@ -485,3 +485,22 @@ def test_a_sigterm_while_the_exit_handlers_run_exits_at_once_without_a_traceback
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 128 + signal.SIGTERM and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_deepspeed_json_that_is_not_json_is_one_line_naming_it(tmp_path, monkeypatch):
+    """The accelerate YAML's file and TRL scripts' --deepspeed: accelerate's and transformers' reading said only
+    "'utf-8' codec can't decode byte 0xff in position 5" or "Expecting value: line 1 column 22", naming no file."""
+    from mtk.integrations.accelerate.deepspeed import check_launcher_sections
+    from mtk.trainers.arguments import check_deepspeed_file
+
+    path = tmp_path / "ds.json"
+    for content, said in ((b'{"\xff": 1}', "not text: byte 2 is not utf-8"), (b'{"a": auto}', "Expecting value")):
+        path.write_bytes(content)
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+        with pytest.raises(ConfigError, match=rf"^DeepSpeed config {path} \(the accelerate YAML's\) .*{said}"):
+            check_launcher_sections()
+        for argv in (["--deepspeed", str(path)], [f"--deepspeed={path}"]):
+            with pytest.raises(ConfigError, match=rf"^--deepspeed {path} is not valid JSON \(.*{said}"):
+                check_deepspeed_file(argv)
+    path.write_text('{"train_micro_batch_size_per_gpu": 2}')
+    check_deepspeed_file(["--deepspeed", str(path)])

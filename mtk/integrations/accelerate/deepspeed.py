@@ -50,17 +50,20 @@ def check_launcher_sections() -> list[str]:
     """The DeepSpeed JSON ``accelerate launch`` names (its YAML's ``deepspeed_config_file``), checked before
     accelerate builds its plugin from it: a section given as another type than an object
     (:func:`~mtk.integrations.deepspeed.check_sections`) was an ``AttributeError`` in accelerate on every rank.
-    A file that is missing or not JSON is left to accelerate's own message. Returns the lines to say about
-    sections nothing acts on (:func:`~mtk.integrations.deepspeed_sections.idle_sections`)."""
+    A missing file is left to accelerate's own message; one that is not JSON is one line naming it (accelerate's
+    was its parser's words alone). Returns the lines to say about sections nothing acts on
+    (:func:`~mtk.integrations.deepspeed_sections.idle_sections`)."""
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if not path or not Path(path).is_file():
         return []
     try:
         raw = jsonio.read(Path(path))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        if isinstance(err, json.JSONDecodeError) and "given twice" in err.msg:  # accelerate would keep the last
+    except json.JSONDecodeError as err:
+        if "given twice" in err.msg:  # accelerate would keep the last
             raise ConfigError(f"DeepSpeed config {path}: {err.msg}; give each key once") from None
-        return []
+        raise ConfigError(
+            f"DeepSpeed config {path} (the accelerate YAML's) is not valid JSON ({err}); fix the file"
+        ) from None
     if not isinstance(raw, dict):
         return []
     check_sections(raw, path)
