@@ -177,6 +177,7 @@ def run_all(args: argparse.Namespace) -> int:
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
     if args.pp < 1:
         raise MtkError(f"--pp must be at least 1, got {args.pp}")
+    document = _table_document(args.write) if args.write else None  # (checked before the sweep's hours)
     print(f"mtk verify --all: {len(types)} architectures at tp={args.tp} pp={args.pp}, {args.dtype}", flush=True)
     world = args.tp * args.pp
     sweep = (types, tolerance, args.pp, args.dtype)
@@ -196,11 +197,25 @@ def run_all(args: argparse.Namespace) -> int:
         rows.sort(key=lambda row: row.model_type)
     table = _table(rows, args, tolerance)
     print(table)
-    if args.write:
-        path = Path(args.write)
-        text = path.read_text()
-        if TABLE_START not in text or TABLE_END not in text:
-            raise MtkError(f"--write {path}: no {TABLE_START} ... {TABLE_END} block to replace")
+    if document is not None:
+        path, text = document
         head, rest = text.split(TABLE_START, 1)
-        path.write_text(head + TABLE_START + "\n" + table + "\n" + TABLE_END + rest.split(TABLE_END, 1)[1])
+        try:
+            path.write_text(head + TABLE_START + "\n" + table + "\n" + TABLE_END + rest.split(TABLE_END, 1)[1])
+        except OSError as err:
+            raise MtkError(f"--write {path}: {err.strerror or err}; the table is printed above") from None
     return 0 if all(r.status != "differs" for r in rows) else 1
+
+
+def _table_document(given: str) -> tuple[Path, str]:
+    """The markdown file ``--write`` names and its text, checked before the sweep runs (it takes hours with every
+    architecture): a file that cannot be read as text, or holds no table block to replace, is one line."""
+    path = Path(given)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise MtkError(f"--write {path}: cannot be read as a markdown file ({reason})") from None
+    if TABLE_START not in text or TABLE_END not in text:
+        raise MtkError(f"--write {path}: no {TABLE_START} ... {TABLE_END} block to replace")
+    return path, text

@@ -269,6 +269,9 @@ def test_cli_options(checkpoint, tmp_path, capsys):
         (["export", str(checkpoint), str(tmp_path / ("o" * 300))], "mtk export", "characters): File name too long"),
         (["verify-checkpoint", "c" * 300], "mtk verify-checkpoint", "characters): File name too long"),
         (["bench", "--json", str(tmp_path)], "mtk bench", "is not a file mtk bench can write"),  # (it ran first)
+        # --write checked before the sweep (hours with every architecture): a traceback after it before
+        (["verify", "--all", "--types", "llama", "--write", str(tmp_path)], "mtk verify", "cannot be read as a mark"),
+        (["verify", "--all", "--types", "llama", "--write", str(tmp_path / "a_file")], "mtk verify", "no <!--"),
         (["plan", "--model", "m" * 300, "--gpus", "2", "--seq_len", "8", "--global_batch", "8"], "mtk plan", "long"),
     ]
     for argv, prog, message in cases:
