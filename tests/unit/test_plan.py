@@ -189,6 +189,7 @@ def test_lora_keeps_a_frozen_bf16_base_and_fp32_adapters(capsys):
         (["--tp", "16"], "does not fit inside a node of 8 GPUs"),
         (["--pp", "40"], "--pp 40 is more stages than the model's 32 layers; use at most 32"),
         (["--gpu_memory", "eighty"], "is not a memory size"),
+        (["--gpu_memory", "80"], "argument --gpu_memory: '80' has no unit; give one, such as 80GiB or 80GB"),
         (["--gpus", "1", "--gpu_memory", "24GiB"], "fits no layout of 1 x 24 GiB: the smallest"),
         (["--offload", "--engine", "accelerate"], "--offload is DeepSpeed's optimizer offload"),
         (["--nodes", "3"], "do not spread evenly over --nodes 3"),
