@@ -30,6 +30,7 @@ __all__ = [
     "check_ours",
     "check_replaceable",
     "holds_checkpoint",
+    "removable_checkpoint",
     "fsync_dir",
     "fsync_tree",
     "incomplete_path",
@@ -103,7 +104,10 @@ def check_replaceable(final: Path) -> None:
                 "the folder holds and will not remove it: if it is a checkpoint of yours you no longer want, remove "
                 "it yourself; else move it away, or save to another directory"
             )
-        why = " (its metadata.json is another tool's)" if (final / "metadata.json").exists() else ""
+        metadata = final / "metadata.json"
+        regular = metadata.is_file() and not metadata.is_symlink()
+        why = " (its metadata.json is another tool's)" if regular else " (its metadata.json is no regular file)"
+        why = why if metadata.exists() or metadata.is_symlink() else ""
         raise CheckpointError(
             f"{final} exists and is not an mtk checkpoint{why}; mtk will not replace it: move it away, or save to "
             "another directory"
@@ -142,6 +146,13 @@ def _mtk_metadata(folder: Path) -> dict[str, Any] | None:
 
 def _names_mtk_format(record: Any) -> bool:
     return isinstance(record, dict) and str(record.get("format", "")).startswith("mtk-checkpoint/")
+
+
+def removable_checkpoint(folder: Path) -> bool:
+    """Whether a rotation may remove ``folder``: its ``metadata.json`` is readable mtk checkpoint metadata. A
+    damaged one (or one mtk cannot read) is :func:`holds_checkpoint`'s, to be read and refused, but is not removed:
+    mtk cannot tell from it what the folder holds."""
+    return _mtk_metadata(folder) is not None
 
 
 def holds_checkpoint(folder: Path) -> bool:

@@ -115,7 +115,7 @@ def _target_parameters(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _memory_size(text: str) -> int:
-    if text.strip().replace(".", "", 1).isdigit():  # (80 meant 80 GB, and was read as 80 bytes)
+    if text.strip().replace(".", "", 1).isdigit() and float(text) != 0:  # (80 meant 80 GB, read as 80 bytes)
         number = text.strip()
         raise argparse.ArgumentTypeError(f"{text!r} has no unit; give one, such as {number}GiB or {number}GB")
     try:

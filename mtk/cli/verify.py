@@ -198,7 +198,7 @@ def run_all(args: argparse.Namespace) -> int:
     table = _table(rows, args, tolerance)
     print(table)
     if document is not None:
-        path, text = document
+        path, text = _table_document(str(document[0]))  # (again: the file may have been edited during the sweep)
         head, rest = text.split(TABLE_START, 1)
         try:
             path.write_text(head + TABLE_START + "\n" + table + "\n" + TABLE_END + rest.split(TABLE_END, 1)[1])

@@ -27,23 +27,37 @@ def rebuilt_output(output: Any, **changes: Any) -> Any:
     return rebuilt
 
 
+class _NoGradient(torch.autograd.Function):
+    """A copy of the tensor forward (a node of its own and no view, which the caller may change in place), a zero
+    gradient backward (the backward still runs through the graph, so every hook a reduction waits for fires)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(grad)
+
+
 def zero_gradients(output: Any) -> Any:
-    """``output`` (a ``ModelOutput`` or a tuple), its tensors made to pass back a zero gradient.
+    """``output`` (a ``ModelOutput`` or a tuple) whose tensors pass back a zero gradient.
 
-    A hook on each tensor (and on the tensor it is a view of) replaces its gradient by zeros. Zero is the same
-    however often it is applied, so a loss built from several outputs (the logits and a hidden state before them)
-    passes nothing back on any path, and an in-place change of an output afterwards (``out.loss /= steps``, which
-    rebases a view onto its base) keeps it so. The tensors themselves stay as they are (no copy)."""
+    Each tensor that needs a gradient is replaced by a copy that is a node of its own: a loss built from several
+    outputs (the logits and a hidden state before them) passes nothing back on any path, an in-place change of an
+    output afterwards is the copy's, and a tensor the caller also holds (``inputs_embeds``, returned as the first
+    hidden state) keeps its gradient from every other use. The copies cost the outputs' memory once; this runs only
+    for a context-parallel call that runs whole with gradients on a rank whose gradient is not wanted."""
 
-    def silence(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            for tensor in (value, value._base):
-                if tensor is not None and tensor.requires_grad:
-                    tensor.register_hook(torch.zeros_like)
-        elif isinstance(value, tuple):
-            for item in value:
-                silence(item)
+    def silenced(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            return _NoGradient.apply(value)
+        if isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
+            return tuple(silenced(v) for v in value)
+        return value
 
-    for value in output if isinstance(output, tuple) else output.values():
-        silence(value)
+    if isinstance(output, tuple):
+        return tuple(silenced(value) for value in output)
+    for key, value in list(output.items()):
+        output[key] = silenced(value)
     return output

@@ -256,9 +256,9 @@ def refuse_null_settings(parser: Any, argv: list[str] | None = None) -> None:
 
 def check_deepspeed_file(argv: list[str] | None = None) -> None:
     """The DeepSpeed JSON a TrlParser command line names (``--deepspeed FILE``, or its YAML ``--config``'s
-    ``deepspeed``), read before transformers reads it while the arguments are made: a file that is not JSON was its
-    parser's words alone ("Expecting value: line 1 column 22", "'utf-8' codec can't decode byte 0xff"), naming no
-    file. One line naming it."""
+    ``deepspeed``) and the one ``accelerate launch``'s YAML names, read before transformers reads them while the
+    arguments are made: a file that is not JSON was its parser's words alone ("Expecting value: line 1 column 22",
+    "'utf-8' codec can't decode byte 0xff"), naming no file. One line naming it."""
     argv = list(sys.argv[1:] if argv is None else argv)
     given: Any = _config_file_values(argv).get("deepspeed")
     for at, word in enumerate(argv):
@@ -266,12 +266,18 @@ def check_deepspeed_file(argv: list[str] | None = None) -> None:
             given = argv[at + 1]
         elif word.startswith("--deepspeed="):
             given = word.split("=", 1)[1]
-    if not isinstance(given, str) or not Path(given).is_file():
-        return  # (a dict, or a path transformers refuses in its own words)
-    try:
-        jsonio.read(given)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"--deepspeed {given} is not valid JSON ({err}); fix the file") from None
+    named = [("--deepspeed", given)]
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true", "yes"):  # (TrainingArguments builds
+        # accelerate's plugin from the file the launcher's YAML names while the arguments are made)
+        launcher = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        named.append(("the accelerate YAML's deepspeed_config_file", launcher))
+    for what, path in named:
+        if not isinstance(path, str) or not Path(path).is_file():
+            continue  # (a dict, or a path transformers refuses in its own words)
+        try:
+            jsonio.read(path)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"{what} {path} is not valid JSON ({err}); fix the file") from None
 
 
 def _on_the_command_line(parser: Any, argv: list[str], name: str) -> bool:

@@ -63,7 +63,7 @@ from mtk.trainers.deepspeed_setup import (
 )
 from mtk.trainers.hub import TrainerHub
 from mtk.trainers.model_path import PathLoader
-from mtk.trainers.positions import check_batch_positions, learned_position_limit
+from mtk.trainers.positions import check_batch_positions, learned_positions
 from mtk.trainers.signals import EvaluationStopsOnSignal, SaveAndStopOnSignal
 from mtk.training.signals import ExitSignal
 
@@ -294,8 +294,8 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
         if self._position_limit is _UNSET:  # (collective, once: a pipeline's first stage alone holds the table)
             model = self.accelerator.unwrap_model(self.model)
             stage = model.module if isinstance(model, PipelineModel) else model  # (this rank's stage of the model)
-            self._position_limit = learned_position_limit(hf_model(stage))
-        check_batch_positions(inputs, self._position_limit, self.args)
+            self._position_limit = learned_positions(hf_model(stage))
+        check_batch_positions(inputs, self._position_limit, self.args, self.accelerator.device)
 
     def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         self._check_positions(inputs)

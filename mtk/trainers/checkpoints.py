@@ -15,9 +15,9 @@ import datasets
 import transformers.trainer as hf_trainer
 from tqdm.auto import tqdm
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_last_checkpoint, sort_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort_checkpoints
 
-from mtk.checkpoint.atomic import holds_checkpoint
+from mtk.checkpoint.atomic import holds_checkpoint, removable_checkpoint
 from mtk.checkpoint.integrity import read_verified
 from mtk.checkpoint.lock import lock_output_dir
 from mtk.checkpoint.meta import read_metadata
@@ -61,7 +61,7 @@ def claim_output_dir(output_dir: str, resume: str | bool | None, *, main_process
     if isinstance(resume, str) and resume.lower() in ("true", "false", "none", "") and not Path(resume).is_dir():
         resume = {"true": True}.get(resume.lower())  # a script's --resume_from_checkpoint True (kept as text)
     if resume is True:
-        newest = get_last_checkpoint(output_dir) if folder.is_dir() else None
+        newest = _newest_checkpoint(folder)
         if newest is None:
             raise CheckpointError(
                 f"resume_from_checkpoint=True, but output_dir {output_dir} holds no checkpoint-N to resume; leave it "
@@ -114,7 +114,7 @@ def claim_output_dir(output_dir: str, resume: str | bool | None, *, main_process
                 f"resume_from_checkpoint={resume} does not exist; give a checkpoint-N folder, or True for the newest "
                 "in output_dir"
             )
-        newest = get_last_checkpoint(str(checkpoint)) if checkpoint.is_dir() else None
+        newest = _newest_checkpoint(checkpoint)
         hint = f" (its newest checkpoint is {newest})" if newest else ""
         if str(resume).lower() in ("true", "false", "none"):  # a folder of that name exists: the word is a path
             hint += f" (read as the folder {checkpoint.resolve()}, which exists: rename it to use the word)"
@@ -170,6 +170,17 @@ def _refuse_a_model_there(folder: Path) -> None:
         )
 
 
+def _newest_checkpoint(folder: Path) -> str | None:
+    """The newest ``checkpoint-N`` in ``folder`` that holds an mtk checkpoint (``resume_from_checkpoint=True``):
+    transformers' ``get_last_checkpoint`` takes the highest N, another tool's folder of that name included."""
+    found = [
+        (int(entry.name.rsplit("-", 1)[1]), entry)
+        for entry in (folder.iterdir() if folder.is_dir() else ())
+        if _CHECKPOINT.fullmatch(entry.name) and not entry.is_symlink() and holds_checkpoint(entry)
+    ]
+    return str(max(found)[1]) if found else None
+
+
 def written_checkpoints(output_dir: str, *args: Any, **kwargs: Any) -> list[str]:
     """transformers' ``sort_checkpoints`` (same arguments), keeping only the checkpoints the Trainer under mtk wrote
     (mtk's metadata inside, not through a link): what the Trainer may remove. Its own rotation, and its clean-up at
@@ -178,7 +189,7 @@ def written_checkpoints(output_dir: str, *args: Any, **kwargs: Any) -> list[str]
     return [
         folder
         for folder in sort_checkpoints(output_dir, *args, **kwargs)
-        if not Path(folder).is_symlink() and holds_checkpoint(Path(folder))
+        if not Path(folder).is_symlink() and removable_checkpoint(Path(folder))
     ]
 
 

@@ -10,6 +10,7 @@ table and run past their trained length as one process does; they are not checke
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,42 +19,69 @@ from torch import nn
 
 from mtk.errors import ConfigError
 
-__all__ = ["check_batch_positions", "learned_position_limit"]
+__all__ = ["PositionTable", "check_batch_positions", "learned_positions"]
 
 _POSITION_TABLE = re.compile(r"(^|\.)(wpe|embed_positions|position_embeddings)$")
 
 
-def learned_position_limit(model: nn.Module) -> int | None:
-    """The number of positions ``model``'s learned position table holds (``config.max_position_embeddings`` or
-    GPT-2's ``n_positions``), or ``None`` for a model without one. Collective where a process group exists: a
-    pipeline's later stages hold no table, and every rank must refuse the same batch."""
+@dataclass(frozen=True)
+class PositionTable:
+    """A model's table of learned positions: how many it holds, and whether a row's positions count its attended
+    tokens (OPT's and BioGPT's, from the attention mask: padding takes none) rather than its length."""
+
+    limit: int
+    from_mask: bool
+
+
+def learned_positions(model: nn.Module) -> PositionTable | None:
+    """``model``'s table of learned positions (``config.max_position_embeddings`` or GPT-2's ``n_positions`` of
+    them), or ``None`` for a model without one. Collective where a process group exists: a pipeline's later stages
+    hold no table, and every rank must refuse the same batch."""
     config = getattr(model, "config", None)
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    held = any(_POSITION_TABLE.search(name) and isinstance(m, nn.Embedding) for name, m in model.named_modules())
+    tables = [m for name, m in model.named_modules() if _POSITION_TABLE.search(name) and isinstance(m, nn.Embedding)]
+    mine = (bool(tables), any(type(m).__name__.endswith("LearnedPositionalEmbedding") for m in tables))
+    found: list[Any] = [mine]
     if dist.is_initialized():
-        found: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(found, held)
-        held = any(found)
-    return limit if held and isinstance(limit, int) else None
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, mine)
+    if not any(held for held, _ in found) or not isinstance(limit, int):
+        return None
+    return PositionTable(limit, any(from_mask for _, from_mask in found))
 
 
-def check_batch_positions(inputs: dict[str, Any], limit: int | None, args: Any) -> None:
-    """One line when the batch ``inputs`` reaches a position past ``limit`` (its ``position_ids``, else its
-    length: a padding-free batch's packed rows restart their positions)."""
-    if limit is None:
-        return
-    positions = inputs.get("position_ids")
-    ids = inputs.get("input_ids")
+def _reached(inputs: Any, table: PositionTable) -> int:
+    """The number of positions the batch ``inputs`` takes (0: none it can tell)."""
+    get = getattr(inputs, "get", None)
+    if get is None:
+        return 0
+    positions, mask = get("position_ids"), get("attention_mask")
     if isinstance(positions, torch.Tensor) and positions.numel():
-        reached = int(positions.max()) + 1
-    elif isinstance(ids, torch.Tensor) and ids.dim() == 2:
-        reached = ids.shape[1]
-    else:
+        return int(positions.max()) + 1  # (a padding-free batch's packed rows restart their positions)
+    if table.from_mask and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel():
+        return int(mask.sum(-1).max())
+    for name, dims in (("input_ids", 2), ("inputs_embeds", 3)):
+        given = get(name)
+        if isinstance(given, torch.Tensor) and given.dim() == dims:
+            return given.shape[1]
+    return 0
+
+
+def check_batch_positions(inputs: Any, table: PositionTable | None, args: Any, device: torch.device) -> None:
+    """One line, on every rank, when the batch ``inputs`` of any rank reaches a position past the table's
+    (collective where a process group exists: data-parallel replicas draw other batches, and one refusing alone
+    would leave the others in the gradient's all-reduce)."""
+    if table is None:
         return
-    if reached > limit:
+    reached = _reached(inputs, table)
+    if dist.is_initialized():
+        longest = torch.tensor([reached], dtype=torch.long, device=device)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        reached = int(longest.item())
+    if reached > table.limit:
         length = getattr(args, "max_length", None)
         field = f"{type(args).__name__}.max_length={length}" if length is not None else "the collator's rows"
         raise ConfigError(
-            f"a batch reaches position {reached}, past the model's {limit} learned positions ({field} lets rows "
-            f"that long through): truncate rows to at most {limit} tokens (max_length={limit})"
+            f"a batch reaches position {reached}, past the model's {table.limit} learned positions ({field} lets "
+            f"rows that long through): truncate rows to at most {table.limit} tokens (max_length={table.limit})"
         )

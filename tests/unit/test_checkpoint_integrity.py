@@ -1688,3 +1688,23 @@ def test_a_fifo_in_a_checkpoint_is_refused_without_being_opened(tmp_path):
     assert verify_files(tmp_path, {}, None) == expected
     with pytest.raises(ValueError, match="no regular file"):
         jsonio.read(fifo)
+
+
+def test_rotations_remove_only_readable_mtk_checkpoints_and_true_resumes_the_newest_of_them(tmp_path):
+    """The Trainer's save_total_limit rotation removed a user's checkpoint-3 holding another tool's metadata.json
+    (the thirty-ninth check's data loss, on the Trainer's side); a damaged one is not removed either (mtk cannot tell
+    what it holds), and resume_from_checkpoint=True took transformers' highest checkpoint-N, another tool's."""
+    from pathlib import Path
+
+    from mtk.trainers.checkpoints import _newest_checkpoint, written_checkpoints
+
+    ours = '{"format": "mtk-checkpoint/2"}'
+    metadata = {"checkpoint-2": ours, "checkpoint-3": '{"tool": "other"}', "checkpoint-4": ours,
+                "checkpoint-5": '{"format": "mtk-checkp'}  # fmt: skip
+    for name, text in metadata.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metadata.json").write_text(text)
+    assert [Path(f).name for f in written_checkpoints(str(tmp_path))] == ["checkpoint-2", "checkpoint-4"]
+    assert Path(_newest_checkpoint(tmp_path)).name == "checkpoint-5"  # (damaged: resuming it says what is wrong)
+    (tmp_path / "checkpoint-5" / "metadata.json").unlink()
+    assert Path(_newest_checkpoint(tmp_path)).name == "checkpoint-4"

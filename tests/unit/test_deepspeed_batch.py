@@ -502,5 +502,9 @@ def test_a_deepspeed_json_that_is_not_json_is_one_line_naming_it(tmp_path, monke
         for argv in (["--deepspeed", str(path)], [f"--deepspeed={path}"]):
             with pytest.raises(ConfigError, match=rf"^--deepspeed {path} is not valid JSON \(.*{said}"):
                 check_deepspeed_file(argv)
+        monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # (a Trainer script: the YAML's file, read by
+        with pytest.raises(ConfigError, match=rf"^the accelerate YAML's deepspeed_config_file {path} is not valid"):
+            check_deepspeed_file([])  # TrainingArguments while the arguments are made)
+        monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
     path.write_text('{"train_micro_batch_size_per_gpu": 2}')
     check_deepspeed_file(["--deepspeed", str(path)])

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mtk.checkpoint.atomic import holds_checkpoint
+from mtk.checkpoint.atomic import holds_checkpoint, removable_checkpoint
 from mtk.checkpoint.extras import write_generation_config, write_tokenizer
 from mtk.checkpoint.optimizer_checks import check_scheduler_state
 from mtk.checkpoint.paths import CheckpointPaths, reading
@@ -40,13 +40,14 @@ __all__ = ["ShardedCheckpointing"]
 _AUTOMATIC_NAME = re.compile(r"checkpoint_(\d+)")
 
 
-def _automatic_checkpoints(root: Path) -> Iterator[tuple[int, Path]]:
-    """(index, folder) of the complete mtk checkpoints accelerate's automatic naming wrote under ``root``."""
+def _automatic_checkpoints(root: Path, kept: Callable[[Path], bool] = holds_checkpoint) -> Iterator[tuple[int, Path]]:
+    """(index, folder) of the complete mtk checkpoints accelerate's automatic naming wrote under ``root`` (``kept``:
+    :func:`~mtk.checkpoint.atomic.removable_checkpoint` for those a rotation may remove)."""
     if not root.is_dir():
         return
     for folder in root.iterdir():
         match = _AUTOMATIC_NAME.fullmatch(folder.name)
-        if match and holds_checkpoint(folder):
+        if match and kept(folder):
             yield int(match[1]), folder
 
 
@@ -138,7 +139,7 @@ class ShardedCheckpointing(_Host):
             )
         limit = self.project_configuration.total_limit
         if limit is not None and self.is_main_process:
-            ours = sorted(_automatic_checkpoints(root), key=lambda item: item[0])
+            ours = sorted(_automatic_checkpoints(root, removable_checkpoint), key=lambda item: item[0])
             for _, folder in ours[: max(len(ours) + 1 - limit, 0)]:
                 shutil.rmtree(folder)
         self.wait_for_everyone()
