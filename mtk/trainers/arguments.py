@@ -277,6 +277,8 @@ def check_deepspeed_file(argv: list[str] | None = None) -> None:
         try:
             jsonio.read(path)
         except (OSError, ValueError) as err:
+            if "given twice" in str(err):  # (transformers would keep the last)
+                raise ConfigError(f"DeepSpeed config {path}: {err}; give each key once") from None
             raise ConfigError(f"{what} {path} is not valid JSON ({err}); fix the file") from None
 
 

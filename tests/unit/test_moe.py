@@ -20,10 +20,10 @@ def test_context_and_pipeline_parallelism_take_the_routers_load_balancing_loss_w
     assert router_loss_refusal(config) is None
     assert router_loss_refusal(config, "pipeline parallelism") is None
 
-    class OwnCode(nn.Module):  # an MoE model of its own code: its loss cannot be summed over the group
+    class OwnCodeForCausalLM(nn.Module):  # an MoE model of its own code: its loss cannot be summed over the group
         pass
 
-    own = OwnCode()
+    own = OwnCodeForCausalLM()
     own.config = config
     for parallelism in ("context parallelism", "pipeline parallelism"):
         with pytest.raises(UnsupportedModelError, match="needs transformers' load_balancing_loss_func") as refused:
