@@ -46,7 +46,6 @@ from mtk.errors import ConfigError
 from mtk.models import is_causal_lm_class
 from mtk.parallel.a2a_attention import all_to_all_attention
 from mtk.parallel.comm import Group, all_reduce, gather_from_sequence, group_rank, group_size
-from mtk.parallel.model_outputs import zero_gradients
 from mtk.parallel.recompute import never_saved
 from mtk.parallel.ring_attention import ring_attention
 from mtk.parallel.router_loss import set_active, whole_router_loss
@@ -279,7 +278,6 @@ class _SplitInputs:
         self.split = split
         self.unsplit = unsplit
         self.signature = signature
-        self.silenced = False  # (a whole call's gradient is this rank's to drop: whole_call_gradients)
 
     def __call__(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
         if args:  # (model(ids, mask): every positional argument, by name)
@@ -289,14 +287,18 @@ class _SplitInputs:
         training = module.training and torch.is_grad_enabled()
         decoding = KEYWORD not in kwargs and (carries_cache(kwargs) or (asked_cache is True and not training))
         _attend_with(module, self.unsplit if decoding else ATTENTION)
-        summed = torch.is_grad_enabled() and not self.split.average  # (DeepSpeed sums the CP ranks' gradients)
-        self.silenced = decoding and summed and group_rank(self.split.group) != 0
         if decoding:
             refuse_split_call_cache(module, kwargs)
             if training:  # (whole on every rank: gradients cp times the share where the CP ranks' are summed)
                 raise ConfigError(
                     f"{type(module).__name__} is context-parallel: a training call that carries a KV cache (a "
                     "prefix's keys, PEFT's prefix tuning) cannot be split over the CP ranks; use cp = 1"
+                )
+            if torch.is_grad_enabled() and not self.split.average:  # (DeepSpeed sums the CP ranks' gradients)
+                raise ConfigError(
+                    f"{type(module).__name__} is context-parallel under DeepSpeed, which sums the CP ranks' "
+                    "gradients: a call that runs whole on every CP rank (eval mode with a KV cache) with gradients on "
+                    "would pass back cp copies of its gradient; run it under torch.no_grad() (decoding), or use cp = 1"
                 )
             return (), kwargs
         if KEYWORD in kwargs:
@@ -328,13 +330,6 @@ class _SplitInputs:
         local[KEYWORD].cache_stand_in = bool(returns_cache)
         set_active(local[KEYWORD])  # the router's load-balancing loss sums over the group (mtk.parallel.router_loss)
         return (), {**kwargs, **local}
-
-    def whole_call_gradients(self, module: Any, args: tuple, output: Any) -> Any:
-        """Forward hook: a whole call with gradients on, where the CP ranks' gradients are summed, passes back its
-        gradient on the group's first rank only (every rank computed the whole rows': the sum of ``cp`` of them was
-        ``cp`` times one process's)."""
-        silenced, self.silenced = self.silenced, False
-        return zero_gradients(output) if silenced else output
 
 
 def _attend_with(model: Any, implementation: str) -> None:
@@ -471,7 +466,6 @@ def attach_context_parallel(
     split_inputs = _SplitInputs(split, unsplit, inspect.signature(model.forward))
     model.register_forward_pre_hook(split_inputs, with_kwargs=True, prepend=True)
     model.register_forward_hook(_whole_outputs, with_kwargs=True)
-    model.register_forward_hook(split_inputs.whole_call_gradients)
     model.register_forward_hook(_context_attention_again, always_call=True)
     model.create_masks_for_generate = _OwnAttentionMasks(model, unsplit)
     setattr(model, _ATTACHED, split)

@@ -11,9 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-
-__all__ = ["rebuilt_output", "zero_gradients"]
+__all__ = ["rebuilt_output"]
 
 
 def rebuilt_output(output: Any, **changes: Any) -> Any:
@@ -25,39 +23,3 @@ def rebuilt_output(output: Any, **changes: Any) -> Any:
         if key not in fields:
             rebuilt[key] = value
     return rebuilt
-
-
-class _NoGradient(torch.autograd.Function):
-    """A copy of the tensor forward (a node of its own and no view, which the caller may change in place), a zero
-    gradient backward (the backward still runs through the graph, so every hook a reduction waits for fires)."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(grad)
-
-
-def zero_gradients(output: Any) -> Any:
-    """``output`` (a ``ModelOutput`` or a tuple) whose tensors pass back a zero gradient.
-
-    Each tensor that needs a gradient is replaced by a copy that is a node of its own: a loss built from several
-    outputs (the logits and a hidden state before them) passes nothing back on any path, an in-place change of an
-    output afterwards is the copy's, and a tensor the caller also holds (``inputs_embeds``, returned as the first
-    hidden state) keeps its gradient from every other use. The copies cost the outputs' memory once; this runs only
-    for a context-parallel call that runs whole with gradients on a rank whose gradient is not wanted."""
-
-    def silenced(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            return _NoGradient.apply(value)
-        if isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
-            return tuple(silenced(v) for v in value)
-        return value
-
-    if isinstance(output, tuple):
-        return tuple(silenced(value) for value in output)
-    for key, value in list(output.items()):
-        output[key] = silenced(value)
-    return output

@@ -215,27 +215,30 @@ def _attached_checks(rank: int, cp: int) -> None:
     # in eval mode with gradients on (a decoding loop without no_grad): the whole rows' cache too (a stand-in before)
     assert not isinstance(model(input_ids=prompt, attention_mask=mask, use_cache=True).past_key_values, SplitCallCache)
     # that call runs whole, so every rank computes the whole rows' gradients: averaged over the group they are one
-    # process's, and where the CP ranks' gradients are summed (DeepSpeed's reduction: attached with average=False)
-    # only the group's first rank passes them back (cp times one process's before): on every path of a loss of two
-    # outputs, and after an in-place change of an output
+    # process's (the parameters' and a caller's own tensor's, after an in-place change of an output too); where the
+    # CP ranks' gradients are summed (DeepSpeed's reduction: attached with average=False) it is one line (cp times
+    # one process's before)
     whole = {**_batch("padded"), "use_cache": True}
     expected = reference(**whole)
     reference.zero_grad()
     (expected.loss + expected.logits.mean()).backward()
+    grads = dict(reference.named_parameters())
+    model.zero_grad()
+    out = model(**whole)
+    out.loss.div_(2)
+    (2 * out.loss + out.logits.mean()).backward()
+    assert_close_rel(2 * out.loss.detach(), expected.loss, "whole call's loss")
+    for param_name, param in model.named_parameters():
+        grad = param.grad.clone()
+        dist.all_reduce(grad, group=group)
+        grad /= dist.get_world_size(group)
+        assert_close_rel(grad, grads[param_name].grad, f"whole call's grad of {param_name}", scale_floor=1e-6)
     summed = build_model("tiny-llama", seed=0).eval()
     attach_context_parallel(summed, group, "a2a", average=False)
-    grads = dict(reference.named_parameters())
-    for attached, average in ((model, True), (summed, False)):
-        attached.zero_grad()
-        out = attached(**whole)
-        out.loss.div_(2)  # (an in-place change: a custom Function's view raised here)
-        (2 * out.loss + out.logits.mean()).backward()
-        assert_close_rel(2 * out.loss.detach(), expected.loss, f"whole call's loss (average {average})")
-        for param_name, param in attached.named_parameters():
-            grad = param.grad.clone()
-            dist.all_reduce(grad, group=group)
-            grad /= dist.get_world_size(group) if average else 1
-            assert_close_rel(grad, grads[param_name].grad, f"whole call's grad of {param_name}", scale_floor=1e-6)
+    with pytest.raises(ConfigError, match="which sums the CP ranks' gradients: a call that runs whole on every"):
+        summed(**whole)
+    with torch.no_grad():  # (decoding: nothing to pass back)
+        assert_close_rel(summed(**whole).logits, expected.logits.detach(), "whole call without gradients, summed")
     model.train()  # a training call that carries a cache (a prefix's keys) would run whole with gradients
     with pytest.raises(ConfigError, match="a training call that carries a KV cache"):
         model(input_ids=prompt[:, :1], past_key_values=DynamicCache())
