@@ -73,11 +73,17 @@ def claim_output_dir(output_dir: str, resume: str | bool | None, *, main_process
             (entry.name for entry in folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if _CHECKPOINT.fullmatch(entry.name)),
             key=lambda name: int(name.rsplit("-", 1)[1]),
         )
-        if earlier:
+        ours = [name for name in earlier if holds_checkpoint(folder / name) and not (folder / name).is_symlink()]
+        if ours:
             raise CheckpointError(
-                f"output_dir {output_dir} already holds {', '.join(earlier)} of an earlier run, which this run would "
+                f"output_dir {output_dir} already holds {', '.join(ours)} of an earlier run, which this run would "
                 "replace or rotate away; continue it with resume_from_checkpoint (True, or the path of its newest "
                 "checkpoint-N), or pass another output_dir"
+            )
+        if earlier:  # (another tool's folders of the name: nothing of mtk's to resume)
+            raise CheckpointError(
+                f"output_dir {output_dir} holds {', '.join(earlier)}, which no mtk Trainer wrote (no mtk metadata in "
+                "it), where this run would write its checkpoint-N folders; move them away, or pass another output_dir"
             )
         _refuse_a_model_there(folder)
         return None

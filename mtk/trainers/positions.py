@@ -80,8 +80,11 @@ def check_batch_positions(inputs: Any, table: PositionTable | None, args: Any, d
         reached = int(longest.item())
     if reached > table.limit:
         length = getattr(args, "max_length", None)
-        field = f"{type(args).__name__}.max_length={length}" if length is not None else "the collator's rows"
+        fix = (
+            f"{type(args).__name__}.max_length={length} lets rows that long through: set it to at most {table.limit}"
+            if length is not None
+            else f"truncate the rows your data or collator builds to at most {table.limit} tokens"
+        )
         raise ConfigError(
-            f"a batch reaches position {reached}, past the model's {table.limit} learned positions ({field} lets "
-            f"rows that long through): truncate rows to at most {table.limit} tokens (max_length={table.limit})"
+            f"a batch reaches position {reached}, past the model's {table.limit} learned positions; {fix}"
         )

@@ -47,7 +47,7 @@ def test_a_trainer_run_keeps_what_was_in_its_output_dir(llama_tp1, tmp_path):
     mine = tmp_path / "out" / "checkpoint-0"
     mine.mkdir(parents=True)
     (mine / "notes.txt").write_text("mine")
-    _one_line(_sft(tmp_path / "out", "--max_steps", "2"), "already holds checkpoint-0 of an earlier run")
+    _one_line(_sft(tmp_path / "out", "--max_steps", "2"), "holds checkpoint-0, which no mtk Trainer wrote")
     assert (mine / "notes.txt").read_text() == "mine"
     model_dir = tmp_path / "base"  # a model given as the output_dir too: save_model would replace its files
     model_dir.mkdir()
@@ -75,7 +75,7 @@ def test_a_trainer_run_keeps_what_was_in_its_output_dir(llama_tp1, tmp_path):
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-0", "checkpoint-3"]
     assert (run / "checkpoint-0" / "notes.txt").read_text() == "mine"
 
-    _one_line(_sft(run, "--max_steps", "2"), "already holds checkpoint-0, checkpoint-3 of an earlier run")
+    _one_line(_sft(run, "--max_steps", "2"), "already holds checkpoint-3 of an earlier run")  # (not the user's)
     continued = _sft(run, "--max_steps", "4", *rotating, "--resume_from_checkpoint", "True")  # as the lines advise
     assert continued.returncode == 0, continued.stderr[-2000:]
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-0", "checkpoint-4"]

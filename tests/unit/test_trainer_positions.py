@@ -26,13 +26,16 @@ def test_only_a_table_of_learned_positions_has_a_limit():
 def test_a_batch_past_the_table_is_one_line_and_packed_positions_count_as_given():
     args, table, cpu = SimpleNamespace(max_length=256), PositionTable(32, from_mask=False), torch.device("cpu")
     check_batch_positions({"input_ids": torch.zeros(2, 32, dtype=torch.long)}, table, args, cpu)
-    with pytest.raises(ConfigError, match=r"reaches position 33, past the model's 32 learned positions \(Simple"):
+    said = r"reaches position 33, past the model's 32 learned positions; SimpleNamespace.max_length=256 lets rows"
+    with pytest.raises(ConfigError, match=said):
         check_batch_positions({"input_ids": torch.zeros(2, 33, dtype=torch.long)}, table, args, cpu)
     packed = torch.cat([torch.arange(20), torch.arange(20)])[None]  # (a padding-free row of two examples)
     row = {"input_ids": torch.zeros(1, 40, dtype=torch.long), "position_ids": packed}
     check_batch_positions(row, table, args, cpu)
     check_batch_positions({"input_ids": torch.zeros(2, 99, dtype=torch.long)}, None, args, cpu)  # (no table)
     check_batch_positions([torch.zeros(2, 99)], table, args, cpu)  # (a collator's own batch type: nothing to tell)
+    with pytest.raises(ConfigError, match="; truncate the rows your data or collator builds to at most 32 tokens$"):
+        check_batch_positions({"input_ids": torch.zeros(2, 33, dtype=torch.long)}, table, None, cpu)  # (Trainer's)
     # OPT's positions count the attended tokens: a batch padded past the table runs in one process
     mask = torch.zeros(2, 40, dtype=torch.long)
     mask[:, :30] = 1
