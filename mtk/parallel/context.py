@@ -255,7 +255,14 @@ class ContextSplit:
         if "attention_mask" not in tensors and length % self.multiple:  # (the appended positions marked invalid:
             # the router's load-balancing loss counts the valid tokens, and the unsplit model had no pads)
             tensors = {**tensors, "attention_mask": torch.ones_like(tensors["input_ids"])}
-        padded, _ = pad_batch(tensors, self.multiple, reason="context parallelism")
+        padded, extra = pad_batch(tensors, self.multiple, reason="context parallelism")
+        if extra:  # the appended positions repeat the row's last (a table of learned positions, GPT-2's, ends at
+            # the model's length: counting on went past it); they are invalid keys and no real token sees them
+            given = tensors.get("position_ids")
+            rows = tensors["input_ids"].shape[0]
+            real = given.expand(rows, -1) if given is not None else torch.arange(length).expand(rows, -1)  # [b, S]
+            real = real.to(tensors["input_ids"].device)
+            padded["position_ids"] = torch.cat([real, real[:, -1:].expand(-1, extra)], dim=1)  # [b, S + extra]
         local, count = split_for_context(padded, self.group, self.comm)
         shard = local[KEYWORD]
         shard.row_length = length if row_length is None else row_length

@@ -361,3 +361,34 @@ def _lora_generate(rank: int, cp: int) -> None:
 
 def test_a_lora_model_at_cp_generates_one_process_tokens():
     run_distributed(_lora_generate, world_size=2)
+
+
+def _learned_table_checks(rank: int, cp: int) -> None:
+    """GPT-2's table of 30 learned positions and a row of 30 tokens: the split pads it to 32, and the appended
+    positions counted on past the table (an IndexError in torch.embedding on one rank, "a collective failed" on the
+    other; one process trains it). They repeat the row's last position now; nothing real sees them."""
+    from mtk.models import resolve_config
+
+    config = resolve_config("tiny-gpt2")
+    config.n_positions = 30
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    reference = build_model(config, seed=0)
+    model = copy.deepcopy(reference)
+    attach_context_parallel(model, dist.group.WORLD, "p2p")
+    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(4))
+    expected = reference(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert_close_rel(out.loss.detach(), expected.loss, "loss of rows as long as the table")
+    grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        grad = param.grad.clone()
+        dist.all_reduce(grad)
+        assert_close_rel(grad / cp, grads[name].grad, f"grad of {name}", scale_floor=1e-6)
+    with torch.no_grad():
+        assert_close_rel(model(input_ids=ids).logits, reference(input_ids=ids).logits, "logits")
+
+
+def test_rows_as_long_as_a_table_of_learned_positions_are_split():
+    run_distributed(_learned_table_checks, world_size=2)
