@@ -6,14 +6,17 @@ in DeepSpeed, PEFT or the bench's peers); ``mtk --help`` imports them all to lis
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
+import functools
 import importlib
 import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from mtk import __version__
 from mtk.args import ArgumentParser
@@ -42,12 +45,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; bad input is one line and exit status 2, a Ctrl-C one line and 130 (the shell's status
     for a program SIGINT stopped). The package imports nothing heavy before this runs (``mtk/__init__.py``), so
     the subcommand's imports are inside it too."""
+    previous = sys.unraisablehook
+    sys.unraisablehook = functools.partial(_interrupt_again, previous)
     try:
         return _main(argv)
     except KeyboardInterrupt:  # what a command leaves is already cleaned (export stages, saves are atomic)
         _close_progress_bars()
         print(INTERRUPTED, file=sys.stderr)
         return 130
+    finally:
+        sys.unraisablehook = previous
+
+
+def _interrupt_again(previous: Callable[[Any], Any], unraisable: Any) -> None:
+    """``sys.unraisablehook``: a Ctrl-C that lands in code Python cannot raise from (a weakref callback, a
+    ``__del__``: a thread pool's, collected as an export ends) was printed as "Exception ignored ... Traceback" and
+    lost, and the command went on. It is delivered to the main thread again, where :func:`main` says it in one line."""
+    if isinstance(unraisable.exc_type, type) and issubclass(unraisable.exc_type, KeyboardInterrupt):
+        _thread.interrupt_main()
+        return
+    previous(unraisable)
 
 
 INTERRUPTED = "mtk: interrupted (SIGINT); stopped, nothing half-written is left"

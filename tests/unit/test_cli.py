@@ -57,3 +57,26 @@ def test_an_interrupt_closes_the_progress_bars_before_its_line(capsys, monkeypat
     monkeypatch.setattr(cli, "_main", interrupted)
     assert cli.main([]) == 130
     assert capsys.readouterr().err.splitlines()[-1] == cli.INTERRUPTED
+
+
+def test_a_ctrl_c_python_could_not_raise_is_delivered_again_not_printed(capsys):
+    """A SIGINT that lands in a weakref callback (a thread pool collected as an export ends) was printed as
+    "Exception ignored ... Traceback ... KeyboardInterrupt" and lost: the command went on and exited 0."""
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    import pytest
+
+    from mtk.cli.main import _interrupt_again
+
+    printed = []
+    unraisable = SimpleNamespace(exc_type=KeyboardInterrupt, exc_value=KeyboardInterrupt(), object=None)
+    with pytest.raises(KeyboardInterrupt):
+        _interrupt_again(printed.append, unraisable)
+        for _ in range(100):  # (the interrupt arrives in the main thread at its next check)
+            time.sleep(0.01)
+    assert printed == []
+    other = SimpleNamespace(exc_type=ValueError, exc_value=ValueError("x"), object=None)
+    _interrupt_again(printed.append, other)
+    assert printed == [other] and sys.unraisablehook is not _interrupt_again
