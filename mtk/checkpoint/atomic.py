@@ -156,10 +156,10 @@ def removable_checkpoint(folder: Path) -> bool:
 
 
 def holds_checkpoint(folder: Path) -> bool:
-    """Whether ``folder`` holds a complete checkpoint of mtk's, to list, resume, rotate or remove: its
-    ``metadata.json`` is a regular file, not a link, and not another tool's file of that name (readable JSON that
-    names no mtk format: an evaluation harness's ``step_3/``). Damaged metadata still counts: reading the checkpoint
-    says what is wrong with it (and nothing removes it)."""
+    """Whether ``folder`` holds a complete checkpoint of mtk's, to list and resume: its ``metadata.json`` is a
+    regular file, not a link, and not another tool's file of that name (readable JSON that names no mtk format: an
+    evaluation harness's ``step_3/``). Damaged metadata still counts: reading the checkpoint says what is wrong with
+    it. What a rotation or ``--overwrite`` may remove is :func:`removable_checkpoint`'s, stricter."""
     path = folder / "metadata.json"
     if path.is_symlink() or not path.is_file():
         return False
