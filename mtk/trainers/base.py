@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import threading
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 import transformers.trainer as hf_trainer
+from transformers.trainer_utils import speed_metrics as _speed_metrics
 
 from mtk.errors import ConfigError, library_refusals
 from mtk.integrations.accelerate import Accelerator
@@ -329,6 +331,27 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
         if isinstance(wrapped, PipelineModel) and model is self.model:
             return wrapped
         return super()._wrap_model(model, training, dataloader)  # type: ignore[misc]
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's, with its step rate counted over the data-parallel replicas (:meth:`_replica_speed`)."""
+        with _in_trainer_module(speed_metrics=self._replica_speed):
+            return super().evaluate(*args, **kwargs)  # type: ignore[misc]
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        """As :meth:`evaluate`."""
+        with _in_trainer_module(speed_metrics=self._replica_speed):
+            return super().predict(*args, **kwargs)  # type: ignore[misc]
+
+    def _replica_speed(
+        self, split: str, start_time: float, num_samples: int | None = None, num_steps: Any = None, **kwargs: Any
+    ) -> dict[str, float]:
+        """transformers' ``speed_metrics`` for an evaluation: its step count divides the rows by the eval batch
+        times the world size, and the world counts every TP, PP and CP rank of a replica, which share one batch;
+        the replicas are ``world / get_tp_size()``."""
+        if num_samples is not None and num_steps is not None:
+            replicas = max(1, self.accelerator.num_processes // self.get_tp_size())
+            num_steps = math.ceil(num_samples / (self.args.eval_batch_size * replicas))
+        return _speed_metrics(split, start_time, num_samples=num_samples, num_steps=num_steps, **kwargs)
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's; an evaluation before any training sets DeepSpeed up through mtk's

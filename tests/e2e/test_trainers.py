@@ -52,6 +52,13 @@ def _mtk_run(config: str, out_dir: Path, *args: str, env: dict | None = None, pr
     return _history(out_dir)
 
 
+def _rows_per_eval_step(history: list[dict]) -> list[float]:
+    """Each evaluation's rows per step, from the speed metrics transformers logs (rows/s over steps/s)."""
+    rates = [entry for entry in history if "eval_steps_per_second" in entry]
+    assert rates, history
+    return [entry["eval_samples_per_second"] / entry["eval_steps_per_second"] for entry in rates]
+
+
 def assert_same_history(actual: list[dict], expected: list[dict], what: str, steps=None) -> None:
     """Every logged number of ``expected`` (at ``steps``, default all) within the bar in ``actual``."""
     want = [entry for entry in expected if steps is None or entry["step"] in steps]
@@ -87,6 +94,8 @@ def test_tp2_logs_the_trainers_numbers_and_saves_what_from_pretrained_loads(refe
     history, hf_dir = reference["metrics"]
     assert any("eval_accuracy" in entry for entry in history)
     assert_same_history(_history(tp2_run), history, "TP=2")
+    # the evaluation's step rate counts replicas' steps (the world counted both TP ranks: half the steps)
+    assert _rows_per_eval_step(_history(tp2_run)) == pytest.approx(_rows_per_eval_step(history), rel=0.01)
     ours = load_file(tp2_run / "final" / "model.safetensors")
     theirs = load_file(hf_dir / "final" / "model.safetensors")
     assert sorted(ours) == sorted(theirs)
