@@ -33,7 +33,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from mtk.convert.whole_outputs import attach_whole_outputs
 from mtk.errors import ConfigError
 from mtk.parallel.comm import Group, gather_from_sequence, group_size, scatter_to_sequence
-from mtk.parallel.parameters import param_info, set_param_info
+from mtk.parallel.parameters import is_tensor_parallel, param_info, set_param_info
 from mtk.parallel.random import DEFAULT_STREAM, TP_SEED_OFFSET, TP_STREAM, ForkAround, RNGStreams
 from mtk.parallel.sequence_padding import (
     carries_cache,
@@ -203,7 +203,7 @@ def apply_regions(
         for block in blocks:
             for param in block.parameters():
                 info = param_info(param)
-                if not getattr(param, "tensor_model_parallel", False) and not info.tp_shared:
+                if not is_tensor_parallel(param) and not info.tp_shared:
                     set_param_info(param, sequence_parallel=True)
             ForkAround(streams, TP_STREAM).register(block)  # every activation in a block is split
         return streams

@@ -26,7 +26,7 @@ from mtk.errors import TrainingError
 from mtk.parallel.comm import all_reduce
 from mtk.parallel.expert_parallel import is_expert_parallel
 from mtk.parallel.fsdp import is_sharded, local
-from mtk.parallel.parameters import param_info
+from mtk.parallel.parameters import is_tensor_parallel, param_info
 from mtk.parallel.state import ParallelState
 
 __all__ = ["check_finite", "clip_grad_norm_tp_", "grad_norm_tp"]
@@ -36,9 +36,15 @@ def _weight(param: torch.Tensor, parallel: ParallelState) -> float:
     info = param_info(param)
     if info.pipeline_duplicate:  # the last stage's copy of a tied embedding
         return 0.0
-    if getattr(param, "tensor_model_parallel", False):
+    if is_tensor_parallel(param):
         return 1.0 / info.tp_replicas
     return 1.0 if parallel.tp_rank == 0 else 0.0
+
+
+def _sum_dtype(grads: Iterable[torch.Tensor]) -> torch.dtype:
+    """fp32, or fp64 where a gradient is (torch's ``clip_grad_norm_`` sums in the gradients' own dtype: an fp64
+    model's norm in fp32 would differ from one process's by fp32 rounding)."""
+    return torch.float64 if any(grad.dtype == torch.float64 for grad in grads) else torch.float32
 
 
 def grad_norm_tp(parameters: Iterable[torch.Tensor], parallel: ParallelState, norm_type: float = 2.0) -> torch.Tensor:
@@ -50,11 +56,12 @@ def grad_norm_tp(parameters: Iterable[torch.Tensor], parallel: ParallelState, no
     # FSDP2 gradients: this rank's piece of its TP shard; the pieces of one shard group are disjoint
     split = next((cast(Any, grad).device_mesh.get_group("dp_shard") for grad, _ in grads if is_sharded(grad)), None)
     if norm_type == math.inf:
-        total = torch.zeros(1, dtype=torch.float32, device=device)
+        wide = _sum_dtype(grad for grad, _ in grads)
+        total = torch.zeros(1, dtype=wide, device=device)
         for grad, _ in grads:
             piece = local(grad).detach()
             if piece.numel():
-                total = torch.maximum(total, piece.abs().max().float())
+                total = torch.maximum(total, piece.abs().max().to(wide))
         if split is not None:
             all_reduce(total, split, op=dist.ReduceOp.MAX)
         if parallel.ep_size > 1:
@@ -62,10 +69,11 @@ def grad_norm_tp(parameters: Iterable[torch.Tensor], parallel: ParallelState, no
         return all_reduce(total, parallel.mp_group, op=dist.ReduceOp.MAX)[0]
     if norm_type != 2.0:
         raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
-    totals = torch.zeros(3, dtype=torch.float32, device=device)  # [whole on this rank, split over DP, this EP rank's]
+    wide = _sum_dtype(grad for grad, _ in grads)
+    totals = torch.zeros(3, dtype=wide, device=device)  # [whole on this rank, split over DP, this EP rank's]
     for (grad, weight), expert in zip(grads, experts):
         if weight:
-            totals[2 if expert else int(is_sharded(grad))] += weight * local(grad).detach().float().pow(2).sum()
+            totals[2 if expert else int(is_sharded(grad))] += weight * local(grad).detach().to(wide).pow(2).sum()
     if split is not None:
         totals[1:2] = all_reduce(totals[1:2].clone(), split)
     if parallel.ep_size > 1:

@@ -254,9 +254,12 @@ class KVReplicatedColumnLinear(ColumnParallelLinear):
             device=device,
             dtype=dtype,
         )
-        set_param_info(self.weight, tp_replicas=self.copies)
-        if self.bias is not None:
-            set_param_info(self.bias, tp_replicas=self.copies)
+        for param in (self.weight, self.bias):
+            if param is not None:
+                set_param_info(param, tp_replicas=self.copies)
+                # DeepSpeed's norm adds a tensor_model_parallel gradient on every rank (others on TP rank 0 only):
+                # a head held by `copies` ranks is added once, by the first of them (mtk's norm weighs each 1/c)
+                param.tensor_model_parallel = self.tp_rank % self.copies == 0  # type: ignore[attr-defined]
 
     def _local_rows(self) -> tuple[tuple[tuple[int, int], ...], int]:
         if self.tp_size % self.num_kv_heads:

@@ -8,7 +8,8 @@ duplicate. They are kept in one ``ParamInfo`` per parameter (``param.mtk_info``)
 the Megatron attributes below, to a replacement tensor.
 
 The Megatron attributes DeepSpeed reads (``tensor_model_parallel``, ``partition_dim``,
-``partition_stride``) stay plain attributes: that is the protocol DeepSpeed's clipping understands.
+``partition_stride``) stay plain attributes: that is the protocol DeepSpeed's clipping understands (whether a
+parameter is split over TP is :func:`is_tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "ParamInfo",
     "copy_param_info",
     "is_expert_parallel",
+    "is_tensor_parallel",
     "mark_tensor_parallel",
     "param_info",
     "set_param_info",
@@ -84,6 +86,16 @@ def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:
     param.tensor_model_parallel = True  # type: ignore[attr-defined]  # DeepSpeed's protocol, not torch's type
     param.partition_dim = partition_dim  # type: ignore[attr-defined]
     param.partition_stride = 1  # type: ignore[attr-defined]
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    """A parameter split over TP (each rank holds a slice, or a copy of one: :attr:`ParamInfo.tp_replicas`).
+
+    ``tensor_model_parallel`` is not this question: DeepSpeed reads it as "count this rank's gradient in the
+    norm" (a parameter without it counts on TP rank 0 only), so a slice held by several ranks carries it on the
+    first of them alone (:class:`~mtk.parallel.layers.KVReplicatedColumnLinear`). ``partition_dim`` is on every copy.
+    """
+    return hasattr(param, "partition_dim")
 
 
 def copy_param_info(source: torch.Tensor, target: torch.Tensor) -> None:

@@ -176,6 +176,7 @@ def _optimizer_updates(rank: int, world_size: int) -> list:
 
     from mtk import Accelerator, ConfigError, ParallelConfig
     from mtk.models import build_model
+    from mtk.parallel.parameters import is_tensor_parallel
 
     accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=2))
     model = accelerator.prepare(build_model("tiny-llama"))
@@ -186,8 +187,8 @@ def _optimizer_updates(rank: int, world_size: int) -> list:
         with pytest.raises(ConfigError, match="Adafactor computes its update from statistics of each whole tensor"):
             accelerator.prepare(whole_tensor)
     # prepared holding replicated parameters alone, then given TP shards: refused when they are added, and left out
-    replicated = [p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)]
-    split = [p for p in model.parameters() if getattr(p, "tensor_model_parallel", False)]
+    replicated = [p for p in model.parameters() if not is_tensor_parallel(p)]
+    split = [p for p in model.parameters() if is_tensor_parallel(p)]
     later = accelerator.prepare(torch.optim.Adafactor(replicated))
     with pytest.raises(ConfigError, match="Adafactor computes its update from statistics of each whole tensor"):
         later.add_param_group({"params": split})

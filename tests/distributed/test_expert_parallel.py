@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from mtk.parallel.expert_parallel import expert_placement, is_expert_parallel, spread_experts
-from mtk.parallel.parameters import param_info
+from mtk.parallel.parameters import is_tensor_parallel, param_info
 from mtk.testing import assert_close_rel, run_distributed
 from mtk.verify.sweep import tiny_config
 
@@ -239,7 +239,7 @@ def _accelerator_worker(
         wanted = dict(reference.named_parameters())
         trained = accelerator.unwrap_model(model)
         for name, param in trained.named_parameters():
-            if getattr(param, "tensor_model_parallel", False):  # (split over TP: compared by the norms above)
+            if is_tensor_parallel(param):  # (split over TP: compared by the norms above)
                 continue
             placement = expert_placement(trained.get_submodule(name.rsplit(".", 1)[0]))
             want = wanted[name].detach()

@@ -62,6 +62,7 @@ from mtk.parallel.gather import gather_state_dict
 from mtk.parallel.grad_norm import clip_grad_norm_tp_
 from mtk.parallel.grads import sum_tp_shared_grads_at_step, sync_sequence_parallel_grads
 from mtk.parallel.optimizer_updates import check_elementwise_update, checked_additions
+from mtk.parallel.parameters import is_tensor_parallel
 from mtk.parallel.state import ParallelState, default_device
 from mtk.pipeline.engine import PipelineModel
 from mtk.training.entry import report_mtk_errors
@@ -288,7 +289,7 @@ class Accelerator(
             p
             for model in [*models, *self._models]
             for p in model.parameters()
-            if getattr(p, "tensor_model_parallel", False) or self.sharding is not None
+            if is_tensor_parallel(p) or self.sharding is not None
         ]
         stands_for = None  # accelerate's DummyOptim stands for the DeepSpeed JSON's optimizer
         if self.uses_deepspeed and type(optimizer).__name__ == "DummyOptim":
