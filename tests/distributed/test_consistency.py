@@ -203,6 +203,42 @@ def test_an_iterable_dataset_at_tp2_trains_on_every_batch_as_one_process():
         assert_close_rel(torch.tensor(losses), torch.tensor(reference), "losses")
 
 
+def _stream_rows_gathered(rank, world_size, kind):
+    """Row ids of a 10-row stream, evaluated in batches of 2 and gathered for metrics (tp 2 x dp 2 when launched on
+    4 processes; plain accelerate on one)."""
+    import datasets
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from mtk import Accelerator, ParallelConfig
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(10)
+
+    if kind == "torch":
+        stream = Stream()
+    else:  # 3 shards of 4, 3 and 3 rows: split by shards, one replica had 7 rows and the other 3
+        stream = datasets.Dataset.from_list([{"id": i} for i in range(10)]).to_iterable_dataset(num_shards=3)
+    accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=min(world_size, 2)))
+    collate = (
+        (lambda rows: torch.tensor(rows)) if kind == "torch" else (lambda rows: torch.tensor([r["id"] for r in rows]))
+    )
+    loader = accelerator.prepare(DataLoader(stream, batch_size=2, collate_fn=collate))
+    gathered = [accelerator.gather_for_metrics(batch) for batch in loader]
+    return torch.cat(gathered).tolist()
+
+
+@pytest.mark.parametrize("kind", ["torch", "datasets"])
+def test_a_stream_evaluated_at_tp2_dp2_gathers_each_row_once(kind):
+    """A stream's last batch is evened out with repeats of its first rows, which gather_for_metrics kept (mtk reads
+    streams without accelerate's dispatching: a 10-row evaluation scored 12 rows); a ``datasets`` stream of 3 shards
+    was split by its shards, the replicas drawing 4 and 2 batches. Each row once, in plain accelerate's order."""
+    (reference,) = run_distributed(_stream_rows_gathered, world_size=1, args=(kind,))
+    assert reference == list(range(10))
+    for rows in run_distributed(_stream_rows_gathered, world_size=4, args=(kind,)):
+        assert rows == reference
+
+
 def _per_rank_batches(rank, world_size):
     """A loop that feeds each TP rank its own batch (not from a prepared loader): the message, if any."""
     from mtk import Accelerator, ParallelConfig

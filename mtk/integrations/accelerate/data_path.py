@@ -14,6 +14,7 @@ from torch.utils.data import IterableDataset
 
 from mtk.errors import ConfigError
 from mtk.integrations.accelerate.batches import broadcasting, unwrapped
+from mtk.integrations.accelerate.streams import count_stream_rows, one_stream_per_replica
 from mtk.parallel.state import ParallelState
 from mtk.training.windows import StepWindow, step_windows
 
@@ -39,7 +40,18 @@ class DataPath(_Host):
         however each rank's loader draws."""
         if getattr(data_loader, "_is_accelerate_prepared", False):
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
-        prepared = prepare_data_loader(
+        dispatch = self._dispatch(data_loader)
+        forced = dispatch is False and self.parallel.dp_size != self.num_processes  # (mtk's choice, not the user's)
+        with one_stream_per_replica(forced and isinstance(data_loader.dataset, IterableDataset)):
+            prepared = self._prepare_shard(data_loader, device_placement, slice_fn_for_dispatch, dispatch)
+        count_stream_rows(prepared)
+        prepared = self._broadcasting(prepared)
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def _prepare_shard(self, data_loader, device_placement, slice_fn_for_dispatch, dispatch):
+        """accelerate's ``prepare_data_loader`` over the data-parallel replicas."""
+        return prepare_data_loader(
             data_loader,
             self.device,
             num_processes=self.parallel.dp_size,  # shard over data-parallel replicas, not processes
@@ -47,7 +59,7 @@ class DataPath(_Host):
             split_batches=self.split_batches,
             put_on_device=self.device_placement if device_placement is None else device_placement,
             rng_types=self.rng_types.copy(),
-            dispatch_batches=self._dispatch(data_loader),
+            dispatch_batches=dispatch,
             even_batches=self.even_batches,
             slice_fn_for_dispatch=slice_fn_for_dispatch,
             use_seedable_sampler=self.use_seedable_sampler,
@@ -55,9 +67,6 @@ class DataPath(_Host):
             non_blocking=self.non_blocking,
             use_stateful_dataloader=self.use_stateful_dataloader,
         )
-        prepared = self._broadcasting(prepared)
-        self._dataloaders.append(prepared)
-        return prepared
 
     def _dispatch(self, data_loader) -> bool | None:
         """accelerate's ``dispatch_batches``, which it turns on by default for an ``IterableDataset``: process 0
