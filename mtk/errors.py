@@ -9,6 +9,7 @@ import contextlib
 import errno
 import re
 import sys
+import traceback
 from collections.abc import Iterator
 
 __all__ = [
@@ -23,6 +24,8 @@ __all__ = [
     "WorkerKilled",
     "allocation_failure",
     "library_refusals",
+    "process_group_failure",
+    "process_group_start",
     "unusable_name",
 ]
 
@@ -120,6 +123,36 @@ def library_refusals() -> Iterator[None]:
         if isinstance(err, TypeError) and "required" in message:
             hint = "give it in lr_scheduler_kwargs (a JSON mapping), or optim_args for the optimizer"
         raise ConfigError(f"{message.rstrip('.')}; {hint}" if hint else message) from err
+
+
+@contextlib.contextmanager
+def process_group_start() -> Iterator[None]:
+    """Forming the process group (inside accelerate's or transformers' set-up, or mtk's): its failure is one line
+    (:func:`process_group_failure`)."""
+    try:
+        yield
+    except RuntimeError as err:
+        failure = process_group_failure(err)
+        if failure is None:
+            raise
+        raise failure from err
+
+
+def process_group_failure(err: BaseException) -> MtkError | None:
+    """``err`` as one line where ``init_process_group`` raised it (a ``GLOO_SOCKET_IFNAME`` naming no interface, a
+    peer that never came, a ``MASTER_ADDR`` that does not resolve: torch's ``RuntimeError``, its
+    ``DistNetworkError`` and ``DistStoreError`` included): the machine's or the launcher's setting, not a bug.
+    ``None`` for anything else."""
+    if not isinstance(err, RuntimeError) or isinstance(err, MtkError):
+        return None
+    if not any(frame.name == "init_process_group" for frame in traceback.extract_tb(err.__traceback__)):
+        return None
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    first = re.sub(r"^\[enforce fail at [^\]]*\]\s*", "", lines[0] if lines else type(err).__name__)
+    return ConfigError(
+        f"the processes could not form their process group ({first[:200]}); check the launcher's MASTER_ADDR and "
+        "MASTER_PORT and the network interface it names (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME on GPUs)"
+    )
 
 
 # what to do about a path given that is not what the setting takes (a library's OSError names only the path)

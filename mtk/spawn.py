@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mtk.errors import WorkerKilled
+from mtk.errors import WorkerKilled, process_group_start
 
 __all__ = ["PRELOAD", "DistributedTestError", "fork_context", "free_port", "preload", "run_distributed"]
 
@@ -156,7 +156,8 @@ def _worker(
             torch.accelerator.set_device_index(device.index)
             # named with a device, no backend would mean the device's alone: CPU tensors keep gloo
             backend = backend or f"cpu:gloo,{device.type}:{dist.Backend.default_device_backend_map[device.type]}"
-        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, device_id=device)
+        with process_group_start():
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, device_id=device)
         result = fn(rank, world_size, *args)
         # By value: torch's queue would pass tensors as file descriptors that die with this process,
         # and the parent may read the queue only after this worker has exited.

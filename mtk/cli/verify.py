@@ -118,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
             timeout=args.timeout,
         )
     except DistributedTestError as err:  # a worker's allocation past memory is the sizes asked for: one line
-        one_line = allocation_failure(err, _SMALLER)
+        one_line = allocation_failure(err, _SMALLER) or next(
+            (error for error in err.errors.values() if isinstance(error, MtkError)), None
+        )  # (a process group that could not form: the environment's, in one line)
         if one_line is None:
             raise  # a bug: the workers' tracebacks are wanted
         raise one_line from None

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from mtk.config import ParallelConfig, check_expert_tp_size
+from mtk.errors import process_group_start
 from mtk.parallel.layout import Layout, LayoutError
 
 __all__ = ["ParallelState", "default_device", "group_timeout", "groups_made", "init_distributed", "new_group"]
@@ -90,13 +91,15 @@ def init_distributed(env: Mapping[str, str] | None = None, timeout: timedelta | 
         return
     device = default_device(int(env.get("LOCAL_RANK", "0")))
     if device.type == "cpu":
-        dist.init_process_group(timeout=timeout)
+        with process_group_start():
+            dist.init_process_group(timeout=timeout)
         return
     torch.accelerator.set_device_index(device.index)
     # bound to its device: NCCL then need not guess the rank-to-GPU mapping (a hang where it guesses wrong); a
     # device without a backend named would get the device's backend alone, so CPU tensors keep gloo
     backend = f"cpu:gloo,{device.type}:{dist.Backend.default_device_backend_map[device.type]}"
-    dist.init_process_group(backend=backend, timeout=timeout, device_id=device)
+    with process_group_start():
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device)
 
 
 class ParallelState:

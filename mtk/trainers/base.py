@@ -40,7 +40,7 @@ import torch
 import transformers.trainer as hf_trainer
 from transformers.trainer_utils import speed_metrics as _speed_metrics
 
-from mtk.errors import ConfigError, library_refusals
+from mtk.errors import ConfigError, library_refusals, process_group_start
 from mtk.integrations.accelerate import Accelerator
 from mtk.parallel.record import hf_model
 from mtk.parallel.state import default_device
@@ -211,7 +211,7 @@ class ParallelTrainerMixin(TrainerHub, TrainerCheckpointing, EvaluationStopsOnSi
         """The Trainer's, with mtk's Accelerator. A setting the libraries refuse while the processes are joined (a
         DeepSpeed JSON in a script started without a launcher) is one line (:func:`mtk.errors.library_refusals`),
         as in the example scripts: a user's own script does not build its trainer inside that block."""
-        with library_refusals():
+        with library_refusals(), process_group_start():  # (TrainingArguments' devices form the process group)
             self._create_accelerator()
         if self.model is not None:  # (mtk's own work: an error there is a bug, with its traceback)
             self._parallelize(self.model)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from mtk.errors import MtkError, allocation_failure, unusable_name
+from mtk.errors import MtkError, allocation_failure, process_group_failure, unusable_name
 from mtk.parallel.state import group_timeout, groups_made
 
 __all__ = ["out_of_memory", "peer_failure", "report_mtk_errors", "run_main"]
@@ -107,6 +107,9 @@ def _error_line(err: BaseException, smaller: str) -> tuple[str, str, int] | None
     memory = out_of_memory(err, smaller)
     if memory is not None:
         return memory, memory, 1
+    start = process_group_failure(err)  # (a script's own TrainingArguments form the group before mtk's code runs)
+    if start is not None:
+        return str(start), str(start), 2
     detail = peer_failure(err)
     if detail is None:
         return None

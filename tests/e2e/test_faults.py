@@ -3,7 +3,8 @@
 kill -9 of the whole job at a random moment inside 10 saves: every ``step_N`` that survives verifies
 (all its files match their checksums), every step any attempt logged equals the uninterrupted run's,
 and the job resumed with ``--resume auto`` finishes exactly as the uninterrupted run did. A launcher
-killed with SIGKILL alone leaves no worker behind: they save at the next step and exit.
+killed with SIGKILL alone leaves no worker behind: they save at the next step and exit. A process group that
+cannot form (the network interface named does not exist) is one line from every entry point.
 """
 
 import contextlib
@@ -15,7 +16,15 @@ import time
 
 from mtk.checkpoint.integrity import read_verified
 from mtk.spawn import free_port
-from tests.e2e.launch import ROOT, STEP_LINE, assert_same_losses, finetune
+from tests.e2e.launch import (
+    ROOT,
+    STEP_LINE,
+    accelerate_launch,
+    assert_same_losses,
+    finetune,
+    one_line_error,
+    run_command,
+)
 
 STEPS = 32  # enough for 10 kills, each 2 steps past the newest complete checkpoint (3 when a kill comes late)
 KILLS = 10
@@ -118,3 +127,19 @@ def _state(pid: int) -> str:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0]
     return "Z"
+
+
+def test_a_process_group_that_cannot_form_is_one_line(tmp_path):
+    """``GLOO_SOCKET_IFNAME`` naming no interface: gloo's RuntimeError inside ``init_process_group`` was a traceback
+    on every rank, in mtk's Accelerator (finetune.py), in a Trainer script's own ``TrainingArguments`` and in
+    ``mtk verify``'s workers. The machine's setting, in one line."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "nosuch0"}
+    said = "could not form their process group (ifa != nullptr. Unable to find address for: nosuch0)"
+    out = accelerate_launch("finetune.py", "tp2", "--output_dir", str(tmp_path / "a"), env=env, check=False)
+    one_line_error(out, said)
+    trainer = ("tests/e2e/trainer_script.py", "--trainer", "mtk", "--output_dir", str(tmp_path / "b"))
+    out = accelerate_launch(trainer[0], "tp2", *trainer[1:], env=env, check=False)
+    one_line_error(out, said, prog="trainer_script.py")
+    out = run_command(["mtk", "verify", "--model", "tiny-llama", "--tp", "2"], cwd=ROOT, env=env)
+    one_line_error(out, said, prog="mtk verify")
+    assert "Traceback" not in out.stderr

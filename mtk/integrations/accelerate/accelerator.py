@@ -23,7 +23,7 @@ from accelerate.utils import PrecisionType, parse_flag_from_env
 from torch import nn
 
 from mtk.config import ParallelConfig, RunSettings
-from mtk.errors import ConfigError, library_refusals
+from mtk.errors import ConfigError, library_refusals, process_group_start
 from mtk.integrations.accelerate.checkpoint import ShardedCheckpointing
 from mtk.integrations.accelerate.collectives import DataParallelCollectives
 from mtk.integrations.accelerate.convert import ReplacedParams, repoint
@@ -167,6 +167,7 @@ class Accelerator(
             accelerate_fsdp_off(),
             accumulation_from_launcher(self._explicit_accumulation, reports.append),
             library_refusals(),  # accelerate's refusals of the environment (a launcher's variables set by hand)
+            process_group_start(),  # (accelerate forms the process group here)
         ):
             super().__init__(*args, **kwargs)
         for line in reports:
