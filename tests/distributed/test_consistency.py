@@ -203,9 +203,10 @@ def test_an_iterable_dataset_at_tp2_trains_on_every_batch_as_one_process():
         assert_close_rel(torch.tensor(losses), torch.tensor(reference), "losses")
 
 
-def _stream_rows_gathered(rank, world_size, kind):
-    """Row ids of a 10-row stream, evaluated in batches of 2 and gathered for metrics (tp 2 x dp 2 when launched on
-    4 processes; plain accelerate on one)."""
+def _stream_rows_gathered(rank, world_size, kind, batch_size):
+    """Row ids of a 10-row stream, evaluated in batches of ``batch_size`` and gathered for metrics, and how many
+    losses the Trainer's evaluation keeps (it gathers each batch's loss repeated ``batch_size`` times): tp 2 x dp 2
+    on 4 processes, tp 2 on 2, plain accelerate on one."""
     import datasets
     from torch.utils.data import DataLoader, IterableDataset
 
@@ -223,20 +224,26 @@ def _stream_rows_gathered(rank, world_size, kind):
     collate = (
         (lambda rows: torch.tensor(rows)) if kind == "torch" else (lambda rows: torch.tensor([r["id"] for r in rows]))
     )
-    loader = accelerator.prepare(DataLoader(stream, batch_size=2, collate_fn=collate))
-    gathered = [accelerator.gather_for_metrics(batch) for batch in loader]
-    return torch.cat(gathered).tolist()
+    loader = accelerator.prepare(DataLoader(stream, batch_size=batch_size, collate_fn=collate))
+    gathered, losses = [], 0
+    for batch in loader:
+        gathered.append(accelerator.gather_for_metrics(batch))
+        losses += len(accelerator.gather_for_metrics(torch.zeros(1).repeat(batch_size)))
+    return torch.cat(gathered).tolist(), losses
 
 
 @pytest.mark.parametrize("kind", ["torch", "datasets"])
-def test_a_stream_evaluated_at_tp2_dp2_gathers_each_row_once(kind):
+def test_a_stream_evaluated_where_a_replica_spans_ranks_gathers_each_row_once(kind):
     """A stream's last batch is evened out with repeats of its first rows, which gather_for_metrics kept (mtk reads
-    streams without accelerate's dispatching: a 10-row evaluation scored 12 rows); a ``datasets`` stream of 3 shards
-    was split by its shards, the replicas drawing 4 and 2 batches. Each row once, in plain accelerate's order."""
-    (reference,) = run_distributed(_stream_rows_gathered, world_size=1, args=(kind,))
-    assert reference == list(range(10))
-    for rows in run_distributed(_stream_rows_gathered, world_size=4, args=(kind,)):
-        assert rows == reference
+    streams without accelerate's dispatching where a replica spans ranks: a 10-row evaluation scored 12 rows); a
+    ``datasets`` stream of 3 shards was split by its shards, the replicas drawing 4 and 2 batches; at tp 2 alone the
+    last, short batch's loss counted as a full batch's. Each row once, in plain accelerate's order."""
+    for batch_size in (2, 3):
+        (reference,) = run_distributed(_stream_rows_gathered, world_size=1, args=(kind, batch_size))
+        assert reference == (list(range(10)), 10)
+        for world_size in (2, 4):  # tp 2, tp 2 x dp 2
+            for result in run_distributed(_stream_rows_gathered, world_size=world_size, args=(kind, batch_size)):
+                assert result == reference, (world_size, batch_size)
 
 
 def _per_rank_batches(rank, world_size):

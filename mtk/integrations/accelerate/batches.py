@@ -17,43 +17,56 @@ from typing import Any
 import torch
 from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
 
+from mtk.integrations.accelerate.streams import stream_remainder
 from mtk.parallel.comm import Group
 from mtk.parallel.consistency import BroadcastBatches, broadcast_batches
 
 __all__ = ["broadcasting", "unwrapped"]
 
 
-class _FromSource:
-    """Mixin: iterate as the base class does, yielding the source rank's batches."""
+class _MtkLoader:
+    """Mixin: iterate as the base class does, yielding the source rank's batches (``_mtk_source``), and ending a
+    stream with its ``remainder`` (:func:`~mtk.integrations.accelerate.streams.stream_remainder`)."""
 
-    _mtk_source: tuple[Group, int, torch.device]  # the model-parallel group, its source rank, the device
+    _mtk_source: tuple[Group, int, torch.device] | None = None  # the model-parallel group, its source, the device
+    _mtk_stream: bool = False  # a dataset without a length, read without accelerate's dispatching
 
     def __iter__(self):
-        group, src, device = self._mtk_source
-        return broadcast_batches(super().__iter__(), group, src, device)
+        batches = super().__iter__()
+        if self._mtk_source is not None:
+            batches = broadcast_batches(batches, *self._mtk_source)
+        for batch in batches:
+            if self._mtk_stream and self.end_of_dataloader:
+                self.remainder = stream_remainder(self, batch)
+            yield batch
 
 
-class BroadcastingDataLoaderShard(_FromSource, DataLoaderShard):
-    """accelerate's :class:`DataLoaderShard`; every batch is the model-parallel source rank's."""
+class BroadcastingDataLoaderShard(_MtkLoader, DataLoaderShard):
+    """accelerate's :class:`DataLoaderShard`; every batch is the model-parallel source rank's (a stream's last
+    batch says how many of its rows are real)."""
 
 
-class BroadcastingDataLoaderDispatcher(_FromSource, DataLoaderDispatcher):
+class BroadcastingDataLoaderDispatcher(_MtkLoader, DataLoaderDispatcher):
     """accelerate's :class:`DataLoaderDispatcher`; every batch is the model-parallel source rank's."""
 
 
 _SUBCLASSES = {DataLoaderShard: BroadcastingDataLoaderShard, DataLoaderDispatcher: BroadcastingDataLoaderDispatcher}
 
 
-def broadcasting(loader: Any, group: Group, src: int, device: torch.device) -> Any:
-    """``loader`` (as ``prepare_data_loader`` made it) yielding the source's batches: the same state in the
-    broadcasting subclass of its class, or, for a class accelerate adds later, a :class:`BroadcastBatches` view."""
+def broadcasting(loader: Any, group: Group | None, src: int, device: torch.device, stream: bool = False) -> Any:
+    """``loader`` (as ``prepare_data_loader`` made it) yielding the source's batches where ``group`` is given, and
+    with a ``stream``'s remainder: the same state in mtk's subclass of its class, or, for a class accelerate adds
+    later, a :class:`BroadcastBatches` view (``loader`` itself where there is nothing to do)."""
     subclass = _SUBCLASSES.get(type(loader))
     if subclass is None:
-        return BroadcastBatches(loader, group, src, device)
-    broadcasting_loader = object.__new__(subclass)
-    broadcasting_loader.__dict__.update(loader.__dict__)  # the prepared loader's state, not a copy of its data
-    broadcasting_loader._mtk_source = (group, src, device)
-    return broadcasting_loader
+        return loader if group is None else BroadcastBatches(loader, group, src, device)
+    if group is None and not (stream and subclass is BroadcastingDataLoaderShard):
+        return loader
+    mtk_loader = object.__new__(subclass)
+    mtk_loader.__dict__.update(loader.__dict__)  # the prepared loader's state, not a copy of its data
+    mtk_loader._mtk_source = None if group is None else (group, src, device)
+    mtk_loader._mtk_stream = stream and subclass is BroadcastingDataLoaderShard
+    return mtk_loader
 
 
 def unwrapped(loader: Any) -> Any:

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from accelerate.state import PartialState
 from accelerate.utils import recursively_apply
 
-from mtk.integrations.accelerate.streams import stream_remainder
 from mtk.parallel.comm import all_reduce, group_size
 from mtk.parallel.state import ParallelState
 
@@ -106,9 +105,9 @@ class DataParallelCollectives(_Host):
             use_gather_object = True
         data = self._gather_objects(input_data) if use_gather_object else self.gather(input_data)
         remainder = self.gradient_state.remainder
-        if remainder == -1 and self.gradient_state.end_of_dataloader:  # a stream: its counted rows (or -1)
-            remainder = stream_remainder(self.gradient_state.active_dataloader)
-            if remainder == -1 and self.parallel.dp_size > 1:  # (accelerate says so too, in its words)
+        loader = self.gradient_state.active_dataloader
+        if remainder == -1 and self.gradient_state.end_of_dataloader and getattr(loader, "_mtk_stream", False):
+            if self.parallel.dp_size > 1:  # (accelerate says so too, in its words)
                 self.print(
                     "mtk: gather_for_metrics: the loader's dataset has no length (a stream read in worker "
                     "processes), so its last batch's repeats cannot be told from its rows: they are returned"

@@ -86,10 +86,13 @@ class DataPath(_Host):
         return False if isinstance(data_loader.dataset, IterableDataset) else self.dispatch_batches
 
     def _broadcasting(self, loader):
-        """``loader`` whose batches come from the model-parallel source rank (itself when tp x pp = 1)."""
-        if self.parallel.tp_size * self.parallel.pp_size == 1:
-            return loader
-        return broadcasting(loader, self.parallel.mp_group, self.parallel.mp_src_rank, self.parallel.device)
+        """``loader`` whose batches come from the model-parallel source rank (where tp x pp > 1), and which ends a
+        stream read without dispatching (mtk's choice where a replica spans ranks) with its ``remainder``
+        (:mod:`~mtk.integrations.accelerate.streams`)."""
+        split = self.parallel.tp_size * self.parallel.pp_size > 1
+        stream = self.parallel.dp_size != self.num_processes and isinstance(loader.dataset, IterableDataset)
+        group = self.parallel.mp_group if split else None
+        return broadcasting(loader, group, self.parallel.mp_src_rank, self.parallel.device, stream=stream)
 
     def skip_first_batches(self, dataloader, num_batches: int = 0):
         """accelerate's; with tp x pp > 1 the skipping loader, too, yields the source rank's batches."""

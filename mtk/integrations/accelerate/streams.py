@@ -12,8 +12,11 @@ rows ``gather_for_metrics`` returns are plain accelerate's:
   ``batch x dp`` rows, the rows dispatching gives each process).
 - ``IterableDatasetShard`` fills the last batch with repeats of the first so the replicas stay even, and a stream
   has no length to tell ``gather_for_metrics`` how many rows were real: it kept the repeats (an evaluation over 10
-  rows scored 16). :func:`count_stream_rows` counts the rows the stream yielded; :func:`stream_remainder` is
-  accelerate's ``remainder`` from that count.
+  rows scored 12). :func:`count_stream_rows` counts the rows the stream yielded; :func:`stream_remainder` is
+  accelerate's ``remainder`` from that count, which mtk's loaders set as a stream ends
+  (:mod:`~mtk.integrations.accelerate.batches`). At dp = 1 the stream is read whole and its last batch is short,
+  not filled: every row of it counts, as accelerate's dispatcher counts them (without it, that batch's loss was
+  weighted as a full one's in the Trainer's ``eval_loss``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 
 import accelerate.data_loader as accelerate_data_loader
 from accelerate.data_loader import IterableDatasetShard
+from accelerate.utils import find_batch_size
 from torch.utils.data import IterableDataset
 
 __all__ = ["count_stream_rows", "one_stream_per_replica", "stream_remainder"]
@@ -72,12 +76,14 @@ def count_stream_rows(loader: Any) -> None:
         shard.dataset = _CountedStream(shard.dataset)
 
 
-def stream_remainder(loader: Any) -> int:
-    """accelerate's ``remainder`` for ``loader`` at its end: the real rows of its last global batch (0: a full one),
-    or -1 where it is not known (no counted stream, or one read in worker processes, whose count stays there)."""
+def stream_remainder(loader: Any, last_batch: Any) -> int:
+    """accelerate's ``remainder`` for ``loader``'s ``last_batch``: the real rows of its last global batch (0: a full
+    one). A stream read through ``IterableDatasetShard`` (dp > 1) counts them; one read whole (dp = 1) has no
+    repeats, so its last batch's rows are all real (as accelerate's dispatcher counts them). -1 where unknown: a
+    stream read in worker processes, whose count stays there."""
     shard = getattr(loader, "dataset", None)
     if not isinstance(shard, IterableDatasetShard):
-        return -1
+        return find_batch_size(last_batch) or -1
     counted = shard.dataset
     if not isinstance(counted, _CountedStream) or counted.rows is None:
         return -1
