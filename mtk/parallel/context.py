@@ -127,6 +127,14 @@ def documents_of(position_ids: torch.Tensor) -> torch.Tensor:
     return (step != 1).cumsum(-1)
 
 
+def _documents(position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``[b, S]`` document ids as transformers decides them: restarting positions separate packed documents only
+    where no attention mask is given (``_preprocess_mask_arguments``); with one, a row is one causal sequence."""
+    if mask is None:
+        return documents_of(position_ids)
+    return torch.zeros_like(position_ids)
+
+
 def split_for_context(
     batch: dict[str, torch.Tensor], group: Group, comm: str = "p2p"
 ) -> tuple[dict[str, Any], torch.Tensor]:
@@ -158,7 +166,7 @@ def split_for_context(
     shard = ContextShard(
         group=group,
         positions=torch.arange(seq, device=device).expand(b, seq)[:, mine],
-        documents=documents_of(position_ids)[:, mine],
+        documents=_documents(position_ids, mask)[:, mine],
         valid=valid[:, mine],
         comm=comm,
     )

@@ -34,12 +34,14 @@ PACKED = [[5, 11, 3, 13], [1, 30, 1]]  # per row: the lengths of its packed docu
 def _batch(kind: str) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 256, (2, SEQ), generator=generator)
-    if kind == "packed":
-        positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in PACKED])  # [2, S]
-        labels = ids.masked_fill(positions == 0, -100)  # a document's first token is not predicted from the last
-        return {"input_ids": ids, "labels": labels, "position_ids": positions}
     mask = torch.ones(2, SEQ, dtype=torch.long)
     mask[1, 21:] = 0  # right padding
+    if kind.startswith("packed"):
+        positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in PACKED])  # [2, S]
+        labels = ids.masked_fill(positions == 0, -100)  # a document's first token is not predicted from the last
+        packed = {"input_ids": ids, "labels": labels, "position_ids": positions}
+        # with a mask too, transformers sees one causal sequence per row (it looks for packing only without one)
+        return packed if kind == "packed" else {**packed, "attention_mask": mask}
     return {"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100), "attention_mask": mask}
 
 
@@ -79,6 +81,7 @@ def _context_checks(rank: int, cp: int, name: str, kind: str, comm: str) -> dict
         ("tiny-qwen3", 4, "packed", "p2p"),
         ("tiny-llama", 2, "packed", "a2a"),
         ("tiny-qwen3", 4, "padded", "a2a"),
+        ("tiny-llama", 2, "packed_masked", "p2p"),
     ],
 )
 def test_context_parallel_model_equals_hf(name, cp, kind, comm):
