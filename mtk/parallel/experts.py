@@ -38,8 +38,10 @@ def _specs(module: Any, intermediate: int, tp_size: int, rank: int) -> dict[str,
     gate_up, down = module.gate_up_proj, module.down_proj  # [E, 2I, H] and [E, H, I] (or transposed)
     per = intermediate // tp_size
     mine = (rank * per, (rank + 1) * per)
-    up_dim = 1 if gate_up.shape[1] == 2 * intermediate else 2
-    down_dim = 2 if down.shape[2] == intermediate else 1
+    transposed = getattr(module, "is_transposed", None)  # (transformers' experts say; shapes alone are ambiguous
+    if transposed is None:  # where the hidden size is twice the expert width)
+        transposed = gate_up.shape[1] != 2 * intermediate
+    up_dim, down_dim = (2, 1) if transposed else (1, 2)
     halves = (mine, (intermediate + mine[0], intermediate + mine[1]))  # this rank's gate rows, then its up rows
     return {
         "gate_up_proj": (tuple(gate_up.shape), ShardSpec(dim=up_dim, ranges=halves, local_size=2 * per)),

@@ -112,3 +112,26 @@ def test_expert_factors_take_the_inits_that_need_no_base_tensor():
     with pytest.raises(ConfigError, match="init_lora_weights='pissa' needs the whole base tensor"):
         draw_expert_factors(model, "default", "pissa", seed=0)
     assert draw_expert_factors(model, "default", True, seed=0) == 0  # whole factors, nothing cut at one process
+
+
+def test_experts_stored_transposed_are_cut_along_their_width_even_where_shapes_cannot_tell():
+    """A hidden size twice the expert width makes ``[E, H, 2I]`` look like ``[E, 2I, H]``: the cut followed the
+    shapes and split the hidden axis of transposed experts. transformers' ``is_transposed`` decides."""
+    import torch
+    from torch import nn
+
+    from mtk.parallel.experts import _specs
+
+    class Experts(nn.Module):
+        is_transposed = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.zeros(2, 8, 8))  # [E, H, 2I]: H = 8, I = 4
+            self.down_proj = nn.Parameter(torch.zeros(2, 4, 8))  # [E, I, H]
+
+    specs = _specs(Experts(), intermediate=4, tp_size=2, rank=1)
+    assert specs["gate_up_proj"][1].dim == 2 and specs["down_proj"][1].dim == 1
+    Experts.is_transposed = False  # [E, 2I, H] and [E, H, I]
+    specs = _specs(Experts(), intermediate=4, tp_size=2, rank=1)
+    assert specs["gate_up_proj"][1].dim == 1 and specs["down_proj"][1].dim == 2
