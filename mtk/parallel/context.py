@@ -127,16 +127,15 @@ def documents_of(position_ids: torch.Tensor) -> torch.Tensor:
     return (step != 1).cumsum(-1)
 
 
-def _documents(position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def _documents(position_ids: torch.Tensor, packed: bool) -> torch.Tensor:
     """``[b, S]`` document ids as transformers decides them: restarting positions separate packed documents only
-    where no attention mask is given (``_preprocess_mask_arguments``); with one, a row is one causal sequence."""
-    if mask is None:
-        return documents_of(position_ids)
-    return torch.zeros_like(position_ids)
+    where the caller gave no attention mask (``_preprocess_mask_arguments``); with one, a row is one causal
+    sequence."""
+    return documents_of(position_ids) if packed else torch.zeros_like(position_ids)
 
 
 def split_for_context(
-    batch: dict[str, torch.Tensor], group: Group, comm: str = "p2p"
+    batch: dict[str, torch.Tensor], group: Group, comm: str = "p2p", *, packed: bool | None = None
 ) -> tuple[dict[str, Any], torch.Tensor]:
     """This CP rank's part of ``batch`` (``input_ids``, ``labels`` or ``shift_labels`` (already shifted: position
     ``t`` labelled with what follows it), optional ``attention_mask``/``position_ids``,
@@ -144,7 +143,9 @@ def split_for_context(
 
     Returns the model's keyword arguments: the rank's ``input_ids`` and ``position_ids``, ``labels`` and
     ``shift_labels`` already shifted on the whole row, ``use_cache=False`` and :data:`KEYWORD` (the
-    :class:`ContextShard`).
+    :class:`ContextShard`). ``packed``: whether restarting position ids separate documents, as transformers
+    decides for the caller's batch (``None``: where ``batch`` has no attention mask; a caller that added one for
+    its own padding says what its caller gave).
     """
     if comm not in COMM_TYPES:
         raise ConfigError(f"cp_comm_type {comm!r} is unknown; use one of {COMM_TYPES}")
@@ -166,7 +167,7 @@ def split_for_context(
     shard = ContextShard(
         group=group,
         positions=torch.arange(seq, device=device).expand(b, seq)[:, mine],
-        documents=_documents(position_ids, mask)[:, mine],
+        documents=_documents(position_ids, mask is None if packed is None else packed)[:, mine],
         valid=valid[:, mine],
         comm=comm,
     )
@@ -260,6 +261,7 @@ class ContextSplit:
         ``row_length``: the length per-position outputs are gathered back to (default: the caller's)."""
         length = tensors["input_ids"].shape[1]
         _check_token_labels(tensors["input_ids"], tensors.get("labels"))  # (the caller's shapes, before the padding)
+        packed = tensors.get("attention_mask") is None  # (the caller's: the mask below marks only the padding)
         if "attention_mask" not in tensors and length % self.multiple:  # (the appended positions marked invalid:
             # the router's load-balancing loss counts the valid tokens, and the unsplit model had no pads)
             tensors = {**tensors, "attention_mask": torch.ones_like(tensors["input_ids"])}
@@ -271,7 +273,7 @@ class ContextSplit:
             real = given.expand(rows, -1) if given is not None else torch.arange(length).expand(rows, -1)  # [b, S]
             real = real.to(tensors["input_ids"].device)
             padded["position_ids"] = torch.cat([real, real[:, -1:].expand(-1, extra)], dim=1)  # [b, S + extra]
-        local, count = split_for_context(padded, self.group, self.comm)
+        local, count = split_for_context(padded, self.group, self.comm, packed=packed)
         shard = local[KEYWORD]
         shard.row_length = length if row_length is None else row_length
         shard.caller_shifted = "shift_labels" in tensors

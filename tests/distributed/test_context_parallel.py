@@ -149,21 +149,29 @@ def _attached_checks(rank: int, cp: int) -> None:
     reference = build_model("tiny-llama", seed=0).eval()
     model = copy.deepcopy(reference)
     attach_context_parallel(model, group, "a2a")
+    # packed rows without a mask (TRL's padding-free batches), at a length the split pads too (30 -> 32): the mask
+    # the split adds for its padding made every row one sequence, its documents attending across
+    for length in (SEQ, 30):
+        batch = {k: v[:, :length] for k, v in _batch("packed").items()}
+        reference.zero_grad()
+        ref_out = reference(**batch, use_cache=False)
+        ref_out.loss.backward()
+        tokens = (batch["labels"][:, 1:] != -100).sum()
+        for given in (None, tokens):
+            model.zero_grad()
+            out = model(**batch) if given is None else model(**batch, num_items_in_batch=given)
+            out.loss.backward()
+            what = f"length {length}, num_items_in_batch {given}"
+            assert_close_rel(out.loss.detach(), ref_out.loss, f"attached loss ({what})")
+            grads = dict(reference.named_parameters())
+            for param_name, param in model.named_parameters():
+                grad = param.grad.clone()
+                dist.all_reduce(grad, group=group)
+                grad /= dist.get_world_size(group)
+                assert_close_rel(
+                    grad, grads[param_name].grad, f"attached grad of {param_name} ({what})", scale_floor=1e-6
+                )
     batch = _batch("packed")
-    ref_out = reference(**batch, use_cache=False)
-    ref_out.loss.backward()
-    tokens = (batch["labels"][:, 1:] != -100).sum()
-    for given in (None, tokens):
-        model.zero_grad()
-        out = model(**batch) if given is None else model(**batch, num_items_in_batch=given)
-        out.loss.backward()
-        assert_close_rel(out.loss.detach(), ref_out.loss, f"attached loss (num_items_in_batch {given})")
-        grads = dict(reference.named_parameters())
-        for param_name, param in model.named_parameters():
-            grad = param.grad.clone()
-            dist.all_reduce(grad, group=group)
-            grad /= dist.get_world_size(group)
-            assert_close_rel(grad, grads[param_name].grad, f"attached grad of {param_name}", scale_floor=1e-6)
     with torch.no_grad():  # evaluation: the whole rows' logits, in order, without the split's padding (30 -> 32)
         cut = {k: v[:, :30] for k, v in _batch("padded").items()}
         assert_close_rel(model(**cut).logits, reference(**cut, use_cache=False).logits, "attached logits")
