@@ -211,6 +211,9 @@ def _report(prog: str, message: str, key: str) -> None:
         # rank starts a fresh line first (a half-drawn bar would otherwise open the error's line)
         start = "\n" if rank else ""
         tqdm.write(f"{start}{prog}: error: {where}{message}", file=sys.stderr)
+    else:  # another rank speaks for it (rank 0 before a process group exists): this rank's exit makes the launcher
+        # stop the job, which could stop that rank before its line (a refusal seen once with no line and exit 1)
+        time.sleep(_GRACE_S)
     if rank == 0 and _hosts_the_store():
         time.sleep(_GRACE_S)  # the store dies with this process: give failing peers time to report
 
