@@ -28,7 +28,15 @@ from mtk.parallel.pieces import Piece, flat_piece
 from mtk.parallel.record import adapter_configs, is_peft_model
 from mtk.parallel.state import ParallelState
 
-__all__ = ["base_record", "check_adapter_settings", "check_base", "checkpointed_parameters", "differs", "fingerprint"]
+__all__ = [
+    "base_record",
+    "check_adapter_settings",
+    "check_base",
+    "checkpointed_buffers",
+    "checkpointed_parameters",
+    "differs",
+    "fingerprint",
+]
 
 TOLERANCE = 1e-9
 
@@ -64,6 +72,19 @@ def checkpointed_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Paramete
     for name, param in model.named_parameters():
         if param.requires_grad or not adapters_only:
             yield name, param
+
+
+def checkpointed_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The persistent buffers a checkpoint stores beside the parameters: those ``from_pretrained`` reads from an HF
+    directory and ``save_pretrained`` writes (a router's ``e_score_correction_bias``, Gemma 4's ``layer_scalar``).
+    An export without them loads them as the class initialises them (zeros: other experts chosen) without a word.
+    None for a ``PeftModel``: its frozen base holds them and is recorded by :func:`base_record`."""
+    if is_peft_model(model):
+        return
+    for module_name, module in model.named_modules():
+        for attr, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and attr not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{attr}" if module_name else attr), buffer
 
 
 def fingerprint(model: nn.Module, parallel: ParallelState | None = None) -> dict[str, float]:

@@ -42,9 +42,13 @@ def set_rng_state(states: dict[str, Any]) -> None:
 
 
 def restore_rng(paths: CheckpointPaths, meta: CheckpointMeta, parallel: ParallelState) -> dict[str, Any]:
-    """Set this rank's RNG states from the checkpoint (rank 0's when the world size changed)."""
-    same_world = meta.topology.world_size == parallel.world_size
-    path = paths.rng(parallel.rank if same_world else 0)
+    """Set this rank's RNG states from the checkpoint: its own rank's at the same rank grid, rank 0's on every rank
+    at another. The grid decides, not the world size: at TP 2 x PP 2 resumed at TP 4, rank r's old states are
+    another stage's, and the ranks of one replica must draw the same replicated-region dropout (they stopped at
+    the first step with a check that blamed the data). The experts' layout moves no rank of a replica."""
+    grid = (meta.topology.world_size, meta.topology.tp_size, meta.topology.pp_size, meta.topology.cp_size)
+    same_grid = grid == (parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.cp_size)
+    path = paths.rng(parallel.rank if same_grid else 0)
     with reading(path):
         rng = torch.load(path, weights_only=True)
         set_rng_state(rng)

@@ -24,7 +24,13 @@ import torch.distributed as dist
 from torch import nn
 
 from mtk.checkpoint.atomic import atomic_dir, write_synced
-from mtk.checkpoint.base_model import base_record, check_adapter_settings, check_base, checkpointed_parameters
+from mtk.checkpoint.base_model import (
+    base_record,
+    check_adapter_settings,
+    check_base,
+    checkpointed_buffers,
+    checkpointed_parameters,
+)
 from mtk.checkpoint.counts import (
     check_learning_rates,
     check_optimizer_steps,
@@ -222,7 +228,8 @@ def load_checkpoint(
     Every file is checked against the checksums in the metadata first (collective). A checkpoint
     written at another TP/PP layout is resharded: each tensor (and optimizer moment) is
     merged from the old shards and this rank's new shard cut from it. A changed DP size needs no
-    resharding (weights are replicated over DP); RNG states are then taken from rank 0.
+    resharding (weights are replicated over DP). At another rank grid every rank takes rank 0's RNG states
+    (:func:`~mtk.checkpoint.rng.restore_rng`).
     """
     meta = read_verified(directory)  # collective: every file matches its checksum, or every rank refuses
     if meta.engine is not None:  # its optimizer state is the engine's own, which this loader does not read
@@ -293,7 +300,7 @@ def _holds_this_stage(paths: CheckpointPaths, model: nn.Module, parallel: Parall
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as handle:
-        held = set(handle.keys())
+        held = set(handle.keys()) - {name for name, _ in checkpointed_buffers(model)}
     return held == {name for name, _ in checkpointed_parameters(model)}
 
 
@@ -353,6 +360,7 @@ def _check_replicas_agree(
             named += [
                 (f"{name}::{k}", local(v)) for k, v in sorted(state.items()) if torch.is_tensor(v)
             ]  # (steps too)
+    named += [(name, buffer) for name, buffer in checkpointed_buffers(model)]
     if not named:
         return
     mine = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for _, t in named])  # [N, 2]

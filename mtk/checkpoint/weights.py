@@ -1,7 +1,8 @@
 """Model weights in a checkpoint: one safetensors file per (tp, pp) rank, each tensor with its ShardSpec.
 
 Saved and loaded as is at the same layout; at another layout every tensor is merged from the old
-shards (:class:`~mtk.checkpoint.reader.ShardedCheckpointReader`) and this rank's shard cut from it.
+shards (:class:`~mtk.checkpoint.reader.ShardedCheckpointReader`) and this rank's shard cut from it. The
+persistent buffers HF saves with the weights are kept whole beside them (an export writes them).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from mtk.checkpoint.base_model import checkpointed_parameters
+from mtk.checkpoint.base_model import checkpointed_buffers, checkpointed_parameters
 from mtk.checkpoint.labels import KEY
 from mtk.errors import CheckpointError
 from mtk.parallel.expert_parallel import experts_piece, spread_layout, whole_piece
@@ -25,7 +26,7 @@ from mtk.parallel.parameters import param_info
 from mtk.parallel.pieces import Piece, flat_piece, shard_shape
 from mtk.parallel.sharding import take_shard
 
-__all__ = ["load_weights", "read_safetensors", "reshard_weights", "save_weights", "source_name"]
+__all__ = ["load_buffers", "load_weights", "read_safetensors", "reshard_weights", "save_weights", "source_name"]
 
 
 def save_weights(model: nn.Module, path: Path, piece: Piece | None = None, *, label: str | None = None) -> None:
@@ -65,6 +66,17 @@ def save_weights(model: nn.Module, path: Path, piece: Piece | None = None, *, la
             tensors[name] = held[0].cpu()  # [stop - start]
             record.update(flat=list(held[1]), shard_shape=list(shard_shape(param)))
         specs[name] = record
+    for name, buffer in checkpointed_buffers(model):  # whole on every rank that holds its layer
+        record = {"full_shape": list(buffer.shape), "dim": None, "ranges": [], "local_size": None}
+        if piece is None:
+            tensors[name] = buffer.detach().contiguous().cpu()
+        else:  # piece 0 of the dense tensors writes it, as one run
+            held = flat_piece(buffer, piece)
+            if held is None:
+                continue
+            tensors[name] = held[0].contiguous().cpu()
+            record.update(flat=list(held[1]), shard_shape=list(buffer.shape))
+        specs[name] = record
     save_file(tensors, str(path), metadata={"mtk_specs": json.dumps(specs), **({KEY: label} if label else {})})
 
 
@@ -80,12 +92,13 @@ def load_weights(model: nn.Module, path: Path) -> None:
     so a file of another rank (swapped, copied over) would load without a word and train on the wrong rows."""
     tensors = read_safetensors(path)
     params = dict(checkpointed_parameters(model))
-    missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+    buffers = {name: buffer for name, buffer in checkpointed_buffers(model) if name in tensors}  # (older saves: none)
+    missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params) - set(buffers))
     if missing or unexpected:
         raise CheckpointError(f"{path} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     recorded = _recorded_specs(path)
     with torch.no_grad():
-        for name, param in params.items():
+        for name, param in {**params, **buffers}.items():
             if tensors[name].shape != param.shape:
                 raise CheckpointError(
                     f"{path}: {name} has shape {tuple(tensors[name].shape)}, model has {tuple(param.shape)}; "
@@ -196,3 +209,21 @@ def reshard_weights(model: nn.Module, reader) -> None:
                 )
             _check_dtype(f"{reader.directory}: {name}", full, param)
             copy_into(param, take_shard(spec, shape, full.__getitem__))
+    load_buffers(model, reader)
+
+
+def load_buffers(model: nn.Module, reader) -> None:
+    """The persistent buffers the checkpoint holds, whole (a checkpoint saved before mtk kept them holds none: the
+    model keeps the values it was built or loaded with)."""
+    with torch.no_grad():
+        for name, buffer in checkpointed_buffers(model):
+            if name not in reader.shards:
+                continue
+            full = reader.full(name)
+            if tuple(full.shape) != tuple(buffer.shape):
+                raise CheckpointError(
+                    f"{name}: checkpoint has shape {tuple(full.shape)}, this model {tuple(buffer.shape)}; "
+                    f"{OTHER_SHAPES}"
+                )
+            _check_dtype(f"{reader.directory}: {name}", full, buffer)
+            buffer.copy_(full)

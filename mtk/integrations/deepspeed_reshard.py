@@ -27,7 +27,7 @@ from mtk.checkpoint.labels import KEY
 from mtk.checkpoint.meta import CheckpointMeta
 from mtk.checkpoint.paths import CheckpointPaths, reading
 from mtk.checkpoint.reader import ShardedCheckpointReader
-from mtk.checkpoint.weights import source_name
+from mtk.checkpoint.weights import load_buffers, source_name
 from mtk.errors import CheckpointError
 from mtk.parallel.gather import full_shape_and_spec
 from mtk.parallel.pieces import Piece, flat_piece
@@ -160,6 +160,7 @@ def load_at_another_layout(directory: str | Path, engine, meta: CheckpointMeta, 
                     safe_set_local_fp32_param(param, value)
                 else:
                     safe_set_local_optimizer_state(param, value, field)
+        load_buffers(model, reader)
     for group, rate in zip(inner.param_groups, rates):
         group["lr"] = rate  # the scheduler sets it from here on
     engine.global_steps = meta.step
