@@ -35,6 +35,7 @@ from mtk.errors import ConfigError
 from mtk.parallel.comm import Group, gather_from_sequence, group_size, scatter_to_sequence
 from mtk.parallel.parameters import is_tensor_parallel, param_info, set_param_info
 from mtk.parallel.random import DEFAULT_STREAM, TP_SEED_OFFSET, TP_STREAM, ForkAround, RNGStreams
+from mtk.parallel.recompute import keep_streams_under_checkpointing
 from mtk.parallel.sequence_padding import (
     carries_cache,
     keep_logits,
@@ -185,6 +186,8 @@ def apply_regions(
     streams = tp_streams(parallel)
     if parallel.tp_size == 1:
         return streams
+    say = (lambda line: print(line, flush=True)) if parallel.rank == 0 else (lambda line: None)
+    keep_streams_under_checkpointing(model, streams, say)  # HF's checkpointing, however the user turns it on
     blocks = local_blocks(model, rule_set)
     attach_whole_outputs(model, parallel.tp_group, sequence_parallel)  # (before the padding's trim: whole values)
     if sequence_parallel:

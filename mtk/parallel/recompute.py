@@ -13,27 +13,29 @@ Megatron's options say (Korthikanti et al., 2022):
 
 Dropout stays exact: torch restores the live generator for the rerun, and
 :func:`~mtk.parallel.random.recompute_context` restores the parked TP stream, so the rerun draws the
-masks the first forward drew (loss and gradients equal the run without recompute).
+masks the first forward drew (loss and gradients equal the run without recompute). HF's checkpointing turned on
+by the user (``gradient_checkpointing_enable``, before or after the conversion) gets the same context:
+:func:`keep_streams_under_checkpointing`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from mtk.config import RunSettings
 from mtk.errors import ConfigError
 from mtk.parallel.random import RNGStreams, recompute_context
 
-__all__ = ["enable_recompute", "never_saved", "recomputed_blocks"]
+__all__ = ["enable_recompute", "keep_streams_under_checkpointing", "never_saved", "recomputed_blocks"]
 
 # Kept under selective recompute: the FLOP-heavy products (everything else is rerun).
 _SAVED_OPS = {
@@ -82,6 +84,58 @@ def _contexts(streams: RNGStreams | None, selective: bool):
         return forward, rerun
     keep_forward, keep_rerun = create_selective_checkpoint_contexts(_keep_matmuls)
     return _together(forward, keep_forward), _together(rerun, keep_rerun)
+
+
+def _with_own(streams: RNGStreams, own: Callable[[], tuple]):
+    """A caller's ``context_fn`` (a selective policy of its own) run inside the streams' contexts."""
+    forward, rerun = recompute_context(streams)
+    own_forward, own_rerun = own()
+    return _together(forward, own_forward), _together(rerun, own_rerun)
+
+
+_KEEPS_STREAMS = "_mtk_keeps_streams"  # set on a checkpoint function that restores the streams
+
+
+def _keeping_streams(function: Callable, streams: RNGStreams, report: Callable[[str], None]) -> Callable:
+    """``function`` (HF's ``partial(torch.utils.checkpoint.checkpoint, **kwargs)``) with a ``context_fn`` that also
+    restores ``streams``; a reentrant one, which takes no context, runs non-reentrant (said in one line)."""
+    keywords = getattr(function, "keywords", {})
+    own = keywords.get("context_fn")
+    if getattr(function, _KEEPS_STREAMS, False) or (isinstance(own, partial) and own.func is _contexts):
+        return function  # mtk's own recompute, or wrapped here already
+    if keywords.get("use_reentrant", False):
+        report(
+            "mtk: activation checkpointing with use_reentrant=True runs non-reentrant: a reentrant checkpoint "
+            "cannot restore the tensor-parallel dropout stream for its rerun"
+        )
+    context = partial(_contexts, streams, False) if own is None else partial(_with_own, streams, own)
+    wrapped = partial(function, use_reentrant=False, context_fn=context)
+    setattr(wrapped, _KEEPS_STREAMS, True)
+    return wrapped
+
+
+def keep_streams_under_checkpointing(
+    model: nn.Module, streams: RNGStreams, report: Callable[[str], None] = lambda line: None
+) -> None:
+    """HF's activation checkpointing however it is turned on (``gradient_checkpointing_enable`` before the
+    conversion or after it, with any keyword arguments) reruns a block with only torch's live generator restored:
+    the parked TP stream stood where the forward left it, so the rerun drew other attention-dropout masks than the
+    forward and the gradients were not the loss's, without a word. The checkpoint functions the blocks hold, and
+    any the model sets later (through its ``_set_gradient_checkpointing``, which every way of turning it on goes
+    through), restore the streams as mtk's recompute does."""
+    for module in model.modules():
+        function = getattr(module, "_gradient_checkpointing_func", None)
+        if function is not None:
+            cast(Any, module)._gradient_checkpointing_func = _keeping_streams(function, streams, report)
+    original = cast(Any, model)._set_gradient_checkpointing  # (bound: the model's own, or its class's override)
+
+    def set_gradient_checkpointing(
+        enable: bool = True, gradient_checkpointing_func: Callable = checkpoint, every_n_layers: int = 1
+    ) -> None:
+        function = _keeping_streams(gradient_checkpointing_func, streams, report)
+        original(enable=enable, gradient_checkpointing_func=function, every_n_layers=every_n_layers)
+
+    cast(Any, model)._set_gradient_checkpointing = set_gradient_checkpointing
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:

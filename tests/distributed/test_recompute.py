@@ -118,3 +118,56 @@ def test_block_method_recomputes_the_first_layers():
         model, RunSettings(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
     )
     assert recomputed_blocks(model) == [0]
+
+
+def _everything_recomputed(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _hf_checkpointing_checks(rank: int, world_size: int) -> dict:
+    """HF's own checkpointing turned on by the user, before the conversion and after it, reentrant, with a
+    context of the user's own: each trains as the copy without checkpointing."""
+    import contextlib
+    import io
+    from functools import partial
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    state = ParallelState.build(tp_size=world_size)
+    hf = build_model(_with_dropout("tiny-gpt2"), seed=0).train()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    plain = parallelize(copy.deepcopy(hf), state)  # (every copy converted before any step: the same TP seed)
+    before = copy.deepcopy(hf)
+    before.gradient_checkpointing_enable()
+    ways = {"before the conversion": parallelize(before, state)}
+    printed = io.StringIO()
+    for way, kwargs in [
+        ("after the conversion", None),
+        ("reentrant", {"use_reentrant": True}),
+        ("with the user's context", {"use_reentrant": False, "context_fn": partial(
+            create_selective_checkpoint_contexts, _everything_recomputed)}),
+    ]:  # fmt: skip
+        model = parallelize(copy.deepcopy(hf), state)
+        with contextlib.redirect_stdout(printed):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        ways[way] = model
+    loss, grads = _step(plain, ids, state.tp_group)
+    for way, model in ways.items():
+        assert recomputed_blocks(model) == [0, 1], way
+        loss_ckpt, grads_ckpt = _step(model, ids, state.tp_group)
+        assert_close_rel(loss_ckpt, loss, f"loss with HF's checkpointing {way}")
+        for name, grad in grads.items():
+            assert_close_rel(grads_ckpt[name], grad, f"grad of {name} with HF's checkpointing {way}")
+    return {"printed": printed.getvalue()}
+
+
+def test_hf_checkpointing_turned_on_by_the_user_keeps_the_tp_stream():
+    """``model.gradient_checkpointing_enable()`` in a user's own loop reran each block with only torch's live
+    generator restored: the TP stream's attention-dropout masks of the rerun were others than the forward's, and
+    the gradients were not the loss's (no word)."""
+    first, second = run_distributed(_hf_checkpointing_checks, world_size=2)
+    said = "mtk: activation checkpointing with use_reentrant=True runs non-reentrant"
+    assert first["printed"].startswith(said) and first["printed"].count("\n") == 1, first["printed"]
+    assert not second["printed"]
