@@ -164,13 +164,18 @@ class Layout:
         """TP x PP groups: every rank that holds a piece of one model replica."""
         return self._slices("pt")
 
+    def batch_groups(self) -> list[list[int]]:
+        """TP x CP x PP groups: every rank that computes on one batch (a replica's model-parallel ranks and the
+        ranks that split its sequences)."""
+        return self._slices("pct")
+
     def embedding_groups(self) -> list[list[int]]:
         """First and last stage of each pipeline: they hold the tied input/output embeddings."""
         return [sorted({group[0], group[-1]}) for group in self.pp_groups()]
 
     def groups(self, kind: str) -> list[list[int]]:
         """All groups of one kind: ``tp``, ``cp``, ``dp``, ``replica`` (DP x CP), ``pp``, ``ep``, ``expert_replica``,
-        ``mp`` (model-parallel) or ``embedding``."""
+        ``mp`` (model-parallel), ``batch`` (TP x CP x PP) or ``embedding``."""
         builders = {
             "tp": self.tp_groups,
             "cp": self.cp_groups,
@@ -180,6 +185,7 @@ class Layout:
             "ep": self.ep_groups,
             "expert_replica": self.expert_replica_groups,
             "mp": self.model_parallel_groups,
+            "batch": self.batch_groups,
             "embedding": self.embedding_groups,
         }
         if kind not in builders:

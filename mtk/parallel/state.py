@@ -26,7 +26,7 @@ from mtk.parallel.layout import Layout, LayoutError
 __all__ = ["ParallelState", "default_device", "group_timeout", "groups_made", "init_distributed", "new_group"]
 
 _KINDS = ("tp", "dp", "pp", "mp", "embedding")
-_CONTEXT_KINDS = ("cp", "replica")  # created only at cp > 1 (at cp = 1 the replica group is the DP group)
+_CONTEXT_KINDS = ("cp", "replica", "batch")  # created only at cp > 1 (at cp = 1: the DP group, the mp group)
 _EXPERT_KINDS = ("ep", "expert_replica")  # created only at ep > 1 (at ep = 1 the experts' replicas are the replicas)
 
 # Every group this process created, kept until the process ends. DDP's C++ Reducer owns its group and is freed
@@ -133,6 +133,7 @@ class ParallelState:
         self.replica_ranks = layout.group_of("replica", rank)
         self.pp_ranks = layout.group_of("pp", rank)
         self.mp_ranks = layout.group_of("mp", rank)
+        self.batch_ranks = layout.group_of("batch", rank)
         self.embedding_ranks = layout.group_of("embedding", rank)
         self.tp_group = groups.get("tp")
         self.dp_group = groups.get("dp")
@@ -144,6 +145,7 @@ class ParallelState:
         self.expert_replica_group = groups.get("expert_replica") if layout.ep_size > 1 else self.replica_group
         self.pp_group = groups.get("pp")
         self.mp_group = groups.get("mp")
+        self.batch_group = groups.get("batch") if layout.cp_size > 1 else self.mp_group
         self.embedding_group = groups.get("embedding")
 
     # ----------------------------------------------------------------------------------- building
@@ -311,10 +313,11 @@ class ParallelState:
         return self.replica_ranks.index(self.rank)
 
     @property
-    def mp_src_rank(self) -> int:
-        """Global rank of the model-parallel group's source (TP rank 0 of the first stage): what the other
-        ranks of this replica take their batch and replicated-region RNG from (:mod:`mtk.parallel.consistency`)."""
-        return self.mp_ranks[0]
+    def batch_src_rank(self) -> int:
+        """Global rank of the batch group's source (TP rank 0, CP rank 0 of the first stage): what the other ranks
+        computing on this replica's batch take it and their replicated-region RNG from
+        (:mod:`mtk.parallel.consistency`)."""
+        return self.batch_ranks[0]
 
     @property
     def is_first_stage(self) -> bool:

@@ -1,7 +1,7 @@
 """The ranks of one model replica compute on the same batch, dropout stream and weights, whatever each process
 seeded (issue 31): a plain accelerate loop that seeds as accelerate documents for multi-process runs,
 ``set_seed(0, device_specific=True)``, builds GPT-2 from its config and shuffles with the global generator
-trains at TP=2 (and TP2 x PP2) exactly as one process does, with fixed-length and padded variable-length
+trains at TP=2 (and TP2 x PP2, and CP 2) exactly as one process does, with fixed-length and padded variable-length
 batches; the batch broadcast itself and the loss check are tested on their own.
 """
 
@@ -15,7 +15,7 @@ from mtk.testing import assert_close_rel, run_distributed
 STEPS = 2
 
 
-def _train(rank, world_size, tp_size, pp_size, padded, device_specific, attn_pdrop, dropout):
+def _train(rank, world_size, tp_size, pp_size, padded, device_specific, attn_pdrop, dropout, cp_size=1):
     """Two SGD steps of tiny GPT-2 in a plain accelerate loop: the losses; the first step's full gradients of this
     stage (TP rank 0); the weights before and after (rank 0)."""
     from accelerate.utils import set_seed
@@ -29,7 +29,8 @@ def _train(rank, world_size, tp_size, pp_size, padded, device_specific, attn_pdr
     from mtk.parallel.parameters import param_info
 
     settings = RunSettings(num_micro_batches=2) if pp_size > 1 else RunSettings()
-    accelerator = Accelerator(parallel_config=ParallelConfig(tp_size=tp_size, pp_size=pp_size), run_settings=settings)
+    layout = ParallelConfig(tp_size=tp_size, pp_size=pp_size, cp_size=cp_size)
+    accelerator = Accelerator(parallel_config=layout, run_settings=settings)
     set_seed(0, device_specific=device_specific)  # as users do: after the Accelerator, before model and data
     config = builtin_config("tiny-gpt2")
     config.attn_pdrop, config.resid_pdrop, config.embd_pdrop = attn_pdrop, dropout, dropout
@@ -114,6 +115,14 @@ def test_tp2_pp2_with_device_specific_seeds_trains_as_one_process():
     _assert_trains_as(results, reference)
 
 
+def test_cp2_with_device_specific_seeds_trains_as_one_process():
+    # the CP ranks split the rows of one batch: each process's own shuffle gave each CP rank another row, and the
+    # attention mixed keys of unrelated sequences without a word (no dropout: CP's chunks draw their own masks)
+    reference = run_distributed(_train, world_size=1, args=(1, 1, True, True, 0.0, 0.0))[0]
+    results = run_distributed(_train, world_size=2, args=(1, 1, True, True, 0.0, 0.0, 2))
+    _assert_trains_as(results, reference)
+
+
 def _broadcast(rank, world_size):
     import torch.distributed as dist
 
@@ -123,7 +132,7 @@ def _broadcast(rank, world_size):
     from mtk.parallel.state import ParallelState
 
     parallel = ParallelState.build(tp_size=2)
-    group, src, device = parallel.mp_group, parallel.mp_src_rank, parallel.device
+    group, src, device = parallel.batch_group, parallel.batch_src_rank, parallel.device
     batch = {
         "input_ids": torch.full((2, 3 + rank), rank),  # a different shape on each rank
         "scores": torch.rand(4) + rank,

@@ -27,6 +27,7 @@ def test_megatron_core_context_parallel_example_world16_tp2_cp2_pp2():
     assert layout.replica_groups() == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
     assert layout.pp_groups() == [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]]
     assert layout.model_parallel_groups() == [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]]
+    assert layout.batch_groups() == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]  # one per DP rank
     for rank in range(16):
         c = layout.coords(rank)
         assert layout.rank_at(c.tp_rank, c.dp_rank, c.pp_rank, c.cp_rank) == rank
@@ -34,7 +35,8 @@ def test_megatron_core_context_parallel_example_world16_tp2_cp2_pp2():
             assert {(layout.coords(o).tp_rank, layout.coords(o).pp_rank) for o in layout.group_of(kind, rank)} == {
                 (c.tp_rank, c.pp_rank)
             }
-    for kind, count, size in (("tp", 8, 2), ("cp", 8, 2), ("dp", 8, 2), ("replica", 4, 4), ("pp", 8, 2)):
+    sizes = (("tp", 8, 2), ("cp", 8, 2), ("dp", 8, 2), ("replica", 4, 4), ("pp", 8, 2), ("batch", 2, 8))
+    for kind, count, size in sizes:
         _check_partition(layout, kind, count, size)
     with pytest.raises(LayoutError, match="not divisible by tp\\*cp\\*pp = 2\\*3\\*1 = 6"):
         Layout(world_size=8, tp_size=2, cp_size=3)
@@ -43,6 +45,7 @@ def test_megatron_core_context_parallel_example_world16_tp2_cp2_pp2():
 def test_without_context_parallelism_the_replica_group_is_the_data_parallel_group():
     layout = Layout(world_size=8, tp_size=2)
     assert layout.replica_groups() == layout.dp_groups() and layout.cp_groups() == [[r] for r in range(8)]
+    assert layout.batch_groups() == layout.model_parallel_groups()
 
 
 def test_megatron_core_expert_parallel_example_world16_tp2_cp2_ep4():

@@ -328,9 +328,9 @@ class Accelerator(
         # accelerate's own preparation (mixed-precision forward, device placement), but not its DDP,
         # which would span every process: replicas are only the data-parallel group.
         model = super().prepare_model(model, device_placement, evaluation_mode=True)
-        if self.parallel.tp_size * self.parallel.pp_size > 1:  # per-rank inputs would be mixed silently: one line
-            model.register_forward_pre_hook(
-                same_inputs_hook(self.parallel.mp_group, self.parallel.device), with_kwargs=True
+        if self.parallel.dp_size != self.num_processes:  # per-rank inputs would be mixed silently: one line
+            model.register_forward_pre_hook(  # (prepended: before CP's split of the rows)
+                same_inputs_hook(self.parallel.batch_group, self.parallel.device), with_kwargs=True, prepend=True
             )
         if isinstance(model, PipelineModel):  # the schedule backpropagates; gradients sync in backward()
             if self.sharding is not None:  # each stage's layers sharded over its DP group
@@ -381,8 +381,8 @@ class Accelerator(
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward()`` as accelerate does it; for a pipelined model the schedule already ran
         the backward passes, and only the gradient sync (tied embeddings, data parallel) is left. With
-        tp x pp > 1 the ranks of a replica must backpropagate the same loss (one line if not)."""
-        check_same_loss(loss, self.parallel.mp_group, self.parallel.device)
+        tp x cp x pp > 1 the ranks computing on one batch must backpropagate the same loss (one line if not)."""
+        check_same_loss(loss, self.parallel.batch_group, self.parallel.device)
         pipelines = [m for m in self._models if isinstance(m, PipelineModel)]
         if not pipelines:
             super().backward(loss, **kwargs)

@@ -79,23 +79,23 @@ class DataPath(_Host):
             return self.dispatch_batches
         if self.dispatch_batches:
             raise ConfigError(
-                "dispatch_batches=True hands each process its own batch, but with tp x pp = "
-                f"{self.parallel.tp_size * self.parallel.pp_size} the ranks of a model replica must train on one "
+                "dispatch_batches=True hands each process its own batch, but with tp x cp x pp = "
+                f"{self.num_processes // self.parallel.dp_size} the ranks of a model replica must train on one "
                 "batch; leave dispatch_batches unset (mtk shards an iterable dataset over the data-parallel replicas)"
             )
         return False if isinstance(data_loader.dataset, IterableDataset) else self.dispatch_batches
 
     def _broadcasting(self, loader):
-        """``loader`` whose batches come from the model-parallel source rank (where tp x pp > 1), and which ends a
-        stream read without dispatching (mtk's choice where a replica spans ranks) with its ``remainder``
+        """``loader`` whose batches come from the batch group's source rank (where tp x cp x pp > 1: CP's ranks
+        split the source's rows, each of them its own positions), and which ends a stream read without dispatching
+        (mtk's choice where a replica spans ranks) with its ``remainder``
         (:mod:`~mtk.integrations.accelerate.streams`)."""
-        split = self.parallel.tp_size * self.parallel.pp_size > 1
         stream = self.parallel.dp_size != self.num_processes and isinstance(loader.dataset, IterableDataset)
-        group = self.parallel.mp_group if split else None
-        return broadcasting(loader, group, self.parallel.mp_src_rank, self.parallel.device, stream=stream)
+        group = self.parallel.batch_group if self.parallel.dp_size != self.num_processes else None
+        return broadcasting(loader, group, self.parallel.batch_src_rank, self.parallel.device, stream=stream)
 
     def skip_first_batches(self, dataloader, num_batches: int = 0):
-        """accelerate's; with tp x pp > 1 the skipping loader, too, yields the source rank's batches."""
+        """accelerate's; with tp x cp x pp > 1 the skipping loader, too, yields the source rank's batches."""
         return self._broadcasting(super().skip_first_batches(unwrapped(dataloader), num_batches))
 
     @contextmanager

@@ -152,7 +152,7 @@ class ModelConversion(_Host):
 
     def _agree_rng(self) -> None:
         """The replica's source generators (so replicated-region dropout and the TP stream's seed agree)."""
-        agree_rng(self.parallel.mp_group, self.parallel.mp_src_rank, self.parallel.device)
+        agree_rng(self.parallel.batch_group, self.parallel.batch_src_rank, self.parallel.device)
 
     def _pipelined(self, model: nn.Module) -> nn.Module:
         """With pp > 1, the stage wrapped in the schedule-running :class:`PipelineModel`."""
