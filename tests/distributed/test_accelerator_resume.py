@@ -11,11 +11,11 @@ from torch.utils.data import DataLoader
 from mtk.integrations.accelerate.shuffle import replay_shuffles
 from mtk.testing import run_distributed
 
-EPOCH_BATCHES, STOP_AT, TOTAL = 6, 15, 18  # micro-batches per epoch (per replica), where to stop, where to end
+EPOCH_BATCHES, TOTAL = 6, 18  # micro-batches per epoch (per replica), where to end
 
 
-def _train(rank, world_size, checkpoint, mode):
-    """``stop``: train to STOP_AT and save; ``resume``: load and train on to TOTAL; ``full``: TOTAL at once."""
+def _train(rank, world_size, checkpoint, mode, stop_at=0):
+    """``stop``: train to ``stop_at`` and save; ``resume``: load and train on to TOTAL; ``full``: TOTAL at once."""
     from mtk import Accelerator
 
     accelerator = Accelerator()
@@ -27,7 +27,7 @@ def _train(rank, world_size, checkpoint, mode):
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     if mode == "resume":
         accelerator.load_state(checkpoint)
-    end = STOP_AT if mode == "stop" else TOTAL
+    end = stop_at if mode == "stop" else TOTAL
     seen = []
     while accelerator.micro_batches_seen < end:
         epoch, skip = divmod(accelerator.micro_batches_seen, EPOCH_BATCHES)
@@ -46,14 +46,17 @@ def _train(rank, world_size, checkpoint, mode):
 
 
 def test_resume_with_accelerate_default_sampler_is_exact(tmp_path):
-    checkpoint = str(tmp_path / "step")
-    stopped = run_distributed(_train, world_size=2, args=(checkpoint, "stop"))
-    resumed = run_distributed(_train, world_size=2, args=(checkpoint, "resume"))
-    full = run_distributed(_train, world_size=2, args=(checkpoint, "full"))
-    for rank in range(2):
-        assert len(full[rank][0]) == TOTAL
-        assert stopped[rank][0] + resumed[rank][0] == full[rank][0], f"rank {rank}: resumed batches differ"
-        assert resumed[rank][1] == full[rank][1], f"rank {rank}: weights differ after resume"
+    """Stopped inside the third epoch, and on the last batch of the second (the loop breaks there: accelerate
+    counted that pass only once its iterator ran out, and the resumed third epoch drew the second's order again)."""
+    full = run_distributed(_train, world_size=2, args=("", "full"))
+    for stop_at in (15, 2 * EPOCH_BATCHES):
+        checkpoint = str(tmp_path / f"step_{stop_at}")
+        stopped = run_distributed(_train, world_size=2, args=(checkpoint, "stop", stop_at))
+        resumed = run_distributed(_train, world_size=2, args=(checkpoint, "resume"))
+        for rank in range(2):
+            assert len(full[rank][0]) == TOTAL
+            assert stopped[rank][0] + resumed[rank][0] == full[rank][0], f"rank {rank}: resumed batches differ"
+            assert resumed[rank][1] == full[rank][1], f"rank {rank}: weights differ after resume"
 
 
 def test_replay_shuffles_reaches_the_epoch_start():

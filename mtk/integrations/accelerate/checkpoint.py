@@ -25,7 +25,7 @@ from mtk.checkpoint.resume import data_position, rescaled_position
 from mtk.checkpoint.schedules import follow_the_schedule
 from mtk.checkpoint.sharded import load_checkpoint, save_checkpoint
 from mtk.errors import CheckpointError, ConfigError
-from mtk.integrations.accelerate.shuffle import replay_shuffles
+from mtk.integrations.accelerate.shuffle import completed_passes, replay_shuffles
 from mtk.integrations.deepspeed import load_deepspeed_checkpoint, save_deepspeed_checkpoint
 from mtk.parallel.fsdp import reshard
 from mtk.parallel.state import ParallelState
@@ -98,7 +98,7 @@ class ShardedCheckpointing(_Host):
         data = {
             **data_position(self.micro_batches_seen, self._samples_per_micro_batch()),
             "accelerate_step": self.step,
-            "dataloader_iterations": [getattr(dl, "iteration", 0) for dl in self._dataloaders],
+            "dataloader_iterations": [completed_passes(dl) for dl in self._dataloaders],
             **({"stream": self.data_stream} if self.data_stream is not None else {}),
         }
         writers = [

@@ -16,7 +16,19 @@ from __future__ import annotations
 from accelerate.data_loader import SeedableRandomSampler
 from torch.utils.data import DataLoader, RandomSampler
 
-__all__ = ["replay_shuffles"]
+__all__ = ["completed_passes", "replay_shuffles"]
+
+
+def completed_passes(dataloader) -> int:
+    """The passes over ``dataloader`` whose last batch it has yielded: accelerate's ``iteration``, and the pass in
+    progress when its last batch was yielded and the loop stopped there. accelerate counts a pass only once its
+    iterator runs out, which a loop that ends its epoch on the last batch (``step_windows``, a ``break`` on the
+    data position) never asks for: a save there recorded one pass too few, and the resumed run drew the finished
+    epoch's order again for the next one."""
+    iteration = int(getattr(dataloader, "iteration", 0))
+    state = getattr(dataloader, "gradient_state", None)
+    in_pass = state is not None and any(ref is dataloader for ref in state.dataloader_references)
+    return iteration + int(in_pass and bool(getattr(dataloader, "end_of_dataloader", False)))
 
 
 def replay_shuffles(dataloader, completed_epochs: int) -> int:
