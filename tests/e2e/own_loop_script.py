@@ -38,6 +38,7 @@ def collate(batch: list[torch.Tensor]) -> dict[str, torch.Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mtk", action="store_true")
+    parser.add_argument("--dummies", action="store_true", help="the DeepSpeed JSON's optimizer and scheduler")
     args = parser.parse_args()
     if args.mtk:
         from mtk import Accelerator
@@ -46,19 +47,29 @@ def main() -> None:
     accelerator = Accelerator()
     set_seed(0)
     model = build_model("tiny-llama", seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = DataLoader(rows(), batch_size=BATCH, collate_fn=collate)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    losses, norm = [], None
+    if args.dummies:  # accelerate's DeepSpeed example: the JSON's optimizer and scheduler, over STEPS steps
+        from accelerate.utils import DummyOptim, DummyScheduler
+
+        optimizer = DummyOptim(model.parameters(), lr=1e-3)
+        scheduler = DummyScheduler(optimizer, total_num_steps=STEPS, warmup_num_steps=1)
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses, rates, norm = [], [], None
     for batch in loader:
         loss = model(**batch).loss
         accelerator.backward(loss)
         norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        if args.dummies:
+            scheduler.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+        rates.append(optimizer.param_groups[0]["lr"])
     if accelerator.is_main_process:
-        print(json.dumps({"losses": losses, "grad_norm": float(norm)}))
+        print(json.dumps({"losses": losses, "grad_norm": float(norm), "rates": rates}))
     if args.mtk:
         accelerator.end_training()
     # else not: plain accelerate's end_training destroys the world group and leaves DDP's Reducer its last owner;

@@ -35,6 +35,7 @@ from mtk.integrations.accelerate.deepspeed import (
     reconcile_gradient_clipping,
     refuse_two_optimizers,
     replace_accelerated_schedulers,
+    scheduler_steps_over_replicas,
     user_batch_fields,
 )
 from mtk.integrations.accelerate.init import (
@@ -259,7 +260,10 @@ class Accelerator(
             return super().prepare(*args, device_placement=device_placement)
         refuse_two_optimizers(self, tuple(args))
         reconcile_accelerate_batch(self, tuple(args), self._explicit_accumulation)
-        with deepspeed_initialize_with_mpu(self.parallel, self.deepspeed_batch_fields[1]):
+        with (
+            deepspeed_initialize_with_mpu(self.parallel, self.deepspeed_batch_fields[1]),
+            scheduler_steps_over_replicas(self, tuple(args)),
+        ):
             prepared = super().prepare(*args, device_placement=device_placement)
         return replace_accelerated_schedulers(self, prepared)
 

@@ -42,6 +42,7 @@ __all__ = [
     "reconcile_gradient_clipping",
     "refuse_two_optimizers",
     "replace_accelerated_schedulers",
+    "scheduler_steps_over_replicas",
     "user_batch_fields",
 ]
 
@@ -154,6 +155,29 @@ def refuse_two_optimizers(accelerator, args: tuple) -> None:
                 f'{where} defines the {block} (its "{block}" block) and the script prepares its own too; remove the '
                 f"block from the JSON, or pass accelerate.utils.{dummy} in the script"
             )
+
+
+@contextmanager
+def scheduler_steps_over_replicas(accelerator, args: tuple) -> Iterator[None]:
+    """accelerate fills a ``DummyScheduler``'s ``total_num_steps`` into the JSON's scheduler divided by its number of
+    processes (each a replica in plain accelerate); the replicas are the DP ranks, so a TP 2 run's schedule ended at
+    half its steps and stayed at its last rate. Inside, each such scheduler's count is scaled so that accelerate's
+    division is by dp: ``ceil(T x k / (dp x k)) = ceil(T / dp)``, ``k = tp x cp x pp``."""
+    from accelerate.utils import DummyScheduler
+
+    factor = accelerator.num_processes // accelerator.parallel.dp_size
+    scaled = [
+        obj
+        for obj in args
+        if isinstance(obj, DummyScheduler) and obj.total_num_steps is not None and not accelerator.split_batches
+    ]
+    for scheduler in scaled:
+        scheduler.total_num_steps *= factor
+    try:
+        yield
+    finally:
+        for scheduler in scaled:
+            scheduler.total_num_steps //= factor
 
 
 @contextmanager
