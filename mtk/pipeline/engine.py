@@ -333,6 +333,12 @@ class PipelineModel(nn.Module):
         reduction = self._overlapped_reduction() if train else None
 
         def backward(k: int, chunk: int, i: int) -> None:
+            with torch.autocast(self.parallel.device.type, enabled=False):  # (accelerate's is around the forward)
+                backward_pass(k, chunk, i)
+
+        def backward_pass(k: int, chunk: int, i: int) -> None:
+            """Outside a pipeline a backward runs without autocast; here it runs inside the forward accelerate
+            wraps in autocast, which would backpropagate a region the model keeps in fp32 in low precision."""
             if reduction is not None and i == m - 1:  # every schedule runs a chunk's micro-batch m - 1 last
                 reduction.arm(self._chunk_params[chunk])
             (stage_input, sums_in), output = held.pop((chunk, i))

@@ -60,3 +60,33 @@ def test_under_the_distributed_optimizer_every_gradient_is_unscaled_and_checked(
     assert sorted(r["owns"] for r in results) == [[False, True], [True, False]]
     for result in results:
         assert result["unscaled"] == [2.0] * 4 and result["scale"] == 512.0
+
+
+def _autocast_in_a_pipeline(rank: int, world_size: int) -> dict:
+    from mtk import Accelerator, ParallelConfig
+    from mtk.config import RunSettings
+    from mtk.models import build_model
+
+    accelerator = Accelerator(
+        mixed_precision="bf16",
+        parallel_config=ParallelConfig(pp_size=2),
+        run_settings=RunSettings(num_micro_batches=2),
+    )
+    model = accelerator.prepare(build_model("tiny-llama", seed=0))
+    seen: dict[str, list[bool]] = {"forward": [], "backward": []}
+    for layer in accelerator.unwrap_model(model).modules():
+        if type(layer).__name__ == "LlamaDecoderLayer":
+            layer.register_forward_hook(lambda *_: seen["forward"].append(torch.is_autocast_enabled("cpu")))
+            layer.register_full_backward_hook(lambda *_: seen["backward"].append(torch.is_autocast_enabled("cpu")))
+    ids = torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(0))
+    accelerator.backward(model(input_ids=ids, labels=ids).loss)
+    return seen
+
+
+def test_a_pipelines_backward_runs_without_autocast():
+    """accelerate wraps the prepared model's forward in autocast, and a pipeline's schedule backpropagates inside
+    its forward: a region the model keeps in fp32 (autocast off in its forward) was backpropagated in bf16. Outside
+    a pipeline the backward runs without autocast; inside one too now."""
+    for seen in run_distributed(_autocast_in_a_pipeline, world_size=2):
+        assert seen["forward"] and all(seen["forward"]), seen
+        assert seen["backward"] and not any(seen["backward"]), seen
