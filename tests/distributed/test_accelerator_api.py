@@ -13,6 +13,7 @@ import pickle
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 
 from mtk.testing import run_distributed
@@ -61,6 +62,11 @@ def _check_api(rank, world_size, out_dir):
 
     gathered = accelerator.gather_for_metrics([f"dp{state.dp_rank}"], use_gather_object=True)
     assert gathered == ["dp0", "dp1"], gathered
+    value = torch.tensor([1.0 + state.dp_rank])  # each replica's metric, held by both its TP ranks
+    reduced = {how: accelerator.reduce(value, how).item() for how in ("sum", "mean", "max", "none")}
+    assert reduced == {"sum": 3.0, "mean": 1.5, "max": 2.0, "none": 3.0}, reduced  # accelerate's, over DP
+    with pytest.raises(ConfigError, match=r"reduce: scale=2\.0 is applied by accelerate on XLA only"):
+        accelerator.reduce(value, scale=2.0)
 
     accelerator.project_configuration.set_directories(f"{out_dir}/project")
     accelerator.project_configuration.automatic_checkpoint_naming = True

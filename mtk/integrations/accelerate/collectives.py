@@ -16,6 +16,7 @@ import torch.distributed as dist
 from accelerate.state import PartialState
 from accelerate.utils import recursively_apply
 
+from mtk.errors import ConfigError
 from mtk.parallel.comm import all_reduce, group_size
 from mtk.parallel.state import ParallelState
 
@@ -37,17 +38,24 @@ class DataParallelCollectives(_Host):
     flag_tensor: torch.Tensor | None  # accelerate's trigger flag
 
     def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
-        """Reduce over the data-parallel group (TP/PP ranks of one replica hold the same values)."""
+        """Reduce over the data-parallel group (TP/PP ranks of one replica hold the same values): accelerate's
+        ``mean``, ``sum``, ``max`` and ``none`` (a sum, as accelerate's is). ``scale`` is applied by accelerate on
+        XLA only, and ignored elsewhere; mtk runs on no XLA, so another scale is one line, not dropped."""
+        if reduction not in ("sum", "mean", "max", "none"):
+            raise ConfigError(f"reduce: reduction={reduction!r} is not one of 'mean', 'sum', 'max', 'none'")
+        if scale != 1.0:
+            raise ConfigError(
+                f"reduce: scale={scale} is applied by accelerate on XLA only (elsewhere it is ignored); multiply the "
+                "reduced value instead"
+            )
         dp_size, group = self.parallel.dp_size, self.parallel.dp_group
+        op = dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM
 
         def _reduce(t: torch.Tensor) -> torch.Tensor:
-            out = all_reduce(t.clone(), group) if dp_size > 1 else t.clone()
-            out = out * scale
+            out = all_reduce(t.clone(), group, op=op) if dp_size > 1 else t.clone()
             return out / dp_size if reduction == "mean" else out
 
-        if reduction not in ("sum", "mean"):
-            raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
-        return recursively_apply(_reduce, tensor)
+        return recursively_apply(_reduce, tensor, error_on_other_type=True)
 
     def check_trigger(self) -> bool:
         """accelerate's breakpoint trigger, summed over every process (not only the DP group): a
