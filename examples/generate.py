@@ -17,7 +17,7 @@ if __name__ == "__main__":  # Ctrl-C while the libraries below load (seconds): s
 import argparse
 from pathlib import Path
 
-from mtk.args import positive_int
+from mtk.args import ArgumentParser, positive_int, utf8_text
 from mtk.checkpoint.hf_load import safetensors_index
 from mtk.checkpoint.safetensors_slices import open_safetensors
 from mtk.data.formats import chat_template_refusals
@@ -45,10 +45,10 @@ def check_model_directory(directory: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="a local HF directory with a tokenizer that has a chat template")
-    parser.add_argument("--prompt", required=True, help="the user message")
-    parser.add_argument("--system", help="a system message before it")
+    parser.add_argument("--prompt", required=True, type=utf8_text, help="the user message")
+    parser.add_argument("--system", type=utf8_text, help="a system message before it")
     parser.add_argument("--max_new_tokens", type=positive_int, default=80, help="tokens to generate (80)")
     args = parser.parse_args(argv)
     import torch

@@ -21,6 +21,7 @@ __all__ = [
     "non_negative_int",
     "positive_float",
     "positive_int",
+    "utf8_text",
 ]
 
 
@@ -53,6 +54,16 @@ def directory(text: str) -> str:
         text.encode("utf-8")
     except UnicodeEncodeError:  # bytes Python kept as surrogates: tensorboard's event files could not be named
         raise argparse.ArgumentTypeError(f"{text!r} holds bytes that are not UTF-8; use a UTF-8 name") from None
+    return text
+
+
+def utf8_text(text: str) -> str:
+    """A text option (a prompt): bytes that are not UTF-8, which Python keeps as surrogates, reach a tokenizer as
+    text it cannot encode (a traceback from deep inside it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"{text!r} holds bytes that are not UTF-8; give UTF-8 text") from None
     return text
 
 

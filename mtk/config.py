@@ -337,6 +337,12 @@ class RunSettings:
             raise ConfigError(f"recompute_method {self.recompute_method!r} is unknown; use one of {RECOMPUTE_METHODS}")
         if self.recompute_num_layers < 1:
             raise ConfigError(f"recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
+        if self.recompute != "full" and (self.recompute_method != "uniform" or self.recompute_num_layers != 1):
+            raise ConfigError(  # (Megatron's rule: they choose the blocks of a full recompute)
+                f"recompute_method={self.recompute_method}, recompute_num_layers={self.recompute_num_layers} choose "
+                f"the blocks of a full recompute, and this run's recompute is {self.recompute or 'off'}; set "
+                "recompute_granularity to full, or remove them"
+            )
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ConfigError(f"cp_comm_type {self.cp_comm_type!r} is unknown; use one of {CP_COMM_TYPES}")
         if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 0:

@@ -226,6 +226,7 @@ def run_distributed(
     failures: dict[int, str] = {}
     errors: dict[int, BaseException] = {}
     deadline = time.monotonic() + timeout
+    timed_out = False
     try:
         while len(results) + len(failures) < world_size:
             if not queue.empty():
@@ -246,15 +247,16 @@ def run_distributed(
                             errors[i] = WorkerKilled(-(procs[i].exitcode or 0))
                     break
             if time.monotonic() > deadline:
+                timed_out = True  # (the workers are killed below, not waited for)
                 missing = sorted(set(range(world_size)) - set(results) - set(failures))
                 raise DistributedTestError(
-                    f"{fn.__name__}: ranks {missing} still running after {timeout:.0f}s (a collective not "
-                    f"joined by every rank?); finished: {sorted(results)}"
+                    f"{fn.__name__}: ranks {missing} still running when the {timeout:g} s allowed ran out (a slow "
+                    f"start or step, or a collective some rank never joined); finished: {sorted(results)}"
                 )
             time.sleep(0.01)
     finally:
         for proc in procs:
-            proc.join(timeout=5 if not failures else 0.1)
+            proc.join(timeout=0.1 if failures or timed_out else 5)
             if proc.is_alive():
                 proc.kill()
                 proc.join()

@@ -217,6 +217,8 @@ def run_bench(
                 except DistributedTestError as err:
                     oom = allocation_failure(err, "use a smaller --batch or --seq")  # (sizes, not a bug)
                     summary.error = str(oom) if oom else _last_line(str(err))
+                    if "allowed ran out" in summary.error:  # the user's --timeout, before a hang
+                        summary.error += f"; raise --timeout ({timeout:g} s) if the launch only needs longer"
                     progress(f"[{done}/{total}] {name}: failed ({summary.error})")
                     continue
                 summary.add(ranks)

@@ -65,3 +65,18 @@ def test_a_rank_that_stops_answering_ends_the_run_after_the_timeout_with_one_lin
     assert err.startswith("train.py: error: a collective failed (Timed out waiting 2000ms for recv operation"), err
     assert "another rank exited or stopped answering" in err and "collectives wait 2 s for a peer" in err, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+def _slow(rank: int, world_size: int) -> None:
+    time.sleep(30)
+
+
+def test_workers_past_their_time_are_said_as_time_run_out_not_as_a_hang():
+    """``mtk bench --timeout 3`` blamed a collective not joined by every rank when its workers had not finished
+    starting: the time allowed ran out, and the line says so first."""
+    import pytest
+
+    from mtk.spawn import DistributedTestError
+
+    with pytest.raises(DistributedTestError, match=r"ranks \[0, 1\] still running when the 1 s allowed ran out"):
+        run_distributed(_slow, world_size=2, timeout=1)

@@ -590,6 +590,17 @@ def test_generate_on_a_directory_it_cannot_use_is_one_line(checkpoint, tmp_path,
     assert causal_lm_refusal(gemma3) is None
 
 
+def test_generate_with_text_that_is_not_utf8_is_one_line(capsys):
+    """A prompt holding bytes that are not UTF-8 (Python keeps them as surrogates) was the tokenizer's traceback."""
+    for flag in ("--prompt", "--system"):
+        argv = ["tiny-llama", "--prompt", "hi", flag, "caf\udce9"]
+        with pytest.raises(SystemExit) as exit_:
+            run_main(partial(EXAMPLES["generate"].main, argv), "generate.py")
+        assert exit_.value.code == 2
+        said = f"argument {flag}: 'caf\\udce9' holds bytes that are not UTF-8"
+        _one_line(capsys.readouterr().err, "generate.py", said)
+
+
 def test_generate_with_a_chat_template_that_leaves_the_sandbox_is_one_line(tmp_path, capsys, monkeypatch):
     """transformers renders the template in Jinja's sandbox, which refuses ``__class__``: it was its traceback."""
     import transformers.utils.logging as tqdm_logging

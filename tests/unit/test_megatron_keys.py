@@ -84,13 +84,35 @@ def test_recompute_settings():
         RunSettings(recompute_method="every")
     with pytest.raises(ConfigError, match="recompute_granularity 'most'"):
         RunSettings(recompute_granularity="most")
+    assert RunSettings(recompute_granularity="full", recompute_method="block", recompute_num_layers=2).recompute
+    for off in ({}, {"MEGATRON_LM_RECOMPUTE_GRANULARITY": "selective"}):  # (they were dropped without a word)
+        for key, value in (("METHOD", "block"), ("NUM_LAYERS", "2")):
+            with pytest.raises(ConfigError, match="choose the blocks of a full recompute, and this run's recompute"):
+                RunSettings.from_env({**off, f"MEGATRON_LM_RECOMPUTE_{key}": value})
+
+
+def test_an_attention_backend_this_machine_cannot_run_is_one_line(monkeypatch):
+    import importlib.util
+
+    from mtk.integrations.accelerate.megatron_keys import act_on_model
+    from mtk.models import build_model
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash_attn is installed here")
+    monkeypatch.setenv("MEGATRON_LM_ATTENTION_BACKEND", "flash")
+    said = "megatron_lm_attention_backend: flash (flash_attention_2) cannot run here: FlashAttention2 has been toggled"
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        act_on_model(build_model("tiny-llama", seed=0), RunSettings(), print)
 
 
 def test_last_stage_layers():
     settings = RunSettings.from_env({"MEGATRON_LM_DECODER_LAST_PIPELINE_NUM_LAYERS": "1"})
     assert asked_layers(settings, 4, 2) == (3, 1)
     assert asked_layers(settings, 6, 3) == (3, 2, 1)
-    assert asked_layers(settings, 4, 1) == ()
+    with pytest.raises(ConfigError, match="decoder_last_pipeline_num_layers=1 splits the layers over pipeline stages"):
+        asked_layers(settings, 4, 1)  # (one stage: it was dropped without a word)
+    with pytest.raises(ConfigError, match=r"pipeline_layers \[2, 2\] splits the layers over pipeline stages, but pp"):
+        asked_layers(RunSettings(pipeline_layers=(2, 2)), 4, 1)
     with pytest.raises(ConfigError, match="leaves 0 of the model's 1 layers"):
         asked_layers(settings, 1, 2)
     with pytest.raises(ConfigError, match="give one of them"):

@@ -148,8 +148,16 @@ def check_engine(settings: RunSettings, *, deepspeed: bool) -> None:
 def act_on_model(model: nn.Module, settings: RunSettings, report: Callable[[str], None]) -> None:
     """The keys that act on the HF model itself: the attention backend, activation recomputation."""
     backend = os.environ.get(PREFIX + "ATTENTION_BACKEND", "").strip().lower()
-    if ATTENTION_BACKENDS.get(backend):
-        cast(Any, model).set_attn_implementation(ATTENTION_BACKENDS[backend])
+    implementation = ATTENTION_BACKENDS.get(backend)
+    if implementation:
+        try:
+            cast(Any, model).set_attn_implementation(implementation)
+        except (ImportError, ValueError) as err:  # (flash_attn not installed, a model without that kernel)
+            said = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+            raise ConfigError(
+                f"megatron_lm_attention_backend: {backend} ({implementation}) cannot run here: {said.rstrip('.')}; "
+                "use fused (sdpa) or auto"
+            ) from None
     record = parallelized(model)
     for line in enable_recompute(model, settings, record.rng if record else None):
         report(line)
