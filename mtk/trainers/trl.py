@@ -228,17 +228,8 @@ class SFTTrainer(ParallelTrainerMixin, trl.SFTTrainer):
         with trl_loading(trl_sft, self._path_loader), chat_template_refusals("SFTTrainer's data"):
             super().__init__(*args, **kwargs)
         check_adapters_in_place(self)
-        parallel = self.accelerator.parallel
-        if parallel.pp_size > 1 and self.args.loss_type != "nll":
-            raise ConfigError(
-                f"SFTConfig.loss_type={self.args.loss_type!r} with pp > 1: the pipeline backpropagates the model's "
-                "own token-mean loss; use loss_type='nll' or pp = 1"
-            )
-        if parallel.pp_size > 1 and self.padding_free:
-            raise ConfigError(
-                "SFTConfig packing (BFD) or padding_free with pp > 1: a padding-free batch is one row of packed "
-                "examples, which the pipeline cannot cut into micro-batches; use packing=False or pp = 1"
-            )
+        if self.accelerator.parallel.pp_size > 1:
+            _check_sft_pipeline(self)
         replace_trl_fused_head(self.model)
 
     def compute_loss(
@@ -316,6 +307,28 @@ def _numeric_dropouts(model: Any) -> list[str]:
             if ("dropout" in name or "pdrop" in name) and isinstance(value, float) and value > 0:
                 found.append(f"{type(module).__name__}.{name}={value}")
     return found
+
+
+def _check_sft_pipeline(trainer: Any) -> None:
+    """What a pipeline's SFT computes as TRL does: it backpropagates the model's own token-mean loss, inside the
+    pipeline's forward, over micro-batches it cuts from rows."""
+    if trainer.args.loss_type != "nll":
+        raise ConfigError(
+            f"SFTConfig.loss_type={trainer.args.loss_type!r} with pp > 1: the pipeline backpropagates the model's "
+            "own token-mean loss; use loss_type='nll' or pp = 1"
+        )
+    if trainer.padding_free:
+        raise ConfigError(
+            "SFTConfig packing (BFD) or padding_free with pp > 1: a padding-free batch is one row of packed "
+            "examples, which the pipeline cannot cut into micro-batches; use packing=False or pp = 1"
+        )
+    if trainer.aux_loss_enabled:
+        raise ConfigError(
+            "a MoE router loss (output_router_logits, router_aux_loss_coef) with SFTTrainer at pp > 1: TRL adds the "
+            "router term divided by the accumulation steps, the pipeline backpropagates the model's own loss, whose "
+            "term it scales as the token loss (dp x accumulation times TRL's); set router_aux_loss_coef=0.0 in the "
+            "SFTConfig, or use pp = 1"
+        )
 
 
 def _check_dpo_pipeline(trainer: Any) -> None:

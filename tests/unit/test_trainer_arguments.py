@@ -485,6 +485,25 @@ def test_dpo_with_peft_config_at_pp_above_1_is_one_line():
         _check_dpo_pipeline(trainer)
 
 
+def test_what_sft_at_pp_above_1_cannot_compute_as_trl_does_is_one_line():
+    """The pipeline backpropagates the model's own token-mean loss: another TRL loss type, a padding-free row, and an
+    MoE router term (TRL divides it by the accumulation steps; the pipeline scaled it dp x accumulation times
+    larger, a silently different router gradient) are each one line."""
+    from types import SimpleNamespace
+
+    from mtk.trainers.trl import _check_sft_pipeline
+
+    fine = {"args": SimpleNamespace(loss_type="nll"), "padding_free": False, "aux_loss_enabled": False}
+    _check_sft_pipeline(SimpleNamespace(**fine))
+    for change, said in [
+        ({"args": SimpleNamespace(loss_type="dft")}, "SFTConfig.loss_type='dft' with pp > 1"),
+        ({"padding_free": True}, "SFTConfig packing (BFD) or padding_free with pp > 1"),
+        ({"aux_loss_enabled": True}, "a MoE router loss (output_router_logits, router_aux_loss_coef) with SFTTrainer"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            _check_sft_pipeline(SimpleNamespace(**{**fine, **change}))
+
+
 def test_dpo_at_pp_above_1_with_attention_dropout_left_on_is_one_line():
     """TRL's disable_dropout zeroes nn.Dropout modules; Llama's attention draws with its attention_dropout number,
     so the pipeline's two passes (log-probabilities, then the gradient) drew different masks: wrong weights."""
