@@ -276,6 +276,7 @@ class RunSettings:
                 "pipeline_schedule": self.pipeline_schedule if self.pipeline_schedule != "1f1b" else None,
                 "virtual_stages": self.virtual_stages if self.virtual_stages != 1 else None,
                 "pipeline_layers": ",".join(map(str, self.pipeline_layers)) or None,
+                "decoder_last_pipeline_num_layers": self.last_stage_layers,
                 "num_micro_batches": self.num_micro_batches if self.num_micro_batches != 1 else None,
             }
             lines = [

@@ -47,14 +47,7 @@ def asked_layers(settings: RunSettings, num_layers: int, pp_size: int) -> tuple[
     """Decoder blocks per stage as the run's settings ask (``pipeline_layers``; or ``last_stage_layers``, Megatron's
     ``decoder_last_pipeline_num_layers``, with the rest split evenly); ``()``: mtk's head-aware default."""
     last = settings.last_stage_layers
-    if pp_size == 1 and (settings.pipeline_layers or last is not None):  # (one stage: it would be dropped)
-        given = (
-            f"pipeline_layers {list(settings.pipeline_layers)}"
-            if settings.pipeline_layers
-            else (f"decoder_last_pipeline_num_layers={last}")
-        )
-        raise ConfigError(f"{given} splits the layers over pipeline stages, but pp is 1; remove it, or set pp > 1")
-    if settings.pipeline_layers or last is None:
+    if settings.pipeline_layers or last is None or pp_size == 1:  # (at pp 1: RunSettings.check_pipeline says so)
         return settings.pipeline_layers
     if num_layers - last < pp_size - 1:
         raise ConfigError(

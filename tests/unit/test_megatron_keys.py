@@ -109,10 +109,8 @@ def test_last_stage_layers():
     settings = RunSettings.from_env({"MEGATRON_LM_DECODER_LAST_PIPELINE_NUM_LAYERS": "1"})
     assert asked_layers(settings, 4, 2) == (3, 1)
     assert asked_layers(settings, 6, 3) == (3, 2, 1)
-    with pytest.raises(ConfigError, match="decoder_last_pipeline_num_layers=1 splits the layers over pipeline stages"):
-        asked_layers(settings, 4, 1)  # (one stage: it was dropped without a word)
-    with pytest.raises(ConfigError, match=r"pipeline_layers \[2, 2\] splits the layers over pipeline stages, but pp"):
-        asked_layers(RunSettings(pipeline_layers=(2, 2)), 4, 1)
+    assert asked_layers(settings, 4, 1) == ()
+    assert settings.check_pipeline(1) == ["mtk: decoder_last_pipeline_num_layers=1 does nothing at pp = 1"]
     with pytest.raises(ConfigError, match="leaves 0 of the model's 1 layers"):
         asked_layers(settings, 1, 2)
     with pytest.raises(ConfigError, match="give one of them"):
