@@ -114,6 +114,22 @@ def _keeping_streams(function: Callable, streams: RNGStreams, report: Callable[[
     return wrapped
 
 
+class _KeepingStreams:
+    """A model's ``_set_gradient_checkpointing`` that gives every checkpoint function it installs the streams (the
+    class's own, or its override, does the rest)."""
+
+    def __init__(self, model: nn.Module, streams: RNGStreams, report: Callable[[str], None]) -> None:
+        self.model, self.streams, self.report = model, streams, report
+
+    def __call__(
+        self, enable: bool = True, gradient_checkpointing_func: Callable = checkpoint, every_n_layers: int = 1
+    ) -> None:
+        function = _keeping_streams(gradient_checkpointing_func, self.streams, self.report)
+        cast(Any, type(self.model))._set_gradient_checkpointing(
+            self.model, enable=enable, gradient_checkpointing_func=function, every_n_layers=every_n_layers
+        )
+
+
 def keep_streams_under_checkpointing(
     model: nn.Module, streams: RNGStreams, report: Callable[[str], None] = lambda line: None
 ) -> None:
@@ -127,15 +143,8 @@ def keep_streams_under_checkpointing(
         function = getattr(module, "_gradient_checkpointing_func", None)
         if function is not None:
             cast(Any, module)._gradient_checkpointing_func = _keeping_streams(function, streams, report)
-    original = cast(Any, model)._set_gradient_checkpointing  # (bound: the model's own, or its class's override)
-
-    def set_gradient_checkpointing(
-        enable: bool = True, gradient_checkpointing_func: Callable = checkpoint, every_n_layers: int = 1
-    ) -> None:
-        function = _keeping_streams(gradient_checkpointing_func, streams, report)
-        original(enable=enable, gradient_checkpointing_func=function, every_n_layers=every_n_layers)
-
-    cast(Any, model)._set_gradient_checkpointing = set_gradient_checkpointing
+    if hasattr(type(model), "_set_gradient_checkpointing"):
+        cast(Any, model)._set_gradient_checkpointing = _KeepingStreams(model, streams, report)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
