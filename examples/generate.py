@@ -72,10 +72,11 @@ def main(argv: list[str] | None = None) -> None:
     prompt_tokens = inputs["input_ids"].shape[1]
     positions = getattr(model.config, "max_position_embeddings", None)
     if positions is not None and prompt_tokens + args.max_new_tokens > positions:
-        room = max(positions - prompt_tokens, 0)
+        room = positions - prompt_tokens
+        advice = f"use --max_new_tokens {room} or fewer" if room > 0 else "give a shorter prompt (or --system)"
         raise DataError(  # (transformers only warns, and generates past them until stopped)
             f"--max_new_tokens {args.max_new_tokens} after the prompt's {prompt_tokens} tokens goes past the model's "
-            f"{positions} positions (max_position_embeddings); use --max_new_tokens {room} or fewer"
+            f"{positions} positions (max_position_embeddings); {advice}"
         )
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)

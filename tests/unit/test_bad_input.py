@@ -668,12 +668,15 @@ def test_generate_past_the_models_positions_is_one_line(tmp_path, capsys, monkey
     tokenizer.save_pretrained(tmp_path)
     capsys.readouterr()  # (the save's progress bar)
     monkeypatch.setattr(tqdm_logging, "_tqdm_active", False)  # (the load's)
-    argv = [str(tmp_path), "--prompt", "hi", "--max_new_tokens", "100000"]
-    with pytest.raises(SystemExit) as exit_:
-        run_main(partial(EXAMPLES["generate"].main, argv), "generate.py")
-    assert exit_.value.code == 2
     positions = model.config.max_position_embeddings
-    _one_line(capsys.readouterr().err, "generate.py", f"goes past the model's {positions} positions")
+    long_prompt = " ".join(["a river runs by the mill"] * positions)  # (its tokens alone fill every position)
+    for prompt, advice in [("hi", "; use --max_new_tokens"), (long_prompt, "; give a shorter prompt (or --system)")]:
+        argv = [str(tmp_path), "--prompt", prompt, "--max_new_tokens", "100000"]
+        with pytest.raises(SystemExit) as exit_:
+            run_main(partial(EXAMPLES["generate"].main, argv), "generate.py")
+        assert exit_.value.code == 2
+        said = f"goes past the model's {positions} positions (max_position_embeddings){advice}"
+        _one_line(capsys.readouterr().err, "generate.py", said)
 
 
 def test_weights_for_more_layers_than_the_config_builds_are_one_line(tmp_path):
