@@ -249,7 +249,7 @@ def check_same_loss(loss: torch.Tensor, group: Group, device: torch.device) -> N
     high, low = both[0].item(), -both[1].item()
     if high != low and not (high != high and low != low):  # NaN on every rank is the same loss
         raise TrainingError(
-            f"the ranks of one model replica backpropagate different losses ({low:.6g} to {high:.6g}): compute "
+            f"the ranks of one model replica backpropagate different losses ({low!r} to {high!r}): compute "
             "the loss from the model's outputs and a batch of a DataLoader passed through accelerator.prepare "
             "(mtk gives every rank of a replica the same batch), not from per-rank data or random draws"
         )

@@ -398,7 +398,7 @@ def _whole_outputs(module: Any, args: tuple, kwargs: dict[str, Any], output: Any
     loss = getattr(output, "loss", None)
     if loss is not None:
         whole = all_reduce(loss.detach().clone(), shard.group) / (group_size(shard.group) if shard.average else 1)
-        output.loss = loss + (whole - loss.detach())
+        output.loss = whole + (loss - loss.detach())  # (its value exactly the all-reduced one on every CP rank)
     local = shard.positions.shape[1]
     length = shard.row_length or local * group_size(shard.group)
     for key in PER_POSITION:
