@@ -3,7 +3,8 @@
     python examples/benchmarks/chunked_loss.py                        # bench-llama-151k, TP=2, 1 x 2048 and 4096
     python examples/benchmarks/chunked_loss.py --seqs 8192 --tp 1 --json loss.json
 
-Each setting runs ``mtk bench``'s mtk contender (a real TP run with an AdamW step) in fresh processes:
+Each setting runs ``mtk bench``'s mtk contender (a real TP run with an AdamW step) in fresh processes (forked from
+one that imported torch with ``--fork_workers``, CPU only):
 ``logits kept`` is the loss as HF's forward computes it (``loss_chunk_tokens = 0``: ``[b, s, V/tp]`` logits, then
 the vocab-parallel cross-entropy, which keeps its softmax for backward); ``chunked`` is mtk's default (chunks of at
 most 256 MiB of fp32 logits), ``chunked N`` chunks of N tokens. Reported for rank 0: live bytes at the step's peak
@@ -31,6 +32,12 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk", type=int, default=1024, help="tokens per chunk of the 'chunked N' row")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--json", help="also write the table to this JSON file")
+    parser.add_argument(
+        "--fork_workers",
+        action="store_true",
+        help="CPU only: fork each run's workers from a process that imported torch once, as mtk bench's flag does "
+        "(seconds faster per run; the RSS column then counts pages shared with it, the live bytes do not)",
+    )
     args = parser.parse_args(argv)
     settings = {"logits kept": 0, "chunked": None, f"chunked {args.chunk}": args.chunk}
     rows: dict[str, dict[str, dict[str, float]]] = {}
@@ -39,7 +46,9 @@ def main(argv=None) -> None:
             spec = BenchSpec(
                 args.model, args.tp, 1, args.batch, seq, steps=args.steps, loss_chunk_tokens=chunk, track_memory=True
             )
-            (summary,), _ = run_bench(spec, ["mtk"], 1, progress=lambda line: None, timeout=3600)
+            (summary,), _ = run_bench(
+                spec, ["mtk"], 1, progress=lambda line: None, timeout=3600, fork_workers=args.fork_workers
+            )
             if summary.error:
                 raise SystemExit(f"{name} at {seq}: {summary.error}")
             kinds = summary.memory_by_kind[0]

@@ -37,6 +37,7 @@ def test_chunked_loss_benchmark_runs_on_a_tiny_model(tmp_path):
         "1",
         "--json",
         str(tmp_path / "l.json"),
+        "--fork_workers",  # (the live bytes it checks are the same; the bench's fresh processes: test_bench.py)
     ]
     out = _benchmark("chunked_loss.py", *args)
     assert "logits kept" in out and "chunked 16" in out
