@@ -1,6 +1,6 @@
-"""accelerate's prepared DataLoaders, yielding the model-parallel source rank's batch on every rank of a replica.
+"""accelerate's prepared DataLoaders, yielding the batch group's source rank's batch on every rank of a replica.
 
-With tp x pp > 1 every rank of one model replica must compute on the same batch; a loader that shuffles with
+With tp x cp x pp > 1 every rank of one model replica must compute on the same batch; a loader that shuffles with
 a per-process seed, or pads to each batch's longest sequence, gives each rank its own. Megatron broadcasts
 each batch from the TP source rank (``broadcast_data``); ``mtk.Accelerator.prepare_data_loader`` returns the
 loader accelerate prepared as a subclass of its own class (:class:`DataLoaderShard`,
@@ -28,7 +28,7 @@ class _MtkLoader:
     """Mixin: iterate as the base class does, yielding the source rank's batches (``_mtk_source``), and ending a
     stream with its ``remainder`` (:func:`~mtk.integrations.accelerate.streams.stream_remainder`)."""
 
-    _mtk_source: tuple[Group, int, torch.device] | None = None  # the model-parallel group, its source, the device
+    _mtk_source: tuple[Group, int, torch.device] | None = None  # the batch group, its source, the device
     _mtk_stream: bool = False  # a dataset without a length, read without accelerate's dispatching
 
     def __iter__(self):
@@ -42,12 +42,12 @@ class _MtkLoader:
 
 
 class BroadcastingDataLoaderShard(_MtkLoader, DataLoaderShard):
-    """accelerate's :class:`DataLoaderShard`; every batch is the model-parallel source rank's (a stream's last
+    """accelerate's :class:`DataLoaderShard`; every batch is the batch group source rank's (a stream's last
     batch says how many of its rows are real)."""
 
 
 class BroadcastingDataLoaderDispatcher(_MtkLoader, DataLoaderDispatcher):
-    """accelerate's :class:`DataLoaderDispatcher`; every batch is the model-parallel source rank's."""
+    """accelerate's :class:`DataLoaderDispatcher`; every batch is the batch group source rank's."""
 
 
 _SUBCLASSES = {DataLoaderShard: BroadcastingDataLoaderShard, DataLoaderDispatcher: BroadcastingDataLoaderDispatcher}

@@ -35,7 +35,7 @@ class DataPath(_Host):
     step: int  # accelerate's count of micro-batches since the last sync
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
-        """accelerate's, sharded over the data-parallel replicas; with tp x pp > 1 every batch is the replica's
+        """accelerate's, sharded over the data-parallel replicas; with tp x cp x pp > 1 every batch is the replica's
         source rank's (:mod:`~mtk.integrations.accelerate.batches`: what Megatron's ``broadcast_data`` does),
         however each rank's loader draws."""
         if getattr(data_loader, "_is_accelerate_prepared", False):
@@ -74,7 +74,7 @@ class DataPath(_Host):
         their source rank's batch (above), so the batches of every other rank of a replica would be read and
         silently dropped (at TP 2, half the data). Under mtk an iterable dataset is instead sharded over the
         data-parallel replicas, each rank reading its replica's stream (the source's batch is the one used);
-        asking for dispatch explicitly when tp x pp > 1 is one line."""
+        asking for dispatch explicitly when tp x cp x pp > 1 is one line."""
         if self.parallel.dp_size == self.num_processes:  # every process is a replica: accelerate's way is right
             return self.dispatch_batches
         if self.dispatch_batches:
