@@ -97,12 +97,17 @@ def test_an_attention_backend_this_machine_cannot_run_is_one_line(monkeypatch):
     from mtk.integrations.accelerate.megatron_keys import act_on_model
     from mtk.models import build_model
 
-    if importlib.util.find_spec("flash_attn") is not None:
-        pytest.skip("flash_attn is installed here")
+    model = build_model("tiny-llama", seed=0)
+    if importlib.util.find_spec("flash_attn") is not None:  # (a machine that has it: transformers' refusal, as here)
+
+        def refused(implementation: str) -> None:
+            raise ImportError("FlashAttention2 has been toggled on, but it cannot be used due to the following error")
+
+        monkeypatch.setattr(model, "set_attn_implementation", refused)
     monkeypatch.setenv("MEGATRON_LM_ATTENTION_BACKEND", "flash")
     said = "megatron_lm_attention_backend: flash (flash_attention_2) cannot run here: FlashAttention2 has been toggled"
     with pytest.raises(ConfigError, match=re.escape(said)):
-        act_on_model(build_model("tiny-llama", seed=0), RunSettings(), print)
+        act_on_model(model, RunSettings(), print)
 
 
 def test_last_stage_layers():
